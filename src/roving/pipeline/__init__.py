@@ -1,0 +1,27 @@
+"""SkipPipe planning: which node holds which stage, and which stages each microbatch visits.
+
+Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``plan()`` and
+``replan()``, the simulator that judges every plan (``simulate()``), and the baselines
+(``full_pipeline``, ``full_pipeline_planned``, ``random_skip``). Imports only the standard library
+(numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
+"""
+
+from __future__ import annotations
+
+from .costs import MODEL_PRESETS, ModelSpec, PlanError, model_preset
+from .network import Link, Network, Node, build_network
+from .paths import Path, Plan, full_pipeline, plan, random_skip, replan, validate
+from .simulate import SimResult, simulate
+
+
+def full_pipeline_planned(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
+                          budget_s: float = 10.0, seed: int = 0) -> Plan:
+    """Baseline: this planner with no stage skipped (k = 0)."""
+    return plan(network, model, stages, 0.0, microbatches, budget_s=budget_s, seed=seed)
+
+
+__all__ = [
+    "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "Path", "Plan", "PlanError", "SimResult",
+    "build_network", "full_pipeline", "full_pipeline_planned", "model_preset", "plan", "random_skip",
+    "replan", "simulate", "validate",
+]

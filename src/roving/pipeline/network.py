@@ -1,0 +1,206 @@
+"""Nodes, regions and the links between them; presets from measured cloud networks."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable
+
+from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, PlanError
+
+log = logging.getLogger(__name__)
+
+GIB = float(2**30)
+#: bytes per second for one unit of each bandwidth unit a network file may use.
+BANDWIDTH_UNITS = {"GiB/s": GIB, "GB/s": 1e9, "Gbit/s": 1e9 / 8, "Gbps": 1e9 / 8, "MiB/s": 2.0**20}
+PRESETS = ("gcp12", "aws10")
+DEFAULT_MEMORY = 8
+
+
+@dataclass(frozen=True)
+class Link:
+    """A directed connection: latency in seconds, bandwidth in bytes per second."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+
+#: Inside one region the paper's scheduler assumed 1 ms and 2 GiB/s.
+INTRA_REGION_LINK = Link(latency_s=0.001, bandwidth_bps=2 * GIB)
+
+
+@dataclass(frozen=True)
+class Node:
+    """A machine that holds one stage: its region, compute speed and memory."""
+
+    name: str
+    region: str
+    #: seconds per sample per layer (forward); larger is slower.
+    speed: float = PAPER_SECONDS_PER_SAMPLE_LAYER
+    #: microbatches it can hold in flight (from its forward until its backward is done).
+    memory: int = DEFAULT_MEMORY
+
+
+@dataclass
+class Network:
+    """Nodes plus region-to-region links. Links are symmetric unless both directions are given."""
+
+    nodes: list[Node]
+    links: dict[tuple[str, str], Link]
+    intra: Link = INTRA_REGION_LINK
+    name: str = "custom"
+    _by_name: dict[str, Node] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_name = {n.name: n for n in self.nodes}
+        if len(self._by_name) != len(self.nodes):
+            raise PlanError("node names must be unique")
+        for n in self.nodes:
+            if not n.speed > 0:
+                raise PlanError(f"node {n.name}: speed (s/sample/layer) must be > 0, got {n.speed}")
+            if n.memory < 1:
+                raise PlanError(
+                    f"node {n.name}: memory of {n.memory} microbatches is too small for any plan; "
+                    "every node must hold at least 1 microbatch in flight (raise --memory)"
+                )
+        regions = sorted({n.region for n in self.nodes})
+        missing = [
+            (a, b) for i, a in enumerate(regions) for b in regions[i + 1 :]
+            if (a, b) not in self.links and (b, a) not in self.links
+        ]
+        if missing:
+            shown = ", ".join(f"{a}-{b}" for a, b in missing[:5])
+            raise PlanError(
+                f"network {self.name}: no link between regions {shown}"
+                f"{' and more' if len(missing) > 5 else ''}; add them to the network file"
+            )
+
+    def node(self, name: str) -> Node:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise PlanError(f"no node named {name!r} in the network") from None
+
+    @property
+    def names(self) -> list[str]:
+        return [n.name for n in self.nodes]
+
+    def link(self, a: str, b: str) -> Link:
+        ra, rb = self._by_name[a].region, self._by_name[b].region
+        if ra == rb:
+            return self.intra
+        found = self.links.get((ra, rb)) or self.links.get((rb, ra))
+        assert found is not None  # checked in __post_init__
+        return found
+
+    def without(self, failed: Iterable[str]) -> "Network":
+        gone = set(failed)
+        for f in gone:
+            self.node(f)
+        return Network([n for n in self.nodes if n.name not in gone], self.links, self.intra, self.name)
+
+    def with_nodes(self, nodes: list[Node]) -> "Network":
+        return Network(nodes, self.links, self.intra, self.name)
+
+
+def _parse_links(doc: dict[str, Any], source: str) -> tuple[list[str], dict[tuple[str, str], Link]]:
+    unit = doc.get("bandwidth_unit", "GiB/s")
+    if unit not in BANDWIDTH_UNITS:
+        raise PlanError(f"{source}: unknown bandwidth_unit {unit!r}; use one of {', '.join(BANDWIDTH_UNITS)}")
+    scale = BANDWIDTH_UNITS[unit]
+    regions = list(doc.get("regions") or [])
+    links: dict[tuple[str, str], Link] = {}
+    for i, entry in enumerate(doc.get("links", [])):
+        try:
+            a, b = str(entry["a"]), str(entry["b"])
+            lat, bw = float(entry["latency_ms"]), float(entry["bandwidth"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{source}: link #{i} needs a, b, latency_ms and bandwidth ({exc})") from None
+        if not bw > 0:
+            raise PlanError(f"{source}: link {a}-{b} has bandwidth {bw}; bandwidth must be positive")
+        if lat < 0:
+            raise PlanError(f"{source}: link {a}-{b} has negative latency {lat} ms")
+        links[(a, b)] = Link(lat / 1000.0, bw * scale)
+        for r in (a, b):
+            if r not in regions:
+                regions.append(r)
+    if not regions:
+        raise PlanError(f"{source}: no regions listed")
+    return regions, links
+
+
+def load_network_doc(spec: str) -> tuple[dict[str, Any], str]:
+    """Read a preset name (gcp12, aws10) or a JSON file path."""
+    if spec in PRESETS:
+        text = resources.files("roving.pipeline").joinpath("data", f"{spec}.json").read_text()
+        return json.loads(text), spec
+    path = Path(spec)
+    if not path.is_file():
+        raise PlanError(f"network {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
+    try:
+        return json.loads(path.read_text()), path.stem
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{spec}: not valid JSON ({exc})") from None
+
+
+def build_network(
+    spec: str | dict[str, Any],
+    nodes: int | list[dict[str, Any]] | str,
+    *,
+    memory: int = DEFAULT_MEMORY,
+    speed: float = PAPER_SECONDS_PER_SAMPLE_LAYER,
+    regions: list[str] | None = None,
+) -> Network:
+    """A network from a preset/file/dict and either a node count (placed on regions round-robin),
+    a list of node dicts (name, region, optional speed and memory) or the path of a JSON file of them.
+    ``regions`` restricts round-robin placement to those regions."""
+    if isinstance(spec, dict):
+        doc, source = spec, str(spec.get("name", "custom"))
+    else:
+        doc, source = load_network_doc(spec)
+    all_regions, links = _parse_links(doc, source)
+    if isinstance(nodes, str):
+        try:
+            nodes = json.loads(Path(nodes).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"cannot read nodes file {nodes}: {exc}") from None
+        if isinstance(nodes, dict):
+            nodes = nodes.get("nodes", [])
+    if isinstance(nodes, int):
+        if nodes < 1:
+            raise PlanError(f"need at least one node, got {nodes}")
+        place = regions or all_regions
+        unknown = [r for r in place if r not in all_regions]
+        if unknown:
+            raise PlanError(f"regions {unknown} are not in network {source}")
+        node_list = [
+            Node(f"n{i:02d}", place[i % len(place)], speed, memory) for i in range(nodes)
+        ]
+    else:
+        node_list = []
+        for i, d in enumerate(nodes):
+            if "region" not in d or d["region"] not in all_regions:
+                raise PlanError(f"node #{i}: region {d.get('region')!r} is not in network {source}")
+            node_list.append(
+                Node(str(d.get("name", f"n{i:02d}")), d["region"], float(d.get("speed", speed)),
+                     int(d.get("memory", memory)))
+            )
+    intra = doc.get("intra")
+    intra_link = INTRA_REGION_LINK
+    if intra:
+        scale = BANDWIDTH_UNITS[doc.get("bandwidth_unit", "GiB/s")]
+        intra_link = Link(float(intra["latency_ms"]) / 1000.0, float(intra["bandwidth"]) * scale)
+    net = Network(node_list, links, intra_link, source)
+    log.debug("network %s: %d nodes over %d regions", source, len(node_list),
+              len({n.region for n in node_list}))
+    return net
+
+
+def slowed(network: Network, factors: dict[str, float]) -> Network:
+    """The same network with some nodes' compute slowed by a factor (2.0 = twice as slow)."""
+    return network.with_nodes([
+        replace(n, speed=n.speed * factors[n.name]) if n.name in factors else n for n in network.nodes
+    ])

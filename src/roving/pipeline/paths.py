@@ -1,0 +1,505 @@
+"""Which stages each microbatch visits, in which order and on which nodes; the planner, re-planning and
+the baselines.
+
+Path rules (SkipPipe): a microbatch starts and ends at a stage-0 node, visits ``visits`` of the other
+stages (``round((1 - skip) * (stages - 1))``), each at most once, in increasing stage order except for at
+most 2 swaps of neighbouring positions (the visited stage sequence has at most 2 inversions). Every
+stage besides 0 is visited by ``microbatches * visits / (stages - 1)`` microbatches, give or take one
+(load balance keeps training unbiased). Memory is enforced by the simulator (a forward waits for room);
+the planner rejects plans whose waits deadlock.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+from .allocate import (
+    check_sizes,
+    initial_allocation,
+    node_cost_matrix,
+    pipeline_chains,
+    replica_counts,
+    spread_labels,
+    swap_search,
+    tour_order,
+    visits_per_microbatch,
+)
+from .costs import ModelSpec, PlanError, stage_costs
+from .network import Network, Node, slowed
+from .simulate import simulate
+
+log = logging.getLogger(__name__)
+MAX_SWAPS = 2
+
+
+@dataclass(frozen=True)
+class Path:
+    """One microbatch's route: its stage-0 origin, then the nodes it visits and their stages, in order."""
+
+    origin: str
+    nodes: tuple[str, ...]
+    stages: tuple[int, ...]
+
+    @property
+    def swaps(self) -> int:
+        return inversions(self.stages)
+
+
+@dataclass
+class Plan:
+    """An allocation (node -> stage; nodes not in it stay idle) and one path per microbatch.
+    ``priority`` lists microbatch ids from most to least urgent for the simulator's tie-breaks."""
+
+    stages: int
+    skip: float
+    allocation: dict[str, int]
+    paths: list[Path]
+    priority: list[int] | None = None
+    #: the simulator's makespan for this plan when the planner made it, in seconds.
+    predicted_s: float = math.nan
+    stats: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "stages": self.stages,
+            "skip": self.skip,
+            "allocation": dict(sorted(self.allocation.items())),
+            "paths": [
+                {"microbatch": i, "origin": p.origin, "nodes": list(p.nodes), "stages": list(p.stages)}
+                for i, p in enumerate(self.paths)
+            ],
+            "priority": list(self.priority) if self.priority else list(range(len(self.paths))),
+        }
+
+
+def inversions(seq: Sequence[int]) -> int:
+    return sum(1 for i in range(len(seq)) for j in range(i + 1, len(seq)) if seq[i] > seq[j])
+
+
+def stage_quotas(microbatches: int, stages: int, visits: int) -> list[int]:
+    """Visits each stage gets (index 0 unused): equal shares, differing by at most one."""
+    base, extra = divmod(microbatches * visits, stages - 1)
+    return [0] + [base + (1 if s <= extra else 0) for s in range(1, stages)]
+
+
+def validate(plan: Plan, network: Network, visits: int | None = None) -> list[str]:
+    """Every rule a plan breaks, as sentences (empty when valid)."""
+    problems = []
+    names = set(network.names)
+    s_count = plan.stages
+    visits = visits_per_microbatch(s_count, plan.skip) if visits is None else visits
+    per_stage = [0] * s_count
+    for i, p in enumerate(plan.paths):
+        where = f"microbatch {i}"
+        if p.origin not in names or plan.allocation.get(p.origin) != 0:
+            problems.append(f"{where}: origin {p.origin} is not a live stage-0 node")
+        if len(p.nodes) != len(p.stages) or len(p.stages) != visits:
+            problems.append(f"{where}: visits {len(p.stages)} stages, expected {visits}")
+        if len(set(p.stages)) != len(p.stages) or 0 in p.stages:
+            problems.append(f"{where}: visits a stage twice or revisits stage 0")
+        if p.swaps > MAX_SWAPS:
+            problems.append(f"{where}: {p.swaps} swaps, at most {MAX_SWAPS} allowed")
+        for n, s in zip(p.nodes, p.stages):
+            if n not in names or plan.allocation.get(n) != s:
+                problems.append(f"{where}: node {n} does not hold stage {s}")
+            if 0 < s < s_count:
+                per_stage[s] += 1
+    if plan.paths and max(per_stage[1:]) - min(per_stage[1:]) > 1:
+        problems.append(f"stage loads {per_stage[1:]} differ by more than one microbatch")
+    return problems
+
+
+class _Context:
+    """Precomputed costs for one network, model and allocation."""
+
+    def __init__(self, network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
+                 cost: dict | None = None) -> None:
+        self.network, self.model, self.stages = network, model, stages
+        self.allocation = allocation
+        self.cost = cost if cost is not None else node_cost_matrix(network, model)
+        self.replicas: list[list[str]] = [[] for _ in range(stages)]
+        for n in network.names:
+            if n in allocation:
+                self.replicas[allocation[n]].append(n)
+        for s, r in enumerate(self.replicas):
+            if not r:
+                raise PlanError(f"no node holds stage {s}; every stage needs at least one node")
+        self.work = {}
+        for n in allocation:
+            c = stage_costs(model, stages, network.node(n).speed)
+            s = allocation[n]
+            self.work[n] = c.forward[s] + c.backward[s] + (c.loss if s == 0 else 0.0)
+
+    def best_replica(self, stage: int, before: str, after: str, rng: random.Random | None = None) -> str:
+        cands = self.replicas[stage]
+        if rng is not None:
+            return rng.choice(cands)
+        return min(cands, key=lambda n: (self.cost[before, n] + self.cost[n, after], n))
+
+
+def build_paths(ctx: _Context, microbatches: int, visits: int, allow_swaps: bool = True,
+                rng: random.Random | None = None, noise: float = 0.0) -> list[Path]:
+    """Greedy, collision-aware construction: microbatch by microbatch, a dynamic program picks which
+    stages to visit and on which replicas, minimising transfer time plus penalties that grow with the
+    load already put on each node and link, under the per-stage quotas."""
+    s_count = ctx.stages
+    quotas = stage_quotas(microbatches, s_count, visits)
+    total_work = sum(quotas[s] * ctx.work[ctx.replicas[s][0]] for s in range(1, s_count))
+    total_work += microbatches * ctx.work[ctx.replicas[0][0]]
+    est = max(total_work / len(ctx.allocation), 1e-9)
+    mean_w = total_work / max(1, microbatches * (visits + 1))
+    load: dict[str, float] = defaultdict(float)
+    link_load: dict[tuple[str, str], float] = defaultdict(float)
+    cost = ctx.cost
+    zeros = ctx.replicas[0]
+
+    def jitter() -> float:
+        return 1.0 + noise * rng.random() if (rng is not None and noise) else 1.0
+
+    def edge(a: str, b: str) -> float:
+        return (cost[a, b] * (1 + 2 * link_load[a, b] / est) + cost[b, a] * (1 + 2 * link_load[b, a] / est)) * jitter()
+
+    def node_cost(n: str) -> float:
+        return ctx.work[n] * (1 + 2 * load[n] / est) * jitter()
+
+    paths = []
+    for mb in range(microbatches):
+        remaining = microbatches - mb
+        origin = min(zeros, key=lambda o: (load[o] + ctx.work[o], zeros.index(o)))
+        forced = [s for s in range(1, s_count) if quotas[s] == remaining]
+        allowed = [s for s in range(1, s_count) if quotas[s] > 0]
+        press = {s: mean_w * (1 - quotas[s] / remaining) for s in allowed}
+        # dp[(count, node)] = (cost, previous key)
+        dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
+        by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
+        for s in allowed:
+            lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
+            for n in ctx.replicas[s]:
+                here = node_cost(n) + press[s]
+                for c in range(1, visits + 1):
+                    best = None
+                    if c == 1 and lo == 0:
+                        best = (edge(origin, n) + here, None)
+                    else:
+                        for ps in range(max(lo, 1), s):
+                            for key in by_stage.get(ps, ()):
+                                if key[0] != c - 1 or key not in dp:
+                                    continue
+                                v = dp[key][0] + edge(key[1], n) + here
+                                if best is None or v < best[0]:
+                                    best = (v, key)
+                    if best is not None:
+                        dp[(c, n)] = best
+                        by_stage[s].append((c, n))
+        last_forced = max(forced, default=0)
+        end = None
+        for s in allowed:
+            if s < last_forced:
+                continue
+            for key in by_stage.get(s, ()):
+                if key[0] == visits:
+                    v = dp[key][0] + edge(key[1], origin)
+                    if end is None or v < end[0]:
+                        end = (v, key)
+        assert end is not None, "quotas always leave a feasible stage set"
+        nodes: list[str] = []
+        key = end[1]
+        while key is not None:
+            nodes.append(key[1])
+            key = dp[key][1]
+        nodes.reverse()
+        if allow_swaps:
+            nodes = _improve_by_swaps(nodes, origin, edge, ctx.allocation)
+        stages_seq = tuple(ctx.allocation[n] for n in nodes)
+        for n in nodes:
+            quotas[ctx.allocation[n]] -= 1
+            load[n] += ctx.work[n]
+        load[origin] += ctx.work[origin]
+        hops = [origin, *nodes, origin]
+        for a, b in zip(hops, hops[1:]):
+            link_load[a, b] += cost[a, b]
+            link_load[b, a] += cost[b, a]
+        paths.append(Path(origin, tuple(nodes), stages_seq))
+    return paths
+
+
+def _tour_cost(origin: str, nodes: Sequence[str], edge) -> float:
+    hops = [origin, *nodes, origin]
+    return sum(edge(a, b) for a, b in zip(hops, hops[1:]))
+
+
+def _improve_by_swaps(nodes: list[str], origin: str, edge, allocation) -> list[str]:
+    current, cur_cost = list(nodes), _tour_cost(origin, nodes, edge)
+    for _ in range(MAX_SWAPS):
+        best = None
+        for i in range(len(current) - 1):
+            cand = list(current)
+            cand[i], cand[i + 1] = cand[i + 1], cand[i]
+            if inversions([allocation[n] for n in cand]) > MAX_SWAPS:
+                continue
+            c = _tour_cost(origin, cand, edge)
+            if c < cur_cost - 1e-9 and (best is None or c < best[0]):
+                best = (c, cand)
+        if best is None:
+            break
+        cur_cost, current = best
+    return current
+
+
+def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip: float) -> float:
+    plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
+    return simulate(ctx.network, ctx.model, plan, record=False).makespan
+
+
+def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
+                  allow_swaps: bool = True, priority: list[int] | None = None,
+                  ) -> tuple[list[Path], list[int], float, int]:
+    """Anytime local search over paths with the simulator as judge: move a microbatch to another
+    replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
+    stage loads), toggle a swap, or reorder priorities. Ties are accepted to cross plateaus; deadlocked
+    plans score infinity and are never accepted. Returns (paths, priority, makespan, evaluations)."""
+    cur = list(paths)
+    prio = list(priority) if priority else list(range(len(paths)))
+    cur_score = _makespan(ctx, cur, prio, skip)
+    best, best_prio, best_score = list(cur), list(prio), cur_score
+    evals = 0
+    alloc = ctx.allocation
+    zeros = ctx.replicas[0]
+    n_mb = len(cur)
+    while time.perf_counter() < deadline and n_mb:
+        cand, cand_prio = list(cur), prio
+        mb = rng.randrange(n_mb)
+        p = cand[mb]
+        move = rng.random()
+        if move < 0.35:
+            i = rng.randrange(len(p.nodes))
+            reps = ctx.replicas[p.stages[i]]
+            if len(reps) < 2:
+                continue
+            nodes = list(p.nodes)
+            nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
+            cand[mb] = Path(p.origin, tuple(nodes), p.stages)
+        elif move < 0.5:
+            if len(zeros) < 2:
+                continue
+            cand[mb] = Path(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
+        elif move < 0.75:
+            skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
+            if not skipped:
+                continue
+            s_out, s_in = rng.choice(p.stages), rng.choice(skipped)
+            partners = [j for j, q in enumerate(cand) if s_in in q.stages and s_out not in q.stages]
+            if not partners:
+                continue
+            j = rng.choice(partners)
+            cand[mb] = _exchange(ctx, p, s_out, s_in, rng)
+            cand[j] = _exchange(ctx, cand[j], s_in, s_out, rng)
+        elif move < 0.85:
+            if not allow_swaps or len(p.nodes) < 2:
+                continue
+            i = rng.randrange(len(p.nodes) - 1)
+            nodes = list(p.nodes)
+            nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
+            stages_seq = tuple(alloc[n] for n in nodes)
+            if inversions(stages_seq) > MAX_SWAPS:
+                continue
+            cand[mb] = Path(p.origin, tuple(nodes), stages_seq)
+        else:
+            cand_prio = list(prio)
+            i, j = rng.randrange(n_mb), rng.randrange(n_mb)
+            cand_prio[i], cand_prio[j] = cand_prio[j], cand_prio[i]
+        score = _makespan(ctx, cand, cand_prio, skip)
+        evals += 1
+        if score <= cur_score:
+            cur, prio, cur_score = cand, cand_prio, score
+            if score < best_score:
+                best, best_prio, best_score = list(cand), list(cand_prio), score
+    return best, best_prio, best_score, evals
+
+
+def _exchange(ctx: _Context, p: Path, s_out: int, s_in: int, rng: random.Random) -> Path:
+    """``p`` with stage ``s_out`` replaced by ``s_in`` (re-sorted, so any swaps are dropped)."""
+    kept = {s: n for n, s in zip(p.nodes, p.stages) if s != s_out}
+    order = sorted([*kept, s_in])
+    i = order.index(s_in)
+    before = kept[order[i - 1]] if i > 0 else p.origin
+    after = kept[order[i + 1]] if i + 1 < len(order) else p.origin
+    kept[s_in] = ctx.best_replica(s_in, before, after, rng if rng.random() < 0.3 else None)
+    return Path(p.origin, tuple(kept[s] for s in order), tuple(order))
+
+
+def _check_inputs(network: Network, stages: int, skip: float, microbatches: int) -> int:
+    check_sizes(network, stages)
+    if microbatches < 1:
+        raise PlanError(f"need at least one microbatch, got {microbatches}")
+    return visits_per_microbatch(stages, skip)
+
+
+def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
+         budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True) -> Plan:
+    """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
+    for about 40% of ``budget_s``, then anytime path search for the rest. Deterministic for a given
+    seed and evaluation count; with a wall-clock budget the count, and so the result, can vary
+    slightly between runs on machines of different speed. Raises PlanError on impossible input."""
+    t0 = time.perf_counter()
+    visits = _check_inputs(network, stages, skip, microbatches)
+    rng = random.Random(seed)
+    counts = replica_counts(len(network.nodes), stages, skip, model)
+    cost = node_cost_matrix(network, model)
+    order = tour_order(network, cost)
+    labels = spread_labels(counts)
+
+    def judge(slots: list[str]) -> float:
+        ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
+        return _makespan(ctx, build_paths(ctx, microbatches, visits, allow_swaps), None, skip)
+
+    slots, _ = swap_search(order, labels, judge, t0 + 0.4 * budget_s, rng)
+    ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
+    paths = build_paths(ctx, microbatches, visits, allow_swaps)
+    if math.isinf(_makespan(ctx, paths, None, skip)):
+        paths = build_paths(ctx, microbatches, visits, allow_swaps=False)
+    paths, prio, score, evals = improve_paths(ctx, paths, skip, t0 + budget_s, rng, allow_swaps)
+    result = Plan(stages, skip, ctx.allocation, paths, prio, score,
+                  {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals})
+    log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
+             microbatches, stages, skip, score)
+    return result
+
+
+def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterable[str] = (),
+           slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (),
+           budget_s: float = 0.3, seed: int = 0) -> tuple[Plan, Network]:
+    """A new plan from ``current`` after nodes failed, slowed down (factor > 1 = slower) or joined.
+    Keeps each microbatch's stage set (so stage loads stay balanced) and moves only what must move;
+    a stage left without nodes takes a joined node, else one from the stage with the most spare
+    replicas. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
+    t0 = time.perf_counter()
+    failed = set(failed)
+    for f in failed:
+        network.node(f)
+    new_net = network.without(failed)
+    if slowed_by:
+        new_net = slowed(new_net, slowed_by)
+    if joined:
+        new_net = new_net.with_nodes(list(new_net.nodes) + list(joined))
+    stages = current.stages
+    alloc = {n: s for n, s in current.allocation.items() if n not in failed}
+    free = [n.name for n in joined]
+    counts = [sum(1 for s in alloc.values() if s == st) for st in range(stages)]
+    # what each stage should have, by the same rule as a fresh plan
+    want = replica_counts(len(alloc) + len(free), stages, current.skip, model) \
+        if len(alloc) + len(free) >= stages else None
+    for st in range(stages):
+        if counts[st]:
+            continue
+        if free:
+            take = free.pop(0)
+        else:
+            donors = [s for s in range(stages) if counts[s] > 1]
+            if not donors:
+                raise PlanError(
+                    f"stage {st} lost all its nodes ({', '.join(sorted(failed))} failed) and no other "
+                    "stage has a spare replica; add nodes or plan with fewer stages"
+                )
+            donor = max(donors, key=lambda s: (counts[s] - (want[s] if want else 0), counts[s], -s))
+            take = max((n for n, s in alloc.items() if s == donor), key=lambda n: (new_net.node(n).speed, n))
+            counts[donor] -= 1
+        alloc[take] = st
+        counts[st] += 1
+    for n in free:  # joined nodes go where the work per replica is highest
+        st = max(range(stages), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
+        alloc[n] = st
+        counts[st] += 1
+    ctx = _Context(new_net, model, alloc, stages)
+    rng = random.Random(seed)
+    visits = visits_per_microbatch(stages, current.skip)
+    use: dict[str, int] = defaultdict(int)
+    for p in current.paths:
+        for n in (p.origin, *p.nodes):
+            use[n] += 1
+    repaired = []
+    for p in current.paths:
+        origin = p.origin
+        if alloc.get(origin) != 0:
+            origin = min(ctx.replicas[0], key=lambda z: (use[z], z))
+            use[origin] += 1
+        nodes = list(p.nodes)
+        for i, (n, s) in enumerate(zip(p.nodes, p.stages)):
+            if alloc.get(n) != s:
+                before = nodes[i - 1] if i else origin
+                after = nodes[i + 1] if i + 1 < len(nodes) and alloc.get(nodes[i + 1]) == p.stages[i + 1] else origin
+                nodes[i] = min(ctx.replicas[s], key=lambda r: (use[r], ctx.cost[before, r] + ctx.cost[r, after], r))
+                use[nodes[i]] += 1
+        repaired.append(Path(origin, tuple(nodes), p.stages))
+    candidates = [(repaired, current.priority)]
+    candidates.append((build_paths(ctx, len(current.paths), visits), None))
+    scored = [(_makespan(ctx, ps, pr, current.skip), i) for i, (ps, pr) in enumerate(candidates)]
+    _, pick = min(scored)
+    paths, prio = candidates[pick]
+    paths, prio, score, evals = improve_paths(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio)
+    new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
+                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals})
+    return new_plan, new_net
+
+
+# ---- baselines, judged by the same simulator ----
+
+def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
+                  budget_s: float = 5.0, seed: int = 0) -> Plan:
+    """The paper's baseline, DT-FM style: ``nodes // stages`` fixed full pipelines (no stage skipped),
+    microbatches split evenly across them. Chains start as runs of the locality tour and are improved
+    by swapping nodes between positions (spare nodes included), judged by the simulator."""
+    _check_inputs(network, stages, 0.0, microbatches)
+    t0 = time.perf_counter()
+    cost = node_cost_matrix(network, model)
+    chains, spare = pipeline_chains(network, stages, cost)
+    n_chains = len(chains)
+    roles = list(range(n_chains * stages)) + [-1] * len(spare)
+
+    def to_plan(slots: list[str]) -> Plan:
+        cs = [slots[i * stages:(i + 1) * stages] for i in range(n_chains)]
+        alloc = {n: pos for c in cs for pos, n in enumerate(c)}
+        paths = [Path(c[0], tuple(c[1:]), tuple(range(1, stages)))
+                 for c in (cs[m % n_chains] for m in range(microbatches))]
+        return Plan(stages, 0.0, alloc, paths)
+
+    def judge(slots: list[str]) -> float:
+        return simulate(network, model, to_plan(slots), record=False).makespan
+
+    slots, score = swap_search([n for c in chains for n in c] + spare, roles, judge,
+                               t0 + budget_s, random.Random(seed))
+    result = to_plan(slots)
+    result.predicted_s = score
+    result.stats = {"planner_seconds": time.perf_counter() - t0}
+    return result
+
+
+def random_skip(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
+                skip: float, microbatches: int, *, seed: int = 0) -> Plan:
+    """Random valid paths on a given allocation: origins spread evenly, a random stage set that meets
+    the stage quotas, a random replica per stage, increasing stage order (no swaps)."""
+    visits = _check_inputs(network, stages, skip, microbatches)
+    rng = random.Random(seed)
+    ctx = _Context(network, model, allocation, stages)
+    quotas = stage_quotas(microbatches, stages, visits)
+    zeros = list(ctx.replicas[0])
+    rng.shuffle(zeros)
+    paths = []
+    for mb in range(microbatches):
+        remaining = microbatches - mb
+        forced = [s for s in range(1, stages) if quotas[s] == remaining]
+        optional = [s for s in range(1, stages) if 0 < quotas[s] < remaining]
+        chosen = sorted(forced + rng.sample(optional, visits - len(forced)))
+        for s in chosen:
+            quotas[s] -= 1
+        nodes = tuple(rng.choice(ctx.replicas[s]) for s in chosen)
+        paths.append(Path(zeros[mb % len(zeros)], nodes, tuple(chosen)))
+    result = Plan(stages, skip, dict(allocation), paths)
+    result.predicted_s = _makespan(ctx, paths, None, skip)
+    return result

@@ -1,0 +1,232 @@
+"""Discrete-event model of one training iteration; every plan and baseline is judged by it.
+
+What it models, and the policy it follows:
+
+* A microbatch's path ``origin -> n1 -> ... -> nk`` runs forward at the origin (embedding and stage 0's
+  layers), forward at each visited node, returns to the origin for final norm, head and loss (forward
+  and backward, one task), then runs backward in reverse order ``nk -> ... -> n1`` and ends with the
+  backward of stage 0's layers at the origin.
+* A node computes one task at a time and never preempts. When several tasks wait it serves backward
+  work (backward and loss) before forward work, then the task that became ready first, then the
+  microbatch with the higher planned priority (lower index in ``plan.priority``, else microbatch id).
+* Memory: a node holds at most ``node.memory`` microbatches in flight, counted from the start of a
+  microbatch's forward there until its backward there ends. A forward that would exceed it waits; other
+  waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result says so and its
+  makespan is infinite.
+* Transfers go over the directed link between two nodes. Transfers on one directed link that overlap
+  share its bandwidth equally (processor sharing: n transfers each get bandwidth/n); the latency is
+  added once per transfer after its bytes have gone. Sending does not occupy the sender's compute, and
+  different links do not contend with each other (no shared NIC model).
+* The iteration ends when the last microbatch's final backward ends; replica synchronisation of the
+  weights after the iteration is not modelled.
+
+The simulation is deterministic: ties are broken by event order, which depends only on the plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .costs import ModelSpec, StageCosts, stage_costs
+from .network import Network
+
+if TYPE_CHECKING:
+    from .paths import Plan
+
+FWD, LOSS, BWD = 0, 1, 2
+KIND_NAMES = {FWD: "compute-fwd", LOSS: "compute-loss", BWD: "compute-bwd"}
+_EPS_BYTES = 1e-3
+
+
+@dataclass(frozen=True)
+class Event:
+    """One stretch of a node's timeline. ``kind``: compute-fwd, compute-bwd, compute-loss, send, idle."""
+
+    kind: str
+    start: float
+    end: float
+    microbatch: int = -1
+    peer: str = ""
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    deadlock: bool
+    #: per node, its events in start order (sends are on the sender's timeline).
+    timeline: dict[str, list[Event]] = field(default_factory=dict)
+    #: when each microbatch's last backward ended.
+    finish: list[float] = field(default_factory=list)
+    #: the most microbatches each node held in flight at once.
+    peak_in_flight: dict[str, int] = field(default_factory=dict)
+
+
+def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: dict) -> list[list[tuple]]:
+    """Each microbatch's tasks in order: (0, node, kind, seconds) for compute, (1, src, dst) for sends."""
+    out = []
+    for path in plan.paths:
+        seq: list[tuple] = []
+        origin = path.origin
+
+        def costs(name: str) -> StageCosts:
+            speed = network.node(name).speed
+            c = cache.get(speed)
+            if c is None:
+                c = cache[speed] = stage_costs(model, plan.stages, speed)
+            return c
+
+        c0 = costs(origin)
+        seq.append((0, origin, FWD, c0.forward[0]))
+        prev = origin
+        for node, stage in zip(path.nodes, path.stages):
+            seq.append((1, prev, node))
+            seq.append((0, node, FWD, costs(node).forward[stage]))
+            prev = node
+        seq.append((1, prev, origin))
+        seq.append((0, origin, LOSS, c0.loss))
+        prev = origin
+        for node, stage in zip(reversed(path.nodes), reversed(path.stages)):
+            seq.append((1, prev, node))
+            seq.append((0, node, BWD, costs(node).backward[stage]))
+            prev = node
+        seq.append((1, prev, origin))
+        seq.append((0, origin, BWD, c0.backward[0]))
+        out.append(seq)
+    return out
+
+
+def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True) -> SimResult:
+    """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
+    deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster)."""
+    steps = microbatch_steps(network, model, plan, {})
+    nbytes = model.transfer_bytes
+    n_mb = len(steps)
+    prio = list(plan.priority) if plan.priority else list(range(n_mb))
+    rank = [0] * n_mb
+    for r, mb in enumerate(prio):
+        rank[mb] = r
+
+    mem = {n.name: n.memory for n in network.nodes}
+    busy = dict.fromkeys(mem, False)
+    queue: dict[str, list] = {n: [] for n in mem}
+    inflight = dict.fromkeys(mem, 0)
+    peak = dict.fromkeys(mem, 0)
+    timeline: dict[str, list[Event]] = {n: [] for n in mem} if record else {}
+    step_idx = [-1] * n_mb
+    finish = [math.nan] * n_mb
+    # link state: [active {mb: [remaining_bytes, start]}, last_update, version, bandwidth, latency]
+    links: dict[tuple[str, str], list] = {}
+    heap: list = []
+    counter = 0
+
+    def push(t: float, kind: int, a, b) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(heap, (t, counter, kind, a, b))
+
+    def try_start(node: str, t: float) -> None:
+        if busy[node]:
+            return
+        q = queue[node]
+        best = -1
+        best_key = None
+        full = inflight[node] >= mem[node]
+        for i, item in enumerate(q):
+            if item[0] == 1 and full:
+                continue
+            if best_key is None or item < best_key:
+                best, best_key = i, item
+        if best < 0:
+            return
+        _, _, _, mb, kind, dur = q.pop(best)
+        if kind == FWD:
+            inflight[node] += 1
+            if inflight[node] > peak[node]:
+                peak[node] = inflight[node]
+        busy[node] = True
+        push(t + dur, 0, node, (mb, kind))
+        if record:
+            timeline[node].append(Event(KIND_NAMES[kind], t, t + dur, mb))
+
+    def settle(ls: list, t: float) -> None:
+        active = ls[0]
+        if active:
+            share = (t - ls[1]) * ls[3] / len(active)
+            for v in active.values():
+                v[0] -= share
+        ls[1] = t
+
+    def reschedule(ls: list, key, t: float) -> None:
+        ls[2] += 1
+        active = ls[0]
+        if active:
+            least = min(v[0] for v in active.values())
+            push(t + max(least, 0.0) * len(active) / ls[3], 1, key, ls[2])
+
+    def advance(mb: int, t: float) -> None:
+        i = step_idx[mb] = step_idx[mb] + 1
+        seq = steps[mb]
+        if i == len(seq):
+            finish[mb] = t
+            return
+        step = seq[i]
+        if step[0] == 0:
+            _, node, kind, dur = step
+            queue[node].append((0 if kind != FWD else 1, t, rank[mb], mb, kind, dur))
+            try_start(node, t)
+        else:
+            key = (step[1], step[2])
+            ls = links.get(key)
+            if ls is None:
+                link = network.link(step[1], step[2])
+                ls = links[key] = [{}, t, 0, link.bandwidth_bps, link.latency_s]
+            settle(ls, t)
+            ls[0][mb] = [nbytes, t]
+            reschedule(ls, key, t)
+
+    for mb in range(n_mb):
+        advance(mb, 0.0)
+
+    while heap:
+        t, _, kind, a, b = heapq.heappop(heap)
+        if kind == 0:  # compute done at node a
+            mb, ckind = b
+            busy[a] = False
+            if ckind == BWD:
+                inflight[a] -= 1
+            advance(mb, t)
+            try_start(a, t)
+        elif kind == 1:  # a transfer on link a may have finished its bytes
+            ls = links[a]
+            if b != ls[2]:
+                continue
+            settle(ls, t)
+            done = [mb for mb, v in ls[0].items() if v[0] <= _EPS_BYTES]
+            for mb in done:
+                start = ls[0].pop(mb)[1]
+                push(t + ls[4], 2, mb, None)
+                if record:
+                    timeline[a[0]].append(Event("send", start, t + ls[4], mb, a[1]))
+            reschedule(ls, a, t)
+        else:  # arrival of microbatch a at the next node
+            advance(a, t)
+
+    deadlock = any(math.isnan(f) for f in finish)
+    makespan = math.inf if deadlock else (max(finish) if finish else 0.0)
+    if record and not deadlock:
+        for node, events in timeline.items():
+            events.sort(key=lambda e: (e.start, e.kind))
+            idle, last = [], 0.0
+            for e in events:
+                if e.kind.startswith("compute"):
+                    if e.start > last + 1e-12:
+                        idle.append(Event("idle", last, e.start))
+                    last = max(last, e.end)
+            if makespan > last + 1e-12:
+                idle.append(Event("idle", last, makespan))
+            events.extend(idle)
+            events.sort(key=lambda e: (e.start, e.kind))
+    return SimResult(makespan, deadlock, timeline, finish, peak)
