@@ -1,0 +1,118 @@
+"""`roving pipeline plan`: plan a skip-pipeline iteration and compare it with the baselines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path as FilePath
+
+from .costs import DEFAULT_MODEL, MODEL_PRESETS, PlanError, model_preset
+from .network import DEFAULT_MEMORY, build_network
+from .paths import full_pipeline, plan, random_skip, replan
+from .simulate import SimResult, simulate
+
+
+def add_pipeline_parser(subparsers) -> None:
+    """Register `pipeline plan` on an argparse subparsers object."""
+    pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
+    sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
+    p = sub.add_parser("plan", help="plan allocation and microbatch paths; compare with baselines")
+    p.add_argument("--network", required=True, help="preset (gcp12, aws10) or a network JSON file")
+    p.add_argument("--nodes", required=True,
+                   help="number of nodes (placed on regions round-robin) or a JSON file of nodes")
+    p.add_argument("--stages", type=int, required=True)
+    p.add_argument("--skip", type=float, required=True, help="fraction of stages each microbatch skips")
+    p.add_argument("--microbatches", type=int, default=None, help="per iteration (default: 2 x nodes)")
+    p.add_argument("--memory", type=int, default=DEFAULT_MEMORY, help="microbatches in flight per node")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODEL_PRESETS))
+    p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
+    p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
+    p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
+    p.set_defaults(handler=run_plan)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
+        if isinstance(nodes, str) and not FilePath(nodes).is_file():
+            raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
+        net = build_network(args.network, nodes, memory=args.memory)
+        model = model_preset(args.model)
+        m = args.microbatches or 2 * len(net.nodes)
+        failed = [f for f in args.fail.split(",") if f]
+        for f in failed:
+            net.node(f)
+        t0 = time.perf_counter()
+        best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed)
+        planner_s = time.perf_counter() - t0
+        base_budget = args.budget / 2
+        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed)
+        planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed)
+        rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
+        out = {
+            "network": net.name,
+            "model": args.model,
+            "nodes": [{"name": n.name, "region": n.region, "speed": n.speed, "memory": n.memory}
+                      for n in net.nodes],
+            "microbatches": m,
+            **best.to_dict(),
+            "iteration_time_s": {
+                "skippipe": best.predicted_s,
+                "full_pipeline": full.predicted_s,
+                "full_pipeline_planned": planned.predicted_s,
+                "random_skip": rand.predicted_s,
+            },
+            "planner_seconds": planner_s,
+        }
+        shown, shown_net = best, net
+        if failed:
+            new, new_net = replan(best, net, model, failed=failed, seed=args.seed)
+            out["replan"] = {"failed": failed, **new.to_dict(), "iteration_time_s": new.predicted_s,
+                             "planner_seconds": new.stats["planner_seconds"]}
+            shown, shown_net = new, new_net
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    FilePath(args.json_out).write_text(json.dumps(out, indent=1))
+    times = out["iteration_time_s"]
+    for k, v in times.items():
+        print(f"{k:>22}: {v:8.2f} s  ({v / times['full_pipeline']:.2f}x full_pipeline)")
+    print(f"{'planner':>22}: {planner_s:8.2f} s")
+    if failed:
+        print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "
+              f"(re-planned in {out['replan']['planner_seconds']:.2f} s)")
+    if args.gantt:
+        draw_gantt(simulate(shown_net, model, shown), args.gantt)
+        print(f"timeline drawn to {args.gantt}")
+    return 0
+
+
+def draw_gantt(result: SimResult, out_png: str) -> None:
+    """Each node's timeline as one row: forward, backward/loss compute, sends (thin bar) and idle."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"compute-fwd": "tab:blue", "compute-bwd": "tab:orange", "compute-loss": "tab:red",
+              "idle": "0.92", "send": "tab:green"}
+    names = sorted(result.timeline)
+    fig, ax = plt.subplots(figsize=(14, 0.4 * len(names) + 1.5))
+    for row, name in enumerate(names):
+        for e in result.timeline[name]:
+            thin = e.kind == "send"
+            ax.barh(row + (0.3 if thin else 0), e.end - e.start, left=e.start, height=0.15 if thin else 0.6,
+                    color=colors[e.kind], alpha=0.6 if thin else 1.0, linewidth=0)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"iteration timeline, makespan {result.makespan:.2f} s")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
