@@ -218,7 +218,7 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
     makespan = math.inf if deadlock else (max(finish) if finish else 0.0)
     if record and not deadlock:
         for node, events in timeline.items():
-            events.sort(key=lambda e: (e.start, e.kind))
+            events.sort(key=lambda e: (e.start, e.end))
             idle, last = [], 0.0
             for e in events:
                 if e.kind.startswith("compute"):
@@ -228,5 +228,5 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             if makespan > last + 1e-12:
                 idle.append(Event("idle", last, makespan))
             events.extend(idle)
-            events.sort(key=lambda e: (e.start, e.kind))
+            events.sort(key=lambda e: (e.start, e.end))
     return SimResult(makespan, deadlock, timeline, finish, peak)

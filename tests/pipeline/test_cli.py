@@ -1,0 +1,45 @@
+import json
+
+from roving.cli import main
+
+
+def test_pipeline_plan_writes_a_plan_with_every_baseline(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["pipeline", "plan", "--network", "aws10", "--nodes", "8", "--stages", "4", "--skip", "0.34",
+               "--microbatches", "8", "--budget", "0.4", "--fail", "n01", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["iteration_time_s"]) == {"skippipe", "full_pipeline", "full_pipeline_planned", "random_skip"}
+    assert all(v > 0 for v in doc["iteration_time_s"].values())
+    assert len(doc["paths"]) == 8 and {"origin", "nodes"} <= set(doc["paths"][0])
+    assert doc["planner_seconds"] > 0 and len(doc["allocation"]) == 8
+    assert all("n01" not in (p["origin"], *p["nodes"]) for p in doc["replan"]["paths"])
+    assert "skippipe" in capsys.readouterr().out
+
+
+def test_pipeline_plan_draws_a_gantt_chart(tmp_path):
+    png = tmp_path / "g.png"
+    rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "4", "--stages", "2", "--skip", "0",
+               "--microbatches", "4", "--budget", "0.1", "--json", str(tmp_path / "p.json"), "--gantt", str(png)])
+    assert rc == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bad_network_file_is_reported_as_error_with_exit_code_2(tmp_path, capsys):
+    bad = tmp_path / "net.json"
+    bad.write_text(json.dumps({"regions": ["x", "y"], "links": [{"a": "x", "b": "y", "latency_ms": 3, "bandwidth": 0}]}))
+    rc = main(["pipeline", "plan", "--network", str(bad), "--nodes", "4", "--stages", "2", "--skip", "0",
+               "--json", str(tmp_path / "o.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "bandwidth must be positive" in err
+    assert not (tmp_path / "o.json").exists()
+
+
+def test_too_few_nodes_and_too_much_skip_are_errors(tmp_path, capsys):
+    base = ["pipeline", "plan", "--network", "gcp12", "--json", str(tmp_path / "o.json")]
+    assert main(base + ["--nodes", "3", "--stages", "4", "--skip", "0"]) == 2
+    assert "cannot hold 4 stages" in capsys.readouterr().err
+    assert main(base + ["--nodes", "6", "--stages", "3", "--skip", "0.9"]) == 2
+    assert "leaves no stage besides stage 0" in capsys.readouterr().err
+    assert main(base + ["--nodes", "6", "--stages", "3", "--skip", "0", "--memory", "0"]) == 2
+    assert "too small for any plan" in capsys.readouterr().err

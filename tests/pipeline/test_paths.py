@@ -1,0 +1,87 @@
+"""Every path rule holds on generated plans, over random networks (property-based)."""
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from roving.pipeline import ModelSpec, PlanError, full_pipeline, plan, random_skip, simulate, validate
+from helpers import assert_memory_respected, assert_paths_valid, small_network
+
+MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+
+
+@st.composite
+def settings_(draw):
+    stages = draw(st.integers(2, 5))
+    skip = draw(st.sampled_from([0.0, 0.25, 0.34, 0.5]))
+    if math.floor((1 - skip) * (stages - 1) + 0.5) < 1:
+        skip = 0.0
+    regions = draw(st.integers(1, 4))
+    n_links = regions * (regions - 1) // 2 or 1
+    lat = draw(st.lists(st.floats(1, 200), min_size=n_links, max_size=n_links))
+    bw = draw(st.lists(st.floats(0.005, 2.0), min_size=n_links, max_size=n_links))
+    nodes = draw(st.integers(stages, stages + 6))
+    memory = draw(st.integers(1, 4))
+    microbatches = draw(st.integers(1, 14))
+    seed = draw(st.integers(0, 1000))
+    return small_network(regions, lat, bw, nodes, memory), stages, skip, microbatches, seed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(settings_())
+def test_planned_paths_obey_every_rule_on_random_networks(case):
+    network, stages, skip, microbatches, seed = case
+    p = plan(network, MODEL, stages, skip, microbatches, budget_s=0.08, seed=seed)
+    assert_paths_valid(p, network, stages, skip, microbatches)
+    assert validate(p, network) == []
+    makespan = assert_memory_respected(p, network, MODEL)
+    assert makespan == pytest.approx(p.predicted_s)
+
+
+@settings(max_examples=20, deadline=None)
+@given(settings_())
+def test_random_skip_and_full_pipeline_baselines_are_valid_plans(case):
+    network, stages, skip, microbatches, seed = case
+    alloc = {n.name: i % stages for i, n in enumerate(network.nodes)}
+    r = random_skip(network, MODEL, alloc, stages, skip, microbatches, seed=seed)
+    assert_paths_valid(r, network, stages, skip, microbatches)
+    assert all(p.swaps == 0 for p in r.paths)
+    assert_memory_respected(r, network, MODEL)
+    f = full_pipeline(network, MODEL, stages, microbatches, budget_s=0.03, seed=seed)
+    assert_paths_valid(f, network, stages, 0.0, microbatches)
+    # fixed pipelines: every microbatch of one origin follows the same chain through all stages
+    chains = {}
+    for p in f.paths:
+        assert p.stages == tuple(range(1, stages))
+        assert chains.setdefault(p.origin, p.nodes) == p.nodes
+    assert len(chains) == min(microbatches, len(network.nodes) // stages)
+    assert_memory_respected(f, network, MODEL)
+
+
+def test_planner_beats_random_paths_and_respects_budget_on_gcp12():
+    from roving.pipeline import build_network, model_preset
+    import time
+    net = build_network("gcp12", 12)
+    m = model_preset("llama-1.5b")
+    t = time.perf_counter()
+    p = plan(net, m, 4, 0.34, 16, budget_s=1.0, seed=1)
+    assert time.perf_counter() - t < 1.5
+    r = random_skip(net, m, p.allocation, 4, 0.34, 16, seed=1)
+    assert p.predicted_s < r.predicted_s
+    assert simulate(net, m, p).makespan == pytest.approx(p.predicted_s)
+
+
+def test_planner_is_deterministic_for_a_seed_and_evaluation_count():
+    from roving.pipeline.paths import _Context, build_paths
+    net = small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 9)
+    ctx = _Context(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
+    assert build_paths(ctx, 10, 1) == build_paths(ctx, 10, 1)
+
+
+def test_plan_rejects_impossible_settings_with_clear_errors():
+    net = small_network(2, [10], [1.0], 3)
+    with pytest.raises(PlanError, match="3 nodes cannot hold 4 stages"):
+        plan(net, MODEL, 4, 0.0, 4, budget_s=0.05)
+    with pytest.raises(PlanError, match="leaves no stage besides stage 0"):
+        plan(net, MODEL, 3, 0.9, 4, budget_s=0.05)

@@ -1,0 +1,95 @@
+"""The simulator against timelines computed by hand."""
+
+import math
+
+import pytest
+
+from roving.pipeline import ModelSpec, Path, Plan, build_network, simulate
+from roving.pipeline.network import Node
+
+# 1 MiB per transfer; 2 layers over 2 stages, 1 layer each; no head cost; backward = 2 x forward.
+MODEL = ModelSpec(layers=2, hidden=512, seq_len=1024, samples_per_microbatch=1, bytes_per_activation=2,
+                  head_layers=0.0)
+LINKS = {"regions": ["A", "B"], "bandwidth_unit": "MiB/s",
+         "links": [{"a": "A", "b": "B", "latency_ms": 10, "bandwidth": 1}]}
+
+
+def net(nodes):
+    return build_network(LINKS, [dict(name=n, region=r, speed=s, memory=m) for n, r, s, m in nodes])
+
+
+def test_one_microbatch_over_two_nodes_matches_hand_computed_makespan():
+    network = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 4)])
+    plan = Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))])
+    res = simulate(network, MODEL, plan)
+    # F(a) 0-1, send 1 s + 10 ms, F(b) 2.01-3.01, send -> 4.02, loss 0 s, send -> 5.03,
+    # B(b) 2 s -> 7.03, send -> 8.04, B(a) 2 s -> 10.04
+    assert res.makespan == pytest.approx(10.04)
+    kinds = [(e.kind, round(e.start, 6), round(e.end, 6)) for e in res.timeline["b"] if e.kind != "idle"]
+    assert kinds == [("compute-fwd", 2.01, 3.01), ("send", 3.01, 4.02), ("compute-bwd", 5.03, 7.03),
+                     ("send", 7.03, 8.04)]
+    idle_b = sum(e.end - e.start for e in res.timeline["b"] if e.kind == "idle")
+    assert idle_b == pytest.approx(10.04 - 3.0)
+
+
+def test_two_overlapping_transfers_on_one_link_share_its_bandwidth():
+    # a's compute is negligible, so both microbatches start sending a->b at about t=0
+    network = net([("a", "A", 1e-9, 4), ("b", "B", 1.0, 4)])
+    one = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))]))
+    two = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))] * 2))
+    first_send = lambda r: sorted(e.end for e in r.timeline["a"] if e.kind == "send")[:2]
+    assert first_send(one)[0] == pytest.approx(1.01, abs=1e-6)
+    # each gets half the bandwidth: 2 s for the bytes, latency added once
+    assert first_send(two) == pytest.approx([2.01, 2.01], abs=1e-6)
+
+
+def test_memory_of_one_serialises_two_microbatches_on_a_node():
+    paths = [Path("a", ("b",), (1,))] * 2
+    roomy = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 2)])
+    tight = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 1)])
+    r2 = simulate(roomy, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, paths))
+    r1 = simulate(tight, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, paths))
+    ev = lambda r, kind, mb: next(e for e in r.timeline["b"] if e.kind == kind and e.microbatch == mb)
+    assert r1.peak_in_flight["b"] == 1 and r2.peak_in_flight["b"] == 2
+    # with memory 1, microbatch 1's forward at b waits for microbatch 0's backward there to end
+    assert ev(r1, "compute-fwd", 1).start >= ev(r1, "compute-bwd", 0).end - 1e-9
+    assert ev(r2, "compute-fwd", 1).start < ev(r2, "compute-bwd", 0).start
+    assert r1.makespan > r2.makespan
+
+
+def test_backward_work_is_served_before_waiting_forward_work():
+    network = net([("a", "A", 1.0, 8), ("b", "B", 1.0, 8)])
+    model = ModelSpec(layers=2, hidden=512, seq_len=1024, samples_per_microbatch=1, head_layers=1.0)
+    res = simulate(network, model, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))] * 6))
+    # forwards at a take 1.5 s each, so microbatch 0 returns for its loss (at 1.5+1.01+1+1.01 = 4.52 s)
+    # while forwards of later microbatches still wait; the loss must run next, at 6.0 s, before them
+    a = [e for e in res.timeline["a"] if e.kind.startswith("compute")]
+    loss0 = next(e for e in a if e.kind == "compute-loss" and e.microbatch == 0)
+    assert loss0.start == pytest.approx(6.0)
+    later_fwd = [e for e in a if e.kind == "compute-fwd" and e.start > loss0.start]
+    assert later_fwd, "some forwards were still waiting when the loss was served"
+    assert all(e.start >= loss0.end for e in later_fwd)
+
+
+def test_opposite_swapped_paths_with_memory_one_deadlock_and_are_reported():
+    doc = {"regions": ["A"], "links": []}
+    network = build_network(doc, [dict(name=n, region="A", speed=1.0, memory=m)
+                                  for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
+    model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
+    alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
+    plan = Plan(3, 0.0, alloc, [Path("o1", ("x", "y"), (1, 2)), Path("o2", ("y", "x"), (2, 1))])
+    res = simulate(network, model, plan)
+    assert res.deadlock and math.isinf(res.makespan)
+    # without the swap the same plan finishes
+    ok = Plan(3, 0.0, alloc, [Path("o1", ("x", "y"), (1, 2)), Path("o2", ("x", "y"), (1, 2))])
+    assert not simulate(network, model, ok).deadlock
+
+
+def test_simulation_is_deterministic():
+    network = build_network("gcp12", 8)
+    from roving.pipeline import model_preset, random_skip
+    m = model_preset("llama-500m")
+    alloc = {n.name: i % 4 for i, n in enumerate(network.nodes)}
+    p = random_skip(network, m, alloc, 4, 0.34, 12, seed=3)
+    a, b = simulate(network, m, p), simulate(network, m, p)
+    assert a.makespan == b.makespan and a.timeline == b.timeline
