@@ -1,0 +1,30 @@
+"""roving: Python's multiprocessing on cluster backends — ``import roving as multiprocessing``.
+
+Process, Queue, SimpleQueue, JoinableQueue and Pipe behave as in :mod:`multiprocessing`; each process
+runs as a job of the configured backend (see :func:`init` and :mod:`roving.config`).
+"""
+from __future__ import annotations
+
+from multiprocessing import AuthenticationError, BufferTooShort, ProcessError, TimeoutError
+
+from .config import Config, ConfigError, init
+from .connection import Connection, Pipe
+from .context import (Context, get_all_start_methods, get_context, get_start_method,
+                      set_start_method)
+from .process import Process, active_children, cpu_count, current_process, parent_process
+from .queues import JoinableQueue, Queue, SimpleQueue
+from .transport.serialize import SerializationError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Process", "Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Connection",
+    "current_process", "parent_process", "active_children", "cpu_count",
+    "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
+    "init", "Config", "ConfigError", "SerializationError",
+    "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
+]
+
+
+def freeze_support() -> None:
+    """Accepted for compatibility; roving never needs it."""

@@ -1,0 +1,99 @@
+"""Entry point of every roving child process: ``python -m roving._child``.
+
+Fetches the Process object from the parent over the authenticated transport, watches the parent's
+liveness, runs the process, and exits with multiprocessing's exit codes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+
+from . import config as _config
+from . import process as _process
+from .transport import node as _node
+from .transport import session as _session
+from .transport.serialize import loads
+
+log = logging.getLogger("roving.child")
+
+
+def _watch_parent(info: dict, cfg: _config.Config) -> None:
+    """Exit when the parent is gone: it stops answering pings, or (local backend) we were re-parented."""
+    endpoint = _session.current().endpoint(info["parent"])
+    parent_pid = info.get("parent_pid") if info.get("local") else None
+    last_answer = time.monotonic()
+    while True:
+        time.sleep(cfg.heartbeat_interval)
+        if parent_pid is not None and os.getppid() != parent_pid:
+            _die("its parent process exited")
+        if endpoint.ping(cfg.heartbeat_interval):
+            last_answer = time.monotonic()
+        elif time.monotonic() - last_answer > cfg.parent_timeout:
+            _die(f"its parent has not answered for {cfg.parent_timeout:g} s")
+
+
+def _die(why: str) -> None:
+    try:
+        sys.stderr.write(f"roving: {_process.current_process().name} exits because {why}\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def main() -> int:
+    info = json.loads(os.environ[_session.CHILD_ENV])
+    session = _session.current()
+    endpoint = session.endpoint(info["parent"])
+    status, frames = endpoint.call(_node.GET, info["box"], _config.current().connect_timeout)
+    if status != _node.OK:
+        sys.stderr.write("roving: the child could not fetch its work from its parent\n")
+        return 1
+    try:
+        proc = loads(frames)
+    except BaseException:  # ImportError of the target's module, typically
+        sys.stderr.write("roving: the child could not load its target:\n")
+        traceback.print_exc()
+        return 1
+    _config._adopt(proc._config)
+    threading.Thread(target=_watch_parent, args=(info, proc._config), name="roving-parent-watch",
+                     daemon=True).start()
+    _process._current = proc
+    _process._parent = _process._ParentProcess(proc._parent_name, info.get("parent_pid"), info["parent"])
+    return _run(proc)
+
+
+def _run(proc: _process.Process) -> int:
+    """Run the process as multiprocessing does: exit code 0, SystemExit's code, or 1 with a traceback."""
+    try:
+        proc.run()
+        return 0
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        sys.stderr.write(str(code) + "\n")
+        return 1
+    except BaseException:
+        sys.stderr.write(f"Process {proc.name}:\n")
+        traceback.print_exc()
+        return 1
+
+
+if __name__ == "__main__":
+    code = main()
+    try:
+        from . import connection
+
+        connection.close_all()  # the pipe ends this process held: their readers see EOF
+        _process._at_exit()  # children of this child, then flush connections
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)

@@ -1,0 +1,146 @@
+"""The local backend: each job is a subprocess of this one, running a fresh Python interpreter."""
+from __future__ import annotations
+
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import threading
+from typing import Dict, IO, Optional
+
+from .base import Backend, Job, JobSpec, JobState, JobStatus
+
+
+class _OutputPump:
+    """One thread that copies every child's output to this process's terminal, a prefix on each line."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._thread = threading.Thread(target=self._run, name="roving-output", daemon=True)
+        self._thread.start()
+
+    def add(self, stream: IO[bytes], prefix: str, to_stderr: bool) -> None:
+        with self._lock:
+            self._pending.append((stream, prefix, to_stderr))
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        partial: Dict[int, bytes] = {}
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    os.read(self._wake_r, 4096)
+                    with self._lock:
+                        pending, self._pending = self._pending, []
+                    for stream, prefix, to_stderr in pending:
+                        self._selector.register(stream, selectors.EVENT_READ, (prefix, to_stderr))
+                    continue
+                stream, (prefix, to_stderr) = key.fileobj, key.data
+                fd = stream.fileno()
+                chunk = os.read(fd, 65536)
+                data = partial.pop(fd, b"") + chunk
+                lines = data.split(b"\n")
+                if chunk:
+                    if lines[-1]:
+                        partial[fd] = lines[-1]
+                    lines = lines[:-1]
+                else:  # end of output: flush what is left, stop watching
+                    self._selector.unregister(stream)
+                    stream.close()
+                    lines = [line for line in lines if line]
+                if lines:
+                    self._write(prefix, lines, to_stderr)
+
+    @staticmethod
+    def _write(prefix: str, lines: list, to_stderr: bool) -> None:
+        out = sys.stderr if to_stderr else sys.stdout
+        text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+        try:
+            out.write(text)
+            out.flush()
+        except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
+            pass
+
+
+class LocalBackend(Backend):
+    """Jobs are subprocesses. ``terminate_job`` sends SIGTERM, with ``force`` SIGKILL."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._procs: Dict[str, subprocess.Popen] = {}
+        self._pump: Optional[_OutputPump] = None
+        self._lock = threading.Lock()
+
+    def create_job(self, spec: JobSpec) -> Job:
+        env = dict(spec.env)
+        stdout = stderr = None
+        log_file = None
+        if spec.output == "prefix":
+            stdout = stderr = subprocess.PIPE
+            env.setdefault("PYTHONUNBUFFERED", "1")
+        elif spec.output == "off":
+            stdout = stderr = subprocess.DEVNULL
+        elif spec.output == "files":
+            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
+            log_file = open(spec.log_path, "ab")
+            stdout, stderr = log_file, subprocess.STDOUT
+        try:
+            proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                                    stdout=stdout, stderr=stderr, close_fds=True)
+        finally:
+            if log_file is not None:
+                log_file.close()
+        if spec.output == "prefix":
+            with self._lock:
+                if self._pump is None:
+                    self._pump = _OutputPump()
+            prefix = f"[{spec.name}] "
+            self._pump.add(proc.stdout, prefix, False)
+            self._pump.add(proc.stderr, prefix, True)
+        job = Job(self, str(proc.pid))
+        with self._lock:
+            self._procs[job.id] = proc
+        return job
+
+    def _proc(self, job: Job) -> subprocess.Popen:
+        return self._procs[job.id]
+
+    def job_status(self, job: Job) -> JobStatus:
+        code = self._proc(job).poll()
+        if code is None:
+            return JobStatus(JobState.RUNNING)
+        return JobStatus(JobState.EXITED, code)
+
+    def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
+        try:
+            return self._proc(job).wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def terminate_job(self, job: Job, force: bool = False) -> None:
+        proc = self._proc(job)
+        if proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGKILL if force else signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    def pid(self, job: Job) -> Optional[int]:
+        return self._proc(job).pid
+
+    def sentinel(self, job: Job) -> int:
+        try:
+            return os.pidfd_open(self._proc(job).pid)
+        except (AttributeError, OSError):  # no pidfd on this system
+            return super().sentinel(job)
+
+    def forget(self, job: Job) -> None:
+        """Drop the handle of a job that has ended and been reaped."""
+        with self._lock:
+            self._procs.pop(job.id, None)

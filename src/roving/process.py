@@ -1,0 +1,460 @@
+"""Process: a job-backed process with the interface of :class:`multiprocessing.Process`.
+
+``start()`` pickles the process object (target, arguments and all), leaves it in a mailbox of this
+process's endpoint, and asks the configured backend for a job running ``python -m roving._child``. The
+child fetches the object over the authenticated transport, takes on the parent's ``sys.path``, and calls
+``run()``. Functions and classes defined in ``__main__`` travel by value (cloudpickle); everything else by
+reference, so the child imports their modules.
+
+Guarantees:
+
+* Anything that cannot be pickled is a :class:`~roving.transport.serialize.SerializationError` from
+  ``start()`` that names the offending target or argument; no job is created.
+* A child whose target raises prints the traceback to its stderr and ends with exit code 1; ``SystemExit``
+  sets the exit code as in :mod:`multiprocessing`; a child killed by signal N has exit code ``-N``.
+* A child exits within ``parent_timeout`` seconds (default 5) of its parent's death, also after ``kill -9``.
+* At normal exit the parent terminates its daemonic children and joins the others.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import os
+import selectors
+import signal
+import sys
+import threading
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
+
+from . import backends
+from . import config as _config
+from .transport import node as _node
+from .transport import session as _session
+from .transport.serialize import SerializationError, dumps
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Process", "current_process", "parent_process", "active_children", "cpu_count"]
+
+_counter = itertools.count(1)
+_children: Set["Process"] = set()
+_children_lock = threading.Lock()
+
+# The process a pickling of Connections is for: pipe ends sent to a child are held in its name.
+_pickling_for = threading.local()
+
+
+def pickling_for() -> Optional[str]:
+    """The session uid of the process whose start() is pickling right now, if any."""
+    return getattr(_pickling_for, "uid", None)
+
+
+class Process:
+    """A process run as a job of the configured backend. See :class:`multiprocessing.Process`."""
+
+    _start_method = None
+
+    def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
+                 name: Optional[str] = None, args: Iterable[Any] = (),
+                 kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None) -> None:
+        if group is not None:
+            raise ValueError("group argument must be None for now")
+        parent = current_process()
+        self._identity = (*parent._identity, next(_counter))
+        self._config = _config.current()
+        self._target = target
+        self._args = tuple(args)
+        self._kwargs = dict(kwargs or {})
+        self._name = name or "Process-" + ":".join(str(i) for i in self._identity)
+        self._daemonic = parent.daemon if daemon is None else bool(daemon)
+        self._parent_pid = os.getpid()
+        self._parent_name = parent.name
+        self._uid: Optional[str] = None
+        self._job: Optional[backends.Job] = None
+        self._backend: Optional[backends.Backend] = None
+        self._exitcode: Optional[int] = None
+        self._sentinel: Optional[int] = None
+        self._closed = False
+
+    # -- what runs in the child ------------------------------------------------------------
+    def run(self) -> None:
+        """The work of the process: calls the target. Override in a subclass, as with multiprocessing."""
+        if self._target:
+            self._target(*self._args, **self._kwargs)
+
+    # -- control from the parent -----------------------------------------------------------
+    def start(self) -> None:
+        """Create the job. Returns once the backend has accepted it (it may still be pending).
+
+        Raises SerializationError (a TypeError) naming what cannot be pickled, AssertionError when
+        started twice (as multiprocessing does), ValueError when closed, OSError when the backend refuses.
+        """
+        self._check_closed()
+        assert self._job is None, "cannot start a process twice"
+        assert self._parent_pid == os.getpid(), "can only start a process object created by current process"
+        assert not _is_daemonic_child(), "daemonic processes are not allowed to have children"
+        _reap_finished()
+        session = _session.current()
+        node = session.node()
+        self._uid = _session.new_uid()
+        payload = self._pickle_self()
+        box = node.new_box()
+        node.call_local(_node.PUT, box, 0, payload)
+        cfg = self._config
+        env = dict(os.environ)
+        env[_session.CHILD_ENV] = json.dumps({
+            "secret": session.secret.hex(), "uid": self._uid, "parent": node.address, "box": box,
+            "parent_pid": os.getpid(), "local": cfg.backend == "local",
+        })
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        spec = backends.JobSpec(
+            name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            output=cfg.child_output, log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
+        self._backend = backends.get(cfg.backend)
+        try:
+            self._job = self._backend.create_job(spec)
+        except BaseException:
+            node.drop_box(box)
+            raise
+        self._payload_box = box
+        self._sentinel = self._backend.sentinel(self._job)
+        with _children_lock:
+            _children.add(self)
+        _reaper().watch(self)
+
+    def _pickle_self(self) -> List[Any]:
+        _pickling_for.uid = self._uid
+        try:
+            try:
+                return dumps(self)
+            except SerializationError:
+                for what, obj in self._parts():
+                    try:
+                        dumps(obj)
+                    except SerializationError as exc:
+                        raise SerializationError(
+                            f"{self._name}: {what} cannot be pickled, so it cannot be sent to the child "
+                            f"process ({exc.__cause__ or exc})") from exc.__cause__
+                raise
+        finally:
+            _pickling_for.uid = None
+
+    def _parts(self) -> Iterable[Any]:
+        yield "the target", self._target
+        for i, arg in enumerate(self._args):
+            yield f"argument {i} ({type(arg).__qualname__})", arg
+        for key, arg in self._kwargs.items():
+            yield f"keyword argument {key!r} ({type(arg).__qualname__})", arg
+        for key, value in self.__dict__.items():
+            if key not in ("_target", "_args", "_kwargs"):
+                yield f"attribute {key!r}", value
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ("_job", "_backend", "_sentinel", "_payload_box"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._job = self._backend = self._sentinel = None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait until the process ends, or ``timeout`` seconds pass (then exitcode stays None)."""
+        self._check_closed()
+        assert self._parent_pid == os.getpid(), "can only join a child process"
+        assert self._job is not None, "can only join a started process"
+        if self._exitcode is None:
+            code = self._backend.wait(self._job, timeout)
+            if code is not None:
+                self._finished(code)
+
+    def is_alive(self) -> bool:
+        self._check_closed()
+        if self is _main_process:
+            return True
+        if self._job is None or self._exitcode is not None:
+            return False
+        status = self._backend.job_status(self._job)
+        if status.state is backends.JobState.EXITED:
+            self._finished(status.exitcode)
+            return False
+        return True
+
+    def terminate(self) -> None:
+        """Ask the process to stop (SIGTERM on the local backend)."""
+        self._check_closed()
+        if self._job is not None:
+            self._backend.terminate_job(self._job, force=False)
+
+    def kill(self) -> None:
+        """Stop the process at once (SIGKILL on the local backend)."""
+        self._check_closed()
+        if self._job is not None:
+            self._backend.terminate_job(self._job, force=True)
+
+    def close(self) -> None:
+        """Release the process's resources. ValueError if it is still running."""
+        if self._closed:
+            return
+        if self._job is not None:
+            if self._exitcode is None and self.is_alive():
+                raise ValueError("Cannot close a process while it is still running. "
+                                 "You should first call join() or terminate().")
+            _reaper().forget(self)
+        self._closed = True
+
+    def _finished(self, code: Optional[int]) -> None:
+        if self._exitcode is not None:
+            return
+        self._exitcode = code
+        with _children_lock:
+            _children.discard(self)
+        session = _session.current()
+        if session._node is not None:
+            session._node.release_everywhere(self._uid)
+            session._node.drop_box(self._payload_box)
+
+    def _check_closed(self) -> None:
+        if self._closed:
+            raise ValueError("process object is closed")
+
+    # -- attributes ------------------------------------------------------------------------
+    @property
+    def exitcode(self) -> Optional[int]:
+        """None while running; the exit code once ended (``-N`` if killed by signal N)."""
+        self._check_closed()
+        if self._exitcode is None and self._job is not None:
+            self.is_alive()
+        return self._exitcode
+
+    @property
+    def pid(self) -> Optional[int]:
+        self._check_closed()
+        if self is _main_process or self._job is None and self._uid is None:
+            return os.getpid() if self is _main_process else None
+        if self._job is None:  # inside the child itself
+            return os.getpid()
+        return self._backend.pid(self._job)
+
+    ident = pid
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        if not isinstance(value, str):
+            raise TypeError("name must be a string")
+        self._name = value
+
+    @property
+    def daemon(self) -> bool:
+        return self._daemonic
+
+    @daemon.setter
+    def daemon(self, value: bool) -> None:
+        assert self._job is None, "process has already started"
+        self._daemonic = bool(value)
+
+    @property
+    def authkey(self) -> bytes:
+        """The session secret that authenticates this process's connections."""
+        return _session.current().secret
+
+    @property
+    def sentinel(self) -> int:
+        """A file descriptor that becomes readable when the process ends."""
+        self._check_closed()
+        if self._sentinel is None:
+            raise ValueError("process not started")
+        return self._sentinel
+
+    @property
+    def job(self) -> Optional[backends.Job]:
+        """The backend's job behind this process (roving's addition)."""
+        return self._job
+
+    def __repr__(self) -> str:
+        if self is _main_process:
+            status = "started"
+        elif self._closed:
+            status = "closed"
+        elif self._job is None:
+            status = "initial"
+        elif self._exitcode is not None:
+            status = "stopped"
+        else:
+            status = "started"
+        extra = f" exitcode={self._exitcode}" if self._exitcode not in (None, 0) else ""
+        return f"<{type(self).__name__} name={self._name!r} {status}{extra}{' daemon' if self._daemonic else ''}>"
+
+
+class _MainProcess(Process):
+    def __init__(self) -> None:
+        self._identity = ()
+        self._name = "MainProcess"
+        self._daemonic = False
+        self._parent_pid = None
+        self._job = None
+        self._uid = None
+        self._exitcode = None
+        self._closed = False
+        self._config = None
+
+    def close(self) -> None:
+        pass
+
+
+class _ParentProcess:
+    """The parent, as a child sees it: name, pid and whether it still answers."""
+
+    def __init__(self, name: str, pid: Optional[int], address: str) -> None:
+        self.name, self.pid, self.ident, self._address = name, pid, pid, address
+        self.daemon = False
+
+    def is_alive(self) -> bool:
+        return _session.current().endpoint(self._address).ping(2.0)
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.is_alive():
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+
+    def __repr__(self) -> str:
+        return f"<_ParentProcess name={self.name!r} parent={self.pid}>"
+
+
+_main_process = _MainProcess()
+_current: Process = _main_process
+_parent: Optional[_ParentProcess] = None
+
+
+def current_process() -> Process:
+    """The Process object of the calling process (``MainProcess`` in the program that started it all)."""
+    return _current
+
+
+def parent_process() -> Optional[_ParentProcess]:
+    """The parent of this process, or None in the main process."""
+    return _parent
+
+
+def _is_daemonic_child() -> bool:
+    return _current is not _main_process and _current.daemon
+
+
+def active_children() -> List[Process]:
+    """The children of this process that are still running (reaps those that ended)."""
+    _reap_finished()
+    with _children_lock:
+        return list(_children)
+
+
+def _reap_finished() -> None:
+    with _children_lock:
+        children = list(_children)
+    for child in children:
+        child.is_alive()
+
+
+def cpu_count() -> int:
+    """CPUs the configured backend offers."""
+    return backends.get(_config.current().backend).cpu_count()
+
+
+class _Reaper:
+    """One thread that notices every child's end through its sentinel, even if nobody joins it.
+
+    A child's end releases the pipe ends it held here, so that a reader on the other end sees EOFError.
+    """
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._add: List[Process] = []
+        self._remove: List[Process] = []
+        threading.Thread(target=self._run, name="roving-reaper", daemon=True).start()
+
+    def watch(self, proc: Process) -> None:
+        with self._lock:
+            self._add.append(proc)
+        os.write(self._wake_w, b"x")
+
+    def forget(self, proc: Process) -> None:
+        with self._lock:
+            self._remove.append(proc)
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                proc = key.data
+                if proc is None:
+                    os.read(self._wake_r, 4096)
+                    with self._lock:
+                        add, self._add = self._add, []
+                        remove, self._remove = self._remove, []
+                    for p in add:
+                        self._selector.register(p._sentinel, selectors.EVENT_READ, p)
+                    for p in remove:
+                        self._drop(p)
+                    continue
+                self._drop(proc, close=False)
+                try:
+                    proc.join(timeout=5)
+                except Exception:  # never let one child stop the reaper
+                    log.exception("roving: could not reap %s", proc)
+
+    def _drop(self, proc: Process, close: bool = True) -> None:
+        try:
+            self._selector.unregister(proc._sentinel)
+        except (KeyError, ValueError):
+            pass
+        if close and proc._sentinel is not None:
+            try:
+                os.close(proc._sentinel)
+            except OSError:
+                pass
+            proc._sentinel = None
+
+
+_reaper_instance: Optional[_Reaper] = None
+
+
+def _reaper() -> _Reaper:
+    global _reaper_instance
+    if _reaper_instance is None:
+        _reaper_instance = _Reaper()
+    return _reaper_instance
+
+
+def _at_exit() -> None:
+    """As multiprocessing does at exit: terminate daemonic children, join the others."""
+    with _children_lock:
+        children = list(_children)
+    for child in children:
+        if child.daemon and child._exitcode is None:
+            child.terminate()
+    for child in children:
+        try:
+            child.join(None if not child.daemon else 5)
+            if child._exitcode is None:
+                child.kill()
+                child.join(5)
+        except Exception:
+            pass
+    if _session._session is not None:
+        _session._session.close()
+
+
+atexit.register(_at_exit)

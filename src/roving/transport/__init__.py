@@ -1,0 +1,1 @@
+"""The transport: authenticated ZeroMQ endpoints, mailboxes and zero-copy serialization."""

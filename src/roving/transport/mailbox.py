@@ -1,0 +1,194 @@
+"""The state of one queue or one pipe direction, held by the process that created it.
+
+A :class:`Mailbox` is plain data guarded by its node's lock: every method must be called with that lock
+held. Readers that wait are kept in arrival order and served first come, first served: an item goes
+straight to the longest-waiting reader, so no item ever sits at a reader that is not reading. Writers of a
+bounded mailbox that find it full wait in order too, with their item already here.
+
+Waiters are either threads of this process (:class:`LocalWaiter`) or requests of another process that
+the node answers over the transport; the mailbox does not know which.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+Frames = List[Any]
+
+# Reply statuses, shared with the wire protocol.
+OK, EMPTY, FULL, EOF, ERROR = 0, 1, 2, 3, 4
+
+
+class Waiter:
+    """Someone blocked on a mailbox; ``fulfil`` is called exactly once, with the node lock held."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
+        raise NotImplementedError
+
+
+class LocalWaiter(Waiter):
+    """A thread of this process waiting on an Event."""
+
+    __slots__ = ("event", "status", "frames")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+        self.status = EMPTY
+        self.frames: Optional[Frames] = None
+
+    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
+        self.done = True
+        self.status, self.frames = status, frames
+        self.event.set()
+
+
+class Mailbox:
+    """A FIFO of serialized items with waiting readers, waiting writers and (for pipes) end-of-file."""
+
+    def __init__(self, maxsize: int = 0, track_writers: bool = False) -> None:
+        self.maxsize = maxsize if maxsize > 0 else 0
+        self.items: Deque[Frames] = collections.deque()
+        self.getters: Deque[Waiter] = collections.deque()
+        self.pollers: List[Waiter] = []
+        self.putters: Deque[Tuple[Waiter, Frames]] = collections.deque()
+        self.joiners: List[Waiter] = []
+        self.unfinished = 0
+        # Pipes: who may still write. End-of-file once nobody can and nothing is left.
+        self.track_writers = track_writers
+        self.writers: Dict[Any, int] = {}
+
+    # -- state ---------------------------------------------------------------------------------
+    def full(self) -> bool:
+        return bool(self.maxsize) and len(self.items) >= self.maxsize
+
+    def at_eof(self) -> bool:
+        return self.track_writers and not self.writers and not self.items
+
+    # -- writers -------------------------------------------------------------------------------
+    def put(self, frames: Frames, waiter: Optional[Waiter] = None) -> int:
+        """Store or hand over ``frames``. Returns OK, FULL (no waiter given) or -1 (waiter queued)."""
+        if self.full() or self.putters:
+            if waiter is None:
+                return FULL
+            self.putters.append((waiter, frames))
+            return -1
+        self._accept(frames)
+        return OK
+
+    def _accept(self, frames: Frames) -> None:
+        self.unfinished += 1
+        while self.getters:
+            getter = self.getters.popleft()
+            if not getter.done:
+                getter.fulfil(OK, frames)
+                return
+        self.items.append(frames)
+        self._wake_pollers(OK)
+
+    def put_front(self, frames: Frames) -> None:
+        """Return an item that a reader took but could not deliver; it becomes the next one read."""
+        self.unfinished -= 1  # _accept counts it again
+        if self.getters:
+            self._accept(frames)
+        else:
+            self.unfinished += 1
+            self.items.appendleft(frames)
+            self._wake_pollers(OK)
+
+    def _admit_putters(self) -> None:
+        while self.putters and not self.full():
+            waiter, frames = self.putters.popleft()
+            if waiter.done:
+                continue
+            waiter.fulfil(OK)
+            self._accept(frames)
+
+    # -- readers -------------------------------------------------------------------------------
+    def get(self, waiter: Optional[Waiter] = None) -> Tuple[int, Optional[Frames]]:
+        """Take the oldest item: (OK, frames), (EOF, None), (EMPTY, None) or (-1, None) when queued."""
+        if self.items:
+            frames = self.items.popleft()
+            self._admit_putters()
+            return OK, frames
+        if self.at_eof():
+            return EOF, None
+        if waiter is None:
+            return EMPTY, None
+        self.getters.append(waiter)
+        return -1, None
+
+    def poll(self, waiter: Optional[Waiter] = None) -> int:
+        """OK when an item is ready, EOF, EMPTY, or -1 when ``waiter`` was queued."""
+        if self.items or self.putters:
+            return OK
+        if self.at_eof():
+            return EOF
+        if waiter is None:
+            return EMPTY
+        self.pollers.append(waiter)
+        return -1
+
+    def _wake_pollers(self, status: int) -> None:
+        pollers, self.pollers = self.pollers, []
+        for poller in pollers:
+            if not poller.done:
+                poller.fulfil(status)
+
+    # -- joinable queues -----------------------------------------------------------------------
+    def task_done(self) -> int:
+        if self.unfinished <= 0:
+            return ERROR
+        self.unfinished -= 1
+        if self.unfinished == 0:
+            joiners, self.joiners = self.joiners, []
+            for joiner in joiners:
+                if not joiner.done:
+                    joiner.fulfil(OK)
+        return OK
+
+    def join(self, waiter: Optional[Waiter] = None) -> int:
+        if self.unfinished == 0:
+            return OK
+        if waiter is None:
+            return EMPTY
+        self.joiners.append(waiter)
+        return -1
+
+    # -- pipe ends -----------------------------------------------------------------------------
+    def hold(self, key: Any) -> None:
+        """``key`` (a process) can write: readers wait instead of seeing end-of-file."""
+        self.writers[key] = self.writers.get(key, 0) + 1
+
+    def release(self, key: Any, all_holds: bool = False) -> None:
+        count = self.writers.get(key, 0)
+        if count <= 1 or all_holds:
+            self.writers.pop(key, None)
+        else:
+            self.writers[key] = count - 1
+        if self.at_eof():
+            while self.getters:
+                getter = self.getters.popleft()
+                if not getter.done:
+                    getter.fulfil(EOF)
+            self._wake_pollers(EOF)
+
+    def cancel(self, waiter: Waiter, status: int) -> None:
+        """Give up on ``waiter`` (its time ran out): it is answered with ``status`` and forgotten."""
+        if waiter.done:
+            return
+        waiter.fulfil(status)
+        for queue in (self.getters, self.pollers, self.joiners):
+            try:
+                queue.remove(waiter)
+            except ValueError:
+                pass
+        for entry in list(self.putters):
+            if entry[0] is waiter:
+                self.putters.remove(entry)

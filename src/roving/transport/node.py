@@ -1,0 +1,481 @@
+"""A process's endpoint on the transport, and the way to reach other processes' endpoints.
+
+Every roving process that creates a queue or a pipe runs one :class:`Node`: a ZeroMQ ROUTER socket bound
+to the backend's address (loopback for the local backend), served by one I/O thread. The mailboxes of the
+queues and pipes created in that process live there; other processes reach them with requests over
+authenticated connections (:class:`Endpoint`). Inside the owning process the same operations run
+directly on the mailboxes, without sockets.
+
+Guarantees:
+
+* A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
+  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged.
+  The node itself never unpickles a payload: only the process that reads an item does.
+* Requests of one thread to one node are handled in the order sent.
+* A request that can wait (get, a put on a full bounded queue, poll, join) carries its timeout to the
+  node, which answers when the wait ends; an item is never handed to a reader that has given up.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import zmq
+
+from . import auth
+from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter
+
+log = logging.getLogger(__name__)
+
+Frames = List[Any]
+
+# Operations. One byte each; the header is (box id, request id, timeout in seconds, -1 = forever).
+PUT, PUT_NOREPLY, GET, POLL, SIZE, TASK_DONE, JOIN, HOLD, RELEASE, PUT_FRONT, PING = (
+    bytes([c]) for c in b"PpGLSTJHRFI"
+)
+_HEADER = struct.Struct("<QQd")
+_REPLY = struct.Struct("<Qb")
+# Operations sent without waiting for an answer.
+NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT})
+# Statuses a timed-out wait is answered with.
+_TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
+
+_HELLO, _CHALLENGE, _PROOF, _WELCOME, _DENIED = b"hello", b"challenge", b"proof", b"welcome", b"denied"
+_MAX_PENDING_HANDSHAKES = 1024
+_LINGER_MS = 10_000
+
+
+class TransportError(OSError):
+    """A node could not be reached or answered with an error."""
+
+
+def _context() -> zmq.Context:
+    return zmq.Context.instance()
+
+
+class _RemoteWaiter(Waiter):
+    __slots__ = ("node", "ident", "req_id")
+
+    def __init__(self, node: "Node", ident: bytes, req_id: int) -> None:
+        super().__init__()
+        self.node, self.ident, self.req_id = node, ident, req_id
+
+    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
+        self.done = True
+        self.node._reply(self.ident, self.req_id, status, frames)
+
+
+class Node:
+    """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
+
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None) -> None:
+        self.secret = secret
+        self.lock = threading.Lock()
+        self.boxes: Dict[int, Mailbox] = {}
+        self._ids = itertools.count(1)
+        self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
+        ctx = _context()
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        port = self._router.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{advertise or host}:{port}"
+        self._wake_address = f"inproc://roving-wake-{id(self)}"
+        self._wake_in = ctx.socket(zmq.PULL)
+        self._wake_in.bind(self._wake_address)
+        self._wake_out = threading.local()
+        self._outbox: "collections.deque[Frames]" = collections.deque()
+        self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
+        self._seq = itertools.count()
+        self._authenticated: set = set()
+        self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
+        self._thread.start()
+
+    # -- mailboxes ---------------------------------------------------------------------------
+    def new_box(self, maxsize: int = 0, track_writers: bool = False) -> int:
+        with self.lock:
+            box_id = next(self._ids)
+            self.boxes[box_id] = Mailbox(maxsize, track_writers)
+            return box_id
+
+    def drop_box(self, box_id: int) -> None:
+        with self.lock:
+            self.boxes.pop(box_id, None)
+
+    def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
+        """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
+
+        The handler runs on the I/O thread and must not block; it answers with :meth:`send_to`.
+        """
+        self._handlers[op] = handler
+
+    def send_to(self, ident: bytes, frames: Frames) -> None:
+        """Send ``frames`` to an authenticated peer; thread-safe."""
+        self._post([ident, *frames])
+
+    def release_everywhere(self, key: Any) -> None:
+        """Forget every pipe end that ``key`` (a process that ended) held here."""
+        with self.lock:
+            for box in self.boxes.values():
+                if box.track_writers and key in box.writers:
+                    box.release(key, all_holds=True)
+
+    # -- operations, shared by local callers and the I/O thread (lock held) --------------------
+    def dispatch(self, op: bytes, box_id: int, timeout: float, payload: Frames,
+                 waiter: Waiter) -> Tuple[int, Optional[Frames]]:
+        """Run one operation. Returns (status, frames), or (-1, None) when ``waiter`` now waits."""
+        box = self.boxes.get(box_id)
+        if box is None:
+            return ERROR, [b"no such queue or pipe here: the process that created it has closed it"]
+        blocking = timeout != 0
+        if op == GET:
+            return box.get(waiter if blocking else None)
+        if op in (PUT, PUT_NOREPLY):
+            if op == PUT_NOREPLY and box.full():
+                # Only unbounded mailboxes are written without a reply; keep the item regardless.
+                box.items.append(payload)
+                box.unfinished += 1
+                return OK, None
+            return box.put(payload, waiter if blocking else None), None
+        if op == POLL:
+            return box.poll(waiter if blocking else None), None
+        if op == SIZE:
+            return OK, [struct.pack("<QQ", len(box.items) + len(box.putters), box.unfinished)]
+        if op == TASK_DONE:
+            status = box.task_done()
+            return status, [b"task_done() called too many times"] if status == ERROR else None
+        if op == JOIN:
+            return box.join(waiter if blocking else None), None
+        if op == PUT_FRONT:
+            box.put_front(payload)
+            return OK, None
+        if op == HOLD:
+            box.hold(bytes(payload[0]))
+            return OK, None
+        if op == RELEASE:
+            box.release(bytes(payload[0]))
+            return OK, None
+        return ERROR, [b"unknown operation"]
+
+    def call_local(self, op: bytes, box_id: int, timeout: float,
+                   payload: Frames = ()) -> Tuple[int, Optional[Frames]]:
+        """Run an operation from a thread of this process, waiting up to ``timeout`` (-1: forever)."""
+        waiter = LocalWaiter()
+        with self.lock:
+            status, frames = self.dispatch(op, box_id, timeout, list(payload), waiter)
+        if status != -1:
+            return status, frames
+        if not waiter.event.wait(None if timeout < 0 else timeout):
+            with self.lock:
+                box = self.boxes.get(box_id)
+                if box is not None:
+                    box.cancel(waiter, _TIMEOUT_STATUS.get(op, EMPTY))
+                elif not waiter.done:
+                    waiter.fulfil(ERROR, [b"closed while waiting"])
+        return waiter.status, waiter.frames
+
+    # -- I/O thread --------------------------------------------------------------------------
+    def _post(self, frames: Frames) -> None:
+        if threading.get_ident() == self._thread.ident:
+            self._router.send_multipart(frames, copy=False)
+            return
+        self._outbox.append(frames)
+        sock = getattr(self._wake_out, "sock", None)
+        if sock is None:
+            sock = _context().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_address)
+            self._wake_out.sock = sock
+        sock.send(b"", zmq.NOBLOCK)
+
+    def _reply(self, ident: bytes, req_id: int, status: int, frames: Optional[Frames]) -> None:
+        self._post([ident, _REPLY.pack(req_id, status), *(frames or ())])
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_in, zmq.POLLIN)
+        router, wake = self._router, self._wake_in
+        while self._running:
+            timeout_ms = None
+            if self._deadlines:
+                timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
+            try:
+                ready = dict(poller.poll(timeout_ms))
+            except zmq.ZMQError:
+                if not self._running:
+                    return
+                raise
+            if wake in ready:
+                while True:
+                    try:
+                        wake.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+            while self._outbox:
+                router.send_multipart(self._outbox.popleft(), copy=False)
+            if router in ready:
+                for _ in range(256):
+                    try:
+                        frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._handle(frames)
+                    except Exception:  # a bad message must never stop the node
+                        log.exception("roving node: dropped a message that could not be handled")
+                while self._outbox:
+                    router.send_multipart(self._outbox.popleft(), copy=False)
+            if self._deadlines:
+                self._expire()
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, box_id, waiter, status = heapq.heappop(self._deadlines)
+                box = self.boxes.get(box_id)
+                if box is not None:
+                    box.cancel(waiter, status)
+
+    def _handle(self, frames: List[zmq.Frame]) -> None:
+        ident = frames[0].bytes
+        if ident not in self._authenticated:
+            self._handshake(ident, frames[1:])
+            return
+        op = frames[1].bytes
+        handler = self._handlers.get(op)
+        if handler is not None:
+            handler(ident, frames[2:])
+            return
+        if op == PING:
+            self._router.send_multipart([ident, _REPLY.pack(_HEADER.unpack(frames[2].bytes)[1], OK)])
+            return
+        if len(frames) < 3 or len(frames[2]) != _HEADER.size:
+            log.warning("roving node: malformed request from an authenticated peer dropped")
+            return
+        box_id, req_id, timeout = _HEADER.unpack(frames[2].bytes)
+        payload = frames[3:]
+        waiter = _RemoteWaiter(self, ident, req_id)
+        with self.lock:
+            status, out = self.dispatch(op, box_id, timeout, payload, waiter)
+            if status == -1:
+                if timeout > 0:
+                    heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), box_id,
+                                                     waiter, _TIMEOUT_STATUS.get(op, EMPTY)))
+                return
+        if op not in NO_REPLY:
+            self._router.send_multipart([ident, _REPLY.pack(req_id, status), *(out or ())], copy=False)
+        elif status == ERROR:
+            log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
+
+    def _handshake(self, ident: bytes, frames: List[zmq.Frame]) -> None:
+        kind = frames[0].bytes if frames else b""
+        if kind == _HELLO and len(frames) == 2 and len(frames[1]) == auth.NONCE_BYTES:
+            client_nonce, server_nonce = frames[1].bytes, auth.new_nonce()
+            self._handshakes[ident] = (client_nonce, server_nonce)
+            while len(self._handshakes) > _MAX_PENDING_HANDSHAKES:
+                self._handshakes.popitem(last=False)
+            proof = auth.server_proof(self.secret, client_nonce, server_nonce)
+            self._router.send_multipart([ident, _CHALLENGE, server_nonce, proof])
+            return
+        if kind == _PROOF and len(frames) == 2 and ident in self._handshakes:
+            client_nonce, server_nonce = self._handshakes.pop(ident)
+            if auth.verify(auth.client_proof(self.secret, client_nonce, server_nonce), frames[1].bytes):
+                self._authenticated.add(ident)
+                self._router.send_multipart([ident, _WELCOME])
+                return
+            log.warning("roving node %s: a peer failed authentication; it is ignored", self.address)
+            self._router.send_multipart([ident, _DENIED])
+            return
+        log.warning("roving node %s: dropped %d frame(s) from a peer that has not authenticated",
+                    self.address, len(frames))
+
+    def close(self) -> None:
+        """Stop serving. Waiting local callers are answered with an error."""
+        if not self._running:
+            return
+        self._running = False
+        with self.lock:
+            for box in self.boxes.values():
+                for waiter in [*box.getters, *box.pollers, *box.joiners, *(w for w, _ in box.putters)]:
+                    if not waiter.done and isinstance(waiter, LocalWaiter):
+                        waiter.fulfil(ERROR, [b"the roving node was closed"])
+            self.boxes.clear()
+        try:
+            sock = _context().socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self._wake_address)
+            sock.send(b"")
+            sock.close()
+        except zmq.ZMQError:
+            pass
+        self._thread.join(timeout=2)
+        if not self._thread.is_alive():
+            self._router.close(0)
+            self._wake_in.close(0)
+
+
+class _Connection:
+    """One thread's authenticated DEALER connection to one remote node."""
+
+    def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
+        self.address = address
+        self.sock = _context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.connect(address)
+        self._ids = itertools.count(1)
+        self.pending: Optional[Tuple[int, bytes, int]] = None
+        try:
+            self._authenticate(secret, connect_timeout)
+        except BaseException:
+            self.sock.close(0)
+            raise
+
+    def _authenticate(self, secret: bytes, timeout: float) -> None:
+        client_nonce = auth.new_nonce()
+        self.sock.send_multipart([_HELLO, client_nonce])
+        frames = self._recv(timeout, "authentication challenge")
+        if len(frames) != 3 or frames[0] != _CHALLENGE or not auth.verify(
+                auth.server_proof(secret, client_nonce, frames[1]), frames[2]):
+            raise auth.AuthenticationError(f"the roving node at {self.address} failed to authenticate")
+        self.sock.send_multipart([_PROOF, auth.client_proof(secret, client_nonce, frames[1])])
+        frames = self._recv(timeout, "authentication result")
+        if frames[:1] != [_WELCOME]:
+            raise auth.AuthenticationError(f"the roving node at {self.address} refused this process's "
+                                           "secret: is it part of the same roving session?")
+
+    def _recv(self, timeout: Optional[float], what: str, copy: bool = True) -> List[Any]:
+        if timeout is not None and not self.sock.poll(timeout * 1000):
+            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+                                 "(has the process that owns it exited?)")
+        return self.sock.recv_multipart(copy=copy)
+
+    def send(self, op: bytes, box_id: int, timeout: float, payload: Frames) -> int:
+        req_id = next(self._ids)
+        track = any(len(memoryview(f)) >= 65536 for f in payload) if payload else False
+        header = _HEADER.pack(box_id, req_id, timeout)
+        if track:
+            tracker = self.sock.send_multipart([op, header, *payload], copy=False, track=True)
+            # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
+            tracker.wait()
+        else:
+            self.sock.send_multipart([op, header, *payload], copy=False)
+        return req_id
+
+    def call(self, op: bytes, box_id: int, timeout: float, payload: Frames,
+             guard: Optional[float]) -> Tuple[int, Frames]:
+        self.settle()
+        req_id = self.send(op, box_id, timeout, payload)
+        self.pending = (req_id, op, box_id)
+        while True:
+            frames = self._recv(guard, "answer", copy=False)
+            got, status = _REPLY.unpack(frames[0].bytes)
+            if got == req_id:
+                self.pending = None
+                return status, frames[1:]
+            self._stale(got, status, frames[1:])
+
+    def settle(self) -> None:
+        """Answers to calls that were abandoned (interrupted) can still arrive: take them first."""
+        while self.pending is not None and self.sock.poll(0):
+            frames = self.sock.recv_multipart(copy=False)
+            got, status = _REPLY.unpack(frames[0].bytes)
+            self._stale(got, status, frames[1:])
+
+    def _stale(self, got: int, status: int, frames: Frames) -> None:
+        if self.pending is None or got != self.pending[0]:
+            return
+        _, op, box_id = self.pending
+        self.pending = None
+        if op == GET and status == OK:
+            # The item was handed over after its reader gave up: give it back, at the front.
+            self.send(PUT_FRONT, box_id, 0, frames)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class Endpoint:
+    """How this process reaches the mailboxes at one node address; local or remote alike.
+
+    ``call`` blocks up to ``timeout`` seconds (-1: forever, 0: not at all) and returns (status, frames);
+    ``tell`` sends an operation that needs no answer.
+    """
+
+    def __init__(self, address: str, secret: bytes, local: Optional[Node],
+                 connect_timeout: float = 30.0) -> None:
+        self.address = address
+        self.local = local
+        self._secret = secret
+        self._connect_timeout = connect_timeout
+        self._threads = threading.local()
+
+    def _conn(self) -> _Connection:
+        conn = getattr(self._threads, "conn", None)
+        if conn is None:
+            conn = _Connection(self.address, self._secret, self._connect_timeout)
+            self._threads.conn = conn
+            _open_connections.append(conn)
+        return conn
+
+    def call(self, op: bytes, box_id: int, timeout: float = -1,
+             payload: Frames = ()) -> Tuple[int, Frames]:
+        if self.local is not None:
+            status, frames = self.local.call_local(op, box_id, timeout, payload)
+            return status, frames or []
+        conn = self._conn()
+        # The node answers every wait itself; this guard only catches a node that has gone away.
+        guard = None if timeout < 0 else timeout + 30.0
+        return conn.call(op, box_id, timeout, list(payload), guard)
+
+    def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:
+        if self.local is not None:
+            status, frames = self.local.call_local(op, box_id, 0, payload)
+            if status == ERROR:
+                raise TransportError(bytes(frames[0]).decode() if frames else "error")
+            return
+        self._conn().send(op, box_id, 0, list(payload))
+
+    def ping(self, timeout: float) -> bool:
+        """True when the node answers within ``timeout`` seconds."""
+        if self.local is not None:
+            return True
+        try:
+            conn = self._conn()
+            conn.settle()
+            req_id = conn.send(PING, 0, 0, [])
+            conn.pending = (req_id, PING, 0)
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not conn.sock.poll(left * 1000):
+                    return False
+                frames = conn.sock.recv_multipart()
+                got, _ = _REPLY.unpack(frames[0])
+                if got == req_id:
+                    conn.pending = None
+                    return True
+        except (TransportError, zmq.ZMQError):
+            return False
+
+
+_open_connections: List[_Connection] = []
+
+
+def close_connections() -> None:
+    """Flush and close this process's outgoing connections (waits for queued sends, bounded)."""
+    while _open_connections:
+        try:
+            _open_connections.pop().close()
+        except zmq.ZMQError:
+            pass
