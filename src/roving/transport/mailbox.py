@@ -11,7 +11,7 @@ the node answers over the transport; the mailbox does not know which.
 from __future__ import annotations
 
 import collections
-import threading
+from _thread import allocate_lock as _allocate_lock
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 Frames = List[Any]
@@ -33,20 +33,25 @@ class Waiter:
 
 
 class LocalWaiter(Waiter):
-    """A thread of this process waiting on an Event."""
+    """A thread of this process waiting on a lock that ``fulfil`` releases (the cheapest wake-up)."""
 
-    __slots__ = ("event", "status", "frames")
+    __slots__ = ("_lock", "status", "frames")
 
     def __init__(self) -> None:
-        super().__init__()
-        self.event = threading.Event()
+        self.done = False
+        self._lock = _allocate_lock()
+        self._lock.acquire()
         self.status = EMPTY
         self.frames: Optional[Frames] = None
 
     def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
         self.done = True
         self.status, self.frames = status, frames
-        self.event.set()
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (-1: forever); True once fulfilled."""
+        return self._lock.acquire(True, timeout)
 
 
 class Mailbox:

@@ -174,7 +174,7 @@ class Node:
             status, frames = self.dispatch(op, box_id, timeout, list(payload), waiter)
         if status != -1:
             return status, frames
-        if not waiter.event.wait(None if timeout < 0 else timeout):
+        if not waiter.wait(-1 if timeout < 0 else timeout):
             with self.lock:
                 box = self.boxes.get(box_id)
                 if box is not None:
