@@ -150,13 +150,20 @@ class SimpleQueue:
     def __init__(self, *, ctx: Any = None) -> None:
         self._queue = Queue()
 
+    def _check_closed(self) -> None:
+        if self._queue._closed:
+            raise OSError("handle is closed")
+
     def put(self, obj: Any) -> None:
+        self._check_closed()
         self._queue.put(obj)
 
     def get(self) -> Any:
+        self._check_closed()
         return self._queue.get()
 
     def empty(self) -> bool:
+        self._check_closed()
         return self._queue.empty()
 
     def close(self) -> None:

@@ -431,7 +431,7 @@ class Endpoint:
     def call(self, op: bytes, box_id: int, timeout: float = -1,
              payload: Frames = ()) -> Tuple[int, Frames]:
         if self.local is not None:
-            status, frames = self.local.call_local(op, box_id, timeout, payload)
+            status, frames = self.local.call_local(op, box_id, timeout, _own(payload))
             return status, frames or []
         conn = self._conn()
         # The node answers every wait itself; this guard only catches a node that has gone away.
@@ -440,7 +440,7 @@ class Endpoint:
 
     def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:
         if self.local is not None:
-            status, frames = self.local.call_local(op, box_id, 0, payload)
+            status, frames = self.local.call_local(op, box_id, 0, _own(payload))
             if status == ERROR:
                 raise TransportError(bytes(frames[0]).decode() if frames else "error")
             return
@@ -467,6 +467,14 @@ class Endpoint:
                     return True
         except (TransportError, zmq.ZMQError):
             return False
+
+
+def _own(payload: Frames) -> Frames:
+    """Out-of-band buffers share memory with the caller's objects; a mailbox of this process keeps a
+    copy, so that changing an object after put() does not change what was put (as over a socket)."""
+    if len(payload) < 2:
+        return payload
+    return [payload[0], *(bytearray(frame) for frame in payload[1:])]
 
 
 _open_connections: List[_Connection] = []
