@@ -55,7 +55,6 @@ def assert_memory_respected(plan: Plan, network: Network, model) -> float:
                 changes.append((e.start, 1))
                 fwd_seen.add(e.microbatch)
             elif e.kind == "compute-bwd":
-                assert e.microbatch in fwd_seen or True
                 changes.append((e.end, -1))
         level = peak = 0
         for _, d in sorted(changes, key=lambda c: (c[0], c[1])):  # releases before takes at equal times
