@@ -87,10 +87,10 @@ class Node:
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertise or host}:{port}"
-        self._wake_address = f"inproc://roving-wake-{id(self)}"
-        self._wake_in = ctx.socket(zmq.PULL)
-        self._wake_in.bind(self._wake_address)
-        self._wake_out = threading.local()
+        # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._wake_pending = False
         self._outbox: "collections.deque[Frames]" = collections.deque()
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
@@ -189,13 +189,15 @@ class Node:
             self._router.send_multipart(frames, copy=False)
             return
         self._outbox.append(frames)
-        sock = getattr(self._wake_out, "sock", None)
-        if sock is None:
-            sock = _context().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._wake_address)
-            self._wake_out.sock = sock
-        sock.send(b"", zmq.NOBLOCK)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._wake_pending:
+            self._wake_pending = True
+            try:
+                os.write(self._wake_w, b"x")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
 
     def _reply(self, ident: bytes, req_id: int, status: int, frames: Optional[Frames]) -> None:
         self._post([ident, _REPLY.pack(req_id, status), *(frames or ())])
@@ -203,8 +205,8 @@ class Node:
     def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_in, zmq.POLLIN)
-        router, wake = self._router, self._wake_in
+        poller.register(self._wake_r, zmq.POLLIN)
+        router, wake = self._router, self._wake_r
         while self._running:
             timeout_ms = None
             if self._deadlines:
@@ -216,11 +218,11 @@ class Node:
                     return
                 raise
             if wake in ready:
-                while True:
-                    try:
-                        wake.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                self._wake_pending = False
+                try:
+                    os.read(wake, 4096)
+                except BlockingIOError:
+                    pass
             while self._outbox:
                 router.send_multipart(self._outbox.popleft(), copy=False)
             if router in ready:
@@ -311,18 +313,12 @@ class Node:
                     if not waiter.done and isinstance(waiter, LocalWaiter):
                         waiter.fulfil(ERROR, [b"the roving node was closed"])
             self.boxes.clear()
-        try:
-            sock = _context().socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self._wake_address)
-            sock.send(b"")
-            sock.close()
-        except zmq.ZMQError:
-            pass
+        os.write(self._wake_w, b"x")
         self._thread.join(timeout=2)
         if not self._thread.is_alive():
             self._router.close(0)
-            self._wake_in.close(0)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
 
 
 class _Connection:
@@ -403,6 +399,35 @@ class _Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class Channel:
+    """An authenticated DEALER connection to a node, for a protocol of one's own (the pool uses it).
+
+    ``send([op, *frames])`` reaches the handler the node registered for ``op``
+    (:meth:`Node.register_handler`); what that handler sends back with :meth:`Node.send_to` is what
+    :meth:`recv` returns. Messages each way arrive in the order sent. Not thread-safe: one thread, one
+    channel. Raises :class:`TransportError` or ``AuthenticationError`` when it cannot connect within
+    ``connect_timeout`` seconds.
+    """
+
+    def __init__(self, address: str, secret: bytes, connect_timeout: float = 30.0) -> None:
+        self.address = address
+        self._sock = _Connection(address, secret, connect_timeout).sock
+
+    def send(self, frames: Frames) -> None:
+        """Queue a message; the frames' buffers must not change until the channel is closed."""
+        self._sock.send_multipart(frames, copy=False)
+
+    def recv(self, timeout: Optional[float]) -> Optional[Frames]:
+        """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s."""
+        if timeout is not None and not self._sock.poll(max(0.0, timeout) * 1000):
+            return None
+        return self._sock.recv_multipart(copy=False)
+
+    def close(self, linger: float = 10.0) -> None:
+        """Close, waiting up to ``linger`` seconds for queued messages to leave."""
+        self._sock.close(int(linger * 1000))
 
 
 class Endpoint:

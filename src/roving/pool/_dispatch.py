@@ -1,0 +1,331 @@
+"""The parent's side of the pool protocol: work waiting, work out at workers, and results per item.
+
+Everything here runs under one lock, from three kinds of threads: the callers that submit work, the
+node's I/O thread that handles workers' messages (:meth:`Dispatcher.on_message`, which never blocks), and
+the pool's upkeep thread that reports workers that ended (:meth:`Dispatcher.worker_lost`).
+
+Guarantees:
+
+* Work goes only to a worker that asked for it (credit), idle workers first.
+* Each item's result is delivered exactly once: a chunk keeps one "done" flag per item, and a result for
+  an item already done (sent again by the worker that redid it after another died) is dropped.
+* When a worker ends holding work, its unfinished items go back to the front of the line. The item it was
+  running is blamed: it is tried again alone on an idle worker, and after ``max_task_retries`` deaths it
+  fails with :class:`WorkerLostError` naming it.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+from array import array
+from multiprocessing.pool import MaybeEncodingError
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+
+from ..transport import session as _session
+from ..transport.serialize import SerializationError, dumps, loads
+from . import _protocol as P
+from ._results import WorkerLostError
+
+log = logging.getLogger(__name__)
+
+
+class _Job:
+    __slots__ = ("id", "result", "name", "func_frames", "inline", "left")
+
+    def __init__(self, job_id: int, result: Any, name: str, func_frames: List[Any], inline: bool,
+                 left: int) -> None:
+        self.id, self.result, self.name = job_id, result, name
+        self.func_frames, self.inline, self.left = func_frames, inline, left
+
+
+class _Chunk:
+    """Items of one job that travel as one message; results are tracked per item."""
+
+    __slots__ = ("id", "job", "base", "n", "args", "done", "left", "deaths")
+
+    def __init__(self, chunk_id: int, job: _Job, base: int, n: int, args: List[Any]) -> None:
+        self.id, self.job, self.base, self.n, self.args = chunk_id, job, base, n, args
+        self.done = bytearray(n)
+        self.left = n
+        self.deaths: Optional[Dict[int, int]] = None
+
+
+class _Unit:
+    """A chunk, or the unfinished items of one, as given to one worker."""
+
+    __slots__ = ("chunk", "offsets", "alone", "left")
+
+    def __init__(self, chunk: _Chunk, offsets: Optional[List[int]] = None, alone: bool = False) -> None:
+        self.chunk, self.offsets, self.alone, self.left = chunk, offsets, alone, 0
+
+
+class WorkerState:
+    """The parent's view of one worker process."""
+
+    __slots__ = ("id", "proc", "ident", "credit", "units", "known", "forget", "retiring", "gone",
+                 "alone")
+
+    def __init__(self, worker_id: int, proc: Any) -> None:
+        self.id, self.proc = worker_id, proc
+        self.ident: Optional[bytes] = None
+        self.credit = 0
+        self.units: Dict[int, _Unit] = {}  # chunk id -> unit, in the order sent (= the order run)
+        self.known: set = set()  # jobs whose function this worker holds
+        self.forget: List[int] = []
+        self.retiring = False
+        self.gone = False
+        self.alone = False  # running a blamed item: gets nothing else meanwhile
+
+
+class Dispatcher:
+    def __init__(self, pool_id: int, max_task_retries: int) -> None:
+        self.pool_id = pool_id
+        self.max_task_retries = max_task_retries
+        self.lock = threading.Lock()
+        self.node = _session.current().node()
+        self.jobs: Dict[int, _Job] = {}
+        self.chunks: Dict[int, _Chunk] = {}
+        self.pending: Deque[_Unit] = collections.deque()
+        self.suspects: Deque[_Unit] = collections.deque()  # blamed items, each to run alone
+        self.workers: Dict[int, WorkerState] = {}
+        self.by_ident: Dict[bytes, WorkerState] = {}
+        self.ready: List[WorkerState] = []  # workers with credit, in the order they asked
+        self._job_ids = itertools.count(1)
+        self._chunk_ids = itertools.count(1)
+
+    # -- callers -------------------------------------------------------------------------------
+    def submit(self, result: Any, func: Callable[..., Any], mode: int, items: Sequence[Any],
+               chunksize: int, inline: bool) -> None:
+        """Queue ``items`` for ``func``; pickling happens here, in the caller's thread.
+
+        Raises SerializationError when the function or an item cannot be pickled (nothing is queued).
+        """
+        func_frames = dumps((func, mode))
+        chunksize = max(1, chunksize)
+        pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
+        name = getattr(func, "__qualname__", None) or repr(func)
+        with self.lock:
+            job = _Job(next(self._job_ids), result, name, func_frames, inline, len(items))
+            if not items:
+                return
+            self.jobs[job.id] = job
+            for base, args in pieces:
+                chunk = _Chunk(next(self._chunk_ids), job, base, min(chunksize, len(items) - base), args)
+                self.chunks[chunk.id] = chunk
+                self.pending.append(_Unit(chunk))
+            self._dispatch()
+
+    def busy(self) -> bool:
+        with self.lock:
+            return bool(self.jobs)
+
+    # -- worker messages (node I/O thread) -----------------------------------------------------
+    def on_message(self, ident: bytes, kind: int, arg: int, frames: List[Any]) -> None:
+        if kind == P.RESULTS:
+            keys = array("q", frames[1].bytes)
+            try:
+                values = loads(frames[2:])
+            except Exception as exc:  # e.g. the result's class cannot be imported here
+                err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
+                values = [err] * arg
+                keys = array("q", (k if i % 3 != 2 else 0 for i, k in enumerate(keys)))
+            with self.lock:
+                self._results(self.by_ident.get(ident), keys, values)
+            return
+        with self.lock:
+            if kind == P.HELLO:
+                w = self.workers.get(arg)
+                if w is not None and not w.gone:
+                    w.ident = ident
+                    self.by_ident[ident] = w
+                    if w.retiring:
+                        self._send(w, P.STOP)
+                return
+            w = self.by_ident.get(ident)
+            if w is None or w.gone:
+                return
+            if kind == P.READY:
+                if not w.retiring:
+                    w.credit += arg
+                    if w not in self.ready:
+                        self.ready.append(w)
+                    self._dispatch()
+            elif kind == P.BYE:
+                self._retire(w)
+                self._send(w, P.ACK)
+
+    def _results(self, w: Optional[WorkerState], keys: "array[int]", values: List[Any]) -> None:
+        chunks = self.chunks
+        freed = False
+        for i in range(len(values)):
+            cid, off, ok = keys[3 * i], keys[3 * i + 1], keys[3 * i + 2]
+            if w is not None:
+                unit = w.units.get(cid)
+                if unit is not None:
+                    unit.left -= 1
+                    if unit.left <= 0:
+                        del w.units[cid]
+                        if not w.units:
+                            w.alone = False
+                            freed = True
+            chunk = chunks.get(cid)
+            if chunk is None or chunk.done[off]:
+                continue  # already delivered
+            self._deliver(chunk, off, bool(ok), values[i])
+        if freed and self.suspects:
+            self._dispatch()
+
+    def _deliver(self, chunk: _Chunk, off: int, ok: bool, value: Any) -> None:
+        chunk.done[off] = 1
+        chunk.left -= 1
+        if chunk.left == 0:
+            del self.chunks[chunk.id]
+        job = chunk.job
+        try:
+            job.result._set(chunk.base + off, ok, value)
+        except Exception:
+            log.exception("roving pool: could not deliver a result")
+        job.left -= 1
+        if job.left == 0:
+            del self.jobs[job.id]
+            if not job.inline:
+                for w in self.workers.values():
+                    if job.id in w.known:
+                        w.known.discard(job.id)
+                        w.forget.append(job.id)
+
+    # -- dispatch (lock held) ------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while self.suspects:
+            w = next((w for w in self.ready if not w.units), None)
+            if w is None:
+                break
+            unit = self.suspects.popleft()
+            self._send_unit(w, unit)
+            w.alone = True
+        while self.pending and self.ready:
+            w = next((w for w in self.ready if not w.units), None)
+            if w is None:
+                w = next((w for w in self.ready if not w.alone), None)
+                if w is None:
+                    break
+            self._send_unit(w, self.pending.popleft())
+
+    def _send_unit(self, w: WorkerState, unit: _Unit) -> None:
+        chunk, job = unit.chunk, unit.chunk.job
+        offsets = unit.offsets
+        if offsets is not None:
+            offsets = [o for o in offsets if not chunk.done[o]]
+            if not offsets:
+                return
+        if job.inline or job.id not in w.known:
+            func_frames = job.func_frames
+            if not job.inline:
+                w.known.add(job.id)
+        else:
+            func_frames = []
+        header = P.TO_WORKER.pack(P.TASKS, chunk.id, job.id, len(func_frames), len(chunk.args), chunk.n)
+        forget = array("q", w.forget).tobytes() if w.forget else b""
+        w.forget = []
+        offs = array("I", offsets).tobytes() if offsets is not None else b""
+        self.node.send_to(w.ident, [header, forget, offs, *func_frames, *chunk.args])
+        unit.left = chunk.n if offsets is None else len(offsets)
+        w.units[chunk.id] = unit
+        w.credit -= 1
+        if w.credit <= 0:
+            self.ready.remove(w)
+
+    def _send(self, w: WorkerState, kind: int) -> None:
+        if w.ident is not None:
+            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0)])
+
+    def _retire(self, w: WorkerState) -> None:
+        w.retiring = True
+        w.credit = 0
+        if w in self.ready:
+            self.ready.remove(w)
+
+    # -- worker upkeep (pool thread) -----------------------------------------------------------
+    def add_worker(self, w: WorkerState) -> None:
+        with self.lock:
+            self.workers[w.id] = w
+
+    def retire(self, w: WorkerState) -> None:
+        """Ask ``w`` to leave once it has run what it holds; it gets no more work."""
+        with self.lock:
+            if not w.retiring:
+                self._retire(w)
+                self._send(w, P.STOP)  # a worker not yet connected is told at HELLO
+
+    def worker_lost(self, w: WorkerState, exitcode: Optional[int]) -> None:
+        """``w`` ended: its unfinished items go back to the front of the line (see module docstring)."""
+        with self.lock:
+            w.gone = True
+            self._retire(w)
+            self.workers.pop(w.id, None)
+            units, w.units = list(w.units.values()), {}
+            again: List[_Unit] = []
+            blamed = False
+            for unit in units:
+                chunk = unit.chunk
+                offsets = [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n))
+                           if not chunk.done[o]]
+                if not offsets:
+                    continue
+                if not blamed:  # the first unfinished item is the one it was running
+                    blamed = True
+                    first, offsets = offsets[0], offsets[1:]
+                    deaths = chunk.deaths or {}
+                    chunk.deaths = deaths
+                    deaths[first] = deaths.get(first, 0) + 1
+                    if deaths[first] >= self.max_task_retries:
+                        self._deliver(chunk, first, False, WorkerLostError(
+                            f"item {chunk.base + first} of {chunk.job.name} was running on "
+                            f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
+                            f"it is not tried again (max_task_retries={self.max_task_retries})"))
+                    else:
+                        self.suspects.append(_Unit(chunk, [first], alone=True))
+                if offsets:
+                    again.append(_Unit(chunk, offsets))
+            self.pending.extendleft(reversed(again))
+            if units:
+                log.warning("roving pool: worker %s ended (exit code %s) holding work; its unfinished "
+                            "items go to other workers", w.id, exitcode)
+            self._dispatch()
+
+    def fail_all(self, error_text: str) -> None:
+        """Terminate: every result not yet delivered fails with ``error_text``."""
+        with self.lock:
+            for chunk in list(self.chunks.values()):
+                for off in range(chunk.n):
+                    if not chunk.done[off]:
+                        self._deliver(chunk, off, False, RuntimeError(error_text))
+            self.pending.clear()
+            self.suspects.clear()
+
+
+_pools: Dict[int, Dispatcher] = {}
+_registered: set = set()
+_register_lock = threading.Lock()
+
+
+def register(disp: Dispatcher) -> None:
+    with _register_lock:
+        _pools[disp.pool_id] = disp
+        if id(disp.node) not in _registered:
+            disp.node.register_handler(P.OP, _route)
+            _registered.add(id(disp.node))
+
+
+def unregister(disp: Dispatcher) -> None:
+    with _register_lock:
+        _pools.pop(disp.pool_id, None)
+
+
+def _route(ident: bytes, frames: List[Any]) -> None:
+    pool_id, kind, arg = P.TO_PARENT.unpack(frames[0].bytes)
+    disp = _pools.get(pool_id)
+    if disp is not None:
+        disp.on_message(ident, kind, arg, frames)

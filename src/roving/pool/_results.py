@@ -1,0 +1,189 @@
+"""What a caller holds for work it gave the pool: AsyncResult, MapResult and the imap iterators.
+
+The pool's I/O thread fills them, one item at a time, through ``_set``; callbacks run on the pool's
+callback thread (never the I/O thread), before ``get()`` returns, as in :mod:`multiprocessing`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from multiprocessing import ProcessError, TimeoutError
+from typing import Any, Callable, Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
+           "WorkerLostError"]
+
+
+class WorkerLostError(ProcessError):
+    """A task was running on ``max_task_retries`` workers that died; it is not tried again."""
+
+
+class CallbackRunner:
+    """One thread that runs result callbacks in completion order."""
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="roving-pool-callbacks",
+                                                    daemon=True)
+                    self._thread.start()
+        self._queue.put(fn)
+
+    def _run(self) -> None:
+        while True:
+            fn = self._queue.get()
+            if fn is None:
+                return
+            fn()
+
+    def stop(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+
+class AsyncResult:
+    """The result of :meth:`Pool.apply_async`; see :class:`multiprocessing.pool.AsyncResult`."""
+
+    def __init__(self, runner: CallbackRunner, callback: Optional[Callable[[Any], Any]] = None,
+                 error_callback: Optional[Callable[[BaseException], Any]] = None) -> None:
+        self._runner = runner
+        self._callback, self._error_callback = callback, error_callback
+        self._event = threading.Event()
+        self._success: Optional[bool] = None
+        self._value: Any = None
+
+    def ready(self) -> bool:
+        return self._event.is_set()
+
+    def successful(self) -> bool:
+        """Whether the call returned without raising. ValueError if it has not finished."""
+        if not self.ready():
+            raise ValueError(f"{self!r} not ready")
+        return bool(self._success)
+
+    def wait(self, timeout: Optional[float] = None) -> None:
+        self._event.wait(timeout)
+
+    def get(self, timeout: Optional[float] = None) -> Any:
+        """The value, or the task's exception raised here (its remote traceback as ``__cause__``).
+
+        Raises multiprocessing.TimeoutError if it is not ready within ``timeout`` seconds.
+        """
+        self.wait(timeout)
+        if not self.ready():
+            raise TimeoutError
+        if self._success:
+            return self._value
+        raise self._value
+
+    # -- filled by the pool's I/O thread ---------------------------------------------------------
+    def _set(self, index: int, ok: bool, value: Any) -> None:
+        self._complete(ok, value)
+
+    def _complete(self, ok: bool, value: Any) -> None:
+        if self._success is not None:
+            return
+        self._success, self._value = ok, value
+        if (self._callback if ok else self._error_callback) is None:
+            self._event.set()
+        else:
+            self._runner.submit(self._finish)
+
+    def _finish(self) -> None:
+        fn = self._callback if self._success else self._error_callback
+        try:
+            fn(self._value)
+        except Exception:
+            log.exception("roving pool: a result callback raised")
+        finally:
+            self._event.set()
+
+
+ApplyResult = AsyncResult
+
+
+class MapResult(AsyncResult):
+    """The result of :meth:`Pool.map_async`: a list in input order, or the first item's error."""
+
+    def __init__(self, runner: CallbackRunner, length: int, callback: Optional[Callable] = None,
+                 error_callback: Optional[Callable] = None) -> None:
+        super().__init__(runner, callback, error_callback)
+        self._values: List[Any] = [None] * length
+        self._left = length
+        if length == 0:
+            self._complete(True, [])
+
+    def _set(self, index: int, ok: bool, value: Any) -> None:
+        if not ok:
+            self._complete(False, value)
+            return
+        self._values[index] = value
+        self._left -= 1
+        if self._left == 0:
+            self._complete(True, self._values)
+
+
+class IMapIterator:
+    """Results of :meth:`Pool.imap` in input order; ``next(timeout)`` raises TimeoutError."""
+
+    def __init__(self, length: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._length = length
+        self._ready: Dict[int, tuple] = {}
+        self._next = 0
+
+    def __iter__(self) -> "IMapIterator":
+        return self
+
+    def _take(self) -> Optional[tuple]:
+        return self._ready.pop(self._next, None)
+
+    def next(self, timeout: Optional[float] = None) -> Any:
+        with self._cond:
+            while True:
+                if self._next >= self._length:
+                    raise StopIteration
+                got = self._take()
+                if got is not None:
+                    break
+                if not self._cond.wait(timeout):
+                    raise TimeoutError
+        self._next += 1
+        ok, value = got
+        if ok:
+            return value
+        raise value
+
+    __next__ = next
+
+    def _set(self, index: int, ok: bool, value: Any) -> None:
+        with self._cond:
+            self._ready[index] = (ok, value)
+            self._cond.notify()
+
+
+class IMapUnorderedIterator(IMapIterator):
+    """Results of :meth:`Pool.imap_unordered`, in the order they finish."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__(length)
+        self._done: "collections.deque[tuple]" = collections.deque()
+
+    def _take(self) -> Optional[tuple]:
+        return self._done.popleft() if self._done else None
+
+    def _set(self, index: int, ok: bool, value: Any) -> None:
+        with self._cond:
+            self._done.append((ok, value))
+            self._cond.notify()

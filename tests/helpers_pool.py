@@ -1,0 +1,73 @@
+"""Module-level functions that pool workers import by reference in tests/test_pool.py (cheap to import)."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+
+def square(x):
+    return x * x
+
+
+def add(a, b):
+    return a + b
+
+
+def pid_after(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def getpid(_=None):
+    return os.getpid()
+
+
+def fail_on(x, bad):
+    if x == bad:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def raise_value_error(message):
+    raise ValueError(message)
+
+
+def kill_self(x):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_if(x, bad):
+    if x == bad:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def unpicklable_if(x, bad):
+    return threading.Lock() if x == bad else x
+
+
+def sleep_square(x, seconds):
+    time.sleep(seconds)
+    return x * x
+
+
+def slow_square_counting(x, seconds, log_dir):
+    """Square after a pause; leaves a file per execution so tests can count how often items ran."""
+    time.sleep(seconds)
+    with open(os.path.join(log_dir, f"{x}.{os.getpid()}.{time.monotonic_ns()}"), "w"):
+        pass
+    return x * x
+
+
+_initialized = None
+
+
+def init_value(value):
+    global _initialized
+    _initialized = value
+
+
+def initialized(_=None):
+    return _initialized
