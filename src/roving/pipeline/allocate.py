@@ -1,8 +1,9 @@
-"""Which node holds which stage: replica counts, a locality-preserving start, and local search.
+"""Which node holds which stage for the SkipPipe planner: replica counts, a locality-preserving start,
+and local search.
 
-Both the SkipPipe allocation and the full-pipeline baseline start from the same node order (a greedy
-nearest-neighbour tour, so nodes next to each other in the order sit on fast links) and are improved by
-the same swap search, judged by whatever the caller passes (in practice: plan paths, then simulate).
+The allocation starts from a greedy nearest-neighbour tour of the nodes (neighbours in the order sit
+on fast links) and is improved by a swap search judged by whatever the caller passes (in practice:
+plan paths, then simulate). The full-pipeline baseline allocates as DT-FM does (``dtfm``).
 """
 
 from __future__ import annotations
@@ -104,16 +105,6 @@ def spread_labels(counts: Sequence[int]) -> list[int]:
 def initial_allocation(network: Network, counts: Sequence[int], cost) -> dict[str, int]:
     order = tour_order(network, cost)
     return dict(zip(order, spread_labels(counts)))
-
-
-def pipeline_chains(network: Network, stages: int, cost) -> tuple[list[list[str]], list[str]]:
-    """DT-FM-style start for the full-pipeline baseline: ``nodes // stages`` fixed pipelines, each a
-    run of consecutive nodes of the locality tour (so a chain stays within a region or hops to a near
-    one); nodes left over are spare."""
-    order = tour_order(network, cost)
-    p = len(order) // stages
-    chains = [order[i * stages:(i + 1) * stages] for i in range(p)]
-    return chains, order[p * stages:]
 
 
 def swap_search(

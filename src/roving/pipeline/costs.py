@@ -53,6 +53,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama-1.5b": ModelSpec(layers=24, hidden=2048, seq_len=1024),
     "llama-3b": ModelSpec(layers=26, hidden=3200, seq_len=1024),
     "llama-8b": ModelSpec(layers=32, hidden=4096, seq_len=1024),
+    # The paper's own LLaMA-1.5B runs (released code, trainer.py and create_schedule.py): hidden 2048,
+    # 24 layers, sequence 4096, one sample per microbatch (16 MiB of activations), and its simulator's
+    # backward of 1.5x the forward.
+    "llama-1.5b-skippipe": ModelSpec(layers=24, hidden=2048, seq_len=4096, samples_per_microbatch=1,
+                                     backward_ratio=1.5),
 }
 DEFAULT_MODEL = "llama-1.5b"
 

@@ -23,7 +23,6 @@ from .allocate import (
     check_sizes,
     initial_allocation,
     node_cost_matrix,
-    pipeline_chains,
     replica_counts,
     spread_labels,
     swap_search,
@@ -31,6 +30,7 @@ from .allocate import (
     visits_per_microbatch,
 )
 from .costs import ModelSpec, PlanError, stage_costs
+from .dtfm import dtfm_allocation
 from .network import Network, Node, slowed
 from .simulate import simulate
 
@@ -341,6 +341,31 @@ def _check_inputs(network: Network, stages: int, skip: float, microbatches: int)
     return visits_per_microbatch(stages, skip)
 
 
+def _count_candidates(counts: list[int]) -> list[list[int]]:
+    """The compute-proportional replica counts and variants with one or two nodes moved to or from
+    stage 0 (taken from, or given to, the stages with the most and fewest replicas)."""
+    out = [list(counts)]
+    for delta in (1, 2, -1):
+        c = list(counts)
+        for _ in range(abs(delta)):
+            others = range(1, len(c))
+            if delta > 0:
+                s = max(others, key=lambda s: (c[s], s))
+                if c[s] <= 1:
+                    break
+                c[s] -= 1
+                c[0] += 1
+            else:
+                if c[0] <= 1:
+                    break
+                s = min(others, key=lambda s: (c[s], s))
+                c[s] += 1
+                c[0] -= 1
+        if c not in out:
+            out.append(c)
+    return out
+
+
 def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
          budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
@@ -350,14 +375,22 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     t0 = time.perf_counter()
     visits = _check_inputs(network, stages, skip, microbatches)
     rng = random.Random(seed)
-    counts = replica_counts(len(network.nodes), stages, skip, model)
     cost = node_cost_matrix(network, model)
     order = tour_order(network, cost)
-    labels = spread_labels(counts)
 
-    def judge(slots: list[str]) -> float:
+    def judge_with(labels: list[int], slots: list[str]) -> float:
         ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
         return _makespan(ctx, build_paths(ctx, microbatches, visits, allow_swaps), None, skip)
+
+    # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
+    # for the whole round trip, so with little memory more stage-0 nodes (fewer rounds each) can beat
+    # the compute-proportional split. A few candidate splits are judged before the swap search.
+    labels = min((spread_labels(c) for c in _count_candidates(replica_counts(len(network.nodes), stages, skip,
+                                                                             model))),
+                 key=lambda lab: judge_with(lab, order))
+
+    def judge(slots: list[str]) -> float:
+        return judge_with(labels, slots)
 
     slots, _ = swap_search(order, labels, judge, t0 + 0.4 * budget_s, rng)
     ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
@@ -372,13 +405,90 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     return result
 
 
+def _repair_paths(ctx: _Context, paths: Sequence[Path]) -> list[Path]:
+    """``paths`` with every node that no longer holds its stage replaced, each stage set kept.
+
+    Orphaned microbatches go to the live origin that would finish its share soonest: the origins are
+    filled evenly (an origin holds each of its microbatches for the whole round trip, so one with more
+    than its share pays a whole extra round), and among the least loaded the one nearest to the
+    microbatch's path. A replaced node is the replica that adds the least transfer time, plus its
+    compute for each microbatch it already carries beyond its fair share (so a survivor next to a fast
+    link is not buried under every orphan)."""
+    alloc, cost = ctx.allocation, ctx.cost
+    use: dict[str, int] = defaultdict(int)
+    for p in paths:
+        for n in (p.origin, *p.nodes):
+            if n in alloc:
+                use[n] += 1
+    zeros = ctx.replicas[0]
+    fair_origin = math.ceil(len(paths) / len(zeros))
+    visits_of = [0] * ctx.stages
+    for p in paths:
+        for s in p.stages:
+            visits_of[s] += 1
+    fair = {n: visits_of[alloc[n]] / len(ctx.replicas[alloc[n]]) for n in alloc if alloc[n] != 0}
+    origin_use = defaultdict(int)
+    for p in paths:
+        if alloc.get(p.origin) == 0:
+            origin_use[p.origin] += 1
+
+    def pick_replica(stage: int, before: str, after: str) -> str:
+        return min(ctx.replicas[stage], key=lambda r: (
+            cost[before, r] + cost[r, after] + ctx.work[r] * max(0.0, use[r] + 1 - fair[r]), r))
+
+    out = []
+    for p in paths:
+        nodes = list(p.nodes)
+        for i, (n, s) in enumerate(zip(p.nodes, p.stages)):
+            if alloc.get(n) != s:
+                nodes[i] = ""
+        origin = p.origin
+        if alloc.get(origin) != 0:
+            first = next((n for n in nodes if n), None)
+            last = next((n for n in reversed(nodes) if n), None)
+            origin = min(zeros, key=lambda z: (
+                origin_use[z] >= fair_origin, origin_use[z] if origin_use[z] >= fair_origin else 0,
+                (cost[z, first] if first else 0.0) + (cost[last, z] if last else 0.0), z))
+            origin_use[origin] += 1
+        for i, s in enumerate(p.stages):
+            if not nodes[i]:
+                before = nodes[i - 1] if i else origin
+                after = next((n for n in nodes[i + 1:] if n), origin)
+                nodes[i] = pick_replica(s, before, after)
+                use[nodes[i]] += 1
+        out.append(Path(origin, tuple(nodes), p.stages))
+    return out
+
+
+def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Path]) -> dict[str, int]:
+    """``alloc`` with nodes moved from stages above their wanted replica count to stages below it; from
+    a donor stage the node carrying the fewest microbatches moves."""
+    alloc, counts = dict(alloc), list(counts)
+    carried: dict[str, int] = defaultdict(int)
+    for p in paths:
+        for n in (p.origin, *p.nodes):
+            carried[n] += 1
+    while True:
+        short = [s for s in range(len(counts)) if counts[s] < want[s]]
+        spare = [s for s in range(len(counts)) if counts[s] > want[s]]
+        if not short or not spare:
+            return alloc
+        to = max(short, key=lambda s: (want[s] / counts[s], -s))
+        donor = max(spare, key=lambda s: (counts[s] / want[s], -s))
+        node = min((n for n, s in alloc.items() if s == donor), key=lambda n: (carried[n], n))
+        alloc[node] = to
+        counts[donor] -= 1
+        counts[to] += 1
+
+
 def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterable[str] = (),
            slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (),
-           budget_s: float = 0.3, seed: int = 0) -> tuple[Plan, Network]:
+           budget_s: float = 0.6, seed: int = 0) -> tuple[Plan, Network]:
     """A new plan from ``current`` after nodes failed, slowed down (factor > 1 = slower) or joined.
     Keeps each microbatch's stage set (so stage loads stay balanced) and moves only what must move;
     a stage left without nodes takes a joined node, else one from the stage with the most spare
-    replicas. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
+    replicas; a stage left with fewer replicas than a fresh plan would give it may also take nodes from
+    stages above their count, when the simulator says that is faster. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
     t0 = time.perf_counter()
     failed = set(failed)
     for f in failed:
@@ -416,32 +526,28 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
         st = max(range(stages), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
         alloc[n] = st
         counts[st] += 1
-    ctx = _Context(new_net, model, alloc, stages)
     rng = random.Random(seed)
     visits = visits_per_microbatch(stages, current.skip)
-    use: dict[str, int] = defaultdict(int)
-    for p in current.paths:
-        for n in (p.origin, *p.nodes):
-            use[n] += 1
-    repaired = []
-    for p in current.paths:
-        origin = p.origin
-        if alloc.get(origin) != 0:
-            origin = min(ctx.replicas[0], key=lambda z: (use[z], z))
-            use[origin] += 1
-        nodes = list(p.nodes)
-        for i, (n, s) in enumerate(zip(p.nodes, p.stages)):
-            if alloc.get(n) != s:
-                before = nodes[i - 1] if i else origin
-                after = nodes[i + 1] if i + 1 < len(nodes) and alloc.get(nodes[i + 1]) == p.stages[i + 1] else origin
-                nodes[i] = min(ctx.replicas[s], key=lambda r: (use[r], ctx.cost[before, r] + ctx.cost[r, after], r))
-                use[nodes[i]] += 1
-        repaired.append(Path(origin, tuple(nodes), p.stages))
-    candidates = [(repaired, current.priority)]
-    candidates.append((build_paths(ctx, len(current.paths), visits), None))
-    scored = [(_makespan(ctx, ps, pr, current.skip), i) for i, (ps, pr) in enumerate(candidates)]
-    _, pick = min(scored)
-    paths, prio = candidates[pick]
+    # Each stage keeps its visit quota (load balance), so a stage that lost replicas loads its survivors
+    # with the lost ones' share: one replica left of two does twice the work and sets the iteration
+    # time. Moving nodes over from stages above their fair count undoes that; the simulator decides
+    # whether the moves pay for themselves.
+    allocations = [alloc]
+    if want:
+        moved = _rebalanced(alloc, counts, want, current.paths)
+        if moved != alloc:
+            allocations.append(moved)
+        # and a fresh allocation (more weights move, but the survivors may be far better used)
+        fresh = dict(zip(tour_order(new_net, node_cost_matrix(new_net, model)), spread_labels(want)))
+        allocations.append(fresh)
+    candidates = []
+    for a in allocations:
+        ctx = _Context(new_net, model, a, stages)
+        for ps, pr in ((_repair_paths(ctx, current.paths), current.priority),
+                       (build_paths(ctx, len(current.paths), visits), None)):
+            candidates.append((_makespan(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
+    _, _, ctx, paths, prio = min(candidates, key=lambda c: c[:2])
+    alloc = ctx.allocation
     paths, prio, score, evals = improve_paths(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio)
     new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
                     {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals})
@@ -452,31 +558,21 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
 
 def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
                   budget_s: float = 5.0, seed: int = 0) -> Plan:
-    """The paper's baseline, DT-FM style: ``nodes // stages`` fixed full pipelines (no stage skipped),
-    microbatches split evenly across them. Chains start as runs of the locality tour and are improved
-    by swapping nodes between positions (spare nodes included), judged by the simulator."""
+    """The paper's baseline: DT-FM's allocation (``nodes // stages`` fixed full pipelines chosen by
+    DT-FM's communication cost model and evolutionary search, see ``dtfm``), no stage skipped, the
+    microbatches split evenly across the pipelines (pipeline i carries microbatches i, i+p, ...).
+    Nodes left over stay idle. The simulator only measures the result; it never steers the search."""
     _check_inputs(network, stages, 0.0, microbatches)
     t0 = time.perf_counter()
-    cost = node_cost_matrix(network, model)
-    chains, spare = pipeline_chains(network, stages, cost)
-    n_chains = len(chains)
-    roles = list(range(n_chains * stages)) + [-1] * len(spare)
-
-    def to_plan(slots: list[str]) -> Plan:
-        cs = [slots[i * stages:(i + 1) * stages] for i in range(n_chains)]
-        alloc = {n: pos for c in cs for pos, n in enumerate(c)}
-        paths = [Path(c[0], tuple(c[1:]), tuple(range(1, stages)))
-                 for c in (cs[m % n_chains] for m in range(microbatches))]
-        return Plan(stages, 0.0, alloc, paths)
-
-    def judge(slots: list[str]) -> float:
-        return simulate(network, model, to_plan(slots), record=False).makespan
-
-    slots, score = swap_search([n for c in chains for n in c] + spare, roles, judge,
-                               t0 + budget_s, random.Random(seed))
-    result = to_plan(slots)
-    result.predicted_s = score
-    result.stats = {"planner_seconds": time.perf_counter() - t0}
+    found = dtfm_allocation(network, model, stages, microbatches, budget_s=budget_s, seed=seed)
+    chains = found.pipelines
+    alloc = {n: pos for c in chains for pos, n in enumerate(c)}
+    paths = [Path(c[0], tuple(c[1:]), tuple(range(1, stages)))
+             for c in (chains[m % len(chains)] for m in range(microbatches))]
+    result = Plan(stages, 0.0, alloc, paths)
+    result.predicted_s = simulate(network, model, result, record=False).makespan
+    result.stats = {"planner_seconds": time.perf_counter() - t0, "dtfm_cost": found.cost,
+                    "idle": found.idle}
     return result
 
 

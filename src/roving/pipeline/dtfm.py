@@ -1,0 +1,190 @@
+"""DT-FM's allocation (Yuan et al., NeurIPS 2022), the allocation of the full-pipeline baseline.
+
+DT-FM splits the nodes into one equal-sized group per stage (a stage's data-parallel replicas) and
+chains one node of every group into each pipeline. It scores an allocation by a communication cost
+model, never by simulating it:
+
+* data-parallel cost: the gradient all-reduce inside each group, ``max`` over groups and over the
+  group's nodes of ``sum over its peers of 2 x (latency + stage_bytes / (group_size x bandwidth))``;
+* pipeline cost: between two groups, the bottleneck of the best perfect matching of their nodes
+  (the slowest pipeline decides), the activations and gradients of a pipeline's microbatches; over all
+  groups, the shortest open path that visits every group once (an open-loop travelling salesman),
+  whose order is the stage order;
+* total = data-parallel cost + pipeline cost.
+
+It searches with a memetic algorithm (GCMA: a steady-state genetic algorithm with five-point crossover
+whose offspring are improved by local search before they replace the worse parent). Here the local
+search is a budgeted pass of node exchanges between groups, in place of DT-FM's cyclic partitioning;
+both only move a node when the cost model says the move pays. Nodes beyond ``groups x group_size``
+form an idle group that the search may fill with whichever nodes serve worst.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+from .costs import ModelSpec, stage_layers
+from .network import Network
+
+
+@dataclass
+class DtfmAllocation:
+    """Pipelines as node chains (``pipelines[i][s]`` holds stage s), idle nodes and the model's cost."""
+
+    pipelines: list[list[str]]
+    idle: list[str]
+    cost: float
+
+
+def stage_param_bytes(model: ModelSpec, stages: int) -> list[float]:
+    """Gradient bytes each stage all-reduces: about 12 x hidden^2 parameters per transformer layer."""
+    return [12.0 * model.hidden ** 2 * n * model.bytes_per_activation for n in stage_layers(model, stages)]
+
+
+class _Costs:
+    def __init__(self, network: Network, model: ModelSpec, stages: int, group: int, microbatches: int):
+        names = network.names
+        self.lat = {(a, b): network.link(a, b).latency_s for a in names for b in names if a != b}
+        self.bw = {(a, b): network.link(a, b).bandwidth_bps for a in names for b in names if a != b}
+        per_pipe = microbatches / group
+        act = model.transfer_bytes
+        # forward activations and backward gradients of every microbatch the pipeline carries
+        self.pp = {k: 2 * per_pipe * (self.lat[k] + act / self.bw[k]) for k in self.lat}
+        self.dp_bytes = max(stage_param_bytes(model, stages)) / group
+        self.stages, self.group = stages, group
+        self._edge: dict = {}
+
+    def dp(self, g: tuple[str, ...]) -> float:
+        if len(g) < 2:
+            return 0.0
+        return max(sum(2 * (self.lat[a, b] + self.dp_bytes / self.bw[a, b]) for b in g if b != a) for a in g)
+
+    def edge(self, g1: tuple[str, ...], g2: tuple[str, ...]) -> tuple[float, tuple[int, ...]]:
+        """Bottleneck perfect matching of two groups: (its largest pair cost, g2's index for each of g1);
+        among matchings with that bottleneck, the one of least total cost."""
+        key = (g1, g2)
+        hit = self._edge.get(key)
+        if hit is None:
+            cost = [[max(self.pp[a, b], self.pp[b, a]) for b in g2] for a in g1]
+            best = None
+            for perm in itertools.permutations(range(len(g2))):
+                c = [cost[i][j] for i, j in enumerate(perm)]
+                val = (max(c), sum(c))
+                if best is None or val < best[0]:
+                    best = (val, perm)
+            hit = self._edge[key] = (best[0][0], best[1])
+        return hit
+
+    def tsp(self, groups: list[tuple[str, ...]]) -> tuple[float, list[int]]:
+        """Shortest open path through all groups (exact dynamic program over subsets)."""
+        n = len(groups)
+        w = [[0.0 if i == j else self.edge(groups[i], groups[j])[0] for j in range(n)] for i in range(n)]
+        full = (1 << n) - 1
+        dp: dict[tuple[int, int], tuple[float, int]] = {(1 << i, i): (0.0, -1) for i in range(n)}
+        for mask in range(1, full + 1):
+            for last in range(n):
+                cur = dp.get((mask, last))
+                if cur is None:
+                    continue
+                for nxt in range(n):
+                    if mask >> nxt & 1:
+                        continue
+                    key = (mask | 1 << nxt, nxt)
+                    v = cur[0] + w[last][nxt]
+                    if key not in dp or v < dp[key][0]:
+                        dp[key] = (v, last)
+        end = min(range(n), key=lambda i: dp[(full, i)][0])
+        total = dp[(full, end)][0]
+        order, mask, node = [], full, end
+        while node >= 0:
+            order.append(node)
+            prev = dp[(mask, node)][1]
+            mask &= ~(1 << node)
+            node = prev
+        return total, order[::-1]
+
+    def total(self, groups: list[tuple[str, ...]]) -> float:
+        return max(self.dp(g) for g in groups) + self.tsp(groups)[0]
+
+
+def _groups(labels: list[int], names: list[str], stages: int) -> list[tuple[str, ...]]:
+    out: list[list[str]] = [[] for _ in range(stages)]
+    for n, g in zip(names, labels):
+        if g < stages:
+            out[g].append(n)
+    return [tuple(sorted(g)) for g in out]
+
+
+def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
+                    budget_s: float = 10.0, seed: int = 0, population: int = 50) -> DtfmAllocation:
+    """DT-FM's allocation for ``nodes // stages`` pipelines, searched for about ``budget_s`` seconds."""
+    names = network.names
+    group = len(names) // stages
+    costs = _Costs(network, model, stages, group, microbatches)
+    rng = random.Random(seed)
+    sizes = [group] * stages + ([len(names) - group * stages] if len(names) > group * stages else [])
+    base = [g for g, size in enumerate(sizes) for _ in range(size)]
+    deadline = time.perf_counter() + budget_s
+
+    def score(labels: list[int]) -> float:
+        return costs.total(_groups(labels, names, stages))
+
+    def repair(labels: list[int]) -> list[int]:
+        have = [0] * len(sizes)
+        for g in labels:
+            have[g] += 1
+        for i in rng.sample(range(len(labels)), len(labels)):
+            g = labels[i]
+            if have[g] > sizes[g]:
+                to = next(h for h in range(len(sizes)) if have[h] < sizes[h])
+                labels[i] = to
+                have[g] -= 1
+                have[to] += 1
+        return labels
+
+    def local_search(labels: list[int], value: float, tries: int) -> tuple[list[int], float]:
+        for _ in range(tries):
+            i, j = rng.randrange(len(labels)), rng.randrange(len(labels))
+            if labels[i] == labels[j]:
+                continue
+            labels[i], labels[j] = labels[j], labels[i]
+            v = score(labels)
+            if v < value:
+                value = v
+            else:
+                labels[i], labels[j] = labels[j], labels[i]
+        return labels, value
+
+    pop = []
+    for _ in range(population):
+        labels = list(base)
+        rng.shuffle(labels)
+        pop.append((score(labels), labels))
+        if time.perf_counter() > deadline and len(pop) >= 2:
+            break
+    tries = 2 * len(names)
+    while time.perf_counter() < deadline:
+        a, b = rng.sample(range(len(pop)), 2)
+        child = list(pop[b][1])
+        for point in rng.sample(range(len(names)), min(5, len(names))):
+            child[point] = pop[a][1][point]
+        child = repair(child)
+        child, value = local_search(child, score(child), tries)
+        worse = a if pop[a][0] > pop[b][0] else b
+        if value < pop[worse][0]:
+            pop[worse] = (value, child)
+    value, labels = min(pop, key=lambda p: p[0])
+    groups = _groups(labels, names, stages)
+    _, order = costs.tsp(groups)
+    ordered = [groups[i] for i in order]
+    chains = [[n] for n in ordered[0]]
+    for prev, nxt in zip(ordered, ordered[1:]):
+        _, match = costs.edge(prev, nxt)
+        by_prev = {prev[i]: nxt[j] for i, j in enumerate(match)}
+        for c in chains:
+            c.append(by_prev[c[-1]])
+    idle = sorted(n for n, g in zip(names, labels) if g >= stages)
+    return DtfmAllocation(chains, idle, value)
