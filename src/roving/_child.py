@@ -20,6 +20,7 @@ from .transport import session as _session
 from .transport.serialize import loads
 
 log = logging.getLogger("roving.child")
+_stop_watching = threading.Event()
 
 
 def _watch_parent(info: dict, cfg: _config.Config) -> None:
@@ -27,8 +28,7 @@ def _watch_parent(info: dict, cfg: _config.Config) -> None:
     endpoint = _session.current().endpoint(info["parent"])
     parent_pid = info.get("parent_pid") if info.get("local") else None
     last_answer = time.monotonic()
-    while True:
-        time.sleep(cfg.heartbeat_interval)
+    while not _stop_watching.wait(cfg.heartbeat_interval):
         if parent_pid is not None and os.getppid() != parent_pid:
             _die("its parent process exited")
         if endpoint.ping(cfg.heartbeat_interval):
@@ -60,11 +60,16 @@ def main() -> int:
         traceback.print_exc()
         return 1
     _config._adopt(proc._config)
-    threading.Thread(target=_watch_parent, args=(info, proc._config), name="roving-parent-watch",
-                     daemon=True).start()
+    watcher = threading.Thread(target=_watch_parent, args=(info, proc._config),
+                               name="roving-parent-watch", daemon=True)
+    watcher.start()
     _process._current = proc
     _process._parent = _process._ParentProcess(proc._parent_name, info.get("parent_pid"), info["parent"])
-    return _run(proc)
+    try:
+        return _run(proc)
+    finally:
+        _stop_watching.set()
+        watcher.join(proc._config.heartbeat_interval * 2 + 1)
 
 
 def _run(proc: _process.Process) -> int:

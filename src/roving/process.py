@@ -214,7 +214,8 @@ class Process:
             _children.discard(self)
         session = _session.current()
         if session._node is not None:
-            session._node.release_everywhere(self._uid)
+            # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
+            session._node.release_everywhere(self._uid.encode())
             session._node.drop_box(self._payload_box)
 
     def _check_closed(self) -> None:
@@ -233,10 +234,10 @@ class Process:
     @property
     def pid(self) -> Optional[int]:
         self._check_closed()
-        if self is _main_process or self._job is None and self._uid is None:
-            return os.getpid() if self is _main_process else None
-        if self._job is None:  # inside the child itself
+        if self is _current:  # the main process, or a child asking about itself
             return os.getpid()
+        if self._job is None:
+            return None
         return self._backend.pid(self._job)
 
     ident = pid

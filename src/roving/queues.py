@@ -120,7 +120,7 @@ class Queue:
         """After close(): items this process put are handed to the transport, which delivers them
         before the process exits. Returns at once."""
         if not self._closed:
-            raise ValueError(f"Queue {self!r} not closed")
+            raise AssertionError(f"Queue {self!r} not closed")  # what multiprocessing raises
 
     def cancel_join_thread(self) -> None:
         """Accepted for compatibility; put() has already serialized every item, so nothing is pending."""

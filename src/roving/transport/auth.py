@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import multiprocessing
 import os
 
 NONCE_BYTES = 32
 
 
-class AuthenticationError(ConnectionError):
-    """A peer failed to prove that it knows the session secret."""
+class AuthenticationError(multiprocessing.AuthenticationError, ConnectionError):
+    """A peer failed to prove that it knows the session secret (also ``roving.AuthenticationError``)."""
 
 
 def new_secret() -> bytes:

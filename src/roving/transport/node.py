@@ -331,6 +331,8 @@ class _Connection:
         self.sock.connect(address)
         self._ids = itertools.count(1)
         self.pending: Optional[Tuple[int, bytes, int]] = None
+        # Something was sent without an answer since the last answer: flush() makes sure it arrived.
+        self.unacked = False
         try:
             self._authenticate(secret, connect_timeout)
         except BaseException:
@@ -358,6 +360,8 @@ class _Connection:
 
     def send(self, op: bytes, box_id: int, timeout: float, payload: Frames) -> int:
         req_id = next(self._ids)
+        if op in NO_REPLY:
+            self.unacked = True
         track = any(len(memoryview(f)) >= 65536 for f in payload) if payload else False
         header = _HEADER.pack(box_id, req_id, timeout)
         if track:
@@ -378,8 +382,34 @@ class _Connection:
             got, status = _REPLY.unpack(frames[0].bytes)
             if got == req_id:
                 self.pending = None
+                self.unacked = False  # the node handles a connection's messages in order
                 return status, frames[1:]
             self._stale(got, status, frames[1:])
+
+    def ping(self, timeout: float) -> bool:
+        """True when the node answers within ``timeout`` seconds; all sent before has then arrived."""
+        self.settle()
+        req_id = self.send(PING, 0, 0, [])
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(left * 1000):
+                return False
+            frames = self.sock.recv_multipart(copy=False)
+            got, status = _REPLY.unpack(frames[0].bytes)
+            if got == req_id:
+                self.unacked = False
+                return True
+            self._stale(got, status, frames[1:])
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the node has received every message sent without an answer (bounded)."""
+        if not self.unacked or self.pending is not None:
+            return True
+        try:
+            return self.ping(timeout)
+        except zmq.ZMQError:
+            return False
 
     def settle(self) -> None:
         """Answers to calls that were abandoned (interrupted) can still arrive: take them first."""
@@ -445,10 +475,10 @@ class Endpoint:
         self._connect_timeout = connect_timeout
         self._threads = threading.local()
 
-    def _conn(self) -> _Connection:
+    def _conn(self, connect_timeout: Optional[float] = None) -> _Connection:
         conn = getattr(self._threads, "conn", None)
         if conn is None:
-            conn = _Connection(self.address, self._secret, self._connect_timeout)
+            conn = _Connection(self.address, self._secret, connect_timeout or self._connect_timeout)
             self._threads.conn = conn
             _open_connections.append(conn)
         return conn
@@ -476,20 +506,7 @@ class Endpoint:
         if self.local is not None:
             return True
         try:
-            conn = self._conn()
-            conn.settle()
-            req_id = conn.send(PING, 0, 0, [])
-            conn.pending = (req_id, PING, 0)
-            deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0 or not conn.sock.poll(left * 1000):
-                    return False
-                frames = conn.sock.recv_multipart()
-                got, _ = _REPLY.unpack(frames[0])
-                if got == req_id:
-                    conn.pending = None
-                    return True
+            return self._conn(connect_timeout=timeout).ping(timeout)
         except (TransportError, zmq.ZMQError):
             return False
 
@@ -505,10 +522,14 @@ def _own(payload: Frames) -> Frames:
 _open_connections: List[_Connection] = []
 
 
-def close_connections() -> None:
-    """Flush and close this process's outgoing connections (waits for queued sends, bounded)."""
+def close_connections(timeout: float = 10.0) -> None:
+    """Close this process's outgoing connections, first making sure that what was sent without an
+    answer (puts on unbounded queues, pipe sends) has reached its node — up to ``timeout`` seconds each."""
     while _open_connections:
+        conn = _open_connections.pop()
+        if not conn.flush(timeout):
+            log.warning("roving: messages to %s may be lost: it did not answer before exit", conn.address)
         try:
-            _open_connections.pop().close()
+            conn.close()
         except zmq.ZMQError:
             pass
