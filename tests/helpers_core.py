@@ -1,0 +1,49 @@
+"""Utilities shared by the core tests (not fixtures: those are in conftest.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+#: The bound of every blocking call in these tests: generous, only there so that a bug cannot hang the run.
+TIMEOUT = 30
+
+
+def read_log(log_dir: Path, name: str) -> str:
+    path = log_dir / f"{name}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def run_script(path, *args, env=None, cwd=None, timeout=120):
+    """Run a Python script in a fresh interpreter; returns the CompletedProcess (text)."""
+    full_env = dict(os.environ)
+    full_env.pop("ROVING_CHILD", None)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), full_env.get("PYTHONPATH", "")])
+    if env:
+        full_env.update(env)
+    return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=timeout)
+
+
+def pid_running(pid: int) -> bool:
+    """True while ``pid`` is a live process (a zombie, dead but not yet reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state not in ("Z", "X")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,186 @@
+"""Module-level targets for roving child processes used by the core tests.
+
+The children import this module by reference (tests/ is on the parent's sys.path, which children take on),
+so it must stay cheap to import: no pytest, no test modules.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import time
+
+import roving
+
+TIMEOUT = 30  # every blocking call in a child is bounded too
+
+
+def put_value(q, value):
+    q.put(value)
+
+
+def double_from_to(inq, outq):
+    outq.put(inq.get(timeout=TIMEOUT) * 2)
+
+
+def echo_once(inq, outq):
+    """Parent → child → parent: take one item and send it back unchanged."""
+    outq.put(inq.get(timeout=TIMEOUT))
+
+
+def sleep_for(seconds):
+    time.sleep(seconds)
+
+
+def exit_with(code):
+    sys.exit(code)
+
+
+def return_normally():
+    return 42
+
+
+def raise_value_error(message):
+    raise ValueError(message)
+
+
+def print_lines(out_lines, err_lines):
+    for line in out_lines:
+        print(line)
+    for line in err_lines:
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def report_identity(q):
+    me = roving.current_process()
+    parent = roving.parent_process()
+    q.put({
+        "name": me.name,
+        "pid": me.pid,
+        "os_pid": os.getpid(),
+        "daemon": me.daemon,
+        "authkey": me.authkey,
+        "parent_name": parent.name if parent is not None else None,
+        "parent_pid": parent.pid if parent is not None else None,
+        "parent_alive": parent.is_alive() if parent is not None else None,
+    })
+
+
+def report_config(q):
+    cfg = roving.config.current()
+    q.put({"heartbeat_interval": cfg.heartbeat_interval, "parent_timeout": cfg.parent_timeout,
+           "child_output": cfg.child_output})
+
+
+class DoublingProcess(roving.Process):
+    """A Process subclass that overrides run(), as multiprocessing programs do."""
+
+    def __init__(self, q, value):
+        super().__init__()
+        self.q = q
+        self.value = value
+
+    def run(self):
+        self.q.put(("run override", self.value * 2, roving.current_process().name))
+
+
+# -- queues ------------------------------------------------------------------------------------
+
+def get_once_then_sleep(q, outq, seconds):
+    """Take one item, report it, then stop reading for a long time (a reader that is not reading)."""
+    outq.put(("sleeper got", q.get(timeout=TIMEOUT)))
+    time.sleep(seconds)
+
+
+def read_n(q, outq, n):
+    outq.put(("reader got", [q.get(timeout=TIMEOUT) for _ in range(n)]))
+
+
+def get_with_timeout_then_retry(q, outq, first_timeout):
+    """A get that times out must not swallow an item put afterwards: the retry receives it."""
+    try:
+        item = q.get(timeout=first_timeout)
+        outq.put(("first get returned", item))
+    except queue.Empty:
+        outq.put(("first get timed out", None))
+    outq.put(("retry got", q.get(timeout=TIMEOUT)))
+
+
+def consume_joinable(jq, outq, n):
+    got = []
+    for _ in range(n):
+        got.append(jq.get(timeout=TIMEOUT))
+        jq.task_done()
+    outq.put(sorted(got))
+
+
+def put_many(q, start, n):
+    for i in range(start, start + n):
+        q.put(i)
+
+
+def simple_queue_echo(inq, outq):
+    outq.put(("simple", inq.get()))
+
+
+# -- pipes -------------------------------------------------------------------------------------
+
+def pipe_echo(conn, n):
+    """Answer n messages with (message, 'echo'), then close."""
+    for _ in range(n):
+        conn.send((conn.recv(), "echo"))
+    conn.close()
+
+
+def send_then_close(conn, items):
+    for item in items:
+        conn.send(item)
+    conn.close()
+
+
+def send_then_exit(conn, items):
+    """Send, then exit without closing: the process's end counts as closed once it has ended."""
+    for item in items:
+        conn.send(item)
+
+
+def send_bytes_pieces(conn, data, offset, size):
+    conn.send_bytes(data, offset, size)
+    conn.close()
+
+
+def ready_then_sleep(conn, seconds):
+    """Hold a pipe end, say so, then sleep (to be killed or terminated)."""
+    conn.send("ready")
+    time.sleep(seconds)
+
+
+def recv_all_until_eof(conn, outq):
+    got = []
+    while True:
+        try:
+            got.append(conn.recv())
+        except EOFError:
+            break
+    outq.put(("until eof", got))
+
+
+def conn_from_queue_send(q, message):
+    """Receive a Connection inside a queue message, then use it."""
+    conn = q.get(timeout=TIMEOUT)
+    conn.send(message)
+    conn.close()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+class Evil:
+    """Unpickling this creates ``path``: the proof that someone unpickled it."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")

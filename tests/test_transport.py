@@ -1,0 +1,184 @@
+"""The transport refuses whoever lacks the session secret, unpickles nothing they send, and survives junk."""
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import struct
+
+import pytest
+import zmq
+
+import helpers_targets as h
+import roving
+from helpers_core import TIMEOUT
+from roving.transport import auth
+from roving.transport import node as _node
+from roving.transport import session as _session
+from roving.transport.serialize import dumps
+
+HEADER = struct.Struct("<QQd")  # (box id, request id, timeout): the request header of the wire protocol
+
+
+def evil_frames(marker):
+    """A request that, were it stored and read, would create ``marker`` when unpickled."""
+    return [pickle.dumps(h.Evil(str(marker)), protocol=5)]
+
+
+def raw_dealer(address):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def recv_or_none(sock, timeout_s):
+    if sock.poll(timeout_s * 1000):
+        return sock.recv_multipart()
+    return None
+
+
+def assert_queue_still_serves(q):
+    """The node answers an authenticated remote client, and a child, after what it was sent."""
+    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    try:
+        conn.send(_node.PUT_NOREPLY, q._box, 0, dumps("from a good client"))
+        assert q.get(timeout=TIMEOUT) == "from a good client"
+    finally:
+        conn.sock.close(0)
+    p = roving.Process(target=h.put_value, args=(q, "from a child"))
+    p.start()
+    assert q.get(timeout=TIMEOUT) == "from a child"
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_raw_frames_of_an_authenticated_client_do_reach_the_queue():
+    """Positive control for the tests below: the same frames, after the handshake, are accepted."""
+    q = roving.Queue()
+    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    try:
+        conn.sock.send_multipart([_node.PUT_NOREPLY, HEADER.pack(q._box, 1, 0.0), pickle.dumps("accepted")])
+        assert q.get(timeout=TIMEOUT) == "accepted"
+    finally:
+        conn.sock.close(0)
+
+
+def test_client_without_the_secret_is_ignored_and_its_pickle_is_never_unpickled(tmp_path):
+    q = roving.Queue()
+    marker = tmp_path / "unpickled-marker"
+    sock = raw_dealer(q._address)
+    try:
+        # straight to a request, no handshake at all
+        for op in (_node.PUT_NOREPLY, _node.PUT, _node.PUT_FRONT):
+            sock.send_multipart([op, HEADER.pack(q._box, 1, 0.0), *evil_frames(marker)])
+        sock.send_multipart([_node.GET, HEADER.pack(q._box, 2, 0.0)])
+        sock.send_multipart([_node.PING, HEADER.pack(0, 3, 0.0)])
+        assert recv_or_none(sock, 1.0) is None  # no answer to anything
+    finally:
+        sock.close(0)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.5)
+    assert q.qsize() == 0
+    assert not marker.exists()
+    assert_queue_still_serves(q)
+    assert not marker.exists()
+
+
+def test_client_with_a_wrong_secret_is_denied_and_what_it_sends_after_is_dropped(tmp_path):
+    q = roving.Queue()
+    marker = tmp_path / "unpickled-marker"
+    wrong = os.urandom(32)
+    sock = raw_dealer(q._address)
+    try:
+        client_nonce = auth.new_nonce()
+        sock.send_multipart([b"hello", client_nonce])
+        reply = recv_or_none(sock, TIMEOUT)
+        assert reply is not None and reply[0] == b"challenge"
+        server_nonce = reply[1]
+        # a client that ignores the server's proof and answers with a proof made from the wrong secret
+        sock.send_multipart([b"proof", auth.client_proof(wrong, client_nonce, server_nonce)])
+        assert recv_or_none(sock, TIMEOUT) == [b"denied"]
+        sock.send_multipart([_node.PUT_NOREPLY, HEADER.pack(q._box, 1, 0.0), *evil_frames(marker)])
+        sock.send_multipart([_node.PING, HEADER.pack(0, 2, 0.0)])
+        assert recv_or_none(sock, 1.0) is None
+    finally:
+        sock.close(0)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.5)
+    assert not marker.exists()
+    assert_queue_still_serves(q)
+
+
+def test_replayed_proof_of_another_connection_is_denied():
+    q = roving.Queue()
+    secret = _session.current().secret
+    first = raw_dealer(q._address)
+    second = raw_dealer(q._address)
+    try:
+        nonce = auth.new_nonce()
+        first.send_multipart([b"hello", nonce])
+        challenge = recv_or_none(first, TIMEOUT)
+        good_proof = auth.client_proof(secret, nonce, challenge[1])
+        # the second connection replays the first one's exchange: its server nonce differs, so it fails
+        second.send_multipart([b"hello", nonce])
+        assert recv_or_none(second, TIMEOUT)[0] == b"challenge"
+        second.send_multipart([b"proof", good_proof])
+        assert recv_or_none(second, TIMEOUT) == [b"denied"]
+        first.send_multipart([b"proof", good_proof])
+        assert recv_or_none(first, TIMEOUT) == [b"welcome"]
+    finally:
+        first.close(0)
+        second.close(0)
+
+
+def test_connecting_with_a_wrong_secret_raises_the_public_roving_authentication_error():
+    """roving.AuthenticationError (multiprocessing's, exported by roving) is what a program catches."""
+    q = roving.Queue()
+    with pytest.raises(roving.AuthenticationError):
+        _node._Connection(q._address, os.urandom(32), TIMEOUT)
+
+
+def test_connecting_with_a_wrong_secret_raises_the_transports_authentication_error():
+    q = roving.Queue()
+    with pytest.raises(auth.AuthenticationError):
+        _node._Connection(q._address, os.urandom(32), TIMEOUT)
+
+
+def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
+    q = roving.Queue()
+    host, port = q._address[len("tcp://"):].rsplit(":", 1)
+    payloads = [os.urandom(4096), b"\xff" + b"\x00" * 8 + b"\x7f" + os.urandom(64),  # ZMTP-ish greeting
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 100000]
+    for payload in payloads:
+        with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:
+            try:
+                s.sendall(payload)
+                s.settimeout(0.3)
+                s.recv(1024)
+            except OSError:  # the node may hang up on us: that is fine
+                pass
+    # a half-open connection left lying around while the node serves others
+    lingering = socket.create_connection((host, int(port)), timeout=TIMEOUT)
+    try:
+        lingering.sendall(os.urandom(100))
+        assert_queue_still_serves(q)
+    finally:
+        lingering.close()
+    assert_queue_still_serves(q)
+
+
+def test_malformed_requests_from_an_authenticated_peer_do_not_stop_the_node():
+    q = roving.Queue()
+    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    try:
+        conn.sock.send_multipart([_node.PUT_NOREPLY])  # no header
+        conn.sock.send_multipart([_node.PUT_NOREPLY, b"short"])  # bad header
+        conn.sock.send_multipart([b"?", HEADER.pack(q._box, 1, 0.0)])  # unknown operation
+        conn.sock.send_multipart([_node.GET, HEADER.pack(987654, 2, 0.0)])  # no such box
+        reply = recv_or_none(conn.sock, TIMEOUT)
+        assert reply is not None  # answered, with an error status
+    finally:
+        conn.sock.close(0)
+    assert_queue_still_serves(q)
