@@ -32,11 +32,11 @@ log = logging.getLogger(__name__)
 
 
 class _Job:
-    __slots__ = ("id", "result", "name", "func_frames", "inline", "left")
+    __slots__ = ("id", "key", "result", "name", "func_frames", "inline", "left")
 
-    def __init__(self, job_id: int, result: Any, name: str, func_frames: List[Any], inline: bool,
+    def __init__(self, job_id: int, key: int, result: Any, name: str, func_frames: List[Any], inline: bool,
                  left: int) -> None:
-        self.id, self.result, self.name = job_id, result, name
+        self.id, self.key, self.result, self.name = job_id, key, result, name
         self.func_frames, self.inline, self.left = func_frames, inline, left
 
 
@@ -55,22 +55,23 @@ class _Chunk:
 class _Unit:
     """A chunk, or the unfinished items of one, as given to one worker."""
 
-    __slots__ = ("chunk", "offsets", "alone", "left")
+    __slots__ = ("chunk", "offsets", "left", "revoked")
 
-    def __init__(self, chunk: _Chunk, offsets: Optional[List[int]] = None, alone: bool = False) -> None:
-        self.chunk, self.offsets, self.alone, self.left = chunk, offsets, alone, 0
+    def __init__(self, chunk: _Chunk, offsets: Optional[List[int]] = None) -> None:
+        self.chunk, self.offsets, self.left, self.revoked = chunk, offsets, 0, False
 
 
 class WorkerState:
     """The parent's view of one worker process."""
 
-    __slots__ = ("id", "proc", "ident", "credit", "units", "known", "forget", "retiring", "gone",
-                 "alone")
+    __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
+                 "gone", "alone")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
         self.ident: Optional[bytes] = None
         self.credit = 0
+        self.credit_key = 0  # while busy, its credit is for work of this key only (0: any)
         self.units: Dict[int, _Unit] = {}  # chunk id -> unit, in the order sent (= the order run)
         self.known: set = set()  # jobs whose function this worker holds
         self.forget: List[int] = []
@@ -94,6 +95,7 @@ class Dispatcher:
         self.ready: List[WorkerState] = []  # workers with credit, in the order they asked
         self._job_ids = itertools.count(1)
         self._chunk_ids = itertools.count(1)
+        self._keys: Dict[Any, int] = {}
 
     # -- callers -------------------------------------------------------------------------------
     def submit(self, result: Any, func: Callable[..., Any], mode: int, items: Sequence[Any],
@@ -107,7 +109,9 @@ class Dispatcher:
         pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
         name = getattr(func, "__qualname__", None) or repr(func)
         with self.lock:
-            job = _Job(next(self._job_ids), result, name, func_frames, inline, len(items))
+            job_id = next(self._job_ids)
+            key = self._apply_key(func) if inline else job_id
+            job = _Job(job_id, key, result, name, func_frames, inline, len(items))
             if not items:
                 return
             self.jobs[job.id] = job
@@ -117,22 +121,37 @@ class Dispatcher:
                 self.pending.append(_Unit(chunk))
             self._dispatch()
 
+    def _apply_key(self, func: Callable[..., Any]) -> int:
+        """One key per function called with apply: workers learn how long its calls take."""
+        try:
+            ident: Any = (func.__module__, func.__qualname__)
+        except AttributeError:
+            ident = type(func)
+        key = self._keys.get(ident)
+        if key is None:
+            key = self._keys[ident] = next(self._job_ids)
+        return key
+
     def busy(self) -> bool:
         with self.lock:
             return bool(self.jobs)
 
     # -- worker messages (node I/O thread) -----------------------------------------------------
-    def on_message(self, ident: bytes, kind: int, arg: int, frames: List[Any]) -> None:
+    def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
         if kind == P.RESULTS:
-            keys = array("q", frames[1].bytes)
+            runs = array("q", frames[1].bytes)
             try:
                 values = loads(frames[2:])
             except Exception as exc:  # e.g. the result's class cannot be imported here
                 err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
-                values = [err] * arg
-                keys = array("q", (k if i % 3 != 2 else 0 for i, k in enumerate(keys)))
+                values = [err] * sum(runs[i + 2] for i in range(0, len(runs), 4))
+                for i in range(3, len(runs), 4):
+                    runs[i] = 0
             with self.lock:
-                self._results(self.by_ident.get(ident), keys, values)
+                w = self.by_ident.get(ident)
+                self._results(w, runs, values)
+                if arg and w is not None:
+                    self._credit(w, arg, key)
             return
         with self.lock:
             if kind == P.HELLO:
@@ -144,50 +163,72 @@ class Dispatcher:
                         self._send(w, P.STOP)
                 return
             w = self.by_ident.get(ident)
-            if w is None or w.gone:
+            if w is None:
                 return
             if kind == P.READY:
-                if not w.retiring:
-                    w.credit += arg
-                    if w not in self.ready:
-                        self.ready.append(w)
+                self._credit(w, arg, key)
+            elif kind == P.RETURNED:
+                unit = w.units.pop(arg, None)
+                if unit is not None:
+                    unit.revoked = False
+                    self.pending.appendleft(unit)
+                    if not w.units:
+                        w.alone = False
                     self._dispatch()
-            elif kind == P.BYE:
+            elif kind == P.BYE and not w.gone:
                 self._retire(w)
                 self._send(w, P.ACK)
 
-    def _results(self, w: Optional[WorkerState], keys: "array[int]", values: List[Any]) -> None:
+    def _credit(self, w: WorkerState, n: int, key: int) -> None:
+        if w.retiring or w.gone:
+            return
+        w.credit += n
+        w.credit_key = key
+        if w not in self.ready:
+            self.ready.append(w)
+        self._dispatch()
+
+    def _results(self, w: Optional[WorkerState], runs: "array[int]", values: List[Any]) -> None:
         chunks = self.chunks
         freed = False
-        for i in range(len(values)):
-            cid, off, ok = keys[3 * i], keys[3 * i + 1], keys[3 * i + 2]
+        at = 0
+        for r in range(0, len(runs), 4):
+            cid, first, count, ok = runs[r], runs[r + 1], runs[r + 2], bool(runs[r + 3])
+            part = values[at:at + count]
+            at += count
             if w is not None:
                 unit = w.units.get(cid)
-                if unit is not None:
-                    unit.left -= 1
+                if unit is not None:  # counted even for duplicates: the unit's items are all back
+                    unit.left -= count
                     if unit.left <= 0:
                         del w.units[cid]
                         if not w.units:
                             w.alone = False
                             freed = True
             chunk = chunks.get(cid)
-            if chunk is None or chunk.done[off]:
-                continue  # already delivered
-            self._deliver(chunk, off, bool(ok), values[i])
-        if freed and self.suspects:
+            if chunk is None:
+                continue  # every item already delivered
+            if chunk.done.find(1, first, first + count) == -1:
+                self._deliver_run(chunk, first, ok, part)
+            else:  # some already delivered (by a worker that died after sending them): the rest only
+                for i, value in enumerate(part):
+                    if not chunk.done[first + i]:
+                        self._deliver_run(chunk, first + i, ok, [value])
+        if freed:  # an idle worker may take a blamed item, or a unit another has not started
             self._dispatch()
 
-    def _deliver(self, chunk: _Chunk, off: int, ok: bool, value: Any) -> None:
-        chunk.done[off] = 1
-        chunk.left -= 1
+    def _deliver_run(self, chunk: _Chunk, first: int, ok: bool, values: List[Any]) -> None:
+        count = len(values)
+        chunk.done[first:first + count] = b"\x01" * count
+        chunk.left -= count
         if chunk.left == 0:
             del self.chunks[chunk.id]
         job = chunk.job
         try:
-            job.result._set(chunk.base + off, ok, value)
+            job.result._set_run(chunk.base + first, ok, values)
         except Exception:
             log.exception("roving pool: could not deliver a result")
-        job.left -= 1
+        job.left -= count
         if job.left == 0:
             del self.jobs[job.id]
             if not job.inline:
@@ -202,31 +243,50 @@ class Dispatcher:
             w = next((w for w in self.ready if not w.units), None)
             if w is None:
                 break
-            unit = self.suspects.popleft()
-            self._send_unit(w, unit)
-            w.alone = True
+            if self._send_unit(w, self.suspects.popleft()):
+                w.alone = True
         while self.pending and self.ready:
             w = next((w for w in self.ready if not w.units), None)
-            if w is None:
-                w = next((w for w in self.ready if not w.alone), None)
+            if w is None:  # all busy: only to one that asked in advance for this kind of work
+                key = self.pending[0].chunk.job.key
+                w = next((w for w in self.ready if not w.alone and w.credit_key in (0, key)), None)
                 if w is None:
                     break
             self._send_unit(w, self.pending.popleft())
+        if not self.pending and self.ready:
+            self._steal()
 
-    def _send_unit(self, w: WorkerState, unit: _Unit) -> None:
+    def _steal(self) -> None:
+        """Idle workers and nothing waiting: ask busy workers for units they have not started."""
+        idle = sum(1 for w in self.ready if not w.units)
+        for w in self.workers.values():
+            if idle <= 0:
+                return
+            if w.retiring or w.gone or len(w.units) < 2:
+                continue
+            for unit in list(w.units.values())[:0:-1]:  # newest first; the first one is running
+                if idle <= 0:
+                    break
+                if not unit.revoked:
+                    unit.revoked = True
+                    idle -= 1
+                    self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)])
+
+    def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
         chunk, job = unit.chunk, unit.chunk.job
         offsets = unit.offsets
         if offsets is not None:
             offsets = [o for o in offsets if not chunk.done[o]]
             if not offsets:
-                return
+                return False
         if job.inline or job.id not in w.known:
             func_frames = job.func_frames
             if not job.inline:
                 w.known.add(job.id)
         else:
             func_frames = []
-        header = P.TO_WORKER.pack(P.TASKS, chunk.id, job.id, len(func_frames), len(chunk.args), chunk.n)
+        header = P.TO_WORKER.pack(P.TASKS, chunk.id, job.id, job.key, len(func_frames), len(chunk.args),
+                                  chunk.n)
         forget = array("q", w.forget).tobytes() if w.forget else b""
         w.forget = []
         offs = array("I", offsets).tobytes() if offsets is not None else b""
@@ -236,10 +296,11 @@ class Dispatcher:
         w.credit -= 1
         if w.credit <= 0:
             self.ready.remove(w)
+        return True
 
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
-            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0)])
+            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)])
 
     def _retire(self, w: WorkerState) -> None:
         w.retiring = True
@@ -281,12 +342,12 @@ class Dispatcher:
                     chunk.deaths = deaths
                     deaths[first] = deaths.get(first, 0) + 1
                     if deaths[first] >= self.max_task_retries:
-                        self._deliver(chunk, first, False, WorkerLostError(
+                        self._deliver_run(chunk, first, False, [WorkerLostError(
                             f"item {chunk.base + first} of {chunk.job.name} was running on "
                             f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
-                            f"it is not tried again (max_task_retries={self.max_task_retries})"))
+                            f"it is not tried again (max_task_retries={self.max_task_retries})")])
                     else:
-                        self.suspects.append(_Unit(chunk, [first], alone=True))
+                        self.suspects.append(_Unit(chunk, [first]))
                 if offsets:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
@@ -301,7 +362,7 @@ class Dispatcher:
             for chunk in list(self.chunks.values()):
                 for off in range(chunk.n):
                     if not chunk.done[off]:
-                        self._deliver(chunk, off, False, RuntimeError(error_text))
+                        self._deliver_run(chunk, off, False, [RuntimeError(error_text)])
             self.pending.clear()
             self.suspects.clear()
 
@@ -325,7 +386,7 @@ def unregister(disp: Dispatcher) -> None:
 
 
 def _route(ident: bytes, frames: List[Any]) -> None:
-    pool_id, kind, arg = P.TO_PARENT.unpack(frames[0].bytes)
+    pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0].bytes)
     disp = _pools.get(pool_id)
     if disp is not None:
-        disp.on_message(ident, kind, arg, frames)
+        disp.on_message(ident, kind, arg, key, frames)

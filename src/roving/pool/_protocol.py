@@ -1,27 +1,30 @@
 """The pool's messages between the parent's node and its workers (one custom node operation).
 
-Worker → parent: ``[OP, header, ...]``, header = (pool id, kind, argument):
+Worker → parent: ``[OP, header, ...]``, header = (pool id, kind, argument, key):
 
 * HELLO(worker id) — the worker is connected and its initializer ran.
-* READY(n) — it wants ``n`` more units of work (credit).
-* RESULTS(count) — then a frame of (chunk id, offset, ok) triples and the pickled list of values.
+* READY(n, key) — it wants ``n`` more units of work (credit); while it is busy, only of work with that
+  key (that of the unit it runs, found short; a map's own, or one per function for apply); 0: any.
+* RESULTS(n) — then a frame of runs (chunk id, first offset, count, ok) and the pickled list of values,
+  one per item of the runs in order; ``n`` more units of work are asked for at the same time.
 * BYE — it is leaving (max tasks reached, or told to stop); it runs what it was sent before the ACK.
+* RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
 
 Parent → worker: ``[header, forget, offsets, *function frames, *argument frames]`` for TASKS, where header
-= (kind, chunk id, job id, number of function frames, number of argument frames, items in the chunk); ``forget`` lists job ids
+= (kind, chunk id, job id, key, number of function frames, number of argument frames, items in the chunk); ``forget`` lists job ids
 whose functions the worker may drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP
-are a header alone.
+are a header alone; REVOKE(chunk id) asks for a unit back if it has not started (an idle worker wants it).
 """
 from __future__ import annotations
 
 import struct
 
 OP = b"pool"
-TO_PARENT = struct.Struct("<QBq")
-TO_WORKER = struct.Struct("<BqqHHI")
+TO_PARENT = struct.Struct("<QBqq")
+TO_WORKER = struct.Struct("<BqqqHHI")
 
-HELLO, READY, RESULTS, BYE = 1, 2, 3, 4
-TASKS, ACK, STOP = 1, 2, 3
+HELLO, READY, RESULTS, BYE, RETURNED = 1, 2, 3, 4, 5
+TASKS, ACK, STOP, REVOKE = 1, 2, 3, 4
 
 # How a job's function is called with one item.
 APPLY, MAP, STAR = 0, 1, 2

@@ -91,6 +91,11 @@ class AsyncResult:
     def _set(self, index: int, ok: bool, value: Any) -> None:
         self._complete(ok, value)
 
+    def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
+        """Items ``index``, ``index + 1``, ... finished with the same outcome."""
+        for i, value in enumerate(values):
+            self._set(index + i, ok, value)
+
     def _complete(self, ok: bool, value: Any) -> None:
         if self._success is not None:
             return
@@ -125,11 +130,14 @@ class MapResult(AsyncResult):
             self._complete(True, [])
 
     def _set(self, index: int, ok: bool, value: Any) -> None:
+        self._set_run(index, ok, [value])
+
+    def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
         if not ok:
-            self._complete(False, value)
+            self._complete(False, values[0])
             return
-        self._values[index] = value
-        self._left -= 1
+        self._values[index:index + len(values)] = values
+        self._left -= len(values)
         if self._left == 0:
             self._complete(True, self._values)
 
@@ -159,7 +167,7 @@ class IMapIterator:
                     break
                 if not self._cond.wait(timeout):
                     raise TimeoutError
-        self._next += 1
+            self._next += 1
         ok, value = got
         if ok:
             return value
@@ -167,9 +175,10 @@ class IMapIterator:
 
     __next__ = next
 
-    def _set(self, index: int, ok: bool, value: Any) -> None:
+    def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
         with self._cond:
-            self._ready[index] = (ok, value)
+            for i, value in enumerate(values):
+                self._ready[index + i] = (ok, value)
             self._cond.notify()
 
 
@@ -183,7 +192,7 @@ class IMapUnorderedIterator(IMapIterator):
     def _take(self) -> Optional[tuple]:
         return self._done.popleft() if self._done else None
 
-    def _set(self, index: int, ok: bool, value: Any) -> None:
+    def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
         with self._cond:
-            self._done.append((ok, value))
+            self._done.extend((ok, value) for value in values)
             self._cond.notify()

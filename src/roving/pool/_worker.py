@@ -1,9 +1,10 @@
 """The loop a pool worker runs: ask for work, run each item, send each item's result back.
 
-A worker holds at most the unit it runs plus one it asked for in advance, and asks in advance only once
-its tasks have proved short, so a long task never waits behind another at a busy worker. Results are
-sent as items finish, gathered for at most ``FLUSH_S`` seconds so that short tasks share messages; a
-worker that dies loses only the items whose results had not left.
+A worker asks for the next unit of work while it runs the current one only once its units have proved
+short (under ``SHORT_S``), and keeps several in hand only when they are very short (under ``TINY_S``), so
+a long task never waits behind another at a busy worker. Results are sent as items finish, gathered for
+at most ``FLUSH_S`` seconds so that short tasks share messages; a worker that dies loses only the items
+whose results had not left.
 """
 from __future__ import annotations
 
@@ -24,44 +25,63 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.005
 MAX_BATCH = 1024
 SHORT_S = 0.05  # a unit that ran this fast makes the worker ask for the next one in advance
+TINY_S = 0.002  # ... and this fast, for several
+DEEP = 8
 
 
 class _Results:
+    """Results not yet sent, as runs of consecutive items of one chunk with the same outcome."""
+
     def __init__(self, chan: Channel, pool_id: int) -> None:
         self.chan, self.pool_id = chan, pool_id
-        self.keys = array("q")
+        self.runs: List[List[int]] = []  # [chunk id, first offset, count, ok]
         self.values: List[Any] = []
-        self.since = 0.0
+        self.sent = time.monotonic()
 
-    def add(self, cid: int, off: int, ok: bool, value: Any) -> None:
-        if not self.values:
-            self.since = time.monotonic()
-        self.keys.extend((cid, off, int(ok)))
+    def add(self, cid: int, off: int, ok: bool, value: Any) -> bool:
+        """Keep one result; True when it is time to send: ``FLUSH_S`` since the last send (so the result
+        of a long task leaves at once, those of short ones together), or ``MAX_BATCH`` results."""
+        run = self.runs[-1] if self.runs else None
+        if run is not None and run[0] == cid and run[1] + run[2] == off and run[3] == ok:
+            run[2] += 1
+        else:
+            self.runs.append([cid, off, 1, int(ok)])
         self.values.append(value)
-        if len(self.values) >= MAX_BATCH or time.monotonic() - self.since >= FLUSH_S:
-            self.flush()
+        return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
 
-    def flush(self) -> None:
+    def flush(self, ask: int = 0, key: int = 0) -> None:
+        """Send what is kept (asking for ``ask`` more units of ``key`` at once); nothing if empty."""
         if not self.values:
             return
         try:
             frames = dumps(self.values)
         except SerializationError:
             frames = dumps(self._picklable())
-        header = P.TO_PARENT.pack(self.pool_id, P.RESULTS, len(self.values))
-        self.chan.send([P.OP, header, self.keys.tobytes(), *frames])
-        self.keys, self.values = array("q"), []
+        keys = array("q")
+        for run in self.runs:
+            keys.extend(run)
+        header = P.TO_PARENT.pack(self.pool_id, P.RESULTS, ask, key)
+        self.chan.send([P.OP, header, keys.tobytes(), *frames])
+        self.runs, self.values = [], []
+        self.sent = time.monotonic()
 
     def _picklable(self) -> List[Any]:
         """Replace each value that cannot be pickled by the error saying so (that item fails)."""
-        out = []
-        for i, value in enumerate(self.values):
-            try:
-                dumps(value)
-            except SerializationError as exc:
-                value = MaybeEncodingError(exc.__cause__ or exc, value)
-                self.keys[3 * i + 2] = 0
-            out.append(value)
+        out, runs, i = [], [], 0
+        for cid, first, count, ok in self.runs:
+            for off in range(first, first + count):
+                value, good = self.values[i], ok
+                i += 1
+                try:
+                    dumps(value)
+                except SerializationError as exc:
+                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), 0
+                out.append(value)
+                if runs and runs[-1][0] == cid and runs[-1][1] + runs[-1][2] == off and runs[-1][3] == good:
+                    runs[-1][2] += 1
+                else:
+                    runs.append([cid, off, 1, good])
+        self.runs = runs
         return out
 
 
@@ -89,25 +109,42 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
 class _Loop:
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int]) -> None:
         self.chan, self.pool_id, self.maxtasks = chan, pool_id, maxtasks
-        self.units: Deque[Tuple[int, int, Any, Any, Any]] = collections.deque()
+        self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
         self.funcs: Dict[int, Tuple[Callable[..., Any], int]] = {}
         self.asked = 0
         self.done = 0
         self.leaving = False  # sent BYE
         self.acked = False
-        self.short = False
+        self.depth = 1  # units to hold (running, waiting here, asked for), learnt per key of work
+        self.key = 0
         self.results = _Results(chan, pool_id)
 
-    def _send(self, kind: int, arg: int) -> None:
-        self.chan.send([P.OP, P.TO_PARENT.pack(self.pool_id, kind, arg)])
+    def _send(self, kind: int, arg: int, key: int = 0) -> None:
+        self.chan.send([P.OP, P.TO_PARENT.pack(self.pool_id, kind, arg, key)])
+
+    def _want(self) -> int:
+        """How many more units to ask for now (asks come in batches, when half the depth is used)."""
+        if self.leaving:
+            return 0
+        held = len(self.units) + self.asked
+        if held > self.depth // 2:
+            return 0
+        want = self.depth - held
+        if self.maxtasks is not None:
+            want = min(want, self.maxtasks - self.done - held)
+        return max(0, want)
 
     def _ask(self) -> None:
-        if self.leaving:
+        """Top up: with the results (flushing them) when there are any, else alone."""
+        want = self._want()
+        if want <= 0:
             return
-        if self.maxtasks is not None and self.done + len(self.units) + self.asked >= self.maxtasks:
-            return
-        self.asked += 1
-        self._send(P.READY, 1)
+        self.asked += want
+        key = self.key if self.depth > 1 else 0
+        if self.results.values:
+            self.results.flush(want, key)
+        else:
+            self._send(P.READY, want, key)
 
     def _leave(self) -> None:
         if not self.leaving:
@@ -115,12 +152,19 @@ class _Loop:
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:
-        kind, cid, job, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
+        kind, cid, job, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
         if kind == P.ACK:
             self.acked = True
             return
         if kind == P.STOP:
             self._leave()
+            return
+        if kind == P.REVOKE:
+            for unit in self.units:
+                if unit[0] == cid:
+                    self.units.remove(unit)
+                    self._send(P.RETURNED, cid)
+                    break
             return
         self.asked = max(0, self.asked - 1)
         for gone in array("q", frames[1].bytes):
@@ -128,18 +172,14 @@ class _Loop:
         offsets = array("I", frames[2].bytes)
         func_frames = frames[3:3 + nfunc]
         arg_frames = frames[3 + nfunc:3 + nfunc + nargs]
-        self.units.append((cid, job, func_frames, arg_frames, offsets or range(count)))
+        self.units.append((cid, job, func_frames, arg_frames, offsets or range(count), key))
 
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)
         self._ask()
         chan = self.chan
         while True:
-            while True:  # take whatever has arrived, without waiting
-                frames = chan.recv(0)
-                if frames is None:
-                    break
-                self._take(frames)
+            self._poll()
             if not self.units:
                 self.results.flush()
                 if self.leaving and self.acked:
@@ -149,21 +189,36 @@ class _Loop:
                     self._take(frames)
                 continue
             unit = self.units.popleft()
-            if self.short and not self.units and self.asked == 0:
-                self._ask()  # the next unit arrives while this one runs
+            if unit[5] != self.key:
+                self.key, self.depth = unit[5], 1
+            if self.depth > 1:
+                self._ask()  # the next units arrive while this one runs
             started = time.monotonic()
-            self._run_unit(*unit)
-            self.short = time.monotonic() - started < SHORT_S
+            self._run_unit(*unit[:5])
+            took = time.monotonic() - started
+            self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
             self.done += 1
             if self.maxtasks is not None and self.done >= self.maxtasks:
                 self._leave()
             if not self.units and self.asked == 0:
-                self.results.flush()
                 self._ask()
+
+    def _poll(self) -> None:
+        """Take whatever has arrived, without waiting."""
+        while True:
+            frames = self.chan.recv(0)
+            if frames is None:
+                return
+            self._take(frames)
+
+    def _flush(self) -> None:
+        """Send the results kept; meanwhile answer messages (a REVOKE must not wait for this unit)."""
+        self.results.flush()
+        self._poll()
 
     def _run_unit(self, cid: int, job: int, func_frames: List[Any], arg_frames: List[Any],
                   offsets: Any) -> None:
-        add = self.results.add
+        results = self.results
         try:
             if func_frames:
                 func, mode = loads(func_frames)
@@ -175,12 +230,14 @@ class _Loop:
         except BaseException as exc:  # the function or arguments could not be loaded here
             err = ExceptionWithTraceback(exc, exc.__traceback__)
             for off in offsets:
-                add(cid, off, False, err)
+                if results.add(cid, off, False, err):
+                    self._flush()
             return
         for off in offsets:
             try:
                 value, ok = _call(func, mode, items[off]), True
             except Exception as exc:
                 value, ok = ExceptionWithTraceback(exc, exc.__traceback__), False
-            add(cid, off, ok, value)
+            if results.add(cid, off, ok, value):
+                self._flush()
 
