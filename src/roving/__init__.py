@@ -14,6 +14,8 @@ from .context import (Context, get_all_start_methods, get_context, get_start_met
 from .pool import AsyncResult, MapResult, Pool, WorkerLostError
 from .process import Process, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
+from .sharedctypes import Array, RawArray, RawValue, Value
+from .synchronize import Barrier, BoundedSemaphore, Condition, Event, Lock, RLock, Semaphore
 from .transport.serialize import SerializationError
 
 __version__ = "0.1.0"
@@ -24,6 +26,8 @@ __all__ = [
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
     "init", "Config", "ConfigError", "SerializationError",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
+    "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
+    "Value", "Array", "RawValue", "RawArray",
 ]
 
 

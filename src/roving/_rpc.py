@@ -1,0 +1,187 @@
+"""Request/answer calls to an object server on some roving node, with liveness checks.
+
+Shared by the synchronization primitives (:mod:`roving.synchronize`), shared ctypes
+(:mod:`roving.sharedctypes`), managers (:mod:`roving.managers`) and shared data (:mod:`roving.shared`).
+Each of these registers a handler for its own operation on a :class:`~roving.transport.node.Node`
+(:meth:`Node.register_handler`) and talks to it over :class:`~roving.transport.node.Channel`\\ s.
+
+Wire format. Request: ``[op, header(req_id, kind), *payload]``; answer: ``[header(req_id, status),
+*frames]``. ``kind`` PING is answered by the server's I/O thread at once, whatever else it is doing: that
+is how a caller waiting on a long call (a lock, a ``queue.get()``) tells a slow server from a dead one.
+
+Guarantees:
+
+* :meth:`Caller.collect` never hangs on a server that has gone away: while no answer comes it pings every
+  :data:`PING_EVERY` seconds, and when nothing at all has come back for :data:`DEAD_AFTER` seconds it
+  raises :class:`ServerGone`; from then on every call to that address raises at once.
+* Answers are matched to calls by id, so calls can be collected in any order.
+"""
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+from .transport import node as _node
+from .transport.node import Channel, TransportError
+
+log = logging.getLogger(__name__)
+
+REQ = struct.Struct("<QB")
+ANS = struct.Struct("<Qb")
+# Request kinds.
+CALL, PING, TELL, CALL_CONCURRENT = 0, 1, 2, 3
+# Answer statuses (protocols may add their own, > 1).
+OK, ERR = 0, 1
+
+PING_EVERY = 1.0
+DEAD_AFTER = 5.0
+
+_dead: Set[str] = set()
+
+
+class ServerGone(ConnectionError):
+    """The process that serves an object has ended or stopped answering."""
+
+
+def mark_dead(address: str) -> None:
+    _dead.add(address)
+
+
+class Caller:
+    """Calls to one server (``op`` on the node at ``address``) over one channel; thread-safe.
+
+    ``alive`` is an optional check of the server's liveness that costs nothing (e.g. the exit code of a
+    Process this process started): when it says False, calls raise at once.
+    """
+
+    def __init__(self, address: str, secret: bytes, op: bytes, what: str,
+                 connect_timeout: float = 30.0, alive: Optional[Callable[[], bool]] = None) -> None:
+        self.address, self.op, self.what, self.alive = address, op, what, alive
+        self._lock = threading.Lock()
+        self._ids = iter(range(1, 1 << 62))
+        self._answers: Dict[int, Tuple[int, List[Any]]] = {}
+        self._late: Dict[int, Callable[[int, List[Any]], None]] = {}
+        self._check()
+        try:
+            self._chan = Channel(address, secret, connect_timeout)
+        except (TransportError, OSError) as exc:
+            if not isinstance(exc, ConnectionError) or "authenticat" not in str(exc):
+                mark_dead(address)
+            raise self._gone(f"cannot connect: {exc}") from exc
+        self._ping_id: Optional[int] = None
+        self._ping_sent = 0.0
+
+    def _gone(self, why: str) -> ServerGone:
+        return ServerGone(f"{self.what} at {self.address} is gone ({why}); the process that served it has "
+                          "ended, so this object can no longer be used")
+
+    def _check(self) -> None:
+        if self.address in _dead:
+            raise self._gone("it stopped answering earlier")
+        if self.alive is not None and not self.alive():
+            mark_dead(self.address)
+            raise self._gone("its process has exited")
+
+    def submit(self, payload: List[Any], kind: int = CALL) -> int:
+        """Send a request; returns its id (TELL: no answer will come)."""
+        self._check()
+        with self._lock:
+            req_id = next(self._ids)
+            self._chan.send([self.op, REQ.pack(req_id, kind), *payload])
+        return req_id
+
+    def tell(self, payload: List[Any]) -> None:
+        if self.address in _dead:
+            return
+        with self._lock:
+            self._chan.send([self.op, REQ.pack(0, TELL), *payload])
+
+    def call(self, payload: List[Any], kind: int = CALL,
+             on_late: Optional[Callable[[int, List[Any]], None]] = None) -> Tuple[int, List[Any]]:
+        req_id = self.submit(payload, kind)
+        return self.collect(req_id, None, on_late)
+
+    def collect(self, req_id: int, timeout: Optional[float] = None,
+                on_late: Optional[Callable[[int, List[Any]], None]] = None) -> Optional[Tuple[int, List[Any]]]:
+        """The answer to ``req_id``; None if it does not come within ``timeout`` seconds (None: forever).
+
+        If the wait is interrupted (KeyboardInterrupt...), an answer that arrives later is passed to
+        ``on_late`` (e.g. to give back a lock granted to a caller that left).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                answer = self._answers.pop(req_id, None)
+                if answer is not None:
+                    return answer
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return None
+                if not self._lock.acquire(timeout=-1 if left is None else left):
+                    return None
+                try:
+                    if req_id in self._answers:
+                        continue
+                    self._receive(PING_EVERY if left is None else min(left, PING_EVERY))
+                finally:
+                    self._lock.release()
+        except BaseException as exc:
+            if on_late is not None and req_id not in self._answers and not isinstance(exc, ServerGone):
+                self._late[req_id] = on_late
+            raise
+
+    def _receive(self, slice_s: float) -> None:
+        """Read at most one answer, waiting up to ``slice_s`` seconds (lock held); ping when silent."""
+        self._check()
+        frames = self._chan.recv(slice_s)
+        now = time.monotonic()
+        if frames is None:
+            if self._ping_id is None:
+                self._ping_id, self._ping_sent = next(self._ids), now
+                self._chan.send([self.op, REQ.pack(self._ping_id, PING)])
+            elif now - self._ping_sent >= DEAD_AFTER:
+                mark_dead(self.address)
+                raise self._gone(f"no answer to a ping for {DEAD_AFTER:g} s")
+            return
+        got, status = ANS.unpack(frames[0].bytes)
+        if self._ping_id is not None:
+            # Anything from the server shows it alive; the ping's own answer may still come.
+            self._ping_sent = now
+        if got == self._ping_id:
+            self._ping_id = None
+            return
+        late = self._late.pop(got, None)
+        if late is not None:
+            try:
+                late(status, frames[1:])
+            except Exception:
+                log.exception("roving: could not undo a call that was abandoned")
+            return
+        self._answers[got] = (status, frames[1:])
+
+    def close(self) -> None:
+        self._chan.close(0)
+
+
+class Server:
+    """The server side: routes a node's ``op`` messages to :meth:`serve` and answers pings."""
+
+    def __init__(self, node: "_node.Node", op: bytes) -> None:
+        self.node, self.op = node, op
+        node.register_handler(op, self._on_message)
+
+    def _on_message(self, ident: bytes, frames: List[Any]) -> None:
+        req_id, kind = REQ.unpack(frames[0].bytes)
+        if kind == PING:
+            self.node.send_to(ident, [ANS.pack(req_id, OK)])
+            return
+        self.serve(ident, req_id, kind, frames[1:])
+
+    def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
+        raise NotImplementedError
+
+    def answer(self, ident: bytes, req_id: int, status: int, frames: List[Any] = ()) -> None:
+        self.node.send_to(ident, [ANS.pack(req_id, status), *frames])

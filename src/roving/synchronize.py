@@ -1,0 +1,694 @@
+"""Lock, RLock, Semaphore, BoundedSemaphore, Event, Condition and Barrier across roving processes.
+
+multiprocessing's primitives are POSIX semaphores, which only processes of one machine share. roving's
+work between processes on any backend: a primitive's state lives in the process that created it (its
+*home*), like a queue's items, and is served by that process's node I/O thread; other processes (and the
+home itself) operate on it with requests over authenticated connections. So:
+
+* each ``acquire``/``release``/``wait``/``set`` is one round trip to the home (about 0.1 ms on one
+  machine), not a system call;
+* waiters are served in the order they started waiting (FIFO), and every timeout is kept by the home,
+  so a waiter that gave up is never handed the lock afterwards;
+* a primitive lives as long as its home process; when that process has ended, every operation raises
+  :class:`~roving._rpc.ServerGone` (a ``ConnectionError``) within a few seconds instead of hanging.
+
+Owner semantics follow multiprocessing: a lock's owner is (process, thread); ``RLock.release`` by a
+non-owner raises ``AssertionError``; releasing an unlocked ``Lock`` or a ``BoundedSemaphore`` past its
+initial value raises ``ValueError``; ``Condition.wait``/``notify`` without holding the lock raise
+``RuntimeError``. Primitives are picklable, so they can be passed to any roving process.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import pickle
+import threading
+import time
+from collections import deque
+from threading import BrokenBarrierError
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+from . import _rpc
+from . import config as _config
+from .transport import session as _session
+
+__all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier"]
+
+OP = b"sync"
+# Statuses beyond OK/ERR.
+_RUN_ACTION = 2
+
+
+# -- the home: server side --------------------------------------------------------------------
+
+class _Waiter:
+    __slots__ = ("ident", "req_id", "done", "who", "count", "result", "cond_timeout")
+
+    def __init__(self, ident: bytes, req_id: int, who: str = "", count: int = 1, result: Any = True) -> None:
+        self.ident, self.req_id, self.done = ident, req_id, False
+        self.who, self.count, self.result = who, count, result
+
+
+class _Sem:
+    """Lock (maxvalue 1, owned), RLock (recursive, owned) and (bounded) semaphores."""
+
+    def __init__(self, kind: str, value: int = 1, maxvalue: Optional[int] = None) -> None:
+        self.kind, self.value, self.maxvalue = kind, value, maxvalue
+        self.owner: Optional[str] = None
+        self.count = 0
+        self.queue: Deque[_Waiter] = deque()
+
+    def _free(self) -> bool:
+        return self.owner is None if self.kind == "rlock" else self.value > 0
+
+    def _take(self, who: str, count: int) -> None:
+        if self.kind == "rlock":
+            self.owner, self.count = who, count
+        else:
+            self.value -= 1
+            if self.kind == "lock":
+                self.owner = who
+
+    def acquire(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+        if self.kind == "rlock" and self.owner == w.who:
+            self.count += 1
+            return _rpc.OK, True
+        if self._free() and not self.queue:
+            self._take(w.who, w.count)
+            return _rpc.OK, True
+        if timeout == 0:
+            return _rpc.OK, False
+        self.queue.append(w)
+        if timeout > 0:
+            home.later(timeout, lambda: self._expire(home, w))
+        return None
+
+    def _expire(self, home: "_Home", w: _Waiter) -> None:
+        if not w.done:
+            self.queue.remove(w)
+            home.fulfil(w, _rpc.OK, False)
+
+    def is_mine(self, who: str) -> bool:
+        return self.owner == who
+
+    def release(self, home: "_Home", who: str, full: bool = False) -> int:
+        """Release once (``full``: an RLock entirely); returns the recursion count released."""
+        released = 1
+        if self.kind == "rlock":
+            if self.owner != who:
+                raise AssertionError("attempt to release recursive lock not owned by thread")
+            if full:
+                released, self.count = self.count, 0
+            else:
+                self.count -= 1
+            if self.count:
+                return released
+            self.owner = None
+        elif self.kind == "lock":
+            if self.value >= 1:
+                raise ValueError("semaphore or lock released too many times")
+            self.value, self.owner = 1, None
+        else:
+            if self.maxvalue is not None and self.value >= self.maxvalue:
+                raise ValueError("semaphore or lock released too many times")
+            self.value += 1
+        self.hand_off(home)
+        return released
+
+    def hand_off(self, home: "_Home") -> None:
+        while self.queue and self._free():
+            w = self.queue.popleft()
+            self._take(w.who, w.count)
+            home.fulfil(w, _rpc.OK, w.result)
+
+    def info(self) -> Tuple[Any, ...]:
+        return self.kind, self.value, self.owner, self.count, len(self.queue)
+
+
+class _Cond:
+    def __init__(self, lock: _Sem) -> None:
+        self.lock = lock
+        self.waiters: Deque[_Waiter] = deque()
+
+    def _check_owned(self, who: str, what: str) -> None:
+        if not self.lock.is_mine(who):
+            raise RuntimeError(f"cannot {what} on un-acquired lock")
+
+    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> None:
+        self._check_owned(w.who, "wait")
+        w.count = self.lock.release(home, w.who, full=True)
+        self.waiters.append(w)
+        if timeout >= 0:
+            home.later(timeout, lambda: self._expire(home, w))
+
+    def _expire(self, home: "_Home", w: _Waiter) -> None:
+        if w in self.waiters:
+            self.waiters.remove(w)
+            self._reacquire(home, w, False)
+
+    def _reacquire(self, home: "_Home", w: _Waiter, result: bool) -> None:
+        w.result = result
+        if self.lock._free() and not self.lock.queue:
+            self.lock._take(w.who, w.count)
+            home.fulfil(w, _rpc.OK, result)
+        else:
+            self.lock.queue.append(w)
+
+    def notify(self, home: "_Home", who: str, n: Optional[int]) -> None:
+        self._check_owned(who, "notify")
+        count = len(self.waiters) if n is None else n
+        while self.waiters and count > 0:
+            self._reacquire(home, self.waiters.popleft(), True)
+            count -= 1
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.flag = False
+        self.waiters: List[_Waiter] = []
+
+    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+        if self.flag or timeout == 0:
+            return _rpc.OK, self.flag
+        self.waiters.append(w)
+        if timeout > 0:
+            home.later(timeout, lambda: self._expire(home, w))
+        return None
+
+    def _expire(self, home: "_Home", w: _Waiter) -> None:
+        if not w.done:
+            self.waiters.remove(w)
+            home.fulfil(w, _rpc.OK, False)
+
+    def set(self, home: "_Home") -> None:
+        self.flag = True
+        waiters, self.waiters = self.waiters, []
+        for w in waiters:
+            home.fulfil(w, _rpc.OK, True)
+
+
+class _Barrier:
+    def __init__(self, parties: int, has_action: bool) -> None:
+        self.parties, self.has_action = parties, has_action
+        self.waiters: List[_Waiter] = []
+        self.broken = False
+        self.action_runner: Optional[_Waiter] = None
+        # Callers of the next round that arrive while the action of this one runs.
+        self.early: List[Tuple[_Waiter, float]] = []
+
+    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+        if self.broken:
+            raise BrokenBarrierError
+        if self.action_runner is not None:
+            self.early.append((w, timeout))
+            return None
+        w.result = len(self.waiters)
+        self.waiters.append(w)
+        if len(self.waiters) == self.parties:
+            if self.has_action:
+                self.action_runner = w
+                home.fulfil(w, _RUN_ACTION, None)
+            else:
+                self._release(home)
+            return None
+        if timeout >= 0:
+            home.later(timeout, lambda: self._expire(home, w))
+        return None
+
+    def _expire(self, home: "_Home", w: _Waiter) -> None:
+        if not w.done and w in self.waiters:
+            self.abort(home)
+
+    def _release(self, home: "_Home") -> None:
+        waiters, self.waiters, self.action_runner = self.waiters, [], None
+        for w in waiters:
+            if not w.done:
+                home.fulfil(w, _rpc.OK, w.result)
+        early, self.early = self.early, []
+        for w, timeout in early:
+            self.wait(home, w, timeout)
+
+    def action_done(self, home: "_Home", w: _Waiter, ok: bool) -> Tuple[int, Any]:
+        runner = self.action_runner
+        if runner is None:
+            raise BrokenBarrierError
+        index = runner.result
+        if ok:
+            self._release(home)
+            return _rpc.OK, index
+        self.abort(home)
+        return _rpc.OK, index
+
+    def abort(self, home: "_Home") -> None:
+        self.broken = True
+        waiters, self.waiters, self.action_runner = self.waiters, [], None
+        waiters += [w for w, _ in self.early]
+        self.early = []
+        for w in waiters:
+            if not w.done:
+                home.fulfil(w, _rpc.ERR, _err(BrokenBarrierError()))
+
+    def reset(self, home: "_Home") -> None:
+        if self.waiters:
+            self.abort(home)
+        self.broken = False
+
+
+class _Home(_rpc.Server):
+    """The primitives created in (or homed at) this process, served by its node's I/O thread."""
+
+    def __init__(self, node: Any) -> None:
+        self.lock = threading.Lock()
+        self.objects: Dict[int, Any] = {}
+        self._ids = itertools.count(1)
+        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._timer_wake = threading.Condition(self.lock)
+        threading.Thread(target=self._run_timers, name="roving-sync-timers", daemon=True).start()
+        super().__init__(node, OP)
+
+    # called with self.lock held
+    def later(self, delay: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
+        self._timer_wake.notify()
+
+    def fulfil(self, w: _Waiter, status: int, result: Any) -> None:
+        w.done = True
+        self.answer(w.ident, w.req_id, status, [pickle.dumps(result)])
+
+    def _run_timers(self) -> None:
+        with self.lock:
+            while True:
+                if not self._timers:
+                    self._timer_wake.wait()
+                    continue
+                due = self._timers[0][0] - time.monotonic()
+                if due > 0:
+                    self._timer_wake.wait(due)
+                    continue
+                _, _, fn = heapq.heappop(self._timers)
+                try:
+                    fn()
+                except Exception:
+                    _rpc.log.exception("roving: a synchronization timeout could not be handled")
+
+    def create(self, kind: str, args: Tuple[Any, ...]) -> int:
+        if kind in ("lock", "rlock", "sem"):
+            obj: Any = _Sem(kind, *args)
+        elif kind == "cond":
+            obj = _Cond(self.objects[args[0]])
+        elif kind == "event":
+            obj = _Event()
+        elif kind == "barrier":
+            obj = _Barrier(*args)
+        elif kind == "ctype":
+            obj = args[0]
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
+        with self.lock:
+            oid = next(self._ids)
+            self.objects[oid] = obj
+        return oid
+
+    def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
+        method, oid, who, timeout, args = pickle.loads(frames[0].bytes)
+        w = _Waiter(ident, req_id, who)
+        try:
+            if method == "new":
+                out: Any = (_rpc.OK, self.create(*args))
+            else:
+                with self.lock:
+                    obj = self.objects.get(oid)
+                    if obj is None:
+                        raise ValueError("no such synchronization object at this process")
+                    out = self._dispatch(obj, method, w, timeout, args)
+        except Exception as exc:
+            if kind != _rpc.TELL:
+                self.fulfil(w, _rpc.ERR, _err(exc))
+            return
+        if out is not None and kind != _rpc.TELL:
+            self.fulfil(w, *out)
+
+    def _dispatch(self, obj: Any, method: str, w: _Waiter, timeout: float,
+                  args: Tuple[Any, ...]) -> Optional[Tuple[int, Any]]:
+        if method == "acquire":
+            return obj.acquire(self, w, timeout)
+        if method == "release":
+            obj.release(self, w.who)
+            return _rpc.OK, None
+        if method == "info":
+            return _rpc.OK, obj.info()
+        if method == "wait":  # Condition, Event, Barrier
+            if isinstance(obj, _Cond):
+                obj.wait(self, w, timeout)
+                return None
+            return obj.wait(self, w, timeout)
+        if method == "notify":
+            obj.notify(self, w.who, args[0])
+            return _rpc.OK, None
+        if method == "set":
+            obj.set(self)
+            return _rpc.OK, None
+        if method == "clear":
+            obj.flag = False
+            return _rpc.OK, None
+        if method == "is_set":
+            return _rpc.OK, obj.flag
+        if method == "action_done":
+            return obj.action_done(self, w, args[0])
+        if method == "abort":
+            obj.abort(self)
+            return _rpc.OK, None
+        if method == "reset":
+            obj.reset(self)
+            return _rpc.OK, None
+        if method == "barrier_info":
+            return _rpc.OK, (len(obj.waiters), obj.broken)
+        if method == "ctype":  # Value/Array: (operation, *arguments) on the ctypes object
+            return _rpc.OK, _ctype_op(obj, *args)
+        raise ValueError(f"unknown operation {method!r}")
+
+
+def _ctype_op(obj: Any, op: str, *args: Any) -> Any:
+    if op == "get":
+        return getattr(obj, args[0])
+    if op == "set":
+        setattr(obj, args[0], args[1])
+        return None
+    if op == "getitem":
+        return obj[args[0]]
+    if op == "setitem":
+        obj[args[0]] = args[1]
+        return None
+    if op == "len":
+        return len(obj)
+    if op == "copy":
+        return bytes(memoryview(obj).cast("B")), type(obj)
+    raise ValueError(f"unknown operation {op!r}")
+
+
+def _err(exc: BaseException) -> BaseException:
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+_homes: Dict[int, _Home] = {}
+_homes_lock = threading.Lock()
+
+
+def home() -> _Home:
+    """This process's home of synchronization objects (started on first use)."""
+    node = _session.current().node()
+    with _homes_lock:
+        h = _homes.get(id(node))
+        if h is None:
+            h = _homes[id(node)] = _Home(node)
+        return h
+
+
+# -- client side ------------------------------------------------------------------------------
+
+_callers = threading.local()
+
+
+def _caller(address: str) -> _rpc.Caller:
+    """This thread's connection to the home at ``address``."""
+    cache = getattr(_callers, "by_address", None)
+    if cache is None:
+        cache = _callers.by_address = {}
+    caller = cache.get(address)
+    if caller is None:
+        session = _session.current()
+        caller = cache[address] = _rpc.Caller(address, session.secret, OP, "the process that homes this "
+                                              "synchronization object",
+                                              connect_timeout=min(10.0, _config.current().connect_timeout))
+    return caller
+
+
+def _who() -> str:
+    return f"{_session.current().uid}/{threading.get_ident()}"
+
+
+def _timeout(block: bool, timeout: Optional[float]) -> float:
+    if not block:
+        return 0.0
+    if timeout is None:
+        return -1.0
+    return max(0.0, float(timeout))
+
+
+class _Homed:
+    """A handle on an object homed at some process; picklable."""
+
+    _kind = ""
+
+    def _create(self, *args: Any, at: Optional[str] = None) -> None:
+        if at is None:
+            h = home()
+            self._address, self._id = h.node.address, h.create(self._kind, args)
+        else:
+            self._address = at
+            self._id = self._call("new", self._kind, args)
+
+    def _call(self, method: str, *args: Any, timeout: float = -1,
+              on_late: Optional[Callable[[int, List[Any]], None]] = None, raw: bool = False) -> Any:
+        payload = pickle.dumps((method, getattr(self, "_id", 0), _who(), timeout, args))
+        status, frames = _caller(self._address).call([payload], on_late=on_late)
+        result = pickle.loads(frames[0].bytes)
+        if status == _rpc.ERR:
+            raise result
+        return (status, result) if raw else result
+
+    def _tell(self, method: str, *args: Any) -> None:
+        payload = pickle.dumps((method, self._id, _who(), 0, args))
+        _caller(self._address).tell([payload])
+
+
+class _SemLock(_Homed):
+    def acquire(self, block: bool = True, timeout: Optional[float] = None) -> bool:
+        """Acquire; with ``block`` False or a ``timeout``, return False if not acquired in time."""
+        wait = _timeout(block, timeout)
+        who = _who()
+
+        def give_back(status: int, frames: List[Any]) -> None:  # granted after this caller left
+            if status == _rpc.OK and pickle.loads(frames[0].bytes):
+                _caller(self._address).tell([pickle.dumps(("release", self._id, who, 0, ()))])
+
+        return self._call("acquire", timeout=wait, on_late=give_back)
+
+    def release(self) -> None:
+        self._call("release")
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def _info(self) -> Tuple[Any, ...]:
+        return self._call("info")
+
+    def __repr__(self) -> str:
+        try:
+            kind, value, owner, count, waiting = self._info()
+        except Exception:
+            return f"<{type(self).__name__}(unknown)>"
+        return f"<{type(self).__name__}(value={value}, owner={owner}, count={count}, waiting={waiting})>"
+
+
+class Lock(_SemLock):
+    """A non-recursive lock; see :class:`multiprocessing.Lock`."""
+
+    _kind = "lock"
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._create(1, 1)
+
+    def __repr__(self) -> str:
+        try:
+            kind, value, owner, count, waiting = self._info()
+        except Exception:
+            return "<Lock(unknown)>"
+        if value:
+            state = "unlocked"
+        else:
+            state = "MainThread" if owner == _who() else "SomeOtherThread"
+        return f"<Lock(owner={state})>"
+
+
+class RLock(_SemLock):
+    """A recursive lock owned by one thread of one process; see :class:`multiprocessing.RLock`."""
+
+    _kind = "rlock"
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._create(1, None)
+
+
+class Semaphore(_SemLock):
+    """A counting semaphore; see :class:`multiprocessing.Semaphore`."""
+
+    _kind = "sem"
+
+    def __init__(self, value: int = 1, *, ctx: Any = None) -> None:
+        if value < 0:
+            raise ValueError("semaphore initial value must be >= 0")
+        self._create(int(value), self._max(value))
+
+    @staticmethod
+    def _max(value: int) -> Optional[int]:
+        return None
+
+    def get_value(self) -> int:
+        return self._info()[1]
+
+
+class BoundedSemaphore(Semaphore):
+    """A semaphore that may not be released above its initial value (ValueError)."""
+
+    @staticmethod
+    def _max(value: int) -> Optional[int]:
+        return int(value)
+
+
+class Condition(_Homed):
+    """A condition variable over a roving Lock or RLock (a new RLock by default).
+
+    The condition's waiters live at the lock's home, so wait() releases the lock and joins the waiters
+    in one step: a notify() cannot slip in between.
+    """
+
+    _kind = "cond"
+
+    def __init__(self, lock: Optional[_SemLock] = None, *, ctx: Any = None) -> None:
+        if lock is None:
+            lock = RLock()
+        if not isinstance(lock, (Lock, RLock)):
+            raise TypeError(f"Condition needs a roving Lock or RLock, not {type(lock).__name__}")
+        self._lock = lock
+        if lock._address == home().node.address:
+            self._create(lock._id)
+        else:
+            self._create(lock._id, at=lock._address)
+
+    def acquire(self, block: bool = True, timeout: Optional[float] = None) -> bool:
+        return self._lock.acquire(block, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Release the lock, wait for a notify (or ``timeout``), re-acquire; False if timed out."""
+        return self._call("wait", timeout=_timeout(True, timeout))
+
+    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+        result = predicate()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not result:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.wait(left)
+            else:
+                self.wait()
+            result = predicate()
+        return result
+
+    def notify(self, n: int = 1) -> None:
+        self._call("notify", n)
+
+    def notify_all(self) -> None:
+        self._call("notify", None)
+
+    notifyAll = notify_all
+
+    def __repr__(self) -> str:
+        return f"<Condition({self._lock!r})>"
+
+
+class Event(_Homed):
+    """An event flag; see :class:`multiprocessing.Event`."""
+
+    _kind = "event"
+
+    def __init__(self, *, ctx: Any = None) -> None:
+        self._create()
+
+    def is_set(self) -> bool:
+        return self._call("is_set")
+
+    def set(self) -> None:
+        self._call("set")
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the flag is set or ``timeout`` passes; returns the flag."""
+        return self._call("wait", timeout=_timeout(True, timeout))
+
+    def __repr__(self) -> str:
+        return f"<Event({'set' if self.is_set() else 'unset'})>"
+
+
+class Barrier(_Homed):
+    """A barrier for ``parties`` callers; see :class:`multiprocessing.Barrier`.
+
+    ``action`` (picklable) runs in the process of the last caller to arrive, before any is released; if
+    it raises, the barrier breaks. A ``wait`` that times out breaks the barrier for everyone, as in
+    :mod:`threading`.
+    """
+
+    _kind = "barrier"
+
+    def __init__(self, parties: int, action: Optional[Callable[[], Any]] = None,
+                 timeout: Optional[float] = None, *, ctx: Any = None) -> None:
+        if parties < 1:
+            raise ValueError("parties must be > 0")
+        self._parties, self._action, self._default_timeout = int(parties), action, timeout
+        self._create(self._parties, action is not None)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Wait for all parties; returns this caller's arrival index (0..parties-1)."""
+        if timeout is None:
+            timeout = self._default_timeout
+        status, index = self._call("wait", timeout=_timeout(True, timeout), raw=True)
+        if status == _RUN_ACTION:
+            try:
+                self._action()
+            except BaseException:
+                self._call("action_done", False)
+                raise
+            index = self._call("action_done", True)
+        return index
+
+    def abort(self) -> None:
+        self._call("abort")
+
+    def reset(self) -> None:
+        self._call("reset")
+
+    @property
+    def parties(self) -> int:
+        return self._parties
+
+    @property
+    def n_waiting(self) -> int:
+        return self._call("barrier_info")[0]
+
+    @property
+    def broken(self) -> bool:
+        return self._call("barrier_info")[1]
+
+    def __repr__(self) -> str:
+        return f"<Barrier(parties={self._parties})>"
