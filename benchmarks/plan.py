@@ -20,7 +20,9 @@ PAPER_GCP_ORDER = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", 
                    "London", "Australia"]
 FIVE_REGIONS = ["LA", "NL", "Germany", "Singapore", "Oregon"]  # the paper's "5-clusters" setting
 MODEL = "llama-1.5b-skippipe"
-MEMORY = 3  # microbatches in flight per node, the paper's create_schedule.py
+# microbatches in flight per node, the paper's create_schedule.py: a count (build_network(memory=...), the
+# CLI's --memory-microbatches), not device MB, so weights are not counted against it
+MEMORY = 3
 MICROBATCHES_PER_ORIGIN = 6  # each stage-0 node of the paper's partition sends 6 per iteration
 SETTINGS = [
     # name, network, nodes, stages, skip, regions to place on round-robin (None = the file's order)

@@ -60,5 +60,8 @@ def assert_memory_respected(plan: Plan, network: Network, model) -> float:
         for _, d in sorted(changes, key=lambda c: (c[0], c[1])):  # releases before takes at equal times
             level += d
             peak = max(peak, level)
-        assert peak <= network.node(node).memory
+        if node in plan.allocation:
+            assert peak <= network.node(node).in_flight(plan.allocation[node], model, plan.stages)
+        else:
+            assert peak == 0
     return res.makespan

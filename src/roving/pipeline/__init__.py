@@ -1,14 +1,14 @@
 """SkipPipe planning: which node holds which stage, and which stages each microbatch visits.
 
 Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``plan()`` and
-``replan()``, the simulator that judges every plan (``simulate()``), and the baselines
+``replan()``, the memory model (``stage_memory``, ``microbatches_in_flight``), the simulator that judges every plan (``simulate()``), and the baselines
 (``full_pipeline``, ``full_pipeline_planned``, ``random_skip``). Imports only the standard library
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
 """
 
 from __future__ import annotations
 
-from .costs import MODEL_PRESETS, ModelSpec, PlanError, model_preset
+from .costs import MODEL_PRESETS, ModelSpec, PlanError, microbatches_in_flight, model_preset, stage_memory
 from .network import Link, Network, Node, build_network
 from .paths import Path, Plan, full_pipeline, plan, random_skip, replan, validate
 from .simulate import SimResult, simulate
@@ -22,6 +22,6 @@ def full_pipeline_planned(network: Network, model: ModelSpec, stages: int, micro
 
 __all__ = [
     "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "Path", "Plan", "PlanError", "SimResult",
-    "build_network", "full_pipeline", "full_pipeline_planned", "model_preset", "plan", "random_skip",
-    "replan", "simulate", "validate",
+    "build_network", "full_pipeline", "full_pipeline_planned", "microbatches_in_flight", "model_preset", "plan",
+    "random_skip", "replan", "simulate", "stage_memory", "validate",
 ]

@@ -4,6 +4,13 @@ and local search.
 The allocation starts from a greedy nearest-neighbour tour of the nodes (neighbours in the order sit
 on fast links) and is improved by a swap search judged by whatever the caller passes (in practice:
 plan paths, then simulate). The full-pipeline baseline allocates as DT-FM does (``dtfm``).
+
+Memory: a node given in MB can hold a stage only if its memory covers the stage's weights and training
+state plus one microbatch's activations (``costs.stage_memory``); stage 0, with the embedding, head and
+loss workspace, needs the most. ``check_memory`` says which node can hold which stage and rejects
+networks where no allocation can place every stage; ``assign`` and the swap search only produce
+allocations that respect it. Among allocations that do, the simulator (which gives each node the
+microbatches in flight its memory leaves for its stage) decides.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import random
 import time
 from typing import Callable, Sequence
 
-from .costs import ModelSpec, PlanError, stage_layers, transfer_time
+from .costs import ModelSpec, PlanError, stage_layers, stage_memory, transfer_time
 from .network import Network
 
 
@@ -38,6 +45,132 @@ def check_sizes(network: Network, stages: int) -> None:
             f"{len(network.nodes)} nodes cannot hold {stages} stages; use at least {stages} nodes "
             "or fewer stages"
         )
+
+
+def holdable(network: Network, model: ModelSpec, stages: int) -> dict[str, frozenset[int]]:
+    """For each node, the stages it can hold (its memory fits the stage and one microbatch)."""
+    return {n.name: frozenset(s for s in range(stages) if n.can_hold(s, model, stages)) for n in network.nodes}
+
+
+def _model_name(model: ModelSpec) -> str:
+    return model.name or "the model"
+
+
+def _need(model: ModelSpec, stages: int, s: int) -> str:
+    m = stage_memory(model, stages)[s]
+    what = "weights, gradients, optimizer state and loss workspace" if s == 0 else \
+        "weights, gradients and optimizer state"
+    return (f"needs {m.needs_mb(1):.0f} MB: {m.static_bytes / 2**20:.0f} MB of {what} plus "
+            f"{m.per_microbatch_bytes / 2**20:.0f} MB of activations for one microbatch")
+
+
+def _stage_matching(can: dict[str, frozenset[int]], stages: int) -> tuple[dict[int, str], list[int], list[str]]:
+    """A distinct node for every stage it can (Kuhn's augmenting paths). Returns (stage -> node, and
+    when some stage is left out: a set of stages and the only nodes that can hold any of them, fewer
+    than the stages; else two empty lists)."""
+    owner: dict[str, int] = {}
+    names = list(can)
+    for s in range(stages):
+        seen_nodes: set[str] = set()
+        seen_stages: list[int] = []
+
+        def grab(st: int) -> bool:
+            seen_stages.append(st)
+            for n in names:
+                if st in can[n] and n not in seen_nodes:
+                    seen_nodes.add(n)
+                    if n not in owner or grab(owner[n]):
+                        owner[n] = st
+                        return True
+            return False
+
+        if not grab(s):
+            return {st: n for n, st in owner.items()}, sorted(set(seen_stages)), sorted(seen_nodes)
+    return {st: n for n, st in owner.items()}, [], []
+
+
+def check_memory(network: Network, model: ModelSpec, stages: int) -> dict[str, frozenset[int]]:
+    """Which node can hold which stage (``holdable``); PlanError, saying what is wrong and what to do,
+    if a node can hold no stage or no allocation can place every stage on a node that can hold it."""
+    can = holdable(network, model, stages)
+    name = _model_name(model)
+    sizes = {n.memory_mb for n in network.nodes}
+    uniform = len(sizes) == 1 and None not in sizes
+    for s in range(stages):
+        if not any(s in c for c in can.values()):
+            if uniform:
+                raise PlanError(
+                    f"memory {next(iter(sizes)):g} MB per node cannot hold stage {s} of {name} in {stages} "
+                    f"stages ({_need(model, stages, s)}): use more memory, more stages, or a smaller model")
+            biggest = max((n.memory_mb for n in network.nodes if n.memory_mb is not None), default=0.0)
+            raise PlanError(
+                f"no node can hold stage {s} of {name} in {stages} stages ({_need(model, stages, s)}; the "
+                f"largest node has {biggest:g} MB): use more memory, more stages, or a smaller model")
+    for n in network.nodes:
+        if not can[n.name]:
+            least = min(stage_memory(model, stages), key=lambda m: m.needs_mb(1))
+            raise PlanError(
+                f"node {n.name} with {n.memory_mb:g} MB cannot hold any stage of {name} in {stages} stages "
+                f"(the smallest needs {least.needs_mb(1):.0f} MB for weights and one microbatch): give it "
+                "more memory, use more stages, or leave it out")
+    # (fewer nodes than stages is reported by the callers, whatever the memory)
+    _, short_stages, only = _stage_matching(can, stages) if len(can) >= stages else (None, [], [])
+    if short_stages:
+        raise PlanError(
+            f"memory too small to place every stage: stages {', '.join(map(str, short_stages))} of {name} "
+            f"can only be held by nodes {', '.join(only) or '(none)'} ({len(only)} nodes for "
+            f"{len(short_stages)} stages): give more nodes more memory, use more stages, or a smaller model")
+    return can
+
+
+def assign(order: Sequence[str], labels: Sequence[int], can: dict[str, frozenset[int]]) -> list[str] | None:
+    """Nodes for the label slots (slot i holds stage ``labels[i]``) such that every node can hold its
+    stage, keeping node ``order[i]`` on slot i wherever possible (with no memory limit, exactly
+    ``order``). None if no such assignment exists."""
+    n = len(labels)
+    node_at: list[str | None] = [None] * n
+    by_label: dict[int, list[int]] = {}
+    for i, lab in enumerate(labels):
+        by_label.setdefault(lab, []).append(i)
+    for u_index, u in enumerate(order):
+        seen: set[int] = set()
+
+        def place(v: str, pref: int | None) -> bool:
+            cands = ([pref] if pref is not None and labels[pref] in can[v] else []) + \
+                [i for lab in sorted(can[v]) for i in by_label.get(lab, ())]
+            for i in cands:
+                if i in seen:
+                    continue
+                seen.add(i)
+                if node_at[i] is None or place(node_at[i], None):
+                    node_at[i] = v
+                    return True
+            return False
+
+        if not place(u, u_index if u_index < n else None):
+            return None
+    if any(x is None for x in node_at):
+        return None
+    return [x for x in node_at if x is not None]
+
+
+def memory_fallback(order: Sequence[str], counts: Sequence[int], can: dict[str, frozenset[int]],
+                    stages: int) -> tuple[list[int], list[str]]:
+    """A feasible allocation near ``counts`` when none with those counts exists: one node per stage
+    (a matching), then every other node, in ``order``, to the stage it can hold that is furthest below
+    its count. Returns (labels, slots). Assumes ``check_memory`` passed."""
+    owner, short, _ = _stage_matching(can, stages)
+    assert not short
+    have = [1] * stages
+    alloc = {n: s for s, n in owner.items()}
+    for n in order:
+        if n in alloc:
+            continue
+        s = max(can[n], key=lambda s: (counts[s] - have[s], -s))
+        alloc[n] = s
+        have[s] += 1
+    slots = list(order)
+    return [alloc[n] for n in slots], slots
 
 
 def replica_counts(n_nodes: int, stages: int, skip: float, model: ModelSpec) -> list[int]:
@@ -114,9 +247,11 @@ def swap_search(
     deadline: float,
     rng: random.Random,
     max_evals: int | None = None,
+    ok: Callable[[str, int], bool] | None = None,
 ) -> tuple[list[str], float]:
     """Hill climbing over swaps of two slots with different roles, accepting ties (to cross plateaus);
-    stops at ``deadline`` (time.perf_counter) or after ``max_evals``. Returns the best slots found."""
+    stops at ``deadline`` (time.perf_counter) or after ``max_evals``. ``ok(node, role)`` (if given)
+    rejects swaps that put a node on a role it cannot take (memory). Returns the best slots found."""
     best = list(slots)
     best_score = current_score = judge(best)
     current = list(best)
@@ -126,6 +261,8 @@ def swap_search(
         i, j = rng.choice(pairs)
         cand = list(current)
         cand[i], cand[j] = cand[j], cand[i]
+        if ok is not None and not (ok(cand[i], roles[i]) and ok(cand[j], roles[j])):
+            continue
         score = judge(cand)
         evals += 1
         if score <= current_score:

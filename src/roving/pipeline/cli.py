@@ -9,7 +9,11 @@ import time
 from pathlib import Path as FilePath
 
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, PlanError, model_preset
-from .network import DEFAULT_MEMORY, build_network
+from .network import build_network
+
+#: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
+#: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
+DEFAULT_MEMORY_MB = 24576
 from .paths import full_pipeline, plan, random_skip, replan
 from .simulate import SimResult, simulate
 
@@ -25,8 +29,20 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--stages", type=int, required=True)
     p.add_argument("--skip", type=float, required=True, help="fraction of stages each microbatch skips")
     p.add_argument("--microbatches", type=int, default=None, help="per iteration (default: 2 x nodes)")
-    p.add_argument("--memory", type=int, default=DEFAULT_MEMORY, help="microbatches in flight per node")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODEL_PRESETS))
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--memory", type=float, default=None, metavar="MB",
+                     help="device memory per node in MB (MiB, 2^20 bytes). A node must fit the weights, "
+                          "gradients and Adam state (16 bytes/parameter) of the stage it holds (stage 0 also "
+                          "the embedding, head and fp32 logits of one microbatch) plus the stored "
+                          "activations of each microbatch in flight (34 bytes x tokens x hidden per layer); "
+                          "what is left after the weights sets how many microbatches it holds in flight. "
+                          "Too little for some stage is an error. A nodes file may give memory_mb per node. "
+                          f"Default: {DEFAULT_MEMORY_MB} (a 24 GiB GPU)")
+    mem.add_argument("--memory-microbatches", type=int, default=None, metavar="N",
+                     help="instead of --memory: every node holds N microbatches in flight whatever its stage "
+                          "and weights are not counted (the SkipPipe paper states memory this way, N = 3)")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODEL_PRESETS),
+                   help=f"model preset (default {DEFAULT_MODEL})")
     p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
     p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -40,7 +56,11 @@ def run_plan(args: argparse.Namespace) -> int:
         nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
         if isinstance(nodes, str) and not FilePath(nodes).is_file():
             raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
-        net = build_network(args.network, nodes, memory=args.memory)
+        if args.memory_microbatches is not None:
+            net = build_network(args.network, nodes, memory=args.memory_microbatches)
+        else:
+            mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
+            net = build_network(args.network, nodes, memory_mb=mb)
         model = model_preset(args.model)
         m = args.microbatches or 2 * len(net.nodes)
         failed = [f for f in args.fail.split(",") if f]
@@ -56,13 +76,18 @@ def run_plan(args: argparse.Namespace) -> int:
         out = {
             "network": net.name,
             "model": args.model,
-            "nodes": [{"name": n.name, "region": n.region, "speed": n.speed, "memory": n.memory}
+            # in_flight: microbatches the node holds in flight for the stage the plan gives it
+            "nodes": [{"name": n.name, "region": n.region, "speed": n.speed, "memory_mb": n.memory_mb,
+                       "memory_microbatches": None if n.memory_mb is not None else n.memory,
+                       "in_flight": n.in_flight(best.allocation[n.name], model, args.stages)
+                       if n.name in best.allocation else None}
                       for n in net.nodes],
             "microbatches": m,
             **best.to_dict(),
+            # None: the baseline put a stage on a node whose memory cannot hold it (DT-FM ignores memory)
             "iteration_time_s": {
                 "skippipe": best.predicted_s,
-                "full_pipeline": full.predicted_s,
+                "full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
                 "full_pipeline_planned": planned.predicted_s,
                 "random_skip": rand.predicted_s,
             },
@@ -80,7 +105,12 @@ def run_plan(args: argparse.Namespace) -> int:
     FilePath(args.json_out).write_text(json.dumps(out, indent=1))
     times = out["iteration_time_s"]
     for k, v in times.items():
-        print(f"{k:>22}: {v:8.2f} s  ({v / times['full_pipeline']:.2f}x full_pipeline)")
+        if v is None:
+            print(f"{k:>22}: cannot run (puts a stage on a node without the memory for it)")
+        elif times["full_pipeline"] is None:
+            print(f"{k:>22}: {v:8.2f} s")
+        else:
+            print(f"{k:>22}: {v:8.2f} s  ({v / times['full_pipeline']:.2f}x full_pipeline)")
     print(f"{'planner':>22}: {planner_s:8.2f} s")
     if failed:
         print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "

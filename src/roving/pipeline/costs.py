@@ -7,14 +7,42 @@ in layer equivalents (``head_layers``). A transfer takes ``latency + bytes / ban
 bytes of an activation (forward) or a gradient (backward) are ``samples x seq_len x hidden x
 bytes_per_activation``. The paper (SkipPipe, arXiv 2502.19913) adds the latency once per transfer,
 and so do we.
+
+Memory of a node that holds stage ``s`` (``stage_memory``), in bytes:
+
+* **Training state**, ``params x bytes_per_param_state`` for the stage's parameters: ``12 x hidden^2``
+  per transformer layer (attention 4h^2 + a LLaMA SwiGLU MLP of three h x 8h/3 matrices, 8h^2; norms
+  ignored), and at stage 0 also the untied input embedding and output head, ``2 x vocab x hidden``.
+  16 bytes per parameter: mixed-precision Adam keeps 16-bit weights (2) and gradients (2) plus fp32
+  master weights, momentum and variance (4 + 4 + 4) -- the 2 + 2 + 12 bytes of ZeRO (Rajbhandari et
+  al. 2020, section 3.1). No optimizer sharding: each replica of a stage holds all of it.
+* **Stage 0's loss workspace**: the fp32 logits of one microbatch, ``4 x samples x seq_len x vocab``;
+  only one loss task runs on a node at a time, so it is paid once.
+* **Activations per microbatch in flight**: ``activation_factor x samples x seq_len x hidden`` bytes per
+  layer held, with ``activation_factor = 34``: the activations a transformer layer stores for its
+  backward pass in 16-bit without recomputation, ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", section 4.1), less the ``5 a s / h``
+  attention-score term that fused attention kernels (FlashAttention) do not store. Without
+  recomputation because the compute model above has no recomputation cost (backward = ratio x forward).
+
+Framework overheads (CUDA context, allocator fragmentation, temporary buffers) are not modelled: give
+the memory a node can really use. ``microbatches_in_flight`` is what is left after the static part,
+in whole microbatches.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
 #: SkipPipe's assumed compute speed (several nodes sharing older GPUs), seconds per sample per layer.
 PAPER_SECONDS_PER_SAMPLE_LAYER = 0.055
+MIB = float(2**20)
+#: mixed-precision Adam: 2 (16-bit weights) + 2 (16-bit gradients) + 4 + 4 + 4 (fp32 master, m, v).
+BYTES_PER_PARAM_STATE = 16.0
+#: bytes a layer stores for backward per token per hidden unit (Korthikanti et al. 2022, 16-bit,
+#: no recomputation, attention scores not stored).
+ACTIVATION_FACTOR = 34.0
 
 
 class PlanError(ValueError):
@@ -33,13 +61,33 @@ class ModelSpec:
     backward_ratio: float = 2.0
     #: embedding + final norm + head + loss, in layer equivalents, paid by stage 0 only.
     head_layers: float = 1.0
+    #: vocabulary size (LLaMA's tokenizer): the embedding, the head and the logits.
+    vocab: int = 32000
+    #: bytes of training state per parameter (weights, gradients, optimizer state); see the module doc.
+    bytes_per_param_state: float = BYTES_PER_PARAM_STATE
+    #: bytes of stored activations per layer per token per hidden unit; see the module doc.
+    activation_factor: float = ACTIVATION_FACTOR
+    #: a name for messages (the preset's); not part of the model's identity.
+    name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "seq_len", "samples_per_microbatch", "bytes_per_activation"):
+        for name in ("layers", "hidden", "seq_len", "samples_per_microbatch", "bytes_per_activation", "vocab"):
             if getattr(self, name) < 1:
                 raise PlanError(f"model {name} must be at least 1, got {getattr(self, name)}")
         if self.backward_ratio <= 0 or self.head_layers < 0:
             raise PlanError("model backward_ratio must be > 0 and head_layers >= 0")
+        if self.bytes_per_param_state < 0 or self.activation_factor <= 0:
+            raise PlanError("model bytes_per_param_state must be >= 0 and activation_factor > 0")
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: attention 4 h^2 + SwiGLU MLP 8 h^2."""
+        return 12 * self.hidden ** 2
+
+    @property
+    def head_params(self) -> int:
+        """Parameters stage 0 holds besides its layers: untied input embedding and output head."""
+        return 2 * self.vocab * self.hidden
 
     @property
     def transfer_bytes(self) -> float:
@@ -49,15 +97,15 @@ class ModelSpec:
 
 #: LLaMA-style sizes close to the ones the paper trains (500M to 8B); sequence length 1024, bf16.
 MODEL_PRESETS: dict[str, ModelSpec] = {
-    "llama-500m": ModelSpec(layers=24, hidden=1280, seq_len=1024),
-    "llama-1.5b": ModelSpec(layers=24, hidden=2048, seq_len=1024),
-    "llama-3b": ModelSpec(layers=26, hidden=3200, seq_len=1024),
-    "llama-8b": ModelSpec(layers=32, hidden=4096, seq_len=1024),
+    "llama-500m": ModelSpec(layers=24, hidden=1280, seq_len=1024, name="llama-500m"),
+    "llama-1.5b": ModelSpec(layers=24, hidden=2048, seq_len=1024, name="llama-1.5b"),
+    "llama-3b": ModelSpec(layers=26, hidden=3200, seq_len=1024, name="llama-3b"),
+    "llama-8b": ModelSpec(layers=32, hidden=4096, seq_len=1024, name="llama-8b"),
     # The paper's own LLaMA-1.5B runs (released code, trainer.py and create_schedule.py): hidden 2048,
     # 24 layers, sequence 4096, one sample per microbatch (16 MiB of activations), and its simulator's
     # backward of 1.5x the forward.
     "llama-1.5b-skippipe": ModelSpec(layers=24, hidden=2048, seq_len=4096, samples_per_microbatch=1,
-                                     backward_ratio=1.5),
+                                     backward_ratio=1.5, name="llama-1.5b-skippipe"),
 }
 DEFAULT_MODEL = "llama-1.5b"
 
@@ -104,3 +152,41 @@ def stage_costs(model: ModelSpec, stages: int, seconds_per_sample_layer: float) 
 def transfer_time(latency_s: float, bandwidth_bps: float, nbytes: float) -> float:
     """Seconds for one transfer alone on its link."""
     return latency_s + nbytes / bandwidth_bps
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes a node needs to hold one stage: a fixed part and a part per microbatch in flight."""
+
+    #: training state of the stage's parameters (and, at stage 0, the loss workspace).
+    static_bytes: float
+    #: activations stored for the backward pass of one microbatch.
+    per_microbatch_bytes: float
+
+    def needs_mb(self, in_flight: int = 1) -> float:
+        """MiB needed to hold the stage with ``in_flight`` microbatches in flight."""
+        return (self.static_bytes + in_flight * self.per_microbatch_bytes) / MIB
+
+
+@lru_cache(maxsize=1024)
+def stage_memory(model: ModelSpec, stages: int) -> tuple[StageMemory, ...]:
+    """The memory model (module doc) for each stage of ``model`` split into ``stages``."""
+    tokens_hidden = model.samples_per_microbatch * model.seq_len * model.hidden
+    out = []
+    for s, n in enumerate(stage_layers(model, stages)):
+        params = n * model.layer_params + (model.head_params if s == 0 else 0)
+        static = params * model.bytes_per_param_state
+        if s == 0:
+            static += 4.0 * model.samples_per_microbatch * model.seq_len * model.vocab
+        out.append(StageMemory(float(static), float(n * model.activation_factor * tokens_hidden)))
+    return tuple(out)
+
+
+def microbatches_in_flight(memory_mb: float, stage: int, model: ModelSpec, stages: int) -> int:
+    """How many microbatches a node with ``memory_mb`` MiB can hold in flight while it holds ``stage``:
+    what fits after the stage's static memory, in whole microbatches (0: it cannot hold the stage)."""
+    m = stage_memory(model, stages)[stage]
+    spare = memory_mb * MIB - m.static_bytes
+    if spare < m.per_microbatch_bytes:
+        return 0
+    return int(spare // m.per_microbatch_bytes)

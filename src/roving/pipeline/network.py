@@ -9,7 +9,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, PlanError
+from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, ModelSpec, PlanError, microbatches_in_flight
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +17,7 @@ GIB = float(2**30)
 #: bytes per second for one unit of each bandwidth unit a network file may use.
 BANDWIDTH_UNITS = {"GiB/s": GIB, "GB/s": 1e9, "Gbit/s": 1e9 / 8, "Gbps": 1e9 / 8, "MiB/s": 2.0**20}
 PRESETS = ("gcp12", "aws10")
+#: microbatches in flight per node when a node's memory is given as a count (``Node.memory``).
 DEFAULT_MEMORY = 8
 
 
@@ -34,14 +35,31 @@ INTRA_REGION_LINK = Link(latency_s=0.001, bandwidth_bps=2 * GIB)
 
 @dataclass(frozen=True)
 class Node:
-    """A machine that holds one stage: its region, compute speed and memory."""
+    """A machine that holds one stage: its region, compute speed and memory.
+
+    Memory is given one of two ways: ``memory_mb``, the device memory in MiB, from which the cost model
+    derives how many microbatches the node can hold in flight for the stage it holds (see
+    ``costs.stage_memory``); or, when ``memory_mb`` is None, ``memory``, a fixed count of microbatches
+    in flight whatever the stage (the SkipPipe paper's way of stating memory)."""
 
     name: str
     region: str
     #: seconds per sample per layer (forward); larger is slower.
     speed: float = PAPER_SECONDS_PER_SAMPLE_LAYER
-    #: microbatches it can hold in flight (from its forward until its backward is done).
+    #: microbatches it can hold in flight (from its forward until its backward is done); used only
+    #: when ``memory_mb`` is None.
     memory: int = DEFAULT_MEMORY
+    #: device memory in MiB (2^20 bytes); when set, it decides and ``memory`` is ignored.
+    memory_mb: float | None = None
+
+    def in_flight(self, stage: int, model: ModelSpec, stages: int) -> int:
+        """Microbatches this node can hold in flight while it holds ``stage`` (0: it cannot hold it)."""
+        if self.memory_mb is None:
+            return self.memory
+        return microbatches_in_flight(self.memory_mb, stage, model, stages)
+
+    def can_hold(self, stage: int, model: ModelSpec, stages: int) -> bool:
+        return self.in_flight(stage, model, stages) >= 1
 
 
 @dataclass
@@ -61,10 +79,14 @@ class Network:
         for n in self.nodes:
             if not n.speed > 0:
                 raise PlanError(f"node {n.name}: speed (s/sample/layer) must be > 0, got {n.speed}")
-            if n.memory < 1:
+            if n.memory_mb is not None:
+                if not n.memory_mb > 0:
+                    raise PlanError(f"node {n.name}: memory of {n.memory_mb:g} MB is too small for any plan; "
+                                    "give each node's device memory in MB (raise --memory)")
+            elif n.memory < 1:
                 raise PlanError(
                     f"node {n.name}: memory of {n.memory} microbatches is too small for any plan; "
-                    "every node must hold at least 1 microbatch in flight (raise --memory)"
+                    "every node must hold at least 1 microbatch in flight (raise --memory-microbatches)"
                 )
         regions = sorted({n.region for n in self.nodes})
         missing = [
@@ -151,12 +173,15 @@ def build_network(
     nodes: int | list[dict[str, Any]] | str,
     *,
     memory: int = DEFAULT_MEMORY,
+    memory_mb: float | None = None,
     speed: float = PAPER_SECONDS_PER_SAMPLE_LAYER,
     regions: list[str] | None = None,
 ) -> Network:
     """A network from a preset/file/dict and either a node count (placed on regions round-robin),
-    a list of node dicts (name, region, optional speed and memory) or the path of a JSON file of them.
-    ``regions`` restricts round-robin placement to those regions."""
+    a list of node dicts (name, region, optional speed, and optional memory_mb (device MiB) or memory
+    (microbatches in flight), not both) or the path of a JSON file of them. ``memory_mb`` and
+    ``memory`` are the defaults for nodes that give neither (``memory_mb``, when set, decides; see
+    ``Node``). ``regions`` restricts round-robin placement to those regions."""
     if isinstance(spec, dict):
         doc, source = spec, str(spec.get("name", "custom"))
     else:
@@ -177,17 +202,28 @@ def build_network(
         if unknown:
             raise PlanError(f"regions {unknown} are not in network {source}")
         node_list = [
-            Node(f"n{i:02d}", place[i % len(place)], speed, memory) for i in range(nodes)
+            Node(f"n{i:02d}", place[i % len(place)], speed, memory, memory_mb) for i in range(nodes)
         ]
     else:
         node_list = []
         for i, d in enumerate(nodes):
             if "region" not in d or d["region"] not in all_regions:
                 raise PlanError(f"node #{i}: region {d.get('region')!r} is not in network {source}")
-            node_list.append(
-                Node(str(d.get("name", f"n{i:02d}")), d["region"], float(d.get("speed", speed)),
-                     int(d.get("memory", memory)))
-            )
+            name = str(d.get("name", f"n{i:02d}"))
+            if "memory" in d and "memory_mb" in d:
+                raise PlanError(f"node {name}: give memory_mb (device MB) or memory (microbatches in "
+                                "flight), not both")
+            try:
+                if "memory_mb" in d:
+                    mem, mem_mb = memory, float(d["memory_mb"])
+                elif "memory" in d:
+                    mem, mem_mb = int(d["memory"]), None
+                else:
+                    mem, mem_mb = memory, memory_mb
+                node_speed = float(d.get("speed", speed))
+            except (TypeError, ValueError) as exc:
+                raise PlanError(f"node {name}: speed, memory and memory_mb must be numbers ({exc})") from None
+            node_list.append(Node(name, d["region"], node_speed, mem, mem_mb))
     intra = doc.get("intra")
     intra_link = INTRA_REGION_LINK
     if intra:

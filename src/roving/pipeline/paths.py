@@ -5,8 +5,10 @@ Path rules (SkipPipe): a microbatch starts and ends at a stage-0 node, visits ``
 stages (``round((1 - skip) * (stages - 1))``), each at most once, in increasing stage order except for at
 most 2 swaps of neighbouring positions (the visited stage sequence has at most 2 inversions). Every
 stage besides 0 is visited by ``microbatches * visits / (stages - 1)`` microbatches, give or take one
-(load balance keeps training unbiased). Memory is enforced by the simulator (a forward waits for room);
-the planner rejects plans whose waits deadlock.
+(load balance keeps training unbiased). Memory: a node is only given a stage it can hold (its memory
+covers the stage's weights and one microbatch, ``allocate.check_memory``); how many microbatches it
+then holds in flight is enforced by the simulator (a forward waits for room); the planner rejects plans
+whose waits deadlock.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from .allocate import (
+    assign,
+    check_memory,
     check_sizes,
+    memory_fallback,
     initial_allocation,
     node_cost_matrix,
     replica_counts,
@@ -88,13 +93,19 @@ def stage_quotas(microbatches: int, stages: int, visits: int) -> list[int]:
     return [0] + [base + (1 if s <= extra else 0) for s in range(1, stages)]
 
 
-def validate(plan: Plan, network: Network, visits: int | None = None) -> list[str]:
-    """Every rule a plan breaks, as sentences (empty when valid)."""
+def validate(plan: Plan, network: Network, visits: int | None = None, model: ModelSpec | None = None) -> list[str]:
+    """Every rule a plan breaks, as sentences (empty when valid). With ``model``, also that every node
+    can hold its stage in its memory."""
     problems = []
     names = set(network.names)
     s_count = plan.stages
     visits = visits_per_microbatch(s_count, plan.skip) if visits is None else visits
     per_stage = [0] * s_count
+    if model is not None:
+        for n, s in sorted(plan.allocation.items()):
+            if n in names and 0 <= s < s_count and not network.node(n).can_hold(s, model, s_count):
+                problems.append(f"node {n} cannot hold stage {s} (its memory does not fit the stage's weights "
+                                "and one microbatch)")
     for i, p in enumerate(plan.paths):
         where = f"microbatch {i}"
         if p.origin not in names or plan.allocation.get(p.origin) != 0:
@@ -132,8 +143,12 @@ class _Context:
                 raise PlanError(f"no node holds stage {s}; every stage needs at least one node")
         self.work = {}
         for n in allocation:
-            c = stage_costs(model, stages, network.node(n).speed)
+            node = network.node(n)
+            c = stage_costs(model, stages, node.speed)
             s = allocation[n]
+            if node.memory_mb is not None and not node.can_hold(s, model, stages):
+                raise PlanError(f"node {n} ({node.memory_mb:g} MB) cannot hold stage {s}: its memory does not "
+                                "fit the stage's weights and one microbatch")
             self.work[n] = c.forward[s] + c.backward[s] + (c.loss if s == 0 else 0.0)
 
     def best_replica(self, stage: int, before: str, after: str, rng: random.Random | None = None) -> str:
@@ -334,11 +349,13 @@ def _exchange(ctx: _Context, p: Path, s_out: int, s_in: int, rng: random.Random)
     return Path(p.origin, tuple(kept[s] for s in order), tuple(order))
 
 
-def _check_inputs(network: Network, stages: int, skip: float, microbatches: int) -> int:
+def _check_inputs(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int) -> int:
     check_sizes(network, stages)
     if microbatches < 1:
         raise PlanError(f"need at least one microbatch, got {microbatches}")
-    return visits_per_microbatch(stages, skip)
+    visits = visits_per_microbatch(stages, skip)
+    check_memory(network, model, stages)
+    return visits
 
 
 def _count_candidates(counts: list[int]) -> list[list[int]]:
@@ -373,7 +390,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     seed and evaluation count; with a wall-clock budget the count, and so the result, can vary
     slightly between runs on machines of different speed. Raises PlanError on impossible input."""
     t0 = time.perf_counter()
-    visits = _check_inputs(network, stages, skip, microbatches)
+    visits = _check_inputs(network, model, stages, skip, microbatches)
+    can = check_memory(network, model, stages)
     rng = random.Random(seed)
     cost = node_cost_matrix(network, model)
     order = tour_order(network, cost)
@@ -385,14 +403,25 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
     # for the whole round trip, so with little memory more stage-0 nodes (fewer rounds each) can beat
     # the compute-proportional split. A few candidate splits are judged before the swap search.
-    labels = min((spread_labels(c) for c in _count_candidates(replica_counts(len(network.nodes), stages, skip,
-                                                                             model))),
-                 key=lambda lab: judge_with(lab, order))
+    # Memory: each candidate's labels are put on nodes that can hold them (``assign``: the tour order
+    # where memory allows); if no candidate split fits, a split built around memory does.
+    counts = replica_counts(len(network.nodes), stages, skip, model)
+    starts = []
+    for c in _count_candidates(counts):
+        lab = spread_labels(c)
+        placed = assign(order, lab, can)
+        if placed is not None:
+            starts.append((lab, placed))
+    if not starts:
+        starts.append(memory_fallback(order, counts, can, stages))
+    labels, start = min(starts, key=lambda ls: judge_with(*ls))
 
     def judge(slots: list[str]) -> float:
         return judge_with(labels, slots)
 
-    slots, _ = swap_search(order, labels, judge, t0 + 0.4 * budget_s, rng)
+    limited = any(len(c) < stages for c in can.values())
+    slots, _ = swap_search(start, labels, judge, t0 + 0.4 * budget_s, rng,
+                           ok=(lambda n, s: s in can[n]) if limited else None)
     ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
     paths = build_paths(ctx, microbatches, visits, allow_swaps)
     if math.isinf(_makespan(ctx, paths, None, skip)):
@@ -460,9 +489,11 @@ def _repair_paths(ctx: _Context, paths: Sequence[Path]) -> list[Path]:
     return out
 
 
-def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Path]) -> dict[str, int]:
+def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Path],
+                can: dict[str, frozenset[int]] | None = None) -> dict[str, int]:
     """``alloc`` with nodes moved from stages above their wanted replica count to stages below it; from
-    a donor stage the node carrying the fewest microbatches moves."""
+    a donor stage the node carrying the fewest microbatches moves (only to a stage its memory can hold,
+    ``can``; stops when no such move is left)."""
     alloc, counts = dict(alloc), list(counts)
     carried: dict[str, int] = defaultdict(int)
     for p in paths:
@@ -473,9 +504,14 @@ def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths
         spare = [s for s in range(len(counts)) if counts[s] > want[s]]
         if not short or not spare:
             return alloc
-        to = max(short, key=lambda s: (want[s] / counts[s], -s))
-        donor = max(spare, key=lambda s: (counts[s] / want[s], -s))
-        node = min((n for n, s in alloc.items() if s == donor), key=lambda n: (carried[n], n))
+        moves = [(to, donor) for to in sorted(short, key=lambda s: (-want[s] / counts[s], s))
+                 for donor in sorted(spare, key=lambda s: (-counts[s] / want[s], s))
+                 if any(s == donor and (can is None or to in can[n]) for n, s in alloc.items())]
+        if not moves:
+            return alloc
+        to, donor = moves[0]
+        node = min((n for n, s in alloc.items() if s == donor and (can is None or to in can[n])),
+                   key=lambda n: (carried[n], n))
         alloc[node] = to
         counts[donor] -= 1
         counts[to] += 1
@@ -499,6 +535,7 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     if joined:
         new_net = new_net.with_nodes(list(new_net.nodes) + list(joined))
     stages = current.stages
+    can = check_memory(new_net, model, stages)
     alloc = {n: s for n, s in current.allocation.items() if n not in failed}
     free = [n.name for n in joined]
     counts = [sum(1 for s in alloc.values() if s == st) for st in range(stages)]
@@ -508,22 +545,26 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     for st in range(stages):
         if counts[st]:
             continue
-        if free:
-            take = free.pop(0)
+        fits = [n for n in free if st in can[n]]
+        if fits:
+            take = fits[0]
+            free.remove(take)
         else:
-            donors = [s for s in range(stages) if counts[s] > 1]
+            donors = [s for s in range(stages) if counts[s] > 1
+                      and any(v == s and st in can[n] for n, v in alloc.items())]
             if not donors:
                 raise PlanError(
                     f"stage {st} lost all its nodes ({', '.join(sorted(failed))} failed) and no other "
-                    "stage has a spare replica; add nodes or plan with fewer stages"
+                    "stage has a spare replica with the memory to hold it; add nodes or plan with fewer stages"
                 )
             donor = max(donors, key=lambda s: (counts[s] - (want[s] if want else 0), counts[s], -s))
-            take = max((n for n, s in alloc.items() if s == donor), key=lambda n: (new_net.node(n).speed, n))
+            take = max((n for n, s in alloc.items() if s == donor and st in can[n]),
+                       key=lambda n: (new_net.node(n).speed, n))
             counts[donor] -= 1
         alloc[take] = st
         counts[st] += 1
-    for n in free:  # joined nodes go where the work per replica is highest
-        st = max(range(stages), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
+    for n in free:  # joined nodes go where the work per replica is highest (among stages they can hold)
+        st = max(sorted(can[n]), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
         alloc[n] = st
         counts[st] += 1
     rng = random.Random(seed)
@@ -534,12 +575,14 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     # whether the moves pay for themselves.
     allocations = [alloc]
     if want:
-        moved = _rebalanced(alloc, counts, want, current.paths)
+        moved = _rebalanced(alloc, counts, want, current.paths, can)
         if moved != alloc:
             allocations.append(moved)
         # and a fresh allocation (more weights move, but the survivors may be far better used)
-        fresh = dict(zip(tour_order(new_net, node_cost_matrix(new_net, model)), spread_labels(want)))
-        allocations.append(fresh)
+        labels = spread_labels(want)
+        placed = assign(tour_order(new_net, node_cost_matrix(new_net, model)), labels, can)
+        if placed is not None:
+            allocations.append(dict(zip(placed, labels)))
     candidates = []
     for a in allocations:
         ctx = _Context(new_net, model, a, stages)
@@ -561,8 +604,11 @@ def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches:
     """The paper's baseline: DT-FM's allocation (``nodes // stages`` fixed full pipelines chosen by
     DT-FM's communication cost model and evolutionary search, see ``dtfm``), no stage skipped, the
     microbatches split evenly across the pipelines (pipeline i carries microbatches i, i+p, ...).
-    Nodes left over stay idle. The simulator only measures the result; it never steers the search."""
-    _check_inputs(network, stages, 0.0, microbatches)
+    Nodes left over stay idle. The simulator only measures the result; it never steers the search.
+    Like DT-FM it ignores per-node memory: with nodes of different memory it may put a stage on a node
+    that cannot hold it, and the result's ``predicted_s`` is then infinite (``stats["memory_ok"]``
+    False)."""
+    _check_inputs(network, model, stages, 0.0, microbatches)
     t0 = time.perf_counter()
     found = dtfm_allocation(network, model, stages, microbatches, budget_s=budget_s, seed=seed)
     chains = found.pipelines
@@ -572,7 +618,8 @@ def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches:
     result = Plan(stages, 0.0, alloc, paths)
     result.predicted_s = simulate(network, model, result, record=False).makespan
     result.stats = {"planner_seconds": time.perf_counter() - t0, "dtfm_cost": found.cost,
-                    "idle": found.idle}
+                    "idle": found.idle,
+                    "memory_ok": all(network.node(n).can_hold(s, model, stages) for n, s in alloc.items())}
     return result
 
 
@@ -580,7 +627,7 @@ def random_skip(network: Network, model: ModelSpec, allocation: dict[str, int], 
                 skip: float, microbatches: int, *, seed: int = 0) -> Plan:
     """Random valid paths on a given allocation: origins spread evenly, a random stage set that meets
     the stage quotas, a random replica per stage, increasing stage order (no swaps)."""
-    visits = _check_inputs(network, stages, skip, microbatches)
+    visits = _check_inputs(network, model, stages, skip, microbatches)
     rng = random.Random(seed)
     ctx = _Context(network, model, allocation, stages)
     quotas = stage_quotas(microbatches, stages, visits)

@@ -9,8 +9,9 @@ What it models, and the policy it follows:
 * A node computes one task at a time and never preempts. When several tasks wait it serves backward
   work (backward and loss) before forward work, then the task that became ready first, then the
   microbatch with the higher planned priority (lower index in ``plan.priority``, else microbatch id).
-* Memory: a node holds at most ``node.memory`` microbatches in flight, counted from the start of a
-  microbatch's forward there until its backward there ends. A forward that would exceed it waits; other
+* Memory: a node holds at most ``node.in_flight(stage)`` microbatches in flight (its ``memory`` count,
+  or what its ``memory_mb`` leaves after the weights of the stage it holds, ``costs.stage_memory``),
+  counted from the start of a microbatch's forward there until its backward there ends. A forward that would exceed it waits; other
   waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result says so and its
   makespan is infinite.
 * Transfers go over the directed link between two nodes. Transfers on one directed link that overlap
@@ -109,7 +110,9 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
     for r, mb in enumerate(prio):
         rank[mb] = r
 
-    mem = {n.name: n.memory for n in network.nodes}
+    alloc = plan.allocation
+    mem = {n.name: n.in_flight(alloc[n.name], model, plan.stages) if n.name in alloc else n.memory
+           for n in network.nodes}
     busy = dict.fromkeys(mem, False)
     queue: dict[str, list] = {n: [] for n in mem}
     inflight = dict.fromkeys(mem, 0)
