@@ -11,6 +11,7 @@ from .config import Config, ConfigError, init
 from .connection import Connection, Pipe
 from .context import (Context, get_all_start_methods, get_context, get_start_method,
                       set_start_method)
+from .managers import AsyncManager, Manager
 from .pool import AsyncResult, MapResult, Pool, WorkerLostError
 from .process import Process, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
@@ -27,7 +28,7 @@ __all__ = [
     "init", "Config", "ConfigError", "SerializationError",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
-    "Value", "Array", "RawValue", "RawArray",
+    "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",
 ]
 
 

@@ -1,0 +1,323 @@
+"""Manager, its shared types across processes, custom registered types, asynchronous handles collected in
+any order, and a manager whose server died."""
+from __future__ import annotations
+
+import gc
+import queue
+import threading
+import time
+
+import pytest
+
+import roving
+from roving import managers
+from roving.managers import AsyncManager, BaseManager, BaseProxy, ServerGone, SyncManager
+from helpers_core import TIMEOUT
+
+
+def start(target, *args):
+    p = roving.Process(target=target, args=args)
+    p.start()
+    return p
+
+
+def finish(*procs):
+    for p in procs:
+        p.join(TIMEOUT)
+        assert p.exitcode == 0, p
+
+
+# -- targets run in children ---------------------------------------------------------------------
+
+def change_containers(lst, dct, ns, value, arr):
+    lst.append("child")
+    lst[0] = "first"
+    dct["child"] = [1, 2]
+    dct.update(extra=3)
+    ns.seen = ns.x + 1
+    value.value = value.value * 10
+    arr[1] = 9.5
+
+
+def consume_queues(q, jq, out):
+    out.put(q.get(timeout=TIMEOUT) * 2)
+    item = jq.get(timeout=TIMEOUT)
+    out.put(item)
+    jq.task_done()
+
+
+def use_sync_objects(lock, rlock, sem, bsem, event, cond, barrier, counter, out):
+    for _ in range(50):
+        with lock:
+            counter.value = counter.value + 1
+    with rlock:
+        with rlock:
+            pass
+    out.put(sem.acquire(timeout=TIMEOUT))
+    sem.release()
+    out.put(bsem.acquire(False))
+    bsem.release()
+    out.put(event.wait(TIMEOUT))
+    with cond:
+        cond.notify_all()
+    out.put(barrier.wait(TIMEOUT))
+
+
+def call_after_event(proxy, event, out):
+    out.put("ready")  # the proxy has been rebuilt here, with its reference at the server
+    event.wait(TIMEOUT)  # a roving Event, homed at the test process
+    t0 = time.monotonic()
+    try:
+        proxy.append(1)
+        out.put(("no error", time.monotonic() - t0))
+    except Exception as exc:
+        out.put((type(exc).__name__, time.monotonic() - t0))
+
+
+def square(x):
+    return x * x
+
+
+class Counter:
+    def __init__(self, start=0):
+        self.n = start
+
+    def add(self, k=1):
+        self.n += k
+        return self.n
+
+    def value(self):
+        return self.n
+
+    def fail(self):
+        raise KeyError("boom")
+
+    def child(self):
+        return Counter(self.n * 100)
+
+    def slow(self, delay, tag):
+        time.sleep(delay)
+        return tag
+
+
+class CounterProxy(BaseProxy):
+    _exposed_ = ("add", "value", "fail", "child", "slow")
+    _method_to_typeid_ = {"child": "Counter"}
+
+    def add(self, k=1):
+        return self._callmethod("add", (k,))
+
+    def value(self):
+        return self._callmethod("value")
+
+    def fail(self):
+        return self._callmethod("fail")
+
+    def child(self):
+        return self._callmethod("child")
+
+    def slow(self, delay, tag):
+        return self._callmethod("slow", (delay, tag))
+
+
+class MyManager(BaseManager):
+    pass
+
+
+MyManager.register("Counter", Counter, CounterProxy)
+MyManager.register("hidden_counter", Counter, exposed=("value",))
+
+
+class MyAsyncManager(AsyncManager):
+    pass
+
+
+MyAsyncManager.register("Counter", Counter, CounterProxy)
+
+
+def add_from_child(counter, n):
+    for _ in range(n):
+        counter.add()
+
+
+# -- SyncManager's types across processes -----------------------------------------------------------
+
+def test_list_dict_namespace_value_array_changed_in_a_child_are_seen_by_the_parent():
+    with roving.Manager() as m:
+        lst, dct, ns = m.list(["a", "b"]), m.dict({"k": 1}), m.Namespace(x=1)
+        value, arr = m.Value("i", 4), m.Array("d", [0.0, 0.0])
+        finish(start(change_containers, lst, dct, ns, value, arr))
+        assert lst[:] == ["first", "b", "child"] and len(lst) == 3 and list(lst) == ["first", "b", "child"]
+        assert dict(dct.items()) == {"k": 1, "child": [1, 2], "extra": 3}
+        assert sorted(dct) == ["child", "extra", "k"] and "k" in dct and dct.get("zz", 5) == 5
+        assert ns.seen == 2 and value.value == 40 and arr[1] == 9.5 and len(arr) == 2
+        lst += ["more"]
+        assert lst[-1] == "more" and str(lst) == repr(["first", "b", "child", "more"])
+        with pytest.raises(IndexError):
+            lst[99]
+        with pytest.raises(KeyError):
+            dct["missing"]
+        with pytest.raises(AttributeError):
+            ns.missing
+
+
+def test_queue_and_joinable_queue_through_a_manager_across_processes():
+    with roving.Manager() as m:
+        q, jq, out = m.Queue(), m.JoinableQueue(), m.Queue()
+        p = start(consume_queues, q, jq, out)
+        q.put(21)
+        jq.put("job")
+        assert out.get(timeout=TIMEOUT) == 42 and out.get(timeout=TIMEOUT) == "job"
+        jq.join()  # returns because the child called task_done
+        finish(p)
+        with pytest.raises(queue.Empty):
+            q.get(timeout=0.1)
+
+
+def test_locks_semaphores_event_condition_barrier_of_a_manager_across_processes():
+    with roving.Manager() as m:
+        lock, rlock, sem, bsem = m.Lock(), m.RLock(), m.Semaphore(1), m.BoundedSemaphore(1)
+        event, cond, barrier, counter = m.Event(), m.Condition(), m.Barrier(2), m.Value("i", 0)
+        out = m.Queue()
+        p = start(use_sync_objects, lock, rlock, sem, bsem, event, cond, barrier, counter, out)
+        for _ in range(50):
+            with lock:
+                counter.value = counter.value + 1
+        assert out.get(timeout=TIMEOUT) is True and out.get(timeout=TIMEOUT) is True
+        with cond:
+            event.set()
+            assert cond.wait(TIMEOUT) is True  # notified by the child
+        index = barrier.wait(TIMEOUT)
+        assert out.get(timeout=TIMEOUT) is True  # the child's event.wait()
+        assert sorted([index, out.get(timeout=TIMEOUT)]) == [0, 1]
+        finish(p)
+        assert counter.value == 100
+        assert barrier.parties == 2 and not barrier.broken
+        with pytest.raises(ValueError):
+            bsem.release()
+        with pytest.raises(RuntimeError):
+            rlock.release()  # threading.RLock: cannot release un-acquired lock
+
+
+def test_pool_of_a_manager_maps_and_its_async_results_are_proxies():
+    with roving.Manager() as m:
+        with m.Pool(1) as pool:
+            assert pool.map(square, range(5)) == [0, 1, 4, 9, 16]
+            res = pool.apply_async(square, (7,))
+            assert isinstance(res, BaseProxy) and res.get(TIMEOUT) == 49
+            assert sorted(pool.imap_unordered(square, [1, 2])) == [1, 4]
+
+
+# -- custom types, proxies, lifetime ------------------------------------------------------------------
+
+def test_registered_custom_type_with_its_proxy_method_to_typeid_and_exposed_limits():
+    with MyManager() as m:
+        counter = m.Counter(5)
+        procs = [start(add_from_child, counter, 10) for _ in range(2)]
+        finish(*procs)
+        assert counter.value() == 25
+        child = counter.child()
+        assert isinstance(child, CounterProxy) and child.value() == 2500
+        with pytest.raises(KeyError, match="boom"):
+            counter.fail()
+        hidden = m.hidden_counter(3)
+        assert hidden.value() == 3 and not hasattr(hidden, "add")
+        with pytest.raises(AttributeError, match="not in the list of allowed methods"):
+            hidden._callmethod("add")
+
+
+def test_objects_are_freed_when_their_last_proxy_goes_and_connect_reaches_a_running_manager():
+    with roving.Manager() as m:
+        lst = m.list([1])
+        assert m._number_of_objects() == 1
+        other = SyncManager(address=m.address)
+        other.connect()
+        d = other.dict(a=1)
+        assert d["a"] == 1 and m._number_of_objects() == 2
+        del lst, d
+        gc.collect()
+        deadline = time.monotonic() + TIMEOUT
+        while m._number_of_objects() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert m._number_of_objects() == 0
+
+
+def test_manager_bad_uses_raise_clear_errors():
+    m = SyncManager()
+    with pytest.raises(RuntimeError, match="not started"):
+        m.list()
+    with pytest.raises(ValueError, match="connect"):
+        SyncManager(address=("127.0.0.1", 1)).start()
+    with pytest.raises(ValueError):
+        SyncManager.register("not an identifier", list)
+    with pytest.raises(TypeError):
+        SyncManager(authkey="text")
+    with pytest.raises(ValueError):
+        SyncManager().connect()
+    m.start()
+    m.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        m.list()
+
+
+# -- asynchronous manager ------------------------------------------------------------------------------
+
+def test_async_handles_are_collected_out_of_order_each_with_its_own_result():
+    with MyAsyncManager() as m:
+        counter = m.Counter(0)
+        slow = counter.slow(1.0, "slow")
+        fast = counter.slow(0.0, "fast")
+        assert fast.result(TIMEOUT) == "fast"
+        assert not slow.done()  # the slow one is still running: results did not come in call order
+        handles = [counter.add(1) for _ in range(10)]
+        assert sorted(h.result(TIMEOUT) for h in reversed(handles)) == list(range(1, 11))
+        assert slow.result(TIMEOUT) == "slow"
+        with pytest.raises(KeyError):
+            counter.fail().result(TIMEOUT)
+        with pytest.raises(TimeoutError):
+            counter.slow(0.5, "late").result(0.1)
+        q = m.Queue()
+        got = q.get(timeout=TIMEOUT)  # would deadlock if async calls ran one after another
+        q.put("item").result(TIMEOUT)
+        assert got.result(TIMEOUT) == "item"
+        assert counter.sync.value() == 10
+
+
+def test_asynchronous_wraps_an_ordinary_proxy_and_rejects_unexposed_names():
+    with roving.Manager() as m:
+        d = m.dict()
+        ad = managers.asynchronous(d)
+        handles = [ad.__setitem__(i, i * i) for i in range(5)]
+        for h in handles[::-1]:
+            assert h.result(TIMEOUT) is None
+        assert ad.__getitem__(3).result(TIMEOUT) == 9 and d[4] == 16
+        with pytest.raises(AttributeError):
+            ad.not_a_method
+        with pytest.raises(TypeError):
+            managers.asynchronous([1])
+
+
+# -- a dead server -------------------------------------------------------------------------------------
+
+def test_every_call_raises_promptly_when_the_server_died_here_and_in_another_process():
+    m = roving.Manager()
+    lst = m.list()
+    event, out = roving.Event(), roving.Queue()
+    p = start(call_after_event, lst, event, out)
+    assert out.get(timeout=TIMEOUT) == "ready"
+    lst.append(0)
+    m._process.kill()
+    m._process.join(TIMEOUT)
+    event.set()
+    t0 = time.monotonic()
+    with pytest.raises(ServerGone, match="gone"):
+        lst.append(1)
+    assert time.monotonic() - t0 < 2  # this process saw its child end
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError):
+        len(lst)
+    assert time.monotonic() - t0 < 1
+    kind, waited = out.get(timeout=TIMEOUT)
+    finish(p)
+    assert kind == "ServerGone" and waited < 15
+    m.shutdown()
