@@ -1,0 +1,99 @@
+"""The model split into stages of consecutive layers, and a microbatch run along a path of stages.
+
+Stage 0 holds the embedding, its own layers, the final norm, the head and the loss: a microbatch starts
+and ends there (SkipPipe). Any other stage holds only layers. The split is the cost model's
+(``costs.stage_layers``), so what the planner and simulator assume is what the nodes hold.
+
+A stage's parameters are named as in the whole model (``layers.5.attention.wq.weight``, ...), so the
+state dicts of one replica of each stage merge into the whole model's state dict.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .costs import ModelSpec, PlanError, stage_layers
+from .model import Block, LlamaConfig, RMSNorm, init_part, rope_tables
+
+
+def layer_ranges(cfg: LlamaConfig, stages: int) -> list[range]:
+    """Which layers each stage holds (consecutive, split as the cost model splits them). Raises
+    PlanError when the model has fewer layers than stages."""
+    if stages < 2:
+        raise PlanError(f"need at least 2 stages (stage 0 plus one to route through), got {stages}")
+    if stages > cfg.n_layers:
+        raise PlanError(f"{stages} stages but the model has only {cfg.n_layers} layers; use fewer stages "
+                        "or a deeper model")
+    out, start = [], 0
+    for n in stage_layers(ModelSpec(layers=cfg.n_layers, hidden=cfg.dim, seq_len=cfg.max_seq_len), stages):
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def model_spec(cfg: LlamaConfig, samples_per_microbatch: int, seq_len: int, *, bytes_per_activation: int = 4,
+               backward_ratio: float = 2.0, head_layers: float = 1.0) -> ModelSpec:
+    """The cost model's view of ``cfg``."""
+    return ModelSpec(layers=cfg.n_layers, hidden=cfg.dim, seq_len=seq_len,
+                     samples_per_microbatch=samples_per_microbatch, bytes_per_activation=bytes_per_activation,
+                     backward_ratio=backward_ratio, head_layers=head_layers, vocab=cfg.vocab_size)
+
+
+class Stage(nn.Module):
+    """The layers of one stage (and at stage 0 the embedding, final norm and head), initialised exactly
+    as the whole model initialises them from the same seed."""
+
+    def __init__(self, cfg: LlamaConfig, stage: int, stages: int, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg, self.stage = cfg, stage
+        self.layer_ids = layer_ranges(cfg, stages)[stage]
+        # a ModuleDict keyed by the global layer index keeps the whole model's parameter names
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
+        for i in self.layer_ids:
+            init_part(self.layers[str(i)], cfg, seed, i)
+        if stage == 0:
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            init_part(self.tok_embeddings, cfg, seed, -1)
+            init_part(self.norm, cfg, seed, -2)
+            init_part(self.output, cfg, seed, -2)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """This stage's layers, in order."""
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return h
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and mean cross-entropy (stage 0 only)."""
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def run_path(stages: Sequence[Stage], path: Sequence[int], tokens: torch.Tensor,
+             targets: torch.Tensor) -> torch.Tensor:
+    """The loss of one microbatch that starts at ``stages[0]``, visits ``path`` (stage indices, any
+    subset and order, without 0) and returns to stage 0 -- in one process, for evaluation and tests."""
+    h = stages[0](stages[0].embed(tokens))
+    for s in path:
+        h = stages[s](h)
+    return stages[0].loss(h, targets)
+
+
+def merge_state_dicts(parts: Sequence[dict]) -> dict:
+    """One replica's state dict per stage -> the whole model's state dict."""
+    merged: dict = {}
+    for part in parts:
+        merged.update(part)
+    return merged

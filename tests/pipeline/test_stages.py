@@ -1,0 +1,61 @@
+"""A stage split computes exactly what the whole model computes."""
+
+import pytest
+import torch
+
+torch.set_num_threads(1)  # the machine is shared; tiny models gain nothing from more
+
+from roving.pipeline.costs import PlanError
+from roving.pipeline.model import Llama, preset
+from roving.pipeline.stages import Stage, layer_ranges, merge_state_dicts, run_path
+
+
+def _split(cfg, n, seed):
+    return [Stage(cfg, s, n, seed=seed) for s in range(n)]
+
+
+def test_layer_ranges_cover_every_layer_once_in_order():
+    cfg = preset("tiny", n_layers=7)
+    ranges = layer_ranges(cfg, 3)
+    assert [i for r in ranges for i in r] == list(range(7))
+    assert [len(r) for r in ranges] == [2, 2, 3]
+
+
+def test_more_stages_than_layers_is_a_clear_error():
+    with pytest.raises(PlanError, match="only 4 layers"):
+        layer_ranges(preset("tiny"), 5)
+
+
+def test_stages_built_from_a_seed_hold_the_whole_models_weights():
+    cfg = preset("tiny")
+    whole = Llama(cfg, seed=7).state_dict()
+    merged = merge_state_dicts([s.state_dict() for s in _split(cfg, 3, seed=7)])
+    assert merged.keys() == whole.keys()
+    for k in whole:
+        assert torch.equal(whole[k], merged[k]), k
+
+
+def test_full_path_gives_the_same_loss_and_gradients_as_the_whole_model():
+    cfg = preset("tiny")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 24))
+    targets = torch.randint(0, cfg.vocab_size, (3, 24))
+    whole = Llama(cfg, seed=5)
+    _, loss = whole(tokens, targets)
+    loss.backward()
+    stages = _split(cfg, 4, seed=5)
+    split_loss = run_path(stages, [1, 2, 3], tokens, targets)
+    split_loss.backward()
+    assert torch.equal(loss, split_loss)
+    grads = {n: p.grad for s in stages for n, p in s.named_parameters()}
+    for n, p in whole.named_parameters():
+        assert torch.equal(p.grad, grads[n]), n
+
+
+def test_a_skip_path_runs_only_the_stages_it_names():
+    cfg = preset("tiny")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+    stages = _split(cfg, 4, seed=1)
+    run_path(stages, [2, 1], tokens, tokens).backward()  # swapped order, stage 3 skipped
+    assert all(p.grad is not None for p in stages[1].parameters())
+    assert all(p.grad is None for p in stages[3].parameters())
