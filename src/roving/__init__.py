@@ -15,6 +15,7 @@ from .managers import AsyncManager, Manager
 from .pool import AsyncResult, MapResult, Pool, WorkerLostError
 from .process import Process, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
+from .shared import Shared, shared
 from .sharedctypes import Array, RawArray, RawValue, Value
 from .synchronize import Barrier, BoundedSemaphore, Condition, Event, Lock, RLock, Semaphore
 from .transport.serialize import SerializationError
@@ -29,6 +30,7 @@ __all__ = [
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
     "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",
+    "shared", "Shared",
 ]
 
 

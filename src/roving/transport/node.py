@@ -96,6 +96,7 @@ class Node:
         self._seq = itertools.count()
         self._authenticated: set = set()
         self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
+        self._at_close: List[Callable[[], None]] = []
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
@@ -121,6 +122,11 @@ class Node:
     def send_to(self, ident: bytes, frames: Frames) -> None:
         """Send ``frames`` to an authenticated peer; thread-safe."""
         self._post([ident, *frames])
+
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` when the node closes: when this process's session ends, also in a child (whose
+        exit skips atexit handlers). Used by roving.shared to let go of shared memory."""
+        self._at_close.append(fn)
 
     def release_everywhere(self, key: Any) -> None:
         """Forget every pipe end that ``key`` (a process that ended) held here."""
@@ -306,6 +312,11 @@ class Node:
         """Stop serving. Waiting local callers are answered with an error."""
         if not self._running:
             return
+        for fn in self._at_close:
+            try:
+                fn()
+            except Exception:
+                log.exception("roving node: a close callback failed")
         self._running = False
         with self.lock:
             for box in self.boxes.values():
