@@ -1,6 +1,14 @@
 #!/usr/bin/env bash
-# Install what the tests need, then run the whole test suite.
+# Install what the tests need, start the cluster software they run against (a single-node Slurm and a
+# Docker engine, both real), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null; then
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io
+fi
+export ROVING_APT_UPDATED=1
 bash scripts/install.sh
+bash scripts/cluster/slurm.sh
+bash scripts/cluster/docker.sh
 python3 -m pytest -q -p no:cacheprovider tests

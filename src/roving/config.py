@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,7 +20,8 @@ else:  # pragma: no cover
 __all__ = ["Config", "ConfigError", "load", "current", "init"]
 
 _CHOICES = {
-    "backend": ("local",),
+    # "auto" is resolved at once to the backend detected here (see roving.backends.detect)
+    "backend": ("auto", "local", "slurm", "docker", "kubernetes"),
     "child_output": ("prefix", "off", "files"),
 }
 # Environment variables that roving sets for its own children; not options.
@@ -31,10 +32,39 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and where it came from."""
 
 
+def _detected_backend() -> str:
+    from .backends import detect  # late: backends import this module
+
+    return detect()[0]
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,
+          "mi": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3, "gb": 1024 ** 3, "gi": 1024 ** 3,
+          "gib": 1024 ** 3, "t": 1024 ** 4, "tb": 1024 ** 4, "ti": 1024 ** 4, "tib": 1024 ** 4}
+
+
+def parse_memory(value: Any) -> int:
+    """Bytes from an int or a string like ``512M``, ``2G``, ``1.5GiB`` (binary units). ValueError if bad."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = value, ""
+    else:
+        text = str(value).strip().lower()
+        split = len(text.rstrip("abcdefghijklmnopqrstuvwxyz"))
+        number, unit = text[:split].strip(), text[split:]
+        if unit not in _UNITS:
+            raise ValueError(f"unknown memory unit {unit!r} (use K, M, G or T)")
+        number = float(number)
+    size = int(float(number) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError("must be positive")
+    return size
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-    #: Which backend starts processes as jobs.
-    backend: str = "local"
+    #: Which backend starts processes as jobs: local, slurm, docker, kubernetes, or auto (the default):
+    #: slurm inside a Slurm allocation, kubernetes inside a Kubernetes pod, local otherwise.
+    backend: str = dataclasses.field(default_factory=_detected_backend)
     #: Address this process's transport endpoint binds to. Loopback unless the backend needs more.
     host: str = "127.0.0.1"
     #: Address other processes use to reach this one, when it differs from ``host`` (NAT, 0.0.0.0).
@@ -49,6 +79,38 @@ class Config:
     parent_timeout: float = 5.0
     #: Seconds to wait for a new connection to authenticate, and for a child to fetch its work.
     connect_timeout: float = 30.0
+
+    # -- what each process asks the backend for (ignored by local) --------------------------
+    #: CPUs per process.
+    cpu: float = 1.0
+    #: Memory per process, e.g. "2G" (binary units); none: the cluster's default.
+    memory: Optional[str] = None
+    #: GPUs per process.
+    gpu: int = 0
+    #: A job pending longer than this many seconds is logged with the cluster's reason.
+    pending_warning: float = 30.0
+
+    # -- slurm ----------------------------------------------------------------------------------
+    slurm_partition: Optional[str] = None
+    slurm_account: Optional[str] = None
+    #: Time limit of each job, in sbatch's --time format ("1:00:00").
+    slurm_time: Optional[str] = None
+    #: Further sbatch/srun options, as one shell-quoted string ("--qos=high --constraint=a100").
+    slurm_options: str = ""
+
+    # -- docker and kubernetes ------------------------------------------------------------------
+    #: The container image jobs run in (docker and kubernetes). `roving run --build` makes one.
+    image: Optional[str] = None
+    #: Where `roving run --build` pushes the image it built; none: the image stays local.
+    registry: Optional[str] = None
+    #: Docker engine address (default: DOCKER_HOST or the local socket).
+    docker_url: Optional[str] = None
+    #: Extra bind mounts for containers, "host:container[:ro]"; a list, or comma-separated in one string.
+    docker_volumes: Tuple[str, ...] = ()
+    #: Docker network mode of the containers.
+    docker_network: str = "host"
+    #: Kubernetes namespace of the pods (default: the parent pod's own, else "default").
+    kubernetes_namespace: Optional[str] = None
 
     def replace(self, source: str, **changes: Any) -> "Config":
         return dataclasses.replace(self, **_coerce(changes, source))
@@ -65,7 +127,15 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
             raise ConfigError(f"unknown roving option {key!r} (from {source}); known options: {known}")
         default = _FIELDS[key].default
         try:
-            if isinstance(default, bool):
+            if key == "backend" and value == "auto":
+                value = _detected_backend()
+            elif key == "memory" and value is not None:
+                parse_memory(value)
+                value = str(value)
+            elif isinstance(default, tuple):
+                items = value.split(",") if isinstance(value, str) else list(value)
+                value = tuple(str(item).strip() for item in items if str(item).strip())
+            elif isinstance(default, bool):
                 value = value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
             elif isinstance(default, float):
                 value = float(value)
@@ -73,6 +143,8 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
                     raise ValueError("must be positive")
             elif isinstance(default, int):
                 value = int(value)
+                if value < 0:
+                    raise ValueError("must not be negative")
             elif value is not None:
                 value = str(value)
         except (TypeError, ValueError) as exc:

@@ -109,11 +109,14 @@ class Process:
             "parent_pid": os.getpid(), "local": cfg.backend == "local",
         })
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        resources = backends.Resources(cfg.cpu, _config.parse_memory(cfg.memory) if cfg.memory else None,
+                                       cfg.gpu)
         spec = backends.JobSpec(
             name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
-            output=cfg.child_output, log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
-        self._backend = backends.get(cfg.backend)
+            resources=resources, output=cfg.child_output,
+            log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
         try:
+            self._backend = backends.get(cfg.backend)
             self._job = self._backend.create_job(spec)
         except BaseException:
             node.drop_box(box)

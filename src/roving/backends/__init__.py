@@ -1,30 +1,74 @@
 """Cluster backends: each turns a :class:`~roving.backends.base.JobSpec` into a running job.
 
 Nothing above this layer imports a backend module directly; it asks :func:`get` for the configured one.
+``local`` runs jobs as subprocesses; ``slurm`` as Slurm jobs (sbatch, or srun steps inside an
+allocation); ``docker`` as containers; ``kubernetes`` as pods. :func:`detect` picks one when the
+``backend`` option is ``auto``.
 """
 from __future__ import annotations
 
+import atexit
+import os
 import threading
-from typing import Dict
+from typing import Dict, Tuple
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, Resources
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources
 
-__all__ = ["Backend", "Job", "JobSpec", "JobState", "JobStatus", "Resources", "get"]
+__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "get", "detect",
+           "NAMES"]
 
+NAMES = ("local", "slurm", "docker", "kubernetes")
 _instances: Dict[str, Backend] = {}
 _lock = threading.Lock()
 
+_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def detect() -> Tuple[str, str]:
+    """The backend this process should use when none is configured, and why.
+
+    Only unambiguous signs count: a Slurm allocation's SLURM_JOB_ID, or a Kubernetes pod's service
+    environment and account. Anything else is ``local``.
+    """
+    if os.environ.get("SLURM_JOB_ID"):
+        return "slurm", f"inside Slurm allocation {os.environ['SLURM_JOB_ID']} (SLURM_JOB_ID is set)"
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.isdir(_SERVICE_ACCOUNT):
+        return "kubernetes", "inside a Kubernetes pod (KUBERNETES_SERVICE_HOST and a service account)"
+    return "local", "no Slurm allocation or Kubernetes pod around this process"
+
 
 def get(name: str) -> Backend:
-    """The backend called ``name``; one instance per process."""
+    """The backend called ``name``; one instance per process. ValueError for an unknown name."""
     with _lock:
         backend = _instances.get(name)
         if backend is None:
             if name == "local":
-                from .local import LocalBackend
-
-                backend = LocalBackend()
+                from .local import LocalBackend as cls
+            elif name == "slurm":
+                from .slurm import SlurmBackend as cls
+            elif name == "docker":
+                from .docker import DockerBackend as cls
+            elif name == "kubernetes":
+                from .kubernetes import KubernetesBackend as cls
             else:
-                raise ValueError(f"unknown roving backend {name!r}; available: local")
+                raise ValueError(f"unknown roving backend {name!r}; available: {', '.join(NAMES)}")
+            backend = cls()
             _instances[name] = backend
         return backend
+
+
+def _shutdown() -> None:
+    """At exit: every backend cancels the jobs this process started that are still there.
+
+    Registered when this package is first imported, which is before roving.process registers its own
+    exit handler; handlers run in reverse, so children are joined as multiprocessing does first, and
+    only what is left is cancelled here.
+    """
+    for backend in list(_instances.values()):
+        try:
+            backend.shutdown()
+        except Exception:  # never let one backend stop the others
+            pass
+
+
+atexit.register(_shutdown)

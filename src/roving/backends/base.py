@@ -4,10 +4,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import hashlib
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterable, List, Optional
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +51,98 @@ class JobStatus:
     reason: str = ""
 
 
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    """One line of `roving ps`: a job of some roving session, as the cluster lists it."""
+
+    id: str
+    name: str
+    session: str
+    state: str
+    reason: str = ""
+
+
+def session_tag() -> str:
+    """A short name for this process's roving session, the same in every process of it.
+
+    Derived from the session secret by a one-way hash, so that it can be shown in job names and labels.
+    """
+    from ..transport import session as _session
+
+    return hashlib.sha256(b"roving-session:" + _session.current().secret).hexdigest()[:12]
+
+
+def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
+    """Write a child's output lines to this process's terminal, ``prefix`` before each."""
+    out = sys.stderr if to_stderr else sys.stdout
+    text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+    if not text:
+        return
+    try:
+        out.write(text)
+        out.flush()
+    except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
+        pass
+
+
+class LineSplitter:
+    """Turns chunks of output into whole lines for :func:`write_prefixed`."""
+
+    def __init__(self, prefix: str, to_stderr: bool = False) -> None:
+        self.prefix, self.to_stderr, self._partial = prefix, to_stderr, b""
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        write_prefixed(self.prefix, lines, self.to_stderr)
+
+    def close(self) -> None:
+        if self._partial:
+            write_prefixed(self.prefix, [self._partial], self.to_stderr)
+            self._partial = b""
+
+
+class Reaper:
+    """A small watcher process that cancels this process's jobs once this process is gone.
+
+    It learns each job id through a pipe; the kernel closes the pipe whatever way this process ends,
+    ``kill -9`` included, and the watcher then cancels every job it was told of and not told was done.
+    The watcher runs in its own session so that a Ctrl-C to the terminal does not stop it first.
+    """
+
+    def __init__(self, backend_name: str) -> None:
+        self._backend_name = backend_name
+        self._proc: Optional[subprocess.Popen] = None
+        self._lock = threading.Lock()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            if self._proc is None:
+                from .. import config as _config
+
+                env = dict(os.environ)
+                env.pop("ROVING_CHILD", None)
+                env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "roving.backends._reaper", self._backend_name],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True,
+                    close_fds=True)
+                cfg = dataclasses.asdict(_config.current())
+                self._proc.stdin.write((json.dumps(cfg) + "\n").encode())
+            try:
+                self._proc.stdin.write((line + "\n").encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    def add(self, job_id: str) -> None:
+        self._send("+" + job_id)
+
+    def done(self, job_id: str) -> None:
+        if self._proc is not None:
+            self._send("-" + job_id)
+
+
 class Job:
     """A backend's handle on one job; ``id`` is the cluster's name for it."""
 
@@ -83,6 +179,29 @@ class Backend(abc.ABC):
 
     def cpu_count(self) -> int:
         return os.cpu_count() or 1
+
+    def job(self, job_id: str) -> Job:
+        """A handle on an existing job from its id (as `roving ps` shows it)."""
+        return Job(self, job_id)
+
+    def list_jobs(self) -> List[JobInfo]:
+        """The jobs of every roving session this backend can see (`roving ps`)."""
+        return []
+
+    def describe(self) -> Dict[str, str]:
+        """What the backend sees of its cluster, for `roving info`."""
+        return {"cpus": str(self.cpu_count())}
+
+    def cancel_ids(self, job_ids: Iterable[str]) -> None:
+        """Stop and remove these jobs, whoever started them; ids already gone are ignored."""
+        for job_id in job_ids:
+            try:
+                self.terminate_job(self.job(job_id), force=True)
+            except Exception:
+                pass
+
+    def shutdown(self) -> None:
+        """At this process's exit: cancel the jobs it started that are still there."""
 
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
         """Block until the job ends or ``timeout`` passes; the exit code, or None if still running."""

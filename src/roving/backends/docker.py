@@ -1,0 +1,280 @@
+"""The docker backend: each job is a container of the configured ``image`` (Docker SDK for Python).
+
+* The container runs ``python -m roving._child`` with the parent's environment, the working directory
+  bind-mounted at the same path (and used as the working directory), the ``docker_volumes`` mounts,
+  ``--network host`` by default (``docker_network``), ``nano_cpus``/``mem_limit`` from the process
+  resources and a GPU device request for ``gpu``. It runs under Docker's init (tini), which passes
+  signals on, so ``terminate_job`` (SIGTERM) and ``force`` (SIGKILL) give exit codes -15 and -9.
+* Containers carry the labels ``roving.session`` and ``roving.name``; one thread follows the engine's
+  ``die`` events of this session for every container's exit code, then the container is removed.
+* Output: followed and printed with the process name as prefix, or written to the process's log file.
+* When this process exits, normally or killed, its containers still there are removed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Dict, Iterable, List, Optional
+
+from .. import config as _config
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
+                   session_tag)
+
+log = logging.getLogger(__name__)
+_KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
+_SKIP_ENV = {"HOSTNAME", "HOME", "PWD", "OLDPWD", "SHLVL", "_"}
+
+
+class DockerError(OSError):
+    """The Docker engine refused or could not be reached; the message has the engine's words."""
+
+
+def _sdk():
+    try:
+        import docker
+    except ImportError:
+        raise DockerError("the docker backend needs the Docker SDK for Python: pip install 'roving[docker]'") from None
+    return docker
+
+
+def _exitcode(code: int) -> int:
+    # tini (docker's init) exits 128+N when its child was killed by signal N
+    return -(code - 128) if 128 < code < 160 else code
+
+
+class _Container:
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.status = JobStatus(JobState.RUNNING)
+        self.output = bytearray()
+        self.output_done = threading.Event()
+        self.ended = threading.Event()
+
+
+class DockerBackend(Backend):
+    name = "docker"
+
+    def __init__(self) -> None:
+        self._client = None
+        self._lock = threading.Lock()
+        self._jobs: Dict[str, _Container] = {}
+        self._events_started = False
+        self._reaper = Reaper(self.name)
+
+    # -- the engine ------------------------------------------------------------------------------
+    def client(self):
+        """The SDK's client, connected and checked on first use; DockerError if the engine is not there."""
+        if self._client is None:
+            docker = _sdk()
+            url = _config.current().docker_url
+            try:
+                client = (docker.DockerClient(base_url=url, timeout=20, max_pool_size=128) if url
+                          else docker.from_env(timeout=20, max_pool_size=128))
+                client.ping()
+            except Exception as exc:
+                where = url or os.environ.get("DOCKER_HOST") or "the local socket"
+                raise DockerError(f"the Docker engine at {where} is not reachable ({exc}); is dockerd "
+                                  "running, and docker_url / DOCKER_HOST right?") from None
+            self._client = client
+        return self._client
+
+    def _start_events(self) -> None:
+        with self._lock:
+            if self._events_started:
+                return
+            self._events_started = True
+        client = self.client()
+        since = int(time.time()) - 1
+        events = client.events(since=since, decode=True, filters={
+            "type": "container", "event": "die", "label": f"roving.session={session_tag()}"})
+        threading.Thread(target=self._follow_events, args=(events,), name="roving-docker-events",
+                         daemon=True).start()
+
+    def _follow_events(self, events) -> None:
+        for event in events:
+            cid = event.get("id") or event.get("Actor", {}).get("ID")
+            code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", "-9"))
+            if cid in self._jobs:
+                threading.Thread(target=self._ended, args=(cid, code), daemon=True).start()
+
+    def _ended(self, cid: str, code: int) -> None:
+        job = self._jobs[cid]
+        if job.ended.is_set():
+            return
+        client = self.client()
+        try:
+            if job.spec.output == "files":
+                data = client.api.logs(cid, stdout=True, stderr=True)
+                os.makedirs(os.path.dirname(job.spec.log_path) or ".", exist_ok=True)
+                with open(job.spec.log_path, "ab") as f:
+                    f.write(data)
+                job.output[:] = data[-_KEEP_LOG:]
+            elif job.spec.output == "prefix":
+                job.output_done.wait(10)
+        except Exception:
+            log.debug("roving: could not read the output of container %s", cid, exc_info=True)
+        job.status = JobStatus(JobState.EXITED, _exitcode(code))
+        job.ended.set()
+        self._reaper.done(cid)
+        self._remove(cid)
+
+    def _remove(self, cid: str) -> None:
+        try:
+            self.client().api.remove_container(cid, force=True)
+        except Exception:  # already gone
+            pass
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def create_job(self, spec: JobSpec) -> Job:
+        cfg = _config.current()
+        docker = _sdk()
+        if not cfg.image:
+            raise DockerError("the docker backend needs an image: set the roving option `image` "
+                              "(or use `roving run --build`)")
+        client = self.client()
+        self._start_events()
+        res = spec.resources
+        info = self._info()
+        if res.memory and res.memory > info.get("MemTotal", res.memory):
+            raise DockerError(f"{spec.name} asks for {res.memory / 2**30:.1f} GiB of memory; the Docker "
+                              f"host has {info['MemTotal'] / 2**30:.1f} GiB")
+        if res.cpu > info.get("NCPU", res.cpu):
+            raise DockerError(f"{spec.name} asks for {res.cpu:g} CPUs; the Docker host has {info['NCPU']}")
+        device_requests = [docker.types.DeviceRequest(count=res.gpu, capabilities=[["gpu"]])] if res.gpu else None
+        volumes = {spec.cwd: {"bind": spec.cwd, "mode": "rw"}}
+        for item in cfg.docker_volumes:
+            parts = item.split(":")
+            if len(parts) < 2:
+                raise DockerError(f"bad docker_volumes entry {item!r}: use host:container[:ro]")
+            volumes[os.path.abspath(parts[0])] = {"bind": parts[1], "mode": parts[2] if len(parts) > 2 else "rw"}
+        env = {k: v for k, v in spec.env.items() if k not in _SKIP_ENV}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        tag = session_tag()
+        try:
+            container = client.containers.create(
+                cfg.image, command=spec.command, environment=env, working_dir=spec.cwd, volumes=volumes,
+                network_mode=cfg.docker_network, init=True, nano_cpus=int(res.cpu * 1e9),
+                mem_limit=res.memory or None, device_requests=device_requests, detach=True,
+                labels={"roving.session": tag, "roving.name": spec.name},
+                name=f"roving-{tag}-{spec.name.replace(':', '-')}-{os.urandom(3).hex()}")
+        except docker.errors.ImageNotFound:
+            raise DockerError(f"the image {cfg.image!r} is not on the Docker host; build it (`roving run "
+                              "--build`, or docker build) or pull it") from None
+        except docker.errors.APIError as exc:
+            raise DockerError(f"Docker refused to create a container for {spec.name}: {exc.explanation or exc}") from None
+        job_state = _Container(spec)
+        with self._lock:
+            self._jobs[container.id] = job_state
+        self._reaper.add(container.id)
+        try:
+            container.start()
+        except docker.errors.APIError as exc:
+            self._remove(container.id)
+            self._reaper.done(container.id)
+            with self._lock:
+                self._jobs.pop(container.id, None)
+            raise DockerError(f"Docker could not start {spec.name}: {exc.explanation or exc}") from None
+        if spec.output == "prefix":
+            threading.Thread(target=self._follow_output, args=(container.id, job_state),
+                             name=f"roving-docker-output-{spec.name}", daemon=True).start()
+        return Job(self, container.id)
+
+    def _info(self) -> dict:
+        if not hasattr(self, "_info_cache"):
+            self._info_cache = self.client().info()
+        return self._info_cache
+
+    def _follow_output(self, cid: str, job: _Container) -> None:
+        out, err = LineSplitter(f"[{job.spec.name}] "), LineSplitter(f"[{job.spec.name}] ", True)
+        try:
+            # attach (with logs=True: from the start) is the call that keeps stdout and stderr apart
+            for stdout, stderr in self.client().api.attach(cid, stdout=True, stderr=True, stream=True,
+                                                           logs=True, demux=True):
+                if stdout:
+                    out.feed(stdout)
+                if stderr:
+                    err.feed(stderr)
+                job.output += (stdout or b"") + (stderr or b"")
+                del job.output[:-_KEEP_LOG]
+        except Exception:
+            log.debug("roving: stopped following container %s", cid, exc_info=True)
+        finally:
+            out.close()
+            err.close()
+            job.output_done.set()
+
+    def job_status(self, job: Job) -> JobStatus:
+        state = self._jobs.get(job.id)
+        if state is not None:
+            return state.status
+        try:
+            attrs = self.client().api.inspect_container(job.id)["State"]
+        except Exception:
+            return JobStatus(JobState.EXITED, -9, "no such container")
+        if attrs.get("Running"):
+            return JobStatus(JobState.RUNNING)
+        if attrs.get("Status") == "created":
+            return JobStatus(JobState.PENDING, reason="created")
+        return JobStatus(JobState.EXITED, _exitcode(attrs.get("ExitCode", 0)))
+
+    def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
+        state = self._jobs.get(job.id)
+        if state is None:
+            return super().wait(job, timeout)
+        if not state.ended.wait(timeout):
+            return None
+        return state.status.exitcode
+
+    def terminate_job(self, job: Job, force: bool = False) -> None:
+        state = self._jobs.get(job.id)
+        if state is not None and state.ended.is_set():
+            return
+        try:
+            self.client().api.kill(job.id, signal="SIGKILL" if force else "SIGTERM")
+        except Exception:  # not running any more
+            pass
+
+    def logs(self, job: Job) -> str:
+        state = self._jobs.get(job.id)
+        if state is not None and (state.ended.is_set() or state.spec.output == "prefix"):
+            return bytes(state.output).decode(errors="replace")
+        try:
+            return self.client().api.logs(job.id, stdout=True, stderr=True).decode(errors="replace")
+        except Exception as exc:
+            raise DockerError(f"no logs for container {job.id[:12]}: {exc}") from None
+
+    def cpu_count(self) -> int:
+        return int(self._info().get("NCPU") or os.cpu_count() or 1)
+
+    def describe(self) -> Dict[str, str]:
+        info = self._info()
+        cfg = _config.current()
+        image = cfg.image or "(none configured: set the `image` option)"
+        if cfg.image:
+            try:
+                self.client().images.get(cfg.image)
+            except Exception:
+                image += " (not on the Docker host)"
+        return {"engine": f"Docker {info.get('ServerVersion', '?')} on {info.get('Name', '?')}",
+                "cpus": str(info.get("NCPU")), "memory": f"{info.get('MemTotal', 0) / 2**30:.1f} GiB",
+                "gpu runtimes": ", ".join(sorted(info.get("Runtimes", {}))), "image": image}
+
+    def list_jobs(self) -> List[JobInfo]:
+        jobs = []
+        for c in self.client().containers.list(all=True, filters={"label": "roving.session"}):
+            jobs.append(JobInfo(id=c.id[:12], name=c.labels.get("roving.name", ""),
+                                session=c.labels.get("roving.session", ""), state=c.status))
+        return jobs
+
+    def cancel_ids(self, job_ids: Iterable[str]) -> None:
+        for cid in job_ids:
+            self._remove(cid)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            live = [cid for cid, s in self._jobs.items() if not s.ended.is_set()]
+        for cid in live:
+            self._remove(cid)
+            self._reaper.done(cid)

@@ -1,0 +1,402 @@
+"""The slurm backend: each job is a Slurm batch job (sbatch), or a job step (srun) inside an allocation.
+
+* Outside an allocation a process is ``sbatch --export=ALL --wrap 'exec python -m roving._child'``: it gets
+  the parent's environment (and so its session), ``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` from
+  the process resources, partition, account, time limit and extra options from the configuration.
+  Its job name is ``roving-<session>`` and its comment the process name, so ``squeue`` shows both.
+* Inside an allocation (SLURM_JOB_ID set) a process is an ``srun --overlap`` step of that allocation.
+* State comes from one ``squeue`` call for all of this process's jobs (at most every 0.2 s), exit codes
+  from the job's exit status: a job killed by signal N is ``-N`` as in multiprocessing.
+* ``terminate_job`` sends SIGTERM (``scancel --signal=TERM --full``), ``force`` SIGKILL.
+* A job's output goes to a file (``--output``): the process's log file with ``child_output = "files"``,
+  else ``~/.roving/slurm/<session>/``, which is followed and printed with the process name as prefix.
+* When this process exits, normally or killed, every job it started and that is still there is
+  cancelled (:class:`~roving.backends.base.Reaper`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shlex
+import subprocess
+import threading
+import time
+from typing import Dict, Iterable, List, Optional, Set, Tuple
+
+from .. import config as _config
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
+                   session_tag)
+
+log = logging.getLogger(__name__)
+
+_PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED",
+            "STOPPED", "RESV_DEL_HOLD", "SIGNALING"}
+# COMPLETING: the job's processes ended, but the final state (and, after a cancel, the exit status)
+# is not settled yet
+_RUNNING = {"RUNNING", "COMPLETING"}
+_REFRESH_S = 0.2
+_COMMAND_TIMEOUT = 30
+
+
+class SlurmError(OSError):
+    """Slurm refused or could not be asked; the message has Slurm's own words."""
+
+
+def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
+           check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
+                                stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise SlurmError(f"Slurm's `{args[0]}` command is not on PATH: is Slurm installed on this "
+                         "machine? (or choose another roving backend)") from None
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"`{shlex.join(args[:2])}` did not answer within {timeout:g} s: "
+                         "is the Slurm controller reachable?") from None
+    if check and result.returncode != 0:
+        raise SlurmError(f"`{shlex.join(args[:1])}` failed: {(result.stderr or result.stdout).strip()}")
+    return result
+
+
+def _exitcode(raw: str, forced: bool, state: str) -> int:
+    """multiprocessing's exit code from Slurm's raw wait status (squeue's exit_code)."""
+    try:
+        status = int(raw)
+    except ValueError:
+        status = 0
+    if state == "CANCELLED":
+        return -9 if forced else -15
+    if status & 0x7F:
+        return -(status & 0x7F)
+    code = status >> 8
+    if code == 0 and state != "COMPLETED":
+        return -9 if state in ("OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL") else -15
+    return code
+
+
+class _Step:
+    """A job step started with srun inside the allocation this process runs in."""
+
+    def __init__(self, proc: subprocess.Popen, step_name: str) -> None:
+        self.proc, self.step_name = proc, step_name
+
+
+class SlurmBackend(Backend):
+    name = "slurm"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self._status: Dict[str, JobStatus] = {}
+        self._checked_at: Dict[str, float] = {}
+        self._own: Dict[str, str] = {}  # job id -> output file ("" when none)
+        self._names: Dict[str, str] = {}
+        self._forced: Set[str] = set()
+        self._steps: Dict[str, _Step] = {}
+        self._pending_since: Dict[str, float] = {}
+        self._warned: Set[str] = set()
+        self._controller_ok = False
+        self._reaper = Reaper(self.name)
+        self._step_counter = 0
+
+    # -- submission ------------------------------------------------------------------------------
+    def _check_controller(self) -> None:
+        if self._controller_ok:
+            return
+        result = _slurm(["scontrol", "ping"], timeout=10, check=False)
+        if result.returncode != 0 or "DOWN" in result.stdout or "UP" not in result.stdout:
+            raise SlurmError("the Slurm controller is not reachable (`scontrol ping`: "
+                             f"{(result.stdout + result.stderr).strip().splitlines()[0:1]}); is slurmctld "
+                             "running and SLURM_CONF right?")
+        self._controller_ok = True
+
+    @staticmethod
+    def _resource_options(spec: JobSpec, cfg: _config.Config) -> List[str]:
+        res = spec.resources
+        opts = [f"--cpus-per-task={max(1, math.ceil(res.cpu))}"]
+        if res.memory:
+            opts.append(f"--mem={max(1, math.ceil(res.memory / 2 ** 20))}M")
+        if res.gpu:
+            opts.append(f"--gres=gpu:{res.gpu}")
+        if cfg.slurm_partition:
+            opts.append(f"--partition={cfg.slurm_partition}")
+        if cfg.slurm_account:
+            opts.append(f"--account={cfg.slurm_account}")
+        if cfg.slurm_time:
+            opts.append(f"--time={cfg.slurm_time}")
+        return opts + shlex.split(cfg.slurm_options)
+
+    def create_job(self, spec: JobSpec) -> Job:
+        cfg = _config.current()
+        env = dict(spec.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if os.environ.get("SLURM_JOB_ID"):
+            return self._create_step(spec, cfg, env)
+        self._check_controller()
+        tag = session_tag()
+        if spec.output == "off":
+            output = "/dev/null"
+        elif spec.output == "files":
+            output = os.path.abspath(os.path.join(spec.cwd, spec.log_path))
+        else:
+            output = os.path.join(os.path.expanduser("~/.roving/slurm"), tag, f"{spec.name}-%j.out")
+        if output != "/dev/null":
+            os.makedirs(os.path.dirname(output), exist_ok=True)
+        error = output[:-len(".out")] + ".err" if spec.output == "prefix" else output
+        args = ["sbatch", "--parsable", f"--job-name=roving-{tag}", f"--comment={spec.name}",
+                "--export=ALL", f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append",
+                f"--output={output}", f"--error={error}", *self._resource_options(spec, cfg),
+                "--wrap", "exec " + shlex.join(spec.command)]
+        result = _slurm(args, env=env, check=False)
+        if result.returncode != 0:
+            raise SlurmError(f"Slurm refused to start {spec.name}: "
+                             f"{(result.stderr or result.stdout).strip()}")
+        job_id = result.stdout.strip().split(";")[0]
+        output, error = output.replace("%j", job_id), error.replace("%j", job_id)
+        job = Job(self, job_id)
+        with self._lock:
+            self._own[job_id] = "" if output == "/dev/null" else output
+            self._names[job_id] = spec.name
+            self._status[job_id] = JobStatus(JobState.PENDING)
+            self._pending_since[job_id] = time.monotonic()
+        self._reaper.add(job_id)
+        if spec.output == "prefix":
+            threading.Thread(target=self._follow, args=(job, [(output, False), (error, True)], f"[{spec.name}] "),
+                             name=f"roving-slurm-output-{job_id}", daemon=True).start()
+        return job
+
+    def _create_step(self, spec: JobSpec, cfg: _config.Config, env: Dict[str, str]) -> Job:
+        with self._lock:
+            self._step_counter += 1
+            step_name = f"roving-{session_tag()}-{os.getpid()}-{self._step_counter}"
+        args = ["srun", "--overlap", "--ntasks=1", "--nodes=1", "--export=ALL", f"--job-name={step_name}",
+                f"--chdir={spec.cwd}", "--quiet", *self._resource_options(spec, cfg), *spec.command]
+        out = {"prefix": subprocess.PIPE, "off": subprocess.DEVNULL}.get(spec.output)
+        log_file = None
+        if spec.output == "files":
+            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
+            log_file = out = open(spec.log_path, "ab")
+        try:
+            proc = subprocess.Popen(args, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT if log_file else out, close_fds=True)
+        except FileNotFoundError:
+            raise SlurmError("Slurm's `srun` command is not on PATH inside this allocation") from None
+        finally:
+            if log_file is not None:
+                log_file.close()
+        job = Job(self, step_name)
+        with self._lock:
+            self._steps[step_name] = _Step(proc, step_name)
+            self._names[step_name] = spec.name
+        if spec.output == "prefix":
+            for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
+                threading.Thread(target=self._pump, args=(stream, LineSplitter(f"[{spec.name}] ", to_stderr)),
+                                 daemon=True).start()
+        return job
+
+    @staticmethod
+    def _pump(stream, splitter: LineSplitter) -> None:
+        for chunk in iter(lambda: stream.read1(65536), b""):
+            splitter.feed(chunk)
+        splitter.close()
+        stream.close()
+
+    def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
+        """Print the job's output files as they grow, until the job has ended and they are read."""
+        followed = [[path, None, LineSplitter(prefix, to_stderr)] for path, to_stderr in paths]
+        delay = 0.05
+        while True:
+            ended = self.job_status(job).state is JobState.EXITED
+            for entry in followed:
+                path, f, splitter = entry
+                if f is None and os.path.exists(path):
+                    f = entry[1] = open(path, "rb")
+                if f is not None:
+                    chunk = f.read()
+                    if chunk:
+                        splitter.feed(chunk)
+                        delay = 0.05
+            if ended:
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        for path, f, splitter in followed:
+            if f is not None:
+                f.close()
+            splitter.close()
+
+    # -- state -----------------------------------------------------------------------------------
+    def _refresh(self, wanted: str) -> None:
+        with self._refresh_lock:
+            if time.monotonic() - self._checked_at.get(wanted, 0.0) < _REFRESH_S:
+                return
+            with self._lock:
+                ids = {i for i, s in self._status.items() if s.state is not JobState.EXITED}
+            ids.add(wanted)
+            result = _slurm(["squeue", "-h", "-t", "all", "-j", ",".join(sorted(ids)),
+                             "-O", "JobID:|,State:|,Reason:|,exit_code:|"], check=False)
+            now = time.monotonic()
+            seen = set()
+            for line in result.stdout.splitlines():
+                parts = [p.strip() for p in line.split("|")]
+                if len(parts) < 4 or parts[0] not in ids:
+                    continue
+                job_id, state, reason, raw = parts[:4]
+                seen.add(job_id)
+                if state in _PENDING:
+                    status = JobStatus(JobState.PENDING, reason=reason)
+                elif state in _RUNNING:
+                    status = JobStatus(JobState.RUNNING)
+                else:
+                    status = JobStatus(JobState.EXITED, _exitcode(raw, job_id in self._forced, state),
+                                       reason=f"{state} {reason}".strip())
+                self._set(job_id, status, now)
+            for job_id in ids - seen:
+                # squeue forgets jobs MinJobAge after they end, and names no unknown id
+                known = self._status.get(job_id)
+                if result.returncode == 0 or "Invalid job id" in result.stderr:
+                    if known is None or known.state is not JobState.EXITED:
+                        self._set(job_id, JobStatus(JobState.EXITED, -9 if job_id in self._forced else -15,
+                                                    reason="no longer known to Slurm"), now)
+                self._checked_at[job_id] = now
+
+    def _set(self, job_id: str, status: JobStatus, now: float) -> None:
+        with self._lock:
+            self._status[job_id] = status
+            self._checked_at[job_id] = now
+            if status.state is JobState.PENDING:
+                since = self._pending_since.setdefault(job_id, now)
+                if now - since > _config.current().pending_warning and job_id not in self._warned:
+                    self._warned.add(job_id)
+                    log.warning("roving: Slurm job %s (%s) has been pending for %.0f s; Slurm's reason: %s",
+                                job_id, self._names.get(job_id, "?"), now - since, status.reason)
+            else:
+                self._pending_since.pop(job_id, None)
+        if status.state is JobState.EXITED and job_id in self._own:
+            self._reaper.done(job_id)
+
+    def job_status(self, job: Job) -> JobStatus:
+        step = self._steps.get(job.id)
+        if step is not None:
+            code = step.proc.poll()
+            if code is None:
+                return JobStatus(JobState.RUNNING)
+            return JobStatus(JobState.EXITED, -(code - 128) if 128 < code < 160 else code)
+        status = self._status.get(job.id)
+        if status is not None and status.state is JobState.EXITED:
+            return status
+        self._refresh(job.id)
+        return self._status.get(job.id) or JobStatus(JobState.EXITED, -15, "unknown to Slurm")
+
+    def terminate_job(self, job: Job, force: bool = False) -> None:
+        signal_name = "KILL" if force else "TERM"
+        step = self._steps.get(job.id)
+        if step is not None:
+            self._signal_step(step, signal_name)
+            return
+        status = self._status.get(job.id)
+        if status is not None and status.state is JobState.EXITED:
+            return
+        if force:
+            self._forced.add(job.id)
+        with self._lock:
+            self._checked_at.pop(job.id, None)
+        self._refresh(job.id)
+        if self._status.get(job.id, JobStatus(JobState.PENDING)).state is JobState.RUNNING:
+            result = _slurm(["scancel", f"--signal={signal_name}", "--full", job.id], check=False)
+        else:
+            result = None
+        if result is None or result.returncode != 0:  # a pending job cannot be signalled: cancel it
+            _slurm(["scancel", job.id], check=False)
+        with self._lock:
+            self._checked_at.pop(job.id, None)
+
+    def _signal_step(self, step: _Step, signal_name: str) -> None:
+        if step.proc.poll() is not None:
+            return
+        if signal_name == "TERM":
+            step.proc.terminate()  # srun forwards SIGTERM to the task
+            return
+        result = _slurm(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i|%j"], check=False)
+        for line in result.stdout.splitlines():
+            step_id, _, name = line.partition("|")
+            if name.strip() == step.step_name:
+                _slurm(["scancel", "--signal=KILL", step_id.strip()], check=False)
+        step.proc.kill()
+
+    def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
+        step = self._steps.get(job.id)
+        if step is not None:
+            try:
+                step.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                return None
+            return self.job_status(job).exitcode
+        return super().wait(job, timeout)
+
+    # -- information -----------------------------------------------------------------------------
+    def logs(self, job: Job) -> str:
+        path = self._own.get(job.id)
+        if path is None:
+            result = _slurm(["scontrol", "show", "job", "-o", job.id], check=False)
+            fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
+            if result.returncode != 0:
+                raise SlurmError(f"no Slurm job {job.id}: {result.stderr.strip()}")
+            path = fields.get("StdOut", "")
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            return f.read()
+
+    def cpu_count(self) -> int:
+        if os.environ.get("SLURM_CPUS_ON_NODE"):
+            return int(os.environ["SLURM_CPUS_ON_NODE"])
+        cfg = _config.current()
+        args = ["sinfo", "-h", "-o", "%C"] + ([f"--partition={cfg.slurm_partition}"] if cfg.slurm_partition else [])
+        try:
+            out = _slurm(args, timeout=10).stdout.split()
+            return max(1, sum(int(part.split("/")[3]) for part in out))
+        except (SlurmError, IndexError, ValueError):
+            return os.cpu_count() or 1
+
+    def describe(self) -> Dict[str, str]:
+        info: Dict[str, str] = {}
+        ping = _slurm(["scontrol", "ping"], timeout=10, check=False)
+        info["controller"] = (ping.stdout + ping.stderr).strip().splitlines()[0] if (ping.stdout + ping.stderr).strip() else "?"
+        if os.environ.get("SLURM_JOB_ID"):
+            info["allocation"] = f"job {os.environ['SLURM_JOB_ID']}: processes are job steps (srun)"
+        parts = _slurm(["sinfo", "-h", "-o", "%P|%D|%C|%m|%G|%a"], timeout=10, check=False)
+        for line in parts.stdout.splitlines():
+            p, nodes, cpus, mem, gres, avail = (line.split("|") + [""] * 6)[:6]
+            info[f"partition {p}"] = (f"{nodes} node(s), CPUs alloc/idle/other/total {cpus}, "
+                                      f"{mem} MB per node, gres {gres}, {avail}")
+        info["cpus"] = str(self.cpu_count())
+        return info
+
+    def list_jobs(self) -> List[JobInfo]:
+        result = _slurm(["squeue", "-h", "-O", "JobID:|,Name:|,State:|,Reason:|,Comment:|"], timeout=10)
+        jobs = []
+        for line in result.stdout.splitlines():
+            parts = [p.strip() for p in line.split("|")]
+            if len(parts) >= 5 and parts[1].startswith("roving-"):
+                jobs.append(JobInfo(id=parts[0], name=parts[4], session=parts[1][len("roving-"):],
+                                    state=parts[2], reason=parts[3] if parts[3] != "None" else ""))
+        return jobs
+
+    def cancel_ids(self, job_ids: Iterable[str]) -> None:
+        ids = [i for i in job_ids if i]
+        if ids:
+            _slurm(["scancel", *ids], check=False)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            live = [i for i in self._own if self._status.get(i, JobStatus(JobState.PENDING)).state
+                    is not JobState.EXITED]
+            steps = list(self._steps.values())
+        if live:
+            self.cancel_ids(live)
+            for job_id in live:
+                self._reaper.done(job_id)
+        for step in steps:
+            self._signal_step(step, "KILL")
