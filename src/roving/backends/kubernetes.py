@@ -1,0 +1,376 @@
+"""The kubernetes backend: each job is a Pod (official kubernetes client for Python).
+
+* The pod runs the ``image`` option's image with the process's command, environment and working
+  directory, resource requests and limits from the process resources (``nvidia.com/gpu`` for GPUs), in the
+  ``kubernetes_namespace`` (default: the parent pod's own namespace, else ``default``), with labels
+  ``roving.session`` and ``roving.name``, and ``restartPolicy: Never``.
+* Inside a pod (POD_NAME, or HOSTNAME, names it) the workers get an ownerReference to the parent's pod, so
+  that deleting the parent deletes its workers.
+* Phases map to exit codes: Succeeded is the container's exit code (0), Failed its exit code, or ``-N``
+  when killed by signal N (runtimes report 128+N); a pod that is Pending reports its conditions' reason.
+* ``terminate_job`` deletes the pod with a grace period (SIGTERM, exit code -15), ``force`` with none
+  (SIGKILL, -9). An ended pod is deleted once its end and output are read.
+* The client is configured in-cluster inside a pod, else from the kubeconfig (KUBECONFIG).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from typing import Dict, Iterable, List, Optional
+
+from .. import config as _config
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
+                   session_tag)
+
+log = logging.getLogger(__name__)
+_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_REFRESH_S = 0.2
+_TIMEOUT = 10
+
+
+class KubernetesError(OSError):
+    """The Kubernetes API refused or could not be reached; the message has its words."""
+
+
+def _dns_name(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:30] or "p"
+
+
+def _quantity_cpu(text: str) -> float:
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _quantity_bytes(text: str) -> int:
+    return _config.parse_memory(text.replace("Ki", "K").replace("Mi", "M").replace("Gi", "G").replace("Ti", "T"))
+
+
+class _Pod:
+    def __init__(self, spec: JobSpec, name: str) -> None:
+        self.spec, self.name = spec, name
+        self.status = JobStatus(JobState.PENDING)
+        self.deleted_with: Optional[int] = None  # the exit code asked for by terminate_job
+        self.output = ""
+        self.since = time.monotonic()
+        self.warned = False
+
+
+class KubernetesBackend(Backend):
+    name = "kubernetes"
+
+    def __init__(self) -> None:
+        self._api = None
+        self._lock = threading.Lock()
+        self._pods: Dict[str, _Pod] = {}
+        self._checked_at = 0.0
+        self._reaper = Reaper(self.name)
+        self._owner: Optional[dict] = None
+        self._owner_checked = False
+
+    # -- the API ---------------------------------------------------------------------------------
+    def api(self):
+        if self._api is None:
+            try:
+                import kubernetes
+            except ImportError:
+                raise KubernetesError("the kubernetes backend needs the kubernetes client: "
+                                      "pip install 'roving[kubernetes]'") from None
+            try:
+                configuration = kubernetes.client.Configuration()
+                if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(_NAMESPACE_FILE):
+                    kubernetes.config.load_incluster_config(client_configuration=configuration)
+                else:  # KUBECONFIG read now: the client reads it once, at its import
+                    kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
+                                                       client_configuration=configuration)
+                configuration.retries = 0  # an unreachable server is an error at once, not after retries
+                client = kubernetes.client.ApiClient(configuration)
+                kubernetes.client.VersionApi(client).get_code(_request_timeout=_TIMEOUT)
+            except Exception as exc:
+                raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)}); check "
+                                      "KUBECONFIG or the pod's service account") from None
+            self._api = kubernetes.client.CoreV1Api(client)
+        return self._api
+
+    @property
+    def namespace(self) -> str:
+        ns = _config.current().kubernetes_namespace
+        if ns:
+            return ns
+        if os.path.exists(_NAMESPACE_FILE):
+            with open(_NAMESPACE_FILE) as f:
+                return f.read().strip()
+        return "default"
+
+    def _owner_reference(self) -> Optional[dict]:
+        """This process's own pod, when it runs in one: the owner of its workers."""
+        if not self._owner_checked:
+            self._owner_checked = True
+            name = os.environ.get("POD_NAME") or (
+                os.environ.get("HOSTNAME") if os.environ.get("KUBERNETES_SERVICE_HOST") else None)
+            if name:
+                try:
+                    pod = self.api().read_namespaced_pod(name, self.namespace, _request_timeout=_TIMEOUT)
+                    self._owner = {"apiVersion": "v1", "kind": "Pod", "name": name, "uid": pod.metadata.uid,
+                                   "blockOwnerDeletion": False}
+                except Exception as exc:
+                    log.warning("roving: cannot read this process's own pod %s (%s): workers get no "
+                                "ownerReference", name, _short(exc))
+        return self._owner
+
+    def _capacity(self) -> Optional[dict]:
+        """The largest node's allocatable cpu, memory and GPUs; None when nodes may not be listed."""
+        try:
+            nodes = self.api().list_node(_request_timeout=_TIMEOUT).items
+        except Exception:
+            return None
+        best = {"cpu": 0.0, "memory": 0, "gpu": 0}
+        for node in nodes:
+            alloc = node.status.allocatable or {}
+            best["cpu"] = max(best["cpu"], _quantity_cpu(alloc.get("cpu", "0")))
+            best["memory"] = max(best["memory"], _quantity_bytes(alloc.get("memory", "1")))
+            best["gpu"] = max(best["gpu"], int(alloc.get("nvidia.com/gpu", "0")))
+        return best
+
+    # -- jobs ------------------------------------------------------------------------------------
+    def create_job(self, spec: JobSpec) -> Job:
+        from kubernetes.client.rest import ApiException
+
+        cfg = _config.current()
+        if not cfg.image:
+            raise KubernetesError("the kubernetes backend needs an image: set the roving option `image`")
+        api = self.api()
+        res = spec.resources
+        cap = self._capacity()
+        if cap is not None:
+            for what, want, have in (("GPUs", res.gpu, cap["gpu"]), ("CPUs", res.cpu, cap["cpu"]),
+                                     ("bytes of memory", res.memory or 0, cap["memory"])):
+                if want > have:
+                    raise KubernetesError(f"{spec.name} asks for {want:g} {what}; the largest node of the "
+                                          f"cluster has {have:g}")
+        amounts = {"cpu": f"{int(res.cpu * 1000)}m"}
+        if res.memory:
+            amounts["memory"] = str(res.memory)
+        if res.gpu:
+            amounts["nvidia.com/gpu"] = str(res.gpu)
+        tag = session_tag()
+        name = f"roving-{tag}-{_dns_name(spec.name)}-{os.urandom(3).hex()}"
+        env = dict(spec.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.pop("HOSTNAME", None)
+        metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
+                                              "roving.name": _dns_name(spec.name)},
+                    "annotations": {"roving.process-name": spec.name}}
+        owner = self._owner_reference()
+        if owner:
+            metadata["ownerReferences"] = [owner]
+        body = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
+            "restartPolicy": "Never", "containers": [{
+                "name": "roving", "image": cfg.image, "command": list(spec.command), "workingDir": spec.cwd,
+                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "resources": {"requests": amounts, "limits": dict(amounts)}}]}}
+        try:
+            api.create_namespaced_pod(self.namespace, body, _request_timeout=_TIMEOUT)
+        except ApiException as exc:
+            raise KubernetesError(f"Kubernetes refused the pod for {spec.name}: {_short(exc)}") from None
+        except Exception as exc:
+            raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
+        pod = _Pod(spec, name)
+        with self._lock:
+            self._pods[name] = pod
+        self._reaper.add(f"{self.namespace}/{name}")
+        if spec.output in ("prefix", "files"):
+            threading.Thread(target=self._follow, args=(pod,), name=f"roving-k8s-output-{name}",
+                             daemon=True).start()
+        return Job(self, name)
+
+    def _read_log(self, name: str) -> str:
+        try:
+            return self.api().read_namespaced_pod_log(name, self.namespace, _request_timeout=_TIMEOUT) or ""
+        except Exception:
+            return ""
+
+    def _follow(self, pod: _Pod) -> None:
+        """Print (prefix) or keep (files) the pod's log until it ends, then write it and delete the pod."""
+        splitter = LineSplitter(f"[{pod.spec.name}] ")
+        shown = 0
+        delay = 0.1
+        while True:
+            status = self._poll(pod)
+            if status.state is not JobState.PENDING and pod.deleted_with is None:
+                text = self._read_log(pod.name)
+                if len(text) > shown:
+                    pod.output = text
+                    if pod.spec.output == "prefix":
+                        splitter.feed(text[shown:].encode())
+                    shown = len(text)
+            if status.state is JobState.EXITED:
+                break
+            time.sleep(delay)
+            delay = min(delay * 1.5, 0.5)
+        splitter.close()
+
+    def _poll(self, pod: _Pod) -> JobStatus:
+        if pod.status.state is JobState.EXITED:
+            return pod.status
+        self._refresh()
+        return pod.status
+
+    def _refresh(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        with self._lock:
+            if time.monotonic() - self._checked_at < _REFRESH_S:
+                return
+            self._checked_at = time.monotonic()
+            live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
+        if not live:
+            return
+        try:
+            items = self.api().list_namespaced_pod(self.namespace, label_selector=f"roving.session={session_tag()}",
+                                                   _request_timeout=_TIMEOUT).items
+        except ApiException as exc:
+            log.warning("roving: cannot list pods: %s", _short(exc))
+            return
+        found = {item.metadata.name: item for item in items}
+        for pod in live:
+            item = found.get(pod.name)
+            if item is None:  # deleted: by us (the code we asked for) or from outside (as SIGTERM)
+                self._ended(pod, JobStatus(JobState.EXITED, pod.deleted_with if pod.deleted_with is not None
+                                           else -15, "pod deleted"))
+                continue
+            status = _status_of(item)
+            if status.state is JobState.EXITED and pod.deleted_with is not None and status.exitcode == 0:
+                status = JobStatus(JobState.EXITED, pod.deleted_with, status.reason)
+            if status.state is JobState.PENDING:
+                waited = time.monotonic() - pod.since
+                if waited > _config.current().pending_warning and not pod.warned:
+                    pod.warned = True
+                    log.warning("roving: pod %s (%s) has been pending for %.0f s: %s", pod.name, pod.spec.name,
+                                waited, status.reason)
+            if status.state is JobState.EXITED:
+                self._ended(pod, status)
+            else:
+                pod.status = status
+
+    def _ended(self, pod: _Pod, status: JobStatus) -> None:
+        if pod.spec.output == "files":
+            text = self._read_log(pod.name) or pod.output
+            pod.output = text
+            os.makedirs(os.path.dirname(pod.spec.log_path) or ".", exist_ok=True)
+            with open(pod.spec.log_path, "a") as f:
+                f.write(text)
+        elif pod.spec.output == "prefix" and pod.deleted_with is None:
+            pod.output = self._read_log(pod.name) or pod.output
+        pod.status = status
+        self._delete(pod.name, 0)
+        self._reaper.done(f"{self.namespace}/{pod.name}")
+
+    def _delete(self, name: str, grace: int, namespace: Optional[str] = None) -> None:
+        try:
+            self.api().delete_namespaced_pod(name, namespace or self.namespace, grace_period_seconds=grace,
+                                             _request_timeout=_TIMEOUT)
+        except Exception:  # already gone
+            pass
+
+    def job_status(self, job: Job) -> JobStatus:
+        pod = self._pods.get(job.id)
+        if pod is not None:
+            return self._poll(pod)
+        from kubernetes.client.rest import ApiException
+
+        try:
+            return _status_of(self.api().read_namespaced_pod(job.id, self.namespace, _request_timeout=_TIMEOUT))
+        except ApiException:
+            return JobStatus(JobState.EXITED, -15, "no such pod")
+
+    def terminate_job(self, job: Job, force: bool = False) -> None:
+        pod = self._pods.get(job.id)
+        if pod is not None:
+            if pod.status.state is JobState.EXITED:
+                return
+            pod.deleted_with = -9 if force else -15
+        self._delete(job.id, 0 if force else 30)
+
+    def logs(self, job: Job) -> str:
+        pod = self._pods.get(job.id)
+        if pod is not None and pod.status.state is JobState.EXITED:
+            return pod.output
+        return self._read_log(job.id)
+
+    def cpu_count(self) -> int:
+        cap = self._capacity()
+        return max(1, int(cap["cpu"])) if cap else (os.cpu_count() or 1)
+
+    def describe(self) -> Dict[str, str]:
+        import kubernetes
+
+        version = kubernetes.client.VersionApi(self.api().api_client).get_code(_request_timeout=_TIMEOUT)
+        cap = self._capacity()
+        info = {"api server": f"{self.api().api_client.configuration.host} ({version.git_version})",
+                "namespace": self.namespace, "image": _config.current().image or "(none: set the `image` option)"}
+        if cap:
+            info["largest node"] = f"{cap['cpu']:g} CPUs, {cap['memory'] / 2**30:.1f} GiB, {cap['gpu']} GPUs"
+        info["owner pod"] = (self._owner_reference() or {}).get("name", "(none: not inside a pod)")
+        return info
+
+    def list_jobs(self) -> List[JobInfo]:
+        items = self.api().list_namespaced_pod(self.namespace, label_selector="app.kubernetes.io/managed-by=roving",
+                                               _request_timeout=_TIMEOUT).items
+        out = []
+        for item in items:
+            status = _status_of(item)
+            out.append(JobInfo(id=item.metadata.name, name=(item.metadata.annotations or {}).get("roving.process-name", ""),
+                               session=(item.metadata.labels or {}).get("roving.session", ""),
+                               state=item.status.phase, reason=status.reason))
+        return out
+
+    def cancel_ids(self, job_ids: Iterable[str]) -> None:
+        for job_id in job_ids:
+            namespace, _, name = job_id.rpartition("/")
+            self._delete(name, 0, namespace or None)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
+        for pod in live:
+            self._delete(pod.name, 0)
+            self._reaper.done(f"{self.namespace}/{pod.name}")
+
+
+def _status_of(item) -> JobStatus:
+    """A pod's phase as roving's state: exit codes from the container's termination, reasons from conditions."""
+    phase = item.status.phase
+    terminated = None
+    for cs in item.status.container_statuses or []:
+        if cs.state and cs.state.terminated:
+            terminated = cs.state.terminated
+    if phase in ("Succeeded", "Failed") or terminated is not None:
+        if terminated is None:
+            return JobStatus(JobState.EXITED, 0 if phase == "Succeeded" else 1, phase)
+        code = terminated.exit_code
+        if terminated.signal:
+            code = -terminated.signal
+        elif 128 < code < 160:
+            code = -(code - 128)
+        return JobStatus(JobState.EXITED, code, f"{phase} {terminated.reason or ''}".strip())
+    if phase == "Running":
+        return JobStatus(JobState.RUNNING)
+    reasons = [f"{c.reason}: {c.message}" for c in item.status.conditions or [] if c.status == "False" and c.reason]
+    for cs in item.status.container_statuses or []:
+        if cs.state and cs.state.waiting and cs.state.waiting.reason:
+            reasons.append(f"{cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip())
+    return JobStatus(JobState.PENDING, reason="; ".join(reasons) or (phase or "Pending"))
+
+
+def _short(exc: Exception) -> str:
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            import json
+
+            return json.loads(body).get("message", str(body))
+        except Exception:
+            return str(body)[:300]
+    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__

@@ -1,0 +1,152 @@
+"""The kubernetes backend against a FAKE Kubernetes API server (tests/fake_k8s/server.py).
+
+No Kubernetes API server can run on the machines these tests run on, so these tests use the official
+kubernetes client against a fake of the Pod endpoints the backend uses, which runs each pod as a local
+process and schedules by the node capacity it is given. What they prove is the backend's use of the API
+(pod specs, labels, ownerReferences, phases to exit codes, deletion), not a real cluster's behaviour.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import helpers_pool as hp
+import helpers_targets as h
+import roving
+from fake_k8s.server import FakeKubernetes
+from helpers_core import wait_until
+from roving import backends
+
+T = 60
+
+
+def _use(monkeypatch, tmp_path, fake, **options):
+    monkeypatch.setenv("KUBECONFIG", fake.kubeconfig(str(tmp_path / "kubeconfig")))
+    monkeypatch.delenv("POD_NAME", raising=False)
+    backends._instances.pop("kubernetes", None)
+    roving.init(backend="kubernetes", image="fake/roving:test", **options)
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    with FakeKubernetes(cpu=8, memory=8 * 2**30, gpu=1) as server:
+        _use(monkeypatch, tmp_path, server)
+        yield server
+        for child in roving.active_children():
+            child.kill()
+            child.join(T)
+    backends._instances.pop("kubernetes", None)
+
+
+def test_process_result_and_exit_codes_from_pod_phases(fake):
+    q = roving.Queue()
+    ok = roving.Process(target=h.put_value, args=(q, "from a pod"))
+    ok.start()
+    assert q.get(timeout=T) == "from a pod"
+    bad = [roving.Process(target=h.exit_with, args=(3,)), roving.Process(target=h.raise_value_error, args=("x",))]
+    for p in [ok, *bad]:
+        if p is not ok:
+            p.start()
+        p.join(T)
+    assert [ok.exitcode] + [p.exitcode for p in bad] == [0, 3, 1]  # Succeeded is not a failure
+    assert wait_until(lambda: not fake.pods, 10), "ended pods are deleted"
+
+
+def test_pod_has_resources_labels_namespace_and_no_restarts(fake, monkeypatch, tmp_path):
+    _use(monkeypatch, tmp_path, fake, cpu=0.5, memory="256M", gpu=1, kubernetes_namespace="team-a")
+    p = roving.Process(target=h.sleep_for, args=(60,), name="worker-1")
+    p.start()
+    assert wait_until(lambda: p.job.id in {name for _, name in fake.pods}, 10)
+    (ns, _), pod = next(((k, v) for k, v in fake.pods.items() if k[1] == p.job.id))
+    spec = pod.body["spec"]
+    resources = spec["containers"][0]["resources"]
+    assert ns == "team-a"
+    assert resources["requests"] == resources["limits"] == {
+        "cpu": "500m", "memory": str(256 * 2**20), "nvidia.com/gpu": "1"}
+    assert spec["restartPolicy"] == "Never" and spec["containers"][0]["image"] == "fake/roving:test"
+    labels = pod.body["metadata"]["labels"]
+    assert labels["roving.session"] == backends.base.session_tag() and labels["roving.name"] == "worker-1"
+    p.terminate()
+    p.join(T)
+    assert p.exitcode == -15
+
+
+def test_terminate_and_kill_delete_the_pod_with_minus_sigterm_and_minus_sigkill(fake):
+    procs = [roving.Process(target=h.sleep_for, args=(60,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    assert wait_until(lambda: all(p._backend.job_status(p.job).state is backends.JobState.RUNNING for p in procs), T)
+    procs[0].terminate()
+    procs[1].kill()
+    for p in procs:
+        p.join(T)
+    assert [p.exitcode for p in procs] == [-15, -9]
+    assert wait_until(lambda: not fake.pods, 10)
+
+
+def test_pool_map_completes_when_a_worker_pod_is_deleted_from_outside(fake):
+    with roving.Pool(3) as pool:
+        assert wait_until(lambda: sum(1 for w in pool._workers.values() if w.ident is not None) == 3, T)
+        r = pool.starmap_async(hp.sleep_square, [(x, 0.01) for x in range(300)], chunksize=4)
+        time.sleep(1.0)
+        busy = [w for w in pool._workers.values() if w.units and w.proc.is_alive()]
+        assert busy
+        backends.get("kubernetes").api().delete_namespaced_pod(busy[0].proc.job.id, "default", grace_period_seconds=0)
+        assert r.get(T * 2) == [x * x for x in range(300)]
+
+
+def test_more_gpus_than_the_cluster_has_is_an_error_within_seconds(fake, monkeypatch, tmp_path):
+    _use(monkeypatch, tmp_path, fake, gpu=4)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="4 GPUs; the largest node of the cluster has 1"):
+        roving.Process(target=h.return_normally).start()
+    assert time.monotonic() - t0 < 5
+
+
+def test_unreachable_api_server_is_an_error_within_seconds(monkeypatch, tmp_path):
+    with FakeKubernetes() as server:
+        path = server.kubeconfig(str(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", path)  # the server is stopped: nothing listens there now
+    backends._instances.pop("kubernetes", None)
+    roving.init(backend="kubernetes", image="x")
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="Kubernetes API server is not reachable"):
+        roving.Process(target=h.return_normally).start()
+    assert time.monotonic() - t0 < 15
+    backends._instances.pop("kubernetes", None)
+
+
+def test_pending_pod_reports_the_schedulers_reason(fake, monkeypatch, tmp_path, caplog):
+    _use(monkeypatch, tmp_path, fake, cpu=5, pending_warning=0.5)
+    procs = [roving.Process(target=h.sleep_for, args=(60,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+
+    def second_pending():
+        status = procs[1]._backend.job_status(procs[1].job)
+        return status.state is backends.JobState.PENDING and "Insufficient cpu" in status.reason
+
+    assert wait_until(second_pending, 10)
+    assert "Unschedulable" in procs[1]._backend.job_status(procs[1].job).reason
+    assert wait_until(lambda: "Insufficient cpu" in caplog.text, 10), caplog.text
+    for p in procs:
+        p.kill()
+        p.join(T)
+
+
+def test_workers_have_an_owner_reference_to_the_parent_pod_and_go_when_it_is_deleted(fake, monkeypatch):
+    api = backends.get("kubernetes").api()
+    parent = api.create_namespaced_pod("default", {
+        "metadata": {"name": "the-parent"}, "spec": {"containers": [{
+            "name": "p", "image": "x", "command": ["sleep", "120"]}]}})
+    monkeypatch.setenv("POD_NAME", "the-parent")
+    backends._instances.pop("kubernetes", None)
+    p = roving.Process(target=h.sleep_for, args=(120,))
+    p.start()
+    worker = fake.pods[("default", p.job.id)].body
+    assert worker["metadata"]["ownerReferences"][0]["uid"] == parent.metadata.uid
+    api.delete_namespaced_pod("the-parent", "default", grace_period_seconds=0)
+    p.join(T)
+    assert p.exitcode is not None and p.exitcode < 0
+    assert wait_until(lambda: not fake.pods, 10)
