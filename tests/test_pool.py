@@ -102,11 +102,11 @@ def test_three_worker_kills_during_10000_task_map_lose_and_duplicate_nothing(tmp
     n = 10_000
     with roving.Pool(4) as p:
         _wait_for(lambda: len(_live_workers(p)) == 4)
-        it = p.imap_unordered(_Counting(str(tmp_path)),
-                              range(n), chunksize=50)
+        # Chunks of 500: a pool that redid whole chunks would rerun about 250 items per kill.
+        it = p.imap_unordered(_Counting(str(tmp_path)), range(n), chunksize=500)
         killed = []
         results = []
-        deadline = time.monotonic() + 0.4
+        deadline = time.monotonic() + 0.3
         while len(results) < n:
             results.append(it.next(T))
             if len(killed) < 3 and time.monotonic() > deadline:
@@ -114,7 +114,7 @@ def test_three_worker_kills_during_10000_task_map_lose_and_duplicate_nothing(tmp
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)
-                    deadline = time.monotonic() + 0.4
+                    deadline = time.monotonic() + 0.3
         with pytest.raises(StopIteration):
             it.next(1)
         assert len(killed) == 3
@@ -123,7 +123,7 @@ def test_three_worker_kills_during_10000_task_map_lose_and_duplicate_nothing(tmp
         assert set(runs) == {str(x) for x in range(n)}
         rerun = [x for x, c in runs.items() if c > 1]
         # Only items the killed workers had not reported run twice: a few per kill, not whole chunks.
-        assert len(rerun) <= 3 * 50, rerun
+        assert len(rerun) <= 150, len(rerun)
         assert _wait_for(lambda: len(_live_workers(p)) == 4)  # replacements started
         assert not {w.proc.pid for w in _live_workers(p)} & set(killed)
 
@@ -135,7 +135,7 @@ class _Counting:
         self.log_dir = log_dir
 
     def __call__(self, x):
-        return h.slow_square_counting(x, 0.0005, self.log_dir)
+        return h.slow_square_counting(x, 0.001, self.log_dir)
 
 
 def test_map_order_is_kept_when_a_worker_is_killed_mid_map():
@@ -295,3 +295,52 @@ def test_context_manager_terminates_on_exit():
     assert all(not proc.is_alive() for proc in procs)
     with pytest.raises(ValueError):
         p.apply(h.square, (1,))
+
+
+class _Frame:
+    def __init__(self, data):
+        self.bytes = data
+
+
+def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_them():
+    """Deterministic: a worker dies after sending results that arrive after its work was requeued."""
+    from array import array
+
+    from roving.pool import _protocol as P
+    from roving.pool._dispatch import Dispatcher, WorkerState
+    from roving.transport.serialize import dumps
+
+    class Recorder:
+        def __init__(self):
+            self.got = []
+
+        def _set_run(self, index, ok, values):
+            self.got.extend((index + i, ok, v) for i, v in enumerate(values))
+
+    disp = Dispatcher(10_000, max_task_retries=3)
+    sent = []
+    disp.node = type("FakeNode", (), {"send_to": lambda self, ident, frames: sent.append((ident, frames))})()
+    rec = Recorder()
+    disp.submit(rec, h.square, P.MAP, list(range(6)), 6, inline=False)
+    w1, w2 = WorkerState(1, None), WorkerState(2, None)
+    for w in (w1, w2):
+        disp.add_worker(w)
+        disp.on_message(b"w%d" % w.id, P.HELLO, w.id, 0, [])
+    disp.on_message(b"w1", P.READY, 1, 0, [])
+    assert [ident for ident, _ in sent] == [b"w1"]
+    cid = next(iter(disp.chunks))
+
+    def results(ident, first, values):
+        runs = array("q", [cid, first, len(values), 1]).tobytes()
+        disp.on_message(ident, P.RESULTS, 0, 0, [None, _Frame(runs), *dumps(values)])
+
+    results(b"w1", 0, [0])  # item 0 arrives; then w1 dies holding items 1..5
+    disp.worker_lost(w1, -9)
+    results(b"w1", 1, [1, 4])  # its last results, still in flight, arrive after the death
+    disp.on_message(b"w2", P.READY, 2, 0, [])
+    # Items 1 and 2 are done now: w2 is sent only 3..5, in one message.
+    assert [(ident, array("I", frames[2]).tolist()) for ident, frames in sent[1:]] == [(b"w2", [3, 4, 5])]
+    results(b"w2", 2, [4, 9, 16, 25])  # a worker that redid 2 anyway: that duplicate is dropped
+    assert sorted(i for i, _, _ in rec.got) == list(range(6))  # each item exactly once
+    assert sorted(rec.got) == [(i, True, i * i) for i in range(6)]
+    assert not disp.jobs and not disp.chunks
