@@ -1,20 +1,195 @@
-"""The `roving` command."""
+"""The `roving` command: run a program as a cluster job, list, read and cancel jobs, and show the backend.
+
+    roving run [--backend B] [--cpu N --memory M --gpu G] [--build] script.py args...
+    roving ps | roving logs JOB | roving cancel JOB... | roving cancel --all | roving info
+    roving pipeline plan ...
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import time
+
+
+def _backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=None,
+                   help="local, slurm, docker, kubernetes or auto (default: the `backend` option, else auto)")
+
+
+def _configure(args: argparse.Namespace, **extra) -> "object":
+    from . import config
+
+    options = {k: v for k, v in extra.items() if v is not None}
+    if getattr(args, "backend", None):
+        options["backend"] = args.backend
+    return config.init(**options)
+
+
+def _chosen_why(cfg) -> str:
+    from . import backends, config
+
+    if os.environ.get("ROVING_BACKEND"):
+        return f"ROVING_BACKEND={os.environ['ROVING_BACKEND']}"
+    values, source = config._file_layer(os.getcwd())
+    if "backend" in values:
+        return f"backend = {values['backend']!r} in {source}"
+    name, why = backends.detect()
+    return f"detected: {why}" if name == cfg.backend else "given on the command line"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="roving")
+    parser = argparse.ArgumentParser(prog="roving", description="roving: multiprocessing on cluster backends")
     subparsers = parser.add_subparsers(dest="command", required=True)
+
+    p = subparsers.add_parser("run", help="run a Python program as a job of the cluster, streaming its output")
+    _backend_arg(p)
+    p.add_argument("--cpu", type=float, default=None, help="CPUs for the program's job")
+    p.add_argument("--memory", default=None, help="memory for the program's job, e.g. 4G")
+    p.add_argument("--gpu", type=int, default=None, help="GPUs for the program's job")
+    p.add_argument("--image", default=None, help="container image (docker, kubernetes)")
+    p.add_argument("--build", action="store_true",
+                   help="first build the image from ./Dockerfile with the working directory in it "
+                        "(and push it when the `registry` option is set)")
+    p.add_argument("script", help="the program")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
+    p.set_defaults(handler=_run)
+
+    p = subparsers.add_parser("ps", help="list the jobs of roving sessions")
+    _backend_arg(p)
+    p.set_defaults(handler=_ps)
+
+    p = subparsers.add_parser("logs", help="print a job's output")
+    _backend_arg(p)
+    p.add_argument("job", help="job id as `roving ps` shows it")
+    p.set_defaults(handler=_logs)
+
+    p = subparsers.add_parser("cancel", help="cancel jobs")
+    _backend_arg(p)
+    p.add_argument("jobs", nargs="*", help="job ids as `roving ps` shows them")
+    p.add_argument("--all", action="store_true", help="every job of every roving session")
+    p.set_defaults(handler=_cancel)
+
+    p = subparsers.add_parser("info", help="show the backend chosen, why, and the resources it sees")
+    _backend_arg(p)
+    p.set_defaults(handler=_info)
+
     from roving.pipeline.cli import add_pipeline_parser
 
     add_pipeline_parser(subparsers)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (OSError, ValueError) as exc:
+        print(f"roving: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _build_image(cfg) -> str:
+    from .backends.docker import DockerBackend
+
+    if not os.path.exists("Dockerfile"):
+        raise OSError("--build needs a Dockerfile in the working directory (deploy/Dockerfile is an example)")
+    name = os.path.basename(os.getcwd()).lower() or "app"
+    tag = f"{cfg.registry.rstrip('/')}/roving-{name}:latest" if cfg.registry else f"roving-{name}:latest"
+    client = DockerBackend().client()
+    print(f"roving: building {tag} from ./Dockerfile", file=sys.stderr)
+    client.images.build(path=".", tag=tag, buildargs={"WORKDIR": os.getcwd()}, rm=True)
+    if cfg.registry:
+        print(f"roving: pushing {tag}", file=sys.stderr)
+        for line in client.images.push(tag, stream=True, decode=True):
+            if "error" in line:
+                raise OSError(f"push of {tag} failed: {line['error']}")
+    return tag
+
+
+def _run(args: argparse.Namespace) -> int:
+    from . import backends, config
+
+    memory = args.memory
+    if memory is not None:
+        config.parse_memory(memory)
+    cfg = _configure(args, cpu=args.cpu, memory=memory, gpu=args.gpu, image=args.image)
+    if args.build:
+        cfg = config.init(**{**_overrides(args, cpu=args.cpu, memory=memory, gpu=args.gpu), "image": _build_image(cfg)})
+    backend = backends.get(cfg.backend)
+    env = dict(os.environ)
+    env.pop("ROVING_CHILD", None)
+    env["ROVING_BACKEND"] = cfg.backend
+    if cfg.image:
+        env["ROVING_IMAGE"] = cfg.image
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    spec = backends.JobSpec(
+        name=os.path.basename(args.script), command=[sys.executable, args.script, *args.args], env=env,
+        cwd=os.getcwd(), resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None,
+                                                      cfg.gpu), output="prefix")
+    job = backend.create_job(spec)
+    print(f"roving: {args.script} runs as {cfg.backend} job {job.id}", file=sys.stderr)
+    try:
+        code = backend.wait(job)
+    except KeyboardInterrupt:
+        backend.terminate_job(job)
+        code = backend.wait(job, 30)
+    time.sleep(0.3)  # the last lines of output
+    if code is None:
+        return 1
+    return code if code >= 0 else 128 - code
+
+
+def _overrides(args, **extra) -> dict:
+    options = {k: v for k, v in extra.items() if v is not None}
+    if getattr(args, "backend", None):
+        options["backend"] = args.backend
+    return options
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from . import backends
+
+    cfg = _configure(args)
+    jobs = backends.get(cfg.backend).list_jobs()
+    print(f"{'JOB':<20} {'SESSION':<13} {'NAME':<24} {'STATE':<11} REASON")
+    for j in jobs:
+        print(f"{j.id:<20} {j.session:<13} {j.name:<24} {j.state:<11} {j.reason}")
+    return 0
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from . import backends
+
+    cfg = _configure(args)
+    backend = backends.get(cfg.backend)
+    sys.stdout.write(backend.logs(backend.job(args.job)))
+    return 0
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    from . import backends
+
+    cfg = _configure(args)
+    backend = backends.get(cfg.backend)
+    if args.all == bool(args.jobs):
+        print("roving: error: give job ids or --all (not both)", file=sys.stderr)
+        return 2
+    ids = [j.id for j in backend.list_jobs()] if args.all else args.jobs
+    backend.cancel_ids(ids)
+    for job_id in ids:
+        print(f"cancelled {job_id}")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    from . import backends
+
+    cfg = _configure(args)
+    print(f"backend: {cfg.backend} ({_chosen_why(cfg) if not args.backend else 'given with --backend'})")
+    for key, value in backends.get(cfg.backend).describe().items():
+        print(f"  {key}: {value}")
+    return 0
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     sys.exit(main())

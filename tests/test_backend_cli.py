@@ -1,0 +1,62 @@
+"""The `roving` command: run (on the real Slurm), ps, logs, cancel, info, --help, bad input."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import helpers_backends as hb
+import helpers_targets as h
+import roving
+from helpers_core import TESTS_DIR, wait_until
+
+
+def roving_cmd(*args, timeout=120, cwd=None):
+    return subprocess.run([sys.executable, "-m", "roving.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd)
+
+
+@pytest.mark.parametrize("sub", ["run", "ps", "logs", "cancel", "info"])
+def test_every_subcommand_has_help(sub):
+    r = roving_cmd(sub, "--help")
+    assert r.returncode == 0 and "--backend" in r.stdout
+
+
+def test_run_on_slurm_runs_the_program_as_a_job_whose_pool_workers_are_job_steps():
+    hb.require("slurm")
+    r = roving_cmd("run", "--backend", "slurm", "--cpu", "2", "cli_prog.py", "a", "b", cwd=TESTS_DIR / "programs")
+    assert r.returncode == 0, r.stderr
+    assert "[cli_prog.py] result [1, 2, 3] backend slurm ['a', 'b']" in r.stdout
+    assert "runs as slurm job" in r.stderr
+
+
+def test_ps_logs_and_cancel_a_slurm_job_of_this_session():
+    hb.require("slurm")
+    roving.init(backend="slurm")
+    p = roving.Process(target=h.print_lines, args=(["marker-line"], []))
+    p.start()
+    p.join(60)
+    q = roving.Process(target=h.sleep_for, args=(120,), name="sleeper")
+    q.start()
+    assert wait_until(lambda: q.job.id in roving_cmd("ps", "--backend", "slurm").stdout, 30)
+    line = [l for l in roving_cmd("ps", "--backend", "slurm").stdout.splitlines() if l.startswith(q.job.id + " ")][0]
+    assert "sleeper" in line and roving.backends.base.session_tag() in line
+    assert "marker-line" in roving_cmd("logs", "--backend", "slurm", p.job.id).stdout
+    r = roving_cmd("cancel", "--backend", "slurm", q.job.id)
+    assert r.returncode == 0 and f"cancelled {q.job.id}" in r.stdout
+    q.join(30)
+    assert q.exitcode == -15
+
+
+def test_info_says_which_backend_and_why():
+    r = roving_cmd("info")
+    assert r.returncode == 0 and "backend: local (detected: no Slurm allocation" in r.stdout
+    hb.require("slurm")
+    r = roving_cmd("info", "--backend", "slurm")
+    assert "controller: Slurmctld(primary)" in r.stdout and "is UP" in r.stdout
+
+
+def test_unknown_backend_is_a_clear_error():
+    r = roving_cmd("ps", "--backend", "nope")
+    assert r.returncode == 2 and "bad value 'nope' for roving option 'backend'" in r.stderr

@@ -1,0 +1,83 @@
+"""The slurm backend on the real single-node Slurm that scripts/cluster/slurm.sh starts: resources and
+options reach sbatch, bad requests fail within seconds with Slurm's reason, pending jobs say why."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import time
+
+import pytest
+
+import helpers_backends as hb
+import helpers_targets as h
+import roving
+from helpers_core import wait_until
+from roving import backends
+from roving.backends.slurm import SlurmBackend
+
+
+@pytest.fixture(autouse=True)
+def _slurm():
+    hb.require("slurm")
+
+
+def _job_fields(job_id):
+    out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True).stdout
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+
+def test_resources_and_configured_options_reach_the_slurm_job():
+    roving.init(backend="slurm", cpu=2, memory="300M", slurm_time="5:00", slurm_options="--nice=7",
+                slurm_partition="debug")
+    p = roving.Process(target=h.sleep_for, args=(60,), name="sized")
+    p.start()
+    f = _job_fields(p.job.id)
+    assert f["NumCPUs"] == "2" and f["MinMemoryNode"] == "300M" and f["TimeLimit"] == "00:05:00"
+    assert f["Nice"] == "7" and f["Partition"] == "debug"
+    assert f["JobName"] == f"roving-{backends.base.session_tag()}" and f["Comment"] == "sized"
+    p.kill()
+    p.join(30)
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"memory": "10T"}, "Memory specification can not be satisfied"),
+    ({"gpu": 2}, "Invalid generic resource"),
+    ({"slurm_partition": "nope"}, "invalid partition"),
+])
+def test_requests_the_cluster_cannot_meet_fail_at_start_with_slurms_reason(options, words):
+    roving.init(backend="slurm", **options)
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match=words):
+        roving.Process(target=h.return_normally).start()
+    assert time.monotonic() - t0 < 10
+
+
+def test_unreachable_controller_is_an_error_within_seconds(tmp_path, monkeypatch):
+    conf = open("/etc/slurm/slurm.conf").read().replace("SlurmctldPort=6817", "SlurmctldPort=6999")
+    (tmp_path / "slurm.conf").write_text(conf)
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    roving.init(backend="slurm")
+    backend = SlurmBackend()
+    t0 = time.monotonic()
+    with pytest.raises(OSError, match="Slurm controller is not reachable"):
+        backend._check_controller()
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_pending_job_reports_slurms_reason_and_is_logged(caplog):
+    roving.init(backend="slurm", cpu=32, pending_warning=0.5)
+    procs = [roving.Process(target=h.sleep_for, args=(60,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    backend = procs[0]._backend
+    statuses = lambda: [backend.job_status(p.job) for p in procs]  # noqa: E731
+    assert wait_until(lambda: [s.state for s in statuses()].count(backends.JobState.RUNNING) == 1, 30)
+    pending = [s for s in statuses() if s.state is backends.JobState.PENDING]
+    assert len(pending) == 1 and pending[0].reason in ("Resources", "Priority")
+    with caplog.at_level(logging.WARNING, logger="roving.backends.slurm"):
+        assert wait_until(lambda: (backend.job_status(procs[0].job), backend.job_status(procs[1].job))
+                          and "has been pending" in caplog.text, 10)
+    assert "Slurm's reason" in caplog.text
+    for p in procs:
+        p.kill()
+        p.join(30)
