@@ -2,7 +2,7 @@
 
 * tests/ is put on sys.path, so that children (which take on the parent's sys.path) can import
   ``helpers_targets`` by reference.
-* Every test starts from roving's defaults (no ``roving.init`` leaks between tests), and any child a test
+* Every test starts from the configuration of the environment (no ``roving.init`` leaks between tests), and any child a test
   leaves running is killed afterwards, so that a failing test cannot leave processes behind.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from helpers_core import TIMEOUT  # noqa: E402
 @pytest.fixture(autouse=True)
 def _roving_state():
     saved_config, saved_method = _config._current, _context._method
-    _config._current = _config.load({}, environ={})
+    _config._current = None  # resolved afresh (file, ROVING_* environment, defaults) on first use
     yield
     for child in roving.active_children():
         try:
