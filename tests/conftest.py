@@ -25,8 +25,9 @@ from helpers_core import TIMEOUT  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _roving_state():
-    saved_config, saved_method = _config._current, _context._method
+    saved_config, saved_method, saved_init = _config._current, _context._method, _config._init_options
     _config._current = None  # resolved afresh (file, ROVING_* environment, defaults) on first use
+    _config._init_options = {}
     yield
     for child in roving.active_children():
         try:
@@ -34,7 +35,7 @@ def _roving_state():
             child.join(TIMEOUT)
         except Exception:
             pass
-    _config._current, _context._method = saved_config, saved_method
+    _config._current, _context._method, _config._init_options = saved_config, saved_method, saved_init
 
 
 @pytest.fixture

@@ -133,3 +133,18 @@ def test_child_receives_the_parents_resolved_config():
                                       "child_output": "prefix"}
     p.join(TIMEOUT)
     assert p.exitcode == 0
+
+
+def test_init_calls_add_up_and_a_later_value_wins():
+    roving.init(heartbeat_interval=0.5)
+    cfg = roving.init(parent_timeout=7)
+    assert cfg.heartbeat_interval == 0.5 and cfg.parent_timeout == 7.0
+    cfg = roving.init(heartbeat_interval=0.25)
+    assert cfg.heartbeat_interval == 0.25 and cfg.parent_timeout == 7.0
+
+
+def test_a_rejected_init_keeps_earlier_init_options():
+    roving.init(parent_timeout=7)
+    with pytest.raises(roving.ConfigError):
+        roving.init(no_such_option=1)
+    assert roving.init().parent_timeout == 7.0

@@ -206,12 +206,18 @@ def current() -> Config:
 def init(**options: Any) -> Config:
     """Set roving options for this process and the processes it starts from now on.
 
+    Options add to those of earlier ``init()`` calls (a later value for the same option wins).
     Raises :class:`ConfigError` for an unknown option or a bad value; the configuration in force is then
     unchanged.
     """
-    global _current
-    _current = load(options)
+    global _current, _init_options
+    merged = {**_init_options, **options}
+    _current = load(merged)
+    _init_options = merged
     return _current
+
+
+_init_options: Dict[str, Any] = {}
 
 
 def _adopt(config: Config) -> None:
