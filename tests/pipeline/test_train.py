@@ -1,0 +1,121 @@
+"""SkipPipe training across local roving processes: exact updates, replicas kept identical, loss falls;
+and bad input refused before any node starts."""
+
+import math
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from roving.pipeline.costs import PlanError
+from roving.pipeline.data import DataError, train_batches
+from roving.pipeline.stages import Stage, merge_state_dicts, run_path
+from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+
+CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
+           iterations=12, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
+           speed=1e-3, clip=1.0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def run():
+    """One run: states after the first iteration, then more iterations, validation before and after."""
+    prep = prepare(TrainConfig(**CFG))
+    out = {"prep": prep}
+    with Trainer(prep) as t:
+        out["init"] = t.stage_states(all_replicas=True)
+        out["val0"] = t.evaluate(0)["val_loss"]
+        t.run_microbatches(0)
+        norm = t.synchronize(0)
+        out["grads"] = t.stage_states(all_replicas=True, grads=True)
+        out["lr0"] = t.lr_at(0)
+        t.step(0, min(1.0, CFG["clip"] / (norm + 1e-6)), out["lr0"])
+        out["after1"] = t.stage_states(all_replicas=True)
+        for it in range(1, CFG["iterations"]):
+            t.iteration(it)
+        out["final"] = t.stage_states(all_replicas=True)
+        out["val1"] = t.evaluate(CFG["iterations"])["val_loss"]
+        out["predicted"] = t.p.predicted_s
+    return out
+
+
+def test_plan_skips_stages_and_uses_replicas(run):
+    plan = run["prep"].plan
+    assert all(len(p.stages) == 2 for p in plan.paths)  # 2 of the 3 non-zero stages: k = 0.33
+    stages = [s for s in plan.allocation.values()]
+    assert max(stages.count(s) for s in range(4)) >= 2
+
+
+def test_one_iteration_equals_the_same_update_computed_in_one_process(run):
+    """Gradients: each stage's sum over the microbatches that visited it, divided by how many did;
+    clipped by the whole model's norm; AdamW. The distributed result matches this reference."""
+    prep = run["prep"]
+    cfg = prep.model
+    stages = [Stage(cfg, s, 4, seed=0) for s in range(4)]
+    batches = train_batches(prep.corpus.train, CFG["samples"], CFG["seq_len"], seed=0)
+    counts = [len(prep.plan.paths)] + [0] * 3
+    for path in prep.plan.paths:
+        tokens, targets = next(batches)
+        run_path(stages, path.stages, tokens, targets).backward()
+        for s in path.stages:
+            counts[s] += 1
+    for s, st in enumerate(stages):
+        for p in st.parameters():
+            p.grad /= counts[s]
+    # every replica holds the averaged gradients of its stage, exactly as the reference has them
+    assert sorted(counts[1:]) == [4, 4, 4] and counts[0] == 6
+    reference = {n: p.grad for st in stages for n, p in st.named_parameters()}
+    for name, (stage, grads) in run["grads"].items():
+        assert grads.keys() == dict(stages[stage].named_parameters()).keys()
+        for k, g in grads.items():
+            assert torch.allclose(g, reference[k], atol=1e-7, rtol=1e-4), (name, k)
+    params = [p for st in stages for p in st.parameters()]
+    torch.nn.utils.clip_grad_norm_(params, CFG["clip"])
+    opt = torch.optim.AdamW(params, lr=run["lr0"], weight_decay=0.1, betas=(0.9, 0.95))
+    opt.step()
+    want = merge_state_dicts([st.state_dict() for st in stages])
+    got = {}
+    for _, (stage, sd) in run["after1"].items():
+        got.update(sd)
+    init = merge_state_dicts([sd for _, sd in run["init"].values()])
+    moved = 0
+    for k, v in want.items():
+        assert torch.allclose(got[k], v, atol=1e-6, rtol=1e-4), k
+        moved += not torch.equal(got[k], init[k])
+    assert moved > len(want) // 2  # the step really changed the weights
+
+
+def test_replicas_of_a_stage_stay_bitwise_identical(run):
+    by_stage = {}
+    for name, (stage, sd) in run["final"].items():
+        by_stage.setdefault(stage, []).append((name, sd))
+    replicated = [v for v in by_stage.values() if len(v) > 1]
+    assert replicated
+    for reps in replicated:
+        (_, first), *rest = reps
+        for name, sd in rest:
+            for k in first:
+                assert torch.equal(first[k], sd[k]), (name, k)
+
+
+def test_validation_loss_falls(run):
+    assert run["val1"] < run["val0"] - 0.5, (run["val0"], run["val1"])
+    assert math.isfinite(run["predicted"]) and run["predicted"] > 0
+
+
+def test_unknown_config_key_is_refused(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('model = "tiny"\nmicro_batches = 4\n')
+    with pytest.raises(PlanError, match="unknown key.*micro_batches"):
+        TrainConfig.from_toml(str(f))
+
+
+def test_bad_runs_are_refused_before_any_node_starts(tmp_path):
+    with pytest.raises(PlanError, match="only 4 layers"):
+        prepare(TrainConfig(**{**CFG, "stages": 5}))
+    with pytest.raises(PlanError, match="2 node.*3 stages"):
+        prepare(TrainConfig(**{**CFG, "nodes": 2, "stages": 3}))
+    (tmp_path / "small.txt").write_text("Too short to train on. " * 5)
+    with pytest.raises(DataError, match="corpus too small"):
+        prepare(TrainConfig(**{**CFG, "corpus": [str(tmp_path / "small.txt")]}))
