@@ -344,3 +344,24 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
     assert sorted(i for i, _, _ in rec.got) == list(range(6))  # each item exactly once
     assert sorted(rec.got) == [(i, True, i * i) for i in range(6)]
     assert not disp.jobs and not disp.chunks
+
+
+def test_worker_that_stops_heartbeating_is_replaced_and_its_work_redone(monkeypatch):
+    """SIGSTOP: the job still runs (no sentinel fires) but the worker is silent; heartbeats catch it."""
+    import roving.pool
+
+    monkeypatch.setattr(roving.pool, "HEARTBEAT_TIMEOUT_S", 3.0)
+    with roving.Pool(2) as p:
+        assert _wait_for(lambda: len(_live_workers(p)) == 2)
+        r = p.starmap_async(h.sleep_square, [(x, 0.05) for x in range(60)], chunksize=1)
+        assert _wait_for(lambda: _busy_worker_pid(p) is not None)
+        pid = _busy_worker_pid(p)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert r.get(T) == [x * x for x in range(60)]
+            assert _wait_for(lambda: pid not in {w.proc.pid for w in p._workers.values()}, 10)
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

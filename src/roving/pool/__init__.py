@@ -15,6 +15,8 @@ Guarantees:
   keep input order. A replacement starts. An item that was running on ``max_task_retries`` workers that
   died fails with :class:`WorkerLostError`; it is never retried endlessly.
 * :meth:`Pool.resize` grows or shrinks a running pool; a worker that leaves first runs what it holds.
+* Liveness: a worker's job ending (its process sentinel), and heartbeats over the transport: a worker
+  silent for ``HEARTBEAT_TIMEOUT_S`` while its job runs is killed and counts as lost.
 * Every ``get``/``next``/``wait`` takes a timeout; ``get`` raises :class:`multiprocessing.TimeoutError`.
 * Arguments and the function are pickled in the calling thread: one that cannot be pickled fails the
   call's result (``apply_async``, ``map_async``) or raises at once (``imap``).
@@ -44,6 +46,9 @@ log = logging.getLogger(__name__)
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
 _UPKEEP_S = 0.1
 _MAX_BACKOFF_S = 10.0
+#: A connected worker silent this long (no heartbeat, though its job runs) is killed and its work
+#: redone elsewhere. Generous: a task holding the GIL in C code for long delays heartbeats.
+HEARTBEAT_TIMEOUT_S = 30.0
 _pool_ids = itertools.count(1)
 
 
@@ -277,8 +282,13 @@ class Pool:
         with self._lock:
             workers = list(self._workers.values())
             state = self._state
+        now = time.monotonic()
         for w in workers:
             if w.proc.is_alive():
+                if w.ident is not None and now - w.seen > HEARTBEAT_TIMEOUT_S and state != TERMINATE:
+                    log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and its "
+                                "work goes to other workers", w.id, now - w.seen)
+                    w.proc.kill()
                 continue
             code = w.proc.exitcode
             with self._lock:

@@ -19,6 +19,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from array import array
 from multiprocessing.pool import MaybeEncodingError
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
@@ -65,7 +66,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone")
+                 "gone", "alone", "seen")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -78,6 +79,7 @@ class WorkerState:
         self.retiring = False
         self.gone = False
         self.alone = False  # running a blamed item: gets nothing else meanwhile
+        self.seen = time.monotonic()  # last heartbeat
 
 
 class Dispatcher:
@@ -152,6 +154,11 @@ class Dispatcher:
                 self._results(w, runs, values)
                 if arg and w is not None:
                     self._credit(w, arg, key)
+            return
+        if kind == P.HEARTBEAT:
+            w = self.workers.get(arg)
+            if w is not None:
+                w.seen = time.monotonic()
             return
         with self.lock:
             if kind == P.HELLO:

@@ -9,6 +9,8 @@ Worker → parent: ``[OP, header, ...]``, header = (pool id, kind, argument, key
   one per item of the runs in order; ``n`` more units of work are asked for at the same time.
 * BYE — it is leaving (max tasks reached, or told to stop); it runs what it was sent before the ACK.
 * RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
+* HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
+  ``heartbeat_interval`` seconds, also while a task runs.
 
 Parent → worker: ``[header, forget, offsets, *function frames, *argument frames]`` for TASKS, where header
 = (kind, chunk id, job id, key, number of function frames, number of argument frames, items in the chunk); ``forget`` lists job ids
@@ -23,7 +25,7 @@ OP = b"pool"
 TO_PARENT = struct.Struct("<QBqq")
 TO_WORKER = struct.Struct("<BqqqHHI")
 
-HELLO, READY, RESULTS, BYE, RETURNED = 1, 2, 3, 4, 5
+HELLO, READY, RESULTS, BYE, RETURNED, HEARTBEAT = 1, 2, 3, 4, 5, 6
 TASKS, ACK, STOP, REVOKE = 1, 2, 3, 4
 
 # How a job's function is called with one item.

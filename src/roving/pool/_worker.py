@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
 from array import array
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from .. import config as _config
 from ..transport import session as _session
 from ..transport.node import Channel
 from ..transport.serialize import SerializationError, dumps, loads
@@ -99,11 +101,23 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     """Target of every pool worker process."""
     if initializer is not None:
         initializer(*initargs)
-    chan = Channel(address, _session.current().secret, connect_timeout)
+    secret = _session.current().secret
+    chan = Channel(address, secret, connect_timeout)
+    threading.Thread(target=_heartbeat, args=(Channel(address, secret, connect_timeout), pool_id, worker_id),
+                     name="roving-pool-heartbeat", daemon=True).start()
     try:
         _Loop(chan, pool_id, maxtasks).run(worker_id)
     finally:
         chan.close()
+
+
+def _heartbeat(chan: Channel, pool_id: int, worker_id: int) -> None:
+    """Tell the parent this worker lives, also while a long task runs (its own connection)."""
+    interval = _config.current().heartbeat_interval
+    header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
+    while True:
+        chan.send([P.OP, header])
+        time.sleep(interval)
 
 
 class _Loop:
