@@ -365,3 +365,20 @@ def test_worker_that_stops_heartbeating_is_replaced_and_its_work_redone(monkeypa
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_imap_reads_a_generator_lazily_and_returns_at_once(pool):
+    def slow_items():
+        for i in range(20):
+            if i == 10:
+                time.sleep(1.0)  # the caller already has results before the iterable ends
+            yield i
+
+    start = time.monotonic()
+    it = pool.imap(h.square, slow_items(), chunksize=3)
+    assert time.monotonic() - start < 0.5
+    assert it.next(T) == 0 and time.monotonic() - start < 1.0
+    assert [0] + list(it) == [x * x for x in range(20)]
+    assert sorted(pool.imap_unordered(h.square, (x for x in range(25)), chunksize=4)) == \
+        [x * x for x in range(25)]
+    assert list(pool.imap(h.square, iter([]))) == []

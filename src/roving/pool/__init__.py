@@ -124,7 +124,8 @@ class Pool:
         return self._map_async(func, iterable, P.STAR, chunksize, callback, error_callback)
 
     def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
-        """Results in input order as they come. The iterable is read at once, in the calling thread."""
+        """Results in input order as they come. An iterator is read by a thread of the pool, as the
+        caller iterates; an item that cannot be pickled fails that position and ends the reading."""
         return self._imap(IMapIterator, func, iterable, chunksize)
 
     def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any],
@@ -226,10 +227,32 @@ class Pool:
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
-        items = iterable if isinstance(iterable, (list, tuple)) else list(iterable)
-        result = kind(len(items))
-        self._submit(result, func, P.MAP, items, chunksize)
+        if isinstance(iterable, (list, tuple, range)):
+            result = kind(len(iterable))
+            self._submit(result, func, P.MAP, iterable, chunksize)
+            return result
+        result = kind(None)
+        job = self._disp.open_job(result, func, P.MAP)
+        threading.Thread(target=self._feed, args=(job, result, iter(iterable), chunksize),
+                         name="roving-pool-feeder", daemon=True).start()
         return result
+
+    def _feed(self, job: Any, result: IMapIterator, items: Iterator[Any], chunksize: int) -> None:
+        """Read an imap's iterator in chunks and queue them; the iterator's length is known at its end."""
+        count = 0
+        try:
+            while self._state != TERMINATE:
+                chunk = list(itertools.islice(items, chunksize))
+                if not chunk:
+                    break
+                self._disp.add_items(job, count, chunk)
+                count += len(chunk)
+        except Exception as exc:  # the iterable raised, or an item cannot be pickled
+            result._set_run(count, False, [exc])
+            count += 1
+        finally:
+            result._set_length(count)
+            self._disp.close_job(job)
 
     # -- worker upkeep (the pool's thread) -----------------------------------------------------
     def _start_workers(self) -> None:

@@ -123,6 +123,33 @@ class Dispatcher:
                 self.pending.append(_Unit(chunk))
             self._dispatch()
 
+    def open_job(self, result: Any, func: Callable[..., Any], mode: int) -> _Job:
+        """A job whose items come later (:meth:`add_items`), for imap over an iterator."""
+        func_frames = dumps((func, mode))
+        name = getattr(func, "__qualname__", None) or repr(func)
+        with self.lock:
+            job_id = next(self._job_ids)
+            job = _Job(job_id, job_id, result, name, func_frames, False, 1)  # 1: held open
+            self.jobs[job.id] = job
+            return job
+
+    def add_items(self, job: _Job, base: int, items: List[Any]) -> None:
+        """Items ``base``, ``base + 1``, ... of an open job, as one chunk. SerializationError if unpicklable."""
+        args = dumps(items)
+        with self.lock:
+            chunk = _Chunk(next(self._chunk_ids), job, base, len(items), args)
+            job.left += len(items)
+            self.chunks[chunk.id] = chunk
+            self.pending.append(_Unit(chunk))
+            self._dispatch()
+
+    def close_job(self, job: _Job) -> None:
+        """No more items for ``job``."""
+        with self.lock:
+            job.left -= 1
+            if job.left == 0:
+                self._job_done(job)
+
     def _apply_key(self, func: Callable[..., Any]) -> int:
         """One key per function called with apply: workers learn how long its calls take."""
         try:
@@ -237,12 +264,15 @@ class Dispatcher:
             log.exception("roving pool: could not deliver a result")
         job.left -= count
         if job.left == 0:
-            del self.jobs[job.id]
-            if not job.inline:
-                for w in self.workers.values():
-                    if job.id in w.known:
-                        w.known.discard(job.id)
-                        w.forget.append(job.id)
+            self._job_done(job)
+
+    def _job_done(self, job: _Job) -> None:
+        del self.jobs[job.id]
+        if not job.inline:
+            for w in self.workers.values():
+                if job.id in w.known:
+                    w.known.discard(job.id)
+                    w.forget.append(job.id)
 
     # -- dispatch (lock held) ------------------------------------------------------------------
     def _dispatch(self) -> None:

@@ -145,9 +145,9 @@ class MapResult(AsyncResult):
 class IMapIterator:
     """Results of :meth:`Pool.imap` in input order; ``next(timeout)`` raises TimeoutError."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: Optional[int]) -> None:
         self._cond = threading.Condition(threading.Lock())
-        self._length = length
+        self._length = length  # None until the iterable has been read to its end
         self._ready: Dict[int, tuple] = {}
         self._next = 0
 
@@ -160,7 +160,7 @@ class IMapIterator:
     def next(self, timeout: Optional[float] = None) -> Any:
         with self._cond:
             while True:
-                if self._next >= self._length:
+                if self._length is not None and self._next >= self._length:
                     raise StopIteration
                 got = self._take()
                 if got is not None:
@@ -175,6 +175,11 @@ class IMapIterator:
 
     __next__ = next
 
+    def _set_length(self, length: int) -> None:
+        with self._cond:
+            self._length = length
+            self._cond.notify_all()
+
     def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
         with self._cond:
             for i, value in enumerate(values):
@@ -185,7 +190,7 @@ class IMapIterator:
 class IMapUnorderedIterator(IMapIterator):
     """Results of :meth:`Pool.imap_unordered`, in the order they finish."""
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, length: Optional[int]) -> None:
         super().__init__(length)
         self._done: "collections.deque[tuple]" = collections.deque()
 
