@@ -19,7 +19,7 @@ from .simulate import SimResult, simulate
 
 
 def add_pipeline_parser(subparsers) -> None:
-    """Register `pipeline plan` on an argparse subparsers object."""
+    """Register `pipeline plan` and `pipeline train` on an argparse subparsers object."""
     pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
     sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
     p = sub.add_parser("plan", help="plan allocation and microbatch paths; compare with baselines")
@@ -49,6 +49,79 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
     p.set_defaults(handler=run_plan)
+    add_train_parser(sub)
+
+
+def add_train_parser(sub) -> None:
+    """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields."""
+    t = sub.add_parser("train", help="train a LLaMA-style model by skip-pipelining across roving processes")
+    t.add_argument("--config", default=None, help="TOML file of TrainConfig fields (top-level keys)")
+    t.add_argument("--model", help="model preset (tiny, small, 500m, 1b)")
+    t.add_argument("--network", help="preset (gcp12, aws10) or a network JSON file")
+    t.add_argument("--nodes", help="number of nodes or a JSON file of nodes")
+    t.add_argument("--stages", type=int)
+    t.add_argument("--skip", type=float, help="fraction of stages each microbatch skips")
+    t.add_argument("--schedule", choices=("skippipe", "dtfm"), help="dtfm: the full-pipeline baseline")
+    t.add_argument("--microbatches", type=int, help="per iteration")
+    t.add_argument("--samples", type=int, help="sequences per microbatch")
+    t.add_argument("--seq-len", type=int)
+    t.add_argument("--iterations", type=int)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--eval-every", type=int)
+    t.add_argument("--backend", help="roving backend that runs the nodes (local, slurm, docker, kubernetes)")
+    t.add_argument("--emulate-network", action=argparse.BooleanOptionalAction, default=None,
+                   help="delay and throttle every link as the network describes (one-machine experiments)")
+    t.add_argument("--corpus", action="append", help="text file or folder to train on (repeatable)")
+    t.add_argument("--device", help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast")
+    t.add_argument("--seed", type=int)
+    t.add_argument("--checkpoint", help="where to save the model (at the end and every --checkpoint-every)")
+    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--metrics", help="write per-iteration and per-evaluation metrics to this JSON file")
+    t.add_argument("--plot", help="draw the loss curves to this PNG")
+    t.set_defaults(handler=run_train)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from .trainer import NodeFailed, TrainConfig, run
+
+    fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
+              "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
+              "seed", "checkpoint", "checkpoint_every", "metrics", "plot")
+    overrides = {f: getattr(args, f) for f in fields}
+    try:
+        if args.config:
+            cfg = TrainConfig.from_toml(args.config, **overrides)
+        else:
+            cfg = TrainConfig.from_dict({}, source="flags", **overrides)
+        metrics = run(cfg, progress=_show_progress(cfg.iterations))
+    except PlanError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except NodeFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    its = metrics["iterations"]
+    if its:
+        mean = sum(r["compute_seconds"] for r in its) / len(its)
+        print(f"done: {len(its)} iterations, microbatch phase {mean:.3f} s on average "
+              f"(simulator predicted {metrics['predicted_s']:.3f} s)")
+    for what, path in (("metrics", cfg.metrics), ("loss plot", cfg.plot), ("checkpoint", cfg.checkpoint)):
+        if path:
+            print(f"{what}: {path}")
+    return 0
+
+
+def _show_progress(total: int):
+    def show(rec: dict) -> None:
+        if rec["event"] == "iteration":
+            print(f"iteration {rec['iteration'] + 1:>4}/{total}  loss {rec['train_loss']:.4f}  "
+                  f"{rec['seconds']:.3f} s (microbatches {rec['compute_seconds']:.3f} s, predicted "
+                  f"{rec['predicted_seconds']:.3f} s)", flush=True)
+        else:
+            print(f"evaluation after {rec['iteration']:>4}: validation loss {rec['val_loss']:.4f}  "
+                  f"perplexity {rec['perplexity']:.2f}", flush=True)
+    return show
 
 
 def run_plan(args: argparse.Namespace) -> int:
