@@ -94,10 +94,20 @@ class Peers:
         else:
             self.emulator.send(dst, payload.numel() * payload.element_size(), lambda: q.put(msg))
 
-    def close(self) -> None:
-        if self.emulator is not None:
-            self.emulator.drain()
-            self.emulator.close()
+    def confirm(self, me: str) -> None:
+        """Make sure everything sent has arrived: one round trip to every peer's inbox, from the
+        thread that sent (the transport confirms per connection, and connections are per thread)."""
+        others = [q for name, q in self.inboxes.items() if name != me]
+        if self.emulator is None:
+            for q in others:
+                q.qsize()
+            return
+        self.emulator.drain()
+        for name, q in self.inboxes.items():
+            if name != me:
+                self.emulator.send(name, 0, q.qsize)
+        self.emulator.drain()
+        self.emulator.close()
 
 
 class StageNode:
@@ -117,7 +127,7 @@ class StageNode:
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
         self.sync_order: dict[int, tuple[list[str], int]] = {}
         self._losses: dict[tuple[int, int], float] = {}
-        self.stats = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0}
+        self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
 
     # -- helpers -----------------------------------------------------------------------------
     def _autocast(self):
@@ -144,7 +154,10 @@ class StageNode:
                 continue
             t0 = time.perf_counter()
             self._serve(*task)
-            self.stats["compute_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.stats["compute_s"] += t1 - t0
+            # wall-clock spans of the work done (one clock for every process on a machine)
+            self.stats["trace"].append((task[0], task[1][2], time.time() - (t1 - t0), time.time()))
         self._shut_down()
 
     def _shut_down(self) -> None:
@@ -152,10 +165,7 @@ class StageNode:
         while all nodes are still up, and the process exits only when the coordinator releases it, so
         no exiting process waits on a peer that has gone."""
         if self.peers is not None:
-            self.peers.close()
-            for name, q in self.peers.inboxes.items():
-                if name != self.s.name:
-                    q.qsize()
+            self.peers.confirm(self.s.name)
         self.control.put(("stopped", self.s.name))
         self.release.get(timeout=60)
 
@@ -305,7 +315,7 @@ class StageNode:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         stats = dict(self.stats)
-        self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0)
+        self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         self.control.put(("stepped", it, self.s.name, stats))
 
 

@@ -162,11 +162,10 @@ def calibrate(cfg: LlamaConfig, samples: int, seq_len: int, threads: int = 1, de
                 runs.append(time.perf_counter() - t0)
             return statistics.median(runs)
 
-        def fwd() -> None:
-            with torch.no_grad():
-                block(x, cos, sin)
-
         xg = x.clone().requires_grad_(True)
+
+        def fwd() -> None:  # with autograd recording, as in training
+            block(xg, cos, sin)
 
         def fwd_bwd() -> None:
             block(xg, cos, sin).sum().backward()
@@ -346,6 +345,7 @@ class Trainer:
     def iteration(self, it: int) -> dict:
         """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW."""
         t0 = time.perf_counter()
+        self._wall0 = time.time()
         losses = self.run_microbatches(it)
         t_compute = time.perf_counter() - t0
         norm = self.synchronize(it)
@@ -359,7 +359,10 @@ class Trainer:
                "predicted_seconds": self.p.predicted_s, "grad_norm": norm, "lr": lr,
                "train_seconds_total": self._train_s,
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
-               "processed": {n: s["processed"] for n, s in sorted(stats.items())}}
+               "processed": {n: s["processed"] for n, s in sorted(stats.items())},
+               "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
+        self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
+                           for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
         return rec
 
