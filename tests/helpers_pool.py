@@ -71,3 +71,24 @@ def init_value(value):
 
 def initialized(_=None):
     return _initialized
+
+
+def noop(x=None):
+    return x
+
+
+def _meta(**want):
+    """roving.meta, imported late so that workers importing this module stay cheap."""
+    import roving
+
+    return roving.meta(**want)
+
+
+@_meta(cpu=3, memory="256M")
+def square_needing_three_cpus(x):
+    return x * x
+
+
+def sleep_square_1(x):
+    time.sleep(0.3 if x else 0.0)
+    return x * x

@@ -348,9 +348,8 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
 
 def test_worker_that_stops_heartbeating_is_replaced_and_its_work_redone(monkeypatch):
     """SIGSTOP: the job still runs (no sentinel fires) but the worker is silent; heartbeats catch it."""
-    import roving.pool
-
-    monkeypatch.setattr(roving.pool, "HEARTBEAT_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(roving.config, "_current",
+                        roving.config.current().replace("test", pool_heartbeat_timeout=3.0))
     with roving.Pool(2) as p:
         assert _wait_for(lambda: len(_live_workers(p)) == 2)
         r = p.starmap_async(h.sleep_square, [(x, 0.05) for x in range(60)], chunksize=1)
@@ -374,6 +373,7 @@ def test_imap_reads_a_generator_lazily_and_returns_at_once(pool):
                 time.sleep(1.0)  # the caller already has results before the iterable ends
             yield i
 
+    assert _wait_for(lambda: len(_live_workers(pool)) == 2)  # the clock below is for imap, not start-up
     start = time.monotonic()
     it = pool.imap(h.square, slow_items(), chunksize=3)
     assert time.monotonic() - start < 0.5

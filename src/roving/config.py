@@ -79,6 +79,9 @@ class Config:
     parent_timeout: float = 5.0
     #: Seconds to wait for a new connection to authenticate, and for a child to fetch its work.
     connect_timeout: float = 30.0
+    #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
+    #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
+    pool_heartbeat_timeout: float = 30.0
 
     # -- what each process asks the backend for (ignored by local) --------------------------
     #: CPUs per process.

@@ -58,7 +58,10 @@ class Process:
 
     def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
                  name: Optional[str] = None, args: Iterable[Any] = (),
-                 kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None) -> None:
+                 kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None,
+                 resources: Optional[Mapping[str, Any]] = None) -> None:
+        """``resources`` (roving's addition): what this process's job asks the backend for, as any of
+        ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration."""
         if group is not None:
             raise ValueError("group argument must be None for now")
         parent = current_process()
@@ -69,6 +72,10 @@ class Process:
         self._kwargs = dict(kwargs or {})
         self._name = name or "Process-" + ":".join(str(i) for i in self._identity)
         self._daemonic = parent.daemon if daemon is None else bool(daemon)
+        unknown = set(resources or ()) - {"cpu", "memory", "gpu"}
+        if unknown:
+            raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
+        self._resources = dict(resources or {})
         self._parent_pid = os.getpid()
         self._parent_name = parent.name
         self._uid: Optional[str] = None
@@ -109,8 +116,9 @@ class Process:
             "parent_pid": os.getpid(), "local": cfg.backend == "local",
         })
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-        resources = backends.Resources(cfg.cpu, _config.parse_memory(cfg.memory) if cfg.memory else None,
-                                       cfg.gpu)
+        want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
+        resources = backends.Resources(
+            want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         spec = backends.JobSpec(
             name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             resources=resources, output=cfg.child_output,

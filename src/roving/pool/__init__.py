@@ -15,11 +15,26 @@ Guarantees:
   keep input order. A replacement starts. An item that was running on ``max_task_retries`` workers that
   died fails with :class:`WorkerLostError`; it is never retried endlessly.
 * :meth:`Pool.resize` grows or shrinks a running pool; a worker that leaves first runs what it holds.
+* ``Pool(processes=(min, max))`` scales itself: while work waits and no worker is free it starts workers
+  (up to ``max``); a worker idle for ``idle_timeout`` seconds leaves (down to ``min``). A worker that
+  fails to start (its job refused, or it exits before connecting) is logged with the reason, counted in
+  :attr:`Pool.start_failures`, and started again after a backoff that doubles up to 10 s.
+* Resources: each worker is a job asking the backend for ``Pool(resources={"cpu": .., "memory": ..,
+  "gpu": ..})`` or, when the pool was given none, for what the task function declares with
+  :func:`meta`; what neither says comes from the configuration (``cpu``, ``memory``, ``gpu``). The
+  workers of a pool all have one shape: a function declaring another reshapes a pool without
+  ``resources=`` (its workers leave after running what they hold, new ones start), and is a ValueError
+  for a pool whose ``resources=`` do not cover it.
 * Liveness: a worker's job ending (its process sentinel), and heartbeats over the transport: a worker
-  silent for ``HEARTBEAT_TIMEOUT_S`` while its job runs is killed and counts as lost.
+  silent for the ``pool_heartbeat_timeout`` option's seconds (default 30) while its job runs is killed
+  and counts as lost.
 * Every ``get``/``next``/``wait`` takes a timeout; ``get`` raises :class:`multiprocessing.TimeoutError`.
 * Arguments and the function are pickled in the calling thread: one that cannot be pickled fails the
-  call's result (``apply_async``, ``map_async``) or raises at once (``imap``).
+  call's result (``apply_async``, ``map_async``) or raises at once (``imap``). A plain function is pickled
+  once per pool (the first time it is given) and workers keep it, so later calls send only its id; a
+  function defined in ``__main__`` therefore carries the values of the globals it uses as they were then.
+* ``map``, ``starmap``, ``imap`` and ``imap_unordered`` take ``progress=True``: a bar on stderr with the
+  items done of the total, the rate and the time left, redrawn as results arrive.
 """
 from __future__ import annotations
 
@@ -27,53 +42,126 @@ import itertools
 import logging
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .. import config as _config
+from ..backends import Resources
 from ..process import Process, cpu_count
 from ..transport.serialize import SerializationError
 from . import _protocol as P
 from . import _worker
 from ._dispatch import Dispatcher, WorkerState, register, unregister
+from ._progress import Progress
 from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator,
                        MapResult, WorkerLostError)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError"]
+           "WorkerLostError", "meta"]
 
 log = logging.getLogger(__name__)
 
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
 _UPKEEP_S = 0.1
 _MAX_BACKOFF_S = 10.0
-#: A connected worker silent this long (no heartbeat, though its job runs) is killed and its work
-#: redone elsewhere. Generous: a task holding the GIL in C code for long delays heartbeats.
-HEARTBEAT_TIMEOUT_S = 30.0
 _pool_ids = itertools.count(1)
+_RESOURCE_KEYS = ("cpu", "memory", "gpu")
+
+
+def meta(*, cpu: Optional[float] = None, memory: Optional[Any] = None,
+         gpu: Optional[int] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Declare what a worker running the decorated function needs: ``cpu``, ``memory`` (bytes or a
+    string like ``"2G"``), ``gpu``. A pool it is given to asks the backend for workers of that shape
+    (see :class:`Pool`); what is left out comes from the configuration. ValueError for a bad value."""
+    want = _resources({"cpu": cpu, "memory": memory, "gpu": gpu}, "roving.meta()")
+
+    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
+        func.__roving_meta__ = want
+        return func
+
+    return mark
+
+
+def _resources(given: Any, where: str) -> Dict[str, Any]:
+    """Checked resource overrides, without the ones left out (None)."""
+    if isinstance(given, Resources):
+        given = {"cpu": given.cpu, "memory": given.memory, "gpu": given.gpu}
+    unknown = set(given) - set(_RESOURCE_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown resources {sorted(unknown)}; use cpu, memory, gpu")
+    out = {k: v for k, v in given.items() if v is not None}
+    try:
+        if "cpu" in out and not float(out["cpu"]) > 0:
+            raise ValueError("cpu must be positive")
+        if "memory" in out:
+            _config.parse_memory(out["memory"])
+        if "gpu" in out and (int(out["gpu"]) != out["gpu"] or out["gpu"] < 0):
+            raise ValueError("gpu must be a whole number, 0 or more")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: bad resources {given!r}: {exc}") from None
+    return out
+
+
+def _covers(have: Dict[str, Any], need: Dict[str, Any]) -> bool:
+    """Whether a worker with resources ``have`` can run a function that asks for ``need``."""
+    cfg = _config.current()
+    base = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu}
+    full = {**base, **have}
+    for key, value in need.items():
+        got = full[key]
+        if key == "memory":
+            if got is not None and _config.parse_memory(got) < _config.parse_memory(value):
+                return False
+        elif got < value:
+            return False
+    return True
+
+
+def _meta_of(func: Any) -> Optional[Dict[str, Any]]:
+    return getattr(func, "__roving_meta__", None) or getattr(getattr(func, "func", None), "__roving_meta__",
+                                                           None)
 
 
 class Pool:
     """A pool of worker processes; see :class:`multiprocessing.pool.Pool` and the module docstring.
 
-    ``processes`` defaults to the CPUs the backend offers. ``max_task_retries`` bounds how many dead
-    workers one item may cost before it fails with :class:`WorkerLostError`.
+    ``processes`` defaults to the CPUs the backend offers; a pair ``(min, max)`` makes the pool scale
+    itself between the two, leaving workers idle for ``idle_timeout`` seconds. ``max_task_retries``
+    bounds how many dead workers one item may cost before it fails with :class:`WorkerLostError`.
+    ``resources`` (a dict of ``cpu``, ``memory``, ``gpu``, or a :class:`roving.backends.Resources`) is
+    what each worker's job asks the backend for.
     """
 
-    def __init__(self, processes: Optional[int] = None, initializer: Optional[Callable[..., Any]] = None,
+    def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
+                 initializer: Optional[Callable[..., Any]] = None,
                  initargs: Iterable[Any] = (), maxtasksperchild: Optional[int] = None,
-                 context: Any = None, *, max_task_retries: int = 3, resources: Any = None) -> None:
+                 context: Any = None, *, max_task_retries: int = 3, resources: Any = None,
+                 idle_timeout: float = 10.0) -> None:
         if processes is None:
             processes = cpu_count() or 1
-        if processes < 1:
+        if isinstance(processes, (tuple, list)):
+            if len(processes) != 2 or not 0 <= processes[0] <= processes[1] or processes[1] < 1:
+                raise ValueError(f"processes=(min, max) needs 0 <= min <= max and max >= 1, not {processes!r}")
+            self._min, self._max = int(processes[0]), int(processes[1])
+            processes = self._min
+        elif processes < 1:
             raise ValueError("Number of processes must be at least 1")
+        else:
+            self._min = self._max = processes
+        if idle_timeout <= 0:
+            raise ValueError("idle_timeout must be positive")
         if maxtasksperchild is not None and (not isinstance(maxtasksperchild, int) or maxtasksperchild <= 0):
             raise ValueError("maxtasksperchild must be a positive int or None")
         if initializer is not None and not callable(initializer):
             raise TypeError("initializer must be a callable")
         if max_task_retries < 1:
             raise ValueError("max_task_retries must be at least 1")
-        if resources is not None:
-            raise NotImplementedError("Pool(resources=...) is not supported yet by roving")
+        self._shape = _resources(resources, "Pool(resources=...)") if resources is not None else {}
+        self._fixed_shape = resources is not None
+        self._idle_timeout = idle_timeout
+        self._idle_since: Dict[int, float] = {}
+        self._heartbeat_timeout = _config.current().pool_heartbeat_timeout
+        #: Workers that could not start, as (time.time(), reason); the latest 100.
+        self.start_failures: List[Tuple[float, str]] = []
         self._initializer, self._initargs = initializer, tuple(initargs)
         self._maxtasks = maxtasksperchild
         self._size = processes
@@ -100,38 +188,53 @@ class Pool:
                     callback: Optional[Callable[[Any], Any]] = None,
                     error_callback: Optional[Callable[[BaseException], Any]] = None) -> AsyncResult:
         self._check_running()
+        self._fit(func)
         result = AsyncResult(self._runner, callback, error_callback)
-        self._submit(result, func, P.APPLY, [(tuple(args), dict(kwds or {}))], 1, inline=True)
+        self._submit(result, func, P.APPLY, ((args if type(args) is tuple else tuple(args), kwds or {}),), 1,
+                     inline=True)
         return result
 
     def map(self, func: Callable[[Any], Any], iterable: Iterable[Any],
-            chunksize: Optional[int] = None) -> List[Any]:
-        """``[func(x) for x in iterable]`` across the workers, in order; blocks until done."""
-        return self._map_async(func, iterable, P.MAP, chunksize).get()
+            chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
+        """``[func(x) for x in iterable]`` across the workers, in order; blocks until done.
+        ``progress=True``: a progress bar on stderr (see the module docstring)."""
+        result = self._map_async(func, iterable, P.MAP, chunksize, progress=progress)
+        try:
+            return result.get()
+        finally:
+            if result._progress is not None:
+                result._progress.join(1.0)
 
     def map_async(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: Optional[int] = None,
                   callback: Optional[Callable] = None, error_callback: Optional[Callable] = None) -> MapResult:
         return self._map_async(func, iterable, P.MAP, chunksize, callback, error_callback)
 
     def starmap(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
-                chunksize: Optional[int] = None) -> List[Any]:
+                chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
         """``[func(*args) for args in iterable]``; blocks until done."""
-        return self._map_async(func, iterable, P.STAR, chunksize).get()
+        result = self._map_async(func, iterable, P.STAR, chunksize, progress=progress)
+        try:
+            return result.get()
+        finally:
+            if result._progress is not None:
+                result._progress.join(1.0)
 
     def starmap_async(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
                       chunksize: Optional[int] = None, callback: Optional[Callable] = None,
                       error_callback: Optional[Callable] = None) -> MapResult:
         return self._map_async(func, iterable, P.STAR, chunksize, callback, error_callback)
 
-    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1) -> IMapIterator:
+    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1, *,
+             progress: bool = False) -> IMapIterator:
         """Results in input order as they come. An iterator is read by a thread of the pool, as the
-        caller iterates; an item that cannot be pickled fails that position and ends the reading."""
-        return self._imap(IMapIterator, func, iterable, chunksize)
+        caller iterates; an item that cannot be pickled fails that position and ends the reading.
+        ``progress=True``: a bar on stderr counting the results that arrived (the total once known)."""
+        return self._imap(IMapIterator, func, iterable, chunksize, progress)
 
     def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any],
-                       chunksize: int = 1) -> IMapIterator:
+                       chunksize: int = 1, *, progress: bool = False) -> IMapIterator:
         """Results in the order they finish."""
-        return self._imap(IMapUnorderedIterator, func, iterable, chunksize)
+        return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)
 
     def close(self) -> None:
         """Accept no more work; workers leave once everything submitted is done."""
@@ -168,6 +271,7 @@ class Pool:
             raise ValueError("Number of processes must be at least 1")
         self._check_running()
         with self._lock:
+            self._min = self._max = processes
             self._size = processes
             live = [w for w in self._workers.values() if not w.retiring]
             extra = len(live) - processes
@@ -179,7 +283,7 @@ class Pool:
 
     @property
     def processes(self) -> int:
-        """How many workers the pool keeps (what resize() last set)."""
+        """How many workers the pool keeps now (what resize() last set, or autoscaling chose)."""
         return self._size
 
     def __enter__(self) -> "Pool":
@@ -200,6 +304,28 @@ class Pool:
         if self._state != RUN:
             raise ValueError("Pool not running")
 
+    def _fit(self, func: Any) -> None:
+        """Give the workers the shape ``func`` declares with :func:`meta` (see the module docstring)."""
+        need = _meta_of(func)
+        if not need or need == self._shape:
+            return
+        if self._fixed_shape:
+            if not _covers(self._shape, need):
+                name = getattr(func, "__qualname__", repr(func))
+                raise ValueError(f"{name} asks for {need} (roving.meta) but this pool's workers have "
+                                 f"{self._shape} (Pool(resources=...)): give it a pool whose resources "
+                                 f"cover it")
+            return
+        with self._lock:
+            if need == self._shape:
+                return
+            log.info("roving pool: %s asks for workers with %s; the pool's workers are replaced",
+                     getattr(func, "__qualname__", func), need)
+            self._shape = dict(need)
+            for w in list(self._workers.values()):
+                self._disp.retire(w)
+        self._wake.set()
+
     def _submit(self, result: Any, func: Callable[..., Any], mode: int, items: Sequence[Any],
                 chunksize: int, inline: bool = False) -> None:
         try:
@@ -211,27 +337,42 @@ class Pool:
 
     def _map_async(self, func: Callable[..., Any], iterable: Iterable[Any], mode: int,
                    chunksize: Optional[int], callback: Optional[Callable] = None,
-                   error_callback: Optional[Callable] = None) -> MapResult:
+                   error_callback: Optional[Callable] = None, progress: bool = False) -> MapResult:
         self._check_running()
+        self._fit(func)
         items = iterable if isinstance(iterable, (list, tuple)) else list(iterable)
         if chunksize is None:
-            chunksize, extra = divmod(len(items), self._size * 4)
+            chunksize, extra = divmod(len(items), max(self._size, self._max) * 4)
             if extra:
                 chunksize += 1
         result = MapResult(self._runner, len(items), callback, error_callback)
+        if progress:
+            result._progress = self._progress_bar(func, len(items))
         self._submit(result, func, mode, items, chunksize)
         return result
 
+    @staticmethod
+    def _progress_bar(func: Any, total: Optional[int]) -> Progress:
+        bar = Progress(total, getattr(func, "__qualname__", None) or type(func).__qualname__)
+        if total == 0:
+            bar.finish()
+        return bar
+
     def _imap(self, kind: type, func: Callable[..., Any], iterable: Iterable[Any],
-              chunksize: int) -> IMapIterator:
+              chunksize: int, progress: bool = False) -> IMapIterator:
         self._check_running()
         if chunksize < 1:
             raise ValueError(f"Chunksize must be 1+, not {chunksize:n}")
+        self._fit(func)
         if isinstance(iterable, (list, tuple, range)):
             result = kind(len(iterable))
+            if progress:
+                result._progress = self._progress_bar(func, len(iterable))
             self._submit(result, func, P.MAP, iterable, chunksize)
             return result
         result = kind(None)
+        if progress:
+            result._progress = self._progress_bar(func, None)
         job = self._disp.open_job(result, func, P.MAP)
         threading.Thread(target=self._feed, args=(job, result, iter(iterable), chunksize),
                          name="roving-pool-feeder", daemon=True).start()
@@ -268,7 +409,8 @@ class Pool:
             worker_id = next(self._worker_ids)
             proc = Process(target=_worker.serve, name=f"PoolWorker-{self._disp.pool_id}-{worker_id}",
                            args=(node.address, self._disp.pool_id, worker_id, self._initializer,
-                                 self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True)
+                                 self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
+                           resources=self._shape)
             w = WorkerState(worker_id, proc)
             try:
                 proc.start()
@@ -285,7 +427,37 @@ class Pool:
         self._failures += 1
         delay = min(_MAX_BACKOFF_S, 0.1 * 2 ** self._failures)
         self._next_start = time.monotonic() + delay
+        self.start_failures.append((time.time(), why))
+        del self.start_failures[:-100]
         log.warning("roving pool: %s; trying again in %.1f s", why, delay)
+
+    def _autoscale(self, workers: List[WorkerState], now: float) -> None:
+        """Between ``min`` and ``max`` workers: grow while work waits and no worker is free, shrink by
+        workers idle for ``idle_timeout`` seconds."""
+        waiting, free = self._disp.backlog()
+        live = [w for w in workers if not w.retiring]
+        starting = sum(1 for w in live if w.ident is None)
+        with self._lock:
+            if waiting and not free and self._size < self._max:
+                grow = min(self._max - self._size, max(0, waiting - starting))
+                if grow:
+                    log.info("roving pool: %d unit(s) of work waiting; %d more worker(s)", waiting, grow)
+                    self._size += grow
+                return
+            for w in live:
+                if w.units or w.ident is None:
+                    self._idle_since.pop(w.id, None)
+                else:
+                    self._idle_since.setdefault(w.id, now)
+            idle = sorted((since, wid) for wid, since in self._idle_since.items()
+                          if now - since >= self._idle_timeout)
+            extra = min(len(idle), len(live) - self._min)
+            for _, wid in idle[:max(0, extra)]:
+                w = self._workers.get(wid)
+                if w is not None:
+                    self._idle_since.pop(wid, None)
+                    self._disp.retire(w)
+                    self._size -= 1
 
     def _maintain(self) -> None:
         try:
@@ -308,7 +480,7 @@ class Pool:
         now = time.monotonic()
         for w in workers:
             if w.proc.is_alive():
-                if w.ident is not None and now - w.seen > HEARTBEAT_TIMEOUT_S and state != TERMINATE:
+                if w.ident is not None and now - w.seen > self._heartbeat_timeout and state != TERMINATE:
                     log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and its "
                                 "work goes to other workers", w.id, now - w.seen)
                     w.proc.kill()
@@ -316,6 +488,7 @@ class Pool:
             code = w.proc.exitcode
             with self._lock:
                 self._workers.pop(w.id, None)
+                self._idle_since.pop(w.id, None)
             if state != TERMINATE:
                 if w.ident is None and code != 0:
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
@@ -330,7 +503,11 @@ class Pool:
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)
+        if self._failures and any(w.ident is not None and not w.retiring for w in workers):
+            self._failures = 0  # a worker connected: the next failure starts the backoff afresh
         busy = self._disp.busy()
+        if (state == RUN or busy) and self._min != self._max:  # also after close(), while work is left
+            self._autoscale(workers, now)
         if state == RUN or busy:
             self._start_workers()
         elif state == CLOSE:

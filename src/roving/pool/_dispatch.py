@@ -20,9 +20,10 @@ import itertools
 import logging
 import threading
 import time
+import types
 from array import array
 from multiprocessing.pool import MaybeEncodingError
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..transport import session as _session
 from ..transport.serialize import SerializationError, dumps, loads
@@ -32,13 +33,27 @@ from ._results import WorkerLostError
 log = logging.getLogger(__name__)
 
 
-class _Job:
-    __slots__ = ("id", "key", "result", "name", "func_frames", "inline", "left")
+#: Plain functions are pickled once per pool and kept by the workers under an id; this many at most
+#: (further ones are pickled with each job).
+MAX_CACHED_FUNCTIONS = 1024
 
-    def __init__(self, job_id: int, key: int, result: Any, name: str, func_frames: List[Any], inline: bool,
+
+class _Func:
+    """A pickled function (with how it is called) and the id workers keep it under (0: not kept)."""
+
+    __slots__ = ("id", "frames", "cached")
+
+    def __init__(self, fid: int, frames: List[Any], cached: bool) -> None:
+        self.id, self.frames, self.cached = fid, frames, cached
+
+
+class _Job:
+    __slots__ = ("id", "key", "result", "name", "func", "inline", "left")
+
+    def __init__(self, job_id: int, key: int, result: Any, name: str, func: _Func, inline: bool,
                  left: int) -> None:
         self.id, self.key, self.result, self.name = job_id, key, result, name
-        self.func_frames, self.inline, self.left = func_frames, inline, left
+        self.func, self.inline, self.left = func, inline, left
 
 
 class _Chunk:
@@ -74,7 +89,7 @@ class WorkerState:
         self.credit = 0
         self.credit_key = 0  # while busy, its credit is for work of this key only (0: any)
         self.units: Dict[int, _Unit] = {}  # chunk id -> unit, in the order sent (= the order run)
-        self.known: set = set()  # jobs whose function this worker holds
+        self.known: set = set()  # ids of the functions this worker holds
         self.forget: List[int] = []
         self.retiring = False
         self.gone = False
@@ -98,6 +113,8 @@ class Dispatcher:
         self._job_ids = itertools.count(1)
         self._chunk_ids = itertools.count(1)
         self._keys: Dict[Any, int] = {}
+        self._funcs: Dict[Any, _Func] = {}  # (function, mode) -> its pickle, for plain functions
+        self._batch: Dict[WorkerState, List[Any]] = {}  # frames for each worker, sent at the end of _dispatch
 
     # -- callers -------------------------------------------------------------------------------
     def submit(self, result: Any, func: Callable[..., Any], mode: int, items: Sequence[Any],
@@ -106,14 +123,17 @@ class Dispatcher:
 
         Raises SerializationError when the function or an item cannot be pickled (nothing is queued).
         """
-        func_frames = dumps((func, mode))
+        pickled = self._function(func, mode, inline)
         chunksize = max(1, chunksize)
-        pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
+        if len(items) == 1:
+            pieces = [(0, dumps([items[0]]))]
+        else:
+            pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
         name = getattr(func, "__qualname__", None) or repr(func)
         with self.lock:
             job_id = next(self._job_ids)
             key = self._apply_key(func) if inline else job_id
-            job = _Job(job_id, key, result, name, func_frames, inline, len(items))
+            job = _Job(job_id, key, result, name, pickled, inline, len(items))
             if not items:
                 return
             self.jobs[job.id] = job
@@ -125,11 +145,11 @@ class Dispatcher:
 
     def open_job(self, result: Any, func: Callable[..., Any], mode: int) -> _Job:
         """A job whose items come later (:meth:`add_items`), for imap over an iterator."""
-        func_frames = dumps((func, mode))
+        pickled = self._function(func, mode, False)
         name = getattr(func, "__qualname__", None) or repr(func)
         with self.lock:
             job_id = next(self._job_ids)
-            job = _Job(job_id, job_id, result, name, func_frames, False, 1)  # 1: held open
+            job = _Job(job_id, job_id, result, name, pickled, False, 1)  # 1: held open
             self.jobs[job.id] = job
             return job
 
@@ -150,6 +170,21 @@ class Dispatcher:
             if job.left == 0:
                 self._job_done(job)
 
+    def _function(self, func: Callable[..., Any], mode: int, inline: bool) -> _Func:
+        """The pickled function: a plain function is pickled once and kept by workers under its id, so
+        that later jobs send only the id; any other callable (whose state may change) is pickled anew,
+        kept by workers for the length of its job (map) or not at all (apply). SerializationError."""
+        cacheable = isinstance(func, (types.FunctionType, types.BuiltinFunctionType))
+        if cacheable:
+            hit = self._funcs.get((func, mode))
+            if hit is not None:
+                return hit
+        frames = dumps((func, mode))
+        with self.lock:
+            if cacheable and len(self._funcs) < MAX_CACHED_FUNCTIONS:
+                return self._funcs.setdefault((func, mode), _Func(next(self._job_ids), frames, True))
+            return _Func(0 if inline else next(self._job_ids), frames, False)
+
     def _apply_key(self, func: Callable[..., Any]) -> int:
         """One key per function called with apply: workers learn how long its calls take."""
         try:
@@ -160,6 +195,13 @@ class Dispatcher:
         if key is None:
             key = self._keys[ident] = next(self._job_ids)
         return key
+
+    def backlog(self) -> Tuple[int, int]:
+        """(units of work waiting for a worker, connected workers holding none)."""
+        with self.lock:
+            free = sum(1 for w in self.workers.values() if w.ident is not None and not w.units
+                       and not w.retiring)
+            return len(self.pending) + len(self.suspects), free
 
     def busy(self) -> bool:
         with self.lock:
@@ -268,11 +310,12 @@ class Dispatcher:
 
     def _job_done(self, job: _Job) -> None:
         del self.jobs[job.id]
-        if not job.inline:
+        fid = job.func.id
+        if fid and not job.func.cached:
             for w in self.workers.values():
-                if job.id in w.known:
-                    w.known.discard(job.id)
-                    w.forget.append(job.id)
+                if fid in w.known:
+                    w.known.discard(fid)
+                    w.forget.append(fid)
 
     # -- dispatch (lock held) ------------------------------------------------------------------
     def _dispatch(self) -> None:
@@ -292,6 +335,11 @@ class Dispatcher:
             self._send_unit(w, self.pending.popleft())
         if not self.pending and self.ready:
             self._steal()
+        if self._batch:
+            # One message per worker for all the units it was given this time.
+            for w, frames in self._batch.items():
+                self.node.send_to(w.ident, frames)
+            self._batch.clear()
 
     def _steal(self) -> None:
         """Idle workers and nothing waiting: ask busy workers for units they have not started."""
@@ -316,18 +364,19 @@ class Dispatcher:
             offsets = [o for o in offsets if not chunk.done[o]]
             if not offsets:
                 return False
-        if job.inline or job.id not in w.known:
-            func_frames = job.func_frames
-            if not job.inline:
-                w.known.add(job.id)
-        else:
+        func = job.func
+        if func.id in w.known:
             func_frames = []
-        header = P.TO_WORKER.pack(P.TASKS, chunk.id, job.id, job.key, len(func_frames), len(chunk.args),
+        else:
+            func_frames = func.frames
+            if func.id:
+                w.known.add(func.id)
+        header = P.TO_WORKER.pack(P.TASKS, chunk.id, func.id, job.key, len(func_frames), len(chunk.args),
                                   chunk.n)
         forget = array("q", w.forget).tobytes() if w.forget else b""
         w.forget = []
         offs = array("I", offsets).tobytes() if offsets is not None else b""
-        self.node.send_to(w.ident, [header, forget, offs, *func_frames, *chunk.args])
+        self._batch.setdefault(w, []).extend((header, forget, offs, *func_frames, *chunk.args))
         unit.left = chunk.n if offsets is None else len(offsets)
         w.units[chunk.id] = unit
         w.credit -= 1

@@ -12,10 +12,12 @@ Worker → parent: ``[OP, header, ...]``, header = (pool id, kind, argument, key
 * HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
   ``heartbeat_interval`` seconds, also while a task runs.
 
-Parent → worker: ``[header, forget, offsets, *function frames, *argument frames]`` for TASKS, where header
-= (kind, chunk id, job id, key, number of function frames, number of argument frames, items in the chunk); ``forget`` lists job ids
-whose functions the worker may drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP
-are a header alone; REVOKE(chunk id) asks for a unit back if it has not started (an idle worker wants it).
+Parent → worker: TASKS is one or more units back to back, each ``[header, forget, offsets, *function frames,
+*argument frames]``, where header = (kind, chunk id, function id, key, number of function frames, number
+of argument frames, items in the chunk). The function frames come only the first time a worker is sent
+that function id; it keeps the function under that id (0: do not keep). ``forget`` lists function ids the
+worker may drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP are a header alone;
+REVOKE(chunk id) asks for a unit back if it has not started (an idle worker wants it).
 """
 from __future__ import annotations
 

@@ -55,6 +55,8 @@ class CallbackRunner:
 class AsyncResult:
     """The result of :meth:`Pool.apply_async`; see :class:`multiprocessing.pool.AsyncResult`."""
 
+    _progress: Any = None  # a Progress bar counting this result's items (map with progress=True)
+
     def __init__(self, runner: CallbackRunner, callback: Optional[Callable[[Any], Any]] = None,
                  error_callback: Optional[Callable[[BaseException], Any]] = None) -> None:
         self._runner = runner
@@ -100,6 +102,8 @@ class AsyncResult:
         if self._success is not None:
             return
         self._success, self._value = ok, value
+        if self._progress is not None:
+            self._progress.finish()
         if (self._callback if ok else self._error_callback) is None:
             self._event.set()
         else:
@@ -133,6 +137,8 @@ class MapResult(AsyncResult):
         self._set_run(index, ok, [value])
 
     def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
+        if self._progress is not None:
+            self._progress.update(len(values))
         if not ok:
             self._complete(False, values[0])
             return
@@ -144,6 +150,8 @@ class MapResult(AsyncResult):
 
 class IMapIterator:
     """Results of :meth:`Pool.imap` in input order; ``next(timeout)`` raises TimeoutError."""
+
+    _progress: Any = None
 
     def __init__(self, length: Optional[int]) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -179,8 +187,12 @@ class IMapIterator:
         with self._cond:
             self._length = length
             self._cond.notify_all()
+        if self._progress is not None:
+            self._progress.set_total(length)
 
     def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
+        if self._progress is not None:
+            self._progress.update(len(values))
         with self._cond:
             for i, value in enumerate(values):
                 self._ready[index + i] = (ok, value)
@@ -198,6 +210,8 @@ class IMapUnorderedIterator(IMapIterator):
         return self._done.popleft() if self._done else None
 
     def _set_run(self, index: int, ok: bool, values: List[Any]) -> None:
+        if self._progress is not None:
+            self._progress.update(len(values))
         with self._cond:
             self._done.extend((ok, value) for value in values)
             self._cond.notify()

@@ -28,7 +28,7 @@ FLUSH_S = 0.005
 MAX_BATCH = 1024
 SHORT_S = 0.05  # a unit that ran this fast makes the worker ask for the next one in advance
 TINY_S = 0.002  # ... and this fast, for several
-DEEP = 8
+DEEP = 64
 
 
 class _Results:
@@ -124,7 +124,7 @@ class _Loop:
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int]) -> None:
         self.chan, self.pool_id, self.maxtasks = chan, pool_id, maxtasks
         self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
-        self.funcs: Dict[int, Tuple[Callable[..., Any], int]] = {}
+        self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
         self.done = 0
         self.leaving = False  # sent BYE
@@ -166,7 +166,7 @@ class _Loop:
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:
-        kind, cid, job, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
+        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
         if kind == P.ACK:
             self.acked = True
             return
@@ -180,13 +180,20 @@ class _Loop:
                     self._send(P.RETURNED, cid)
                     break
             return
-        self.asked = max(0, self.asked - 1)
-        for gone in array("q", frames[1].bytes):
-            self.funcs.pop(gone, None)
-        offsets = array("I", frames[2].bytes)
-        func_frames = frames[3:3 + nfunc]
-        arg_frames = frames[3 + nfunc:3 + nfunc + nargs]
-        self.units.append((cid, job, func_frames, arg_frames, offsets or range(count), key))
+        # TASKS: one or more units back to back, each [header, forget, offsets, *function, *arguments]
+        at = 0
+        while True:
+            self.asked = max(0, self.asked - 1)
+            for gone in array("q", frames[at + 1].bytes):
+                self.funcs.pop(gone, None)
+            offsets = array("I", frames[at + 2].bytes)
+            func_frames = frames[at + 3:at + 3 + nfunc]
+            arg_frames = frames[at + 3 + nfunc:at + 3 + nfunc + nargs]
+            self.units.append((cid, fid, func_frames, arg_frames, offsets or range(count), key))
+            at += 3 + nfunc + nargs
+            if at >= len(frames):
+                return
+            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at].bytes)
 
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)
@@ -230,16 +237,29 @@ class _Loop:
         self.results.flush()
         self._poll()
 
-    def _run_unit(self, cid: int, job: int, func_frames: List[Any], arg_frames: List[Any],
+    def _function(self, fid: int, func_frames: List[Any]) -> Tuple[Callable[..., Any], int]:
+        """The unit's function: unpickled from its frames (and kept under ``fid`` unless 0), or the one
+        kept. A function that could not be unpickled fails every unit that names it, not just the first."""
+        if not func_frames:
+            got = self.funcs[fid]
+            if isinstance(got, BaseException):
+                raise got
+            return got
+        try:
+            got = loads(func_frames)
+        except BaseException as exc:
+            if fid:
+                self.funcs[fid] = exc
+            raise
+        if fid:
+            self.funcs[fid] = got
+        return got
+
+    def _run_unit(self, cid: int, fid: int, func_frames: List[Any], arg_frames: List[Any],
                   offsets: Any) -> None:
         results = self.results
         try:
-            if func_frames:
-                func, mode = loads(func_frames)
-                if mode != P.APPLY:
-                    self.funcs[job] = (func, mode)
-            else:
-                func, mode = self.funcs[job]
+            func, mode = self._function(fid, func_frames)
             items = loads(arg_frames)
         except BaseException as exc:  # the function or arguments could not be loaded here
             err = ExceptionWithTraceback(exc, exc.__traceback__)

@@ -1,0 +1,153 @@
+"""Framework overhead of roving's Pool beside multiprocessing's, loky's and Ray's, in one run.
+
+The Fiber paper's test (arXiv 2003.11164, Fig. 4): 5 workers, rounds of 5 ``apply_async`` of tasks that
+sleep 1, 10 and 100 ms, about 1 s of work per size (so 0.2 s of wall time at best), waiting for each
+round before the next; plus a ``map`` of 100,000 no-op items and 2,000 ``apply_async`` at once. Each
+figure is the median of ``--repeat`` runs; the peers run one after another in the same invocation.
+
+    python benchmarks/pool_overhead.py                       # every peer that is installed
+    python benchmarks/pool_overhead.py --peers roving multiprocessing --repeat 5
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+import roving
+
+WORKERS = 5
+SLEEPS = (0.001, 0.01, 0.1)
+TOTAL_WORK_S = 1.0
+
+
+def sleep_task(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def noop(x: Any) -> Any:
+    return x
+
+
+class _Loky:
+    """loky's reusable executor behind the two Pool calls the benchmark makes."""
+
+    def __init__(self, n: int) -> None:
+        import loky
+
+        self._ex = loky.get_reusable_executor(max_workers=n, reuse=False)
+
+    def apply_async(self, func: Callable, args: tuple = ()) -> Any:
+        fut = self._ex.submit(func, *args)
+        fut.get = fut.result
+        return fut
+
+    def map(self, func: Callable, items: Any) -> List[Any]:
+        items = list(items)
+        return list(self._ex.map(func, items, chunksize=max(1, len(items) // (WORKERS * 4))))
+
+    def terminate(self) -> None:
+        self._ex.shutdown(wait=True)
+
+
+def _make(peer: str) -> Any:
+    if peer == "roving":
+        return roving.Pool(WORKERS)
+    if peer == "multiprocessing":
+        return multiprocessing.Pool(WORKERS)
+    if peer == "loky":
+        return _Loky(WORKERS)
+    if peer == "ray":
+        import ray
+        from ray.util.multiprocessing import Pool as RayPool
+
+        ray.init(num_cpus=WORKERS, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        return RayPool(WORKERS)
+    raise ValueError(peer)
+
+
+def _installed(peer: str) -> bool:
+    if peer in ("roving", "multiprocessing"):
+        return True
+    try:
+        __import__({"ray": "ray.util.multiprocessing"}.get(peer, peer))
+        return True
+    except ImportError:
+        return False
+
+
+def _rounds(pool: Any, seconds: float) -> float:
+    n = round(TOTAL_WORK_S / seconds)
+    start = time.perf_counter()
+    for _ in range(0, n, WORKERS):
+        for r in [pool.apply_async(sleep_task, (seconds,)) for _ in range(WORKERS)]:
+            r.get()
+    return time.perf_counter() - start
+
+
+def _map(pool: Any) -> float:
+    start = time.perf_counter()
+    out = pool.map(noop, range(100_000))
+    took = time.perf_counter() - start
+    assert len(out) == 100_000 and out[-1] == 99_999
+    return took
+
+
+def _apply_many(pool: Any) -> float:
+    start = time.perf_counter()
+    results = [pool.apply_async(noop, (i,)) for i in range(2000)]
+    assert [r.get() for r in results] == list(range(2000))
+    return time.perf_counter() - start
+
+
+TESTS: Dict[str, Callable[[Any], float]] = {
+    **{f"rounds of 5 x {int(s * 1000)} ms ({round(TOTAL_WORK_S / s)} tasks; ideal 0.20 s)":
+       (lambda p, s=s: _rounds(p, s)) for s in SLEEPS},
+    "map of 100,000 no-op items": _map,
+    "2,000 apply_async (no-op)": _apply_many,
+}
+
+
+def measure(peer: str, repeat: int) -> Dict[str, float]:
+    pool = _make(peer)
+    try:
+        pool.map(noop, range(WORKERS * 4))  # every worker up before the clock starts
+        time.sleep(1.0)
+        return {name: statistics.median(test(pool) for _ in range(repeat)) for name, test in TESTS.items()}
+    finally:
+        pool.terminate()
+        if peer == "ray":
+            import ray
+
+            ray.shutdown()
+
+
+def main(argv: Any = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peers", nargs="+", default=["roving", "multiprocessing", "loky", "ray"])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    figures: Dict[str, Dict[str, float]] = {}
+    for peer in args.peers:
+        if not _installed(peer):
+            print(f"# {peer}: not installed", file=sys.stderr)
+            continue
+        print(f"# measuring {peer} ...", file=sys.stderr)
+        figures[peer] = measure(peer, args.repeat)
+    peers = list(figures)
+    print("| seconds (median of %d) | %s | roving / multiprocessing |" % (args.repeat, " | ".join(peers)))
+    print("|---" * (len(peers) + 2) + "|")
+    for name in TESTS:
+        row = [f"{figures[p][name]:.3f}" for p in peers]
+        ratio = (f"{figures['roving'][name] / figures['multiprocessing'][name]:.2f}"
+                 if {"roving", "multiprocessing"} <= set(figures) else "")
+        print(f"| {name} | {' | '.join(row)} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()
