@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     hparams = [{"lr": 10 ** rng.uniform(-3.5, -0.5), "momentum": rng.uniform(0.0, 0.95)}
                for _ in range(args.population)]
     start_from: List[Optional[str]] = [None] * args.population
-    history = {"best": [], "losses": [], "restarts": 0, "exploits": 0}
+    history = {"best": [], "median": [], "losses": [], "restarts": 0, "exploits": 0}
     print(f"PBT: {args.population} members, {args.rounds} rounds of {args.steps} steps, {args.workers} "
           f"workers, checkpoints in {directory}", flush=True)
     start = time.perf_counter()
@@ -123,9 +123,10 @@ def run(args: argparse.Namespace) -> dict:
             order = sorted(range(args.population), key=lambda m: losses[m])
             best = order[0]
             history["best"].append(losses[best])
+            history["median"].append(sorted(losses)[len(losses) // 2])
             history["losses"].append(losses)
             print(f"round {round_:3d}  best {losses[best]:.5f} (member {best}, lr {hparams[best]['lr']:.2g}, "
-                  f"momentum {hparams[best]['momentum']:.2f})  median {sorted(losses)[len(losses) // 2]:.5f}  "
+                  f"momentum {hparams[best]['momentum']:.2f})  median {history['median'][-1]:.5f}  "
                   f"{time.perf_counter() - start:6.1f} s", flush=True)
 
             start_from = [checkpoint_path(directory, m, round_) for m in range(args.population)]
