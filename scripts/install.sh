@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install -q --disable-pip-version-check -e ".[pipeline,dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[pipeline,examples,dev]"
