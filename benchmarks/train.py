@@ -28,12 +28,13 @@ from pathlib import Path
 from roving.pipeline.network import build_network
 from roving.pipeline.simulate import simulate
 from roving.pipeline.stages import layer_ranges
-from roving.pipeline.trainer import Trainer, TrainConfig, plot_losses, prepare
+from roving.pipeline.data import VOCAB_SIZE
+from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, plot_losses, prepare
 
 BASE = dict(model="tiny", layers=12, dim=64, seq_len=64, samples=4, network="gcp12", nodes=12, stages=6,
             microbatches=12, in_flight=4, emulate_network=True, eval_every=10, eval_batches=8, lr=3e-3,
             min_lr=3e-4, warmup=5, planner_budget=5.0, seed=0)
-RUNS = {"full pipeline (DT-FM, k=0)": dict(schedule="dtfm", skip=0.0),
+RUNS = {"full pipeline k=0 (DT-FM)": dict(schedule="dtfm", skip=0.0),
         "SkipPipe k=0.25": dict(skip=0.25),
         "SkipPipe k=0.33": dict(skip=0.33)}
 
@@ -50,9 +51,9 @@ def measured_speed(prep, its: list[dict]) -> float:
     return busy / units
 
 
-def one_run(name: str, iterations: int, out: Path) -> dict:
+def one_run(name: str, iterations: int, out: Path, calibration: dict) -> dict:
     cfg = TrainConfig(**{**BASE, **RUNS[name], "iterations": iterations})
-    prep = prepare(cfg)
+    prep = prepare(cfg, calibration)
     t0 = time.time()
     with Trainer(prep, progress=lambda r: r["event"] == "evaluation" and print(
             f"  {name}: after {r['iteration']} iterations val {r['val_loss']:.4f}", flush=True)) as tr:
@@ -117,15 +118,21 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    base = TrainConfig(**BASE)
+    # one cost model for every run, so that their predictions are comparable
+    calibration = calibrate(dataclasses.replace(base.model_config(), vocab_size=VOCAB_SIZE), base.samples,
+                            base.seq_len, base.threads)
+    print(f"calibration: {calibration}", flush=True)
     results = {}
     for name in args.runs.split(","):
         print(f"{name}: training {args.iterations} iterations", flush=True)
-        results[name] = one_run(name, args.iterations, out)
+        results[name] = one_run(name, args.iterations, out, calibration)
     plot_losses(results, str(out / "train_loss.png"))
     text = summary(results, args.iterations)
     (out / "train_summary.md").write_text(text + "\n")
     print(text)
     print(f"\nsettings: {json.dumps({**BASE, 'iterations': args.iterations})}")
+    print(f"calibration (all runs): {json.dumps(calibration)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``p
 ``replan()``, the memory model (``stage_memory``, ``microbatches_in_flight``), the simulator that judges every plan (``simulate()``), and the baselines
 (``full_pipeline``, ``full_pipeline_planned``, ``random_skip``). Imports only the standard library
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
+
+Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (model.py), ``Stage``
+(stages.py), ``TrainConfig``, ``Trainer``, ``prepare`` and ``train`` (trainer.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,20 @@ def full_pipeline_planned(network: Network, model: ModelSpec, stages: int, micro
                           budget_s: float = 10.0, seed: int = 0) -> Plan:
     """Baseline: this planner with no stage skipped (k = 0)."""
     return plan(network, model, stages, 0.0, microbatches, budget_s=budget_s, seed=seed)
+
+
+_TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "TrainConfig": "trainer",
+             "Trainer": "trainer", "prepare": "trainer", "train": "trainer"}
+
+
+def __getattr__(name: str):
+    """The training names, imported on first use so that planning never needs PyTorch."""
+    if name in _TRAINING:
+        import importlib
+
+        module = importlib.import_module(f".{_TRAINING[name]}", __name__)
+        return getattr(module, "run" if name == "train" else name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

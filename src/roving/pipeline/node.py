@@ -63,14 +63,19 @@ class NodeSettings:
     device: str = "cpu"
     bf16: bool = False
     threads: int = 1
+    #: this node's position among the nodes (picks its GPU when several share a machine).
+    index: int = 0
     #: destination node -> link, when the network is emulated (None: send at once).
     emulate: dict[str, Link] | None = None
 
 
-def pick_device(want: str = "auto") -> str:
-    """``auto``: the first CUDA device when there is one, else the CPU."""
+def pick_device(want: str = "auto", index: int = 0) -> str:
+    """``auto``: a CUDA device when there is one (node ``index`` takes device ``index`` modulo their
+    count, so nodes sharing a machine spread over its GPUs), else the CPU."""
     if want == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{index % torch.cuda.device_count()}"
     if want.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"device {want!r} asked for, but this node has no CUDA device")
     return want
@@ -113,7 +118,7 @@ class Peers:
 class StageNode:
     def __init__(self, s: NodeSettings, inbox: Any, control: Any, release: Any) -> None:
         self.s, self.inbox, self.control, self.release = s, inbox, control, release
-        self.device = torch.device(pick_device(s.device))
+        self.device = torch.device(pick_device(s.device, s.index))
         torch.manual_seed(s.seed)
         self.stage = Stage(s.model, s.stage, s.stages, seed=s.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]

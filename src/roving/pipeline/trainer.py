@@ -136,9 +136,11 @@ class TrainConfig:
 
 
 def calibrate(cfg: LlamaConfig, samples: int, seq_len: int, threads: int = 1, device: str = "cpu",
-              repeats: int = 7) -> dict[str, float]:
+              repeats: int = 15) -> dict[str, float]:
     """Measure this machine's compute for the cost model: forward seconds per sample per layer, the
-    backward/forward ratio, and stage 0's embedding+head+loss in layer equivalents (``ModelSpec``)."""
+    backward/forward ratio, and stage 0's embedding+head+loss in layer equivalents (``ModelSpec``).
+    Each is the fastest of ``repeats`` runs: on a shared machine the median moves with other work
+    (several-fold on 2 busy cores), the fastest run hardly does."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -160,7 +162,7 @@ def calibrate(cfg: LlamaConfig, samples: int, seq_len: int, threads: int = 1, de
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 runs.append(time.perf_counter() - t0)
-            return statistics.median(runs)
+            return min(runs)
 
         xg = x.clone().requires_grad_(True)
 
@@ -197,9 +199,10 @@ class Prepared:
     calibration: dict
 
 
-def prepare(config: TrainConfig) -> Prepared:
+def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) -> Prepared:
     """Check the run and plan it; raises PlanError (or DataError) with a clear message on bad input,
-    before any node starts."""
+    before any node starts. ``calibration`` (from ``calibrate``) skips the measurement, so that runs
+    to be compared share one cost model."""
     config.check()
     mcfg = config.model_config()
     layer_ranges(mcfg, config.stages)  # the model must fit the stages
@@ -214,7 +217,9 @@ def prepare(config: TrainConfig) -> Prepared:
                          batch_samples=config.samples)
     mcfg = dataclasses.replace(mcfg, vocab_size=corpus.vocab_size)
     device = pick_device(config.device)
-    if config.speed > 0:
+    if calibration is not None:
+        cal = dict(calibration)
+    elif config.speed > 0:
         cal = {"seconds_per_sample_layer": config.speed, "backward_ratio": 2.0, "head_layers": 1.0}
     else:
         cal = calibrate(mcfg, config.samples, config.seq_len, config.threads, device)
@@ -272,12 +277,12 @@ class Trainer:
         import roving
 
         net = self.p.network
-        for name, stage in sorted(self.alloc.items()):
+        for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             emulate = ({o: net.link(name, o) for o in self.alloc if o != name}
                        if self.c.emulate_network else None)
             s = NodeSettings(name, stage, self.c.stages, self.p.model, self.c.seed, self.c.in_flight,
                              lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
-                             bf16=self.c.bf16, threads=self.c.threads, emulate=emulate)
+                             bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate)
             proc = roving.Process(target=node_main, args=(s, self.control, self.release), name=f"stage{stage}-{name}",
                                   daemon=True)
             proc.start()
@@ -424,15 +429,19 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, it: int) -> dict:
-        model = self.full_model().eval()
+        """Validation loss and perplexity of the whole model (one replica of each stage, merged), on
+        the coordinator's device."""
+        device = torch.device(pick_device(self.c.device))
+        model = self.full_model().to(device).eval()
         total = 0.0
         for tokens, targets in self._val:
-            total += model(tokens, targets)[1].item()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.c.bf16):
+                total += model(tokens.to(device), targets.to(device))[1].item()
         val = total / len(self._val)
         rec = {"iteration": it, "val_loss": val, "perplexity": math.exp(min(val, 50.0)),
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
-        self._last_model = model
+        self._last_model = model.cpu()
         return rec
 
     def checkpoint(self, it: int, model: Llama | None = None) -> None:
