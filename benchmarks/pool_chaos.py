@@ -71,7 +71,7 @@ def main(argv: Any = None) -> None:
     print(f"| {args.tasks} x {args.task_ms:g} ms on {args.workers} workers (ideal {ideal:.1f} s) | "
           f"no kills s | a kill every {args.kill_every:g} s: s | workers killed | results | ratio (<= 1.3) |")
     print("|---|---|---|---|---|---|")
-    print(f"| roving.Pool.starmap(chunksize=chunksize) | {calm:.2f} | {chaos:.2f} | {kills} | all correct, in order "
+    print(f"| roving.Pool.starmap(chunksize={args.chunksize}) | {calm:.2f} | {chaos:.2f} | {kills} | all correct, in order "
           f"| {chaos / calm:.2f} |")
 
 

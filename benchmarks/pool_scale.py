@@ -2,7 +2,8 @@
 
 For each pool size N, ``--seconds`` of ideal work (N x seconds / 0.1 tasks, each its own unit of work:
 ``map(chunksize=1)``) runs once every worker is connected. Figures: worker utilisation (task time done /
-(N x wall time)) and tasks dispatched per second. On one small machine the workers are oversubscribed
+(N x wall time)), tasks dispatched per second, and the CPU the parent used meanwhile (all its threads: a
+parent near 100% of a core is the bottleneck). On one small machine the workers are oversubscribed
 (they sleep, so that is fair to the parent, which does all the dispatching); memory bounds N: each worker
 is a Python process of 30-60 MB.
 
@@ -32,10 +33,11 @@ def measure(n: int, seconds: float) -> tuple:
         up = time.perf_counter() - started
         pool.map(task, range(n), chunksize=1)  # every worker has run once
         tasks = int(n * seconds / TASK_S)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         pool.map(task, range(tasks), chunksize=1)
         took = time.perf_counter() - start
-    return up, tasks, took, tasks * TASK_S / (n * took), tasks / took
+        cpu = time.process_time() - cpu
+    return up, tasks, took, tasks * TASK_S / (n * took), tasks / took, cpu / took
 
 
 def main(argv: Any = None) -> None:
@@ -44,12 +46,12 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args(argv)
     print("| workers | start-up s | tasks of 100 ms | wall s (ideal %.1f) | utilisation | tasks dispatched/s "
-          "(ideal) |" % args.seconds)
-    print("|---|---|---|---|---|---|")
+          "(ideal) | parent CPU (all its threads) |" % args.seconds)
+    print("|---|---|---|---|---|---|---|")
     for n in args.sizes:
-        up, tasks, took, util, rate = measure(n, args.seconds)
-        print(f"| {n} | {up:.1f} | {tasks} | {took:.2f} | {util:.0%} | {rate:,.0f} ({n / TASK_S:,.0f}) |",
-              flush=True)
+        up, tasks, took, util, rate, cpu = measure(n, args.seconds)
+        print(f"| {n} | {up:.1f} | {tasks} | {took:.2f} | {util:.0%} | {rate:,.0f} ({n / TASK_S:,.0f}) | "
+              f"{cpu:.0%} of a core |", flush=True)
 
 
 if __name__ == "__main__":

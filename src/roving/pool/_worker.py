@@ -29,6 +29,8 @@ MAX_BATCH = 1024
 SHORT_S = 0.05  # a unit that ran this fast makes the worker ask for the next one in advance
 TINY_S = 0.002  # ... and this fast, for several
 DEEP = 64
+MAX_BLOCK = 1024  # items run between two looks at the clock, at most
+BLOCK_S = 0.001  # a block that ran faster than this doubles; slower, halves
 
 
 class _Results:
@@ -50,6 +52,22 @@ class _Results:
             self.runs.append([cid, off, 1, int(ok)])
         self.values.append(value)
         return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
+
+    def add_run(self, cid: int, offs: Any, i: int, ok: bool, values: List[Any]) -> bool:
+        """Keep the results of items ``offs[i:i + len(values)]``; as :meth:`add`."""
+        if isinstance(offs, range):
+            first, count = offs[i], len(values)
+            run = self.runs[-1] if self.runs else None
+            if run is not None and run[0] == cid and run[1] + run[2] == first and run[3] == ok:
+                run[2] += count
+            else:
+                self.runs.append([cid, first, count, int(ok)])
+            self.values.extend(values)
+            return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
+        due = False
+        for k, value in enumerate(values):
+            due = self.add(cid, offs[i + k], ok, value)
+        return due
 
     def flush(self, ask: int = 0, key: int = 0) -> None:
         """Send what is kept (asking for ``ask`` more units of ``key`` at once); nothing if empty."""
@@ -85,15 +103,6 @@ class _Results:
                     runs.append([cid, off, 1, good])
         self.runs = runs
         return out
-
-
-def _call(func: Callable[..., Any], mode: int, item: Any) -> Any:
-    if mode == P.MAP:
-        return func(item)
-    if mode == P.STAR:
-        return func(*item)
-    args, kwds = item
-    return func(*args, **kwds)
 
 
 def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Callable[..., Any]],
@@ -267,11 +276,35 @@ class _Loop:
                 if results.add(cid, off, False, err):
                     self._flush()
             return
-        for off in offsets:
+        # Items run in blocks, without a call per item into the bookkeeping: a block grows (doubling) while
+        # its items prove short and shrinks to one for long ones, so that the result of a long task still
+        # leaves as soon as it is done (see _Results.add) and those of tiny ones cost almost nothing.
+        offs = offsets if isinstance(offsets, range) else list(offsets)
+        i, n, block = 0, len(offs), 1
+        while i < n:
+            end = min(n, i + block)
+            values: List[Any] = []
+            started = time.monotonic()
+            failed: Optional[BaseException] = None
             try:
-                value, ok = _call(func, mode, items[off]), True
+                if mode == P.MAP:
+                    for off in offs[i:end]:
+                        values.append(func(items[off]))
+                elif mode == P.STAR:
+                    for off in offs[i:end]:
+                        values.append(func(*items[off]))
+                else:
+                    for off in offs[i:end]:
+                        args, kwds = items[off]
+                        values.append(func(*args, **kwds))
             except Exception as exc:
-                value, ok = ExceptionWithTraceback(exc, exc.__traceback__), False
-            if results.add(cid, off, ok, value):
+                failed = exc
+            took = time.monotonic() - started
+            due = results.add_run(cid, offs, i, True, values) if values else False
+            i += len(values)
+            if failed is not None:
+                due = results.add(cid, offs[i], False, ExceptionWithTraceback(failed, failed.__traceback__))
+                i += 1
+            if due:
                 self._flush()
-
+            block = min(MAX_BLOCK, block * 2) if took < BLOCK_S else max(1, block // 2)
