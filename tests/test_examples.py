@@ -78,4 +78,4 @@ def test_ppo_on_roving_vector_env_improves_cartpole():
     first = np.mean(returns[0] + returns[1])
     last = np.mean([r for update in returns[-3:] for r in update])
     assert first < 40, first  # a random CartPole policy lasts about 20 steps
-    assert last > first + 50, (first, last)
+    assert last > first + 100, (first, last)  # seeds 0-3 gave +137..+197
