@@ -62,3 +62,13 @@ def test_environment_error_raises_in_parent_and_closes():
         env.step(np.array([0, 1]))
     assert env.closed
     env.close()  # idempotent
+
+
+def test_unclosed_vector_env_kills_its_workers_when_collected():
+    import gc
+    env = RovingVectorEnv([_cartpole])
+    proc = env._procs[0]
+    del env
+    gc.collect()
+    proc.join(10)
+    assert not proc.is_alive()

@@ -16,7 +16,8 @@ configured for) and talks to the parent over a :func:`roving.Pipe`. Guarantees:
 * A worker that dies makes the waiting call raise ``EOFError`` naming the environment; nothing is retried
   (an environment's state cannot be recovered).
 * Every wait takes ``timeout`` seconds at most (``None``: forever); past it ``multiprocessing.TimeoutError``.
-* ``close()`` ends every worker, also after an error; it is idempotent and runs at garbage collection.
+* ``close()`` ends every worker, also after an error, and is idempotent; a vector env that is garbage
+  collected unclosed has its workers killed.
 """
 from __future__ import annotations
 
@@ -193,6 +194,13 @@ class RovingVectorEnv(VectorEnv):
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+
+    def __del__(self) -> None:
+        if not getattr(self, "closed", True):
+            try:
+                self.close(terminate=True)
+            except Exception:
+                pass
 
     # -- internals ---------------------------------------------------------------------------
     def _batch_obs(self, observations: List[Any]) -> Any:
