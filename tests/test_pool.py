@@ -382,3 +382,38 @@ def test_imap_reads_a_generator_lazily_and_returns_at_once(pool):
     assert sorted(pool.imap_unordered(h.square, (x for x in range(25)), chunksize=4)) == \
         [x * x for x in range(25)]
     assert list(pool.imap(h.square, iter([]))) == []
+
+
+def test_function_workers_cannot_load_fails_every_call_of_it_not_the_pool(pool, tmp_path):
+    """Functions are sent once and kept by id: one a worker could not unpickle keeps failing there."""
+    import sys
+
+    (tmp_path / "parent_only_mod.py").write_text("def ident(x):\n    return x\n")
+    sys.path.insert(0, str(tmp_path))  # after the workers started: they cannot import it
+    try:
+        import parent_only_mod
+
+        for _ in range(3):
+            with pytest.raises(ModuleNotFoundError, match="parent_only_mod"):
+                pool.apply(parent_only_mod.ident, (1,))
+        with pytest.raises(ModuleNotFoundError):
+            pool.map(parent_only_mod.ident, range(4))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("parent_only_mod", None)
+    assert pool.apply(h.square, (3,)) == 9
+
+
+def test_repeated_calls_send_a_plain_function_once_per_worker():
+    from roving.pool import _protocol as P
+
+    with roving.Pool(1) as p:
+        sent = []
+        real = p._disp.node.send_to
+        p._disp.node = type("Spy", (), {"send_to": lambda self, ident, frames: (sent.append(frames),
+                                                                                 real(ident, frames))})()
+        assert [p.apply_async(h.square, (i,)).get(T) for i in range(5)] == [i * i for i in range(5)]
+        p.map(h.square, range(10), chunksize=2)
+        with_function = [f for frames in sent if P.TO_WORKER.unpack(bytes(frames[0]))[0] == P.TASKS
+                         for f in [frames] if P.TO_WORKER.unpack(bytes(frames[0]))[4] > 0]
+        assert len(with_function) == 2  # square for apply, square for map: once each, then ids only

@@ -153,3 +153,16 @@ def test_pool_heartbeat_timeout_option_from_environment_and_init():
     with pytest.raises(roving.ConfigError, match="pool_heartbeat_timeout"):
         roving.config.load(environ={"ROVING_POOL_HEARTBEAT_TIMEOUT": "0"})
     assert roving.config.load(environ={}).pool_heartbeat_timeout == 30.0
+
+
+def test_meta_covered_by_the_workers_does_not_reshape_the_pool():
+    with roving.Pool(1, resources={"cpu": 4, "memory": "1G"}) as p:
+        assert p.apply(h.square_needing_three_cpus, (5,)) == 25  # 3 CPUs, 256M: covered
+    with roving.Pool(1) as p:
+        before = set(p._workers)
+        covered = roving.meta(cpu=roving.config.current().cpu)(h.noop)
+        try:
+            assert p.apply(covered, (1,)) == 1
+            assert set(p._workers) == before  # nothing was replaced
+        finally:
+            del h.noop.__roving_meta__

@@ -22,7 +22,7 @@ Guarantees:
 * Resources: each worker is a job asking the backend for ``Pool(resources={"cpu": .., "memory": ..,
   "gpu": ..})`` or, when the pool was given none, for what the task function declares with
   :func:`meta`; what neither says comes from the configuration (``cpu``, ``memory``, ``gpu``). The
-  workers of a pool all have one shape: a function declaring another reshapes a pool without
+  workers of a pool all have one shape: a function declaring more than they have reshapes a pool without
   ``resources=`` (its workers leave after running what they hold, new ones start), and is a ValueError
   for a pool whose ``resources=`` do not cover it.
 * Liveness: a worker's job ending (its process sentinel), and heartbeats over the transport: a worker
@@ -108,8 +108,8 @@ def _covers(have: Dict[str, Any], need: Dict[str, Any]) -> bool:
     full = {**base, **have}
     for key, value in need.items():
         got = full[key]
-        if key == "memory":
-            if got is not None and _config.parse_memory(got) < _config.parse_memory(value):
+        if key == "memory":  # none asked: the cluster's default, which may be less
+            if got is None or _config.parse_memory(got) < _config.parse_memory(value):
                 return False
         elif got < value:
             return False
@@ -307,17 +307,15 @@ class Pool:
     def _fit(self, func: Any) -> None:
         """Give the workers the shape ``func`` declares with :func:`meta` (see the module docstring)."""
         need = _meta_of(func)
-        if not need or need == self._shape:
+        if not need or need == self._shape or _covers(self._shape, need):
             return
         if self._fixed_shape:
-            if not _covers(self._shape, need):
-                name = getattr(func, "__qualname__", repr(func))
-                raise ValueError(f"{name} asks for {need} (roving.meta) but this pool's workers have "
-                                 f"{self._shape} (Pool(resources=...)): give it a pool whose resources "
-                                 f"cover it")
-            return
+            name = getattr(func, "__qualname__", repr(func))
+            raise ValueError(f"{name} asks for {need} (roving.meta) but this pool's workers have "
+                             f"{self._shape} (Pool(resources=...)): give it a pool whose resources "
+                             f"cover it")
         with self._lock:
-            if need == self._shape:
+            if _covers(self._shape, need):
                 return
             log.info("roving pool: %s asks for workers with %s; the pool's workers are replaced",
                      getattr(func, "__qualname__", func), need)
