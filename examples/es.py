@@ -11,8 +11,8 @@ How it works, top to bottom:
 * Returns are replaced by centred ranks in [-0.5, 0.5]; the gradient estimate
   sum_i rank_i * eps_i / (n * sigma) drives Adam (with a little weight decay).
 * Every ``--eval-every`` iterations the unperturbed policy is scored on ``--eval-episodes`` fixed seeds;
-  the task counts as *solved* when that score reaches ``--solved`` (Pendulum-v1: -250; a random policy
-  scores about -1200, a good one about -150).
+  the task counts as *solved* when that score reaches ``--solved`` (Pendulum-v1: -250; the untrained policy
+  scores about -1300, a good one about -150).
 
 Run ``python examples/es.py --help``. Only roving's public API is used, so the same program runs on any
 backend: ``ROVING_BACKEND=slurm python examples/es.py`` (or ``[tool.roving]`` in pyproject.toml).
