@@ -15,7 +15,7 @@ from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=12, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
-           speed=1e-3, clip=1.0, timeout=120)
+           speed=1e-3, clip=1.0, timeout=120, in_flight=2)
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +35,7 @@ def run():
         for it in range(1, CFG["iterations"]):
             t.iteration(it)
         out["final"] = t.stage_states(all_replicas=True)
+        out["records"] = list(t.metrics["iterations"])
         out["val1"] = t.evaluate(CFG["iterations"])["val_loss"]
         out["predicted"] = t.p.predicted_s
     return out
@@ -97,6 +98,14 @@ def test_replicas_of_a_stage_stay_bitwise_identical(run):
         for name, sd in rest:
             for k in first:
                 assert torch.equal(first[k], sd[k]), (name, k)
+
+
+def test_nodes_keep_within_their_memory_limit(run):
+    """At most ``in_flight`` microbatches held per node; with 3 microbatches per origin the limit binds."""
+    origins = {p.origin for p in run["prep"].plan.paths}
+    assert len(run["prep"].plan.paths) / len(origins) > CFG["in_flight"]
+    peaks = [r["peak_in_flight"] for r in run["records"]]
+    assert max(peaks) == CFG["in_flight"]
 
 
 def test_validation_loss_falls(run):
