@@ -1,0 +1,120 @@
+"""One node's stage throughput against the same layers run as plain PyTorch (issue 8's GPU check).
+
+    PYTHONPATH=src python benchmarks/stage_throughput.py --model 500m --stages 6 --samples 4 \\
+        --seq-len 1024 --microbatches 8 --bf16          # on a machine with an NVIDIA GPU
+    PYTHONPATH=src python benchmarks/stage_throughput.py  # tiny, on the CPU: checks the script runs
+
+The node is a real roving process running ``node.StageNode`` for stage 1; this process plays the nodes
+before and after it: it sends every microbatch's activations (forward), takes the outputs back, then
+sends the gradients (backward) and takes the input gradients back, over roving's transport. Each
+round is timed from the first send to the last answer, so the node's figure includes receiving,
+moving activations to and from the device and sending. Plain PyTorch runs the same stage, with the same
+autocast, on the same device, in this process: the forwards of all microbatches, then the backwards.
+Target: the node's tokens per second within 10% of plain PyTorch's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import roving
+from roving.pipeline.model import preset
+from roving.pipeline.node import NodeSettings, node_main, pick_device
+from roving.pipeline.paths import Path
+from roving.pipeline.stages import Stage
+
+
+def plain(stage: Stage, device: str, bf16: bool, xs: list, gs: list, rounds: int) -> list[float]:
+    dev = torch.device(device)
+    times = []
+    for r in range(rounds + 1):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ins, outs = [], []
+        for x in xs:
+            xi = x.to(dev).requires_grad_(True)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+                outs.append(stage(xi))
+            ins.append(xi)
+        for y, g in zip(outs, gs):
+            y.backward(g.to(dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        if r:  # round 0 warms up
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def via_node(args, cfg, xs: list, gs: list) -> list[float]:
+    control, release, mine = roving.Queue(), roving.Queue(), roving.Queue()
+    s = NodeSettings("n1", 1, args.stages, cfg, 0, in_flight=len(xs), device=args.device, bf16=args.bf16,
+                     threads=args.threads)
+    proc = roving.Process(target=node_main, args=(s, control, release), name="stage1-n1", daemon=True)
+    proc.start()
+    try:
+        msg = control.get(timeout=300)
+        if msg[0] == "error":
+            raise RuntimeError(msg[2])
+        inbox = msg[2]
+        inbox.put(("peers", {"n1": inbox, "me": mine}))
+        path = Path("me", ("n1",), (1,))
+        times = []
+        for r in range(args.rounds + 1):
+            t0 = time.perf_counter()
+            for mb, x in enumerate(xs):
+                inbox.put(("fwd", r, mb, 0, x, path))
+            for _ in xs:
+                mine.get(timeout=300)
+            for mb, g in enumerate(gs):
+                inbox.put(("bwd", r, mb, 0, g, path))
+            for _ in gs:
+                mine.get(timeout=300)
+            if r:
+                times.append(time.perf_counter() - t0)
+        inbox.put(("stop",))
+        control.get(timeout=60)
+        inbox.qsize()
+        release.put(None)
+        return times
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = pick_device(args.device)
+    cfg = preset(args.model, max_seq_len=args.seq_len)
+    stage = Stage(cfg, 1, args.stages).to(device)
+    dtype = torch.bfloat16 if args.bf16 and device.startswith("cuda") else torch.float32
+    xs = [torch.randn(args.samples, args.seq_len, cfg.dim, dtype=dtype) for _ in range(args.microbatches)]
+    gs = [torch.randn_like(x) * 1e-3 for x in xs]
+    tokens = args.microbatches * args.samples * args.seq_len
+    base = plain(stage, device, args.bf16, xs, gs, args.rounds)
+    node = via_node(args, cfg, xs, gs)
+    b, n = tokens / statistics.median(base), tokens / statistics.median(node)
+    print(f"device {device}, model {args.model}, stage 1 of {args.stages} ({len(stage.layer_ids)} layers), "
+          f"{args.microbatches} microbatches of {args.samples}x{args.seq_len} tokens, bf16 {args.bf16}")
+    print(f"plain PyTorch: {b:,.0f} tokens/s   node over roving: {n:,.0f} tokens/s   ratio {n / b:.3f} "
+          f"(target >= 0.90)")
+
+
+if __name__ == "__main__":
+    main()
