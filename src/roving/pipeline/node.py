@@ -21,7 +21,8 @@ node -> coordinator (``control``)
   ("stepped", it, name, stats) ("state", name, stage, state_dict) ("error", name, traceback)
 
 Serving policy, as the simulator's: backward work (backward and loss) before forward work, then the
-task that arrived first, then the microbatch the plan ranks first. At most ``in_flight`` microbatches
+task that arrived first (the coordinator hands microbatches to their origins in the plan's priority
+order, so microbatches ready together are served in that order). At most ``in_flight`` microbatches
 are held (from the start of their forward here to the end of their backward here); a forward that would
 exceed it waits.
 """
@@ -44,7 +45,8 @@ from .stages import Stage
 
 log = logging.getLogger(__name__)
 
-FWD, LOSS, BWD = 1, 0, 0  # serving classes: 0 (backward work) goes before 1 (forward)
+#: serving classes: backward work (a backward, or the loss that starts one) before forward work.
+BACKWARD_WORK, FORWARD_WORK = 0, 1
 
 
 @dataclass(frozen=True)
@@ -125,10 +127,9 @@ class StageNode:
         fused = {"fused": True} if self.device.type == "cuda" else {}
         self.opt = torch.optim.AdamW(self.params, lr=s.lr, weight_decay=s.weight_decay, betas=s.betas, **fused)
         self.peers: Peers | None = None
-        self.pending: list[tuple] = []  # (class, arrival, rank, kind, message)
+        self.pending: list[tuple] = []  # (class, arrival, kind, message)
         self.arrivals = 0
         self.stash: dict[tuple[int, int], tuple] = {}
-        self.ranks: dict[tuple[int, int], int] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
         self.sync_order: dict[int, tuple[list[str], int]] = {}
         self._losses: dict[tuple[int, int], float] = {}
@@ -177,16 +178,12 @@ class StageNode:
     def _accept(self, msg: tuple) -> None:
         kind = msg[0]
         if kind in ("mb", "fwd", "bwd"):
-            it, mb = msg[1], msg[2]
-            if kind == "mb":
-                self.ranks[it, mb] = msg[3]
-                cls = FWD
-            elif kind == "fwd":
-                cls = LOSS if msg[3] == len(msg[5].nodes) else FWD
-            else:
-                cls = BWD
+            if kind == "fwd" and msg[3] < len(msg[5].nodes) or kind == "mb":
+                cls = FORWARD_WORK
+            else:  # a backward, or activations back at the origin for the loss
+                cls = BACKWARD_WORK
             self.arrivals += 1
-            self.pending.append((cls, self.arrivals, self.ranks.get((it, mb), 0), kind, msg))
+            self.pending.append((cls, self.arrivals, kind, msg))
         elif kind == "peers":
             self.peers = Peers(msg[1], self.s.emulate)
         elif kind == "sync":
@@ -211,14 +208,14 @@ class StageNode:
         room = len(self.stash) < self.s.in_flight
         for i, item in enumerate(self.pending):
             # a new forward here needs room; a forward at the origin that returns for the loss does not
-            if item[0] == FWD and not room:
+            if item[0] == FORWARD_WORK and not room:
                 continue
-            if best is None or item[:3] < self.pending[best][:3]:
+            if best is None or item[:2] < self.pending[best][:2]:
                 best = i
         if best is None:
             return None
         item = self.pending.pop(best)
-        return item[3], item[4]
+        return item[2], item[3]
 
     def _serve(self, kind: str, msg: tuple) -> None:
         if kind == "mb":
