@@ -128,3 +128,16 @@ def test_bad_runs_are_refused_before_any_node_starts(tmp_path):
     (tmp_path / "small.txt").write_text("Too short to train on. " * 5)
     with pytest.raises(DataError, match="corpus too small"):
         prepare(TrainConfig(**{**CFG, "corpus": [str(tmp_path / "small.txt")]}))
+
+
+def test_emulated_links_slow_an_iteration_to_what_the_simulator_predicts():
+    """With emulation on, the microbatch phase takes at least the time the links alone take (the
+    simulator with next to no compute), and not many times more."""
+    cfg = TrainConfig(**{**CFG, "nodes": 4, "stages": 3, "microbatches": 4, "emulate_network": True,
+                         "in_flight": 4, "speed": 1e-7})
+    prep = prepare(cfg)
+    assert prep.predicted_s > 0.15  # gcp12 links: about 100 ms a hop
+    with Trainer(prep) as t:
+        t.iteration(0)
+        phase = t.iteration(1)["compute_seconds"]
+    assert 0.9 * prep.predicted_s <= phase <= 3 * prep.predicted_s, (phase, prep.predicted_s)

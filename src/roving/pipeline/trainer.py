@@ -64,7 +64,8 @@ class TrainConfig:
     warmup: int = 5
     weight_decay: float = 0.1
     clip: float = 1.0
-    #: microbatches each node may hold in flight (the memory limit).
+    #: microbatches each node may hold in flight (the memory limit), for nodes whose entry in a nodes
+    #: file gives neither memory nor memory_mb; otherwise the node's own (as the simulator has it).
     in_flight: int = 4
     eval_every: int = 10
     eval_batches: int = 16
@@ -280,7 +281,8 @@ class Trainer:
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             emulate = ({o: net.link(name, o) for o in self.alloc if o != name}
                        if self.c.emulate_network else None)
-            s = NodeSettings(name, stage, self.c.stages, self.p.model, self.c.seed, self.c.in_flight,
+            limit = net.node(name).in_flight(stage, self.p.spec, self.c.stages)
+            s = NodeSettings(name, stage, self.c.stages, self.p.model, self.c.seed, limit,
                              lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
                              bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate)
             proc = roving.Process(target=node_main, args=(s, self.control, self.release), name=f"stage{stage}-{name}",
