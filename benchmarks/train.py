@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -107,6 +108,16 @@ def summary(results: dict[str, dict], iterations: int) -> str:
         t = m["evaluations"][-1]["train_seconds_total"]
         mine, theirs = m["evaluations"][-1]["val_loss"], val_at_seconds(full, t)
         rows.append(f"| {name} | {t:.1f} | {mine:.4f} | {theirs:.4f} | {100 * (mine / theirs - 1):+.1f}% |")
+    rows.append("")
+    rows.append("Stages dropped at inference (SkipPipe's robustness claim): final validation loss of the whole model "
+                "and with every other stage after 0 dropped (half of the droppable stages):")
+    rows.append("")
+    rows.append("| run | dropped stages | val loss, all stages | val loss, dropped | perplexity increase |")
+    rows.append("|---|---|---|---|---|")
+    for name, m in results.items():
+        e = m["evaluations"][-1]
+        rows.append(f"| {name} | {e['dropped_stages']} | {e['val_loss']:.4f} | {e['val_loss_half_stages_dropped']:.4f} | "
+                    f"{100 * (math.exp(e['val_loss_half_stages_dropped'] - e['val_loss']) - 1):+.1f}% |")
     return "\n".join(rows)
 
 

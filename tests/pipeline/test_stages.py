@@ -59,3 +59,20 @@ def test_a_skip_path_runs_only_the_stages_it_names():
     run_path(stages, [2, 1], tokens, tokens).backward()  # swapped order, stage 3 skipped
     assert all(p.grad is not None for p in stages[1].parameters())
     assert all(p.grad is None for p in stages[3].parameters())
+
+
+def test_dropping_stages_runs_the_kept_layers_as_a_path_would():
+    from roving.pipeline.evaluate import half_of_the_stages, kept_layers, validation_loss
+
+    cfg = preset("tiny", n_layers=6)
+    whole = Llama(cfg, seed=2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16))
+    targets = torch.randint(0, cfg.vocab_size, (2, 16))
+    assert half_of_the_stages(6) == [1, 3, 5]
+    assert kept_layers(whole, 6, [1, 3, 5]) == [0, 2, 4]
+    stages = _split(cfg, 6, seed=2)
+    want = run_path(stages, [2, 4], tokens, targets).item()
+    assert abs(validation_loss(whole, [(tokens, targets)], [0, 2, 4]) - want) < 1e-5
+    assert abs(validation_loss(whole, [(tokens, targets)]) - whole(tokens, targets)[1].item()) < 1e-5
+    with pytest.raises(ValueError, match="stage 0"):
+        kept_layers(whole, 6, [0])

@@ -31,6 +31,7 @@ import torch
 
 from .costs import ModelSpec, PlanError
 from .data import Corpus, load_corpus, train_batches, val_batches
+from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Block, Llama, LlamaConfig, preset
 from .network import Network, build_network
 from .node import NodeSettings, node_main, pick_device
@@ -432,15 +433,15 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, it: int) -> dict:
         """Validation loss and perplexity of the whole model (one replica of each stage, merged), on
-        the coordinator's device."""
+        the coordinator's device; and the loss with every other stage after 0 dropped
+        (``evaluate.half_of_the_stages``)."""
         device = torch.device(pick_device(self.c.device))
         model = self.full_model().to(device).eval()
-        total = 0.0
-        for tokens, targets in self._val:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.c.bf16):
-                total += model(tokens.to(device), targets.to(device))[1].item()
-        val = total / len(self._val)
-        rec = {"iteration": it, "val_loss": val, "perplexity": math.exp(min(val, 50.0)),
+        val = validation_loss(model, self._val, bf16=self.c.bf16)
+        drop = half_of_the_stages(self.c.stages)
+        dropped = validation_loss(model, self._val, kept_layers(model, self.c.stages, drop), bf16=self.c.bf16)
+        rec = {"iteration": it, "val_loss": val, "perplexity": perplexity(val),
+               "val_loss_half_stages_dropped": dropped, "dropped_stages": drop,
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
         self._last_model = model.cpu()

@@ -1,0 +1,47 @@
+"""Validation loss of the whole model, or of the model with some stages dropped (SkipPipe's claim: a
+model trained with stages skipped keeps working when stages are missing at inference)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+
+from .model import Llama
+from .stages import layer_ranges
+
+
+def kept_layers(model: Llama, stages: int, drop: Iterable[int]) -> list[int]:
+    """The layers left when ``drop`` (stage indices, never 0) are removed from the split into ``stages``."""
+    drop = set(drop)
+    if 0 in drop:
+        raise ValueError("stage 0 holds the embedding and head: it cannot be dropped")
+    return [i for s, r in enumerate(layer_ranges(model.cfg, stages)) if s not in drop for i in r]
+
+
+def half_of_the_stages(stages: int) -> list[int]:
+    """Every other stage after 0 (1, 3, 5, ...): half of the droppable stages, spread over the depth."""
+    return list(range(1, stages, 2))
+
+
+@torch.no_grad()
+def validation_loss(model: Llama, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                    layers: Sequence[int] | None = None, bf16: bool = False) -> float:
+    """Mean loss over ``batches``, running only ``layers`` (all when None), in order."""
+    device = next(model.parameters()).device
+    chosen = range(model.cfg.n_layers) if layers is None else layers
+    total = 0.0
+    for tokens, targets in batches:
+        tokens, targets = tokens.to(device), targets.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            h = model.tok_embeddings(tokens)
+            for i in chosen:
+                h = model.layers[i](h, model.rope_cos, model.rope_sin)
+            logits = model.output(model.norm(h))
+        total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
+    return total / len(batches)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
