@@ -15,7 +15,7 @@ import io
 import pickle
 import sys
 import types
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import cloudpickle
 
@@ -118,6 +118,48 @@ def _reduce_tensor(tensor: Any) -> Any:
     return _rebuild_tensor, (array, dtype_name, tuple(tensor.shape), tensor.requires_grad)
 
 
+# The globals that every function of the parent's ``__main__`` shares in this process. multiprocessing's
+# spawned children re-import the main script, so all its functions see one module namespace: what a
+# Pool initializer sets is what the task function reads. Functions that arrive by value get the same.
+_main_globals: Dict[str, Any] = {"__name__": "__main__"}
+
+
+def _load_main_function(data: bytes) -> types.FunctionType:
+    """Rebuild a ``__main__`` function so that it shares this process's one ``__main__`` namespace.
+
+    A name already in that namespace keeps its value here (the first value to arrive, or whatever code in
+    this process set it since); new names are added. The function and the ``__main__`` functions that
+    came with it are rebound to the shared namespace.
+    """
+    func = cloudpickle.loads(data)
+    arrived = func.__globals__
+    if arrived is _main_globals:
+        return func
+    rebound: Dict[int, types.FunctionType] = {}
+
+    def rebind(f: types.FunctionType) -> types.FunctionType:
+        if f.__globals__ is not arrived:
+            return f
+        if id(f) not in rebound:
+            new = types.FunctionType(f.__code__, _main_globals, f.__name__, f.__defaults__, f.__closure__)
+            new.__kwdefaults__ = f.__kwdefaults__
+            new.__qualname__ = f.__qualname__
+            new.__module__ = f.__module__
+            new.__dict__.update(f.__dict__)
+            new.__annotations__ = f.__annotations__
+            rebound[id(f)] = new
+        return rebound[id(f)]
+
+    for name, value in arrived.items():
+        if isinstance(value, types.FunctionType):
+            value = rebind(value)
+        current = _main_globals.get(name)
+        if name not in _main_globals or (isinstance(current, types.FunctionType)
+                                         and current.__globals__ is not _main_globals):
+            _main_globals[name] = value
+    return rebind(func)
+
+
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         global _ndarray
@@ -132,6 +174,8 @@ class _Pickler(pickle.Pickler):
                 obj = memoryview(obj.tobytes())
             return _rebuild_memoryview, (pickle.PickleBuffer(obj), obj.format, obj.shape)
         if isinstance(obj, (types.FunctionType, type)) and _by_value(obj):
+            if kind is types.FunctionType and getattr(obj, "__module__", None) == "__main__":
+                return _load_main_function, (cloudpickle.dumps(obj, protocol=5),)
             return cloudpickle.loads, (cloudpickle.dumps(obj, protocol=5),)
         if kind.__module__ == "torch" and kind.__name__ in ("Tensor", "Parameter"):
             return _reduce_tensor(obj)
