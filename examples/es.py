@@ -260,7 +260,8 @@ def main(argv: Optional[List[str]] = None) -> dict:
 
 if __name__ == "__main__":
     # Run as the module ``es``: pool workers (which take on our sys.path) then import these functions by
-    # reference and keep their state in one module's globals. Functions of ``__main__`` would travel by
-    # value, each with its own copy of the globals, and evaluate() would not see what init_worker() set.
+    # reference instead of receiving them by value, which keeps each task message small. (Functions of
+    # ``__main__`` would work too: in a worker they share one namespace, so evaluate() sees what
+    # init_worker() set.)
     import es
     es.main()
