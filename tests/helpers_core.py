@@ -47,3 +47,19 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def start(target, *args, **kwargs):
+    """A started roving.Process running ``target(*args)``; keyword arguments go to Process."""
+    import roving
+
+    p = roving.Process(target=target, args=args, **kwargs)
+    p.start()
+    return p
+
+
+def finish(*procs):
+    """Join each process and assert that it ended with exit code 0."""
+    for p in procs:
+        p.join(TIMEOUT)
+        assert p.exitcode == 0, p

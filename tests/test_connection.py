@@ -8,13 +8,7 @@ import pytest
 
 import helpers_targets as h
 import roving
-from helpers_core import TIMEOUT
-
-
-def start(target, *args, **kwargs):
-    p = roving.Process(target=target, args=args, **kwargs)
-    p.start()
-    return p
+from helpers_core import TIMEOUT, start
 
 
 def recv(conn):

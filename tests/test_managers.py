@@ -12,19 +12,7 @@ import pytest
 import roving
 from roving import managers
 from roving.managers import AsyncManager, BaseManager, BaseProxy, ServerGone, SyncManager
-from helpers_core import TIMEOUT
-
-
-def start(target, *args):
-    p = roving.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def finish(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, p
+from helpers_core import TIMEOUT, finish, start
 
 
 # -- targets run in children ---------------------------------------------------------------------

@@ -14,13 +14,7 @@ import pytest
 
 import helpers_targets as h
 import roving
-from helpers_core import TIMEOUT, read_log, run_script
-
-
-def start(target, *args, **kwargs):
-    p = roving.Process(target=target, args=args, **kwargs)
-    p.start()
-    return p
+from helpers_core import TIMEOUT, read_log, run_script, start
 
 
 def test_start_join_and_exitcode_zero_with_result_through_queue():

@@ -9,19 +9,7 @@ import pytest
 
 import helpers_targets as h
 import roving
-from helpers_core import TIMEOUT
-
-
-def start(target, *args, **kwargs):
-    p = roving.Process(target=target, args=args, **kwargs)
-    p.start()
-    return p
-
-
-def finish(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, p
+from helpers_core import TIMEOUT, finish, start
 
 
 # -- one process -------------------------------------------------------------------------------

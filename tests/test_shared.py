@@ -13,21 +13,9 @@ import numpy as np
 import pytest
 
 import roving
-from helpers_core import TIMEOUT, run_script
+from helpers_core import TIMEOUT, finish, run_script, start
 
 _shared = importlib.import_module("roving.shared")  # the module; roving.shared is the function
-
-
-def start(target, *args):
-    p = roving.Process(target=target, args=args)
-    p.start()
-    return p
-
-
-def finish(*procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        assert p.exitcode == 0, p
 
 
 def segments(token):
