@@ -3,9 +3,10 @@
 # Docker engine, both real), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null; then
+# jargon-text: the Jargon File, public-domain English prose for the SkipPipe training tests' corpus
+if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text
 fi
 export ROVING_APT_UPDATED=1
 bash scripts/install.sh
