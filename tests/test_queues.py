@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import helpers_targets as h
 import roving
+import roving.transport.session
 from helpers_core import TIMEOUT, finish, start
 
 
@@ -309,3 +311,26 @@ def test_task_done_called_too_often_raises_value_error():
         jq.task_done()
     with pytest.raises(ValueError):
         roving.JoinableQueue().task_done()
+
+
+def test_an_item_for_a_reader_killed_while_waiting_goes_to_the_next_reader():
+    q = roving.Queue()
+    p = start(h.echo_once, q, roving.Queue())  # blocks in q.get() until killed
+    assert wait_for_waiting_reader(q, p)
+    p.kill()
+    p.join(TIMEOUT)
+    time.sleep(0.5)  # let the node see the connection close
+    q.put("item")
+    assert q.get(timeout=TIMEOUT) == "item"
+
+
+def wait_for_waiting_reader(q, p, timeout=TIMEOUT):
+    """True once the child has sent its get() (the queue's owner holds it as a waiting reader)."""
+    node = roving.transport.session.current().node()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with node.lock:
+            if node.boxes[q._box].getters:
+                return True
+        time.sleep(0.02)
+    return False

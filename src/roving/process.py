@@ -184,7 +184,7 @@ class Process:
 
     def is_alive(self) -> bool:
         self._check_closed()
-        if self is _main_process:
+        if self is _current:  # the main process, or a child asking about itself
             return True
         if self._job is None or self._exitcode is not None:
             return False
@@ -215,6 +215,7 @@ class Process:
                 raise ValueError("Cannot close a process while it is still running. "
                                  "You should first call join() or terminate().")
             _reaper().forget(self)
+            self._backend.forget(self._job)
         self._closed = True
 
     def _finished(self, code: Optional[int]) -> None:

@@ -216,6 +216,9 @@ class Backend(abc.ABC):
             time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
 
+    def forget(self, job: Job) -> None:
+        """Drop what this backend keeps about a job that has ended and whose Process was closed."""
+
     def sentinel(self, job: Job) -> int:
         """A file descriptor that becomes readable when the job ends. The caller closes it."""
         read_fd, write_fd = os.pipe()

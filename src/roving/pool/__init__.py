@@ -464,8 +464,10 @@ class Pool:
                 self._wake.clear()
                 if not self._upkeep_once():
                     return
-        except Exception:
+        except Exception as exc:
             log.exception("roving pool: the upkeep thread failed")
+            # nobody would deliver results any more: fail what is pending rather than hang get()
+            self._disp.fail_all(f"the pool's upkeep thread failed: {exc!r}")
         finally:
             unregister(self._disp)
             self._runner.stop(5.0)
@@ -493,6 +495,7 @@ class Pool:
                 elif w.ident is not None:
                     self._failures = 0
             self._disp.worker_lost(w, code)
+            w.proc.close()  # its sentinel and job handle; a long-lived pool recycles many workers
         if state == TERMINATE:
             with self._lock:
                 workers = list(self._workers.values())

@@ -172,6 +172,9 @@ class _Loop:
     def _leave(self) -> None:
         if not self.leaving:
             self.leaving = True
+            # Results first: the channel keeps order, so the parent's ACK then means it has them all,
+            # and the worker's exit cannot be taken for a loss of work it already finished.
+            self.results.flush()
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:

@@ -85,15 +85,19 @@ def _context() -> zmq.Context:
 
 
 class _RemoteWaiter(Waiter):
-    __slots__ = ("node", "ident", "req_id")
+    __slots__ = ("node", "ident", "req_id", "box_id")
 
-    def __init__(self, node: "Node", ident: bytes, req_id: int) -> None:
+    def __init__(self, node: "Node", ident: bytes, req_id: int, box_id: int) -> None:
         super().__init__()
-        self.node, self.ident, self.req_id = node, ident, req_id
+        self.node, self.ident, self.req_id, self.box_id = node, ident, req_id, box_id
 
     def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
         self.done = True
-        self.node._reply(self.ident, self.req_id, status, frames)
+        returned = None
+        if status == OK and frames:
+            # An item handed to a reader whose process has gone goes back to the front of its mailbox.
+            returned = (self.box_id, frames)
+        self.node._post([self.ident, _REPLY.pack(self.req_id, status), *(frames or ())], returned)
 
 
 class Node:
@@ -101,7 +105,7 @@ class Node:
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None) -> None:
         self.secret = secret
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # re-entered when an undeliverable item is put back
         self.boxes: Dict[int, Mailbox] = {}
         self._ids = itertools.count(1)
         self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
@@ -109,6 +113,10 @@ class Node:
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
+        # Sending to a peer that has gone raises instead of dropping silently, so no item is lost there;
+        # no high-water mark, so that the I/O thread never blocks on a slow peer (requests bound the load).
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.SNDHWM, 0)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertise or host}:{port}"
         # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
@@ -214,12 +222,30 @@ class Node:
         return waiter.status, waiter.frames
 
     # -- I/O thread --------------------------------------------------------------------------
-    def _post(self, frames: Frames) -> None:
+    def _post(self, frames: Frames, returned: Optional[Tuple[int, Frames]] = None) -> None:
+        """Send ``frames`` (thread-safe). ``returned``: (box, item) to put back if the peer has gone."""
         if threading.get_ident() == self._thread.ident:
-            send_frames(self._router, frames)
+            self._send(frames, returned)
             return
-        self._outbox.append(frames)
+        self._outbox.append((frames, returned))
         self._wake()
+
+    def _send(self, frames: Frames, returned: Optional[Tuple[int, Frames]] = None) -> None:
+        try:
+            send_frames(self._router, frames)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("roving node: a peer left before its answer")
+            if returned is not None:
+                with self.lock:
+                    box = self.boxes.get(returned[0])
+                    if box is not None:
+                        box.put_front(returned[1])
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            self._send(*self._outbox.popleft())
 
     def _wake(self) -> None:
         if not self._wake_pending:
@@ -228,9 +254,6 @@ class Node:
                 os.write(self._wake_w, b"x")
             except BlockingIOError:  # the pipe is full of wake-ups already
                 pass
-
-    def _reply(self, ident: bytes, req_id: int, status: int, frames: Optional[Frames]) -> None:
-        self._post([ident, _REPLY.pack(req_id, status), *(frames or ())])
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -253,8 +276,7 @@ class Node:
                     os.read(wake, 4096)
                 except BlockingIOError:
                     pass
-            while self._outbox:
-                send_frames(router, self._outbox.popleft())
+            self._flush_outbox()
             if router in ready:
                 for _ in range(256):
                     try:
@@ -265,8 +287,7 @@ class Node:
                         self._handle(frames)
                     except Exception:  # a bad message must never stop the node
                         log.exception("roving node: dropped a message that could not be handled")
-                while self._outbox:
-                    send_frames(router, self._outbox.popleft())
+                self._flush_outbox()
             if self._deadlines:
                 self._expire()
 
@@ -290,14 +311,14 @@ class Node:
             handler(ident, frames[2:])
             return
         if op == PING:
-            self._router.send_multipart([ident, _REPLY.pack(_HEADER.unpack(frames[2].bytes)[1], OK)])
+            self._send([ident, _REPLY.pack(_HEADER.unpack(frames[2].bytes)[1], OK)])
             return
         if len(frames) < 3 or len(frames[2]) != _HEADER.size:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         box_id, req_id, timeout = _HEADER.unpack(frames[2].bytes)
         payload = frames[3:]
-        waiter = _RemoteWaiter(self, ident, req_id)
+        waiter = _RemoteWaiter(self, ident, req_id, box_id)
         with self.lock:
             status, out = self.dispatch(op, box_id, timeout, payload, waiter)
             if status == -1:
@@ -306,7 +327,8 @@ class Node:
                                                      waiter, _TIMEOUT_STATUS.get(op, EMPTY)))
                 return
         if op not in NO_REPLY:
-            send_frames(self._router, [ident, _REPLY.pack(req_id, status), *(out or ())])
+            item = (box_id, out) if op == GET and status == OK and out else None
+            self._send([ident, _REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
 
@@ -318,16 +340,16 @@ class Node:
             while len(self._handshakes) > _MAX_PENDING_HANDSHAKES:
                 self._handshakes.popitem(last=False)
             proof = auth.server_proof(self.secret, client_nonce, server_nonce)
-            self._router.send_multipart([ident, _CHALLENGE, server_nonce, proof])
+            self._send([ident, _CHALLENGE, server_nonce, proof])
             return
         if kind == _PROOF and len(frames) == 2 and ident in self._handshakes:
             client_nonce, server_nonce = self._handshakes.pop(ident)
             if auth.verify(auth.client_proof(self.secret, client_nonce, server_nonce), frames[1].bytes):
                 self._authenticated.add(ident)
-                self._router.send_multipart([ident, _WELCOME])
+                self._send([ident, _WELCOME])
                 return
             log.warning("roving node %s: a peer failed authentication; it is ignored", self.address)
-            self._router.send_multipart([ident, _DENIED])
+            self._send([ident, _DENIED])
             return
         log.warning("roving node %s: dropped %d frame(s) from a peer that has not authenticated",
                     self.address, len(frames))
