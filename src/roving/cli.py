@@ -88,20 +88,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_image(cfg) -> str:
-    from .backends.docker import DockerBackend
+    import re
+
+    from .backends.docker import DockerBackend, _sdk
 
     if not os.path.exists("Dockerfile"):
         raise OSError("--build needs a Dockerfile in the working directory (deploy/Dockerfile is an example)")
-    name = os.path.basename(os.getcwd()).lower() or "app"
+    # an image name allows only [a-z0-9._-], starting with a letter or digit
+    name = re.sub(r"[^a-z0-9._-]+", "-", os.path.basename(os.getcwd()).lower()).lstrip("._-") or "app"
     tag = f"{cfg.registry.rstrip('/')}/roving-{name}:latest" if cfg.registry else f"roving-{name}:latest"
     client = DockerBackend().client()
     print(f"roving: building {tag} from ./Dockerfile", file=sys.stderr)
-    client.images.build(path=".", tag=tag, buildargs={"WORKDIR": os.getcwd()}, rm=True)
+    try:
+        client.images.build(path=".", tag=tag, buildargs={"WORKDIR": os.getcwd()}, rm=True)
+    except _sdk().errors.DockerException as exc:
+        raise OSError(f"the build of {tag} from ./Dockerfile failed: {exc}") from None
     if cfg.registry:
         print(f"roving: pushing {tag}", file=sys.stderr)
-        for line in client.images.push(tag, stream=True, decode=True):
-            if "error" in line:
-                raise OSError(f"push of {tag} failed: {line['error']}")
+        try:
+            for line in client.images.push(tag, stream=True, decode=True):
+                if "error" in line:
+                    raise OSError(f"push of {tag} failed: {line['error']}")
+        except _sdk().errors.DockerException as exc:
+            raise OSError(f"push of {tag} failed: {exc}") from None
     return tag
 
 
