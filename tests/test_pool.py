@@ -12,18 +12,13 @@ import pytest
 
 import roving
 import helpers_pool as h
-from helpers_core import pid_running
+from helpers_core import pid_running, wait_until
 
 T = 60  # bound on every wait in these tests
 
 
-def _wait_for(predicate, timeout=T, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
+def _wait_for(predicate, timeout=T):
+    return wait_until(predicate, timeout)
 
 
 def _live_workers(pool):

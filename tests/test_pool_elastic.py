@@ -13,17 +13,13 @@ import roving.pool
 from roving import backends
 from roving.pool._progress import Progress
 import helpers_pool as h
+from helpers_core import wait_until
 
 T = 60
 
 
-def _wait_for(predicate, timeout=T, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
+def _wait_for(predicate, timeout=T):
+    return wait_until(predicate, timeout)
 
 
 def _live(pool):
