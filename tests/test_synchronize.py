@@ -9,7 +9,7 @@ import pytest
 
 import roving
 from roving import _rpc
-from helpers_core import TIMEOUT, finish, start
+from helpers_core import TIMEOUT, finish, start, wait_until
 
 
 # -- targets run in children (imported by reference from this module) ---------------------------
@@ -281,3 +281,26 @@ def test_a_primitive_whose_home_process_ended_raises_promptly_instead_of_hanging
     with pytest.raises(_rpc.ServerGone):
         lock.release()
     assert time.monotonic() - t0 < 1
+
+
+def test_a_lock_handed_to_a_waiter_killed_while_waiting_is_taken_back():
+    for make in (roving.Lock, roving.RLock, lambda: roving.Semaphore(1)):
+        lock = make()
+        assert lock.acquire()
+        p = start(try_acquire, lock, None, roving.Queue())  # blocks until killed
+        waiting = _rpc_home_waiters(lock)
+        assert wait_until(lambda: waiting() > 0, TIMEOUT), "the child never started waiting"
+        p.kill()
+        p.join(TIMEOUT)
+        time.sleep(0.5)  # let the home see the connection close
+        lock.release()  # hands the lock to the dead waiter: it must come back
+        assert lock.acquire(timeout=5), f"{make}: the lock went to a process that had gone"
+        lock.release()
+
+
+def _rpc_home_waiters(lock):
+    """A function counting the processes waiting on ``lock`` at its home (this process)."""
+    from roving import synchronize
+
+    objects = synchronize.home().objects
+    return lambda: len(objects[lock._id].queue)

@@ -183,5 +183,7 @@ class Server:
     def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
         raise NotImplementedError
 
-    def answer(self, ident: bytes, req_id: int, status: int, frames: List[Any] = ()) -> None:
-        self.node.send_to(ident, [ANS.pack(req_id, status), *frames])
+    def answer(self, ident: bytes, req_id: int, status: int, frames: List[Any] = (),
+               undeliverable: Optional[Callable[[], None]] = None) -> None:
+        """Answer a request; ``undeliverable()`` runs if the asker's process has gone."""
+        self.node.send_to(ident, [ANS.pack(req_id, status), *frames], undeliverable)

@@ -119,7 +119,14 @@ class _Sem:
         while self.queue and self._free():
             w = self.queue.popleft()
             self._take(w.who, w.count)
-            home.fulfil(w, _rpc.OK, w.result)
+            home.fulfil(w, _rpc.OK, w.result, undeliverable=lambda w=w: self._take_back(home, w))
+
+    def _take_back(self, home: "_Home", w: _Waiter) -> None:
+        """The waiter's process left before the grant reached it: release in its name."""
+        with home.lock:
+            if self.kind in ("lock", "rlock") and self.owner != w.who:
+                return
+            self.release(home, w.who, full=True)
 
     def info(self) -> Tuple[Any, ...]:
         return self.kind, self.value, self.owner, self.count, len(self.queue)
@@ -272,9 +279,10 @@ class _Home(_rpc.Server):
         heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
         self._timer_wake.notify()
 
-    def fulfil(self, w: _Waiter, status: int, result: Any) -> None:
+    def fulfil(self, w: _Waiter, status: int, result: Any,
+               undeliverable: Optional[Callable[[], None]] = None) -> None:
         w.done = True
-        self.answer(w.ident, w.req_id, status, [pickle.dumps(result)])
+        self.answer(w.ident, w.req_id, status, [pickle.dumps(result)], undeliverable)
 
     def _run_timers(self) -> None:
         with self.lock:

@@ -18,6 +18,7 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import logging
@@ -93,11 +94,11 @@ class _RemoteWaiter(Waiter):
 
     def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
         self.done = True
-        returned = None
+        undeliverable = None
         if status == OK and frames:
             # An item handed to a reader whose process has gone goes back to the front of its mailbox.
-            returned = (self.box_id, frames)
-        self.node._post([self.ident, _REPLY.pack(self.req_id, status), *(frames or ())], returned)
+            undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
+        self.node._post([self.ident, _REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
 class Node:
@@ -105,7 +106,7 @@ class Node:
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None) -> None:
         self.secret = secret
-        self.lock = threading.RLock()  # re-entered when an undeliverable item is put back
+        self.lock = threading.Lock()
         self.boxes: Dict[int, Mailbox] = {}
         self._ids = itertools.count(1)
         self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
@@ -129,6 +130,7 @@ class Node:
         self._authenticated: set = set()
         self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
         self._at_close: List[Callable[[], None]] = []
+        self._undeliverable: List[Callable[[], None]] = []
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
@@ -151,9 +153,14 @@ class Node:
         """
         self._handlers[op] = handler
 
-    def send_to(self, ident: bytes, frames: Frames) -> None:
-        """Send ``frames`` to an authenticated peer; thread-safe."""
-        self._post([ident, *frames])
+    def send_to(self, ident: bytes, frames: Frames,
+                undeliverable: Optional[Callable[[], None]] = None) -> None:
+        """Send ``frames`` to an authenticated peer; thread-safe.
+
+        If the peer has gone, ``undeliverable()`` runs on the I/O thread, outside every lock, so that
+        what the message handed over (an item, a lock) can be taken back.
+        """
+        self._post([ident, *frames], undeliverable)
 
     def at_close(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` when the node closes: when this process's session ends, also in a child (whose
@@ -222,26 +229,37 @@ class Node:
         return waiter.status, waiter.frames
 
     # -- I/O thread --------------------------------------------------------------------------
-    def _post(self, frames: Frames, returned: Optional[Tuple[int, Frames]] = None) -> None:
-        """Send ``frames`` (thread-safe). ``returned``: (box, item) to put back if the peer has gone."""
+    def _post(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
+        """Send ``frames`` (thread-safe); see :meth:`send_to` for ``undeliverable``."""
         if threading.get_ident() == self._thread.ident:
-            self._send(frames, returned)
+            self._send(frames, undeliverable)
             return
-        self._outbox.append((frames, returned))
+        self._outbox.append((frames, undeliverable))
         self._wake()
 
-    def _send(self, frames: Frames, returned: Optional[Tuple[int, Frames]] = None) -> None:
+    def _send(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
         try:
             send_frames(self._router, frames)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
             log.debug("roving node: a peer left before its answer")
-            if returned is not None:
-                with self.lock:
-                    box = self.boxes.get(returned[0])
-                    if box is not None:
-                        box.put_front(returned[1])
+            if undeliverable is not None:
+                # Run later, on this thread and outside every lock: the sender may hold its own.
+                self._undeliverable.append(undeliverable)
+
+    def _put_back(self, box_id: int, frames: Frames) -> None:
+        with self.lock:
+            box = self.boxes.get(box_id)
+            if box is not None:
+                box.put_front(frames)
+
+    def _run_undeliverable(self) -> None:
+        while self._undeliverable:
+            try:
+                self._undeliverable.pop(0)()
+            except Exception:
+                log.exception("roving node: taking back an undeliverable message failed")
 
     def _flush_outbox(self) -> None:
         while self._outbox:
@@ -290,6 +308,9 @@ class Node:
                 self._flush_outbox()
             if self._deadlines:
                 self._expire()
+            if self._undeliverable:
+                self._run_undeliverable()
+                self._flush_outbox()
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -327,7 +348,9 @@ class Node:
                                                      waiter, _TIMEOUT_STATUS.get(op, EMPTY)))
                 return
         if op not in NO_REPLY:
-            item = (box_id, out) if op == GET and status == OK and out else None
+            item = None
+            if op == GET and status == OK and out:
+                item = functools.partial(self._put_back, box_id, out)
             self._send([ident, _REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
