@@ -266,3 +266,16 @@ def test_child_sends_bytes_with_offset_and_size():
     assert r.poll(TIMEOUT)
     assert r.recv_bytes() == b"cdef"
     p.join(TIMEOUT)
+
+
+def test_a_transit_release_that_overtakes_its_hold_still_ends_in_eof():
+    """A pipe end sent through a third process is held by the sender and released by the receiver over
+    two connections; if the release arrives first, the reader must still see end-of-file."""
+    from roving.transport.mailbox import EOF, Mailbox
+
+    box = Mailbox(track_writers=True)
+    box.hold(b"uid-parent")
+    box.release(b"transit-0123")  # the receiver's release arrives first
+    box.hold(b"transit-0123")     # then the sender's hold
+    box.release(b"uid-parent")
+    assert box.get()[0] == EOF

@@ -15,6 +15,7 @@ from . import process as _process
 from .queues import raise_error, wait_time
 from .transport import node as _node
 from .transport import session as _session
+from .transport.mailbox import TRANSIT
 from .transport.serialize import dumps, loads
 
 __all__ = ["Pipe", "Connection"]
@@ -61,7 +62,7 @@ class Connection:
         self._check_closed()
         # Hold the writing end in the receiver's name before this copy leaves, so that the sender
         # closing its own copy right after cannot look like end-of-file to the reader.
-        holder = _process.pickling_for() or ("transit-" + os.urandom(8).hex())
+        holder = _process.pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
         self._hold(holder)
         return self._address, self._inbox, self._outbox, holder
 

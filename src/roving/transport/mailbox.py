@@ -16,6 +16,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 Frames = List[Any]
 
+#: Holder keys of pipe ends in transit between processes start with this.
+TRANSIT = b"transit-"
+
 # Reply statuses, shared with the wire protocol.
 OK, EMPTY, FULL, EOF, ERROR = 0, 1, 2, 3, 4
 
@@ -68,6 +71,7 @@ class Mailbox:
         # Pipes: who may still write. End-of-file once nobody can and nothing is left.
         self.track_writers = track_writers
         self.writers: Dict[Any, int] = {}
+        self.released_early: set = set()
 
     # -- state ---------------------------------------------------------------------------------
     def full(self) -> bool:
@@ -169,9 +173,17 @@ class Mailbox:
     # -- pipe ends -----------------------------------------------------------------------------
     def hold(self, key: Any) -> None:
         """``key`` (a process) can write: readers wait instead of seeing end-of-file."""
+        if key in self.released_early:
+            self.released_early.discard(key)  # its release overtook it: nothing is held
+            return
         self.writers[key] = self.writers.get(key, 0) + 1
 
     def release(self, key: Any, all_holds: bool = False) -> None:
+        if key not in self.writers and key.startswith(TRANSIT):
+            # A pipe end in transit is held by its sender and released by its receiver, over two
+            # different connections: the release can arrive first. Remember it for the hold.
+            self.released_early.add(key)
+            return
         count = self.writers.get(key, 0)
         if count <= 1 or all_holds:
             self.writers.pop(key, None)
