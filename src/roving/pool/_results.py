@@ -9,6 +9,7 @@ import collections
 import logging
 import queue
 import threading
+import time
 from multiprocessing import ProcessError, TimeoutError
 from typing import Any, Callable, Dict, List, Optional
 
@@ -166,6 +167,8 @@ class IMapIterator:
         return self._ready.pop(self._next, None)
 
     def next(self, timeout: Optional[float] = None) -> Any:
+        """The next result; multiprocessing.TimeoutError if none is ready within ``timeout`` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
                 if self._length is not None and self._next >= self._length:
@@ -173,7 +176,8 @@ class IMapIterator:
                 got = self._take()
                 if got is not None:
                     break
-                if not self._cond.wait(timeout):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0 or not self._cond.wait(left):
                     raise TimeoutError
             self._next += 1
         ok, value = got
