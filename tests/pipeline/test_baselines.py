@@ -87,3 +87,57 @@ def test_count_candidates_keep_every_stage_held_and_the_node_total():
         assert cands[0] == counts
         for c in cands:
             assert sum(c) == sum(counts) and min(c) >= 1
+
+
+def _by_permutations(cost):
+    """The reference: every permutation, least (largest entry, total), the first such in order."""
+    import itertools
+    best = None
+    for perm in itertools.permutations(range(len(cost))):
+        c = [cost[i][j] for i, j in enumerate(perm)]
+        val = (max(c), sum(c))
+        if best is None or val < best[0]:
+            best = (val, perm)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_bottleneck_matching_equals_trying_every_permutation(seed):
+    import math
+    import random
+    from roving.pipeline.dtfm import bottleneck_matching
+    rng = random.Random(seed)
+    n = rng.randint(1, 6)
+    if seed % 2:  # continuous costs: the optimum is unique, so the matching itself must agree
+        cost = [[rng.uniform(0.1, 10.0) for _ in range(n)] for _ in range(n)]
+    else:  # few distinct costs: many ties, the bottleneck and total must agree
+        cost = [[float(rng.randint(1, 4)) for _ in range(n)] for _ in range(n)]
+    (ref_max, ref_sum), ref_perm = _by_permutations(cost)
+    b, perm = bottleneck_matching(cost)
+    assert sorted(perm) == list(range(n))
+    assert b == ref_max
+    assert max(cost[i][j] for i, j in enumerate(perm)) == ref_max
+    assert math.isclose(sum(cost[i][j] for i, j in enumerate(perm)), ref_sum, rel_tol=1e-12)
+    if seed % 2:
+        assert perm == ref_perm
+
+
+def test_dtfm_edge_of_groups_of_ten_and_twenty_is_fast():
+    import time
+    net = build_network("gcp12", 40)
+    costs = _Costs(net, model_preset("llama-1.5b"), 2, 20, 80)
+    names = net.names
+    t = time.perf_counter()
+    costs.edge(tuple(names[:10]), tuple(names[10:20]))
+    costs.edge(tuple(names[:20]), tuple(names[20:]))
+    assert time.perf_counter() - t < 2.0  # the permutation search took about 4.5 s for one edge of 10
+
+
+def test_plan_cli_with_20_nodes_in_2_stages_finishes_near_its_budget(tmp_path):
+    import time
+    from roving.cli import main
+    t = time.perf_counter()
+    rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "20", "--stages", "2", "--skip", "0",
+               "--budget", "2", "--json", str(tmp_path / "plan.json")])
+    assert rc in (0, None)
+    assert time.perf_counter() - t < 30.0

@@ -73,10 +73,78 @@ def test_planner_beats_random_paths_and_respects_budget_on_gcp12():
 
 
 def test_planner_is_deterministic_for_a_seed_and_evaluation_count():
-    from roving.pipeline.paths import _Context, build_paths
+    """The seeded path search, stopped by an evaluation count (not the clock), gives the same result
+    twice; another seed searches differently."""
+    import random
+    from roving.pipeline.paths import _Context, build_paths, improve_paths
     net = small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 9)
     ctx = _Context(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
-    assert build_paths(ctx, 10, 1) == build_paths(ctx, 10, 1)
+    start = build_paths(ctx, 10, 1)
+    assert start == build_paths(ctx, 10, 1)
+
+    def search(seed):
+        return improve_paths(ctx, start, 0.5, math.inf, random.Random(seed), max_evals=150)
+
+    a, b = search(7), search(7)
+    assert a[3] == 150  # stopped by the count, so a slower or faster machine gives the same result
+    assert a == b
+    trails = {tuple(search(seed)[0]) for seed in range(4)}
+    assert len(trails) > 1, "the seed must steer the search"
+
+
+def _hand_plan(stages=5, skip=0.0):
+    """One node per stage on one region; every microbatch visits the stages after 0 in order."""
+    from roving.pipeline import Plan
+    from roving.pipeline.paths import Path
+    net = small_network(1, [1], [1.0], stages)
+    names = net.names
+    alloc = {n: i for i, n in enumerate(names)}
+    return net, names, alloc, Plan, Path
+
+
+def test_validate_accepts_a_hand_made_valid_plan():
+    net, n, alloc, Plan, Path = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Path(n[0], tuple(n[1:]), (1, 2, 3, 4))] * 2)
+    assert validate(p, net) == [] and validate(p, net, model=MODEL) == []
+
+
+def test_validate_reports_a_revisited_stage():
+    net, n, alloc, Plan, Path = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Path(n[0], (n[1], n[2], n[2], n[4]), (1, 2, 2, 4))])
+    assert any("visits a stage twice" in msg for msg in validate(p, net))
+
+
+def test_validate_reports_three_inversions():
+    net, n, alloc, Plan, Path = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Path(n[0], (n[2], n[3], n[4], n[1]), (2, 3, 4, 1))])  # 3 inversions
+    assert any("3 swaps, at most 2 allowed" in msg for msg in validate(p, net))
+    ok = Plan(5, 0.0, alloc, [Path(n[0], (n[2], n[3], n[1], n[4]), (2, 3, 1, 4))])  # 2 inversions
+    assert validate(ok, net) == []
+
+
+def test_validate_reports_unbalanced_stage_loads():
+    net, n, alloc, Plan, Path = _hand_plan(stages=4, skip=0.34)  # each microbatch visits 2 of 3 stages
+    both_skip_3 = [Path(n[0], (n[1], n[2]), (1, 2))] * 2  # loads [2, 2, 0]
+    problems = validate(Plan(4, 0.34, alloc, both_skip_3), net)
+    assert any("stage loads [2, 2, 0] differ by more than one" in msg for msg in problems)
+    spread = [Path(n[0], (n[1], n[2]), (1, 2)), Path(n[0], (n[1], n[3]), (1, 3))]  # loads [2, 1, 1]
+    assert validate(Plan(4, 0.34, alloc, spread), net) == []
+
+
+def test_validate_reports_an_origin_that_is_not_a_stage_0_node():
+    net, n, alloc, Plan, Path = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Path(n[1], tuple(n[1:]), (1, 2, 3, 4))])
+    assert any(f"origin {n[1]} is not a live stage-0 node" in msg for msg in validate(p, net))
+
+
+def test_validate_reports_a_node_holding_a_stage_it_cannot_hold_in_memory():
+    from roving.pipeline.network import Node
+    net, n, alloc, Plan, Path = _hand_plan()
+    net = net.with_nodes([Node(x.name, x.region, x.speed, memory_mb=1.0 if x.name == n[2] else None)
+                          for x in net.nodes])
+    p = Plan(5, 0.0, alloc, [Path(n[0], tuple(n[1:]), (1, 2, 3, 4))])
+    assert validate(p, net) == []  # without the model, memory is not checked
+    assert any(f"node {n[2]} cannot hold stage 2" in msg for msg in validate(p, net, model=MODEL))
 
 
 def test_plan_rejects_impossible_settings_with_clear_errors():

@@ -77,3 +77,19 @@ def test_joined_node_gets_a_stage_and_slowed_node_is_used_less():
     assert slow_net.node(target).speed == pytest.approx(50 * 0.055)
     after = sum(target in q.nodes for q in slow.paths)
     assert after < before
+
+
+def test_a_stage_that_lost_its_only_node_takes_a_node_the_plan_left_idle():
+    """full_pipeline on 7 nodes and 6 stages leaves one node idle; when the only node of a stage fails,
+    replan gives that stage the idle node instead of reporting that the stage lost all its nodes."""
+    from roving.pipeline import full_pipeline
+    net = small_network(2, [20], [0.2], 7)
+    p = full_pipeline(net, MODEL, 6, 6, budget_s=0.1)
+    idle = [n for n in net.names if n not in p.allocation]
+    assert len(idle) == 1
+    victim = next(n for n, s in p.allocation.items() if s == 3)
+    assert sum(1 for s in p.allocation.values() if s == 3) == 1
+    new, new_net = replan(p, net, MODEL, failed=[victim], budget_s=0.1)
+    assert new.allocation[idle[0]] == 3
+    assert victim not in new.allocation
+    assert_paths_valid(new, new_net, 6, 0.0, 6)

@@ -68,7 +68,12 @@ def test_dropping_stages_runs_the_kept_layers_as_a_path_would():
     whole = Llama(cfg, seed=2)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16))
     targets = torch.randint(0, cfg.vocab_size, (2, 16))
-    assert half_of_the_stages(6) == [1, 3, 5]
+    assert half_of_the_stages(6) == [2, 4]  # 2 of the 5 droppable stages, not 3
+    assert half_of_the_stages(4) == [1, 3] and half_of_the_stages(3) == [2] and half_of_the_stages(2) == []
+    for s in range(2, 13):
+        drop = half_of_the_stages(s)
+        assert len(drop) == round((s - 1) / 2) and 0 not in drop and drop == sorted(set(drop))
+        assert all(1 <= d < s for d in drop)
     assert kept_layers(whole, 6, [1, 3, 5]) == [0, 2, 4]
     stages = _split(cfg, 6, seed=2)
     want = run_path(stages, [2, 4], tokens, targets).item()

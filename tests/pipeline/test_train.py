@@ -141,3 +141,31 @@ def test_emulated_links_slow_an_iteration_to_what_the_simulator_predicts():
         t.iteration(0)
         phase = t.iteration(1)["compute_seconds"]
     assert 0.9 * prep.predicted_s <= phase <= 3 * prep.predicted_s, (phase, prep.predicted_s)
+
+
+def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
+    """``__exit__`` does not run when ``__enter__`` raises: the nodes already started must still be
+    stopped. The failure is injected in the coordinator after the first node reported ready (as when
+    another node reports an error, or the ready timeout passes)."""
+    from roving.pipeline.trainer import NodeFailed
+
+    prep = prepare(TrainConfig(**{**CFG, "iterations": 1}))
+    real = Trainer._recv
+    seen = {"ready": 0}
+
+    def failing(self, kind, timeout=None):
+        if kind == "ready":
+            seen["ready"] += 1
+            if seen["ready"] == 2:
+                raise NodeFailed("injected: a node failed at start-up")
+        return real(self, kind, timeout)
+
+    monkeypatch.setattr(Trainer, "_recv", failing)
+    t = Trainer(prep)
+    with pytest.raises(NodeFailed, match="injected"):
+        with t:
+            pass
+    assert len(t.procs) == CFG["nodes"]
+    for p in t.procs.values():
+        p.join(timeout=10)
+    assert not [n for n, p in t.procs.items() if p.is_alive()]

@@ -21,11 +21,11 @@ form an idle group that the search may fill with whichever nodes serve worst.
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 from dataclasses import dataclass
 
+from .allocate import _stage_matching
 from .costs import ModelSpec, stage_layers
 from .network import Network
 
@@ -64,18 +64,13 @@ class _Costs:
 
     def edge(self, g1: tuple[str, ...], g2: tuple[str, ...]) -> tuple[float, tuple[int, ...]]:
         """Bottleneck perfect matching of two groups: (its largest pair cost, g2's index for each of g1);
-        among matchings with that bottleneck, the one of least total cost."""
+        among matchings with that bottleneck, the one of least total cost. Polynomial (see
+        ``bottleneck_matching``), so groups of 10-20 nodes cost milliseconds, not factorial time."""
         key = (g1, g2)
         hit = self._edge.get(key)
         if hit is None:
             cost = [[max(self.pp[a, b], self.pp[b, a]) for b in g2] for a in g1]
-            best = None
-            for perm in itertools.permutations(range(len(g2))):
-                c = [cost[i][j] for i, j in enumerate(perm)]
-                val = (max(c), sum(c))
-                if best is None or val < best[0]:
-                    best = (val, perm)
-            hit = self._edge[key] = (best[0][0], best[1])
+            hit = self._edge[key] = bottleneck_matching(cost)
         return hit
 
     def tsp(self, groups: list[tuple[str, ...]]) -> tuple[float, list[int]]:
@@ -108,6 +103,77 @@ class _Costs:
 
     def total(self, groups: list[tuple[str, ...]]) -> float:
         return max(self.dp(g) for g in groups) + self.tsp(groups)[0]
+
+
+def bottleneck_matching(cost: list[list[float]]) -> tuple[float, tuple[int, ...]]:
+    """For a square cost matrix: (b, perm) where b is the least possible largest ``cost[i][perm[i]]``
+    over perfect matchings, and perm, among the matchings whose entries are all at most b, one of least
+    total cost. The bottleneck is a binary search over the sorted distinct costs, each step a perfect
+    matching check (Kuhn's augmenting paths, ``allocate._stage_matching``) on the entries at or below
+    the threshold; the tie-break is a min-sum assignment (Hungarian method) restricted to those entries."""
+    n = len(cost)
+    if n == 0:
+        return 0.0, ()
+    values = sorted({c for row in cost for c in row})
+
+    def perfect(t: float) -> bool:
+        # rows are the "stages" to place, columns the "nodes" that can take them
+        can = {j: frozenset(i for i in range(n) if cost[i][j] <= t) for j in range(n)}
+        return not _stage_matching(can, n)[1]
+
+    lo, hi = 0, len(values) - 1  # values[hi] always admits a perfect matching (every entry allowed)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if perfect(values[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    bottleneck = values[lo]
+    # entries above the bottleneck cost more than any matching of allowed entries, so never chosen
+    big = 2.0 * sum(c for row in cost for c in row if c <= bottleneck) + 1.0
+    perm = _min_sum_assignment([[c if c <= bottleneck else big for c in row] for row in cost])
+    return bottleneck, perm
+
+
+def _min_sum_assignment(cost: list[list[float]]) -> tuple[int, ...]:
+    """Hungarian method with potentials, O(n^3): perm with least ``sum(cost[i][perm[i]])``."""
+    n = len(cost)
+    inf = float("inf")
+    u, v = [0.0] * (n + 1), [0.0] * (n + 1)
+    row_of = [0] * (n + 1)  # column j (1-based) -> row (1-based), 0 = free
+    way = [0] * (n + 1)
+    for i in range(1, n + 1):
+        row_of[0] = i
+        j0 = 0
+        minv = [inf] * (n + 1)
+        used = [False] * (n + 1)
+        while True:
+            used[j0] = True
+            i0, delta, j1 = row_of[j0], inf, 0
+            for j in range(1, n + 1):
+                if not used[j]:
+                    cur = cost[i0 - 1][j - 1] - u[i0] - v[j]
+                    if cur < minv[j]:
+                        minv[j], way[j] = cur, j0
+                    if minv[j] < delta:
+                        delta, j1 = minv[j], j
+            for j in range(n + 1):
+                if used[j]:
+                    u[row_of[j]] += delta
+                    v[j] -= delta
+                else:
+                    minv[j] -= delta
+            j0 = j1
+            if row_of[j0] == 0:
+                break
+        while j0:
+            j1 = way[j0]
+            row_of[j0] = row_of[j1]
+            j0 = j1
+    perm = [0] * n
+    for j in range(1, n + 1):
+        perm[row_of[j] - 1] = j - 1
+    return tuple(perm)
 
 
 def _groups(labels: list[int], names: list[str], stages: int) -> list[tuple[str, ...]]:

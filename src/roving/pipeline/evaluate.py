@@ -21,8 +21,12 @@ def kept_layers(model: Llama, stages: int, drop: Iterable[int]) -> list[int]:
 
 
 def half_of_the_stages(stages: int) -> list[int]:
-    """Every other stage after 0 (1, 3, 5, ...): half of the droppable stages, spread over the depth."""
-    return list(range(1, stages, 2))
+    """Half of the droppable stages (those after 0): ``round((stages - 1) / 2)`` of them (Python's
+    rounding, halves to even), spread evenly over the depth, each at the middle of its share of the
+    stages 1..stages-1. For 6 stages: [2, 4] (2 of 5); for 4: [1, 3]; for 2: [] (nothing to halve)."""
+    droppable = stages - 1
+    k = round(droppable / 2)
+    return [1 + int((i + 0.5) * droppable / k) for i in range(k)] if k else []
 
 
 @torch.no_grad()

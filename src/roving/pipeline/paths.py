@@ -274,11 +274,13 @@ def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip
 
 def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
                   allow_swaps: bool = True, priority: list[int] | None = None,
-                  ) -> tuple[list[Path], list[int], float, int]:
+                  max_evals: int | None = None) -> tuple[list[Path], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
     stage loads), toggle a swap, or reorder priorities. Ties are accepted to cross plateaus; deadlocked
-    plans score infinity and are never accepted. Returns (paths, priority, makespan, evaluations)."""
+    plans score infinity and are never accepted. Stops at ``deadline`` or after ``max_evals`` simulator
+    evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
+    deterministic. Returns (paths, priority, makespan, evaluations)."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
     cur_score = _makespan(ctx, cur, prio, skip)
@@ -287,7 +289,7 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
     alloc = ctx.allocation
     zeros = ctx.replicas[0]
     n_mb = len(cur)
-    while time.perf_counter() < deadline and n_mb:
+    while time.perf_counter() < deadline and n_mb and (max_evals is None or evals < max_evals):
         cand, cand_prio = list(cur), prio
         mb = rng.randrange(n_mb)
         p = cand[mb]
@@ -522,9 +524,10 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
            budget_s: float = 0.6, seed: int = 0) -> tuple[Plan, Network]:
     """A new plan from ``current`` after nodes failed, slowed down (factor > 1 = slower) or joined.
     Keeps each microbatch's stage set (so stage loads stay balanced) and moves only what must move;
-    a stage left without nodes takes a joined node, else one from the stage with the most spare
-    replicas; a stage left with fewer replicas than a fresh plan would give it may also take nodes from
-    stages above their count, when the simulator says that is faster. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
+    a stage left without nodes takes a free node (joined, or idle in ``current``), else one from the
+    stage with the most spare replicas; other free nodes go where the work per replica is highest; a
+    stage left with fewer replicas than a fresh plan would give it may also take nodes from stages above
+    their count, when the simulator says that is faster. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
     t0 = time.perf_counter()
     failed = set(failed)
     for f in failed:
@@ -537,7 +540,8 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     stages = current.stages
     can = check_memory(new_net, model, stages)
     alloc = {n: s for n, s in current.allocation.items() if n not in failed}
-    free = [n.name for n in joined]
+    # every live node without a stage: joined nodes and nodes the current plan left idle
+    free = [n for n in new_net.names if n not in alloc]
     counts = [sum(1 for s in alloc.values() if s == st) for st in range(stages)]
     # what each stage should have, by the same rule as a fresh plan
     want = replica_counts(len(alloc) + len(free), stages, current.skip, model) \

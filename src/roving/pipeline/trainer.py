@@ -298,7 +298,16 @@ class Trainer:
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
-        """Stop the nodes in two phases (see ``StageNode._shut_down``); kills any that do not stop."""
+        """Stop the nodes in two phases (see ``StageNode._shut_down``); kills any that do not stop.
+        After a start that failed part-way (some nodes never reported ready, so the coordinator has no
+        inbox to tell them to stop, and none has its peers), the started nodes are killed at once."""
+        if len(self.inboxes) < len(self.procs):
+            for proc in self.procs.values():
+                if proc.is_alive():
+                    proc.kill()
+            for proc in self.procs.values():
+                proc.join(timeout=5)
+            return
         try:
             for inbox in self.inboxes.values():
                 inbox.put(("stop",))
@@ -317,7 +326,13 @@ class Trainer:
                 proc.join(timeout=5)
 
     def __enter__(self) -> "Trainer":
-        self.start()
+        try:
+            self.start()
+        except BaseException:
+            # __exit__ does not run when __enter__ raises: without this, the nodes already started
+            # would wait for their peers forever
+            self.stop()
+            raise
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -433,7 +448,7 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self, it: int) -> dict:
         """Validation loss and perplexity of the whole model (one replica of each stage, merged), on
-        the coordinator's device; and the loss with every other stage after 0 dropped
+        the coordinator's device; and the loss with half of the stages after 0 dropped
         (``evaluate.half_of_the_stages``)."""
         device = torch.device(pick_device(self.c.device))
         model = self.full_model().to(device).eval()
