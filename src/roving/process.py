@@ -84,6 +84,7 @@ class Process:
         self._exitcode: Optional[int] = None
         self._sentinel: Optional[int] = None
         self._closed = False
+        self._released = False
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
@@ -214,9 +215,19 @@ class Process:
             if self._exitcode is None and self.is_alive():
                 raise ValueError("Cannot close a process while it is still running. "
                                  "You should first call join() or terminate().")
+            self._release()
+        self._closed = True
+
+    def _release(self) -> None:
+        """Free the sentinel and the backend's handle of an ended process; exitcode stays readable.
+
+        The Pool does this for workers it has replaced, so that a long-lived pool holds no descriptor
+        per worker it ever had.
+        """
+        if self._job is not None and self._exitcode is not None and not self._released:
+            self._released = True
             _reaper().forget(self)
             self._backend.forget(self._job)
-        self._closed = True
 
     def _finished(self, code: Optional[int]) -> None:
         if self._exitcode is not None:

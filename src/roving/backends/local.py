@@ -67,6 +67,14 @@ class _OutputPump:
             pass
 
 
+def _has_exited(pid: int) -> bool:
+    """Whether child ``pid`` has ended (without reaping it)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped by another thread
+        return True
+
+
 class LocalBackend(Backend):
     """Jobs are subprocesses. ``terminate_job`` sends SIGTERM, with ``force`` SIGKILL."""
 
@@ -112,7 +120,12 @@ class LocalBackend(Backend):
         return self._procs[job.id]
 
     def job_status(self, job: Job) -> JobStatus:
-        code = self._proc(job).poll()
+        proc = self._proc(job)
+        code = proc.poll()
+        if code is None and _has_exited(proc.pid):
+            # poll() answers None while another thread (the reaper) is inside wait(): that wait is
+            # about to return, so wait too rather than report a finished process as running.
+            code = proc.wait()
         if code is None:
             return JobStatus(JobState.RUNNING)
         return JobStatus(JobState.EXITED, code)
@@ -132,7 +145,7 @@ class LocalBackend(Backend):
                 pass
 
     def pid(self, job: Job) -> Optional[int]:
-        return self._proc(job).pid
+        return int(job.id)  # the job id is the pid
 
     def sentinel(self, job: Job) -> int:
         try:

@@ -495,7 +495,7 @@ class Pool:
                 elif w.ident is not None:
                     self._failures = 0
             self._disp.worker_lost(w, code)
-            w.proc.close()  # its sentinel and job handle; a long-lived pool recycles many workers
+            w.proc._release()  # its sentinel and job handle; a long-lived pool recycles many workers
         if state == TERMINATE:
             with self._lock:
                 workers = list(self._workers.values())
