@@ -10,10 +10,14 @@ Guarantees:
 
 * A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
   it would store for unpickling; frames from a peer that has not authenticated are dropped and logged.
-  The node itself never unpickles a payload: only the process that reads an item does.
+  The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
+  other layers register (the pool, synchronization objects) decode their own messages, and they only
+  ever see messages of authenticated peers.
 * Requests of one thread to one node are handled in the order sent.
 * A request that can wait (get, a put on a full bounded queue, poll, join) carries its timeout to the
-  node, which answers when the wait ends; an item is never handed to a reader that has given up.
+  node, which answers when the wait ends; an item is never handed to a reader that has given up, and
+  an item answered to a reader whose process has gone (its connection closed) goes back to the front
+  of its mailbox.
 """
 from __future__ import annotations
 
