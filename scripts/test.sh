@@ -8,7 +8,7 @@ if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpk
     apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text
 fi
-export ROVING_APT_UPDATED=1
+export SETUP_APT_UPDATED=1
 bash scripts/install.sh
 bash scripts/cluster/slurm.sh
 bash scripts/cluster/docker.sh

@@ -14,7 +14,7 @@ import pytest
 
 #: The image scripts/cluster/docker.sh builds: a minimal root filesystem; the host's /usr and Python
 #: installation are mounted into each container read-only, so containers run this very Python and roving.
-DOCKER_IMAGE = os.environ.get("ROVING_TEST_IMAGE", "roving-test:latest")
+DOCKER_IMAGE = os.environ.get("SETUP_TEST_IMAGE", "roving-test:latest")
 
 
 def docker_options() -> dict:

@@ -8,11 +8,11 @@
 # Python installation read-only into each container (the `docker_volumes` option), so that a container
 # runs the very Python, roving and dependencies of the test run.
 set -euo pipefail
-IMAGE=${ROVING_TEST_IMAGE:-roving-test:latest}
+IMAGE=${SETUP_TEST_IMAGE:-roving-test:latest}
 LOG=/var/log/roving-dockerd.log
 
 if ! command -v dockerd >/dev/null; then
-    [ -n "${ROVING_APT_UPDATED:-}" ] || apt-get update -q
+    [ -n "${SETUP_APT_UPDATED:-}" ] || apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker.io
 fi
 

@@ -5,9 +5,9 @@
 # The node is oversubscribed (more CPUs configured than the machine has) so that tests can run more
 # one-CPU jobs at once than there are cores.
 set -euo pipefail
-STATE=${ROVING_SLURM_STATE:-/var/lib/roving-slurm}
+STATE=${SETUP_SLURM_STATE:-/var/lib/roving-slurm}
 CONF=/etc/slurm/slurm.conf
-CPUS=${ROVING_SLURM_CPUS:-32}
+CPUS=${SETUP_SLURM_CPUS:-32}
 HOST=$(hostname -s)
 
 ready() {
@@ -19,7 +19,7 @@ if command -v sinfo >/dev/null && ready; then
 fi
 
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
-    [ -n "${ROVING_APT_UPDATED:-}" ] || apt-get update -q
+    [ -n "${SETUP_APT_UPDATED:-}" ] || apt-get update -q
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge
 fi
 
