@@ -39,6 +39,18 @@ def _ctype(typecode_or_type: TypeSpec) -> type:
     raise TypeError(f"expected a typecode or a simple ctypes type, not {typecode_or_type!r}")
 
 
+def _remote(name: str) -> property:
+    """An attribute of the ctypes object, read and written at its home (one round trip each)."""
+    return property(lambda self: self._op("get", name), lambda self, v: self._op("set", name, v),
+                    doc=f"The ctypes object's ``{name}``, read or written at its home.")
+
+
+def _wrapped(name: str) -> property:
+    """The same attribute of the wrapped raw object."""
+    return property(lambda self: getattr(self._obj, name), lambda self, v: setattr(self._obj, name, v),
+                    doc=f"The wrapped object's ``{name}``.")
+
+
 class _Raw(_sync._Homed):
     """A ctypes object homed at the process that created it."""
 
@@ -58,13 +70,7 @@ class RawValue(_Raw):
     def __init__(self, typecode_or_type: TypeSpec, *args: Any) -> None:
         super().__init__(_ctype(typecode_or_type)(*args))
 
-    @property
-    def value(self) -> Any:
-        return self._op("get", "value")
-
-    @value.setter
-    def value(self, value: Any) -> None:
-        self._op("set", "value", value)
+    value = _remote("value")
 
     def __repr__(self) -> str:
         return f"{self._type_name}({self.value!r})"
@@ -98,21 +104,9 @@ class RawArray(_Raw):
         return iter(self[:])
 
     # c_char arrays: .value and .raw as in ctypes
-    @property
-    def value(self) -> Any:
-        return self._op("get", "value")
+    value = _remote("value")
 
-    @value.setter
-    def value(self, value: Any) -> None:
-        self._op("set", "value", value)
-
-    @property
-    def raw(self) -> bytes:
-        return self._op("get", "raw")
-
-    @raw.setter
-    def raw(self, value: bytes) -> None:
-        self._op("set", "raw", value)
+    raw = _remote("raw")
 
     def __repr__(self) -> str:
         return f"<RawArray {self._type_name} {self[:]!r}>"
@@ -148,13 +142,7 @@ class _Synchronized:
 
 
 class Synchronized(_Synchronized):
-    @property
-    def value(self) -> Any:
-        return self._obj.value
-
-    @value.setter
-    def value(self, value: Any) -> None:
-        self._obj.value = value
+    value = _wrapped("value")
 
 
 class SynchronizedArray(_Synchronized):
@@ -170,21 +158,9 @@ class SynchronizedArray(_Synchronized):
     def __iter__(self):
         return iter(self._obj[:])
 
-    @property
-    def value(self) -> Any:
-        return self._obj.value
+    value = _wrapped("value")
 
-    @value.setter
-    def value(self, value: Any) -> None:
-        self._obj.value = value
-
-    @property
-    def raw(self) -> bytes:
-        return self._obj.raw
-
-    @raw.setter
-    def raw(self, value: bytes) -> None:
-        self._obj.raw = value
+    raw = _wrapped("raw")
 
 
 def _lock_for(lock: Any) -> Optional[Any]:
