@@ -64,7 +64,14 @@ def test_unreachable_controller_is_an_error_within_seconds(tmp_path, monkeypatch
     assert time.monotonic() - t0 < 10
 
 
+def _queue_is_empty() -> bool:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True, timeout=10)
+    return out.returncode == 0 and not out.stdout.strip()
+
+
 def test_a_pending_job_reports_slurms_reason_and_is_logged(caplog):
+    # The test needs the whole node: earlier tests' jobs (cancelled as their parents end) must be gone.
+    assert wait_until(_queue_is_empty, 60), "jobs of earlier tests are still in the Slurm queue"
     roving.init(backend="slurm", cpu=32, pending_warning=0.5)
     procs = [roving.Process(target=h.sleep_for, args=(60,)) for _ in range(2)]
     for p in procs:
