@@ -341,16 +341,8 @@ class _Server(_rpc.Server):
         self.answer(ident, req_id, _rpc.OK, [memoryview(mm)[offset:offset + n]])
 
 
-_servers: Dict[int, _Server] = {}
-
-
 def _server() -> _Server:
-    node = _session.current().node()
-    with _attach_lock:
-        server = _servers.get(id(node))
-        if server is None:
-            server = _servers[id(node)] = _Server(node)
-        return server
+    return _session.current().node().service("shared", _Server)
 
 
 def _creator_let_go(server: _Server, token: str, fd: int, name: str) -> None:

@@ -403,18 +403,11 @@ def _err(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-_homes: Dict[int, _Home] = {}
-_homes_lock = threading.Lock()
 
 
 def home() -> _Home:
     """This process's home of synchronization objects (started on first use)."""
-    node = _session.current().node()
-    with _homes_lock:
-        h = _homes.get(id(node))
-        if h is None:
-            h = _homes[id(node)] = _Home(node)
-        return h
+    return _session.current().node().service("sync", _Home)
 
 
 # -- client side ------------------------------------------------------------------------------

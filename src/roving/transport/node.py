@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import zmq
 
 from . import auth
-from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter
+from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +135,8 @@ class Node:
         self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
+        self._services: Dict[str, Any] = {}
+        self._services_lock = threading.Lock()
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
@@ -165,6 +167,15 @@ class Node:
         what the message handed over (an item, a lock) can be taken back.
         """
         self._post([ident, *frames], undeliverable)
+
+    def service(self, key: str, factory: Callable[["Node"], Any]) -> Any:
+        """The one ``factory(node)`` object of this node for ``key`` (a protocol's server side), made on
+        first use; thread-safe."""
+        with self._services_lock:
+            obj = self._services.get(key)
+            if obj is None:
+                obj = self._services[key] = factory(self)
+            return obj
 
     def at_close(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` when the node closes: when this process's session ends, also in a child (whose
