@@ -50,6 +50,7 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
     p.set_defaults(handler=run_plan)
     add_train_parser(sub)
+    from .inference import add_inference_parsers; add_inference_parsers(sub)  # noqa: E702
 
 
 def add_train_parser(sub) -> None:

@@ -34,17 +34,22 @@ def validation_loss(model: Llama, batches: Sequence[tuple[torch.Tensor, torch.Te
                     layers: Sequence[int] | None = None, bf16: bool = False) -> float:
     """Mean loss over ``batches``, running only ``layers`` (all when None), in order."""
     device = next(model.parameters()).device
-    chosen = range(model.cfg.n_layers) if layers is None else layers
     total = 0.0
     for tokens, targets in batches:
         tokens, targets = tokens.to(device), targets.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            h = model.tok_embeddings(tokens)
-            for i in chosen:
-                h = model.layers[i](h, model.rope_cos, model.rope_sin)
-            logits = model.output(model.norm(h))
+            logits = layer_logits(model, tokens, layers)
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
     return total / len(batches)
+
+
+def layer_logits(model: Llama, tokens: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
+    """Logits (batch, seq, vocab) of ``tokens`` through the embedding, ``layers`` (all when None) in
+    order, the final norm and the head."""
+    h = model.tok_embeddings(tokens)
+    for i in range(model.cfg.n_layers) if layers is None else layers:
+        h = model.layers[i](h, model.rope_cos, model.rope_sin)
+    return model.output(model.norm(h))
 
 
 def perplexity(loss: float) -> float:
