@@ -153,12 +153,12 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
     real = Trainer._recv
     seen = {"ready": 0}
 
-    def failing(self, kind, timeout=None):
+    def failing(self, kind, *args, **kwargs):
         if kind == "ready":
             seen["ready"] += 1
             if seen["ready"] == 2:
                 raise NodeFailed("injected: a node failed at start-up")
-        return real(self, kind, timeout)
+        return real(self, kind, *args, **kwargs)
 
     monkeypatch.setattr(Trainer, "_recv", failing)
     t = Trainer(prep)

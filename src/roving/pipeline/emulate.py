@@ -34,7 +34,7 @@ class LinkEmulator:
     deliveries run on the emulator's own thread, so ``send`` never blocks the caller."""
 
     def __init__(self, links: dict[str, Link]) -> None:
-        self._links = links
+        self._links = dict(links)
         self._cond = threading.Condition()
         # per destination: transfer id -> [bytes left, deliver]
         self._active: dict[str, dict[int, list]] = {d: {} for d in links}
@@ -45,6 +45,16 @@ class LinkEmulator:
         self._pending = 0
         self._thread = threading.Thread(target=self._run, name="roving-link-emulator", daemon=True)
         self._thread.start()
+
+    def has_link(self, dst: str) -> bool:
+        return dst in self._links
+
+    def add_link(self, dst: str, link: Link) -> None:
+        """Emulate the link to a node that joined after the emulator started."""
+        with self._cond:
+            self._links[dst] = link
+            self._active.setdefault(dst, {})
+            self._settled.setdefault(dst, time.monotonic())
 
     def send(self, dst: str, nbytes: float, deliver: Callable[[], None]) -> None:
         """Start a transfer of ``nbytes`` to ``dst``; ``deliver()`` is called when it would arrive."""

@@ -601,6 +601,49 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     return new_plan, new_net
 
 
+def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int, skip: float,
+              microbatches: int, *, budget_s: float = 0.5, seed: int = 0) -> Plan:
+    """Paths for an allocation that stays as it is (a running training's weights sit on its nodes).
+
+    Stages that no node holds are left out: every path skips them, and the stages that are held keep
+    the skip fraction among themselves, so training goes on with those stages missing until a node
+    takes them over. The paths are planned as for a model of the held stages only (the planner's cost
+    of a stage then covers the layers of the missing ones too, an overestimate); the returned plan names
+    the real stages, and its ``predicted_s`` is the simulator's makespan with the real stages' costs.
+    Raises PlanError when no node holds stage 0 (no microbatch can start)."""
+    t0 = time.perf_counter()
+    held = sorted(set(allocation.values()))
+    if not held or held[0] != 0:
+        raise PlanError("no node holds stage 0 (embedding, head and loss): no microbatch can start; add a "
+                        "node, or resume from a checkpoint")
+    names = set(network.names)
+    missing = [n for n in allocation if n not in names]
+    if missing:
+        raise PlanError(f"allocation names nodes not in the network: {', '.join(sorted(missing))}")
+    if microbatches < 1:
+        raise PlanError(f"need at least one microbatch, got {microbatches}")
+    virtual = {s: i for i, s in enumerate(held)}
+    rng = random.Random(seed)
+    prio: list[int] | None = None
+    evals = 0
+    if len(held) == 1:  # only stage 0 is left: every microbatch stays at its origin
+        zeros = sorted(allocation)
+        paths = [Path(zeros[i % len(zeros)], (), ()) for i in range(microbatches)]
+    else:
+        ctx = _Context(network, model, {n: virtual[s] for n, s in allocation.items()}, len(held))
+        visits = visits_per_microbatch(len(held), skip)
+        vpaths = build_paths(ctx, microbatches, visits)
+        if math.isinf(_makespan(ctx, vpaths, None, skip)):
+            vpaths = build_paths(ctx, microbatches, visits, allow_swaps=False)
+        vpaths, prio, _, evals = improve_paths(ctx, vpaths, skip, t0 + budget_s, rng, priority=None)
+        paths = [Path(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
+    result = Plan(stages, skip, dict(allocation), paths, prio, math.nan,
+                  {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
+                   "held_stages": held, "missing_stages": [s for s in range(stages) if s not in virtual]})
+    result.predicted_s = simulate(network, model, result, record=False).makespan
+    return result
+
+
 # ---- baselines, judged by the same simulator ----
 
 def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches: int, *,

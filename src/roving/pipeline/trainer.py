@@ -21,6 +21,7 @@ import logging
 import math
 import queue as _queue
 import statistics
+import threading
 import time
 import tomllib
 from dataclasses import dataclass, field
@@ -34,8 +35,9 @@ from .data import Corpus, load_corpus, train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Block, Llama, LlamaConfig, preset
 from .network import Network, build_network
-from .node import NodeSettings, node_main, pick_device
-from .paths import Plan, full_pipeline, plan
+from .network import slowed as slowed_network
+from .node import NodeSettings, Peers, node_main, pick_device
+from .paths import Plan, full_pipeline, plan, plan_held, replan
 from .simulate import simulate
 from .stages import Stage, layer_ranges, merge_state_dicts, model_spec
 
@@ -83,10 +85,29 @@ class TrainConfig:
     seed: int = 0
     checkpoint: str = ""
     checkpoint_every: int = 0
+    #: continue the run saved in ``checkpoint`` (its weights, optimizer state, metrics, data position).
+    resume: bool = False
+    #: iterations between in-memory snapshots of every stage (what a node takes a lost stage over from).
+    snapshot_every: int = 5
     metrics: str = ""
     plot: str = ""
     #: seconds to wait for any one message from the nodes before giving up.
     timeout: float = 300.0
+    #: seconds between a node's heartbeats, and without one before it is declared dead.
+    heartbeat: float = 0.5
+    dead_after: float = 2.0
+    #: a node whose busy time over the plan's is this many times the median node's, for
+    #: ``slow_iterations`` iterations in a row, is marked slow and planned around (0: never).
+    slow_factor: float = 3.0
+    slow_iterations: int = 2
+    #: start a dead node again at once (it rejoins when ready).
+    restart: bool = False
+    #: seconds the planner may take to re-plan after a failure, slowdown or join.
+    replan_budget: float = 0.5
+    #: attempts at one iteration (each after a failure) before giving up.
+    max_retries: int = 5
+    #: a folder watched for join requests (``roving pipeline join``); status.json is written there.
+    control: str = ""
 
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> "TrainConfig":
@@ -121,6 +142,14 @@ class TrainConfig:
             raise PlanError(f"schedule must be skippipe or dtfm, got {self.schedule!r}")
         if self.schedule == "dtfm" and self.skip:
             raise PlanError("the dtfm schedule is a full pipeline: use skip = 0 with it")
+        if not 0 < self.heartbeat < self.dead_after:
+            raise PlanError(f"heartbeat ({self.heartbeat} s) must be positive and below dead_after "
+                            f"({self.dead_after} s)")
+        if self.resume and not self.checkpoint:
+            raise PlanError("resume needs checkpoint = the file the run to continue wrote")
+        for name in ("snapshot_every", "checkpoint_every", "max_retries"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise PlanError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         if isinstance(self.corpus, str):
             self.corpus = [self.corpus]
 
@@ -241,11 +270,46 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
 
 
 class NodeFailed(RuntimeError):
-    """A node raised or exited; the message carries its traceback."""
+    """Training cannot go on: a node raised (the message carries its traceback), or failures left no
+    node to hold stage 0, or an iteration failed ``max_retries`` times."""
+
+
+class NodesLost(Exception):
+    """Nodes were declared dead (their process exited, or their heartbeats stopped)."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        super().__init__(", ".join(f"{n} ({why})" for n, why in sorted(names.items())))
+        self.names = names
 
 
 class Trainer:
-    """Runs a prepared plan on roving processes. Use as a context manager (stops the nodes)."""
+    """Runs a prepared plan on roving processes, through node failures. Use as a context manager
+    (stops the nodes).
+
+    Failures: every node sends heartbeats from a thread of its own; a node whose process exits, or
+    whose heartbeats stop for ``dead_after`` seconds, is declared dead and killed (so a node that was
+    only unreachable cannot come back with stale work). The iteration's microbatch phase is aborted
+    on every node and run again, with the same data, under a plan made from the current one without
+    the dead nodes (``paths.replan``): its stage's replica group shrinks, or, when it was the last
+    replica, a spare replica of another stage takes the stage over from the latest snapshot of it;
+    with no spare, paths skip the stage (``paths.plan_held``) until a node joins and takes it over.
+    Gradients of the aborted attempt are dropped, so no microbatch counts twice. A node that dies
+    while the others step is simply not waited for. A node much slower than the plan expects (its
+    busy time over the simulator's, against the median node, above ``slow_factor`` for
+    ``slow_iterations`` iterations) is marked slow and the plan is remade with its speed measured.
+
+    Joining: ``request_join`` (and join request files in ``control``, see ``roving pipeline join``)
+    starts a node process on the run's backend; when it reports ready it is admitted at the next
+    iteration boundary: it gets every inbox, every node gets its inbox, the planner places it
+    (``replan`` with the node joined), and it receives its stage's weights and optimizer state from a
+    live replica (or the latest snapshot when none holds the stage). Restarted nodes (``restart``)
+    join the same way.
+
+    Snapshots: the weights and optimizer state of one replica per stage are copied to the coordinator
+    at the start and every ``snapshot_every`` iterations (and, with ``checkpoint``, written to disk
+    every ``checkpoint_every``, atomically, with the metrics and the position in the data, so that
+    ``resume`` continues a run whose coordinator died).
+    """
 
     def __init__(self, prep: Prepared, progress: Callable[[dict], None] | None = None) -> None:
         import roving
@@ -256,69 +320,133 @@ class Trainer:
             roving.init(backend=self.c.backend)
         self.control = roving.Queue()
         self.release = roving.Queue()
-        self.alloc = prep.plan.allocation
-        self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
-        counts = [0] * self.c.stages
-        for path in prep.plan.paths:
-            counts[0] += 1
-            for s in path.stages:
-                counts[s] += 1
-        self.stage_counts = counts
+        self.beats = roving.Queue()
+        self.spec = prep.spec
+        self.universe = {n.name: n for n in prep.network.nodes}  # every node ever known, by name
+        self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
+        self._use_plan(prep.plan, prep.predicted_s)
         self.metrics: dict[str, Any] = {
             "config": dataclasses.asdict(self.c), "calibration": prep.calibration,
-            "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s, "iterations": [], "evaluations": []}
+            "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s, "iterations": [], "evaluations": [],
+            "events": []}
         self.procs: dict[str, Any] = {}
-        self.inboxes: dict[str, Any] = {}
+        self.inboxes: dict[str, Any] = {}  # admitted (live) nodes
+        self.incarnation: dict[str, int] = {}
+        self.last_beat: dict[str, float] = {}
+        self._ready: dict[str, tuple[int, Any]] = {}  # started nodes that reported ready, not admitted
+        self._slow_counts: dict[str, int] = {}
+        self._pending_failures: dict[str, str] = {}
+        self._out: Peers | None = None
+        self._monitor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._checked = 0.0
+        self.round = -1
+        self.iteration_no = 0
+        self.snapshot: dict | None = None
         self._batches = train_batches(prep.corpus.train, self.c.samples, self.c.seq_len, self.c.seed)
         self._val = val_batches(prep.corpus.val, self.c.samples, self.c.seq_len, self.c.eval_batches)
         self._t0 = time.perf_counter()
         self._train_s = 0.0
+        self.start_iteration = 0
+        self._resume_from: dict | None = None
+        if self.c.resume:
+            self._resume_from = load_checkpoint(self.c.checkpoint, prep)
+
+    def _use_plan(self, new_plan: Plan, predicted: float) -> None:
+        self.plan = new_plan
+        self.alloc = dict(new_plan.allocation)
+        self.predicted_s = predicted
+        self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
+        counts = [0] * self.c.stages
+        for path in new_plan.paths:
+            counts[0] += 1
+            for s in path.stages:
+                counts[s] += 1
+        self.stage_counts = counts
+
+    @property
+    def missing_stages(self) -> list[int]:
+        return [s for s, r in self.replicas.items() if not r]
 
     # -- nodes -------------------------------------------------------------------------------
-    def start(self) -> None:
+    def _launch(self, name: str, stage: int, index: int) -> None:
         import roving
 
-        net = self.p.network
+        everyone = self.p.network.with_nodes(list(self.universe.values()))
+        emulate = ({o: everyone.link(name, o) for o in self.universe if o != name}
+                   if self.c.emulate_network else None)
+        limit = max(1, self.universe[name].in_flight(stage, self.spec, self.c.stages))
+        inc = self.incarnation[name] = self.incarnation.get(name, -1) + 1
+        s = NodeSettings(name, stage, self.c.stages, self.p.model, self.c.seed, limit,
+                         lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
+                         bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate,
+                         incarnation=inc, heartbeat=self.c.heartbeat)
+        label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
+        proc = roving.Process(target=node_main, args=(s, self.control, self.release, self.beats),
+                              name=label, daemon=True)
+        proc.start()
+        self.procs[name] = proc
+
+    def start(self) -> None:
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
-            emulate = ({o: net.link(name, o) for o in self.alloc if o != name}
-                       if self.c.emulate_network else None)
-            limit = net.node(name).in_flight(stage, self.p.spec, self.c.stages)
-            s = NodeSettings(name, stage, self.c.stages, self.p.model, self.c.seed, limit,
-                             lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
-                             bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate)
-            proc = roving.Process(target=node_main, args=(s, self.control, self.release), name=f"stage{stage}-{name}",
-                                  daemon=True)
-            proc.start()
-            self.procs[name] = proc
-        for _ in self.procs:
-            _, name, inbox = self._recv("ready")
+            self._launch(name, stage, index)
+        while len(self._ready) < len(self.procs):
+            self._recv("ready", check=False)
+        self._out = Peers("coordinator", {}, None)
+        for name in sorted(self._ready):
+            inc, inbox = self._ready.pop(name)
             self.inboxes[name] = inbox
-        for inbox in self.inboxes.values():
-            inbox.put(("peers", self.inboxes))
+            self._out.add(name, inbox)
+            self.last_beat[name] = time.monotonic()
+        for name in self.inboxes:
+            self._put(name, ("peers", self.inboxes))
+        self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
+        self._monitor.start()
+        if self._resume_from is not None:
+            ck = self._resume_from
+            self._load_stages(ck["stages"], {n: s for n, s in self.alloc.items()}, f"checkpoint {self.c.checkpoint}")
+            self.start_iteration = ck["iteration"]
+            for key in ("iterations", "evaluations", "events"):
+                self.metrics[key] = list(ck["metrics"].get(key, []))
+            self._train_s = ck["metrics"].get("train_seconds_total", 0.0)
+            for _ in range(ck["iteration"] * len(self.plan.paths)):  # the same data as if never stopped
+                next(self._batches)
+            self._event("resumed", iteration=ck["iteration"], checkpoint=self.c.checkpoint)
+            self.snapshot = {"iteration": ck["iteration"], "stages": ck["stages"]}
+        else:
+            self.snapshot = self.take_snapshot(0)
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
         """Stop the nodes in two phases (see ``StageNode._shut_down``); kills any that do not stop.
         After a start that failed part-way (some nodes never reported ready, so the coordinator has no
         inbox to tell them to stop, and none has its peers), the started nodes are killed at once."""
-        if len(self.inboxes) < len(self.procs):
-            for proc in self.procs.values():
-                if proc.is_alive():
-                    proc.kill()
-            for proc in self.procs.values():
-                proc.join(timeout=5)
-            return
-        try:
-            for inbox in self.inboxes.values():
-                inbox.put(("stop",))
-            for _ in self.inboxes:
-                self._recv("stopped", timeout=30.0)
-            for inbox in self.inboxes.values():
-                inbox.qsize()  # a round trip: our sends have all arrived, nothing is left to flush
-            for _ in self.inboxes:
-                self.release.put(None)
-        except Exception as exc:  # a node that failed is killed below
-            log.warning("nodes did not stop cleanly: %s", exc)
+        self._stopping.set()
+        live = sorted(self.inboxes)
+        if self._out is None or self._ready:  # started nodes that were never admitted: kill them
+            for name, proc in self.procs.items():
+                if name not in self.inboxes or self._out is None:
+                    if proc.is_alive():
+                        proc.kill()
+        if self._out is not None:
+            try:
+                for name in live:
+                    self._put(name, ("stop", live))
+                waiting = set(live)
+                deadline = time.monotonic() + 30.0
+                while waiting and time.monotonic() < deadline:
+                    try:
+                        msg = self.control.get(timeout=0.5)
+                    except _queue.Empty:
+                        waiting = {n for n in waiting if self.procs[n].is_alive()}
+                        continue
+                    if msg[0] == "stopped":
+                        waiting.discard(msg[1])
+                self._out.confirm(live, timeout=10.0)
+                for _ in live:
+                    self.release.put(None)
+            except Exception as exc:  # a node that failed is killed below
+                log.warning("nodes did not stop cleanly: %s", exc)
         for proc in self.procs.values():
             proc.join(timeout=20)
             if proc.is_alive():
@@ -338,24 +466,281 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def _recv(self, kind: str, timeout: float | None = None) -> tuple:
+    def _put(self, name: str, msg: tuple) -> None:
+        """To a node's inbox, from a sender thread per node: a node that died never blocks us."""
+        self._out.put(name, msg)
+
+    # -- failure detection -------------------------------------------------------------------
+    def _watch_beats(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                _, name, inc = self.beats.get(timeout=0.5)
+            except _queue.Empty:
+                continue
+            except Exception:  # the queue closes as the coordinator exits
+                return
+            if self.incarnation.get(name) == inc:
+                self.last_beat[name] = time.monotonic()
+
+    def _lost(self) -> dict[str, str]:
+        """Admitted nodes that are dead now, with why; forgets started nodes whose process exited."""
+        now = time.monotonic()
+        dead = {}
+        for name in self.inboxes:
+            proc = self.procs[name]
+            quiet = now - self.last_beat.get(name, now)
+            if not proc.is_alive():
+                dead[name] = f"its process exited with code {proc.exitcode}"
+            elif self.c.dead_after > 0 and quiet > self.c.dead_after:
+                dead[name] = f"no heartbeat for {quiet:.1f} s"
+        for name, proc in list(self.procs.items()):
+            if name not in self.inboxes and not proc.is_alive():
+                log.warning("node %s exited before it joined (exit code %s)", name, proc.exitcode)
+                self._event("join-failed", nodes=[name], why=f"exit code {proc.exitcode}")
+                self.procs.pop(name)
+                self._ready.pop(name, None)
+        return dead
+
+    def _check(self, force: bool = False) -> None:
+        """Raise NodesLost (after fencing them off) if admitted nodes died; at most every 0.1 s."""
+        now = time.monotonic()
+        if not force and now - self._checked < 0.1:
+            return
+        self._checked = now
+        dead = self._lost()
+        if dead:
+            self._drop(dead)
+            raise NodesLost(dead)
+
+    def _drop(self, dead: dict[str, str]) -> None:
+        """Fence dead nodes off: kill what is left of them, stop sending to them, tell the others."""
+        for name, why in dead.items():
+            log.warning("node %s declared dead: %s", name, why)
+            proc = self.procs.get(name)
+            if proc is not None and proc.is_alive():
+                proc.kill()
+            self.inboxes.pop(name, None)
+            self.last_beat.pop(name, None)
+        self._out.forget(list(dead))
+        for name in self.inboxes:
+            self._put(name, ("forget", list(dead)))
+        self._event("dead", nodes=sorted(dead), why=dead)
+        self._pending_failures.update(dead)
+        if self.c.restart:
+            for name in dead:
+                self.request_join(name)
+
+    def _recv(self, kind: str, timeout: float | None = None, rnd: int | None = None,
+              names: set[str] | None = None, check: bool = True) -> tuple:
+        """The next ``kind`` message from the nodes (of round ``rnd``, from one of ``names``).
+        Raises NodesLost when an admitted node dies meanwhile (with ``check``), NodeFailed when a node
+        raised or nothing came within ``timeout``. Other nodes' "ready" messages are kept for joining;
+        messages of earlier rounds and of nodes declared dead are dropped."""
         timeout = self.c.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         while True:
+            if check:
+                self._check()
             try:
-                msg = self.control.get(timeout=1.0)
+                msg = self.control.get(timeout=0.1)
             except _queue.Empty:
-                dead = [n for n, p in self.procs.items() if not p.is_alive()]
-                if dead:
-                    raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited for {kind!r}")
+                if not check:
+                    dead = [n for n, p in self.procs.items() if n not in self._ready and not p.is_alive()]
+                    if dead:
+                        raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
+                                         f"for {kind!r}")
                 if time.monotonic() > deadline:
                     raise NodeFailed(f"no {kind!r} message from the nodes within {timeout:g} s")
                 continue
-            if msg[0] == "error":
+            k = msg[0]
+            if k == "error":
                 raise NodeFailed(f"node {msg[1]} failed:\n{msg[2]}")
-            if msg[0] != kind:
-                raise NodeFailed(f"unexpected message {msg[0]!r} while waiting for {kind!r}")
+            if k == "ready":
+                _, name, inc, inbox = msg
+                if self.incarnation.get(name) == inc and name in self.procs:
+                    self._ready[name] = (inc, inbox)
+                if kind == "ready":
+                    return msg
+                continue
+            if k in ("done", "norm", "stepped") and rnd is not None and msg[1] != rnd:
+                continue  # left from an aborted round
+            sender = msg[2] if k in ("norm", "stepped") else (msg[1] if k != "done" else None)
+            if sender is not None and sender not in self.inboxes:
+                continue  # from a node declared dead
+            if k != kind or (names is not None and sender not in names):
+                raise NodeFailed(f"unexpected message {k!r} while waiting for {kind!r}")
             return msg
+
+    # -- joining -------------------------------------------------------------------------------
+    def request_join(self, name: str | None = None, region: str | None = None) -> str:
+        """Start a node process that joins the run when it is ready (at an iteration boundary). A
+        ``name`` the run knew (a node that died) restarts that node; a new name (or none: one is
+        made up) adds a node in ``region`` (default: the regions in turn), with the run's compute
+        speed and memory. Returns the node's name. Raises PlanError for a live name or unknown region."""
+        if name is not None and (name in self.inboxes or (name in self.procs and self.procs[name].is_alive())):
+            raise PlanError(f"node {name} is already running")
+        if name is None or name not in self.universe:
+            regions = sorted({r for pair in self.p.network.links for r in pair} |
+                             {n.region for n in self.universe.values()})
+            if region is None:
+                region = regions[len(self.universe) % len(regions)]
+            elif region not in regions:
+                raise PlanError(f"unknown region {region!r}; the network has {', '.join(regions)}")
+            if name is None:
+                k = len(self.universe)
+                while f"n{k:02d}" in self.universe:
+                    k += 1
+                name = f"n{k:02d}"
+            template = next(iter(self.universe.values()))
+            self.universe[name] = dataclasses.replace(template, name=name, region=region)
+        index = sorted(self.universe).index(name)
+        self._launch(name, 0, index)
+        self._event("join-requested", nodes=[name])
+        return name
+
+    def _admit(self) -> None:
+        """Admit nodes that reported ready: peers both ways, a place in the plan, their weights."""
+        for name in list(self._ready):
+            if not self.procs[name].is_alive():
+                self._ready.pop(name)
+        joined = sorted(self._ready)
+        if not joined:
+            return
+        for name in joined:
+            _, inbox = self._ready.pop(name)
+            everyone = self.p.network.with_nodes(list(self.universe.values()))
+            for other in self.inboxes:
+                link = everyone.link(other, name) if self.c.emulate_network else None
+                self._put(other, ("peer", name, inbox, link))
+            self.inboxes[name] = inbox
+            self._out.add(name, inbox)
+            self.last_beat[name] = time.monotonic()
+            self._put(name, ("peers", self.inboxes))
+        self._replan(joined=joined, why="joined")
+
+    def _control_requests(self) -> None:
+        """Join requests written by ``roving pipeline join`` into the control folder."""
+        folder = FilePath(self.c.control)
+        for req in sorted(folder.glob("join-*.json")):
+            answer: dict[str, Any]
+            try:
+                doc = json.loads(req.read_text())
+                names = [self.request_join(doc.get("name"), doc.get("region")) for _ in range(int(doc.get("count", 1)))]
+                answer = {"started": names}
+            except (PlanError, ValueError, TypeError) as exc:
+                answer = {"error": str(exc)}
+            tmp = req.with_suffix(".tmp")
+            tmp.write_text(json.dumps(answer))
+            tmp.replace(req.with_suffix(".done"))
+            req.unlink(missing_ok=True)
+
+    def _write_status(self) -> None:
+        folder = FilePath(self.c.control)
+        status = {"iteration": self.iteration_no, "nodes": dict(sorted(self.alloc.items())),
+                  "missing_stages": self.missing_stages, "starting": sorted(set(self.procs) - set(self.inboxes)),
+                  "events": len(self.metrics["events"])}
+        tmp = folder / "status.tmp"
+        tmp.write_text(json.dumps(status, indent=1))
+        tmp.replace(folder / "status.json")
+
+    # -- re-planning and moving weights ----------------------------------------------------------
+    def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
+                joined: list[str] = (), why: str = "") -> None:
+        """A new plan for the live nodes; nodes whose stage changes get its weights and optimizer
+        state (from a live replica that keeps the stage, else from the latest snapshot)."""
+        failed = dict(failed or {})
+        old_alloc = dict(self.alloc)
+        t0 = time.perf_counter()
+        live_net = self.net.without([n for n in failed if n in self.net.names])
+        if slowed:
+            live_net = slowed_network(live_net, slowed)
+        joined_nodes = [self.universe[n] for n in joined]
+        new_plan = None
+        if not self.missing_stages:
+            try:
+                new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
+                                       slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
+                                       seed=self.c.seed)
+            except PlanError as exc:
+                log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
+        if new_plan is None:
+            net = live_net.with_nodes(list(live_net.nodes) + joined_nodes) if joined_nodes else live_net
+            alloc = {n: s for n, s in self.alloc.items() if n not in failed}
+            for name in joined:  # a stage no node holds first, else where replicas are busiest
+                held = [s for s in range(self.c.stages) if s in alloc.values()]
+                want = [s for s in range(self.c.stages) if s not in held
+                        and self.universe[name].can_hold(s, self.spec, self.c.stages)]
+                if not want:
+                    want = sorted(held, key=lambda s: -self.stage_counts[s] / max(1, list(alloc.values()).count(s)))
+                alloc[name] = want[0]
+            try:
+                new_plan = plan_held(net, self.spec, alloc, self.c.stages, self.p.plan.skip,
+                                     len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed)
+            except PlanError as exc:
+                raise NodeFailed(f"training cannot go on: {exc}") from None
+        predicted = simulate(net, self.spec, new_plan, record=False).makespan
+        self.net = net
+        self._use_plan(new_plan, predicted)
+        moved = {n: s for n, s in self.alloc.items() if old_alloc.get(n) != s}
+        sources = self._move_weights(moved, old_alloc)
+        self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
+                    moved=moved, weights_from=sources, missing_stages=self.missing_stages,
+                    predicted_s=predicted, planner_seconds=time.perf_counter() - t0,
+                    allocation=dict(sorted(self.alloc.items())))
+
+    def _move_weights(self, moved: dict[str, int], old_alloc: dict[str, int]) -> dict[int, str]:
+        """Load each moved node's new stage; returns where each stage's weights came from."""
+        if not moved:
+            return {}
+        states: dict[int, tuple] = {}
+        sources: dict[int, str] = {}
+        for stage in sorted(set(moved.values())):
+            keepers = [n for n in self.replicas[stage] if old_alloc.get(n) == stage]
+            if keepers:
+                self._put(keepers[0], ("export",))
+                _, _, st, params, opt = self._recv("exported", names={keepers[0]})
+                states[stage], sources[stage] = (params, opt), keepers[0]
+            else:
+                snap = self.snapshot["stages"][stage]
+                states[stage] = (snap["params"], snap["optimizer"])
+                sources[stage] = f"snapshot of iteration {self.snapshot['iteration']}"
+                self._event("takeover", stage=stage, nodes=sorted(n for n, s in moved.items() if s == stage),
+                            snapshot_iteration=self.snapshot["iteration"])
+        self._load_stages({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, "")
+        return sources
+
+    def _load_stages(self, stages: dict[int, dict], targets: dict[str, int], what: str) -> None:
+        for name, stage in targets.items():
+            limit = max(1, self.net.node(name).in_flight(stage, self.spec, self.c.stages))
+            st = stages[stage]
+            self._put(name, ("load", stage, limit, st["params"], st["optimizer"]))
+        waiting = set(targets)
+        while waiting:
+            _, name, _ = self._recv("loaded", names=waiting)
+            waiting.discard(name)
+
+    def _export(self, names: list[str]) -> dict[str, tuple[int, dict, dict]]:
+        for n in names:
+            self._put(n, ("export",))
+        out = {}
+        while len(out) < len(names):
+            _, name, stage, params, opt = self._recv("exported", names=set(names) - set(out))
+            out[name] = (stage, params, opt)
+        return out
+
+    def take_snapshot(self, it: int) -> dict:
+        """Weights and optimizer state of one replica of each held stage (stages no node holds keep
+        their last snapshot)."""
+        got = self._export([r[0] for r in self.replicas.values() if r])
+        stages = dict(self.snapshot["stages"]) if self.snapshot else {}
+        for stage, params, opt in got.values():
+            stages[stage] = {"params": params, "optimizer": opt}
+        return {"iteration": it, "stages": stages}
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        rec = {"event": kind, "iteration": self.iteration_no, "time_s": time.perf_counter() - self._t0, **fields}
+        self.metrics["events"].append(rec)
+        self.progress({"event": "fault", **rec})
 
     # -- one iteration -----------------------------------------------------------------------
     def lr_at(self, it: int) -> float:
@@ -365,84 +750,167 @@ class Trainer:
         frac = (it - c.warmup) / max(1, c.iterations - c.warmup)
         return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
+    def throttle(self, name: str, factor: float) -> None:
+        """Fault injection for tests and benchmarks: node ``name`` computes ``factor`` times slower."""
+        self._put(name, ("throttle", factor))
+
+    def kill(self, names: list[str]) -> None:
+        """Fault injection for tests and benchmarks: kill -9 the processes of ``names``."""
+        for n in names:
+            self.procs[n].kill()
+
+    def _boundary(self) -> None:
+        """Between attempts: failures noticed while stepping, join requests, nodes that are ready."""
+        if self._pending_failures:
+            failed, self._pending_failures = self._pending_failures, {}
+            self._replan(failed=failed, why="failure")
+        if self.c.control:
+            self._control_requests()
+        self._admit()
+
     def iteration(self, it: int) -> dict:
-        """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW."""
-        t0 = time.perf_counter()
+        """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW;
+        through failures (see the class doc)."""
+        self.iteration_no = it
+        t_start = time.perf_counter()
         self._wall0 = time.time()
-        losses = self.run_microbatches(it)
-        t_compute = time.perf_counter() - t0
-        norm = self.synchronize(it)
+        batches = [next(self._batches) for _ in self.plan.paths]
+        lost_s = 0.0
+        for attempt in range(self.c.max_retries + 1):
+            try:
+                self._check(force=True)
+                self._boundary()
+                rnd = self.round + 1
+                t0 = time.perf_counter()
+                losses = self.run_microbatches(rnd, batches)
+                t_compute = time.perf_counter() - t0
+                norm = self.synchronize(rnd)
+                break
+            except NodesLost as exc:
+                lost_s += time.perf_counter() - t0 if "t0" in locals() else 0.0
+                self._abort()
+                self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
+        else:
+            raise NodeFailed(f"iteration {it} failed {self.c.max_retries + 1} times; giving up")
         coef = min(1.0, self.c.clip / (norm + 1e-6)) if self.c.clip > 0 else 1.0
         lr = self.lr_at(it)
-        stats = self.step(it, coef, lr)
-        seconds = time.perf_counter() - t0
+        stats = self.step(rnd, coef, lr)
+        seconds = time.perf_counter() - t_start
         self._train_s += seconds
         rec = {"iteration": it, "train_loss": sum(losses) / len(losses), "seconds": seconds,
-               "compute_seconds": t_compute, "sync_seconds": seconds - t_compute,
-               "predicted_seconds": self.p.predicted_s, "grad_norm": norm, "lr": lr,
-               "train_seconds_total": self._train_s,
+               "compute_seconds": t_compute, "sync_seconds": seconds - t_compute - lost_s,
+               "seconds_lost": lost_s, "attempts": attempt + 1,
+               "predicted_seconds": self.predicted_s, "grad_norm": norm, "lr": lr,
+               "train_seconds_total": self._train_s, "nodes": len(self.alloc),
+               "missing_stages": self.missing_stages,
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
                "processed": {n: s["processed"] for n, s in sorted(stats.items())},
                "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
+        self._watch_speed(stats)
         return rec
 
-    def run_microbatches(self, it: int) -> list[float]:
+    def _abort(self) -> None:
+        """Give up the current round on every live node (drop its work and gradients), then re-plan
+        around the nodes that were lost."""
+        for name in self.inboxes:
+            self._put(name, ("abort", self.round))
+        failed, self._pending_failures = self._pending_failures, {}
+        self._replan(failed=failed, why="failure")
+
+    def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
         """Send every microbatch of the plan to its origin; wait until all are done; their losses."""
-        plan = self.p.plan
+        self.round = max(self.round, rnd)
+        plan = self.plan
         order = plan.priority or list(range(len(plan.paths)))
         rank = {mb: r for r, mb in enumerate(order)}
-        batches = [next(self._batches) for _ in plan.paths]
+        if batches is None:
+            batches = [next(self._batches) for _ in plan.paths]
         for mb in order:
             path = plan.paths[mb]
             tokens, targets = batches[mb]
-            self.inboxes[path.origin].put(("mb", it, mb, rank[mb], tokens, targets, path))
-        losses = [0.0] * len(plan.paths)
-        for _ in plan.paths:
-            _, _, mb, loss = self._recv("done")
+            self._put(path.origin, ("mb", rnd, mb, rank[mb], tokens, targets, path))
+        losses: dict[int, float] = {}
+        while len(losses) < len(plan.paths):
+            _, _, mb, loss = self._recv("done", rnd=rnd)
             losses[mb] = loss
-        return losses
+        return [losses[mb] for mb in range(len(plan.paths))]
 
-    def synchronize(self, it: int) -> float:
+    def synchronize(self, rnd: int) -> float:
         """Replicas average their gradients over the microbatches their stage processed; returns the
         whole model's gradient norm."""
         for name, s in self.alloc.items():
-            self.inboxes[name].put(("sync", it, self.replicas[s], self.stage_counts[s]))
+            self._put(name, ("sync", rnd, self.replicas[s], self.stage_counts[s]))
         sq: dict[int, float] = {}
         for _ in self.alloc:
-            _, _, name, stage, v = self._recv("norm")
+            _, _, name, stage, v = self._recv("norm", rnd=rnd)
             sq.setdefault(stage, v)
         return math.sqrt(sum(sq.values()))
 
-    def step(self, it: int, coef: float, lr: float) -> dict[str, dict]:
-        """Every node scales its gradients by ``coef`` and steps; returns each node's statistics."""
-        for inbox in self.inboxes.values():
-            inbox.put(("step", it, coef, lr))
-        stats = {}
-        for _ in self.alloc:
-            _, _, name, st = self._recv("stepped")
-            stats[name] = st
+    def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:
+        """Every node scales its gradients by ``coef`` and steps; returns each node's statistics. A
+        node that dies now is not waited for (the others step all the same); the plan is remade at
+        the next boundary."""
+        for name in self.inboxes:
+            self._put(name, ("step", rnd, coef, lr))
+        stats: dict[str, dict] = {}
+        while set(self.inboxes) - set(stats):
+            try:
+                _, _, name, st = self._recv("stepped", rnd=rnd)
+                stats[name] = st
+            except NodesLost:
+                pass  # _drop recorded them for the next boundary
         return stats
+
+    def _watch_speed(self, stats: dict[str, dict]) -> None:
+        """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""
+        if self.c.slow_factor <= 0 or self.missing_stages:
+            return
+        busy = {n: 0.0 for n in self.alloc}
+        for name, events in simulate(self.net, self.spec, self.plan).timeline.items():
+            busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+        top = max(busy.values(), default=0.0)
+        ratios = {n: stats[n]["compute_s"] / busy[n] for n in stats
+                  if n in busy and busy[n] >= 0.1 * top > 0}
+        if len(ratios) < 3:
+            return
+        typical = statistics.median(ratios.values())
+        slow = {}
+        for n, r in ratios.items():
+            if r > self.c.slow_factor * typical:
+                self._slow_counts[n] = self._slow_counts.get(n, 0) + 1
+                if self._slow_counts[n] >= self.c.slow_iterations:
+                    slow[n] = r / typical
+            else:
+                self._slow_counts.pop(n, None)
+        if slow:
+            for n in slow:
+                self._slow_counts.pop(n, None)
+            self._event("slow", nodes=sorted(slow), factor={n: round(f, 2) for n, f in slow.items()})
+            self._replan(slowed=slow, why="slow")
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def stage_states(self, all_replicas: bool = False, grads: bool = False) -> dict[str, tuple[int, dict]]:
-        """Weights (or, with ``grads``, gradients) of one replica per stage, or of every node:
+        """Weights (or, with ``grads``, gradients) of one replica per held stage, or of every node:
         name -> (stage, {parameter name: tensor})."""
-        names = sorted(self.alloc) if all_replicas else [r[0] for r in self.replicas.values()]
+        names = sorted(self.alloc) if all_replicas else [r[0] for r in self.replicas.values() if r]
         for n in names:
-            self.inboxes[n].put(("grads",) if grads else ("state",))
+            self._put(n, ("grads",) if grads else ("state",))
         out = {}
-        for _ in names:
-            _, name, stage, sd = self._recv("state")
+        while len(out) < len(names):
+            _, name, stage, sd = self._recv("state", names=set(names) - set(out))
             out[name] = (stage, sd)
         return out
 
     def full_model(self) -> Llama:
-        states = self.stage_states()
+        """The whole model: one replica of each held stage; a stage no node holds from its snapshot."""
+        parts = [sd for _, sd in self.stage_states().values()]
+        for s in self.missing_stages:
+            parts.append(self.snapshot["stages"][s]["params"])
         model = Llama(self.p.model)
-        model.load_state_dict(merge_state_dicts([sd for _, sd in states.values()]))
+        model.load_state_dict(merge_state_dicts(parts))
         return model
 
     @torch.no_grad()
@@ -463,30 +931,65 @@ class Trainer:
         return rec
 
     def checkpoint(self, it: int, model: Llama | None = None) -> None:
-        model = model or self.full_model()
+        """Write the run to ``checkpoint`` atomically: the whole model, each stage's weights and
+        optimizer state, the metrics so far (enough for ``resume``)."""
+        self.snapshot = self.take_snapshot(it)
+        parts = [st["params"] for st in self.snapshot["stages"].values()]
         path = FilePath(self.c.checkpoint)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(self.p.model),
-                    "config": dataclasses.asdict(self.c), "iteration": it}, path)
+        tmp = path.with_name(path.name + ".tmp")
+        metrics = {k: self.metrics[k] for k in ("iterations", "evaluations", "events")}
+        metrics["train_seconds_total"] = self._train_s
+        torch.save({"format": 2, "model": merge_state_dicts(parts), "model_config": dataclasses.asdict(self.p.model),
+                    "config": dataclasses.asdict(self.c), "iteration": it, "stages": self.snapshot["stages"],
+                    "metrics": metrics}, tmp)
+        tmp.replace(path)
 
     def train(self) -> dict:
-        """Run every iteration; evaluate every ``eval_every`` and at the end. Returns the metrics."""
+        """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at
+        the end; snapshot and checkpoint as configured. Returns the metrics."""
         c = self.c
-        self.progress({"event": "evaluation", **self.evaluate(0)})
-        for it in range(c.iterations):
+        if self.start_iteration == 0:
+            self.progress({"event": "evaluation", **self.evaluate(0)})
+        for it in range(self.start_iteration, c.iterations):
             self.progress({"event": "iteration", **self.iteration(it)})
             done = it + 1
-            evaluated = False
             if done % c.eval_every == 0 or done == c.iterations:
                 self.progress({"event": "evaluation", **self.evaluate(done)})
-                evaluated = True
             if c.checkpoint and ((c.checkpoint_every and done % c.checkpoint_every == 0) or done == c.iterations):
-                self.checkpoint(done, self._last_model if evaluated else None)
+                self.checkpoint(done)
+            elif c.snapshot_every and done % c.snapshot_every == 0:
+                self.snapshot = self.take_snapshot(done)
+            if c.control:
+                self._write_status()
         if c.metrics:
             write_metrics(self.metrics, c.metrics)
         if c.plot:
             plot_losses({"run": self.metrics}, c.plot)
         return self.metrics
+
+
+def load_checkpoint(path: str, prep: Prepared) -> dict:
+    """A checkpoint to resume ``prep``'s run from; PlanError when it is missing or does not match."""
+    if not path:
+        raise PlanError("resume needs checkpoint = the file the run wrote")
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise PlanError(f"cannot resume: checkpoint {path} does not exist") from None
+    except Exception as exc:
+        raise PlanError(f"cannot resume: {path} is not a roving checkpoint ({exc})") from None
+    if not isinstance(ck, dict) or ck.get("format") != 2 or "stages" not in ck:
+        raise PlanError(f"cannot resume from {path}: it has no per-stage optimizer state (written by an older "
+                        "roving, or not by `roving pipeline train`)")
+    if ck["model_config"] != dataclasses.asdict(prep.model):
+        raise PlanError(f"cannot resume from {path}: it holds another model ({ck['model_config']})")
+    if ck["config"]["stages"] != prep.config.stages:
+        raise PlanError(f"cannot resume from {path}: it splits the model into {ck['config']['stages']} stages, "
+                        f"this run into {prep.config.stages}")
+    if ck["iteration"] >= prep.config.iterations:
+        raise PlanError(f"nothing to resume: {path} is at iteration {ck['iteration']} of {prep.config.iterations}")
+    return ck
 
 
 def write_metrics(metrics: dict, path: str) -> None:
