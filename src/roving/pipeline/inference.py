@@ -202,9 +202,9 @@ def generate(model: Llama, prompt: str, layers: Sequence[int] | None = None, *, 
         raise InferenceError(f"--top-k must be 0 (no limit) or more, got {top_k}")
     if tokens < 0:
         raise InferenceError(f"--tokens must be 0 or more, got {tokens}")
-    seq = encode(prompt).tolist()
-    if not seq:
+    if not prompt:
         raise InferenceError("--prompt is empty: give at least one character to continue")
+    seq = encode(prompt).tolist()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     new: list[int] = []
