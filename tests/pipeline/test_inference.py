@@ -164,6 +164,12 @@ def test_load_checkpoint_names_the_file_when_missing_unreadable_or_incomplete(fi
     torch.save(state, no_seq)
     with pytest.raises(InferenceError, match=r"noseq\.pt: its training config lacks seq_len"):
         load_checkpoint(no_seq)
+    state = torch.load(files["ckpt"], weights_only=True)
+    state["config"]["stages"] = 5  # more stages than the 4 layers
+    too_many = tmp_path / "toomany.pt"
+    torch.save(state, too_many)
+    with pytest.raises(InferenceError, match=r"toomany\.pt: its model cannot be split into stages 5"):
+        load_checkpoint(too_many)
 
 
 # -- perplexity -------------------------------------------------------------------------------------

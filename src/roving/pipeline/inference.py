@@ -25,6 +25,7 @@ from .costs import PlanError
 from .data import decode, encode, load_corpus, val_batches
 from .evaluate import kept_layers, layer_logits, perplexity, validation_loss
 from .model import Llama, LlamaConfig
+from .stages import layer_ranges
 
 #: what a checkpoint must hold, and what of its training config evaluation needs.
 CHECKPOINT_KEYS = ("model", "model_config", "config")
@@ -76,9 +77,11 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError) as exc:
         raise InferenceError(f"{path}: model weights do not match its model_config ({exc})") from None
-    ckpt = Checkpoint(str(path), model.to(device).eval(), config, state.get("iteration"))
-    check_drop([], ckpt.stages, ckpt.model)  # the split itself must be possible
-    return ckpt
+    try:
+        layer_ranges(model.cfg, int(config["stages"]))
+    except (PlanError, TypeError, ValueError) as exc:
+        raise InferenceError(f"{path}: its model cannot be split into stages {config['stages']!r} ({exc})") from None
+    return Checkpoint(str(path), model.to(device).eval(), config, state.get("iteration"))
 
 
 # -- which stages to drop ---------------------------------------------------------------------------
@@ -92,14 +95,8 @@ def parse_stages(text: str) -> list[int]:
         raise InferenceError(f"--stages {text!r} is not a comma-separated list of stage numbers, e.g. 1,3") from None
 
 
-def check_drop(drop: Sequence[int], stages: int, model: Llama | None = None) -> tuple[int, ...]:
-    """``drop`` sorted, after checking that every stage is in 1..stages-1 and named once (and, given
-    the model, that it splits into ``stages``)."""
-    if model is not None:
-        try:
-            kept_layers(model, stages, [])
-        except PlanError as exc:
-            raise InferenceError(f"checkpoint's split: {exc}") from None
+def check_drop(drop: Sequence[int], stages: int) -> tuple[int, ...]:
+    """``drop`` sorted, after checking that every stage is in 1..stages-1 and named once."""
     for s in drop:
         if s == 0:
             raise InferenceError("stage 0 holds the embedding and head and cannot be dropped; choose among "
