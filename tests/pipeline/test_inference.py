@@ -165,6 +165,12 @@ def test_load_checkpoint_names_the_file_when_missing_unreadable_or_incomplete(fi
     with pytest.raises(InferenceError, match=r"noseq\.pt: its training config lacks seq_len"):
         load_checkpoint(no_seq)
     state = torch.load(files["ckpt"], weights_only=True)
+    state["model_config"]["n_layers"] = 3
+    fewer = tmp_path / "fewer.pt"
+    torch.save(state, fewer)
+    with pytest.raises(InferenceError, match=r"fewer\.pt: model weights do not match its model_config \([^\n]*\)$"):
+        load_checkpoint(fewer)
+    state = torch.load(files["ckpt"], weights_only=True)
     state["config"]["stages"] = 5  # more stages than the 4 layers
     too_many = tmp_path / "toomany.pt"
     torch.save(state, too_many)

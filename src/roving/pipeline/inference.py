@@ -60,7 +60,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
         state = torch.load(path, map_location=device, weights_only=True)
     except Exception as exc:  # torch raises several unrelated types for a file that is not its own
         raise InferenceError(f"{path} is not a checkpoint torch can read ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                             f"{_one_line(exc)})") from None
     if not isinstance(state, dict):
         raise InferenceError(f"{path} is not a roving checkpoint: it holds a {type(state).__name__}, "
                              "not a dict")
@@ -76,12 +76,17 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
         model = Llama(LlamaConfig(**state["model_config"]))
         model.load_state_dict(state["model"])
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise InferenceError(f"{path}: model weights do not match its model_config ({exc})") from None
+        raise InferenceError(f"{path}: model weights do not match its model_config ({_one_line(exc)})") from None
     try:
         layer_ranges(model.cfg, int(config["stages"]))
     except (PlanError, TypeError, ValueError) as exc:
         raise InferenceError(f"{path}: its model cannot be split into stages {config['stages']!r} ({exc})") from None
     return Checkpoint(str(path), model.to(device).eval(), config, state.get("iteration"))
+
+
+def _one_line(exc: Exception, limit: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 # -- which stages to drop ---------------------------------------------------------------------------
