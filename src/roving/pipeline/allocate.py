@@ -186,7 +186,7 @@ def replica_counts(n_nodes: int, stages: int, skip: float, model: ModelSpec) -> 
     ideal = [w / sum(work) * n_nodes - 1 for w in work]
     counts = [1 + max(0, math.floor(x)) for x in ideal]
     while sum(counts) > n_nodes:  # floors of clipped values can overshoot only through the clip
-        i = max(range(stages), key=lambda s: counts[s] - 1 - ideal[s])
+        i = max((s for s in range(stages) if counts[s] > 1), key=lambda s: counts[s] - 1 - ideal[s])
         counts[i] -= 1
     order = sorted(range(stages), key=lambda s: (counts[s] - 1 - ideal[s], s))
     for i in range(n_nodes - sum(counts)):

@@ -80,7 +80,63 @@ def add_train_parser(sub) -> None:
     t.add_argument("--checkpoint-every", type=int)
     t.add_argument("--metrics", help="write per-iteration and per-evaluation metrics to this JSON file")
     t.add_argument("--plot", help="draw the loss curves to this PNG")
+    t.add_argument("--resume", action="store_true", default=None,
+                   help="continue the run saved in --checkpoint (after the coordinator died)")
+    t.add_argument("--snapshot-every", type=int,
+                   help="iterations between in-memory snapshots of every stage (what a lost stage is taken "
+                        "over from; default 5)")
+    t.add_argument("--dead-after", type=float,
+                   help="seconds without a heartbeat before a node is declared dead (default 2)")
+    t.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="start dead nodes again at once; they rejoin when ready")
+    t.add_argument("--control", help="folder watched for join requests (`roving pipeline join`); "
+                                     "status.json is written there every iteration")
     t.set_defaults(handler=run_train)
+    j = sub.add_parser("join", help="add nodes to a running `pipeline train` (started with --control)")
+    j.add_argument("--control", required=True, help="the run's --control folder")
+    j.add_argument("--name", default=None, help="restart this node (one that died) or name the new node")
+    j.add_argument("--region", default=None, help="region of a new node (default: the regions in turn)")
+    j.add_argument("--count", type=int, default=1, help="how many nodes to add")
+    j.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds to wait for the run to take the request (it does between iterations)")
+    j.set_defaults(handler=run_join)
+
+
+def run_join(args: argparse.Namespace) -> int:
+    """Drop a join request into the run's control folder and wait for its answer."""
+    import uuid
+
+    folder = FilePath(args.control)
+    if not (folder / "status.json").is_file():
+        print(f"error: {folder} is not the control folder of a running `roving pipeline train --control` "
+              "(no status.json in it)", file=sys.stderr)
+        return 2
+    if args.count < 1:
+        print(f"error: --count must be at least 1, got {args.count}", file=sys.stderr)
+        return 2
+    if args.name is not None and args.count != 1:
+        print("error: --name names one node: use it with --count 1", file=sys.stderr)
+        return 2
+    req = folder / f"join-{uuid.uuid4().hex}.json"
+    tmp = req.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"name": args.name, "region": args.region, "count": args.count}))
+    tmp.replace(req)
+    answer = req.with_suffix(".done")
+    deadline = time.monotonic() + args.timeout
+    while not answer.exists():
+        if time.monotonic() > deadline:
+            req.unlink(missing_ok=True)
+            print(f"error: the run did not take the request within {args.timeout:g} s (is it running?)",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    doc = json.loads(answer.read_text())
+    answer.unlink(missing_ok=True)
+    if "error" in doc:
+        print(f"error: {doc['error']}", file=sys.stderr)
+        return 2
+    print(f"started {', '.join(doc['started'])}: they join the training when ready (see status.json)")
+    return 0
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -88,7 +144,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
-              "seed", "checkpoint", "checkpoint_every", "metrics", "plot")
+              "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
+              "dead_after", "restart", "control")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:
@@ -115,7 +172,11 @@ def run_train(args: argparse.Namespace) -> int:
 
 def _show_progress(total: int):
     def show(rec: dict) -> None:
-        if rec["event"] == "iteration":
+        if rec["event"] == "fault":
+            shown = {k: v for k, v in rec.items() if k in ("nodes", "why", "failed", "joined", "moved",
+                                                         "missing_stages", "stage", "seconds_lost", "factor")}
+            print(f"  [{rec['kind']}] {shown}", flush=True)
+        elif rec["event"] == "iteration":
             print(f"iteration {rec['iteration'] + 1:>4}/{total}  loss {rec['train_loss']:.4f}  "
                   f"{rec['seconds']:.3f} s (microbatches {rec['compute_seconds']:.3f} s, predicted "
                   f"{rec['predicted_seconds']:.3f} s)", flush=True)

@@ -119,7 +119,8 @@ class _Sender:
         self._items: collections.deque = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        threading.Thread(target=self._run, name=f"roving-send-{dst}", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name=f"roving-send-{dst}", daemon=True)
+        self.thread.start()
 
     def push(self, fn: Callable[[Any], None]) -> None:
         with self._cond:
@@ -185,10 +186,14 @@ class Peers:
         self.senders[name] = _Sender(name, q)
 
     def forget(self, names: list[str]) -> None:
+        """Stop sending to ``names`` (declared dead); exit will not wait for them to answer."""
+        from roving.transport.node import abandon
+
         for name in names:
             sender = self.senders.pop(name, None)
             if sender is not None:
                 sender.close()
+                abandon(getattr(sender.q, "_address", ""))
 
     def put(self, dst: str, msg: tuple) -> None:
         """Send ``msg`` to ``dst`` at once (no emulated link); nothing when ``dst`` was forgotten."""
@@ -219,8 +224,17 @@ class Peers:
             sender = self.senders.get(name)
             if sender is not None and not sender.confirm(timeout):
                 log.warning("%s: sends to %s not confirmed within %g s", self.me, name, timeout)
-        for sender in self.senders.values():
+        self.close()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the sender threads and wait for them (bounded: one stuck on a dead peer is left),
+        so that none is inside the transport when the process exits."""
+        senders, self.senders = list(self.senders.values()), {}
+        for sender in senders:
             sender.close()
+        deadline = time.monotonic() + timeout
+        for sender in senders:
+            sender.thread.join(max(0.0, deadline - time.monotonic()))
 
 
 class StageNode:
@@ -267,14 +281,17 @@ class StageNode:
         return t.detach().to("cpu").contiguous()
 
     def _beat(self) -> None:
-        while True:
+        while not self._leaving.is_set():
             self.beats.put(("beat", self.name, self.s.incarnation))
-            time.sleep(self.s.heartbeat)
+            self._leaving.wait(self.s.heartbeat)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
+        self._leaving = threading.Event()
+        beating = None
         if self.beats is not None and self.s.heartbeat > 0:
-            threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True).start()
+            beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
+            beating.start()
         self.control.put(("ready", self.name, self.s.incarnation, self.inbox))
         while True:
             task = self._next_task()
@@ -293,6 +310,9 @@ class StageNode:
             self.stats["compute_s"] += t1 - t0
             # wall-clock spans of the work done (one clock for every process on a machine)
             self.stats["trace"].append((task[0], task[1][2], time.time() - (t1 - t0), time.time()))
+        self._leaving.set()
+        if beating is not None:
+            beating.join(timeout=5)
         self._shut_down(msg[1] if len(msg) > 1 else None)
 
     def _shut_down(self, live: list[str] | None) -> None:

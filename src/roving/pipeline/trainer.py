@@ -333,6 +333,7 @@ class Trainer:
         self.inboxes: dict[str, Any] = {}  # admitted (live) nodes
         self.incarnation: dict[str, int] = {}
         self.last_beat: dict[str, float] = {}
+        self._starting: set[str] = set()  # started, not ready yet
         self._ready: dict[str, tuple[int, Any]] = {}  # started nodes that reported ready, not admitted
         self._slow_counts: dict[str, int] = {}
         self._pending_failures: dict[str, str] = {}
@@ -386,6 +387,7 @@ class Trainer:
                               name=label, daemon=True)
         proc.start()
         self.procs[name] = proc
+        self._starting.add(name)
 
     def start(self) -> None:
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
@@ -415,6 +417,9 @@ class Trainer:
             self.snapshot = {"iteration": ck["iteration"], "stages": ck["stages"]}
         else:
             self.snapshot = self.take_snapshot(0)
+        if self.c.control:
+            FilePath(self.c.control).mkdir(parents=True, exist_ok=True)
+            self._write_status()
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
@@ -423,11 +428,9 @@ class Trainer:
         inbox to tell them to stop, and none has its peers), the started nodes are killed at once."""
         self._stopping.set()
         live = sorted(self.inboxes)
-        if self._out is None or self._ready:  # started nodes that were never admitted: kill them
-            for name, proc in self.procs.items():
-                if name not in self.inboxes or self._out is None:
-                    if proc.is_alive():
-                        proc.kill()
+        for name, proc in self.procs.items():  # started nodes that were never admitted: kill them
+            if (self._out is None or name not in self.inboxes) and proc.is_alive():
+                proc.kill()
         if self._out is not None:
             try:
                 for name in live:
@@ -452,6 +455,11 @@ class Trainer:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        # no thread of ours may be inside the transport when the interpreter exits
+        if self._out is not None:
+            self._out.close()
+        if self._monitor is not None:
+            self._monitor.join(timeout=2)
 
     def __enter__(self) -> "Trainer":
         try:
@@ -493,11 +501,12 @@ class Trainer:
                 dead[name] = f"its process exited with code {proc.exitcode}"
             elif self.c.dead_after > 0 and quiet > self.c.dead_after:
                 dead[name] = f"no heartbeat for {quiet:.1f} s"
-        for name, proc in list(self.procs.items()):
-            if name not in self.inboxes and not proc.is_alive():
+        for name in sorted(self._starting | set(self._ready)):
+            proc = self.procs[name]
+            if not proc.is_alive():
                 log.warning("node %s exited before it joined (exit code %s)", name, proc.exitcode)
                 self._event("join-failed", nodes=[name], why=f"exit code {proc.exitcode}")
-                self.procs.pop(name)
+                self._starting.discard(name)
                 self._ready.pop(name, None)
         return dead
 
@@ -545,7 +554,7 @@ class Trainer:
                 msg = self.control.get(timeout=0.1)
             except _queue.Empty:
                 if not check:
-                    dead = [n for n, p in self.procs.items() if n not in self._ready and not p.is_alive()]
+                    dead = [n for n in self._starting if not self.procs[n].is_alive()]
                     if dead:
                         raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
                                          f"for {kind!r}")
@@ -557,7 +566,8 @@ class Trainer:
                 raise NodeFailed(f"node {msg[1]} failed:\n{msg[2]}")
             if k == "ready":
                 _, name, inc, inbox = msg
-                if self.incarnation.get(name) == inc and name in self.procs:
+                if self.incarnation.get(name) == inc and name in self._starting:
+                    self._starting.discard(name)
                     self._ready[name] = (inc, inbox)
                 if kind == "ready":
                     return msg
@@ -598,11 +608,27 @@ class Trainer:
         self._event("join-requested", nodes=[name])
         return name
 
+    def join(self, names: list[str | None], timeout: float = 60.0) -> list[str]:
+        """Start nodes (``request_join``), wait until they are ready and admit them now, between
+        iterations; returns their names. NodeFailed if one does not get ready within ``timeout``."""
+        started = [self.request_join(n) for n in names]
+        deadline = time.monotonic() + timeout
+        while any(n not in self._ready for n in started):
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"node(s) {', '.join(n for n in started if n not in self._ready)} not ready "
+                                 f"within {timeout:g} s")
+            try:
+                self._recv("ready", timeout=max(0.1, deadline - time.monotonic()), check=False)
+            except NodeFailed:
+                gone = [n for n in started if n not in self._ready and not self.procs[n].is_alive()]
+                if gone:
+                    raise NodeFailed(f"joining node(s) {', '.join(gone)} exited before they were ready") from None
+        self._check(force=True)
+        self._admit()
+        return started
+
     def _admit(self) -> None:
         """Admit nodes that reported ready: peers both ways, a place in the plan, their weights."""
-        for name in list(self._ready):
-            if not self.procs[name].is_alive():
-                self._ready.pop(name)
         joined = sorted(self._ready)
         if not joined:
             return
@@ -689,13 +715,17 @@ class Trainer:
                     allocation=dict(sorted(self.alloc.items())))
 
     def _move_weights(self, moved: dict[str, int], old_alloc: dict[str, int]) -> dict[int, str]:
-        """Load each moved node's new stage; returns where each stage's weights came from."""
+        """Load each moved node's new stage from a live node that held it (else from the latest
+        snapshot); returns where each stage's weights came from."""
         if not moved:
             return {}
         states: dict[int, tuple] = {}
         sources: dict[int, str] = {}
+        # Every export happens before any load, so a node that moves away from a stage can still be
+        # the source of that stage's weights (a replica that keeps the stage is preferred).
         for stage in sorted(set(moved.values())):
-            keepers = [n for n in self.replicas[stage] if old_alloc.get(n) == stage]
+            keepers = sorted((n for n, s in old_alloc.items() if s == stage and n in self.inboxes),
+                             key=lambda n: (self.alloc.get(n) != stage, n))
             if keepers:
                 self._put(keepers[0], ("export",))
                 _, _, st, params, opt = self._recv("exported", names={keepers[0]})
@@ -703,9 +733,9 @@ class Trainer:
             else:
                 snap = self.snapshot["stages"][stage]
                 states[stage] = (snap["params"], snap["optimizer"])
-                sources[stage] = f"snapshot of iteration {self.snapshot['iteration']}"
+                sources[stage] = f"snapshot of iteration {snap['iteration']}"
                 self._event("takeover", stage=stage, nodes=sorted(n for n, s in moved.items() if s == stage),
-                            snapshot_iteration=self.snapshot["iteration"])
+                            snapshot_iteration=snap["iteration"])
         self._load_stages({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, "")
         return sources
 
@@ -734,13 +764,13 @@ class Trainer:
         got = self._export([r[0] for r in self.replicas.values() if r])
         stages = dict(self.snapshot["stages"]) if self.snapshot else {}
         for stage, params, opt in got.values():
-            stages[stage] = {"params": params, "optimizer": opt}
+            stages[stage] = {"params": params, "optimizer": opt, "iteration": it}
         return {"iteration": it, "stages": stages}
 
     def _event(self, kind: str, **fields: Any) -> None:
         rec = {"event": kind, "iteration": self.iteration_no, "time_s": time.perf_counter() - self._t0, **fields}
         self.metrics["events"].append(rec)
-        self.progress({"event": "fault", **rec})
+        self.progress({**rec, "event": "fault", "kind": kind})
 
     # -- one iteration -----------------------------------------------------------------------
     def lr_at(self, it: int) -> float:
@@ -809,6 +839,11 @@ class Trainer:
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
+        done, c = it + 1, self.c
+        if c.checkpoint and ((c.checkpoint_every and done % c.checkpoint_every == 0) or done == c.iterations):
+            self.checkpoint(done)
+        elif c.snapshot_every and done % c.snapshot_every == 0:
+            self.snapshot = self.take_snapshot(done)
         self._watch_speed(stats)
         return rec
 
@@ -956,10 +991,6 @@ class Trainer:
             done = it + 1
             if done % c.eval_every == 0 or done == c.iterations:
                 self.progress({"event": "evaluation", **self.evaluate(done)})
-            if c.checkpoint and ((c.checkpoint_every and done % c.checkpoint_every == 0) or done == c.iterations):
-                self.checkpoint(done)
-            elif c.snapshot_every and done % c.snapshot_every == 0:
-                self.snapshot = self.take_snapshot(done)
             if c.control:
                 self._write_status()
         if c.metrics:

@@ -617,6 +617,14 @@ def _own(payload: Frames) -> Frames:
 _open_connections: List[_Connection] = []
 
 
+def abandon(address: str) -> None:
+    """The node at ``address`` is known to be gone: what this process sent it without an answer is
+    lost, and exit does not wait for it to answer (``close_connections``)."""
+    for conn in list(_open_connections):
+        if conn.address == address:
+            conn.unacked = False
+
+
 def close_connections(timeout: float = 10.0) -> None:
     """Close this process's outgoing connections, first making sure that what was sent without an
     answer (puts on unbounded queues, pipe sends) has reached its node — up to ``timeout`` seconds each."""

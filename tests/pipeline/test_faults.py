@@ -1,0 +1,284 @@
+"""SkipPipe training through failures (issue 9), on local roving processes: a node killed with -9 in
+the middle of an iteration, a node that stops answering (SIGSTOP: its heartbeats stop), a node slowed
+down, a whole stage lost and taken over, killed nodes rejoining with their replicas' exact state, and a
+run resumed after its coordinator was killed."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+from roving.pipeline.trainer import NodeFailed, Trainer, TrainConfig, prepare
+
+CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
+           iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
+           replan_budget=0.2, speed=1e-3, clip=1.0, timeout=120, in_flight=2)
+
+
+def kill_mid_iteration(t: Trainer, victims: list[str]) -> dict:
+    """Run one iteration, killing ``victims`` with -9 as soon as its first microbatch is done (so
+    the others are still on their way): a failure in the middle of the iteration, every time."""
+    real = t._recv
+    seen = {"done": 0, "killed_during": None}
+
+    def hooked(kind, *args, **kwargs):
+        msg = real(kind, *args, **kwargs)
+        if kind == "done":
+            seen["done"] += 1
+            if seen["done"] == 1:
+                seen["killed_during"] = len(t.plan.paths) - 1  # microbatches not done yet
+                t.kill(victims)
+        return msg
+
+    t._recv = hooked
+    try:
+        rec = t.iteration(t.iteration_no + 1)
+    finally:
+        t._recv = real
+    assert seen["killed_during"] and seen["killed_during"] > 0
+    return rec
+
+
+def replicas_equal(t: Trainer, stage: int) -> list[str]:
+    names = sorted(n for n, s in t.alloc.items() if s == stage)
+    states = t.stage_states(all_replicas=True)
+    first = states[names[0]][1]
+    for n in names[1:]:
+        for k, v in first.items():
+            assert torch.equal(states[n][1][k], v), f"{n} differs from {names[0]} in {k}"
+    return names
+
+
+@pytest.fixture(scope="module")
+def killed_and_rejoined():
+    """8 iterations with a node of a replicated stage killed in iteration 2 and rejoining after
+    iteration 4; and the same run without failures."""
+    out = {}
+    prep = prepare(TrainConfig(**CFG))
+    with Trainer(prep) as t:
+        out["val0"] = t.evaluate(0)["val_loss"]
+        for it in range(2):
+            t.iteration(it)
+        groups = {}
+        for n, s in t.alloc.items():
+            groups.setdefault(s, []).append(n)
+        stage, names = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[0]))
+        assert len(names) >= 2
+        victim = sorted(names)[0]
+        out.update(victim=victim, stage=stage, alloc_before=dict(t.alloc))
+        t.iteration_no = 1
+        out["failed_rec"] = kill_mid_iteration(t, [victim])
+        out["alloc_after"] = dict(t.alloc)
+        out["plan_after"] = t.plan
+        for it in range(3, 5):
+            t.iteration(it)
+        t.join([victim])
+        out["alloc_joined"] = dict(t.alloc)
+        out["joined_stage"] = t.alloc[victim]
+        out["equal_at_join"] = replicas_equal(t, t.alloc[victim])
+        ex = t._export(out["equal_at_join"])
+        out["opt_states"] = {n: opt for n, (_, _, opt) in ex.items()}
+        for it in range(5, 8):
+            t.iteration(it)
+        out["equal_later"] = replicas_equal(t, t.alloc[victim])
+        out["val"] = t.evaluate(8)["val_loss"]
+        out["records"] = list(t.metrics["iterations"])
+        out["events"] = list(t.metrics["events"])
+    with Trainer(prepare(TrainConfig(**CFG))) as ref:
+        for it in range(8):
+            ref.iteration(it)
+        out["val_ref"] = ref.evaluate(8)["val_loss"]
+    return out
+
+
+def test_a_node_killed_mid_iteration_is_routed_around_and_the_iteration_completes(killed_and_rejoined):
+    r = killed_and_rejoined
+    rec = r["failed_rec"]
+    assert rec["attempts"] == 2, "the microbatch phase ran again after the failure"
+    assert math.isfinite(rec["train_loss"])
+    victim = r["victim"]
+    assert victim not in r["alloc_after"]
+    assert r["alloc_after"] == {n: s for n, s in r["alloc_before"].items() if n != victim}, \
+        "the dead node's replica group shrank; no other node moved"
+    for p in r["plan_after"].paths:
+        assert victim != p.origin and victim not in p.nodes
+    dead = [e for e in r["events"] if e["event"] == "dead"]
+    assert dead[0]["nodes"] == [victim] and "exited" in dead[0]["why"][victim]
+    assert [rec["iteration"] for rec in r["records"]] == list(range(8)), "training never stopped"
+
+
+def test_training_stays_on_course_through_the_failure(killed_and_rejoined):
+    r = killed_and_rejoined
+    assert r["val"] < r["val0"] - 0.3
+    assert abs(r["val"] - r["val_ref"]) / r["val_ref"] < 0.03, (r["val"], r["val_ref"])
+
+
+def test_a_rejoined_node_gets_identical_weights_and_optimizer_state(killed_and_rejoined):
+    r = killed_and_rejoined
+    assert r["victim"] in r["alloc_joined"]
+    assert r["victim"] in r["equal_at_join"] and len(r["equal_at_join"]) >= 2
+    opts = list(r["opt_states"].values())
+    for other in opts[1:]:
+        assert other["state"].keys() == opts[0]["state"].keys()
+        for idx, st in opts[0]["state"].items():
+            for k, v in st.items():
+                assert torch.equal(other["state"][idx][k], v), f"optimizer state {idx}.{k} differs"
+    assert r["victim"] in r["equal_later"], "replicas stay identical after training on"
+    joins = [e for e in r["events"] if e["event"] == "replan" and e["why"] == "joined"]
+    assert joins and joins[0]["weights_from"][r["joined_stage"]] in r["alloc_joined"]
+
+
+def test_a_lost_stage_is_skipped_until_a_node_takes_it_over_from_the_snapshot():
+    cfg = dict(CFG, nodes=4, stages=4, skip=0.33, snapshot_every=2)
+    prep = prepare(TrainConfig(**cfg))
+    assert sorted(prep.plan.allocation.values()) == [0, 1, 2, 3], "one node per stage: no donor"
+    with Trainer(prep) as t:
+        for it in range(2):
+            t.iteration(it)  # snapshot after iteration 2
+        snap = {k: v.clone() for k, v in t.snapshot["stages"][2]["params"].items()}
+        assert t.snapshot["iteration"] == 2
+        t.iteration(2)
+        lost = next(n for n, s in t.alloc.items() if s == 2)
+        t.iteration_no = 2
+        rec = kill_mid_iteration(t, [lost])
+        assert rec["missing_stages"] == [2] and t.missing_stages == [2]
+        for p in t.plan.paths:
+            assert 2 not in p.stages and lost not in p.nodes
+        assert all(len(p.stages) >= 1 for p in t.plan.paths), "the other stages are still visited"
+        t.iteration(4)
+        new = t.join([None])[0]
+        assert t.alloc[new] == 2 and t.missing_stages == []
+        state = t.stage_states(all_replicas=True)[new][1]
+        for k, v in snap.items():
+            assert torch.equal(state[k], v), f"{k} was not taken from the snapshot of iteration 2"
+        takeover = [e for e in t.metrics["events"] if e["event"] == "takeover"]
+        assert takeover and takeover[0]["stage"] == 2 and takeover[0]["snapshot_iteration"] == 2
+        r5 = t.iteration(5)
+        assert r5["missing_stages"] == [] and any(2 in p.stages for p in t.plan.paths)
+        assert math.isfinite(r5["train_loss"])
+
+
+def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_slow_node_is_planned_around():
+    cfg = dict(CFG, dead_after=2.0, heartbeat=0.25, slow_factor=3.0, slow_iterations=2)
+    prep = prepare(TrainConfig(**cfg))
+    with Trainer(prep) as t:
+        first = t.iteration(0)
+        groups = {}
+        for n, s in t.alloc.items():
+            groups.setdefault(s, []).append(n)
+        busy = sorted(n for g in groups.values() if len(g) >= 2 for n in g)
+        slow = max(busy, key=lambda n: (first["processed"][n], n))  # one the plan gives work to
+        assert first["processed"][slow] > 0
+        t.throttle(slow, 10.0)
+        for it in range(1, 5):
+            t.iteration(it)
+            if any(e["event"] == "slow" for e in t.metrics["events"]):
+                break
+        marks = [e for e in t.metrics["events"] if e["event"] == "slow"]
+        assert marks and marks[0]["nodes"] == [slow], t.metrics["events"]
+        assert t.net.node(slow).speed > prep.network.node(slow).speed * 2, "re-planned with its measured speed"
+        from roving.pipeline.simulate import simulate
+
+        old = simulate(t.net, prep.spec, prep.plan, record=False).makespan
+        assert t.predicted_s < old, "on the network with the slow node, the new plan is faster than the old"
+        replans = [e for e in t.metrics["events"] if e["event"] == "replan" and e["why"] == "slow"]
+        assert replans and all(src and not src.startswith("snapshot") for src in replans[0]["weights_from"].values()), \
+            "nodes that changed stage took the live weights of the stage, not a snapshot"
+        # SIGSTOP: the process lives on but answers nothing, heartbeats included
+        stopped = next(n for n in busy if n != slow)
+        os.kill(t.procs[stopped].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        rec = t.iteration(t.iteration_no + 1)
+        dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
+        assert dead and dead[0]["nodes"] == [stopped]
+        assert "no heartbeat" in dead[0]["why"][stopped]
+        assert stopped not in t.alloc and rec["attempts"] >= 1
+        waited = time.monotonic() - t0
+        assert waited >= 2.0, "declared dead only after dead_after seconds without a heartbeat"
+        t.procs[stopped].join(timeout=10)
+        assert not t.procs[stopped].is_alive(), "a node declared dead is killed (fenced off)"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
+    """A full-pipeline run (every microbatch visits every stage, so losses do not depend on the
+    plan) killed with -9 after a checkpoint, then resumed, computes the same losses as a run that was
+    never interrupted."""
+    common = ["--model", "tiny", "--network", "gcp12", "--nodes", "4", "--stages", "2", "--schedule", "dtfm",
+              "--skip", "0", "--microbatches", "4", "--samples", "4", "--seq-len", "32", "--iterations", "8",
+              "--eval-every", "100", "--seed", "3"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROVING_")}
+    cmd = [sys.executable, "-m", "roving.cli", "pipeline", "train", *common]
+    ck = tmp_path / "run.pt"
+    ref = subprocess.run([*cmd, "--metrics", str(tmp_path / "ref.json")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    run = subprocess.Popen([*cmd, "--checkpoint", str(ck), "--checkpoint-every", "1"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert time.monotonic() < deadline and run.poll() is None, "the run ended before it was killed"
+            if ck.exists():
+                done = torch.load(ck, weights_only=False)["iteration"]
+                if done >= 3:
+                    break
+            time.sleep(0.2)
+        nodes = _children(run.pid)
+        run.kill()
+        run.wait()
+    finally:
+        if run.poll() is None:
+            run.kill()
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+              for p in nodes) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [p for p in nodes if os.path.exists(f"/proc/{p}")
+             and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not alive, "the dead coordinator's nodes exit within 10 s"
+    at = torch.load(ck, weights_only=False)["iteration"]
+    resumed = subprocess.run([*cmd, "--checkpoint", str(ck), "--checkpoint-every", "1", "--resume",
+                              "--metrics", str(tmp_path / "resumed.json")], env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    got = json.loads((tmp_path / "resumed.json").read_text())
+    want = json.loads((tmp_path / "ref.json").read_text())
+    assert [r["iteration"] for r in got["iterations"]] == list(range(8)), "each iteration once"
+    assert any(e["event"] == "resumed" and e["iteration"] == at for e in got["events"])
+    for a, b in zip(got["iterations"], want["iterations"]):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-4), a["iteration"]
+
+
+def test_resume_refuses_a_checkpoint_that_does_not_match(tmp_path):
+    from roving.pipeline.costs import PlanError
+
+    with pytest.raises(PlanError, match="does not exist"):
+        Trainer(prepare(TrainConfig(**CFG, checkpoint=str(tmp_path / "none.pt"), resume=True)))
+    torch.save({"model": {}}, tmp_path / "old.pt")
+    with pytest.raises(PlanError, match="optimizer state"):
+        Trainer(prepare(TrainConfig(**CFG, checkpoint=str(tmp_path / "old.pt"), resume=True)))
+    with pytest.raises(PlanError, match="resume needs checkpoint"):
+        TrainConfig(**CFG, resume=True).check()
+    with pytest.raises(PlanError, match="heartbeat"):
+        TrainConfig(**CFG, heartbeat=3.0, dead_after=2.0).check()
