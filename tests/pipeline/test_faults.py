@@ -282,3 +282,72 @@ def test_resume_refuses_a_checkpoint_that_does_not_match(tmp_path):
         TrainConfig(**CFG, resume=True).check()
     with pytest.raises(PlanError, match="heartbeat"):
         TrainConfig(**CFG, heartbeat=3.0, dead_after=2.0).check()
+
+
+def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monkeypatch):
+    """As a job that a busy cluster keeps pending: the node's process is stopped (SIGSTOP) right
+    after it is started, so it is not ready in ``start_wait``; training starts without it, and it
+    joins once it runs (SIGCONT), with its replicas' weights."""
+    late = {}
+    real_launch = Trainer._launch
+
+    def launch(self, name, stage, index):
+        real_launch(self, name, stage, index)
+        if not late and stage != 0 and list(self.p.plan.allocation.values()).count(stage) >= 2:
+            late[name] = stage
+            os.kill(self.procs[name].pid, signal.SIGSTOP)
+
+    monkeypatch.setattr(Trainer, "_launch", launch)
+    cfg = dict(CFG, nodes=7, start_wait=1.0)
+    prep = prepare(TrainConfig(**cfg))
+    with Trainer(prep) as t:
+        assert len(late) == 1, prep.plan.allocation
+        name = next(iter(late))
+        assert name not in t.alloc and set(t.alloc.values()) == set(range(4))
+        t.iteration(0)
+        os.kill(t.procs[name].pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        it = 1
+        while name not in t.alloc:
+            assert time.monotonic() < deadline, "the late node never joined"
+            t.iteration(it)
+            it += 1
+            time.sleep(0.2)
+        t.iteration(it)
+        replicas_equal(t, t.alloc[name])
+        assert any(e["event"] == "replan" and e["joined"] == [name] for e in t.metrics["events"])
+
+
+def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROVING_")}
+    control = tmp_path / "control"
+    train = subprocess.Popen(
+        [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
+         "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
+         "--iterations", "400", "--eval-every", "1000", "--control", str(control), "--metrics",
+         str(tmp_path / "m.json")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (control / "status.json").exists():
+            assert train.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        bad = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control", str(control),
+                              "--region", "nowhere"], env=env, capture_output=True, text=True, timeout=120)
+        assert bad.returncode == 2 and "unknown region 'nowhere'" in bad.stderr
+        ok = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control", str(control)],
+                            env=env, capture_output=True, text=True, timeout=120)
+        assert ok.returncode == 0, ok.stderr
+        new = ok.stdout.split()[1].rstrip(":,")
+        out, _ = train.communicate(timeout=300)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, out[-3000:]
+    m = json.loads((tmp_path / "m.json").read_text())
+    joins = [e for e in m["events"] if e["event"] == "replan" and e["joined"] == [new]]
+    assert joins, m["events"]
+    assert new in joins[0]["allocation"]
+    assert m["iterations"][-1]["nodes"] == 5
+    nowhere = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control",
+                              str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=60)
+    assert nowhere.returncode == 2 and "not the control folder" in nowhere.stderr

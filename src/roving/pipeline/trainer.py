@@ -102,6 +102,9 @@ class TrainConfig:
     slow_iterations: int = 2
     #: start a dead node again at once (it rejoins when ready).
     restart: bool = False
+    #: seconds to wait at the start for every node; after that the run starts with the nodes that are
+    #: ready if they hold every stage, and the others join when they start.
+    start_wait: float = 60.0
     #: seconds the planner may take to re-plan after a failure, slowdown or join.
     replan_budget: float = 0.5
     #: attempts at one iteration (each after a failure) before giving up.
@@ -274,6 +277,10 @@ class NodeFailed(RuntimeError):
     node to hold stage 0, or an iteration failed ``max_retries`` times."""
 
 
+class _Timeout(NodeFailed):
+    """Nothing came from the nodes in time."""
+
+
 class NodesLost(Exception):
     """Nodes were declared dead (their process exited, or their heartbeats stopped)."""
 
@@ -390,10 +397,24 @@ class Trainer:
         self._starting.add(name)
 
     def start(self) -> None:
+        """Start every node of the plan and wait for them. Nodes not ready after ``start_wait``
+        seconds (jobs a busy cluster keeps pending) are planned around when the ready ones can hold
+        every stage; they join when they start. NodeFailed when a node fails to start, or when too few
+        are ready within ``timeout``."""
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             self._launch(name, stage, index)
-        while len(self._ready) < len(self.procs):
-            self._recv("ready", check=False)
+        t0 = time.monotonic()
+        while self._starting:
+            waited = time.monotonic() - t0
+            if waited > self.c.start_wait and len({self.alloc[n] for n in self._ready}) == self.c.stages:
+                break
+            if waited > self.c.timeout:
+                raise NodeFailed(f"node(s) {', '.join(sorted(self._starting))} not ready within {self.c.timeout:g} s")
+            try:
+                self._recv("ready", timeout=0.5, check=False)
+            except _Timeout:
+                pass
+        late = sorted(self._starting)
         self._out = Peers("coordinator", {}, None)
         for name in sorted(self._ready):
             inc, inbox = self._ready.pop(name)
@@ -404,6 +425,10 @@ class Trainer:
             self._put(name, ("peers", self.inboxes))
         self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
         self._monitor.start()
+        if late:
+            log.warning("starting without node(s) %s (not ready after %g s): they join when they start",
+                        ", ".join(late), self.c.start_wait)
+            self._replan(failed={n: "not started yet" for n in late}, why="start")
         if self._resume_from is not None:
             ck = self._resume_from
             self._load_stages(ck["stages"], {n: s for n, s in self.alloc.items()}, f"checkpoint {self.c.checkpoint}")
@@ -559,7 +584,7 @@ class Trainer:
                         raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
                                          f"for {kind!r}")
                 if time.monotonic() > deadline:
-                    raise NodeFailed(f"no {kind!r} message from the nodes within {timeout:g} s")
+                    raise _Timeout(f"no {kind!r} message from the nodes within {timeout:g} s")
                 continue
             k = msg[0]
             if k == "error":
