@@ -8,6 +8,17 @@ k = 0) -- saves both checkpoints, then evaluates each with 0, 25, 33 and 50% of 
 dropped (``roving.pipeline.inference``: random subsets of that size, averaged). Writes
 ``robustness_drop.json`` (every subset's figures), ``robustness_drop.png`` (perplexity increase against
 the fraction dropped) and prints a Markdown table.
+
+    PYTHONPATH=src python benchmarks/robustness.py failures --iterations 60 --out benchmarks/results
+
+``failures``: training through node failures. The same SkipPipe run (k = 0.33, 12 nodes, 6 stages,
+emulated gcp12 links) twice with one calibration, so both have the same plan: once undisturbed, and
+once with 25% of the nodes (3 of 12, chosen at random by the seed) killed with -9 partway through an
+iteration, and started again at a later iteration (they rejoin with their replicas' state, or take
+a lost stage over from its snapshot). Writes ``robustness_failures.json`` (both runs' metrics and
+events) and ``robustness_failures.png`` (loss against iterations and against training seconds) and
+prints a Markdown table: iterations completed, time lost, the work thrown away against one
+iteration's time, and validation loss at equal iterations.
 """
 
 from __future__ import annotations
@@ -18,7 +29,7 @@ import time
 from pathlib import Path
 
 from roving.pipeline.inference import drop_subsets, evaluate_drops, load_checkpoint, validation_set
-from roving.pipeline.trainer import TrainConfig, run
+from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, prepare, run
 
 from train import BASE as TRAIN_BASE
 
@@ -120,6 +131,126 @@ def run_drop(args: argparse.Namespace) -> None:
     print(f"\n{time.time() - t0:.0f} s; figures: {out / 'robustness_drop.json'}, plot: {out / 'robustness_drop.png'}")
 
 
+FAIL_BASE = {**TRAIN_BASE, "skip": 0.33, "eval_every": 10, "timeout": 600.0}
+
+
+def failure_run(iterations: int, calibration: dict, kill_at: int | None, rejoin_at: int | None,
+                fraction: float, seed: int, kill_after_s: float) -> dict:
+    """One run; with ``kill_at``, ``fraction`` of the nodes are killed ``kill_after_s`` seconds into
+    iteration ``kill_at`` (from a timer thread, wherever the iteration is then) and started again
+    before iteration ``rejoin_at``."""
+    import random
+    import threading
+
+    cfg = TrainConfig(**{**FAIL_BASE, "iterations": iterations})
+    prep = prepare(cfg, calibration)
+    label = "failures" if kill_at is not None else "no failures"
+    show = {"evaluation": lambda r: print(f"  {label}: after {r['iteration']} iterations val {r['val_loss']:.4f}",
+                                          flush=True),
+            "fault": lambda r: print(f"  {label}: [{r['kind']}] iteration {r['iteration']} "
+                                     f"{ {k: r[k] for k in ('nodes', 'failed', 'joined', 'moved', 'missing_stages', 'seconds_lost') if k in r} }",
+                                     flush=True)}
+    victims: list[str] = []
+    with Trainer(prep, progress=lambda r: show.get(r["event"], lambda r: None)(r)) as t:
+        t.evaluate(0)
+        for it in range(iterations):
+            if it == kill_at:
+                victims = sorted(random.Random(seed).sample(sorted(t.alloc), round(fraction * len(t.alloc))))
+                hit = {v: t.alloc[v] for v in victims}
+                print(f"  {label}: killing {hit} (node: stage) {kill_after_s:.2f} s into iteration {it}", flush=True)
+                threading.Timer(kill_after_s, t.kill, [victims]).start()
+            if it == rejoin_at:
+                print(f"  {label}: starting {victims} again before iteration {it}", flush=True)
+                t.join(victims)
+            t.iteration(it)
+            if (it + 1) % cfg.eval_every == 0 or it + 1 == iterations:
+                t.evaluate(it + 1)
+        metrics = t.metrics
+    metrics["victims"] = victims
+    metrics["kill_at"], metrics["rejoin_at"] = kill_at, rejoin_at
+    return metrics
+
+
+def failure_table(clean: dict, failed: dict) -> str:
+    its_c, its_f = clean["iterations"], failed["iterations"]
+    mean_c = sum(r["seconds"] for r in its_c) / len(its_c)
+    lost_work = sum(r["seconds_lost"] for r in its_f)
+    hit = failed["iterations"][failed["kill_at"]]
+    extra = hit["seconds"] - mean_c
+    total_c, total_f = its_c[-1]["train_seconds_total"], its_f[-1]["train_seconds_total"]
+    ev_c = {e["iteration"]: e["val_loss"] for e in clean["evaluations"]}
+    ev_f = {e["iteration"]: e["val_loss"] for e in failed["evaluations"]}
+    rows = ["| run | iterations completed | training seconds | mean iteration s | final val loss |",
+            "|---|---|---|---|---|"]
+    for name, m in (("no failures", clean), ("25% of nodes killed, then rejoined", failed)):
+        its = m["iterations"]
+        rows.append(f"| {name} | {len(its)} | {its[-1]['train_seconds_total']:.1f} | "
+                    f"{sum(r['seconds'] for r in its) / len(its):.3f} | {m['evaluations'][-1]['val_loss']:.4f} |")
+    rows.append("")
+    rows.append(f"- work thrown away (the aborted attempt of iteration {failed['kill_at']}): {lost_work:.3f} s = "
+                f"{lost_work / mean_c:.2f} of an undisturbed iteration ({mean_c:.3f} s); that iteration took "
+                f"{hit['seconds']:.3f} s ({extra:+.3f} s, re-planning and re-running included), attempts: {hit['attempts']}")
+    rows.append(f"- training seconds in all: {total_f - total_c:+.1f} s against the undisturbed run "
+                f"({(total_f - total_c) / mean_c:+.1f} iterations' worth)")
+    common = sorted(set(ev_c) & set(ev_f))
+    diffs = ", ".join(f"{i}: {ev_f[i] - ev_c[i]:+.4f}" for i in common if i)
+    rows.append(f"- validation loss, failure run minus undisturbed, at equal iterations: {diffs}")
+    return "\n".join(rows)
+
+
+def plot_failures(clean: dict, failed: dict, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, m in (("no failures", clean), ("25% of nodes killed, then rejoined", failed)):
+        its = m["iterations"]
+        line, = a.plot([r["iteration"] + 1 for r in its], [r["train_loss"] for r in its], alpha=0.35, lw=1)
+        ev = m["evaluations"]
+        a.plot([e["iteration"] for e in ev], [e["val_loss"] for e in ev], "o-", color=line.get_color(),
+               label=f"{name} (validation)")
+        b.plot([r["train_seconds_total"] for r in its], [r["train_loss"] for r in its], color=line.get_color(),
+               label=name)
+    for x, what in ((failed["kill_at"], "killed"), (failed["rejoin_at"], "rejoined")):
+        a.axvline(x + 0.5, color="0.5", ls="--", lw=1)
+        a.text(x + 0.7, a.get_ylim()[1], what, va="top", fontsize=8)
+    a.set_xlabel("iteration")
+    a.set_ylabel("loss (nats per byte)")
+    a.legend(fontsize=8)
+    b.set_xlabel("training seconds (wall clock)")
+    b.set_ylabel("train loss")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+
+
+def run_failures(args: argparse.Namespace) -> None:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cfg = TrainConfig(**{**FAIL_BASE, "iterations": args.iterations})
+    model = cfg.model_config()
+    torch.set_num_threads(1)
+    calibration = calibrate(model, cfg.samples, cfg.seq_len)
+    clean = failure_run(args.iterations, calibration, None, None, args.fraction, args.seed, 0.0)
+    phase = sorted(r["compute_seconds"] for r in clean["iterations"])[len(clean["iterations"]) // 2]
+    failed = failure_run(args.iterations, calibration, args.kill_at, args.rejoin_at, args.fraction, args.seed,
+                         0.5 * phase)
+    doc = {"settings": {**FAIL_BASE, "iterations": args.iterations, "kill_at": args.kill_at,
+                        "rejoin_at": args.rejoin_at, "fraction": args.fraction, "seed": args.seed},
+           "calibration": calibration, "no_failures": clean, "failures": failed, "seconds": time.time() - t0}
+    (out / "robustness_failures.json").write_text(json.dumps(doc, indent=1, default=str))
+    plot_failures(clean, failed, out / "robustness_failures.png")
+    print(failure_table(clean, failed))
+    print(f"\n{time.time() - t0:.0f} s; figures: {out / 'robustness_failures.json'}, plot: "
+          f"{out / 'robustness_failures.png'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -130,6 +261,14 @@ def main() -> None:
     d.add_argument("--seed", type=int, default=0, help="picks the subsets")
     d.add_argument("--reuse", action="store_true", help="evaluate checkpoints already in --out instead of training")
     d.set_defaults(handler=run_drop)
+    f = sub.add_parser("failures", help="a run with 25% of its nodes killed and rejoining, against one without")
+    f.add_argument("--iterations", type=int, default=60)
+    f.add_argument("--kill-at", type=int, default=20, help="the iteration in which the nodes are killed")
+    f.add_argument("--rejoin-at", type=int, default=40, help="the iteration before which they start again")
+    f.add_argument("--fraction", type=float, default=0.25, help="of the nodes killed")
+    f.add_argument("--seed", type=int, default=0, help="picks the nodes killed")
+    f.add_argument("--out", default="benchmarks/results")
+    f.set_defaults(handler=run_failures)
     args = ap.parse_args()
     args.handler(args)
 

@@ -35,7 +35,8 @@ node -> coordinator (``beats``, from a thread of its own): ("beat", name, incarn
 
 Rounds: a node works on one round at a time. A message of a newer round than the node's means the
 coordinator gave up the current one (the explicit abort may still be on its way): the node drops the
-old round's work and gradients first. Messages of older rounds are dropped. So a re-run never mixes
+old round's work and gradients first. Messages of older rounds, and of a round aborted, are dropped
+(a message can arrive after the abort of its round). So a re-run never mixes
 with what was left of the aborted attempt, whatever order messages from different senders arrive in.
 
 Sends to peers go through one sender thread per destination: a peer that died while a message to it
@@ -245,6 +246,7 @@ class StageNode:
         torch.manual_seed(s.seed)
         self.peers: Peers | None = None
         self.round = -1
+        self.aborted = -1  # the latest round given up: its messages are dropped
         self.throttle = 1.0
         self._hold(s.stage, s.in_flight)
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
@@ -326,7 +328,7 @@ class StageNode:
 
     def _current(self, rnd: int) -> bool:
         """Whether a message of round ``rnd`` is to be handled (see the module doc, Rounds)."""
-        if rnd < self.round:
+        if rnd < self.round or rnd <= self.aborted:
             return False
         if rnd > self.round:
             if self.stash or self.pending or self.grads or self.sync_order:
@@ -359,6 +361,7 @@ class StageNode:
             if msg[1] >= self.round:
                 self._clear_round()
                 self.round = msg[1]
+            self.aborted = max(self.aborted, msg[1])
         elif kind == "sync":
             self.sync_order[msg[1]] = (msg[2], msg[3])
             self._try_sync(msg[1])

@@ -341,6 +341,8 @@ class Trainer:
         self.incarnation: dict[str, int] = {}
         self.last_beat: dict[str, float] = {}
         self._starting: set[str] = set()  # started, not ready yet
+        #: the stage whose weights each node holds now (None: a joining node, nothing useful yet)
+        self.holding: dict[str, int | None] = {}
         self._ready: dict[str, tuple[int, Any]] = {}  # started nodes that reported ready, not admitted
         self._slow_counts: dict[str, int] = {}
         self._pending_failures: dict[str, str] = {}
@@ -395,6 +397,7 @@ class Trainer:
         proc.start()
         self.procs[name] = proc
         self._starting.add(name)
+        self.holding[name] = stage if inc == 0 and self._resume_from is None else None
 
     def start(self) -> None:
         """Start every node of the plan and wait for them. Nodes not ready after ``start_wait``
@@ -415,6 +418,8 @@ class Trainer:
             except _Timeout:
                 pass
         late = sorted(self._starting)
+        for name in late:  # its initial weights will be stale when it joins
+            self.holding[name] = None
         self._out = Peers("coordinator", {}, None)
         for name in sorted(self._ready):
             inc, inbox = self._ready.pop(name)
@@ -431,7 +436,7 @@ class Trainer:
             self._replan(failed={n: "not started yet" for n in late}, why="start")
         if self._resume_from is not None:
             ck = self._resume_from
-            self._load_stages(ck["stages"], {n: s for n, s in self.alloc.items()}, f"checkpoint {self.c.checkpoint}")
+            self._load_stages(ck["stages"], dict(self.alloc))
             self.start_iteration = ck["iteration"]
             for key in ("iterations", "evaluations", "events"):
                 self.metrics[key] = list(ck["metrics"].get(key, []))
@@ -597,7 +602,7 @@ class Trainer:
                 if kind == "ready":
                     return msg
                 continue
-            if k in ("done", "norm", "stepped") and rnd is not None and msg[1] != rnd:
+            if k in ("done", "norm", "stepped") and (k != kind or (rnd is not None and msg[1] != rnd)):
                 continue  # left from an aborted round
             sender = msg[2] if k in ("norm", "stepped") else (msg[1] if k != "done" else None)
             if sender is not None and sender not in self.inboxes:
@@ -630,6 +635,7 @@ class Trainer:
             self.universe[name] = dataclasses.replace(template, name=name, region=region)
         index = sorted(self.universe).index(name)
         self._launch(name, 0, index)
+        self.holding[name] = None
         self._event("join-requested", nodes=[name])
         return name
 
@@ -700,7 +706,6 @@ class Trainer:
         """A new plan for the live nodes; nodes whose stage changes get its weights and optimizer
         state (from a live replica that keeps the stage, else from the latest snapshot)."""
         failed = dict(failed or {})
-        old_alloc = dict(self.alloc)
         t0 = time.perf_counter()
         live_net = self.net.without([n for n in failed if n in self.net.names])
         if slowed:
@@ -732,14 +737,14 @@ class Trainer:
         predicted = simulate(net, self.spec, new_plan, record=False).makespan
         self.net = net
         self._use_plan(new_plan, predicted)
-        moved = {n: s for n, s in self.alloc.items() if old_alloc.get(n) != s}
-        sources = self._move_weights(moved, old_alloc)
+        moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
+        sources = self._move_weights(moved)
         self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
                     moved=moved, weights_from=sources, missing_stages=self.missing_stages,
                     predicted_s=predicted, planner_seconds=time.perf_counter() - t0,
                     allocation=dict(sorted(self.alloc.items())))
 
-    def _move_weights(self, moved: dict[str, int], old_alloc: dict[str, int]) -> dict[int, str]:
+    def _move_weights(self, moved: dict[str, int]) -> dict[int, str]:
         """Load each moved node's new stage from a live node that held it (else from the latest
         snapshot); returns where each stage's weights came from."""
         if not moved:
@@ -749,7 +754,7 @@ class Trainer:
         # Every export happens before any load, so a node that moves away from a stage can still be
         # the source of that stage's weights (a replica that keeps the stage is preferred).
         for stage in sorted(set(moved.values())):
-            keepers = sorted((n for n, s in old_alloc.items() if s == stage and n in self.inboxes),
+            keepers = sorted((n for n, s in self.holding.items() if s == stage and n in self.inboxes),
                              key=lambda n: (self.alloc.get(n) != stage, n))
             if keepers:
                 self._put(keepers[0], ("export",))
@@ -761,18 +766,20 @@ class Trainer:
                 sources[stage] = f"snapshot of iteration {snap['iteration']}"
                 self._event("takeover", stage=stage, nodes=sorted(n for n, s in moved.items() if s == stage),
                             snapshot_iteration=snap["iteration"])
-        self._load_stages({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, "")
+        self._load_stages({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved)
         return sources
 
-    def _load_stages(self, stages: dict[int, dict], targets: dict[str, int], what: str) -> None:
+    def _load_stages(self, stages: dict[int, dict], targets: dict[str, int]) -> None:
+        """Each target node loads its stage's weights and optimizer state; ``holding`` follows."""
         for name, stage in targets.items():
             limit = max(1, self.net.node(name).in_flight(stage, self.spec, self.c.stages))
             st = stages[stage]
             self._put(name, ("load", stage, limit, st["params"], st["optimizer"]))
         waiting = set(targets)
         while waiting:
-            _, name, _ = self._recv("loaded", names=waiting)
+            _, name, stage = self._recv("loaded", names=waiting)
             waiting.discard(name)
+            self.holding[name] = stage
 
     def _export(self, names: list[str]) -> dict[str, tuple[int, dict, dict]]:
         for n in names:
@@ -831,8 +838,13 @@ class Trainer:
         self._wall0 = time.time()
         batches = [next(self._batches) for _ in self.plan.paths]
         lost_s = 0.0
+        aborted = False
         for attempt in range(self.c.max_retries + 1):
+            t0 = None
             try:
+                if aborted:  # re-plan around what was lost (more may be lost meanwhile: retried)
+                    self._abort()
+                    aborted = False
                 self._check(force=True)
                 self._boundary()
                 rnd = self.round + 1
@@ -842,8 +854,9 @@ class Trainer:
                 norm = self.synchronize(rnd)
                 break
             except NodesLost as exc:
-                lost_s += time.perf_counter() - t0 if "t0" in locals() else 0.0
-                self._abort()
+                if t0 is not None:
+                    lost_s += time.perf_counter() - t0
+                aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
         else:
             raise NodeFailed(f"iteration {it} failed {self.c.max_retries + 1} times; giving up")
