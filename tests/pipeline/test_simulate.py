@@ -93,3 +93,32 @@ def test_simulation_is_deterministic():
     p = random_skip(network, m, alloc, 4, 0.34, 12, seed=3)
     a, b = simulate(network, m, p), simulate(network, m, p)
     assert a.makespan == b.makespan and a.timeline == b.timeline
+
+
+def test_nodes_sharing_one_machine_share_its_cores():
+    # two origins a1, a2 (region A) each run one microbatch through b1 / b2 (region B); both start at 0
+    network = net([("a1", "A", 1.0, 4), ("a2", "A", 1.0, 4), ("b1", "B", 1.0, 4), ("b2", "B", 1.0, 4)])
+    plan = Plan(2, 0.0, {"a1": 0, "a2": 0, "b1": 1, "b2": 1},
+                [Path("a1", ("b1",), (1,)), Path("a2", ("b2",), (1,))])
+    own = simulate(network, MODEL, plan)
+    two = simulate(network, MODEL, plan, shared_cores=2)
+    one = simulate(network, MODEL, plan, shared_cores=1)
+    assert own.makespan == pytest.approx(10.04) and two.makespan == pytest.approx(10.04)
+    # one core: every compute step of the two microbatches overlaps its twin, so each takes twice as
+    # long: F 0-2, send -> 3.01, F 3.01-5.01, send back -> 6.02, loss (0 s), send -> 7.03,
+    # B 7.03-11.03, send -> 12.04, B 12.04-16.04
+    assert one.makespan == pytest.approx(16.04)
+    fwd = [e for e in one.timeline["a1"] if e.kind == "compute-fwd"]
+    assert [(round(e.start, 6), round(e.end, 6)) for e in fwd] == [(0.0, 2.0)]
+
+
+def test_a_task_alone_on_a_shared_core_runs_at_full_speed_after_the_other_ends():
+    # a1's microbatch visits b1 (1 s forward); a2's stays at stage 0 with a fast origin: on one
+    # core the two first forwards overlap only while both run
+    network = net([("a1", "A", 1.0, 4), ("a2", "A", 0.25, 4), ("b1", "B", 1.0, 4)])
+    plan = Plan(2, 0.0, {"a1": 0, "a2": 0, "b1": 1}, [Path("a1", ("b1",), (1,)), Path("a2", ("b1",), (1,))])
+    res = simulate(network, MODEL, plan, shared_cores=1)
+    f1 = next(e for e in res.timeline["a1"] if e.kind == "compute-fwd")
+    f2 = next(e for e in res.timeline["a2"] if e.kind == "compute-fwd")
+    # both at half speed until a2's 0.25 s of work is done at 0.5 s; a1 then has 0.75 s left alone
+    assert f2.end == pytest.approx(0.5) and f1.end == pytest.approx(1.25)

@@ -20,6 +20,10 @@ What it models, and the policy it follows:
   different links do not contend with each other (no shared NIC model).
 * The iteration ends when the last microbatch's final backward ends; replica synchronisation of the
   weights after the iteration is not modelled.
+* Processors: each node has one of its own, unless ``shared_cores`` says that all nodes share one
+  machine with that many cores (a geo-distributed run emulated on one machine): then the compute
+  tasks running at once share the cores equally (processor sharing: with n > cores running, each
+  progresses at cores/n of its speed), so nodes that the plan runs in parallel slow each other down.
 
 The simulation is deterministic: ties are broken by event order, which depends only on the plan.
 """
@@ -99,9 +103,11 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: di
     return out
 
 
-def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True) -> SimResult:
+def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True,
+             shared_cores: int = 0) -> SimResult:
     """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
-    deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster)."""
+    deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).
+    ``shared_cores`` > 0: every node runs on one machine with that many cores (see the module doc)."""
     steps = microbatch_steps(network, model, plan, {})
     nbytes = model.transfer_bytes
     n_mb = len(steps)
@@ -124,6 +130,9 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
     links: dict[tuple[str, str], list] = {}
     heap: list = []
     counter = 0
+    # shared machine: node -> [work left (seconds at full speed), start, mb, kind]; [last update, version]
+    running: dict[str, list] = {}
+    cpu = [0.0, 0]
 
     def push(t: float, kind: int, a, b) -> None:
         nonlocal counter
@@ -150,9 +159,27 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             if inflight[node] > peak[node]:
                 peak[node] = inflight[node]
         busy[node] = True
+        if shared_cores:
+            settle_cpu(t)
+            running[node] = [dur, t, mb, kind]
+            reschedule_cpu(t)
+            return
         push(t + dur, 0, node, (mb, kind))
         if record:
             timeline[node].append(Event(KIND_NAMES[kind], t, t + dur, mb))
+
+    def settle_cpu(t: float) -> None:
+        if running:
+            done = (t - cpu[0]) * min(1.0, shared_cores / len(running))
+            for v in running.values():
+                v[0] -= done
+        cpu[0] = t
+
+    def reschedule_cpu(t: float) -> None:
+        cpu[1] += 1
+        if running:
+            least = min(v[0] for v in running.values())
+            push(t + max(least, 0.0) / min(1.0, shared_cores / len(running)), 3, None, cpu[1])
 
     def settle(ls: list, t: float) -> None:
         active = ls[0]
@@ -214,8 +241,24 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
                 if record:
                     timeline[a[0]].append(Event("send", start, t + ls[4], mb, a[1]))
             reschedule(ls, a, t)
-        else:  # arrival of microbatch a at the next node
+        elif kind == 2:  # arrival of microbatch a at the next node
             advance(a, t)
+        else:  # on a shared machine, compute tasks may have finished
+            if b != cpu[1]:
+                continue
+            settle_cpu(t)
+            finished = [n for n, v in running.items() if v[0] <= 1e-12]
+            for node in finished:
+                _, start, mb, ckind = running.pop(node)
+                if record:
+                    timeline[node].append(Event(KIND_NAMES[ckind], start, t, mb))
+                busy[node] = False
+                if ckind == BWD:
+                    inflight[node] -= 1
+                advance(mb, t)
+            for node in finished:
+                try_start(node, t)
+            reschedule_cpu(t)
 
     deadlock = any(math.isnan(f) for f in finish)
     makespan = math.inf if deadlock else (max(finish) if finish else 0.0)
