@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import queue as _queue
 import statistics
 import threading
@@ -329,12 +330,19 @@ class Trainer:
         self.release = roving.Queue()
         self.beats = roving.Queue()
         self.spec = prep.spec
+        from roving import config as _config
+
+        # nodes of the local backend share this machine's cores: the prediction for this run says so
+        self.shared_cores = (max(1, (os.cpu_count() or 1) // max(1, self.c.threads))
+                             if _config.current().backend == "local" else 0)
         self.universe = {n.name: n for n in prep.network.nodes}  # every node ever known, by name
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
         self._use_plan(prep.plan, prep.predicted_s)
         self.metrics: dict[str, Any] = {
             "config": dataclasses.asdict(self.c), "calibration": prep.calibration,
-            "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s, "iterations": [], "evaluations": [],
+            "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s,
+            "predicted_here_s": self.predicted_here_s, "shared_cores": self.shared_cores,
+            "iterations": [], "evaluations": [],
             "events": []}
         self.procs: dict[str, Any] = {}
         self.inboxes: dict[str, Any] = {}  # admitted (live) nodes
@@ -366,6 +374,9 @@ class Trainer:
         self.plan = new_plan
         self.alloc = dict(new_plan.allocation)
         self.predicted_s = predicted
+        self.predicted_here_s = (simulate(self.net, self.spec, new_plan, record=False,
+                                          shared_cores=self.shared_cores).makespan
+                                 if self.shared_cores else predicted)
         self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
         counts = [0] * self.c.stages
         for path in new_plan.paths:
@@ -868,7 +879,8 @@ class Trainer:
         rec = {"iteration": it, "train_loss": sum(losses) / len(losses), "seconds": seconds,
                "compute_seconds": t_compute, "sync_seconds": seconds - t_compute - lost_s,
                "seconds_lost": lost_s, "attempts": attempt + 1,
-               "predicted_seconds": self.predicted_s, "grad_norm": norm, "lr": lr,
+               "predicted_seconds": self.predicted_s, "predicted_here_seconds": self.predicted_here_s,
+               "grad_norm": norm, "lr": lr,
                "train_seconds_total": self._train_s, "nodes": len(self.alloc),
                "missing_stages": self.missing_stages,
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
