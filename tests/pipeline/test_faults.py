@@ -351,3 +351,45 @@ def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
     nowhere = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control",
                               str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=60)
     assert nowhere.returncode == 2 and "not the control folder" in nowhere.stderr
+
+
+def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
+    """The same training with every node a job of the real Slurm that scripts/cluster/slurm.sh
+    starts: an operator cancels one node's job mid-iteration; training goes on, and the node, started
+    again as a new job, rejoins with its replicas' state."""
+    import helpers_backends as hb
+
+    hb.require("slurm")
+    prep = prepare(TrainConfig(**CFG, backend="slurm"))
+    with Trainer(prep) as t:
+        assert all(p.job.id.isdigit() for p in t.procs.values()), "each node is a Slurm job"
+        t.iteration(0)
+        groups = {}
+        for n, s in t.alloc.items():
+            groups.setdefault(s, []).append(n)
+        victim = sorted(max(groups.values(), key=len))[0]
+        real = t._recv
+        seen = {"done": 0}
+
+        def hooked(kind, *args, **kwargs):
+            msg = real(kind, *args, **kwargs)
+            if kind == "done":
+                seen["done"] += 1
+                if seen["done"] == 1:
+                    hb.kill_from_outside("slurm", t.procs[victim])
+            return msg
+
+        t._recv = hooked
+        try:
+            rec = t.iteration(1)
+        finally:
+            t._recv = real
+        assert seen["done"] >= 1 and victim not in t.alloc
+        dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
+        assert dead and dead[0]["nodes"] == [victim]
+        assert math.isfinite(rec["train_loss"])
+        t.iteration(2)
+        t.join([victim], timeout=120)
+        assert t.procs[victim].job.id.isdigit()
+        t.iteration(3)
+        assert victim in replicas_equal(t, t.alloc[victim])

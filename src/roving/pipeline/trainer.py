@@ -665,8 +665,11 @@ class Trainer:
                 gone = [n for n in started if n not in self._ready and not self.procs[n].is_alive()]
                 if gone:
                     raise NodeFailed(f"joining node(s) {', '.join(gone)} exited before they were ready") from None
-        self._check(force=True)
-        self._admit()
+        try:
+            self._check(force=True)
+            self._admit()
+        except NodesLost:
+            pass  # re-planned around (and the joined nodes given their weights) at the next boundary
         return started
 
     def _admit(self) -> None:
@@ -767,10 +770,12 @@ class Trainer:
         for stage in sorted(set(moved.values())):
             keepers = sorted((n for n, s in self.holding.items() if s == stage and n in self.inboxes),
                              key=lambda n: (self.alloc.get(n) != stage, n))
-            if keepers:
-                self._put(keepers[0], ("export",))
-                _, _, st, params, opt = self._recv("exported", names={keepers[0]})
-                states[stage], sources[stage] = (params, opt), keepers[0]
+            for keeper in keepers:  # the next one if it dies before it answers
+                got = self._ask(("export",), "exported", [keeper])
+                if keeper in got:
+                    _, _, _, params, opt = got[keeper]
+                    states[stage], sources[stage] = (params, opt), keeper
+                    break
             else:
                 snap = self.snapshot["stages"][stage]
                 states[stage] = (snap["params"], snap["optimizer"])
@@ -792,21 +797,48 @@ class Trainer:
             waiting.discard(name)
             self.holding[name] = stage
 
-    def _export(self, names: list[str]) -> dict[str, tuple[int, dict, dict]]:
-        for n in names:
-            self._put(n, ("export",))
-        out = {}
-        while len(out) < len(names):
-            _, name, stage, params, opt = self._recv("exported", names=set(names) - set(out))
-            out[name] = (stage, params, opt)
+    def _ask(self, request: tuple, kind: str, names: list[str]) -> dict[str, tuple]:
+        """Send ``request`` to ``names`` and collect their ``kind`` answers; nodes that die meanwhile
+        are left out (and re-planned around at the next iteration boundary)."""
+        waiting = {n for n in names if n in self.inboxes}
+        for n in sorted(waiting):
+            self._put(n, request)
+        out: dict[str, tuple] = {}
+        while waiting:
+            try:
+                msg = self._recv(kind, names=waiting)
+            except NodesLost as exc:
+                waiting -= set(exc.names)
+                continue
+            out[msg[1]] = msg
+            waiting.discard(msg[1])
         return out
+
+    def _ask_each_stage(self, request: tuple, kind: str) -> dict[str, tuple]:
+        """``request`` to one live node holding each stage; another replica when one dies."""
+        out: dict[str, tuple] = {}
+        covered: set[int] = set()
+        while True:
+            holders: dict[int, str] = {}
+            for n in sorted(self.inboxes):
+                st = self.holding.get(n)
+                if st is not None and st not in covered and st not in holders:
+                    holders[st] = n
+            if not holders:
+                return out
+            got = self._ask(request, kind, list(holders.values()))
+            out.update(got)
+            covered |= {st for st, n in holders.items() if n in got}
+
+    def _export(self, names: list[str]) -> dict[str, tuple[int, dict, dict]]:
+        return {n: msg[2:] for n, msg in self._ask(("export",), "exported", names).items()}
 
     def take_snapshot(self, it: int) -> dict:
         """Weights and optimizer state of one replica of each held stage (stages no node holds keep
         their last snapshot)."""
-        got = self._export([r[0] for r in self.replicas.values() if r])
+        got = self._ask_each_stage(("export",), "exported")
         stages = dict(self.snapshot["stages"]) if self.snapshot else {}
-        for stage, params, opt in got.values():
+        for _, _, stage, params, opt in got.values():
             stages[stage] = {"params": params, "optimizer": opt, "iteration": it}
         return {"iteration": it, "stages": stages}
 
@@ -894,7 +926,10 @@ class Trainer:
             self.checkpoint(done)
         elif c.snapshot_every and done % c.snapshot_every == 0:
             self.snapshot = self.take_snapshot(done)
-        self._watch_speed(stats)
+        try:
+            self._watch_speed(stats)
+        except NodesLost:
+            pass  # re-planned around at the next boundary
         return rec
 
     def _abort(self) -> None:
@@ -980,20 +1015,21 @@ class Trainer:
     def stage_states(self, all_replicas: bool = False, grads: bool = False) -> dict[str, tuple[int, dict]]:
         """Weights (or, with ``grads``, gradients) of one replica per held stage, or of every node:
         name -> (stage, {parameter name: tensor})."""
-        names = sorted(self.alloc) if all_replicas else [r[0] for r in self.replicas.values() if r]
-        for n in names:
-            self._put(n, ("grads",) if grads else ("state",))
-        out = {}
-        while len(out) < len(names):
-            _, name, stage, sd = self._recv("state", names=set(names) - set(out))
-            out[name] = (stage, sd)
-        return out
+        request = ("grads",) if grads else ("state",)
+        if all_replicas:
+            got = self._ask(request, "state", sorted(self.alloc))
+        else:
+            got = self._ask_each_stage(request, "state")
+        return {name: (msg[2], msg[3]) for name, msg in got.items()}
 
     def full_model(self) -> Llama:
         """The whole model: one replica of each held stage; a stage no node holds from its snapshot."""
-        parts = [sd for _, sd in self.stage_states().values()]
-        for s in self.missing_stages:
-            parts.append(self.snapshot["stages"][s]["params"])
+        states = self.stage_states()
+        parts = [sd for _, sd in states.values()]
+        held = {stage for stage, _ in states.values()}
+        for s in range(self.c.stages):
+            if s not in held:
+                parts.append(self.snapshot["stages"][s]["params"])
         model = Llama(self.p.model)
         model.load_state_dict(merge_state_dicts(parts))
         return model
