@@ -13,7 +13,7 @@ from roving.pipeline.data import DataError, train_batches
 from roving.pipeline.stages import Stage, merge_state_dicts, run_path
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
-CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
+CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=8, samples=4, seq_len=32,
            iterations=12, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
            speed=1e-3, clip=1.0, timeout=120, in_flight=2)
 
@@ -65,7 +65,7 @@ def test_one_iteration_equals_the_same_update_computed_in_one_process(run):
         for p in st.parameters():
             p.grad /= counts[s]
     # every replica holds the averaged gradients of its stage, exactly as the reference has them
-    assert sorted(counts[1:]) == [4, 4, 4] and counts[0] == 6
+    assert sorted(counts[1:]) == [5, 5, 6] and counts[0] == 8  # 8 microbatches x 2 visits over 3 stages
     reference = {n: p.grad for st in stages for n, p in st.named_parameters()}
     for name, (stage, grads) in run["grads"].items():
         assert grads.keys() == dict(stages[stage].named_parameters()).keys()
@@ -101,7 +101,8 @@ def test_replicas_of_a_stage_stay_bitwise_identical(run):
 
 
 def test_nodes_keep_within_their_memory_limit(run):
-    """At most ``in_flight`` microbatches held per node; with 3 microbatches per origin the limit binds."""
+    """At most ``in_flight`` (2) microbatches held per node; 8 microbatches over at most 3 origins (6 nodes,
+    4 stages) give some origin 3 or more, so the limit binds whatever plan the planner finds in its time."""
     origins = {p.origin for p in run["prep"].plan.paths}
     assert len(run["prep"].plan.paths) / len(origins) > CFG["in_flight"]
     peaks = [r["peak_in_flight"] for r in run["records"]]
