@@ -8,9 +8,16 @@ replicas of each stage average their summed gradients over the number of microba
 processed (so a stage that was skipped by some microbatches is not trained with a smaller step), the
 coordinator clips by the whole model's gradient norm, and every node takes an AdamW step.
 
+Failures (``Trainer``'s doc has the details): dead nodes are found by heartbeats or their exit, the
+iteration's microbatch phase is re-run under a plan made around them, slow nodes are re-planned with
+their measured speed, nodes join between iterations with a live replica's weights and optimizer state,
+a stage that no node holds is skipped until a node takes it over from its snapshot, and a run whose
+coordinator died continues from its checkpoint (``resume``).
+
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
 (``calibrate``), so measured and predicted iteration times can be compared (the simulator models the
-microbatch phase, not the replica synchronisation: both are recorded).
+microbatch phase, not the replica synchronisation: both are recorded). With the local backend every
+node shares this machine's cores, and ``predicted_here_seconds`` is the simulator's figure for that.
 """
 
 from __future__ import annotations
