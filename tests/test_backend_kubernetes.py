@@ -7,6 +7,8 @@ process and schedules by the node capacity it is given. What they prove is the b
 """
 from __future__ import annotations
 
+import base64
+import json
 import time
 
 import pytest
@@ -150,3 +152,75 @@ def test_workers_have_an_owner_reference_to_the_parent_pod_and_go_when_it_is_del
     p.join(T)
     assert p.exitcode is not None and p.exitcode < 0
     assert wait_until(lambda: not fake.pods, 10)
+
+
+def test_the_session_secret_is_in_a_secret_object_not_in_any_pod_spec(fake):
+    from roving.transport import session as _session
+
+    secret = _session.current().secret.hex()
+    q = roving.Queue()
+    p = roving.Process(target=h.put_value, args=(q, "authenticated"))
+    p.start()
+    assert q.get(timeout=T) == "authenticated", "the pod got the key from the Secret and authenticated"
+    body = fake.pods[("default", p.job.id)].body
+    assert secret not in json.dumps(body), "no pod spec carries the session's key"
+    env = {e["name"]: e for e in body["spec"]["containers"][0]["env"]}
+    ref = env[_session.SECRET_ENV]["valueFrom"]["secretKeyRef"]
+    stored = fake.secrets[("default", ref["name"])]
+    assert base64.b64decode(stored["data"][ref["key"]]).decode() == secret
+    assert stored["metadata"]["labels"]["roving.session"] == backends.base.session_tag()
+    p.join(T)
+    backends.get("kubernetes").shutdown()
+    assert ("default", ref["name"]) not in fake.secrets, "the Secret goes when the session ends"
+
+
+def test_a_pod_whose_secret_is_missing_waits_with_the_kubelets_reason(fake):
+    """The fake's kubelet resolves secretKeyRef as a real one: no Secret, no container."""
+    api = backends.get("kubernetes").api()
+    api.create_namespaced_pod("default", {"metadata": {"name": "needs-a-secret"}, "spec": {"containers": [{
+        "name": "c", "image": "x", "command": ["true"],
+        "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "absent", "key": "k"}}}]}]}})
+    time.sleep(0.3)
+    pod = api.read_namespaced_pod("needs-a-secret", "default")
+    assert pod.status.phase == "Pending"
+    assert pod.status.container_statuses[0].state.waiting.reason == "CreateContainerConfigError"
+    api.delete_namespaced_pod("needs-a-secret", "default", grace_period_seconds=0)
+
+
+def test_worker_pods_advertise_their_own_pod_ip_not_the_parents(fake, monkeypatch, tmp_path):
+    monkeypatch.setenv("ROVING_ADVERTISE", "127.0.0.1")  # as the parent pod's manifest sets it
+    _use(monkeypatch, tmp_path, fake)
+    q = roving.Queue()
+    p = roving.Process(target=h.put_value, args=(q, "reached"))
+    p.start()
+    assert q.get(timeout=T) == "reached"
+    env = {e["name"]: e for e in fake.pods[("default", p.job.id)].body["spec"]["containers"][0]["env"]}
+    assert env["ROVING_ADVERTISE"] == {"name": "ROVING_ADVERTISE",
+                                       "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    p.join(T)
+
+
+def test_a_parent_killed_with_sigkill_leaves_no_pod_and_no_secret(fake, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    out = tmp_path / "jobs.txt"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROVING_")}
+    parent = subprocess.Popen([sys.executable, str(tests / "programs" / "backend_parent.py"), str(out), "kubernetes",
+                               "2", json.dumps({"image": "fake/roving:test"})], cwd=str(tests.parent), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: out.exists() or parent.poll() is not None, 120), "the parent did not start"
+        assert out.exists(), parent.communicate(timeout=30)
+        assert len(fake.pods) == 2 and len(fake.secrets) == 1
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(30)
+        assert wait_until(lambda: not fake.pods and not fake.secrets, 30, 0.25), (fake.pods, fake.secrets)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.communicate(timeout=30)

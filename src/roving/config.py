@@ -25,7 +25,7 @@ _CHOICES = {
     "child_output": ("prefix", "off", "files"),
 }
 # Environment variables that roving sets for its own children; not options.
-_INTERNAL_ENV = {"ROVING_CHILD"}
+_INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET"}
 
 
 class ConfigError(ValueError):

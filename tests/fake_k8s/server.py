@@ -14,10 +14,16 @@ images), so the tests talk to this instead, through the official kubernetes clie
 * ``GET .../pods/NAME``, ``GET .../pods?labelSelector=k=v,...``, ``GET .../pods/NAME/log``;
 * ``DELETE .../pods/NAME``: SIGTERM (``gracePeriodSeconds`` > 0, default 30, then SIGKILL) or SIGKILL
   (0); the pod is gone once its process has ended. Pods whose ``ownerReferences`` name a deleted pod's
-  uid are deleted too, as Kubernetes' garbage collector does.
+  uid are deleted too, as Kubernetes' garbage collector does (Secrets too);
+* env ``valueFrom.fieldRef: status.podIP`` resolves to the fake pods' IP, 127.0.0.1;
+* ``POST /api/v1/namespaces/NS/secrets`` (``data`` base64, or ``stringData`` plain, stored as base64),
+  ``GET`` and ``DELETE .../secrets/NAME``. A container env entry ``valueFrom.secretKeyRef`` is resolved
+  when the pod starts, as the kubelet does; a missing Secret or key keeps the pod ``Pending`` with its
+  container waiting, reason ``CreateContainerConfigError``.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -32,6 +38,7 @@ from typing import Dict, Optional
 from urllib.parse import parse_qs, urlparse
 
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?(?:/(log))?$")
+_SECRET = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets(?:/([^/]+))?$")
 
 
 def cpu_value(text) -> float:
@@ -66,9 +73,25 @@ class FakePod:
         self.memory = memory_value(requests.get("memory", "0"))
         self.gpu = int(requests.get("nvidia.com/gpu", 0))
 
-    def start(self) -> None:
+    def start(self, secrets: dict) -> None:
         c = self.body["spec"]["containers"][0]
-        env = {e["name"]: e.get("value", "") for e in c.get("env") or []}
+        env = {}
+        for e in c.get("env") or []:
+            if ((e.get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath") == "status.podIP":
+                env[e["name"]] = "127.0.0.1"  # every fake pod's IP
+                continue
+            ref = (e.get("valueFrom") or {}).get("secretKeyRef")
+            if ref is None:
+                env[e["name"]] = e.get("value", "")
+                continue
+            data = (secrets.get((self.body["metadata"]["namespace"], ref["name"])) or {}).get("data") or {}
+            if ref["key"] not in data:
+                self.status["containerStatuses"] = [{"name": c["name"], "ready": False, "restartCount": 0,
+                                                     "image": c["image"], "imageID": "", "state": {"waiting": {
+                                                         "reason": "CreateContainerConfigError",
+                                                         "message": f'secret "{ref["name"]}" not found'}}}]
+                return
+            env[e["name"]] = base64.b64decode(data[ref["key"]]).decode()
         env.setdefault("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
         env["HOSTNAME"] = self.name
         with open(self.log_path, "ab") as log:
@@ -105,6 +128,7 @@ class FakeKubernetes:
     def __init__(self, cpu: float = 8, memory: int = 16 * 2**30, gpu: int = 0) -> None:
         self.capacity = {"cpu": cpu, "memory": memory, "gpu": gpu}
         self.pods: Dict[tuple, FakePod] = {}
+        self.secrets: Dict[tuple, dict] = {}
         self.lock = threading.RLock()
         self.log_dir = tempfile.mkdtemp(prefix="fake-k8s-")
         self.requests: list = []  # (method, path) of every request, for tests to check
@@ -195,7 +219,10 @@ class FakeKubernetes:
             pod.status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                          "message": message}]
             return
-        pod.start()
+        pod.start(self.secrets)
+
+    def _secrets(self, h, method: str, namespace: str, name: Optional[str]) -> None:
+        _secret_api(self, h, method, namespace, name)
 
     def _gone(self, pod: FakePod) -> None:
         key = (pod.body["metadata"]["namespace"], pod.name)
@@ -204,6 +231,9 @@ class FakeKubernetes:
         for other in list(self.pods.values()):  # the garbage collector: dependents go with their owner
             if any(ref.get("uid") == uid for ref in other.body["metadata"].get("ownerReferences") or []):
                 self._delete(other, 30)
+        for key, secret in list(self.secrets.items()):
+            if any(ref.get("uid") == uid for ref in secret["metadata"].get("ownerReferences") or []):
+                self.secrets.pop(key)
 
     def _delete(self, pod: FakePod, grace: int) -> None:
         pod.deleting = True
@@ -233,6 +263,9 @@ class FakeKubernetes:
                 "allocatable": {"cpu": str(cap["cpu"]), "memory": f"{cap['memory'] // 2**10}Ki",
                                 "nvidia.com/gpu": str(cap["gpu"])}}}
             return h._send(200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {}, "items": [node]})
+        sm = _SECRET.match(url.path)
+        if sm:
+            return self._secrets(h, method, *sm.groups())
         m = _POD.match(url.path)
         if not m:
             return h._send(404, _status(404, "NotFound", f"the fake serves no {url.path}"))
@@ -265,6 +298,32 @@ class FakeKubernetes:
                 self._delete(pod, grace)
                 return h._send(200, pod.json())
         return h._send(405, _status(405, "MethodNotAllowed", method))
+
+
+def _secret_api(fake: "FakeKubernetes", h, method: str, namespace: str, name: Optional[str]) -> None:
+    with fake.lock:
+        if method == "POST" and name is None:
+            body = h._body()
+            meta = body.setdefault("metadata", {})
+            key = (namespace, meta.get("name"))
+            if key in fake.secrets:
+                return h._send(409, _status(409, "AlreadyExists", f'secrets "{key[1]}" already exists'))
+            meta.update(namespace=namespace, uid=str(uuid.uuid4()))
+            data = dict(body.get("data") or {})
+            for k, v in (body.pop("stringData", None) or {}).items():
+                data[k] = base64.b64encode(v.encode()).decode()
+            body["data"] = data
+            fake.secrets[key] = body
+            return h._send(201, {"apiVersion": "v1", "kind": "Secret", **body})
+        secret = fake.secrets.get((namespace, name))
+        if secret is None:
+            return h._send(404, _status(404, "NotFound", f'secrets "{name}" not found'))
+        if method == "GET":
+            return h._send(200, {"apiVersion": "v1", "kind": "Secret", **secret})
+        if method == "DELETE":
+            fake.secrets.pop((namespace, name))
+            return h._send(200, _status(200, "Success", "deleted") | {"status": "Success"})
+    return h._send(405, _status(405, "MethodNotAllowed", method))
 
 
 def _status(code: int, reason: str, message: str) -> dict:

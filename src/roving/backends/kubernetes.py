@@ -10,10 +10,18 @@
   when killed by signal N (runtimes report 128+N); a pod that is Pending reports its conditions' reason.
 * ``terminate_job`` deletes the pod with a grace period (SIGTERM, exit code -15), ``force`` with none
   (SIGKILL, -9). An ended pod is deleted once its end and output are read.
+* A parent that advertises an address (``advertise``, its pod IP) gives each worker pod its own pod IP to
+  advertise (``valueFrom.fieldRef: status.podIP``), not the parent's.
+* The session's secret (the key every connection authenticates with) is not in the pod spec, which
+  anyone allowed to read pods could see: it goes into one Secret per session (``roving-<session>``,
+  owned by the parent's pod when there is one), which each pod's env references
+  (``valueFrom.secretKeyRef``). The Secret is deleted when the session ends, and by the watcher process
+  when the parent dies.
 * The client is configured in-cluster inside a pod, else from the kubeconfig (KUBECONFIG).
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,6 +30,7 @@ import time
 from typing import Dict, Iterable, List, Optional
 
 from .. import config as _config
+from ..transport import session as _session
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
                    session_tag)
 
@@ -68,6 +77,7 @@ class KubernetesBackend(Backend):
         self._reaper = Reaper(self.name)
         self._owner: Optional[dict] = None
         self._owner_checked = False
+        self._secret: Optional[str] = None  # this session's Secret, once made
 
     # -- the API ---------------------------------------------------------------------------------
     def api(self):
@@ -159,6 +169,18 @@ class KubernetesBackend(Backend):
         env = dict(spec.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.pop("HOSTNAME", None)
+        env.pop(_session.SECRET_ENV, None)  # a pod's own copy, inherited: never into a pod spec
+        from_refs = []
+        if "ROVING_ADVERTISE" in env:  # the parent's own pod IP, inherited: each pod advertises its own
+            env.pop("ROVING_ADVERTISE")
+            from_refs.append({"name": "ROVING_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
+        if _session.CHILD_ENV in env:  # the session's secret travels in a Secret, not in the pod spec
+            info = json.loads(env[_session.CHILD_ENV])
+            secret = info.pop("secret", None)
+            if secret:
+                env[_session.CHILD_ENV] = json.dumps(info)
+                from_refs.append({"name": _session.SECRET_ENV, "valueFrom": {"secretKeyRef": {
+                    "name": self._session_secret(secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
                                               "roving.name": _dns_name(spec.name)},
                     "annotations": {"roving.process-name": spec.name}}
@@ -168,7 +190,7 @@ class KubernetesBackend(Backend):
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
             "restartPolicy": "Never", "containers": [{
                 "name": "roving", "image": cfg.image, "command": list(spec.command), "workingDir": spec.cwd,
-                "env": [{"name": k, "value": v} for k, v in env.items()],
+                "env": [{"name": k, "value": v} for k, v in env.items()] + from_refs,
                 "resources": {"requests": amounts, "limits": dict(amounts)}}]}}
         try:
             api.create_namespaced_pod(self.namespace, body, _request_timeout=_TIMEOUT)
@@ -184,6 +206,38 @@ class KubernetesBackend(Backend):
             threading.Thread(target=self._follow, args=(pod,), name=f"roving-k8s-output-{name}",
                              daemon=True).start()
         return Job(self, name)
+
+    def _session_secret(self, secret: str) -> str:
+        """The name of the Secret that holds this session's ``secret`` (hex), made on first use."""
+        from kubernetes.client.rest import ApiException
+
+        with self._lock:
+            if self._secret is not None:
+                return self._secret
+            name = f"roving-{session_tag()}"
+            metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
+                                                 "roving.session": session_tag()}}
+            owner = self._owner_reference()
+            if owner:
+                metadata["ownerReferences"] = [owner]
+            body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
+                    "stringData": {"secret": secret}}
+            try:
+                self.api().create_namespaced_secret(self.namespace, body, _request_timeout=_TIMEOUT)
+            except ApiException as exc:
+                raise KubernetesError(f"Kubernetes refused the session's Secret {name} (the pods' key to "
+                                      f"authenticate; the role needs create/delete on secrets): {_short(exc)}") from None
+            except Exception as exc:
+                raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
+            self._reaper.add(f"{self.namespace}/secret:{name}")
+            self._secret = name
+            return name
+
+    def _delete_secret(self, name: str, namespace: Optional[str] = None) -> None:
+        try:
+            self.api().delete_namespaced_secret(name, namespace or self.namespace, _request_timeout=_TIMEOUT)
+        except Exception:  # already gone
+            pass
 
     def _read_log(self, name: str) -> str:
         try:
@@ -329,7 +383,10 @@ class KubernetesBackend(Backend):
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         for job_id in job_ids:
             namespace, _, name = job_id.rpartition("/")
-            self._delete(name, 0, namespace or None)
+            if name.startswith("secret:"):
+                self._delete_secret(name[len("secret:"):], namespace or None)
+            else:
+                self._delete(name, 0, namespace or None)
 
     def shutdown(self) -> None:
         with self._lock:
@@ -337,6 +394,11 @@ class KubernetesBackend(Backend):
         for pod in live:
             self._delete(pod.name, 0)
             self._reaper.done(f"{self.namespace}/{pod.name}")
+        with self._lock:
+            name, self._secret = self._secret, None
+        if name is not None:
+            self._delete_secret(name)
+            self._reaper.done(f"{self.namespace}/secret:{name}")
 
 
 def _status_of(item) -> JobStatus:

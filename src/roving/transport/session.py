@@ -17,6 +17,9 @@ from . import auth
 from .node import Endpoint, Node, close_connections
 
 CHILD_ENV = "ROVING_CHILD"
+#: Where a child finds the session's secret when its CHILD_ENV holds none (the kubernetes backend puts
+#: it in a Secret that the pod's environment references, not in the pod spec).
+SECRET_ENV = "ROVING_SESSION_SECRET"
 
 
 class Session:
@@ -68,7 +71,8 @@ def current() -> Session:
                 info = os.environ.get(CHILD_ENV)
                 if info:
                     data = json.loads(info)
-                    _session = Session(bytes.fromhex(data["secret"]), data["uid"], data["parent"])
+                    secret = data.get("secret") or os.environ.get(SECRET_ENV, "")
+                    _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
                 else:
                     _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())
     return _session
