@@ -393,3 +393,28 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
         assert t.procs[victim].job.id.isdigit()
         t.iteration(3)
         assert victim in replicas_equal(t, t.alloc[victim])
+
+
+def test_with_restart_a_killed_node_is_started_again_and_rejoins_by_itself():
+    prep = prepare(TrainConfig(**CFG, restart=True))
+    with Trainer(prep) as t:
+        t.iteration(0)
+        groups = {}
+        for n, s in t.alloc.items():
+            groups.setdefault(s, []).append(n)
+        victim = sorted(max(groups.values(), key=len))[0]
+        old_pid = t.procs[victim].pid
+        t.iteration_no = 0
+        kill_mid_iteration(t, [victim])
+        assert victim not in t.alloc
+        deadline = time.monotonic() + 60
+        it = 2
+        while victim not in t.alloc:
+            assert time.monotonic() < deadline, "the restarted node never rejoined"
+            t.iteration(it)
+            it += 1
+        assert t.procs[victim].pid != old_pid and t.incarnation[victim] == 1
+        t.iteration(it)
+        assert victim in replicas_equal(t, t.alloc[victim])
+        kinds = [e["event"] for e in t.metrics["events"]]
+        assert kinds.index("dead") < kinds.index("join-requested")
