@@ -77,7 +77,9 @@ def add_train_parser(sub) -> None:
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None, help="bf16 autocast")
     t.add_argument("--seed", type=int)
     t.add_argument("--checkpoint", help="where to save the model (at the end and every --checkpoint-every)")
-    t.add_argument("--checkpoint-every", type=int)
+    t.add_argument("--checkpoint-every", type=int,
+                   help="iterations between checkpoints, each with every stage's optimizer state, for --resume "
+                        "(default 10; 0: only at the end)")
     t.add_argument("--metrics", help="write per-iteration and per-evaluation metrics to this JSON file")
     t.add_argument("--plot", help="draw the loss curves to this PNG")
     t.add_argument("--resume", action="store_true", default=None,

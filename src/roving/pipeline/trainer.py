@@ -92,7 +92,8 @@ class TrainConfig:
     planner_budget: float = 2.0
     seed: int = 0
     checkpoint: str = ""
-    checkpoint_every: int = 0
+    #: with ``checkpoint``: iterations between checkpoints (and one at the end; 0: only at the end).
+    checkpoint_every: int = 10
     #: continue the run saved in ``checkpoint`` (its weights, optimizer state, metrics, data position).
     resume: bool = False
     #: iterations between in-memory snapshots of every stage (what a node takes a lost stage over from).
