@@ -81,9 +81,19 @@ def test_one_iteration_equals_the_same_update_computed_in_one_process(run):
         got.update(sd)
     init = merge_state_dicts([sd for _, sd in run["init"].values()])
     moved = 0
+    lr = run["lr0"]
+    checked = total = 0
     for k, v in want.items():
-        assert torch.allclose(got[k], v, atol=1e-6, rtol=1e-4), k
+        # AdamW's first step moves each weight by about lr x sign(gradient): where a gradient is so
+        # close to 0 that the order of summation decides its sign, the two may differ by up to 2 lr.
+        # Everywhere else they must agree.
+        sure = reference[k].abs() > 1e-6
+        assert torch.allclose(got[k][sure], v[sure], atol=1e-6, rtol=1e-4), k
+        assert torch.all((got[k][~sure] - v[~sure]).abs() <= 2 * lr + 1e-6), k
+        checked += int(sure.sum())
+        total += sure.numel()
         moved += not torch.equal(got[k], init[k])
+    assert checked > 0.9 * total, (checked, total)  # nearly every weight is held to the exact update
     assert moved > len(want) // 2  # the step really changed the weights
 
 
