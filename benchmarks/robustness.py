@@ -261,7 +261,7 @@ def main() -> None:
     d.add_argument("--seed", type=int, default=0, help="picks the subsets")
     d.add_argument("--reuse", action="store_true", help="evaluate checkpoints already in --out instead of training")
     d.set_defaults(handler=run_drop)
-    f = sub.add_parser("failures", help="a run with 25% of its nodes killed and rejoining, against one without")
+    f = sub.add_parser("failures", help="a run with 25%% of its nodes killed and rejoining, against one without")
     f.add_argument("--iterations", type=int, default=60)
     f.add_argument("--kill-at", type=int, default=20, help="the iteration in which the nodes are killed")
     f.add_argument("--rejoin-at", type=int, default=40, help="the iteration before which they start again")

@@ -6,7 +6,7 @@ Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``p
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
 
 Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (model.py), ``Stage``
-(stages.py), ``TrainConfig``, ``Trainer``, ``prepare`` and ``train`` (trainer.py).
+(stages.py), ``TrainConfig`` and ``prepare`` (runspec.py), ``Trainer`` and ``train`` (trainer.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def full_pipeline_planned(network: Network, model: ModelSpec, stages: int, micro
     return plan(network, model, stages, 0.0, microbatches, budget_s=budget_s, seed=seed)
 
 
-_TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "TrainConfig": "trainer",
-             "Trainer": "trainer", "prepare": "trainer", "train": "trainer"}
+_TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "TrainConfig": "runspec",
+             "Trainer": "trainer", "prepare": "runspec", "train": "trainer"}
 
 
 def __getattr__(name: str):
