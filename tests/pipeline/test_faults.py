@@ -47,6 +47,14 @@ def kill_mid_iteration(t: Trainer, victims: list[str]) -> dict:
     return rec
 
 
+def stage_groups(t: Trainer) -> dict[int, list[str]]:
+    """Each stage's nodes, as the current plan has them."""
+    groups: dict[int, list[str]] = {}
+    for n, s in sorted(t.alloc.items()):
+        groups.setdefault(s, []).append(n)
+    return groups
+
+
 def replicas_equal(t: Trainer, stage: int) -> list[str]:
     names = sorted(n for n, s in t.alloc.items() if s == stage)
     states = t.stage_states(all_replicas=True)
@@ -67,9 +75,7 @@ def killed_and_rejoined():
         out["val0"] = t.evaluate(0)["val_loss"]
         for it in range(2):
             t.iteration(it)
-        groups = {}
-        for n, s in t.alloc.items():
-            groups.setdefault(s, []).append(n)
+        groups = stage_groups(t)
         stage, names = max(groups.items(), key=lambda kv: (len(kv[1]), -kv[0]))
         assert len(names) >= 2
         victim = sorted(names)[0]
@@ -171,9 +177,7 @@ def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_sl
     prep = prepare(TrainConfig(**cfg))
     with Trainer(prep) as t:
         first = t.iteration(0)
-        groups = {}
-        for n, s in t.alloc.items():
-            groups.setdefault(s, []).append(n)
+        groups = stage_groups(t)
         busy = sorted(n for g in groups.values() if len(g) >= 2 for n in g)
         slow = max(busy, key=lambda n: (first["processed"][n], n))  # one the plan gives work to
         assert first["processed"][slow] > 0
@@ -364,9 +368,7 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
     with Trainer(prep) as t:
         assert all(p.job.id.isdigit() for p in t.procs.values()), "each node is a Slurm job"
         t.iteration(0)
-        groups = {}
-        for n, s in t.alloc.items():
-            groups.setdefault(s, []).append(n)
+        groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
         real = t._recv
         seen = {"done": 0}
@@ -399,9 +401,7 @@ def test_with_restart_a_killed_node_is_started_again_and_rejoins_by_itself():
     prep = prepare(TrainConfig(**CFG, restart=True))
     with Trainer(prep) as t:
         t.iteration(0)
-        groups = {}
-        for n, s in t.alloc.items():
-            groups.setdefault(s, []).append(n)
+        groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
         old_pid = t.procs[victim].pid
         t.iteration_no = 0
