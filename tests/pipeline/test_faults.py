@@ -55,6 +55,18 @@ def stage_groups(t: Trainer) -> dict[int, list[str]]:
     return groups
 
 
+def train_until_admitted(t: Trainer, name: str, it: int, what: str, timeout: float = 60.0) -> int:
+    """Run iterations from ``it`` until node ``name`` is in the plan (it is admitted between two);
+    returns the next iteration number."""
+    deadline = time.monotonic() + timeout
+    while name not in t.alloc:
+        assert time.monotonic() < deadline, what
+        t.iteration(it)
+        it += 1
+        time.sleep(0.1)
+    return it
+
+
 def replicas_equal(t: Trainer, stage: int) -> list[str]:
     names = sorted(n for n, s in t.alloc.items() if s == stage)
     states = t.stage_states(all_replicas=True)
@@ -310,13 +322,7 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
         assert name not in t.alloc and set(t.alloc.values()) == set(range(4))
         t.iteration(0)
         os.kill(t.procs[name].pid, signal.SIGCONT)
-        deadline = time.monotonic() + 60
-        it = 1
-        while name not in t.alloc:
-            assert time.monotonic() < deadline, "the late node never joined"
-            t.iteration(it)
-            it += 1
-            time.sleep(0.2)
+        it = train_until_admitted(t, name, 1, "the late node never joined")
         t.iteration(it)
         replicas_equal(t, t.alloc[name])
         assert any(e["event"] == "replan" and e["joined"] == [name] for e in t.metrics["events"])
@@ -407,12 +413,7 @@ def test_with_restart_a_killed_node_is_started_again_and_rejoins_by_itself():
         t.iteration_no = 0
         kill_mid_iteration(t, [victim])
         assert victim not in t.alloc
-        deadline = time.monotonic() + 60
-        it = 2
-        while victim not in t.alloc:
-            assert time.monotonic() < deadline, "the restarted node never rejoined"
-            t.iteration(it)
-            it += 1
+        it = train_until_admitted(t, victim, 2, "the restarted node never rejoined")
         assert t.procs[victim].pid != old_pid and t.incarnation[victim] == 1
         t.iteration(it)
         assert victim in replicas_equal(t, t.alloc[victim])
