@@ -89,6 +89,22 @@ def test_replica_counts_give_stage0_its_larger_share():
     assert replica_counts(4, 4, 0.5, m) == [1, 1, 1, 1]
 
 
+def test_as_many_nodes_as_stages_give_one_node_each_whatever_the_shares():
+    """The shares' floors can overshoot the node count when stage 0's share is large (a tiny model whose
+    head weighs as much as its layers): taking nodes back must never leave a stage with none."""
+    from roving.pipeline.costs import ModelSpec
+
+    assert replica_counts(4, 4, 0.33, ModelSpec(layers=4, hidden=64, seq_len=32, samples_per_microbatch=4,
+                                                 bytes_per_activation=4, head_layers=1.0)) == [1, 1, 1, 1]
+    small = ModelSpec(layers=12, hidden=64, seq_len=32, samples_per_microbatch=4, bytes_per_activation=4,
+                      head_layers=3.0)
+    for stages in (2, 3, 4, 6):
+        for skip in ((0.0,) if stages == 2 else (0.0, 0.33, 0.5)):
+            for spare in (0, 1, 2, 5):
+                counts = replica_counts(stages + spare, stages, skip, small)
+                assert sum(counts) == stages + spare and min(counts) >= 1, (stages, skip, spare, counts)
+
+
 def test_cost_model_matches_the_paper_formula():
     m = model_preset("llama-1.5b")  # 24 layers, 4 samples, 1 head-layer equivalent
     assert stage_layers(m, 6) == [4] * 6
