@@ -23,9 +23,10 @@ CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4
            replan_budget=0.2, speed=1e-3, clip=1.0, timeout=120, in_flight=2)
 
 
-def kill_mid_iteration(t: Trainer, victims: list[str]) -> dict:
-    """Run one iteration, killing ``victims`` with -9 as soon as its first microbatch is done (so
-    the others are still on their way): a failure in the middle of the iteration, every time."""
+def kill_mid_iteration(t: Trainer, victims: list[str], kill=None) -> dict:
+    """Run one iteration, killing ``victims`` (with -9, or ``kill(victims)``) as soon as its first
+    microbatch is done (so the others are still on their way): a failure in the middle of the
+    iteration, every time."""
     real = t._recv
     seen = {"done": 0, "killed_during": None}
 
@@ -35,7 +36,7 @@ def kill_mid_iteration(t: Trainer, victims: list[str]) -> dict:
             seen["done"] += 1
             if seen["done"] == 1:
                 seen["killed_during"] = len(t.plan.paths) - 1  # microbatches not done yet
-                t.kill(victims)
+                (kill or t.kill)(victims)
         return msg
 
     t._recv = hooked
@@ -376,23 +377,8 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
         t.iteration(0)
         groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
-        real = t._recv
-        seen = {"done": 0}
-
-        def hooked(kind, *args, **kwargs):
-            msg = real(kind, *args, **kwargs)
-            if kind == "done":
-                seen["done"] += 1
-                if seen["done"] == 1:
-                    hb.kill_from_outside("slurm", t.procs[victim])
-            return msg
-
-        t._recv = hooked
-        try:
-            rec = t.iteration(1)
-        finally:
-            t._recv = real
-        assert seen["done"] >= 1 and victim not in t.alloc
+        rec = kill_mid_iteration(t, [victim], lambda names: hb.kill_from_outside("slurm", t.procs[names[0]]))
+        assert victim not in t.alloc
         dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
         assert dead and dead[0]["nodes"] == [victim]
         assert math.isfinite(rec["train_loss"])
@@ -419,3 +405,26 @@ def test_with_restart_a_killed_node_is_started_again_and_rejoins_by_itself():
         assert victim in replicas_equal(t, t.alloc[victim])
         kinds = [e["event"] for e in t.metrics["events"]]
         assert kinds.index("dead") < kinds.index("join-requested")
+
+
+def test_in_docker_a_node_killed_by_docker_kill_is_routed_around_and_rejoins():
+    """The same with every node a container of the real Docker engine that scripts/cluster/docker.sh
+    starts: `docker kill` of one node's container mid-iteration; it rejoins as a new container."""
+    import helpers_backends as hb
+    import roving
+
+    hb.require("docker")
+    roving.init(**hb.docker_options())
+    prep = prepare(TrainConfig(**CFG, backend="docker"))
+    with Trainer(prep) as t:
+        t.iteration(0)
+        victim = sorted(max(stage_groups(t).values(), key=len))[0]
+        first_container = t.procs[victim].job.id
+        rec = kill_mid_iteration(t, [victim], lambda names: hb.kill_from_outside("docker", t.procs[names[0]]))
+        assert victim not in t.alloc and math.isfinite(rec["train_loss"])
+        assert [e for e in t.metrics["events"] if e["event"] == "dead"][0]["nodes"] == [victim]
+        t.iteration(2)
+        t.join([victim], timeout=120)
+        assert t.procs[victim].job.id != first_container
+        t.iteration(3)
+        assert victim in replicas_equal(t, t.alloc[victim])
