@@ -27,6 +27,7 @@ import heapq
 import itertools
 import logging
 import os
+import socket
 import struct
 import threading
 import time
@@ -625,12 +626,32 @@ def abandon(address: str) -> None:
             conn.unacked = False
 
 
+def _listening(address: str) -> bool:
+    """False when nothing listens at a node's TCP address any more (its process has ended): there is
+    then nobody to wait for. True when something answers, or when that cannot be told."""
+    host, _, port = address.partition("#")[0][len("tcp://"):].rpartition(":")
+    if not address.startswith("tcp://") or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 def close_connections(timeout: float = 10.0) -> None:
     """Close this process's outgoing connections, first making sure that what was sent without an
-    answer (puts on unbounded queues, pipe sends) has reached its node — up to ``timeout`` seconds each."""
+    answer (puts on unbounded queues, pipe sends) has reached its node — up to ``timeout`` seconds in
+    all. A node whose process has ended (nothing listens at its address) is not waited for: what was
+    sent to it and not yet taken went with it."""
+    deadline = time.monotonic() + timeout
     while _open_connections:
         conn = _open_connections.pop()
-        if not conn.flush(timeout):
+        if conn.unacked and conn.pending is None and not _listening(conn.address):
+            log.debug("roving: %s has gone; not waiting for it to answer", conn.address)
+        elif not conn.flush(max(0.5, deadline - time.monotonic())):
             log.warning("roving: messages to %s may be lost: it did not answer before exit", conn.address)
         try:
             conn.close()
