@@ -359,6 +359,12 @@ def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
     assert joins, m["events"]
     assert new in joins[0]["allocation"]
     assert m["iterations"][-1]["nodes"] == 5
+    status = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "status", "--control", str(control)],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert "iteration 400/400" in status.stdout and new in status.stdout and "stage 0:" in status.stdout
+    doc = json.loads((control / "status.json").read_text())
+    assert doc["nodes"][new] in (0, 1) and doc["starting"] == []
     nowhere = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control",
                               str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=60)
     assert nowhere.returncode == 2 and "not the control folder" in nowhere.stderr

@@ -102,6 +102,38 @@ def add_train_parser(sub) -> None:
     j.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the run to take the request (it does between iterations)")
     j.set_defaults(handler=run_join)
+    st = sub.add_parser("status", help="where a running `pipeline train --control DIR` is: nodes, stages, events")
+    st.add_argument("--control", required=True, help="the run's --control folder")
+    st.add_argument("--json", action="store_true", help="print the status as JSON")
+    st.set_defaults(handler=run_status)
+
+
+def run_status(args: argparse.Namespace) -> int:
+    path = FilePath(args.control) / "status.json"
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"error: {args.control} is not the control folder of a `roving pipeline train --control` run "
+              "(no status.json in it)", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(doc, indent=1))
+        return 0
+    by_stage: dict = {}
+    for name, stage in doc["nodes"].items():
+        by_stage.setdefault(stage, []).append(name)
+    loss = doc.get("train_loss")
+    print(f"iteration {doc['iterations_done']}/{doc['iterations']}"
+          + (f", train loss {loss:.4f}, {doc['iteration_seconds']:.3f} s per iteration" if loss is not None else ""))
+    for stage in sorted(by_stage, key=int):
+        print(f"  stage {stage}: {', '.join(sorted(by_stage[stage]))}")
+    if doc["missing_stages"]:
+        print(f"  held by no node (skipped until a node takes them over): {doc['missing_stages']}")
+    if doc["starting"]:
+        print(f"  starting, will join: {', '.join(doc['starting'])}")
+    for e in doc["recent_events"]:
+        print(f"  [{e['event']}] at iteration {e.get('iteration')}: {', '.join(e.get('nodes') or [])}")
+    return 0
 
 
 def run_join(args: argparse.Namespace) -> int:

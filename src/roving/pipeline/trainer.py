@@ -484,9 +484,13 @@ class Trainer:
 
     def _write_status(self) -> None:
         folder = FilePath(self.c.control)
-        status = {"iteration": self.iteration_no, "nodes": dict(sorted(self.alloc.items())),
-                  "missing_stages": self.missing_stages, "starting": sorted(set(self.procs) - set(self.inboxes)),
-                  "events": len(self.metrics["events"])}
+        last = self.metrics["iterations"][-1] if self.metrics["iterations"] else {}
+        status = {"iterations_done": len(self.metrics["iterations"]) and last["iteration"] + 1,
+                  "iterations": self.c.iterations, "nodes": dict(sorted(self.alloc.items())),
+                  "missing_stages": self.missing_stages, "starting": sorted(self._starting | set(self._ready)),
+                  "train_loss": last.get("train_loss"), "iteration_seconds": last.get("seconds"),
+                  "recent_events": [{k: e[k] for k in ("event", "iteration") if k in e} | {"nodes": e.get("nodes")}
+                                    for e in self.metrics["events"][-5:]]}
         tmp = folder / "status.tmp"
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(folder / "status.json")
