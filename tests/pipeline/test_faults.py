@@ -434,3 +434,41 @@ def test_in_docker_a_node_killed_by_docker_kill_is_routed_around_and_rejoins():
         assert t.procs[victim].job.id != first_container
         t.iteration(3)
         assert victim in replicas_equal(t, t.alloc[victim])
+
+
+def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_nothing():
+    prep = prepare(TrainConfig(**CFG))
+    with Trainer(prep) as t:
+        t.iteration(0)
+        groups = stage_groups(t)
+        first = sorted(max(groups.values(), key=len))[0]
+        real = t._recv
+        seen = {"stepped": 0}
+
+        def hooked(kind, *args, **kwargs):
+            msg = real(kind, *args, **kwargs)
+            if kind == "stepped":
+                seen["stepped"] += 1
+                if seen["stepped"] == 1:
+                    t.kill([first])  # the step messages are out: the others step all the same
+            return msg
+
+        t._recv = hooked
+        try:
+            rec = t.iteration(1)
+        finally:
+            t._recv = real
+        assert rec["attempts"] == 1, "it died after the microbatch phase: nothing is run again"
+        assert seen["stepped"] >= 1
+        r2 = t.iteration(2)  # the dead node is planned around at this boundary
+        assert first not in t.alloc and math.isfinite(r2["train_loss"])
+        assert [e for e in t.metrics["events"] if e["event"] == "dead"][0]["nodes"] == [first]
+        # one replica of each stage is asked for its weights; the one asked for a replicated stage dies
+        # first (5 nodes hold 4 stages: some stage has two)
+        stage = next(s for s, g in sorted(stage_groups(t).items()) if len(g) >= 2)
+        holders = sorted(n for n in t.alloc if t.alloc[n] == stage)
+        t.kill([holders[0]])
+        states = t.stage_states()
+        assert {st for st, _ in states.values()} == set(range(4)), "another replica answered"
+        assert holders[0] not in states
+        assert math.isfinite(t.iteration(3)["train_loss"])
