@@ -16,7 +16,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline.trainer import NodeFailed, Trainer, TrainConfig, prepare
+from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
@@ -103,8 +103,8 @@ def killed_and_rejoined():
         out["alloc_joined"] = dict(t.alloc)
         out["joined_stage"] = t.alloc[victim]
         out["equal_at_join"] = replicas_equal(t, t.alloc[victim])
-        ex = t._export(out["equal_at_join"])
-        out["opt_states"] = {n: opt for n, (_, _, opt) in ex.items()}
+        ex = t._ask(("export",), "exported", out["equal_at_join"])
+        out["opt_states"] = {n: msg[4] for n, msg in ex.items()}
         for it in range(5, 8):
             t.iteration(it)
         out["equal_later"] = replicas_equal(t, t.alloc[victim])

@@ -154,6 +154,7 @@ class Trainer:
         self.predicted_here_s = (simulate(self.net, self.spec, new_plan, record=False,
                                           shared_cores=self.shared_cores).makespan
                                  if self.shared_cores else predicted)
+        self._planned_busy: dict[str, float] | None = None  # per node, for _watch_speed; made on first use
         self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
         counts = [0] * self.c.stages
         for path in new_plan.paths:
@@ -611,9 +612,6 @@ class Trainer:
             out.update(got)
             covered |= {st for st, n in holders.items() if n in got}
 
-    def _export(self, names: list[str]) -> dict[str, tuple[int, dict, dict]]:
-        return {n: msg[2:] for n, msg in self._ask(("export",), "exported", names).items()}
-
     def take_snapshot(self, it: int) -> dict:
         """Weights and optimizer state of one replica of each held stage (stages no node holds keep
         their last snapshot)."""
@@ -769,9 +767,11 @@ class Trainer:
         """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""
         if self.c.slow_factor <= 0 or self.missing_stages:
             return
-        busy = {n: 0.0 for n in self.alloc}
-        for name, events in simulate(self.net, self.spec, self.plan).timeline.items():
-            busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+        if self._planned_busy is None:
+            self._planned_busy = dict.fromkeys(self.alloc, 0.0)
+            for name, events in simulate(self.net, self.spec, self.plan).timeline.items():
+                self._planned_busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+        busy = self._planned_busy
         top = max(busy.values(), default=0.0)
         ratios = {n: stats[n]["compute_s"] / busy[n] for n in stats
                   if n in busy and busy[n] >= 0.1 * top > 0}
@@ -829,10 +829,9 @@ class Trainer:
                "val_loss_half_stages_dropped": dropped, "dropped_stages": drop,
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
-        self._last_model = model.cpu()
         return rec
 
-    def checkpoint(self, it: int, model: Llama | None = None) -> None:
+    def checkpoint(self, it: int) -> None:
         """Write the run to ``checkpoint`` atomically: the whole model, each stage's weights and
         optimizer state, the metrics so far (enough for ``resume``)."""
         self.snapshot = self.take_snapshot(it)
