@@ -4,15 +4,26 @@ Each direction of a pipe is a mailbox in the process that created the pipe. A Co
 to any roving process of the session (as a Process argument or inside a message). ``recv`` raises
 EOFError once nothing is left and no process holds the other end any more — it was closed everywhere,
 or the processes holding it ended.
+
+When the two ends are used by two different processes, they open a direct stream to each other and
+messages skip the mailboxes (:mod:`roving.transport.link`): a round trip then costs about what a
+multiprocessing Pipe's does, and large messages are not copied on the way. Everything above holds
+either way; an end used by two processes at once (which multiprocessing does not support either) just
+stays on the mailboxes.
 """
 from __future__ import annotations
 
+import collections
+import logging
 import os
+import threading
+import time
 import weakref
-from typing import Any, Optional, Tuple
+from typing import Any, Deque, List, Optional, Tuple
 
 from . import process as _process
-from .queues import raise_error, wait_time
+from .queues import raise_error
+from .transport import link as _link
 from .transport import node as _node
 from .transport import session as _session
 from .transport.mailbox import TRANSIT
@@ -20,7 +31,8 @@ from .transport.serialize import dumps, loads
 
 __all__ = ["Pipe", "Connection"]
 
-_RAW = b"\x00roving-raw"  # marks a message sent with send_bytes
+log = logging.getLogger(__name__)
+_RAW = _link.RAW_MARK  # marks a message sent with send_bytes
 _open: "weakref.WeakSet[Connection]" = weakref.WeakSet()
 
 
@@ -48,6 +60,10 @@ class Connection:
     def _setup(self) -> None:
         self._closed = False
         self._endpoint = _session.current().endpoint(self._address)
+        self._lock = threading.RLock()
+        self._link: Optional[_link.Link] = None
+        self._claim: Optional[str] = None  # None: not used here yet; "claimed"; "given" (went away)
+        self._stash: Deque[Tuple[bytes, List[Any]]] = collections.deque()  # read, not yet returned
         _open.add(self)
 
     def _hold(self, key: str) -> None:
@@ -63,6 +79,7 @@ class Connection:
         # Hold the writing end in the receiver's name before this copy leaves, so that the sender
         # closing its own copy right after cannot look like end-of-file to the reader.
         holder = _process.pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
+        self._let_go()
         self._hold(holder)
         return self._address, self._inbox, self._outbox, holder
 
@@ -109,9 +126,43 @@ class Connection:
         if not self._closed:
             self._closed = True
             try:
+                self._let_go()
+            except Exception as exc:  # the pipe's owner or the peer may be gone already
+                log.debug("roving: closing a pipe end: %s", exc)
+            try:
                 self._release(_session.current().uid)
             except Exception:  # the pipe's owner may be gone already
                 pass
+
+    # -- direct streams ----------------------------------------------------------------------
+    def _use(self) -> Optional[_link.Link]:
+        """This end's stream, claiming the end on its first use in this process."""
+        if self._claim is None:
+            self._claim = "claimed"
+            try:
+                _link.claim(self)
+            except Exception as exc:  # the mailboxes work regardless
+                log.debug("roving: pipe end stays on its mailbox: %s", exc)
+        return self._link
+
+    def _let_go(self) -> None:
+        """This process stops using this end (pickled away or closed): leave its stream, give back what
+        was read and not returned, and let another process claim it."""
+        with self._lock:
+            link, self._link = self._link, None
+            claimed = self._claim == "claimed"
+            if claimed:
+                self._claim = "given"
+            stash, self._stash = list(self._stash), collections.deque()
+        if link is not None:
+            link.unlink(stash)
+        else:
+            for kind, frames in reversed(stash):
+                self._endpoint.tell(_node.PUT_FRONT, self._inbox, _link.as_item(kind, frames))
+        if claimed:
+            _link.unclaim(self)
+        elif stash:
+            self._endpoint.ping(30.0)
 
     def __enter__(self) -> "Connection":
         return self
@@ -120,10 +171,16 @@ class Connection:
         self.close()
 
     # -- sending -----------------------------------------------------------------------------
+    def _write(self, kind: bytes, frames: List[Any]) -> None:
+        link = self._use()
+        if link is not None and link.write(kind, frames):
+            return
+        self._endpoint.tell(_node.PUT_NOREPLY, self._outbox, _link.as_item(kind, frames))
+
     def send(self, obj: Any) -> None:
         """Send a picklable object. Does not wait for the reader."""
         self._check_writable()
-        self._endpoint.tell(_node.PUT_NOREPLY, self._outbox, dumps(obj))
+        self._write(_link.DATA, dumps(obj))
 
     def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
         """Send bytes from a bytes-like object, without pickling."""
@@ -139,31 +196,61 @@ class Connection:
             raise ValueError("size is negative")
         elif offset + size > len(view):
             raise ValueError("buffer length < offset + size")
-        self._endpoint.tell(_node.PUT_NOREPLY, self._outbox, [_RAW, view[offset:offset + size]])
+        self._write(_link.RAW, [view[offset:offset + size]])
 
     # -- receiving ---------------------------------------------------------------------------
-    def _take(self) -> list:
+    def _fetch(self, timeout: Optional[float]) -> int:
+        """Make the next message ready in the stash within ``timeout`` s (None: as long as it takes).
+
+        Returns OK (ready), EOF or EMPTY (nothing came in time).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._stash:
+                return _node.OK
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            link = self._use()
+            if link is not None and link.in_ == _link.OPEN:
+                got = link.read(left)
+                if got is None:
+                    return _node.EMPTY
+                kind, frames = got
+                if kind != _link.BACK:
+                    self._stash.append((kind, frames))
+                continue
+            status, frames = self._endpoint.call(_node.GET, self._inbox, -1 if left is None else left)
+            if status == _node.OK:
+                if _link.is_switch(frames):
+                    link = self._link  # (opened while this call waited, maybe: it is set before)
+                    if link is not None:
+                        link.switch_in(frames)
+                    continue  # a stream's switch item: not a message
+                if len(frames[0]) == len(_RAW) and bytes(frames[0]) == _RAW:
+                    self._stash.append((_link.RAW, frames[1:]))
+                else:
+                    self._stash.append((_link.DATA, frames))
+                return _node.OK
+            if status in (_node.EOF, _node.EMPTY):
+                return status
+            raise_error(frames)
+
+    def _take(self) -> Tuple[bytes, List[Any]]:
         self._check_readable()
-        status, frames = self._endpoint.call(_node.GET, self._inbox, -1)
-        if status == _node.OK:
-            return frames
-        if status == _node.EOF:
+        if self._fetch(None) == _node.EOF:
             raise EOFError
-        raise_error(frames)
+        return self._stash.popleft()
 
     def recv(self) -> Any:
         """Receive an object. Blocks until one arrives; EOFError once the other end is closed."""
-        frames = self._take()
-        if bytes(frames[0]) == _RAW:
-            return loads([frames[1]])
-        return loads(frames)
+        kind, frames = self._take()
+        return loads([frames[0]] if kind == _link.RAW else frames)
 
     def recv_bytes(self, maxlength: Optional[int] = None) -> bytes:
         """Receive a message sent by send_bytes (or the pickle of one sent by send)."""
         if maxlength is not None and maxlength < 0:
             raise ValueError("negative maxlength")
-        frames = self._take()
-        data = bytes(frames[1]) if bytes(frames[0]) == _RAW else bytes(frames[0])
+        kind, frames = self._take()
+        data = frames[0] if type(frames[0]) is bytes else bytes(frames[0])
         if maxlength is not None and len(data) > maxlength:
             self.close()
             raise OSError("bad message length")
@@ -188,14 +275,12 @@ class Connection:
         True at end-of-file too, so that the following recv() raises EOFError, as in multiprocessing.
         """
         self._check_readable()
-        wait = -1.0 if timeout is None else max(0.0, float(timeout))
-        status, frames = self._endpoint.call(_node.POLL, self._inbox, wait)
-        if status == _node.ERROR:
-            raise_error(frames)
-        return status in (_node.OK, _node.EOF)
+        return self._fetch(None if timeout is None else max(0.0, float(timeout))) != _node.EMPTY
 
 
-def close_all() -> None:
-    """Close every Connection of this process (a child does this as it exits)."""
+def close_all(timeout: float = 10.0) -> None:
+    """Close every Connection of this process (a child does this as it exits), and wait up to
+    ``timeout`` s for what their direct streams still carried to be back in the pipes' mailboxes."""
     for conn in list(_open):
         conn.close()
+    _link.wait_relays(timeout)

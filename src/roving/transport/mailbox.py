@@ -18,9 +18,22 @@ Frames = List[Any]
 
 #: Holder keys of pipe ends in transit between processes start with this.
 TRANSIT = b"transit-"
+#: First frame of the item that marks where a pipe direction moved to a direct stream
+#: (:mod:`roving.transport.link`); the second frame is the stream's token.
+SWITCH = b"\x00roving-switch"
 
 # Reply statuses, shared with the wire protocol.
 OK, EMPTY, FULL, EOF, ERROR = 0, 1, 2, 3, 4
+
+
+class _Gate(list):
+    """The item that stops a pipe direction's readers while its direct stream is taken down."""
+
+    __slots__ = ("token", "owner")
+
+    def __init__(self, token: bytes, owner: Any) -> None:
+        super().__init__([SWITCH, token])
+        self.token, self.owner = token, owner
 
 
 class Waiter:
@@ -72,6 +85,9 @@ class Mailbox:
         self.track_writers = track_writers
         self.writers: Dict[Any, int] = {}
         self.released_early: set = set()
+        # Pipes: while a direct stream is taken down, a gate stands where its messages belong.
+        # Readers stop in front of it; what the stream still carried is inserted before it.
+        self.gates = 0
 
     # -- state ---------------------------------------------------------------------------------
     def full(self) -> bool:
@@ -79,6 +95,10 @@ class Mailbox:
 
     def at_eof(self) -> bool:
         return self.track_writers and not self.writers and not self.items
+
+    def _ready(self) -> bool:
+        """An item can be read now (the oldest is not a gate)."""
+        return bool(self.items) and type(self.items[0]) is not _Gate
 
     # -- writers -------------------------------------------------------------------------------
     def put(self, frames: Frames, waiter: Optional[Waiter] = None) -> int:
@@ -93,22 +113,27 @@ class Mailbox:
 
     def _accept(self, frames: Frames) -> None:
         self.unfinished += 1
-        while self.getters:
+        while self.getters and not self.gates:
             getter = self.getters.popleft()
             if not getter.done:
                 getter.fulfil(OK, frames)
                 return
         self.items.append(frames)
-        self._wake_pollers(OK)
+        if self._ready():
+            self._wake_pollers(OK)
 
     def put_front(self, frames: Frames) -> None:
         """Return an item that a reader took but could not deliver; it becomes the next one read."""
-        self.unfinished -= 1  # _accept counts it again
-        if self.getters:
-            self._accept(frames)
-        else:
-            self.unfinished += 1
-            self.items.appendleft(frames)
+        self.items.appendleft(frames)
+        self._serve_ready()
+
+    def _serve_ready(self) -> None:
+        """Hand readable items to waiting readers, then tell pollers if one is left."""
+        while self.getters and self._ready():
+            getter = self.getters.popleft()
+            if not getter.done:
+                getter.fulfil(OK, self.items.popleft())
+        if self._ready():
             self._wake_pollers(OK)
 
     def _admit_putters(self) -> None:
@@ -122,7 +147,7 @@ class Mailbox:
     # -- readers -------------------------------------------------------------------------------
     def get(self, waiter: Optional[Waiter] = None) -> Tuple[int, Optional[Frames]]:
         """Take the oldest item: (OK, frames), (EOF, None), (EMPTY, None) or (-1, None) when queued."""
-        if self.items:
+        if self._ready():
             frames = self.items.popleft()
             self._admit_putters()
             return OK, frames
@@ -135,7 +160,7 @@ class Mailbox:
 
     def poll(self, waiter: Optional[Waiter] = None) -> int:
         """OK when an item is ready, EOF, EMPTY, or -1 when ``waiter`` was queued."""
-        if self.items or self.putters:
+        if self._ready() or self.putters:
             return OK
         if self.at_eof():
             return EOF
@@ -190,11 +215,64 @@ class Mailbox:
         else:
             self.writers[key] = count - 1
         if self.at_eof():
-            while self.getters:
-                getter = self.getters.popleft()
-                if not getter.done:
-                    getter.fulfil(EOF)
-            self._wake_pollers(EOF)
+            self.release_waiters_at_eof()
+
+    def close_gate(self, token: bytes, owner: Any, consumed: bool) -> None:
+        """Stop readers where the messages of the direct stream ``token`` belong, until :meth:`open_gate`.
+
+        ``consumed``: the stream's reader had read the stream's switch item, so everything now here is
+        newer than the stream and the gate goes first. Otherwise the gate takes the switch item's place,
+        or, if the writer has not put it yet, the last place (all the writer puts from now on is newer).
+        ``owner`` is the process relaying the stream; :meth:`open_gates_of` opens its gates if it dies.
+        """
+        gate = _Gate(token, owner)
+        self.gates += 1
+        if consumed:
+            self.items.appendleft(gate)
+            return
+        for i, frames in enumerate(self.items):
+            if len(frames) == 2 and bytes(frames[0]) == SWITCH and bytes(frames[1]) == token:
+                self.items[i] = gate
+                return
+        self.items.append(gate)
+
+    def _gate_at(self, token: bytes) -> int:
+        for i, item in enumerate(self.items):
+            if type(item) is _Gate and item.token == token:
+                return i
+        return -1
+
+    def insert_at_gate(self, token: bytes, frames: Frames) -> None:
+        """Store an item the direct stream carried, in front of its gate (last if there is none)."""
+        self.unfinished += 1
+        i = self._gate_at(token)
+        if i < 0:
+            self.items.append(frames)
+        else:
+            self.items.insert(i, frames)
+        self._serve_ready()
+
+    def open_gate(self, token: bytes) -> None:
+        """Let readers past the gate of stream ``token``."""
+        i = self._gate_at(token)
+        if i >= 0:
+            del self.items[i]
+            self.gates -= 1
+        self._serve_ready()
+        if self.at_eof():
+            self.release_waiters_at_eof()
+
+    def open_gates_of(self, owner: Any) -> None:
+        """Open the gates that ``owner`` (a process that ended) was to open."""
+        for item in [i for i in self.items if type(i) is _Gate and i.owner == owner]:
+            self.open_gate(item.token)
+
+    def release_waiters_at_eof(self) -> None:
+        while self.getters:
+            getter = self.getters.popleft()
+            if not getter.done:
+                getter.fulfil(EOF)
+        self._wake_pollers(EOF)
 
     def cancel(self, waiter: Waiter, status: int) -> None:
         """Give up on ``waiter`` (its time ran out): it is answered with ``status`` and forgotten."""

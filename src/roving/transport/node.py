@@ -25,6 +25,7 @@ import collections
 import functools
 import heapq
 import itertools
+import json
 import logging
 import os
 import socket
@@ -46,10 +47,13 @@ Frames = List[Any]
 PUT, PUT_NOREPLY, GET, POLL, SIZE, TASK_DONE, JOIN, HOLD, RELEASE, PUT_FRONT, PING = (
     bytes([c]) for c in b"PpGLSTJHRFI"
 )
+# Pipe ends that talk over a direct stream (roving.transport.link): who uses which end, and the gate
+# that keeps a direction's readers in order while a stream is taken down.
+CLAIM, UNCLAIM, GATE, INSERT, UNGATE = (bytes([c]) for c in b"CUgiu")
 _HEADER = struct.Struct("<QQd")
 _REPLY = struct.Struct("<Qb")
 # Operations sent without waiting for an answer.
-NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT})
+NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
 # Statuses a timed-out wait is answered with.
 _TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
 
@@ -125,6 +129,9 @@ class Node:
         self._router.setsockopt(zmq.SNDHWM, 0)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertise or host}:{port}"
+        self.host, self.advertise = host, advertise
+        # Pipe ends claimed for a direct stream: (inbox or 0, outbox or 0) -> the claim (a dict).
+        self.claims: Dict[Tuple[int, int], dict] = {}
         # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -184,11 +191,35 @@ class Node:
         self._at_close.append(fn)
 
     def release_everywhere(self, key: Any) -> None:
-        """Forget every pipe end that ``key`` (a process that ended) held here."""
+        """Forget every pipe end that ``key`` (a process that ended) held, claimed or gated here."""
+        uid = key.decode() if isinstance(key, bytes) else key
         with self.lock:
+            for end in [e for e, c in self.claims.items() if c.get("uid") == uid]:
+                del self.claims[end]
             for box in self.boxes.values():
+                if box.gates:
+                    box.open_gates_of(uid)
                 if box.track_writers and key in box.writers:
                     box.release(key, all_holds=True)
+
+    def _claim(self, request: dict) -> dict:
+        """A process is about to use a pipe end (``request["end"]``: its inbox and outbox, 0 for none).
+
+        The first process to claim an end has it until it unclaims it; another one is told "no" (two
+        processes using one end at once keep to the mailboxes). When the other end is claimed by
+        another process, the answer names it ("go"): the claimant opens a stream to it.
+        """
+        inbox, outbox = (int(x) for x in request["end"])
+        uid = str(request["uid"])
+        held = self.claims.get((inbox, outbox))
+        if held is not None and held["uid"] != uid:
+            return {"answer": "no"}
+        self.claims[(inbox, outbox)] = {"uid": uid, "stream": request.get("stream"),
+                                         "node": request.get("node")}
+        peer = self.claims.get((outbox, inbox))
+        if peer is not None and peer["uid"] != uid and peer.get("stream"):
+            return {"answer": "go", "stream": peer["stream"], "node": peer["node"]}
+        return {"answer": "wait"}
 
     # -- operations, shared by local callers and the I/O thread (lock held) --------------------
     def dispatch(self, op: bytes, box_id: int, timeout: float, payload: Frames,
@@ -221,6 +252,23 @@ class Node:
             return OK, None
         if op == HOLD:
             box.hold(bytes(payload[0]))
+            return OK, None
+        if op == CLAIM:
+            return OK, [json.dumps(self._claim(json.loads(bytes(payload[0])))).encode()]
+        if op == UNCLAIM:
+            request = json.loads(bytes(payload[0]))
+            end = tuple(int(x) for x in request["end"])
+            if self.claims.get(end, {}).get("uid") == request["uid"]:
+                del self.claims[end]
+            return OK, None
+        if op == GATE:
+            box.close_gate(bytes(payload[0]), bytes(payload[1]).decode(), bytes(payload[2]) == b"1")
+            return OK, None
+        if op == INSERT:
+            box.insert_at_gate(bytes(payload[0]), list(payload[1:]))
+            return OK, None
+        if op == UNGATE:
+            box.open_gate(bytes(payload[0]))
             return OK, None
         if op == RELEASE:
             box.release(bytes(payload[0]))

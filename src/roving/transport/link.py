@@ -1,0 +1,302 @@
+"""Direct streams for pipe ends: when the two ends of a pipe are used by two processes, they talk over a
+stream of their own (:mod:`roving.transport.stream`) instead of through the pipe's mailboxes.
+
+The mailboxes at the pipe's owner stay the authority; a stream is an optimisation that comes and goes:
+
+* **Claims.** The first time a process uses an end, it claims it at the owner (:meth:`Node._claim`).
+  When the other end is claimed by another process, the owner names it and the claimant opens a stream
+  to it. An end that two processes use at once is never linked: both keep to the mailbox.
+* **Switching over.** Each direction moves to the stream on its writer's first send after the stream
+  opened: the writer puts a *switch item* carrying the stream's token into the mailbox, then writes to
+  the stream. The reader reads the mailbox until that item, then the stream. So every message is read
+  in the order it was sent, whichever way it went.
+* **Switching back.** A writer that stops using the stream (its end is pickled to another process,
+  closed, or its process exits) writes a *back* message on the stream, then writes to the mailbox; the
+  reader goes back to the mailbox when it reads it. A reader that stops closes a *gate* in its mailbox
+  at the place of the stream's messages (:meth:`Mailbox.close_gate`), asks the writer's process to
+  switch back (a message to its node, answered by its I/O thread even while the program is busy),
+  moves what the stream still carries in front of the gate, and opens it. Readers elsewhere wait at
+  the gate meanwhile, so nothing is read out of order, and nothing is lost unless a process dies.
+* A stream that breaks (its peer died) ends both directions: what the peer had sent and nobody read is
+  lost with it, as with a process that dies holding items; writers go back to the mailbox.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import node as _node
+from . import session as _session
+from . import stream as _stream
+from .mailbox import SWITCH
+
+log = logging.getLogger(__name__)
+
+DATA, RAW, BACK = b"D", b"R", b"B"
+#: First frame of a mailbox item sent with send_bytes (its second frame is the data).
+RAW_MARK = b"\x00roving-raw"
+BOX, OPEN, DONE = 0, 1, 2  # a direction: still on the mailbox / on the stream / off the stream for good
+
+_UNLINK = b"unlink"
+_ends: "weakref.WeakValueDictionary[Tuple[str, int, int], Any]" = weakref.WeakValueDictionary()
+_links: Dict[str, "Link"] = {}
+_relays: List[threading.Thread] = []
+_lock = threading.Lock()
+
+#: Set to False to keep every pipe on its mailboxes (benchmarks compare both ways).
+enabled = True
+
+
+def as_item(kind: bytes, frames: List[Any]) -> List[Any]:
+    """The mailbox item for a stream message."""
+    return [RAW_MARK, *frames] if kind == RAW else frames
+
+
+def is_switch(frames: List[Any]) -> bool:
+    return len(frames) == 2 and len(frames[0]) == len(SWITCH) and bytes(frames[0]) == SWITCH
+
+
+class Link:
+    """The open stream of one pipe end in this process, and where each of its directions stands."""
+
+    def __init__(self, stream: _stream.Stream, token: str, peer_node: str, end: Any) -> None:
+        self.stream, self.token, self.peer_node, self.end = stream, token, peer_node, end
+        self.out = BOX if end.writable else DONE  # BOX: the switch item is not put yet
+        self.in_ = BOX if end.readable else DONE
+        self.relayed = False
+
+    # -- the end's own threads ---------------------------------------------------------------
+    def write(self, kind: bytes, frames: List[Any]) -> bool:
+        """Send one message over the stream; False when it must go to the mailbox instead."""
+        with self.stream.write_lock:
+            if self.out == BOX:
+                self.end._endpoint.tell(_node.PUT_NOREPLY, self.end._outbox, [SWITCH, self.token.encode()])
+                self.out = OPEN
+            if self.out != OPEN:
+                return False
+            try:
+                self.stream.send(kind, frames)
+                return True
+            except OSError as exc:
+                log.debug("roving pipe stream %s broke while sending: %s", self.token, exc)
+                self.out = DONE
+        self._maybe_finish()
+        return False
+
+    def switch_in(self, frames: List[Any]) -> bool:
+        """A switch item was read from the mailbox: True if it was this stream's (read it from now)."""
+        if self.in_ == BOX and bytes(frames[1]).decode() == self.token:
+            self.in_ = OPEN
+            return True
+        return False
+
+    def read(self, timeout: Optional[float]) -> Optional[Tuple[bytes, List[Any]]]:
+        """The next message on the stream within ``timeout`` s (None: wait), or None when none came.
+
+        (BACK, []) means this direction is off the stream now: read the mailbox.
+        """
+        with self.stream.read_lock:
+            if self.in_ != OPEN:
+                return BACK, []
+            if timeout is not None and not self.stream.readable(timeout):
+                return None
+            try:
+                kind, frames = self.stream.recv()
+            except EOFError as exc:
+                log.debug("roving pipe stream %s ended: %s", self.token, exc)
+                kind, frames = BACK, []
+                self.out = DONE  # a broken stream cannot be written either
+            if kind == BACK:
+                self.in_ = DONE
+        if kind == BACK:
+            self._maybe_finish()
+        return kind, frames
+
+    def _maybe_finish(self) -> None:
+        if self.in_ == DONE and self.out == DONE and not self.relayed:
+            self._forget()
+            self.stream.close()
+
+    def _forget(self) -> None:
+        with _lock:
+            _links.pop(self.token, None)
+        end = self.end
+        with end._lock:
+            if end._link is self:
+                end._link = None
+
+    # -- the peer asked this end to stop writing (its node's handler) -------------------------
+    def stop_writing(self) -> None:
+        with self.stream.write_lock:
+            if self.out != DONE:
+                try:
+                    self.stream.send(BACK, [])
+                except OSError:
+                    pass
+                self.out = DONE
+        self._maybe_finish()
+
+    # -- this end leaves the stream ----------------------------------------------------------
+    def unlink(self, stash: List[Tuple[bytes, List[Any]]]) -> None:
+        """Take this end off the stream (its end is being pickled away, closed, or its process ends).
+
+        ``stash`` holds messages already read here and not yet returned: they go back first. Returns
+        once the mailbox is in a state that any process can read in order; what the stream still
+        carries is moved by a thread of its own (:func:`wait_relays` at exit).
+        """
+        end = self.end
+        self._forget()
+        self.stop_writing()  # out = DONE, and the reader knows
+        with self.stream.read_lock:
+            reading = self.in_
+            self.in_ = DONE
+        token = self.token.encode()
+        relay = reading != DONE
+        if relay:
+            self.relayed = True
+            uid = _session.current().uid
+            end._endpoint.call(_node.GATE, end._inbox, 0, [token, uid.encode(), b"1" if reading == OPEN else b"0"])
+        for kind, frames in reversed(stash):
+            end._endpoint.tell(_node.PUT_FRONT, end._inbox, as_item(kind, frames))
+        if stash:
+            end._endpoint.ping(30.0)
+        if not relay:
+            self.stream.close()
+            return
+        thread = threading.Thread(target=self._relay, name="roving-pipe-relay", daemon=True)
+        with _lock:
+            _relays[:] = [t for t in _relays if t.is_alive()]
+            _relays.append(thread)
+        thread.start()
+
+    def _relay(self) -> None:
+        end, token = self.end, self.token.encode()
+        try:
+            _session.current().endpoint(self.peer_node).tell(_UNLINK, 0, [token])
+        except Exception as exc:  # its process has gone: the stream ends by itself
+            log.debug("roving pipe stream %s: could not reach the peer's node: %s", self.token, exc)
+        moved = 0
+        try:
+            while True:
+                try:
+                    kind, frames = self.stream.recv()
+                except EOFError:
+                    break
+                if kind == BACK:
+                    break
+                end._endpoint.tell(_node.INSERT, end._inbox, [token, *as_item(kind, frames)])
+                moved += 1
+            end._endpoint.tell(_node.UNGATE, end._inbox, [token])
+            end._endpoint.ping(30.0)
+        except Exception:
+            log.exception("roving pipe stream %s: moving %d message(s) back to the pipe failed",
+                          self.token, moved)
+        finally:
+            self.stream.close()
+
+
+# -- this process's side -----------------------------------------------------------------------
+
+def _listener() -> _stream.Listener:
+    session = _session.current()
+    node = session.node()
+
+    def make(node: _node.Node) -> _stream.Listener:
+        node.register_handler(_UNLINK, _on_unlink)
+        return _stream.Listener(session.secret, node.host, node.advertise, _on_open)
+
+    return node.service("pipe-streams", make)
+
+
+def claim(end: Any) -> None:
+    """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed."""
+    if not enabled:
+        return
+    session = _session.current()
+    listener = _listener()
+    key = (end._address, end._inbox or 0, end._outbox or 0)
+    _ends[key] = end
+    request = {"end": [end._inbox or 0, end._outbox or 0], "uid": session.uid,
+               "stream": listener.address, "node": session.node().address}
+    status, frames = end._endpoint.call(_node.CLAIM, end._inbox or end._outbox, 0,
+                                        [json.dumps(request).encode()])
+    if status != _node.OK:
+        return
+    answer = json.loads(bytes(frames[0]))
+    if answer.get("answer") != "go":
+        return
+    token = _stream.new_token()
+    opening = {"token": token, "owner": end._address, "end": [end._outbox or 0, end._inbox or 0],
+               "node": session.node().address}
+    try:
+        stream = _stream.connect(answer["stream"], session.secret, opening, timeout=10.0)
+    except (OSError, ConnectionError) as exc:
+        log.debug("roving: pipe end stays on its mailbox: %s", exc)
+        return
+    link = Link(stream, token, answer["node"], end)
+    with end._lock:
+        if end._closed or end._link is not None or end._claim != "claimed":
+            stream.close()
+            return
+        end._link = link
+    with _lock:
+        _links[token] = link
+
+
+def unclaim(end: Any) -> None:
+    session = _session.current()
+    request = {"end": [end._inbox or 0, end._outbox or 0], "uid": session.uid}
+    end._endpoint.call(_node.UNCLAIM, end._inbox or end._outbox, 0, [json.dumps(request).encode()])
+
+
+def _on_open(request: dict, stream: _stream.Stream) -> bool:
+    """Another process opens a stream to an end claimed here."""
+    key = (str(request.get("owner")), *(int(x) for x in request.get("end", (0, 0))))
+    end = _ends.get(key)
+    if end is None:
+        return False
+    link = Link(stream, str(request["token"]), str(request["node"]), end)
+    with end._lock:
+        if end._closed or end._link is not None or end._claim != "claimed":
+            return False
+        # Installed before the opener hears yes (the switch item it then puts must find it), and its
+        # writes wait until the yes is out (the opener reads it first).
+        with stream.write_lock:
+            end._link = link
+            with _lock:
+                _links[link.token] = link
+            try:
+                _stream.accept(stream)
+            except OSError:
+                end._link = None
+                with _lock:
+                    _links.pop(link.token, None)
+                return False
+    return True
+
+
+def _on_unlink(ident: bytes, frames: List[Any]) -> None:
+    """The peer stops reading its stream: stop writing to it (on a thread: this is the I/O thread)."""
+    token = bytes(frames[-1]).decode()
+    with _lock:
+        link = _links.get(token)
+    if link is not None:
+        threading.Thread(target=link.stop_writing, name="roving-pipe-unlink", daemon=True).start()
+
+
+def wait_relays(timeout: float) -> bool:
+    """Wait until the messages of streams this process left are back in their mailboxes."""
+    deadline = time.monotonic() + timeout
+    with _lock:
+        threads = list(_relays)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    alive = [t for t in threads if t.is_alive()]
+    if alive:
+        log.warning("roving: %d pipe stream(s) still moving messages back at exit; they may be lost",
+                    len(alive))
+    return not alive

@@ -1,0 +1,84 @@
+"""Module-level targets for the tests of pipes on direct streams (tests/test_pipe_streams.py)."""
+from __future__ import annotations
+
+import roving
+
+TIMEOUT = 30
+
+
+def _recv(conn):
+    if not conn.poll(TIMEOUT):
+        raise TimeoutError("nothing arrived")
+    return conn.recv()
+
+
+def echo_until_none(conn):
+    """Echo every message until None; then report whether this end was on a direct stream."""
+    while True:
+        msg = _recv(conn)
+        if msg is None:
+            break
+        conn.send(msg)
+    link = conn._link
+    conn.send(("linked", link is not None and link.in_ == 1 and link.out == 1))
+
+
+def read_some_then_pass_on(conn, count, q, echo_first=True):
+    """Echo one message (the ends meet), read ``count`` messages, then hand the (still open) end to
+    whoever reads ``q``."""
+    if echo_first:
+        conn.send(_recv(conn))
+    got = [_recv(conn) for _ in range(count)]
+    q.put(("first", got))
+    q.put(conn)
+
+
+def read_from_queue_until_none(q, out):
+    conn = q.get(timeout=TIMEOUT)
+    got = []
+    while True:
+        msg = _recv(conn)
+        if msg is None:
+            break
+        got.append(msg)
+    out.put(("rest", got))
+
+
+def read_some_then_exit(conn, count, out):
+    """Echo one message (the ends meet), read ``count`` messages and end without closing the end."""
+    conn.send(_recv(conn))
+    out.put([_recv(conn) for _ in range(count)])
+
+
+def read_until_none(conn, out):
+    got = []
+    while True:
+        msg = _recv(conn)
+        if msg is None:
+            break
+        got.append(msg)
+    out.put(got)
+
+
+def write_range_then_pass_on(conn, start, stop, q):
+    for i in range(start, stop):
+        conn.send(i)
+    q.put(conn)
+
+
+def write_range_from_queue(q, start, stop):
+    conn = q.get(timeout=TIMEOUT)
+    for i in range(start, stop):
+        conn.send(i)
+    conn.send(None)
+
+
+def echo_bytes_until_empty(conn):
+    """Echo raw messages (recv_bytes / send_bytes) until an empty one."""
+    while True:
+        if not conn.poll(TIMEOUT):
+            raise TimeoutError("nothing arrived")
+        data = conn.recv_bytes()
+        if not data:
+            return
+        conn.send_bytes(data)
