@@ -41,7 +41,7 @@ def recv_or_none(sock, timeout_s):
 
 def assert_queue_still_serves(q):
     """The node answers an authenticated remote client, and a child, after what it was sent."""
-    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.send(_node.PUT_NOREPLY, q._box, 0, dumps("from a good client"))
         assert q.get(timeout=TIMEOUT) == "from a good client"
@@ -57,7 +57,7 @@ def assert_queue_still_serves(q):
 def test_raw_frames_of_an_authenticated_client_do_reach_the_queue():
     """Positive control for the tests below: the same frames, after the handshake, are accepted."""
     q = roving.Queue()
-    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.sock.send_multipart([_node.PUT_NOREPLY, HEADER.pack(q._box, 1, 0.0), pickle.dumps("accepted")])
         assert q.get(timeout=TIMEOUT) == "accepted"
@@ -137,13 +137,13 @@ def test_connecting_with_a_wrong_secret_raises_the_public_roving_authentication_
     """roving.AuthenticationError (multiprocessing's, exported by roving) is what a program catches."""
     q = roving.Queue()
     with pytest.raises(roving.AuthenticationError):
-        _node._Connection(q._address, os.urandom(32), TIMEOUT)
+        _node._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
 
 
 def test_connecting_with_a_wrong_secret_raises_the_transports_authentication_error():
     q = roving.Queue()
     with pytest.raises(auth.AuthenticationError):
-        _node._Connection(q._address, os.urandom(32), TIMEOUT)
+        _node._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
 
 
 def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
@@ -171,7 +171,7 @@ def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
 
 def test_malformed_requests_from_an_authenticated_peer_do_not_stop_the_node():
     q = roving.Queue()
-    conn = _node._Connection(q._address, _session.current().secret, TIMEOUT)
+    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.sock.send_multipart([_node.PUT_NOREPLY])  # no header
         conn.sock.send_multipart([_node.PUT_NOREPLY, b"short"])  # bad header
@@ -181,4 +181,91 @@ def test_malformed_requests_from_an_authenticated_peer_do_not_stop_the_node():
         assert reply is not None  # answered, with an error status
     finally:
         conn.sock.close(0)
+    assert_queue_still_serves(q)
+
+
+# -- the same over streams (requests from other processes go over a stream when the node has one) ---
+
+def stream_address(q):
+    """The stream listener of the node that owns ``q`` (as a remote process finds it)."""
+    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    try:
+        status, frames = conn.call(_node.STREAMS, 0, 0, [], TIMEOUT)
+        assert status == _node.OK
+        return bytes(frames[0]).decode()
+    finally:
+        conn.close()
+
+
+def stream_request_frames(op, box, req, payload):
+    """A request as it travels on a stream: kind, frame count and lengths, then the frames."""
+    frames = [op, HEADER.pack(box, req, 0.0), *payload]
+    head = struct.pack("<cI", b"Q", len(frames)) + struct.pack(f"<{len(frames)}Q", *(len(f) << 1 for f in frames))
+    return head + b"".join(frames)
+
+
+def test_requests_of_other_processes_go_over_a_stream():
+    q = roving.Queue()
+    p = roving.Process(target=h.put_value, args=(q, "over a stream"))
+    p.start()
+    assert q.get(timeout=TIMEOUT) == "over a stream"
+    p.join(TIMEOUT)
+    conn = _node._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
+    try:
+        conn.send(_node.PUT_NOREPLY, q._box, 0, dumps("from a stream client"))
+        assert q.get(timeout=TIMEOUT) == "from a stream client"
+        status, frames = conn.call(_node.SIZE, q._box, 0, [], TIMEOUT)
+        assert status == _node.OK and struct.unpack("<QQ", frames[0])[0] == 0
+    finally:
+        conn.close()
+
+
+def test_a_stream_client_without_the_secret_is_dropped_and_its_pickle_never_unpickled(tmp_path):
+    q = roving.Queue()
+    marker = tmp_path / "unpickled-marker"
+    host, port = stream_address(q).rsplit(":", 1)
+    evil = stream_request_frames(_node.PUT_NOREPLY, q._box, 1, evil_frames(marker))
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:  # no handshake at all
+        s.sendall(evil)
+        s.settimeout(TIMEOUT)
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as s:  # a wrong proof, then a request
+        s.settimeout(TIMEOUT)
+        nonce = auth.new_nonce()
+        s.sendall(b"roving-stream/1\n" + nonce)
+        answer = b""
+        while len(answer) < 64:
+            answer += s.recv(64 - len(answer))
+        request = b'{"purpose": "node"}'
+        s.sendall(auth.client_proof(os.urandom(32), nonce, answer[:32]) + struct.pack("<Q", len(request))
+                  + request + evil)
+        try:
+            assert s.recv(1) == b""
+        except ConnectionResetError:
+            pass
+    with pytest.raises(auth.AuthenticationError):
+        _node._StreamConnection(q._address, f"{host}:{port}", os.urandom(32), TIMEOUT)
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.5)
+    assert not marker.exists()
+    assert_queue_still_serves(q)
+    assert not marker.exists()
+
+
+def test_malformed_messages_from_an_authenticated_stream_peer_do_not_stop_the_node():
+    q = roving.Queue()
+    conn = _node._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
+    try:
+        conn.stream.send(b"Z", [b"what"])  # not a request
+        conn.stream.send(b"Q", [_node.PUT_NOREPLY])  # no header
+        conn.stream.send(b"Q", [_node.PUT_NOREPLY, b"short"])  # bad header
+        conn.stream.send(b"Q", [b"?", HEADER.pack(q._box, 999, 0.0)])  # unknown operation
+        status, frames = conn.call(_node.GET, 987654, 0, [], TIMEOUT)  # no such box
+        assert status == _node.ERROR and b"no such" in bytes(frames[0])
+        conn.stream.sock.sendall(struct.pack("<cI", b"Q", 3) + b"\x00" * 5)  # cut short, then gone
+    finally:
+        conn.close()
     assert_queue_still_serves(q)

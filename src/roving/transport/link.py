@@ -202,14 +202,16 @@ class Link:
 # -- this process's side -----------------------------------------------------------------------
 
 def _listener() -> _stream.Listener:
-    session = _session.current()
-    node = session.node()
+    node = _session.current().node()
 
-    def make(node: _node.Node) -> _stream.Listener:
+    def setup(node: _node.Node) -> bool:
         node.register_handler(_UNLINK, _on_unlink)
-        return _stream.Listener(session.secret, node.host, node.advertise, _on_open)
+        node.register_notice(_UNLINK, lambda payload: _on_unlink(b"", payload))
+        node.register_stream_purpose("pipe", _on_open)
+        return True
 
-    return node.service("pipe-streams", make)
+    node.service("pipe-streams", setup)
+    return node.streams()
 
 
 def claim(end: Any) -> None:
@@ -230,7 +232,7 @@ def claim(end: Any) -> None:
     if answer.get("answer") != "go":
         return
     token = _stream.new_token()
-    opening = {"token": token, "owner": end._address, "end": [end._outbox or 0, end._inbox or 0],
+    opening = {"purpose": "pipe", "token": token, "owner": end._address, "end": [end._outbox or 0, end._inbox or 0],
                "node": session.node().address}
     try:
         stream = _stream.connect(answer["stream"], session.secret, opening, timeout=10.0)

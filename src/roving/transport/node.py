@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import zmq
 
 from . import auth
+from . import stream as _stream
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,9 @@ PUT, PUT_NOREPLY, GET, POLL, SIZE, TASK_DONE, JOIN, HOLD, RELEASE, PUT_FRONT, PI
 # Pipe ends that talk over a direct stream (roving.transport.link): who uses which end, and the gate
 # that keeps a direction's readers in order while a stream is taken down.
 CLAIM, UNCLAIM, GATE, INSERT, UNGATE = (bytes([c]) for c in b"CUgiu")
+# Asks a node where its stream listener is (roving.transport.stream): requests then go over a stream.
+STREAMS = b"W"
+_REQUEST, _ANSWER = b"Q", b"A"  # stream message kinds
 _HEADER = struct.Struct("<QQd")
 _REPLY = struct.Struct("<Qb")
 # Operations sent without waiting for an answer.
@@ -110,6 +114,23 @@ class _RemoteWaiter(Waiter):
         self.node._post([self.ident, _REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
+class _StreamWaiter(Waiter):
+    __slots__ = ("node", "peer", "req_id", "box_id")
+
+    def __init__(self, node: "Node", peer: _stream.ServedStream, req_id: int, box_id: int) -> None:
+        super().__init__()
+        self.node, self.peer, self.req_id, self.box_id = node, peer, req_id, box_id
+
+    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
+        self.done = True
+        undeliverable = None
+        if status == OK and frames:
+            undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
+        if not self.peer.write(_ANSWER, [_REPLY.pack(self.req_id, status), *(frames or ())], undeliverable) \
+                and undeliverable is not None:
+            self.node._defer(undeliverable)
+
+
 class Node:
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
@@ -145,6 +166,15 @@ class Node:
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
         self._services_lock = threading.Lock()
+        # Streams (roving.transport.stream) that processes opened to this node, served by the I/O thread.
+        self._poller = zmq.Poller()
+        self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._peers: Dict[int, _stream.ServedStream] = {}
+        self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
+        self._writable: "collections.deque[_stream.ServedStream]" = collections.deque()
+        self._purposes: Dict[str, Callable[[dict, _stream.Stream], bool]] = {}
+        self._notices: Dict[bytes, Callable[[Frames], None]] = {}
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
@@ -175,6 +205,39 @@ class Node:
         what the message handed over (an item, a lock) can be taken back.
         """
         self._post([ident, *frames], undeliverable)
+
+    def register_notice(self, op: bytes, handler: Callable[[Frames], None]) -> None:
+        """Route messages ``op`` sent with :meth:`Endpoint.tell` (no answer) to ``handler(payload)``,
+        on the I/O thread: it must not block."""
+        self._notices[op] = handler
+
+    def streams(self) -> _stream.Listener:
+        """This process's stream listener, started on first use."""
+        return self.service("streams", lambda node: _stream.Listener(
+            node.secret, node.host, node.advertise, node._on_stream))
+
+    def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
+        """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""
+        self._purposes[purpose] = handler
+
+    def _on_stream(self, request: dict, stream: _stream.Stream) -> bool:
+        purpose = request.get("purpose")
+        if purpose == "node":
+            _stream.accept(stream)
+            self._adopted.append(stream)
+            self._wake()
+            return True
+        handler = self._purposes.get(str(purpose))
+        return handler is not None and handler(request, stream)
+
+    def _want_write(self, peer: _stream.ServedStream) -> None:
+        self._writable.append(peer)
+        self._wake()
+
+    def _defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the I/O thread, outside every lock."""
+        self._undeliverable.append(fn)
+        self._wake()
 
     def service(self, key: str, factory: Callable[["Node"], Any]) -> Any:
         """The one ``factory(node)`` object of this node for ``key`` (a protocol's server side), made on
@@ -338,10 +401,7 @@ class Node:
                 pass
 
     def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        router, wake = self._router, self._wake_r
+        poller, router, wake = self._poller, self._router, self._wake_r
         while self._running:
             timeout_ms = None
             if self._deadlines:
@@ -358,6 +418,10 @@ class Node:
                     os.read(wake, 4096)
                 except BlockingIOError:
                     pass
+            while self._adopted:
+                peer = _stream.ServedStream(self._adopted.popleft(), self._want_write)
+                self._peers[peer.fd] = peer
+                poller.register(peer.fd, zmq.POLLIN)
             self._flush_outbox()
             if router in ready:
                 for _ in range(256):
@@ -370,11 +434,44 @@ class Node:
                     except Exception:  # a bad message must never stop the node
                         log.exception("roving node: dropped a message that could not be handled")
                 self._flush_outbox()
+            for fd, events in ready.items():
+                peer = self._peers.get(fd) if type(fd) is int else None
+                if peer is not None:
+                    self._serve_peer(peer, events)
+            while self._writable:
+                peer = self._writable.popleft()
+                if self._peers.get(peer.fd) is peer:
+                    poller.modify(peer.fd, zmq.POLLIN | (zmq.POLLOUT if peer.pending else 0))
             if self._deadlines:
                 self._expire()
             if self._undeliverable:
                 self._run_undeliverable()
                 self._flush_outbox()
+
+    def _serve_peer(self, peer: _stream.ServedStream, events: int) -> None:
+        if events & zmq.POLLOUT:
+            peer.flush()
+            if not peer.pending:
+                self._poller.modify(peer.fd, zmq.POLLIN)
+        if not events & (zmq.POLLIN | zmq.POLLERR):
+            return
+        messages, ended = peer.pump()
+        for kind, frames in messages:
+            try:
+                if kind != _REQUEST or len(frames) < 2:
+                    raise ValueError(f"unexpected stream message {kind!r}")
+                self._request(bytes(frames[0]), frames[1], frames[2:],
+                              lambda req_id, box_id: _StreamWaiter(self, peer, req_id, box_id),
+                              lambda out, undeliverable: peer.write(_ANSWER, out, undeliverable)
+                              or (undeliverable is not None and self._defer(undeliverable)))
+            except ValueError as exc:
+                log.warning("roving node: dropped a malformed stream message: %s", exc)
+            except Exception:  # a bad message must never stop the node
+                log.exception("roving node: dropped a stream message that could not be handled")
+        if ended or peer.closed:
+            self._poller.unregister(peer.fd)
+            del self._peers[peer.fd]
+            self._undeliverable.extend(peer.drop())
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -395,15 +492,32 @@ class Node:
         if handler is not None:
             handler(ident, frames[2:])
             return
-        if op == PING:
-            self._send([ident, _REPLY.pack(_HEADER.unpack(frames[2].bytes)[1], OK)])
-            return
-        if len(frames) < 3 or len(frames[2]) != _HEADER.size:
+        if len(frames) < 3:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
-        box_id, req_id, timeout = _HEADER.unpack(frames[2].bytes)
-        payload = frames[3:]
-        waiter = _RemoteWaiter(self, ident, req_id, box_id)
+        self._request(op, frames[2].bytes, frames[3:],
+                      lambda req_id, box_id: _RemoteWaiter(self, ident, req_id, box_id),
+                      lambda out, undeliverable: self._send([ident, *out], undeliverable))
+
+    def _request(self, op: bytes, header: Any, payload: Frames,
+                 waiter_for: Callable[[int, int], Waiter],
+                 answer: Callable[[Frames, Optional[Callable[[], None]]], Any]) -> None:
+        """Serve one request of an authenticated peer (over ZeroMQ or a stream alike)."""
+        if len(header) != _HEADER.size:
+            log.warning("roving node: malformed request from an authenticated peer dropped")
+            return
+        box_id, req_id, timeout = _HEADER.unpack(header)
+        if op == PING:
+            answer([_REPLY.pack(req_id, OK)], None)
+            return
+        if op == STREAMS:
+            answer([_REPLY.pack(req_id, OK), self.streams().address.encode()], None)
+            return
+        notice = self._notices.get(op)
+        if notice is not None:
+            notice(payload)
+            return
+        waiter = waiter_for(req_id, box_id)
         with self.lock:
             status, out = self.dispatch(op, box_id, timeout, payload, waiter)
             if status == -1:
@@ -415,7 +529,7 @@ class Node:
             item = None
             if op == GET and status == OK and out:
                 item = functools.partial(self._put_back, box_id, out)
-            self._send([ident, _REPLY.pack(req_id, status), *(out or ())], item)
+            answer([_REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
 
@@ -459,61 +573,45 @@ class Node:
             self.boxes.clear()
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=2)
+        listener = self._services.get("streams")
+        if listener is not None:
+            listener.close()
         if not self._thread.is_alive():
+            for peer in list(self._peers.values()):
+                peer.drop()
+            self._peers.clear()
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
 
 class _Connection:
-    """One thread's authenticated DEALER connection to one remote node."""
+    """One thread's authenticated connection to one remote node: requests out, answers back in order.
 
-    def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
-        self.address = address
-        self.sock = _context().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self.sock.connect(address)
+    Two kinds: over ZeroMQ (:class:`_ZmqConnection`, always possible) and over a stream of its own
+    (:class:`_StreamConnection`, which the calling thread reads and writes itself: no I/O thread on
+    this side, one on the node's side).
+    """
+
+    address: str
+
+    def __init__(self) -> None:
         self._ids = itertools.count(1)
         self.pending: Optional[Tuple[int, bytes, int]] = None
         # Something was sent without an answer since the last answer: flush() makes sure it arrived.
         self.unacked = False
-        try:
-            self._authenticate(secret, connect_timeout)
-        except BaseException:
-            self.sock.close(0)
-            raise
 
-    def _authenticate(self, secret: bytes, timeout: float) -> None:
-        client_nonce = auth.new_nonce()
-        self.sock.send_multipart([_HELLO, client_nonce])
-        frames = self._recv(timeout, "authentication challenge")
-        if len(frames) != 3 or frames[0] != _CHALLENGE or not auth.verify(
-                auth.server_proof(secret, client_nonce, frames[1]), frames[2]):
-            raise auth.AuthenticationError(f"the roving node at {self.address} failed to authenticate")
-        self.sock.send_multipart([_PROOF, auth.client_proof(secret, client_nonce, frames[1])])
-        frames = self._recv(timeout, "authentication result")
-        if frames[:1] != [_WELCOME]:
-            raise auth.AuthenticationError(f"the roving node at {self.address} refused this process's "
-                                           "secret: is it part of the same roving session?")
+    def _transmit(self, frames: Frames) -> None:
+        raise NotImplementedError
 
-    def _recv(self, timeout: Optional[float], what: str, copy: bool = True) -> List[Any]:
-        if timeout is not None and not self.sock.poll(timeout * 1000):
-            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
-                                 "(has the process that owns it exited?)")
-        return self.sock.recv_multipart(copy=copy)
+    def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
+        raise NotImplementedError
 
     def send(self, op: bytes, box_id: int, timeout: float, payload: Frames) -> int:
         req_id = next(self._ids)
         if op in NO_REPLY:
             self.unacked = True
-        track = any(_nbytes(f) >= _COPY_BELOW for f in payload)
-        header = _HEADER.pack(box_id, req_id, timeout)
-        if track:
-            tracker = self.sock.send_multipart([op, header, *payload], copy=False, track=True)
-            # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
-            tracker.wait()
-        else:
-            send_frames(self.sock, [op, header, *payload])
+        self._transmit([op, _HEADER.pack(box_id, req_id, timeout), *payload])
         return req_id
 
     def call(self, op: bytes, box_id: int, timeout: float, payload: Frames,
@@ -522,8 +620,8 @@ class _Connection:
         req_id = self.send(op, box_id, timeout, payload)
         self.pending = (req_id, op, box_id)
         while True:
-            frames = self._recv(guard, "answer", copy=False)
-            got, status = _REPLY.unpack(frames[0].bytes)
+            frames = self._recv(guard, "answer")
+            got, status = _REPLY.unpack(frames[0])
             if got == req_id:
                 self.pending = None
                 self.unacked = False  # the node handles a connection's messages in order
@@ -537,10 +635,13 @@ class _Connection:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(left * 1000):
+            if left <= 0:
                 return False
-            frames = self.sock.recv_multipart(copy=False)
-            got, status = _REPLY.unpack(frames[0].bytes)
+            try:
+                frames = self._recv(left, "answer")
+            except TransportError:
+                return False
+            got, status = _REPLY.unpack(frames[0])
             if got == req_id:
                 self.unacked = False
                 return True
@@ -552,14 +653,17 @@ class _Connection:
             return True
         try:
             return self.ping(timeout)
-        except zmq.ZMQError:
+        except (zmq.ZMQError, OSError):
             return False
 
     def settle(self) -> None:
         """Answers to calls that were abandoned (interrupted) can still arrive: take them first."""
-        while self.pending is not None and self.sock.poll(0):
-            frames = self.sock.recv_multipart(copy=False)
-            got, status = _REPLY.unpack(frames[0].bytes)
+        while self.pending is not None:
+            try:
+                frames = self._recv(0, "answer")
+            except TransportError:
+                return
+            got, status = _REPLY.unpack(frames[0])
             self._stale(got, status, frames[1:])
 
     def _stale(self, got: int, status: int, frames: Frames) -> None:
@@ -572,7 +676,81 @@ class _Connection:
             self.send(PUT_FRONT, box_id, 0, frames)
 
     def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ZmqConnection(_Connection):
+    """Over an authenticated ZeroMQ DEALER socket."""
+
+    def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
+        super().__init__()
+        self.address = address
+        self.sock = _context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.connect(address)
+        try:
+            self._authenticate(secret, connect_timeout)
+        except BaseException:
+            self.sock.close(0)
+            raise
+
+    def _authenticate(self, secret: bytes, timeout: float) -> None:
+        client_nonce = auth.new_nonce()
+        self.sock.send_multipart([_HELLO, client_nonce])
+        frames = self._recv(timeout, "authentication challenge", copy=True)
+        if len(frames) != 3 or frames[0] != _CHALLENGE or not auth.verify(
+                auth.server_proof(secret, client_nonce, frames[1]), frames[2]):
+            raise auth.AuthenticationError(f"the roving node at {self.address} failed to authenticate")
+        self.sock.send_multipart([_PROOF, auth.client_proof(secret, client_nonce, frames[1])])
+        frames = self._recv(timeout, "authentication result", copy=True)
+        if frames[:1] != [_WELCOME]:
+            raise auth.AuthenticationError(f"the roving node at {self.address} refused this process's "
+                                           "secret: is it part of the same roving session?")
+
+    def _recv(self, timeout: Optional[float], what: str, copy: bool = False) -> List[Any]:
+        if timeout is not None and not self.sock.poll(timeout * 1000):
+            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+                                 "(has the process that owns it exited?)")
+        return self.sock.recv_multipart(copy=copy)
+
+    def _transmit(self, frames: Frames) -> None:
+        if any(_nbytes(f) >= _COPY_BELOW for f in frames):
+            tracker = self.sock.send_multipart(frames, copy=False, track=True)
+            # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
+            tracker.wait()
+        else:
+            send_frames(self.sock, frames)
+
+    def close(self) -> None:
         self.sock.close()
+
+
+class _StreamConnection(_Connection):
+    """Over a stream to the node's stream listener, read and written by the calling thread."""
+
+    def __init__(self, address: str, stream_address: str, secret: bytes, connect_timeout: float) -> None:
+        super().__init__()
+        self.address = address
+        self.stream = _stream.connect(stream_address, secret, {"purpose": "node"}, connect_timeout)
+
+    def _transmit(self, frames: Frames) -> None:
+        try:
+            self.stream.send(_REQUEST, frames)
+        except OSError as exc:
+            raise TransportError(f"the roving node at {self.address} closed the connection: {exc}") from exc
+
+    def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
+        if timeout is not None and not self.stream.readable(timeout):
+            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+                                 "(has the process that owns it exited?)")
+        try:
+            return self.stream.recv()[1]
+        except EOFError as exc:
+            raise TransportError(f"the roving node at {self.address} closed the connection "
+                                 "(has the process that owns it exited?)") from exc
+
+    def close(self) -> None:
+        self.stream.close()
 
 
 class Channel:
@@ -587,7 +765,7 @@ class Channel:
 
     def __init__(self, address: str, secret: bytes, connect_timeout: float = 30.0) -> None:
         self.address = address
-        self._sock = _Connection(address, secret, connect_timeout).sock
+        self._sock = _ZmqConnection(address, secret, connect_timeout).sock
 
     def send(self, frames: Frames) -> None:
         """Queue a message; the frames' buffers must not change until the channel is closed."""
@@ -618,14 +796,35 @@ class Endpoint:
         self._secret = secret
         self._connect_timeout = connect_timeout
         self._threads = threading.local()
+        self._streams: Optional[str] = None  # the node's stream listener; "" when there is none
 
     def _conn(self, connect_timeout: Optional[float] = None) -> _Connection:
         conn = getattr(self._threads, "conn", None)
         if conn is None:
-            conn = _Connection(self.address, self._secret, connect_timeout or self._connect_timeout)
+            conn = self._connect(connect_timeout or self._connect_timeout)
             self._threads.conn = conn
             _open_connections.append(conn)
         return conn
+
+    def _connect(self, timeout: float) -> _Connection:
+        """A stream connection where the node has a stream listener, else ZeroMQ."""
+        if self._streams is None:
+            zconn = _ZmqConnection(self.address, self._secret, timeout)
+            try:
+                status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
+                self._streams = bytes(frames[0]).decode() if status == OK and frames else ""
+            except TransportError:
+                self._streams = ""
+            if not streams_enabled or not self._streams:
+                return zconn
+            zconn.close()
+        if streams_enabled and self._streams:
+            try:
+                return _StreamConnection(self.address, self._streams, self._secret, timeout)
+            except (OSError, ConnectionError) as exc:
+                log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
+                self._streams = ""
+        return _ZmqConnection(self.address, self._secret, timeout)
 
     def call(self, op: bytes, box_id: int, timeout: float = -1,
              payload: Frames = ()) -> Tuple[int, Frames]:
@@ -655,12 +854,17 @@ class Endpoint:
             return False
 
 
+#: Set to False to send every request over ZeroMQ (benchmarks compare both ways).
+streams_enabled = True
+
+
 def _own(payload: Frames) -> Frames:
     """Out-of-band buffers share memory with the caller's objects; a mailbox of this process keeps a
-    copy, so that changing an object after put() does not change what was put (as over a socket)."""
+    copy, so that changing an object after put() does not change what was put (as over a socket).
+    The memory of a bytes object cannot change: it is kept as it is."""
     if len(payload) < 2:
         return payload
-    return [payload[0], *(bytearray(frame) for frame in payload[1:])]
+    return [payload[0], *(frame if _stream._is_bytes(frame) else bytearray(frame) for frame in payload[1:])]
 
 
 _open_connections: List[_Connection] = []

@@ -19,15 +19,17 @@ Guarantees:
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import logging
 import os
+import itertools
 import select
 import socket
 import struct
 import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from . import auth
 
@@ -71,13 +73,140 @@ def _is_bytes(frame: Any) -> bool:
     return type(frame) is bytes or type(frame) is memoryview and type(frame.obj) is bytes
 
 
+def _wire(kind: bytes, frames: Sequence[Any]) -> List[Any]:
+    """A message as the buffers to write: its header, then its frames (not copied)."""
+    views = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
+    marks = [len(v) << 1 | _is_bytes(f) for v, f in zip(views, frames)]
+    # (empty frames are in the header only: a zero-length buffer would never count as written)
+    return [_HEAD.pack(kind, len(views)) + struct.pack(f"<{len(views)}Q", *marks), *(v for v in views if len(v))]
+
+
+def _advance(todo: Deque[Any], sent: int) -> None:
+    """Drop ``sent`` bytes from the front of a list of buffers."""
+    while sent:
+        first = len(todo[0])
+        if sent >= first:
+            sent -= first
+            todo.popleft()
+        else:
+            todo[0] = memoryview(todo[0])[sent:]
+            sent = 0
+
+
+class _Reader:
+    """Assembles the messages of a stream from its bytes. All its state lives here, so a read that is
+    interrupted (a signal, or nothing yet on a non-blocking socket) resumes where it stopped."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.ready: Deque[Tuple[bytes, List[Any]]] = collections.deque()
+        self.ended = False
+        self._buf = bytearray(_BUFFER)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+        self._msg: Optional[Tuple[bytes, Tuple[int, ...], List[Any]]] = None
+        self._big: Optional[List[Any]] = None  # [frame, view, bytes in]: a large frame being read
+
+    def buffered(self) -> bool:
+        return bool(self.ready) or self._end > self._start
+
+    def step(self) -> None:
+        """Parse what is buffered; if that completes no message, read once from the socket (blocking,
+        or BlockingIOError on a non-blocking socket with nothing to read) and parse again."""
+        while self._parse():
+            pass
+        if self.ready:
+            return
+        if self._big is not None:
+            frame, view, have = self._big
+            got = self.sock.recv_into(view[have:])
+            if got:
+                self._big[2] = have + got
+                if have + got == len(view):
+                    view.release()
+                    self._big = None
+                    self._msg[2].append(frame)
+        else:
+            if self._start == self._end:
+                self._start = self._end = 0
+            elif self._end == len(self._buf):
+                self._compact()
+            got = self.sock.recv_into(self._view[self._end:])
+            self._end += got
+        if not got:
+            self.ended = True
+            return
+        while self._parse():
+            pass
+
+    def _compact(self) -> None:
+        left = self._end - self._start
+        if self._start:
+            self._view[:left] = self._view[self._start:self._end]
+            self._start, self._end = 0, left
+        if self._end == len(self._buf):  # a header larger than the buffer: grow it
+            self._view.release()
+            self._buf.extend(bytes(len(self._buf)))
+            self._view = memoryview(self._buf)
+
+    def _parse(self) -> bool:
+        """Take what the buffer holds of the current message; True when that completed one."""
+        if self._big is not None:
+            return False
+        avail = self._end - self._start
+        if self._msg is None:
+            if avail < _HEAD.size:
+                return False
+            kind, count = _HEAD.unpack_from(self._view, self._start)
+            if avail < _HEAD.size + 8 * count:
+                if self._start + _HEAD.size + 8 * count > len(self._buf):
+                    self._compact()
+                return False
+            marks = struct.unpack_from(f"<{count}Q", self._view, self._start + _HEAD.size)
+            self._start += _HEAD.size + 8 * count
+            self._msg = (kind, marks, [])
+        kind, marks, frames = self._msg
+        while len(frames) < len(marks):
+            mark = marks[len(frames)]
+            length, avail = mark >> 1, self._end - self._start
+            if length >= _OWN_BUFFER:
+                made = _bytes_to_fill(length) if mark & 1 else None
+                if made is None:
+                    frame = _bytearray(length)
+                    view = memoryview(frame)
+                else:
+                    frame, view = made
+                have = min(length, avail)
+                view[:have] = self._view[self._start:self._start + have]
+                self._start += have
+                if have < length:
+                    self._big = [frame, view, have]
+                    return False
+                view.release()
+                frames.append(frame)
+            elif avail >= length:
+                chunk = self._view[self._start:self._start + length]
+                frames.append(bytes(chunk) if mark & 1 else bytearray(chunk))
+                self._start += length
+            else:
+                if self._start + length > len(self._buf):
+                    self._compact()
+                return False
+        self.ready.append((kind, frames))
+        self._msg = None
+        return True
+
+
 class StreamError(ConnectionError):
     """A stream could not be opened, or the peer refused it."""
 
 
 class Stream:
-    """One end of an open stream. ``send`` and ``recv`` may run in different threads; each of them is
-    for one thread at a time (callers hold :attr:`write_lock` / :attr:`read_lock`)."""
+    """One end of an open stream, used with blocking calls. ``send`` and ``recv`` may run in different
+    threads at once; each is for one thread at a time (callers hold :attr:`write_lock` /
+    :attr:`read_lock`). A ``recv`` interrupted by a signal loses nothing: the next one resumes. A
+    ``send`` interrupted after part of a message went out closes the stream (the peer drops the part).
+    """
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
@@ -85,9 +214,7 @@ class Stream:
         self.sock = sock
         self.write_lock = threading.Lock()
         self.read_lock = threading.Lock()
-        self._buf = bytearray(_BUFFER)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
+        self._reader = _Reader(sock)
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
         self.closed = False
@@ -95,94 +222,41 @@ class Stream:
     # -- writing -----------------------------------------------------------------------------
     def send(self, kind: bytes, frames: Sequence[Any]) -> None:
         """Write one message; returns once all of it is in the kernel. OSError if the peer has gone."""
-        views = [memoryview(f).cast("B") if type(f) is not bytes else f for f in frames]
-        lengths = [len(v) for v in views]
-        marks = [n << 1 | _is_bytes(f) for n, f in zip(lengths, frames)]
-        header = _HEAD.pack(kind, len(views)) + struct.pack(f"<{len(views)}Q", *marks)
-        todo: List[Any] = [header, *views]
-        total = len(header) + sum(lengths)
-        sent = self.sock.sendmsg(todo)
-        while sent < total:  # a partial write: drop what went, go on from the rest
-            total -= sent
-            while sent:
-                first = len(todo[0])
-                if sent >= first:
-                    sent -= first
-                    todo.pop(0)
-                else:
-                    todo[0] = memoryview(todo[0])[sent:]
-                    sent = 0
-            sent = self.sock.sendmsg(todo)
+        if self.closed:
+            raise BrokenPipeError("the stream is closed")
+        todo = collections.deque(_wire(kind, frames))
+        total = sum(len(v) for v in todo)
+        sent = 0
+        try:
+            while todo:
+                n = self.sock.sendmsg(list(itertools.islice(todo, 512)) if len(todo) > 512 else todo)
+                sent += n
+                _advance(todo, n)
+        except BaseException:
+            if 0 < sent < total:  # the peer would read the rest of a message as the next one
+                self.close()
+            raise
 
     # -- reading -----------------------------------------------------------------------------
     def readable(self, timeout: Optional[float]) -> bool:
         """Whether a message (or the end of the stream) can be read within ``timeout`` s (None: wait)."""
-        if self._end > self._start:
+        if self._reader.buffered() or self._reader.ended:
             return True
         ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
-        while True:
-            try:
-                return bool(self._poller.poll(ms))
-            except InterruptedError:  # pragma: no cover - PEP 475 retries for us
-                continue
-
-    def _fill(self, need: int) -> None:
-        """Make at least ``need`` bytes available from ``_start``; EOFError if the stream ends first."""
-        if self._end - self._start >= need:
-            return
-        if self._start and (self._start + need > len(self._buf) or self._start == self._end):
-            left = self._end - self._start
-            self._view[:left] = self._view[self._start:self._end]
-            self._start, self._end = 0, left
-        if need > len(self._buf):
-            self._buf.extend(bytes(need - len(self._buf)))
-            self._view.release()
-            self._view = memoryview(self._buf)
-        while self._end - self._start < need:
-            got = self.sock.recv_into(self._view[self._end:])
-            if not got:
-                raise EOFError("the stream ended")
-            self._end += got
-
-    def _take(self, mark: int) -> Any:
-        length = mark >> 1
-        if length >= _OWN_BUFFER:
-            made = _bytes_to_fill(length) if mark & 1 else None
-            if made is None:
-                frame = _bytearray(length)
-                view = memoryview(frame)
-            else:
-                frame, view = made
-            have = min(length, self._end - self._start)
-            view[:have] = self._view[self._start:self._start + have]
-            self._start += have
-            try:
-                while have < length:
-                    got = self.sock.recv_into(view[have:])
-                    if not got:
-                        raise EOFError("the stream ended inside a message")
-                    have += got
-            finally:
-                view.release()
-            return frame
-        self._fill(length)
-        frame = self._buf[self._start:self._start + length] if mark & 1 == 0 else \
-            bytes(self._view[self._start:self._start + length])
-        self._start += length
-        return frame
+        return bool(self._poller.poll(ms))
 
     def recv(self) -> Tuple[bytes, List[Any]]:
         """Read one message: (kind, frames). Blocks; EOFError once the peer has closed or gone."""
-        try:
-            self._fill(_HEAD.size)
-            kind, count = _HEAD.unpack_from(self._view, self._start)
-            self._start += _HEAD.size
-            self._fill(count * 8)
-            marks = struct.unpack_from(f"<{count}Q", self._view, self._start)
-            self._start += count * 8
-            return kind, [self._take(mark) for mark in marks]
-        except OSError as exc:
-            raise EOFError(f"the stream broke: {exc}") from exc
+        reader = self._reader
+        while not reader.ready:
+            if reader.ended or self.closed:
+                raise EOFError("the stream ended")
+            try:
+                reader.step()
+            except OSError as exc:
+                reader.ended = True
+                raise EOFError(f"the stream broke: {exc}") from exc
+        return reader.ready.popleft()
 
     def close(self) -> None:
         if not self.closed:
@@ -191,6 +265,110 @@ class Stream:
                 self.sock.close()
             except OSError:
                 pass
+
+
+class ServedStream:
+    """A stream that an I/O thread serves: never blocks. ``pump`` returns the messages that have come
+    in whole so far; ``write`` (from any thread) sends what the socket takes now and queues the rest,
+    which the I/O thread writes as the socket drains (:meth:`flush` when it polls writable).
+
+    Guarantees: messages are written whole and in the order of ``write`` calls; a message that cannot
+    be written in full because the stream ended has its ``undeliverable`` callback returned by
+    :meth:`drop` (a message that did reach the kernel is considered delivered).
+    """
+
+    _IOV = 512
+
+    def __init__(self, stream: Stream, want_write: Callable[["ServedStream"], None]) -> None:
+        self.sock = stream.sock
+        self.sock.setblocking(False)
+        self.fd = self.sock.fileno()
+        self._want_write = want_write
+        self._lock = threading.Lock()
+        self._out: Deque[Any] = collections.deque()  # buffers still to write
+        self._ends: Deque[Tuple[int, Optional[Callable[[], None]]]] = collections.deque()
+        self._queued = 0  # bytes in _out; _ends holds (bytes left until a message's end, callback)
+        self.closed = False
+        self._reader = _Reader(self.sock)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._out)
+
+    # -- writing -----------------------------------------------------------------------------
+    def write(self, kind: bytes, frames: Sequence[Any],
+              undeliverable: Optional[Callable[[], None]] = None) -> bool:
+        """Send or queue one message; False (nothing sent) when the stream has ended."""
+        todo = _wire(kind, frames)
+        size = sum(len(v) for v in todo)
+        notify = False
+        with self._lock:
+            if self.closed:
+                return False
+            if not self._out:
+                try:
+                    sent = self.sock.sendmsg(todo[:self._IOV])
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    self.closed = True
+                    return False
+                if sent == size:
+                    return True
+                todo = collections.deque(todo)
+                _advance(todo, sent)
+                size -= sent
+                notify = True
+            self._out.extend(todo)
+            self._queued += size
+            self._ends.append((self._queued, undeliverable))
+        if notify:
+            self._want_write(self)
+        return True
+
+    def flush(self) -> None:
+        """Write what the socket takes now of the queued messages (the I/O thread, when writable)."""
+        with self._lock:
+            while self._out and not self.closed:
+                try:
+                    sent = self.sock.sendmsg(list(itertools.islice(self._out, self._IOV)))
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self.closed = True
+                    return
+                _advance(self._out, sent)
+                self._queued -= sent
+                self._ends = collections.deque((end - sent, fn) for end, fn in self._ends if end - sent > 0)
+
+    # -- reading -----------------------------------------------------------------------------
+    def pump(self) -> Tuple[List[Tuple[bytes, List[Any]]], bool]:
+        """Read what has come: (whole messages, whether the stream has ended)."""
+        reader = self._reader
+        messages: List[Tuple[bytes, List[Any]]] = []
+        while not reader.ended:
+            try:
+                reader.step()
+            except BlockingIOError:
+                break
+            except OSError:
+                reader.ended = True
+            messages.extend(reader.ready)
+            reader.ready.clear()
+        return messages, reader.ended
+
+    def drop(self) -> List[Callable[[], None]]:
+        """Close; returns the callbacks of messages that were not written in full."""
+        with self._lock:
+            self.closed = True
+            callbacks = [fn for _, fn in self._ends if fn is not None]
+            self._out.clear()
+            self._ends.clear()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        return callbacks
 
 
 # -- opening streams ---------------------------------------------------------------------------
