@@ -7,6 +7,7 @@ compare the ratios.
 
     python benchmarks/transport.py                 # 64 B, 1 MiB, 100 MiB; numpy payloads
     python benchmarks/transport.py --payload bytes
+    python benchmarks/transport.py --transport zmq  # roving as it was before streams: all over ZeroMQ
 """
 from __future__ import annotations
 
@@ -89,9 +90,16 @@ def main(argv=None) -> None:
     parser.add_argument("--payload", choices=["numpy", "bytes"], default="numpy")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per cell; the median is kept")
     parser.add_argument("--quick", action="store_true", help="a tenth of the rounds (a smoke run)")
+    parser.add_argument("--transport", choices=["streams", "zmq"], default="streams",
+                        help="zmq: no direct streams (pipes and requests all over ZeroMQ), to compare")
     args = parser.parse_args(argv)
+    if args.transport == "zmq":
+        from roving.transport import link, node
+
+        node.streams_enabled = link.enabled = False
     libs = {"multiprocessing": multiprocessing.get_context("spawn"), "roving": roving}
-    print(f"python {sys.version.split()[0]}, payload {args.payload}, median of {args.repeats} repeats")
+    print(f"python {sys.version.split()[0]}, payload {args.payload}, roving transport {args.transport}, "
+          f"median of {args.repeats} repeats")
     header = f"{'channel':8} {'size':>8} | {'mp round trip':>14} {'roving round trip':>18} | " \
              f"{'mp MiB/s':>9} {'roving MiB/s':>12} | {'roving/mp time':>14}"
     print(header)

@@ -6,6 +6,11 @@ queues and pipes created in that process live there; other processes reach them 
 authenticated connections (:class:`Endpoint`). Inside the owning process the same operations run
 directly on the mailboxes, without sockets.
 
+A client first asks the node over ZeroMQ where its stream listener is (STREAMS), then sends its requests
+over a stream of its own (:mod:`roving.transport.stream`), which the same I/O thread serves: same
+requests, same answers, fewer thread hand-offs. ZeroMQ stays for other protocols (the pool's, locks',
+managers') and for nodes that offer no streams.
+
 Guarantees:
 
 * A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
@@ -511,7 +516,8 @@ class Node:
             answer([_REPLY.pack(req_id, OK)], None)
             return
         if op == STREAMS:
-            answer([_REPLY.pack(req_id, OK), self.streams().address.encode()], None)
+            address = self.streams().address if streams_enabled else ""
+            answer([_REPLY.pack(req_id, OK), address.encode()], None)
             return
         notice = self._notices.get(op)
         if notice is not None:
@@ -854,7 +860,8 @@ class Endpoint:
             return False
 
 
-#: Set to False to send every request over ZeroMQ (benchmarks compare both ways).
+#: Set to False (before anything else is set up) to serve and send every request over ZeroMQ: other
+#: processes of the session then do too (benchmarks compare both ways).
 streams_enabled = True
 
 
