@@ -46,6 +46,7 @@ _MAX_REQUEST = 16384
 _BUFFER = 256 * 1024
 _OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
 _HANDSHAKE_TIMEOUT = 10.0
+_MAX_HANDSHAKES = 128  # connections authenticating at once; more are dropped
 
 
 def _fresh_buffers():
@@ -443,6 +444,7 @@ class Listener:
         shown = advertise or host
         self.address = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
         self._running = True
+        self._admitting = threading.BoundedSemaphore(_MAX_HANDSHAKES)
         self._thread = threading.Thread(target=self._accept_loop, name="roving-streams", daemon=True)
         self._thread.start()
 
@@ -454,10 +456,21 @@ class Listener:
                 if not self._running:
                     return
                 continue
+            if not self._admitting.acquire(blocking=False):
+                log.warning("roving stream listener %s: too many connections still authenticating; "
+                            "dropped one", self.address)
+                sock.close()
+                continue
             threading.Thread(target=self._admit, args=(sock,), name="roving-stream-admit",
                              daemon=True).start()
 
     def _admit(self, sock: socket.socket) -> None:
+        try:
+            self._handshake(sock)
+        finally:
+            self._admitting.release()
+
+    def _handshake(self, sock: socket.socket) -> None:
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             greeting = _recv_exact(sock, len(_GREETING) + auth.NONCE_BYTES)
