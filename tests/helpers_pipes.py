@@ -82,3 +82,11 @@ def echo_bytes_until_empty(conn):
         if not data:
             return
         conn.send_bytes(data)
+
+
+def echo_once_then_exit_while_a_thread_reads(conn):
+    """Echo one message (the ends meet), then leave a daemon thread blocked reading the end and exit."""
+    import threading
+
+    conn.send(_recv(conn))
+    threading.Thread(target=conn.recv, daemon=True).start()

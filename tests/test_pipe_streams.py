@@ -175,6 +175,23 @@ def test_eof_reaches_the_reader_when_the_writer_on_a_stream_is_killed():
         here.recv()
 
 
+def test_a_child_exits_although_a_thread_of_it_is_blocked_reading_a_stream():
+    import time
+
+    here, there = roving.Pipe()
+    child = start(hp.echo_once_then_exit_while_a_thread_reads, there)
+    there.close()
+    here.send("ping")
+    assert recv(here) == "ping"
+    began = time.monotonic()
+    child.join(TIMEOUT)
+    assert child.exitcode == 0, "the child did not exit"
+    assert time.monotonic() - began < 20
+    assert here.poll(TIMEOUT)
+    with pytest.raises(EOFError):
+        here.recv()
+
+
 # -- the stream listener --------------------------------------------------------------------------
 
 def dropped(sock) -> bool:

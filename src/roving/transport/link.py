@@ -42,6 +42,7 @@ RAW_MARK = b"\x00roving-raw"
 BOX, OPEN, DONE = 0, 1, 2  # a direction: still on the mailbox / on the stream / off the stream for good
 
 _UNLINK = b"unlink"
+_LOCK_WAIT = 5.0  # seconds to wait for a stream another thread of this process is using
 _ends: "weakref.WeakValueDictionary[Tuple[str, int, int], Any]" = weakref.WeakValueDictionary()
 _links: Dict[str, "Link"] = {}
 _relays: List[threading.Thread] = []
@@ -131,13 +132,21 @@ class Link:
 
     # -- the peer asked this end to stop writing (its node's handler) -------------------------
     def stop_writing(self) -> None:
-        with self.stream.write_lock:
-            if self.out != DONE:
-                try:
-                    self.stream.send(BACK, [])
-                except OSError:
-                    pass
-                self.out = DONE
+        if not self.stream.write_lock.acquire(timeout=_LOCK_WAIT):
+            # Another thread is stuck sending (its peer does not read): the peer sees the stream end
+            # instead of a back message when it closes.
+            log.warning("roving pipe stream %s: a send did not finish; closing the stream", self.token)
+            self.out = DONE
+        else:
+            try:
+                if self.out != DONE:
+                    try:
+                        self.stream.send(BACK, [])
+                    except OSError:
+                        pass
+                    self.out = DONE
+            finally:
+                self.stream.write_lock.release()
         self._maybe_finish()
 
     # -- this end leaves the stream ----------------------------------------------------------
@@ -151,9 +160,14 @@ class Link:
         end = self.end
         self._forget()
         self.stop_writing()  # out = DONE, and the reader knows
-        with self.stream.read_lock:
+        if self.stream.read_lock.acquire(timeout=_LOCK_WAIT):
             reading = self.in_
             self.in_ = DONE
+            self.stream.read_lock.release()
+        else:  # another thread of this process is blocked reading this end: it will see the end
+            log.warning("roving pipe stream %s: left while another thread was reading it; what the "
+                        "stream still carried is lost", self.token)
+            reading = self.in_ = DONE
         token = self.token.encode()
         relay = reading != DONE
         if relay:

@@ -264,8 +264,13 @@ class Stream:
         return reader.ready.popleft()
 
     def close(self) -> None:
+        """Close; a thread blocked reading or writing it returns (EOFError, OSError)."""
         if not self.closed:
             self.closed = True
+            try:
+                self.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             try:
                 self.sock.close()
             except OSError:
