@@ -14,6 +14,7 @@ import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT
 from roving.transport import auth
+from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import session as _session
 from roving.transport.serialize import dumps
@@ -41,7 +42,7 @@ def recv_or_none(sock, timeout_s):
 
 def assert_queue_still_serves(q):
     """The node answers an authenticated remote client, and a child, after what it was sent."""
-    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    conn = _endpoint._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.send(_node.PUT_NOREPLY, q._box, 0, dumps("from a good client"))
         assert q.get(timeout=TIMEOUT) == "from a good client"
@@ -57,7 +58,7 @@ def assert_queue_still_serves(q):
 def test_raw_frames_of_an_authenticated_client_do_reach_the_queue():
     """Positive control for the tests below: the same frames, after the handshake, are accepted."""
     q = roving.Queue()
-    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    conn = _endpoint._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.sock.send_multipart([_node.PUT_NOREPLY, HEADER.pack(q._box, 1, 0.0), pickle.dumps("accepted")])
         assert q.get(timeout=TIMEOUT) == "accepted"
@@ -137,13 +138,13 @@ def test_connecting_with_a_wrong_secret_raises_the_public_roving_authentication_
     """roving.AuthenticationError (multiprocessing's, exported by roving) is what a program catches."""
     q = roving.Queue()
     with pytest.raises(roving.AuthenticationError):
-        _node._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
+        _endpoint._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
 
 
 def test_connecting_with_a_wrong_secret_raises_the_transports_authentication_error():
     q = roving.Queue()
     with pytest.raises(auth.AuthenticationError):
-        _node._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
+        _endpoint._ZmqConnection(q._address, os.urandom(32), TIMEOUT)
 
 
 def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
@@ -171,7 +172,7 @@ def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
 
 def test_malformed_requests_from_an_authenticated_peer_do_not_stop_the_node():
     q = roving.Queue()
-    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    conn = _endpoint._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         conn.sock.send_multipart([_node.PUT_NOREPLY])  # no header
         conn.sock.send_multipart([_node.PUT_NOREPLY, b"short"])  # bad header
@@ -188,7 +189,7 @@ def test_malformed_requests_from_an_authenticated_peer_do_not_stop_the_node():
 
 def stream_address(q):
     """The stream listener of the node that owns ``q`` (as a remote process finds it)."""
-    conn = _node._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    conn = _endpoint._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
     try:
         status, frames = conn.call(_node.STREAMS, 0, 0, [], TIMEOUT)
         assert status == _node.OK
@@ -210,7 +211,7 @@ def test_requests_of_other_processes_go_over_a_stream():
     p.start()
     assert q.get(timeout=TIMEOUT) == "over a stream"
     p.join(TIMEOUT)
-    conn = _node._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
+    conn = _endpoint._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
     try:
         conn.send(_node.PUT_NOREPLY, q._box, 0, dumps("from a stream client"))
         assert q.get(timeout=TIMEOUT) == "from a stream client"
@@ -247,7 +248,7 @@ def test_a_stream_client_without_the_secret_is_dropped_and_its_pickle_never_unpi
         except ConnectionResetError:
             pass
     with pytest.raises(auth.AuthenticationError):
-        _node._StreamConnection(q._address, f"{host}:{port}", os.urandom(32), TIMEOUT)
+        _endpoint._StreamConnection(q._address, f"{host}:{port}", os.urandom(32), TIMEOUT)
     with pytest.raises(queue.Empty):
         q.get(timeout=0.5)
     assert not marker.exists()
@@ -257,7 +258,7 @@ def test_a_stream_client_without_the_secret_is_dropped_and_its_pickle_never_unpi
 
 def test_malformed_messages_from_an_authenticated_stream_peer_do_not_stop_the_node():
     q = roving.Queue()
-    conn = _node._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
+    conn = _endpoint._StreamConnection(q._address, stream_address(q), _session.current().secret, TIMEOUT)
     try:
         conn.stream.send(b"Z", [b"what"])  # not a request
         conn.stream.send(b"Q", [_node.PUT_NOREPLY])  # no header

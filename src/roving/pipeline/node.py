@@ -188,7 +188,7 @@ class Peers:
 
     def forget(self, names: list[str]) -> None:
         """Stop sending to ``names`` (declared dead); exit will not wait for them to answer."""
-        from roving.transport.node import abandon
+        from roving.transport.endpoint import abandon
 
         for name in names:
             sender = self.senders.pop(name, None)

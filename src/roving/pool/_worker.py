@@ -18,7 +18,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
-from ..transport.node import Channel
+from ..transport.endpoint import Channel
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
 

@@ -14,7 +14,8 @@ from typing import Dict, Optional
 
 from .. import config as _config
 from . import auth
-from .node import Endpoint, Node, close_connections
+from .endpoint import Endpoint, close_connections
+from .node import Node
 
 CHILD_ENV = "ROVING_CHILD"
 #: Where a child finds the session's secret when its CHILD_ENV holds none (the kubernetes backend puts

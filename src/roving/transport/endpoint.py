@@ -1,0 +1,352 @@
+"""How a process reaches the mailboxes and protocols of other processes' nodes (:mod:`.node`).
+
+:class:`Endpoint` is the way to one node's mailboxes, local or remote alike: each thread gets its own
+authenticated connection — a stream when the node offers one (:class:`_StreamConnection`, read and
+written by the calling thread), else ZeroMQ (:class:`_ZmqConnection`). :class:`Channel` is a ZeroMQ
+connection for a protocol of one's own (the pool's). :func:`close_connections` makes sure at exit that
+what was sent without an answer has arrived.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+import time
+from typing import Any, List, Optional, Tuple
+
+import zmq
+
+from . import auth
+from . import node as _node
+from . import stream as _stream
+from .mailbox import ERROR, OK
+from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _CHALLENGE, _COPY_BELOW,
+                   _HEADER, _HELLO, _LINGER_MS, _PROOF, _REPLY, _REQUEST, _WELCOME, Frames, Node, _context, _nbytes,
+                   send_frames)
+
+__all__ = ["Endpoint", "Channel", "TransportError", "abandon", "close_connections"]
+
+log = logging.getLogger(__name__)
+
+
+class _Connection:
+    """One thread's authenticated connection to one remote node: requests out, answers back in order.
+
+    Two kinds: over ZeroMQ (:class:`_ZmqConnection`, always possible) and over a stream of its own
+    (:class:`_StreamConnection`, which the calling thread reads and writes itself: no I/O thread on
+    this side, one on the node's side).
+    """
+
+    address: str
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self.pending: Optional[Tuple[int, bytes, int]] = None
+        # Something was sent without an answer since the last answer: flush() makes sure it arrived.
+        self.unacked = False
+
+    def _transmit(self, frames: Frames) -> None:
+        raise NotImplementedError
+
+    def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
+        raise NotImplementedError
+
+    def send(self, op: bytes, box_id: int, timeout: float, payload: Frames) -> int:
+        req_id = next(self._ids)
+        if op in NO_REPLY:
+            self.unacked = True
+        self._transmit([op, _HEADER.pack(box_id, req_id, timeout), *payload])
+        return req_id
+
+    def call(self, op: bytes, box_id: int, timeout: float, payload: Frames,
+             guard: Optional[float]) -> Tuple[int, Frames]:
+        self.settle()
+        req_id = self.send(op, box_id, timeout, payload)
+        self.pending = (req_id, op, box_id)
+        while True:
+            frames = self._recv(guard, "answer")
+            got, status = _REPLY.unpack(frames[0])
+            if got == req_id:
+                self.pending = None
+                self.unacked = False  # the node handles a connection's messages in order
+                return status, frames[1:]
+            self._stale(got, status, frames[1:])
+
+    def ping(self, timeout: float) -> bool:
+        """True when the node answers within ``timeout`` seconds; all sent before has then arrived."""
+        self.settle()
+        req_id = self.send(PING, 0, 0, [])
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                frames = self._recv(left, "answer")
+            except TransportError:
+                return False
+            got, status = _REPLY.unpack(frames[0])
+            if got == req_id:
+                self.unacked = False
+                return True
+            self._stale(got, status, frames[1:])
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the node has received every message sent without an answer (bounded)."""
+        if not self.unacked or self.pending is not None:
+            return True
+        try:
+            return self.ping(timeout)
+        except (zmq.ZMQError, OSError):
+            return False
+
+    def settle(self) -> None:
+        """Answers to calls that were abandoned (interrupted) can still arrive: take them first."""
+        while self.pending is not None:
+            try:
+                frames = self._recv(0, "answer")
+            except TransportError:
+                return
+            got, status = _REPLY.unpack(frames[0])
+            self._stale(got, status, frames[1:])
+
+    def _stale(self, got: int, status: int, frames: Frames) -> None:
+        if self.pending is None or got != self.pending[0]:
+            return
+        _, op, box_id = self.pending
+        self.pending = None
+        if op == GET and status == OK:
+            # The item was handed over after its reader gave up: give it back, at the front.
+            self.send(PUT_FRONT, box_id, 0, frames)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _ZmqConnection(_Connection):
+    """Over an authenticated ZeroMQ DEALER socket."""
+
+    def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
+        super().__init__()
+        self.address = address
+        self.sock = _context().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.connect(address)
+        try:
+            self._authenticate(secret, connect_timeout)
+        except BaseException:
+            self.sock.close(0)
+            raise
+
+    def _authenticate(self, secret: bytes, timeout: float) -> None:
+        client_nonce = auth.new_nonce()
+        self.sock.send_multipart([_HELLO, client_nonce])
+        frames = self._recv(timeout, "authentication challenge", copy=True)
+        if len(frames) != 3 or frames[0] != _CHALLENGE or not auth.verify(
+                auth.server_proof(secret, client_nonce, frames[1]), frames[2]):
+            raise auth.AuthenticationError(f"the roving node at {self.address} failed to authenticate")
+        self.sock.send_multipart([_PROOF, auth.client_proof(secret, client_nonce, frames[1])])
+        frames = self._recv(timeout, "authentication result", copy=True)
+        if frames[:1] != [_WELCOME]:
+            raise auth.AuthenticationError(f"the roving node at {self.address} refused this process's "
+                                           "secret: is it part of the same roving session?")
+
+    def _recv(self, timeout: Optional[float], what: str, copy: bool = False) -> List[Any]:
+        if timeout is not None and not self.sock.poll(timeout * 1000):
+            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+                                 "(has the process that owns it exited?)")
+        return self.sock.recv_multipart(copy=copy)
+
+    def _transmit(self, frames: Frames) -> None:
+        if any(_nbytes(f) >= _COPY_BELOW for f in frames):
+            tracker = self.sock.send_multipart(frames, copy=False, track=True)
+            # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
+            tracker.wait()
+        else:
+            send_frames(self.sock, frames)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class _StreamConnection(_Connection):
+    """Over a stream to the node's stream listener, read and written by the calling thread."""
+
+    def __init__(self, address: str, stream_address: str, secret: bytes, connect_timeout: float) -> None:
+        super().__init__()
+        self.address = address
+        self.stream = _stream.connect(stream_address, secret, {"purpose": "node"}, connect_timeout)
+
+    def _transmit(self, frames: Frames) -> None:
+        try:
+            self.stream.send(_REQUEST, frames)
+        except OSError as exc:
+            raise TransportError(f"the roving node at {self.address} closed the connection: {exc}") from exc
+
+    def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
+        if timeout is not None and not self.stream.readable(timeout):
+            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+                                 "(has the process that owns it exited?)")
+        try:
+            return self.stream.recv()[1]
+        except EOFError as exc:
+            raise TransportError(f"the roving node at {self.address} closed the connection "
+                                 "(has the process that owns it exited?)") from exc
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class Channel:
+    """An authenticated DEALER connection to a node, for a protocol of one's own (the pool uses it).
+
+    ``send([op, *frames])`` reaches the handler the node registered for ``op``
+    (:meth:`Node.register_handler`); what that handler sends back with :meth:`Node.send_to` is what
+    :meth:`recv` returns. Messages each way arrive in the order sent. Not thread-safe: one thread, one
+    channel. Raises :class:`TransportError` or ``AuthenticationError`` when it cannot connect within
+    ``connect_timeout`` seconds.
+    """
+
+    def __init__(self, address: str, secret: bytes, connect_timeout: float = 30.0) -> None:
+        self.address = address
+        self._sock = _ZmqConnection(address, secret, connect_timeout).sock
+
+    def send(self, frames: Frames) -> None:
+        """Queue a message; the frames' buffers must not change until the channel is closed."""
+        send_frames(self._sock, frames)
+
+    def recv(self, timeout: Optional[float]) -> Optional[Frames]:
+        """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s."""
+        if timeout is not None and not self._sock.poll(max(0.0, timeout) * 1000):
+            return None
+        return self._sock.recv_multipart(copy=False)
+
+    def close(self, linger: float = 10.0) -> None:
+        """Close, waiting up to ``linger`` seconds for queued messages to leave."""
+        self._sock.close(int(linger * 1000))
+
+
+class Endpoint:
+    """How this process reaches the mailboxes at one node address; local or remote alike.
+
+    ``call`` blocks up to ``timeout`` seconds (-1: forever, 0: not at all) and returns (status, frames);
+    ``tell`` sends an operation that needs no answer.
+    """
+
+    def __init__(self, address: str, secret: bytes, local: Optional[Node],
+                 connect_timeout: float = 30.0) -> None:
+        self.address = address
+        self.local = local
+        self._secret = secret
+        self._connect_timeout = connect_timeout
+        self._threads = threading.local()
+        self._streams: Optional[str] = None  # the node's stream listener; "" when there is none
+
+    def _conn(self, connect_timeout: Optional[float] = None) -> _Connection:
+        conn = getattr(self._threads, "conn", None)
+        if conn is None:
+            conn = self._connect(connect_timeout or self._connect_timeout)
+            self._threads.conn = conn
+            _open_connections.append(conn)
+        return conn
+
+    def _connect(self, timeout: float) -> _Connection:
+        """A stream connection where the node has a stream listener, else ZeroMQ."""
+        if self._streams is None:
+            zconn = _ZmqConnection(self.address, self._secret, timeout)
+            try:
+                status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
+                self._streams = bytes(frames[0]).decode() if status == OK and frames else ""
+            except TransportError:
+                self._streams = ""
+            if not _node.streams_enabled or not self._streams:
+                return zconn
+            zconn.close()
+        if _node.streams_enabled and self._streams:
+            try:
+                return _StreamConnection(self.address, self._streams, self._secret, timeout)
+            except (OSError, ConnectionError) as exc:
+                log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
+                self._streams = ""
+        return _ZmqConnection(self.address, self._secret, timeout)
+
+    def call(self, op: bytes, box_id: int, timeout: float = -1,
+             payload: Frames = ()) -> Tuple[int, Frames]:
+        if self.local is not None:
+            status, frames = self.local.call_local(op, box_id, timeout, _own(payload))
+            return status, frames or []
+        conn = self._conn()
+        # The node answers every wait itself; this guard only catches a node that has gone away.
+        guard = None if timeout < 0 else timeout + 30.0
+        return conn.call(op, box_id, timeout, list(payload), guard)
+
+    def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:
+        if self.local is not None:
+            status, frames = self.local.call_local(op, box_id, 0, _own(payload))
+            if status == ERROR:
+                raise TransportError(bytes(frames[0]).decode() if frames else "error")
+            return
+        self._conn().send(op, box_id, 0, list(payload))
+
+    def ping(self, timeout: float) -> bool:
+        """True when the node answers within ``timeout`` seconds."""
+        if self.local is not None:
+            return True
+        try:
+            return self._conn(connect_timeout=timeout).ping(timeout)
+        except (TransportError, zmq.ZMQError):
+            return False
+
+
+def _own(payload: Frames) -> Frames:
+    """Out-of-band buffers share memory with the caller's objects; a mailbox of this process keeps a
+    copy, so that changing an object after put() does not change what was put (as over a socket).
+    The memory of a bytes object cannot change: it is kept as it is."""
+    if len(payload) < 2:
+        return payload
+    return [payload[0], *(frame if _stream._is_bytes(frame) else bytearray(frame) for frame in payload[1:])]
+
+
+_open_connections: List[_Connection] = []
+
+
+def abandon(address: str) -> None:
+    """The node at ``address`` is known to be gone: what this process sent it without an answer is
+    lost, and exit does not wait for it to answer (``close_connections``)."""
+    for conn in list(_open_connections):
+        if conn.address == address:
+            conn.unacked = False
+
+
+def _listening(address: str) -> bool:
+    """False when nothing listens at a node's TCP address any more (its process has ended): there is
+    then nobody to wait for. True when something answers, or when that cannot be told."""
+    host, _, port = address.partition("#")[0][len("tcp://"):].rpartition(":")
+    if not address.startswith("tcp://") or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except ConnectionRefusedError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def close_connections(timeout: float = 10.0) -> None:
+    """Close this process's outgoing connections, first making sure that what was sent without an
+    answer (puts on unbounded queues, pipe sends) has reached its node — up to ``timeout`` seconds in
+    all. A node whose process has ended (nothing listens at its address) is not waited for: what was
+    sent to it and not yet taken went with it."""
+    deadline = time.monotonic() + timeout
+    while _open_connections:
+        conn = _open_connections.pop()
+        if conn.unacked and conn.pending is None and not _listening(conn.address):
+            log.debug("roving: %s has gone; not waiting for it to answer", conn.address)
+        elif not conn.flush(max(0.5, deadline - time.monotonic())):
+            log.warning("roving: messages to %s may be lost: it did not answer before exit", conn.address)
+        try:
+            conn.close()
+        except zmq.ZMQError:
+            pass
