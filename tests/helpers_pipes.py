@@ -1,7 +1,6 @@
 """Module-level targets for the tests of pipes on direct streams (tests/test_pipe_streams.py)."""
 from __future__ import annotations
 
-import roving
 
 TIMEOUT = 30
 
@@ -33,15 +32,15 @@ def read_some_then_pass_on(conn, count, q, echo_first=True):
     q.put(conn)
 
 
-def read_from_queue_until_none(q, out):
-    conn = q.get(timeout=TIMEOUT)
+def _until_none(conn):
     got = []
-    while True:
-        msg = _recv(conn)
-        if msg is None:
-            break
+    while (msg := _recv(conn)) is not None:
         got.append(msg)
-    out.put(("rest", got))
+    return got
+
+
+def read_from_queue_until_none(q, out):
+    out.put(("rest", _until_none(q.get(timeout=TIMEOUT))))
 
 
 def read_some_then_exit(conn, count, out):
@@ -51,13 +50,7 @@ def read_some_then_exit(conn, count, out):
 
 
 def read_until_none(conn, out):
-    got = []
-    while True:
-        msg = _recv(conn)
-        if msg is None:
-            break
-        got.append(msg)
-    out.put(got)
+    out.put(_until_none(conn))
 
 
 def write_range_then_pass_on(conn, start, stop, q):

@@ -262,3 +262,40 @@ def test_a_stream_carries_messages_whole_and_reports_its_end(listener):
     with pytest.raises(EOFError):
         b.recv()
     b.close()
+
+
+def test_a_recv_interrupted_by_a_signal_resumes_and_loses_nothing(listener):
+    import os
+    import signal
+    import threading
+    import time
+
+    lst, _ = listener
+    accepted = []
+    lst._on_open = lambda request, s: (stream.accept(s), accepted.append(s)) and True
+    a = stream.connect(lst.address, b"s" * 32, {}, timeout=5)
+    deadline = time.monotonic() + TIMEOUT
+    while not accepted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    b = accepted[0]
+    wire = b"".join(bytes(part) for part in stream._wire(b"D", [b"head", bytes(range(256)) * 800]))
+    a.sock.sendall(wire[:100_000])  # the header and part of the large frame: recv blocks for the rest
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum, frame):
+        raise Interrupted
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        with pytest.raises(Interrupted):
+            b.recv()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+    a.sock.sendall(wire[100_000:])
+    kind, frames = b.recv()
+    assert kind == b"D" and frames[0] == b"head" and frames[1] == bytes(range(256)) * 800
+    a.close()
+    b.close()

@@ -102,12 +102,18 @@ def _context() -> zmq.Context:
     return zmq.Context.instance()
 
 
-class _RemoteWaiter(Waiter):
-    __slots__ = ("node", "ident", "req_id", "box_id")
+Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
 
-    def __init__(self, node: "Node", ident: bytes, req_id: int, box_id: int) -> None:
+
+class _RemoteWaiter(Waiter):
+    """A waiting request of another process: ``answer(frames, undeliverable)`` sends its reply back the
+    way the request came (ZeroMQ or a stream), from whichever thread fulfils it."""
+
+    __slots__ = ("node", "answer", "req_id", "box_id")
+
+    def __init__(self, node: "Node", answer: Answer, req_id: int, box_id: int) -> None:
         super().__init__()
-        self.node, self.ident, self.req_id, self.box_id = node, ident, req_id, box_id
+        self.node, self.answer, self.req_id, self.box_id = node, answer, req_id, box_id
 
     def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
         self.done = True
@@ -115,24 +121,7 @@ class _RemoteWaiter(Waiter):
         if status == OK and frames:
             # An item handed to a reader whose process has gone goes back to the front of its mailbox.
             undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
-        self.node._post([self.ident, _REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
-
-
-class _StreamWaiter(Waiter):
-    __slots__ = ("node", "peer", "req_id", "box_id")
-
-    def __init__(self, node: "Node", peer: _stream.ServedStream, req_id: int, box_id: int) -> None:
-        super().__init__()
-        self.node, self.peer, self.req_id, self.box_id = node, peer, req_id, box_id
-
-    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
-        self.done = True
-        undeliverable = None
-        if status == OK and frames:
-            undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
-        if not self.peer.write(_ANSWER, [_REPLY.pack(self.req_id, status), *(frames or ())], undeliverable) \
-                and undeliverable is not None:
-            self.node._defer(undeliverable)
+        self.answer([_REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
 class Node:
@@ -465,7 +454,6 @@ class Node:
                 if kind != _REQUEST or len(frames) < 2:
                     raise ValueError(f"unexpected stream message {kind!r}")
                 self._request(bytes(frames[0]), frames[1], frames[2:],
-                              lambda req_id, box_id: _StreamWaiter(self, peer, req_id, box_id),
                               lambda out, undeliverable: peer.write(_ANSWER, out, undeliverable)
                               or (undeliverable is not None and self._defer(undeliverable)))
             except ValueError as exc:
@@ -500,13 +488,11 @@ class Node:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         self._request(op, frames[2].bytes, frames[3:],
-                      lambda req_id, box_id: _RemoteWaiter(self, ident, req_id, box_id),
-                      lambda out, undeliverable: self._send([ident, *out], undeliverable))
+                      lambda out, undeliverable: self._post([ident, *out], undeliverable))
 
-    def _request(self, op: bytes, header: Any, payload: Frames,
-                 waiter_for: Callable[[int, int], Waiter],
-                 answer: Callable[[Frames, Optional[Callable[[], None]]], Any]) -> None:
-        """Serve one request of an authenticated peer (over ZeroMQ or a stream alike)."""
+    def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
+        """Serve one request of an authenticated peer, over ZeroMQ or a stream alike: ``answer`` (any
+        thread) sends a reply back the way the request came."""
         if len(header) != _HEADER.size:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
@@ -522,7 +508,7 @@ class Node:
         if notice is not None:
             notice(payload)
             return
-        waiter = waiter_for(req_id, box_id)
+        waiter = _RemoteWaiter(self, answer, req_id, box_id)
         with self.lock:
             status, out = self.dispatch(op, box_id, timeout, payload, waiter)
             if status == -1:
