@@ -83,3 +83,4 @@ def echo_once_then_exit_while_a_thread_reads(conn):
 
     conn.send(_recv(conn))
     threading.Thread(target=conn.recv, daemon=True).start()
+

@@ -184,3 +184,17 @@ class Evil:
 
     def __reduce__(self):
         return open, (self.path, "w")
+
+
+def put_from_many_threads(q, count, out):
+    """Put one item from each of ``count`` threads started one after another; report how many
+    connections this process keeps open at the end."""
+    import threading
+
+    from roving.transport import endpoint
+
+    for i in range(count):
+        thread = threading.Thread(target=q.put, args=(i,))
+        thread.start()
+        thread.join()
+    out.put(len(endpoint._open_connections))

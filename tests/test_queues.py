@@ -334,3 +334,14 @@ def wait_for_waiting_reader(q, p, timeout=TIMEOUT):
                 return True
         time.sleep(0.02)
     return False
+
+
+def test_a_child_that_puts_from_many_short_lived_threads_keeps_few_connections_and_loses_nothing():
+    q, out = roving.Queue(), roving.Queue()
+    p = roving.Process(target=h.put_from_many_threads, args=(q, 40, out))
+    p.start()
+    got = sorted(q.get(timeout=TIMEOUT) for _ in range(40))
+    assert got == list(range(40))
+    assert out.get(timeout=TIMEOUT) <= 3  # each ended thread's connection was closed (was: one per thread)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0

@@ -13,7 +13,8 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, List, Optional, Tuple
+import weakref
+from typing import Any, Callable, List, Optional, Tuple
 
 import zmq
 
@@ -45,6 +46,7 @@ class _Connection:
         self.pending: Optional[Tuple[int, bytes, int]] = None
         # Something was sent without an answer since the last answer: flush() makes sure it arrived.
         self.unacked = False
+        self.thread: Callable[[], Optional[threading.Thread]] = lambda: None  # the thread it serves
 
     def _transmit(self, frames: Frames) -> None:
         raise NotImplementedError
@@ -246,9 +248,12 @@ class Endpoint:
     def _conn(self, connect_timeout: Optional[float] = None) -> _Connection:
         conn = getattr(self._threads, "conn", None)
         if conn is None:
+            _close_for_ended_threads()
             conn = self._connect(connect_timeout or self._connect_timeout)
+            conn.thread = weakref.ref(threading.current_thread())
             self._threads.conn = conn
-            _open_connections.append(conn)
+            with _open_lock:
+                _open_connections.append(conn)
         return conn
 
     def _connect(self, timeout: float) -> _Connection:
@@ -309,6 +314,27 @@ def _own(payload: Frames) -> Frames:
 
 
 _open_connections: List[_Connection] = []
+_open_lock = threading.Lock()
+
+
+def _alive(thread: Optional[threading.Thread]) -> bool:
+    return thread is not None and thread.is_alive()
+
+
+def _close_for_ended_threads() -> None:
+    """Close the connections of threads that have ended (a program that starts many short-lived threads
+    would otherwise keep one socket per thread), once what they sent without an answer has arrived."""
+    with _open_lock:
+        ended = [c for c in _open_connections if not _alive(c.thread())]
+        for conn in ended:
+            _open_connections.remove(conn)
+    for conn in ended:
+        if not conn.flush(2.0):
+            log.warning("roving: messages to %s from an ended thread may be lost: no answer", conn.address)
+        try:
+            conn.close()
+        except (zmq.ZMQError, OSError):
+            pass
 
 
 def abandon(address: str) -> None:
@@ -340,8 +366,11 @@ def close_connections(timeout: float = 10.0) -> None:
     all. A node whose process has ended (nothing listens at its address) is not waited for: what was
     sent to it and not yet taken went with it."""
     deadline = time.monotonic() + timeout
-    while _open_connections:
-        conn = _open_connections.pop()
+    while True:
+        with _open_lock:
+            if not _open_connections:
+                break
+            conn = _open_connections.pop()
         if conn.unacked and conn.pending is None and not _listening(conn.address):
             log.debug("roving: %s has gone; not waiting for it to answer", conn.address)
         elif not conn.flush(max(0.5, deadline - time.monotonic())):
