@@ -113,6 +113,10 @@ class _Connection:
             got, status = _REPLY.unpack(frames[0])
             self._stale(got, status, frames[1:])
 
+    def closes_safely(self) -> bool:
+        """Whether closing now loses nothing: no answer can still come, nothing sent is unconfirmed."""
+        return self.pending is None and not self.unacked
+
     def _stale(self, got: int, status: int, frames: Frames) -> None:
         if self.pending is None or got != self.pending[0]:
             return
@@ -195,6 +199,11 @@ class _StreamConnection(_Connection):
         except EOFError as exc:
             raise TransportError(f"the roving node at {self.address} closed the connection "
                                  "(has the process that owns it exited?)") from exc
+
+    def closes_safely(self) -> bool:
+        # What send() wrote is in the kernel, and the node reads it before it sees the stream end
+        # (nothing unread on this side, so the close is a FIN, not a reset).
+        return self.pending is None
 
     def close(self) -> None:
         self.stream.close()
@@ -323,14 +332,13 @@ def _alive(thread: Optional[threading.Thread]) -> bool:
 
 def _close_for_ended_threads() -> None:
     """Close the connections of threads that have ended (a program that starts many short-lived threads
-    would otherwise keep one socket per thread), once what they sent without an answer has arrived."""
+    would otherwise keep one socket per thread), where that cannot lose anything; the others stay for
+    the exit flush (close_connections). Never waits."""
     with _open_lock:
-        ended = [c for c in _open_connections if not _alive(c.thread())]
+        ended = [c for c in _open_connections if not _alive(c.thread()) and c.closes_safely()]
         for conn in ended:
             _open_connections.remove(conn)
     for conn in ended:
-        if not conn.flush(2.0):
-            log.warning("roving: messages to %s from an ended thread may be lost: no answer", conn.address)
         try:
             conn.close()
         except (zmq.ZMQError, OSError):
