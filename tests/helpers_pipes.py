@@ -84,3 +84,15 @@ def echo_once_then_exit_while_a_thread_reads(conn):
     conn.send(_recv(conn))
     threading.Thread(target=conn.recv, daemon=True).start()
 
+
+
+def ping_then_report(conn, count, out):
+    """Send ``count`` numbers, read their echoes, end the echo; report what came back and whether this
+    end was on a direct stream."""
+    got = []
+    for i in range(count):
+        conn.send(i)
+        got.append(_recv(conn))
+    linked = conn._link is not None
+    conn.send(None)
+    out.put((got, linked, _recv(conn)))

@@ -37,6 +37,21 @@ def test_a_pipe_between_two_processes_moves_to_a_stream_and_keeps_every_message_
     assert child.exitcode == 0
 
 
+def test_two_children_talk_over_a_stream_of_their_own_through_a_pipe_the_parent_made():
+    here, there = roving.Pipe()
+    out = roving.Queue()
+    echo = start(hp.echo_until_none, there)
+    pinger = start(hp.ping_then_report, here, 200, out)
+    here.close()
+    there.close()
+    got, linked, echo_report = out.get(timeout=TIMEOUT)
+    assert got == list(range(200))
+    assert linked and echo_report == ("linked", True), "the children did not meet on a direct stream"
+    echo.join(TIMEOUT)
+    pinger.join(TIMEOUT)
+    assert echo.exitcode == 0 and pinger.exitcode == 0
+
+
 def test_large_arrays_and_bytes_cross_a_stream_intact_and_as_their_own_types():
     here, there = roving.Pipe()
     child = start(hp.echo_until_none, there)
