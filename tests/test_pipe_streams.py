@@ -314,3 +314,49 @@ def test_a_recv_interrupted_by_a_signal_resumes_and_loses_nothing(listener):
     assert kind == b"D" and frames[0] == b"head" and frames[1] == bytes(range(256)) * 800
     a.close()
     b.close()
+
+
+# -- the mailbox's gate (what keeps a direction in order while a stream is taken down) --------------
+
+@pytest.mark.parametrize("where", ["consumed", "switch item in the box", "switch item not put yet"])
+def test_the_gate_stands_where_the_streams_messages_belong_and_readers_stop_at_it(where):
+    from roving.transport.mailbox import EMPTY, OK, SWITCH, Mailbox
+
+    box = Mailbox(track_writers=True)
+    box.hold(b"writer")
+    if where != "consumed":  # (a reader that consumed the switch item had read everything before it)
+        box.put([b"old"])
+    else:
+        box.put([b"after"])  # the writer switched back on its own, before the reader closed the gate
+    if where == "switch item in the box":
+        box.put([SWITCH, b"t"])
+    box.close_gate(b"t", "relayer", consumed=where == "consumed")
+    if where == "switch item not put yet":
+        box.put([SWITCH, b"t"])  # the writer's switch item arrives after the gate: it stays behind it
+    if where != "consumed":
+        box.put([b"after"])  # the writer, back on the mailbox
+    box.insert_at_gate(b"t", [b"relayed"])
+    got = []
+    while (answer := box.get())[0] == OK:
+        got.append(bytes(answer[1][0]))
+    assert answer == (EMPTY, None)  # stopped at the gate: "after" must wait for the stream's rest
+    box.open_gate(b"t")
+    while (answer := box.get())[0] == OK:
+        if bytes(answer[1][0]) != SWITCH:
+            got.append(bytes(answer[1][0]))
+    expected = [b"relayed", b"after"] if where == "consumed" else [b"old", b"relayed", b"after"]
+    assert got == expected
+
+
+def test_a_gate_whose_relaying_process_died_is_opened():
+    from roving.transport.mailbox import EMPTY, OK, Mailbox
+
+    box = Mailbox(track_writers=True)
+    box.hold(b"writer")
+    box.close_gate(b"t", "relayer", consumed=True)
+    box.put([b"after"])
+    assert box.get() == (EMPTY, None)
+    box.open_gates_of("someone else")
+    assert box.get() == (EMPTY, None)
+    box.open_gates_of("relayer")
+    assert box.get() == (OK, [b"after"])
