@@ -32,7 +32,7 @@ def kill_mid_iteration(t: Trainer, victims: list[str], kill=None) -> dict:
 
     def hooked(kind, *args, **kwargs):
         msg = real(kind, *args, **kwargs)
-        if kind == "done":
+        if msg[0] == "done":
             seen["done"] += 1
             if seen["done"] == 1:
                 seen["killed_during"] = len(t.plan.paths) - 1  # microbatches not done yet

@@ -122,3 +122,52 @@ def test_a_task_alone_on_a_shared_core_runs_at_full_speed_after_the_other_ends()
     f2 = next(e for e in res.timeline["a2"] if e.kind == "compute-fwd")
     # both at half speed until a2's 0.25 s of work is done at 0.5 s; a1 then has 0.75 s left alone
     assert f2.end == pytest.approx(0.5) and f1.end == pytest.approx(1.25)
+
+
+SYNC_LINKS = {"regions": ["A", "B", "C"], "bandwidth_unit": "MiB/s",
+              "links": [{"a": "A", "b": "B", "latency_ms": 10, "bandwidth": 1},
+                        {"a": "A", "b": "C", "latency_ms": 10, "bandwidth": 1},
+                        {"a": "B", "b": "C", "latency_ms": 20, "bandwidth": 1}]}
+
+
+def sync_case():
+    network = build_network(SYNC_LINKS, [dict(name="a", region="A", speed=1.0, memory=4),
+                                         dict(name="b", region="B", speed=1.0, memory=4),
+                                         dict(name="c", region="C", speed=1.0, memory=4)])
+    plan = Plan(2, 0.0, {"a": 0, "b": 1, "c": 1}, [Path("a", ("b",), (1,)), Path("a", ("c",), (1,))])
+    return network, plan
+
+
+def test_replica_synchronisation_matches_hand_computed_timeline():
+    network, plan = sync_case()
+    # Without it: mb0 F(a) 0-1, -> b 2.01, F(b) -> 3.01, -> a 4.02, loss, -> b 5.03, B(b) 5.03-7.03,
+    # -> a 8.04, B(a) 8.04-10.04; mb1 F(a) 1-2, -> c 3.01, F(c) -> 4.01, -> a 5.02, -> c 6.03,
+    # B(c) 6.03-8.03, -> a 9.04, B(a) waits for a: 10.04-12.04.
+    plain = simulate(network, MODEL, plan)
+    assert plain.makespan == pytest.approx(12.04) and plain.sync_end == {}
+    # With 8 MiB of stage-1 gradients: b sends them to c once its only backward ends (7.03 + 8 s +
+    # 20 ms = 15.05), c to b from 8.03 (16.05): the stage is averaged at 16.05, after the microbatches.
+    mib = 2.0 ** 20
+    res = simulate(network, MODEL, plan, sync_bytes=[0.0, 8 * mib])
+    assert res.sync_end == {1: pytest.approx(16.05)}
+    assert res.makespan == pytest.approx(16.05)
+    assert max(res.finish) == pytest.approx(12.04)  # the microbatches themselves are not delayed
+    sends = sorted((n, e.peer, round(e.start, 6), round(e.end, 6)) for n, evs in res.timeline.items()
+                   for e in evs if e.kind == "sync")
+    assert sends == [("b", "c", 7.03, 15.05), ("c", "b", 8.03, 16.05)]
+    # small gradients: the averaging ends before the last backward and does not lengthen the iteration
+    small = simulate(network, MODEL, plan, sync_bytes=[0.0, 0.5 * mib])
+    assert small.sync_end[1] == pytest.approx(8.03 + 0.5 + 0.02)
+    assert small.makespan == pytest.approx(12.04)
+
+
+def test_a_replica_without_microbatches_sends_its_gradients_at_once():
+    network, plan = sync_case()
+    plan = Plan(2, 0.0, plan.allocation, plan.paths[:1])  # only a -> b: c runs no backward
+    mib = 2.0 ** 20
+    res = simulate(network, MODEL, plan, sync_bytes=[0.0, 8 * mib])
+    sends = sorted((n, e.peer, round(e.start, 6), round(e.end, 6)) for n, evs in res.timeline.items()
+                   for e in evs if e.kind == "sync")
+    # c: at 0, 8 s + 20 ms; b: after its backward (5.03-7.03), arriving 15.05; mb0 itself ends at 10.04
+    assert sends == [("b", "c", 7.03, 15.05), ("c", "b", 0.0, 8.02)]
+    assert res.makespan == pytest.approx(15.05) and max(res.finish) == pytest.approx(10.04)

@@ -150,8 +150,40 @@ def test_emulated_links_slow_an_iteration_to_what_the_simulator_predicts():
     assert prep.predicted_s > 0.15  # gcp12 links: about 100 ms a hop
     with Trainer(prep) as t:
         t.iteration(0)
-        phase = t.iteration(1)["compute_seconds"]
+        rec = t.iteration(1)
+    phase = rec["compute_seconds"]
     assert 0.9 * prep.predicted_s <= phase <= 3 * prep.predicted_s, (phase, prep.predicted_s)
+    # the whole iteration, with the replicas' gradients over the emulated links as well
+    whole = rec["predicted_with_sync_seconds"]
+    assert whole >= prep.predicted_s
+    assert 0.9 * whole <= rec["seconds"] <= 3 * whole, (rec["seconds"], whole)
+
+
+def test_a_stage_averages_while_other_stages_still_work():
+    """Replicas exchange gradients as soon as each has run its last backward pass: with the stage-0
+    nodes slowed down, the other stages' norms reach the coordinator before the last microbatch is done
+    (before, every stage waited for the whole microbatch phase). The update stays exact (checked by
+    test_one_iteration_equals_the_same_update_computed_in_one_process, which runs the same path)."""
+    prep = prepare(TrainConfig(**CFG))
+    seen: list[tuple] = []
+    with Trainer(prep) as t:
+        for name, stage in t.alloc.items():
+            if stage == 0:
+                t.throttle(name, 30.0)
+        real = t._recv
+
+        def hooked(kind, *args, **kwargs):
+            msg = real(kind, *args, **kwargs)
+            seen.append(msg[:4])
+            return msg
+
+        t._recv = hooked
+        t.iteration(0)
+    last_done = max(i for i, m in enumerate(seen) if m[0] == "done")
+    early = {m[3] for m in seen[:last_done] if m[0] == "norm"}
+    assert early and 0 not in early, seen  # stages other than 0 averaged during the phase
+    norms = [m for m in seen if m[0] == "norm"]
+    assert len(norms) == len(prep.plan.allocation)  # every node reported once
 
 
 def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):

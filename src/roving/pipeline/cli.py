@@ -298,12 +298,12 @@ def draw_gantt(result: SimResult, out_png: str) -> None:
     import matplotlib.pyplot as plt
 
     colors = {"compute-fwd": "tab:blue", "compute-bwd": "tab:orange", "compute-loss": "tab:red",
-              "idle": "0.92", "send": "tab:green"}
+              "idle": "0.92", "send": "tab:green", "sync": "tab:purple"}
     names = sorted(result.timeline)
     fig, ax = plt.subplots(figsize=(14, 0.4 * len(names) + 1.5))
     for row, name in enumerate(names):
         for e in result.timeline[name]:
-            thin = e.kind == "send"
+            thin = e.kind in ("send", "sync")
             ax.barh(row + (0.3 if thin else 0), e.end - e.start, left=e.start, height=0.15 if thin else 0.6,
                     color=colors[e.kind], alpha=0.6 if thin else 1.0, linewidth=0)
     ax.set_yticks(range(len(names)), names)

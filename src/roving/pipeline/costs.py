@@ -169,12 +169,23 @@ class StageMemory:
 
 
 @lru_cache(maxsize=1024)
+def stage_params(model: ModelSpec, stages: int) -> list[int]:
+    """Parameters of each stage: its layers, and for stage 0 also the embedding and the head."""
+    return [n * model.layer_params + (model.head_params if s == 0 else 0)
+            for s, n in enumerate(stage_layers(model, stages))]
+
+
+def gradient_bytes(model: ModelSpec, stages: int, bytes_per_value: float = 4.0) -> list[float]:
+    """Bytes of each stage's gradients, which a replica sends every other replica of its stage to
+    average them (``simulate(..., sync_bytes=...)``); 4 bytes a value as the runtime sends them."""
+    return [float(p * bytes_per_value) for p in stage_params(model, stages)]
+
+
 def stage_memory(model: ModelSpec, stages: int) -> tuple[StageMemory, ...]:
     """The memory model (module doc) for each stage of ``model`` split into ``stages``."""
     tokens_hidden = model.samples_per_microbatch * model.seq_len * model.hidden
     out = []
-    for s, n in enumerate(stage_layers(model, stages)):
-        params = n * model.layer_params + (model.head_params if s == 0 else 0)
+    for s, (n, params) in enumerate(zip(stage_layers(model, stages), stage_params(model, stages))):
         static = params * model.bytes_per_param_state
         if s == 0:
             static += 4.0 * model.samples_per_microbatch * model.seq_len * model.vocab

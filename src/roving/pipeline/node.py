@@ -10,8 +10,12 @@ coordinator -> node
   ("peer", name, inbox, link) / ("forget", [names]) a node joined (``link``: the emulated link to it,
                                                     or None) / nodes died: stop sending to them
   ("mb", rnd, mb, rank, tokens, targets, path)      to the microbatch's origin (a stage-0 node)
-  ("sync", rnd, replicas, count)                    average gradients with ``replicas`` (sorted names
-                                                    of this stage's nodes), over ``count`` microbatches
+  ("sync", rnd, replicas, count, expect)            average gradients with ``replicas`` (sorted names
+                                                    of this stage's nodes), over ``count`` microbatches,
+                                                    as soon as this node has run ``expect`` backward
+                                                    passes in the round (sent with the round's
+                                                    microbatches, so a stage's replicas average while
+                                                    other stages still work; None: at once)
   ("step", rnd, clip_coef, lr)                      scale gradients, AdamW step
   ("abort", rnd)                                    drop all work of the round and its gradients
   ("export",)                                       send this stage's weights and optimizer state
@@ -266,7 +270,8 @@ class StageNode:
         self.arrivals = 0
         self.stash: dict[tuple[int, int], tuple] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
-        self.sync_order: dict[int, tuple[list[str], int]] = {}
+        self.sync_order: dict[int, tuple[list[str], int, int | None]] = {}
+        self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
         self.opt.zero_grad(set_to_none=True)
 
@@ -334,6 +339,7 @@ class StageNode:
             if self.stash or self.pending or self.grads or self.sync_order:
                 self._clear_round()
             self.round = rnd
+            self.backwards = 0
         return True
 
     def _accept(self, msg: tuple) -> None:
@@ -363,7 +369,7 @@ class StageNode:
                 self.round = msg[1]
             self.aborted = max(self.aborted, msg[1])
         elif kind == "sync":
-            self.sync_order[msg[1]] = (msg[2], msg[3])
+            self.sync_order[msg[1]] = (msg[2], msg[3], msg[4] if len(msg) > 4 else None)
             self._try_sync(msg[1])
         elif kind == "grad":
             self.grads.setdefault(msg[1], {})[msg[2]] = msg[3]
@@ -437,10 +443,12 @@ class StageNode:
             x, y, _ = self.stash.pop((rnd, mb))
             y.backward(self._in(g))
             self.stats["processed"] += 1
+            self.backwards += 1
             if hop == -1:
                 self.control.put(("done", rnd, mb, self._losses.pop((rnd, mb))))
             else:
                 self._backward_on(rnd, mb, hop - 1, x.grad, path)
+            self._try_sync(rnd)  # after the send: the next node's work does not wait for the averaging
 
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
@@ -474,12 +482,16 @@ class StageNode:
                           for p in self.params])
 
     def _try_sync(self, rnd: int) -> None:
+        """Send this replica's gradients to the other replicas once its backward passes of the round
+        are all done; average once every replica's have arrived (then report the squared norm)."""
         if rnd not in self.sync_order:
             return
-        replicas, count = self.sync_order[rnd]
-        mine = self._flat_grads()
+        replicas, count, expect = self.sync_order[rnd]
         got = self.grads.setdefault(rnd, {})
         if self.name not in got:
+            if expect is not None and self.backwards < expect:
+                return
+            mine = self._flat_grads()
             got[self.name] = mine
             out = self._out(mine)
             for r in replicas:
@@ -488,7 +500,7 @@ class StageNode:
         if any(r not in got for r in replicas):
             return
         # Every replica adds the same tensors in the same order: the results are bitwise equal.
-        total = torch.zeros_like(mine)
+        total = torch.zeros_like(got[self.name])
         for r in replicas:
             total += got[r].to(self.device)
         total /= max(count, 1)

@@ -70,6 +70,16 @@ class Plan:
     predicted_s: float = math.nan
     stats: dict = field(default_factory=dict)
 
+    def backward_counts(self) -> dict[str, int]:
+        """Backward passes each node runs in one iteration (an origin one per microbatch it sends,
+        a node one per visit); nodes of the allocation that no path uses count 0."""
+        out = dict.fromkeys(self.allocation, 0)
+        for p in self.paths:
+            out[p.origin] = out.get(p.origin, 0) + 1
+            for n in p.nodes:
+                out[n] = out.get(n, 0) + 1
+        return out
+
     def to_dict(self) -> dict:
         return {
             "stages": self.stages,

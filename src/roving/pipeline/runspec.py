@@ -22,7 +22,7 @@ from .network import Network, build_network
 from .node import pick_device
 from .paths import Plan, full_pipeline, plan
 from .simulate import simulate
-from .stages import Stage, layer_ranges, model_spec
+from .stages import Stage, layer_ranges, model_spec, stage_gradient_bytes
 
 
 @dataclass
@@ -213,6 +213,8 @@ class Prepared:
     plan: Plan
     predicted_s: float
     calibration: dict
+    #: bytes of each stage's gradients (float32), which replicas exchange to average them.
+    gradient_bytes: list[float] = dataclasses.field(default_factory=list)
 
 
 def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) -> Prepared:
@@ -251,4 +253,5 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
     predicted = simulate(net, spec, the_plan, record=False).makespan
     if math.isinf(predicted):
         raise PlanError("the plan deadlocks under the memory limit: raise in_flight")
-    return Prepared(config, mcfg, corpus, net, spec, the_plan, predicted, cal)
+    return Prepared(config, mcfg, corpus, net, spec, the_plan, predicted, cal,
+                    stage_gradient_bytes(mcfg, config.stages))

@@ -18,8 +18,12 @@ What it models, and the policy it follows:
   share its bandwidth equally (processor sharing: n transfers each get bandwidth/n); the latency is
   added once per transfer after its bytes have gone. Sending does not occupy the sender's compute, and
   different links do not contend with each other (no shared NIC model).
-* The iteration ends when the last microbatch's final backward ends; replica synchronisation of the
-  weights after the iteration is not modelled.
+* The iteration ends when the last microbatch's final backward ends. Replica synchronisation is not
+  modelled unless ``sync_bytes`` gives each stage's gradient bytes (as the SkipPipe paper's simulator,
+  by default it is not): then every node, as soon as it has run its last backward of the iteration,
+  sends its gradients to each other replica of its stage (over the link between the two nodes, as
+  any transfer), and the iteration ends when every stage's replicas have received each other's
+  gradients as well.
 * Processors: each node has one of its own, unless ``shared_cores`` says that all nodes share one
   machine with that many cores (a geo-distributed run emulated on one machine): then the compute
   tasks running at once share the cores equally (processor sharing: with n > cores running, each
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,13 +53,18 @@ _EPS_BYTES = 1e-3
 
 @dataclass(frozen=True)
 class Event:
-    """One stretch of a node's timeline. ``kind``: compute-fwd, compute-bwd, compute-loss, send, idle."""
+    """One stretch of a node's timeline. ``kind``: compute-fwd, compute-bwd, compute-loss, send, idle,
+    or sync (gradients sent to another replica of the stage; ``peer`` names it)."""
 
     kind: str
     start: float
     end: float
     microbatch: int = -1
     peer: str = ""
+
+
+#: timeline kind of a replica's gradients on their way to another replica (``sync_bytes``).
+SYNC_SEND = "sync"
 
 
 @dataclass
@@ -67,6 +77,8 @@ class SimResult:
     finish: list[float] = field(default_factory=list)
     #: the most microbatches each node held in flight at once.
     peak_in_flight: dict[str, int] = field(default_factory=dict)
+    #: with ``sync_bytes``: when each stage with two or more replicas had its gradients averaged.
+    sync_end: dict[int, float] = field(default_factory=dict)
 
 
 def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: dict) -> list[list[tuple]]:
@@ -104,10 +116,12 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: di
 
 
 def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True,
-             shared_cores: int = 0) -> SimResult:
+             shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> SimResult:
     """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
     deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).
-    ``shared_cores`` > 0: every node runs on one machine with that many cores (see the module doc)."""
+    ``shared_cores`` > 0: every node runs on one machine with that many cores; ``sync_bytes[s]``:
+    the bytes of stage ``s``'s gradients, to model replica synchronisation (see the module doc;
+    ``costs.gradient_bytes``)."""
     steps = microbatch_steps(network, model, plan, {})
     nbytes = model.transfer_bytes
     n_mb = len(steps)
@@ -133,6 +147,21 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
     # shared machine: node -> [work left (seconds at full speed), start, mb, kind]; [last update, version]
     running: dict[str, list] = {}
     cpu = [0.0, 0]
+    # replica synchronisation: backward passes each node has left; per stage, gradients still to arrive
+    sync_left: dict[int, int] = {}
+    sync_end: dict[int, float] = {}
+    bwd_left: dict[str, int] = {}
+    group: dict[int, list[str]] = {}
+    if sync_bytes is not None:
+        for n, st in alloc.items():
+            if n in mem:
+                group.setdefault(st, []).append(n)
+        group = {st: ns for st, ns in group.items() if len(ns) > 1}
+        if any(st >= len(sync_bytes) for st in group):
+            raise ValueError(f"sync_bytes gives {len(sync_bytes)} stages; the plan has {plan.stages}")
+        sync_left = {st: len(ns) * (len(ns) - 1) for st, ns in group.items()}
+        counts = plan.backward_counts()
+        bwd_left = {n: counts.get(n, 0) for ns in group.values() for n in ns}
 
     def push(t: float, kind: int, a, b) -> None:
         nonlocal counter
@@ -196,6 +225,27 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             least = min(v[0] for v in active.values())
             push(t + max(least, 0.0) * len(active) / ls[3], 1, key, ls[2])
 
+    def send_bytes(key: tuple[str, str], ident, nb: float, t: float) -> None:
+        ls = links.get(key)
+        if ls is None:
+            link = network.link(key[0], key[1])
+            ls = links[key] = [{}, t, 0, link.bandwidth_bps, link.latency_s]
+        settle(ls, t)
+        ls[0][ident] = [nb, t]
+        reschedule(ls, key, t)
+
+    def start_sync(node: str, t: float) -> None:
+        st = alloc[node]
+        for peer in group[st]:
+            if peer != node:
+                send_bytes((node, peer), ("sync", node, peer), float(sync_bytes[st]), t)
+
+    def backward_done(node: str, t: float) -> None:
+        if node in bwd_left:
+            bwd_left[node] -= 1
+            if bwd_left[node] == 0:
+                start_sync(node, t)
+
     def advance(mb: int, t: float) -> None:
         i = step_idx[mb] = step_idx[mb] + 1
         seq = steps[mb]
@@ -208,15 +258,10 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             queue[node].append((0 if kind != FWD else 1, t, rank[mb], mb, kind, dur))
             try_start(node, t)
         else:
-            key = (step[1], step[2])
-            ls = links.get(key)
-            if ls is None:
-                link = network.link(step[1], step[2])
-                ls = links[key] = [{}, t, 0, link.bandwidth_bps, link.latency_s]
-            settle(ls, t)
-            ls[0][mb] = [nbytes, t]
-            reschedule(ls, key, t)
+            send_bytes((step[1], step[2]), mb, nbytes, t)
 
+    for node in [n for n, left in bwd_left.items() if left == 0]:
+        start_sync(node, 0.0)
     for mb in range(n_mb):
         advance(mb, 0.0)
 
@@ -228,6 +273,8 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             if ckind == BWD:
                 inflight[a] -= 1
             advance(mb, t)
+            if ckind == BWD:
+                backward_done(a, t)
             try_start(a, t)
         elif kind == 1:  # a transfer on link a may have finished its bytes
             ls = links[a]
@@ -239,10 +286,19 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
                 start = ls[0].pop(mb)[1]
                 push(t + ls[4], 2, mb, None)
                 if record:
-                    timeline[a[0]].append(Event("send", start, t + ls[4], mb, a[1]))
+                    if isinstance(mb, tuple):
+                        timeline[a[0]].append(Event(SYNC_SEND, start, t + ls[4], -1, a[1]))
+                    else:
+                        timeline[a[0]].append(Event("send", start, t + ls[4], mb, a[1]))
             reschedule(ls, a, t)
-        elif kind == 2:  # arrival of microbatch a at the next node
-            advance(a, t)
+        elif kind == 2:  # arrival of microbatch a at the next node (or of a replica's gradients)
+            if isinstance(a, tuple):
+                st = alloc[a[1]]
+                sync_left[st] -= 1
+                if sync_left[st] == 0:
+                    sync_end[st] = t
+            else:
+                advance(a, t)
         else:  # on a shared machine, compute tasks may have finished
             if b != cpu[1]:
                 continue
@@ -256,12 +312,14 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
                 if ckind == BWD:
                     inflight[node] -= 1
                 advance(mb, t)
+                if ckind == BWD:
+                    backward_done(node, t)
             for node in finished:
                 try_start(node, t)
             reschedule_cpu(t)
 
-    deadlock = any(math.isnan(f) for f in finish)
-    makespan = math.inf if deadlock else (max(finish) if finish else 0.0)
+    deadlock = any(math.isnan(f) for f in finish) or any(left > 0 for left in sync_left.values())
+    makespan = math.inf if deadlock else max(max(finish, default=0.0), max(sync_end.values(), default=0.0))
     if record and not deadlock:
         for node, events in timeline.items():
             events.sort(key=lambda e: (e.start, e.end))
@@ -275,4 +333,4 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
                 idle.append(Event("idle", last, makespan))
             events.extend(idle)
             events.sort(key=lambda e: (e.start, e.end))
-    return SimResult(makespan, deadlock, timeline, finish, peak)
+    return SimResult(makespan, deadlock, timeline, finish, peak, sync_end)

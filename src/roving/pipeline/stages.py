@@ -43,6 +43,13 @@ def model_spec(cfg: LlamaConfig, samples_per_microbatch: int, seq_len: int, *, b
                      backward_ratio=backward_ratio, head_layers=head_layers, vocab=cfg.vocab_size)
 
 
+def stage_gradient_bytes(cfg: LlamaConfig, stages: int) -> list[float]:
+    """Bytes of each stage's gradients as replicas exchange them (float32, every parameter of the
+    stage), counted exactly on the meta device (nothing is allocated)."""
+    with torch.device("meta"):
+        return [4.0 * sum(p.numel() for p in Stage(cfg, s, stages).parameters()) for s in range(stages)]
+
+
 class Stage(nn.Module):
     """The layers of one stage (and at stage 0 the embedding, final norm and head), initialised exactly
     as the whole model initialises them from the same seed."""

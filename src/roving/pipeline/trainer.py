@@ -3,10 +3,12 @@
 average gradients and step, evaluates the whole model on held-out text, checkpoints, and records metrics.
 
 An iteration: every microbatch goes to its origin (a stage-0 node) and travels its path forward, back
-to the origin for the loss, and backward along the same path (``node.py``). When all are done, the
-replicas of each stage average their summed gradients over the number of microbatches the stage
-processed (so a stage that was skipped by some microbatches is not trained with a smaller step), the
-coordinator clips by the whole model's gradient norm, and every node takes an AdamW step.
+to the origin for the loss, and backward along the same path (``node.py``). As soon as a node has run
+its last backward pass of the iteration, it sends its summed gradients to the other replicas of its
+stage, and each replica averages them over the number of microbatches the stage processed (so a stage
+that was skipped by some microbatches is not trained with a smaller step): one stage's averaging
+overlaps the other stages' remaining work. When every stage has averaged, the coordinator clips by the
+whole model's gradient norm, and every node takes an AdamW step.
 
 Failures (``Trainer``'s doc has the details): dead nodes are found by heartbeats or their exit, the
 iteration's microbatch phase is re-run under a plan made around them, slow nodes are re-planned with
@@ -15,9 +17,11 @@ a stage that no node holds is skipped until a node takes it over from its snapsh
 coordinator died continues from its checkpoint (``resume``).
 
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
-(``calibrate``), so measured and predicted iteration times can be compared (the simulator models the
-microbatch phase, not the replica synchronisation: both are recorded). With the local backend every
-node shares this machine's cores, and ``predicted_here_seconds`` is the simulator's figure for that.
+(``calibrate``), so measured and predicted iteration times can be compared: ``predicted_seconds`` is
+the microbatch phase (what the planner optimises, as the SkipPipe paper's simulator),
+``predicted_with_sync_seconds`` adds the replicas' exchange of gradients (``simulate(sync_bytes=...)``).
+With the local backend every node shares this machine's cores, and ``predicted_here_seconds`` is the
+simulator's figure for the phase on them.
 """
 
 from __future__ import annotations
@@ -118,7 +122,8 @@ class Trainer:
         self.metrics: dict[str, Any] = {
             "config": dataclasses.asdict(self.c), "calibration": prep.calibration,
             "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s,
-            "predicted_here_s": self.predicted_here_s, "shared_cores": self.shared_cores,
+            "predicted_here_s": self.predicted_here_s, "predicted_with_sync_s": self.predicted_sync_s,
+            "shared_cores": self.shared_cores,
             "iterations": [], "evaluations": [],
             "events": []}
         self.procs: dict[str, Any] = {}
@@ -143,6 +148,9 @@ class Trainer:
         self._t0 = time.perf_counter()
         self._train_s = 0.0
         self.start_iteration = 0
+        self._sync_round: int | None = None  # the round whose averaging orders went out
+        self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
+        self._norm_from: set[str] = set()
         self._resume_from: dict | None = None
         if self.c.resume:
             self._resume_from = load_checkpoint(self.c.checkpoint, prep)
@@ -154,6 +162,10 @@ class Trainer:
         self.predicted_here_s = (simulate(self.net, self.spec, new_plan, record=False,
                                           shared_cores=self.shared_cores).makespan
                                  if self.shared_cores else predicted)
+        # the whole iteration: the microbatches and the replicas' exchange of gradients
+        self.predicted_sync_s = (simulate(self.net, self.spec, new_plan, record=False,
+                                          sync_bytes=self.p.gradient_bytes).makespan
+                                 if self.p.gradient_bytes else math.nan)
         self._planned_busy: dict[str, float] | None = None  # per node, for _watch_speed; made on first use
         self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
         counts = [0] * self.c.stages
@@ -358,9 +370,10 @@ class Trainer:
             for name in dead:
                 self.request_join(name)
 
-    def _recv(self, kind: str, timeout: float | None = None, rnd: int | None = None,
+    def _recv(self, kind: str | tuple[str, ...], timeout: float | None = None, rnd: int | None = None,
               names: set[str] | None = None, check: bool = True) -> tuple:
-        """The next ``kind`` message from the nodes (of round ``rnd``, from one of ``names``).
+        """The next ``kind`` message (or one of the kinds) from the nodes (of round ``rnd``, from one
+        of ``names``).
         Raises NodesLost when an admitted node dies meanwhile (with ``check``), NodeFailed when a node
         raised or nothing came within ``timeout``. Other nodes' "ready" messages are kept for joining;
         messages of earlier rounds and of nodes declared dead are dropped."""
@@ -391,12 +404,13 @@ class Trainer:
                 if kind == "ready":
                     return msg
                 continue
-            if k in ("done", "norm", "stepped") and (k != kind or (rnd is not None and msg[1] != rnd)):
+            kinds = (kind,) if isinstance(kind, str) else kind
+            if k in ("done", "norm", "stepped") and (k not in kinds or (rnd is not None and msg[1] != rnd)):
                 continue  # left from an aborted round
             sender = msg[2] if k in ("norm", "stepped") else (msg[1] if k != "done" else None)
             if sender is not None and sender not in self.inboxes:
                 continue  # from a node declared dead
-            if k != kind or (names is not None and sender not in names):
+            if k not in kinds or (names is not None and sender not in names):
                 raise NodeFailed(f"unexpected message {k!r} while waiting for {kind!r}")
             return msg
 
@@ -691,6 +705,7 @@ class Trainer:
                "compute_seconds": t_compute, "sync_seconds": seconds - t_compute - lost_s,
                "seconds_lost": lost_s, "attempts": attempt + 1,
                "predicted_seconds": self.predicted_s, "predicted_here_seconds": self.predicted_here_s,
+               "predicted_with_sync_seconds": self.predicted_sync_s,
                "grad_norm": norm, "lr": lr,
                "train_seconds_total": self._train_s, "nodes": len(self.alloc),
                "missing_stages": self.missing_stages,
@@ -720,7 +735,10 @@ class Trainer:
         self._replan(failed=failed, why="failure")
 
     def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
-        """Send every microbatch of the plan to its origin; wait until all are done; their losses."""
+        """Send every microbatch of the plan to its origin, and every node its averaging order; wait
+        until all microbatches are done; their losses. A stage's replicas average their gradients as
+        soon as each has run its last backward pass of the round, while other stages still work; the
+        norms that arrive meanwhile are kept for ``synchronize``."""
         self.round = max(self.round, rnd)
         plan = self.plan
         order = plan.priority or list(range(len(plan.paths)))
@@ -731,22 +749,33 @@ class Trainer:
             path = plan.paths[mb]
             tokens, targets = batches[mb]
             self._put(path.origin, ("mb", rnd, mb, rank[mb], tokens, targets, path))
+        self._order_sync(rnd, plan.backward_counts())
         losses: dict[int, float] = {}
         while len(losses) < len(plan.paths):
-            _, _, mb, loss = self._recv("done", rnd=rnd)
-            losses[mb] = loss
+            msg = self._recv(("done", "norm"), rnd=rnd)
+            if msg[0] == "norm":
+                self._norms.setdefault(msg[3], msg[4])
+                self._norm_from.add(msg[2])
+                continue
+            losses[msg[2]] = msg[3]
         return [losses[mb] for mb in range(len(plan.paths))]
+
+    def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
+        self._sync_round, self._norms, self._norm_from = rnd, {}, set()
+        for name, s in self.alloc.items():
+            self._put(name, ("sync", rnd, self.replicas[s], self.stage_counts[s],
+                             None if expect is None else expect.get(name, 0)))
 
     def synchronize(self, rnd: int) -> float:
         """Replicas average their gradients over the microbatches their stage processed; returns the
-        whole model's gradient norm."""
-        for name, s in self.alloc.items():
-            self._put(name, ("sync", rnd, self.replicas[s], self.stage_counts[s]))
-        sq: dict[int, float] = {}
-        for _ in self.alloc:
+        whole model's gradient norm (waits for the stages still averaging)."""
+        if self._sync_round != rnd:
+            self._order_sync(rnd, None)
+        while not set(self.alloc) <= self._norm_from:
             _, _, name, stage, v = self._recv("norm", rnd=rnd)
-            sq.setdefault(stage, v)
-        return math.sqrt(sum(sq.values()))
+            self._norms.setdefault(stage, v)
+            self._norm_from.add(name)
+        return math.sqrt(sum(self._norms.values()))
 
     def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:
         """Every node scales its gradients by ``coef`` and steps; returns each node's statistics. A
