@@ -9,14 +9,15 @@ Writes each run's metrics (JSON), the loss curves against iterations and wall-cl
 and a Markdown summary with the issue's targets.
 
 Predicted seconds: the planner's simulator with this machine's compute measured before the run
-(``trainer.calibrate``). The simulator models the microbatch phase (forward, loss, backward along the
-paths) but not the replica synchronisation after it, so "measured" is that phase; whole iterations
-(with synchronisation) are reported beside it. "Predicted with measured compute" re-runs the simulator
-with the compute speed the nodes actually achieved in the run (their busy seconds / sample-layers),
-which separates an error of the compute calibration from one of the runtime or the link emulation.
-"Predicted for this machine" is the same simulation with every node sharing this machine's cores
-(``simulate(..., shared_cores=os.cpu_count())``): 12 node processes on 2 cores slow each other down
-whenever the plan runs more than 2 of them at once, which a deployment with a processor per node would not.
+(``trainer.calibrate``). "Predicted phase" is the microbatch phase (forward, loss, backward along the
+paths: what the planner optimises, as the SkipPipe paper's simulator); "predicted whole" adds the
+replicas' exchange of gradients over the same emulated links (``simulate(..., sync_bytes=...)``), which
+the runtime starts on each node as soon as its last backward of the iteration is done. The whole
+iteration also holds the coordinator's norm round trip and the AdamW step, which no prediction has.
+"Phase predicted with measured compute" re-runs the simulator with the compute speed the nodes actually
+achieved in the run (their busy seconds / sample-layers), which separates an error of the compute
+calibration from one of the runtime or the link emulation. Each run's JSON also has the phase
+simulated with every node sharing this machine's cores (``predicted_here_s``).
 """
 
 from __future__ import annotations
@@ -90,17 +91,17 @@ def summary(results: dict[str, dict], iterations: int) -> str:
     def mean(m, key):
         return statistics.mean(r[key] for r in m["iterations"][1:])
 
-    rows = ["| run | visits | iteration s (whole) | microbatch phase s | predicted s | measured / predicted "
-            "| predicted for this machine s | measured / that "
-            "| predicted with measured compute s | phase vs full | whole vs full | final val loss | vs full |",
+    rows = ["| run | visits | iteration s (whole) | predicted whole s | whole / predicted | microbatch phase s "
+            "| predicted phase s | phase / predicted | phase predicted with measured compute s "
+            "| whole vs full | phase vs full | final val loss | vs full |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results.items():
         phase, whole = mean(m, "compute_seconds"), mean(m, "seconds")
         val = m["evaluations"][-1]["val_loss"]
-        rows.append(f"| {name} | {m['visits_per_microbatch']} | {whole:.3f} | {phase:.3f} | {m['predicted_s']:.3f} | "
-                    f"{phase / m['predicted_s']:.2f} | {m['predicted_here_s']:.3f} | {phase / m['predicted_here_s']:.2f} | "
-                    f"{m['predicted_with_measured_compute_s']:.3f} | "
-                    f"{phase / mean(full, 'compute_seconds'):.2f}x | {whole / mean(full, 'seconds'):.2f}x | "
+        rows.append(f"| {name} | {m['visits_per_microbatch']} | {whole:.3f} | {m['predicted_with_sync_s']:.3f} | "
+                    f"{whole / m['predicted_with_sync_s']:.2f} | {phase:.3f} | {m['predicted_s']:.3f} | "
+                    f"{phase / m['predicted_s']:.2f} | {m['predicted_with_measured_compute_s']:.3f} | "
+                    f"{whole / mean(full, 'seconds'):.2f}x | {phase / mean(full, 'compute_seconds'):.2f}x | "
                     f"{val:.4f} | {100 * (val / full['evaluations'][-1]['val_loss'] - 1):+.1f}% |")
     rows.append("")
     rows.append("Equal wall-clock time (training seconds, evaluation excluded): each SkipPipe run's final "

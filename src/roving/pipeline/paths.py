@@ -140,8 +140,9 @@ class _Context:
     """Precomputed costs for one network, model and allocation."""
 
     def __init__(self, network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
-                 cost: dict | None = None) -> None:
+                 cost: dict | None = None, sync_bytes: Sequence[float] | None = None) -> None:
         self.network, self.model, self.stages = network, model, stages
+        self.sync_bytes = sync_bytes  # judge by the whole iteration, replica synchronisation included
         self.allocation = allocation
         self.cost = cost if cost is not None else node_cost_matrix(network, model)
         self.replicas: list[list[str]] = [[] for _ in range(stages)]
@@ -279,7 +280,7 @@ def _improve_by_swaps(nodes: list[str], origin: str, edge, allocation) -> list[s
 
 def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip: float) -> float:
     plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
-    return simulate(ctx.network, ctx.model, plan, record=False).makespan
+    return simulate(ctx.network, ctx.model, plan, record=False, sync_bytes=ctx.sync_bytes).makespan
 
 
 def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
@@ -396,11 +397,15 @@ def _count_candidates(counts: list[int]) -> list[list[int]]:
 
 
 def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
-         budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True) -> Plan:
+         budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True,
+         sync_bytes: Sequence[float] | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
     for about 40% of ``budget_s``, then anytime path search for the rest. Deterministic for a given
     seed and evaluation count; with a wall-clock budget the count, and so the result, can vary
-    slightly between runs on machines of different speed. Raises PlanError on impossible input."""
+    slightly between runs on machines of different speed. Raises PlanError on impossible input.
+    ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
+    exchange of gradients included (``simulate``), so that replicas far apart cost what they cost;
+    without it, by the microbatch phase alone (as the SkipPipe paper's simulator)."""
     t0 = time.perf_counter()
     visits = _check_inputs(network, model, stages, skip, microbatches)
     can = check_memory(network, model, stages)
@@ -409,7 +414,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     order = tour_order(network, cost)
 
     def judge_with(labels: list[int], slots: list[str]) -> float:
-        ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
+        ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost, sync_bytes)
         return _makespan(ctx, build_paths(ctx, microbatches, visits, allow_swaps), None, skip)
 
     # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
@@ -434,7 +439,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     limited = any(len(c) < stages for c in can.values())
     slots, _ = swap_search(start, labels, judge, t0 + 0.4 * budget_s, rng,
                            ok=(lambda n, s: s in can[n]) if limited else None)
-    ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost)
+    ctx = _Context(network, model, dict(zip(slots, labels)), stages, cost, sync_bytes)
     paths = build_paths(ctx, microbatches, visits, allow_swaps)
     if math.isinf(_makespan(ctx, paths, None, skip)):
         paths = build_paths(ctx, microbatches, visits, allow_swaps=False)
@@ -531,13 +536,15 @@ def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths
 
 def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterable[str] = (),
            slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (),
-           budget_s: float = 0.6, seed: int = 0) -> tuple[Plan, Network]:
+           budget_s: float = 0.6, seed: int = 0,
+           sync_bytes: Sequence[float] | None = None) -> tuple[Plan, Network]:
     """A new plan from ``current`` after nodes failed, slowed down (factor > 1 = slower) or joined.
     Keeps each microbatch's stage set (so stage loads stay balanced) and moves only what must move;
     a stage left without nodes takes a free node (joined, or idle in ``current``), else one from the
     stage with the most spare replicas; other free nodes go where the work per replica is highest; a
     stage left with fewer replicas than a fresh plan would give it may also take nodes from stages above
-    their count, when the simulator says that is faster. Returns the plan and the updated network. Raises PlanError if a stage cannot be held."""
+    their count, when the simulator says that is faster. ``sync_bytes``: as for ``plan``. Returns the plan
+    and the updated network. Raises PlanError if a stage cannot be held."""
     t0 = time.perf_counter()
     failed = set(failed)
     for f in failed:
@@ -599,7 +606,7 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
             allocations.append(dict(zip(placed, labels)))
     candidates = []
     for a in allocations:
-        ctx = _Context(new_net, model, a, stages)
+        ctx = _Context(new_net, model, a, stages, sync_bytes=sync_bytes)
         for ps, pr in ((_repair_paths(ctx, current.paths), current.priority),
                        (build_paths(ctx, len(current.paths), visits), None)):
             candidates.append((_makespan(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))

@@ -215,6 +215,8 @@ class Prepared:
     calibration: dict
     #: bytes of each stage's gradients (float32), which replicas exchange to average them.
     gradient_bytes: list[float] = dataclasses.field(default_factory=list)
+    #: what the planner judged plans with (``plan(sync_bytes=...)``; None: the microbatch phase alone).
+    plan_sync_bytes: list[float] | None = None
 
 
 def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) -> Prepared:
@@ -244,14 +246,17 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
     spec = model_spec(mcfg, config.samples, config.seq_len,
                       bytes_per_activation=4, backward_ratio=cal["backward_ratio"], head_layers=cal["head_layers"])
     net = build_network(config.network, nodes, memory=config.in_flight, speed=cal["seconds_per_sample_layer"])
+    grad_bytes = stage_gradient_bytes(mcfg, config.stages)
     if config.schedule == "dtfm":
+        plan_sync = None  # the baseline: DT-FM's allocation, which has a data-parallel cost of its own
         the_plan = full_pipeline(net, spec, config.stages, config.microbatches,
                                  budget_s=config.planner_budget, seed=config.seed)
     else:
+        # judged by the whole iteration: the runtime's replicas exchange gradients over these links too
+        plan_sync = grad_bytes
         the_plan = plan(net, spec, config.stages, config.skip, config.microbatches,
-                        budget_s=config.planner_budget, seed=config.seed)
+                        budget_s=config.planner_budget, seed=config.seed, sync_bytes=plan_sync)
     predicted = simulate(net, spec, the_plan, record=False).makespan
     if math.isinf(predicted):
         raise PlanError("the plan deadlocks under the memory limit: raise in_flight")
-    return Prepared(config, mcfg, corpus, net, spec, the_plan, predicted, cal,
-                    stage_gradient_bytes(mcfg, config.stages))
+    return Prepared(config, mcfg, corpus, net, spec, the_plan, predicted, cal, grad_bytes, plan_sync)

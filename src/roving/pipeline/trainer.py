@@ -526,7 +526,7 @@ class Trainer:
             try:
                 new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
                                        slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
-                                       seed=self.c.seed)
+                                       seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes)
             except PlanError as exc:
                 log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
         if new_plan is None:
