@@ -38,7 +38,7 @@ from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, plot_losses
 
 BASE = dict(model="tiny", layers=12, dim=64, seq_len=64, samples=4, network="gcp12", nodes=12, stages=6,
             microbatches=12, in_flight=4, emulate_network=True, eval_every=10, eval_batches=8, lr=3e-3,
-            min_lr=3e-4, warmup=5, planner_budget=5.0, seed=0)
+            min_lr=3e-4, warmup=5, planner_budget=15.0, seed=0)
 RUNS = {"full pipeline k=0 (DT-FM)": dict(schedule="dtfm", skip=0.0),
         "SkipPipe k=0.25": dict(skip=0.25),
         "SkipPipe k=0.33": dict(skip=0.33)}
@@ -56,9 +56,8 @@ def measured_speed(prep, its: list[dict]) -> float:
     return busy / units
 
 
-def one_run(name: str, iterations: int, out: Path, calibration: dict) -> dict:
-    cfg = TrainConfig(**{**BASE, **RUNS[name], "iterations": iterations})
-    prep = prepare(cfg, calibration)
+def one_run(name: str, prep, out: Path) -> dict:
+    cfg = prep.config
     t0 = time.time()
     with Trainer(prep, progress=lambda r: r["event"] == "evaluation" and print(
             f"  {name}: after {r['iteration']} iterations val {r['val_loss']:.4f}", flush=True)) as tr:
@@ -140,10 +139,17 @@ def main() -> None:
     calibration = calibrate(dataclasses.replace(base.model_config(), vocab_size=VOCAB_SIZE), base.samples,
                             base.seq_len, base.threads)
     print(f"calibration: {calibration}", flush=True)
+    # every run planned first, on a quiet machine: the planner's search has a wall-clock budget, and the
+    # processes of a run that just ended would take CPU from it
+    names = args.runs.split(",")
+    preps = {}
+    for name in names:
+        print(f"{name}: planning ({BASE['planner_budget']:g} s budget)", flush=True)
+        preps[name] = prepare(TrainConfig(**{**BASE, **RUNS[name], "iterations": args.iterations}), calibration)
     results = {}
-    for name in args.runs.split(","):
+    for name in names:
         print(f"{name}: training {args.iterations} iterations", flush=True)
-        results[name] = one_run(name, args.iterations, out, calibration)
+        results[name] = one_run(name, preps[name], out)
     plot_losses(results, str(out / "train_loss.png"))
     text = summary(results, args.iterations)
     (out / "train_summary.md").write_text(text + "\n")
