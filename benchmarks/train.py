@@ -34,6 +34,7 @@ from roving.pipeline.network import build_network
 from roving.pipeline.simulate import simulate
 from roving.pipeline.stages import layer_ranges
 from roving.pipeline.data import VOCAB_SIZE
+from roving.pipeline.node import pick_device
 from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, plot_losses, prepare
 
 BASE = dict(model="tiny", layers=12, dim=64, seq_len=64, samples=4, network="gcp12", nodes=12, stages=6,
@@ -131,13 +132,20 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--runs", default=",".join(RUNS), help="comma-separated run names (default: all)")
+    ap.add_argument("--corpus", action="append", default=[],
+                    help="text file or folder to train on (repeatable; default: the Jargon File, as the tests)")
+    ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="where the nodes compute (auto: a GPU when there is one); the calibration uses the same")
     args = ap.parse_args()
+    if args.corpus:
+        BASE["corpus"] = list(args.corpus)
+    BASE["device"] = args.device
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = TrainConfig(**BASE)
     # one cost model for every run, so that their predictions are comparable
     calibration = calibrate(dataclasses.replace(base.model_config(), vocab_size=VOCAB_SIZE), base.samples,
-                            base.seq_len, base.threads)
+                            base.seq_len, base.threads, pick_device(args.device))
     print(f"calibration: {calibration}", flush=True)
     # every run planned first, on a quiet machine: the planner's search has a wall-clock budget, and the
     # processes of a run that just ended would take CPU from it
