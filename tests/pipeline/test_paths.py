@@ -176,3 +176,30 @@ def test_planning_with_replica_synchronisation_keeps_replicas_near_each_other():
     judge = lambda p: simulate(net, model, p, record=False, sync_bytes=grads).makespan
     assert judge(whole) < judge(phase) / 5
     assert whole.predicted_s == pytest.approx(judge(whole))
+
+
+def test_a_plan_by_evaluation_count_is_the_same_whatever_the_machine_load():
+    """With ``max_evals`` the search is shared out by simulator evaluations, not seconds: two runs give
+    the same plan, even with a busy thread competing for the interpreter during one of them."""
+    import threading
+    from roving.pipeline import build_network, model_preset
+    net = build_network("gcp12", 12)
+    m = model_preset("llama-1.5b")
+    first = plan(net, m, 4, 0.34, 16, budget_s=60.0, seed=3, max_evals=600)
+    stop = threading.Event()
+
+    def burn():
+        while not stop.is_set():
+            sum(i * i for i in range(1000))
+
+    t = threading.Thread(target=burn)
+    t.start()
+    try:
+        second = plan(net, m, 4, 0.34, 16, budget_s=60.0, seed=3, max_evals=600)
+    finally:
+        stop.set()
+        t.join()
+    assert first.stats["path_evaluations"] == second.stats["path_evaluations"] == 600
+    assert not first.stats["capped"] and not second.stats["capped"]
+    assert first.to_dict() == second.to_dict() and first.predicted_s == second.predicted_s
+    assert validate(first, net) == []

@@ -411,15 +411,18 @@ def _count_candidates(counts: list[int]) -> list[list[int]]:
 
 def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
          budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True,
-         sync_bytes: Sequence[float] | None = None) -> Plan:
+         sync_bytes: Sequence[float] | None = None, max_evals: int | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
-    for about 30% of ``budget_s``; the best ``RACE`` allocations then each get a short path search
-    (together 30%), and the fastest of them the anytime path search for the rest. Deterministic for a given
+    for about 30% of ``budget_s``; the best ``RACE`` allocations then race by successive halving of
+    path searches (together 30%), and the winner gets the anytime path search for the rest. Deterministic for a given
     seed and evaluation count; with a wall-clock budget the count, and so the result, can vary
     slightly between runs on machines of different speed. Raises PlanError on impossible input.
     ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
     exchange of gradients included (``simulate``), so that replicas far apart cost what they cost;
-    without it, by the microbatch phase alone (as the SkipPipe paper's simulator)."""
+    without it, by the microbatch phase alone (as the SkipPipe paper's simulator). ``max_evals``: the
+    search is shared out by simulator evaluations instead (the same fractions), and ``budget_s`` only
+    caps it: the plan is then the same on any machine and under any load, as long as the cap is not
+    reached (``stats["capped"]`` says whether it was)."""
     t0 = time.perf_counter()
     visits = _check_inputs(network, model, stages, skip, microbatches)
     can = check_memory(network, model, stages)
@@ -455,34 +458,49 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
         return v
 
     limited = any(len(c) < stages for c in can.values())
-    swap_search(start, labels, judge, t0 + 0.3 * budget_s, rng,
+    by_count = max_evals is not None
+    cap = t0 + budget_s
+    swap_search(start, labels, judge, cap if by_count else t0 + 0.3 * budget_s, rng,
+                max_evals=int(0.3 * max_evals) if by_count else None,
                 ok=(lambda n, s: s in can[n]) if limited else None)
     # Greedy paths judge an allocation only roughly: the allocation that is best with them is often not
     # the best once its paths are searched (on the training benchmark's network the third of the list
-    # came out 20% faster than the first). So the best few race: each gets a short path search, and the
-    # one that comes out fastest gets the rest of the budget.
+    # came out 20% faster than the first), and a short path search ranks them only a little better.
+    # So the best few race by successive halving: each gets a path search, the faster half goes on
+    # with a longer one from where it stands, and so on until one is left; it gets the rest.
     contenders = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:RACE]] or [start]
-    race_end = t0 + 0.6 * budget_s
-    raced, evals = [], 0
+    pool, evals = [], len(judged)
     for i, sl in enumerate(contenders):
         ctx = _Context(network, model, dict(zip(sl, labels)), stages, cost, sync_bytes)
         paths = build_paths(ctx, microbatches, visits, allow_swaps)
         if math.isinf(_makespan(ctx, paths, None, skip)):
             paths = build_paths(ctx, microbatches, visits, allow_swaps=False)
-        share = max(0.0, race_end - time.perf_counter()) / (len(contenders) - i)
-        paths, prio, score, n = improve_paths(ctx, paths, skip, time.perf_counter() + share, rng, allow_swaps)
-        raced.append((score, i, ctx, paths, prio))
-        evals += n
-    _, _, ctx, paths, prio = min(raced, key=lambda r: r[:2])
-    log.debug("raced allocations: greedy %s -> searched %s", [round(judged.get(tuple(c), math.nan), 3) for c in contenders],
-              [round(r[0], 3) for r in raced])
-    paths, prio, score, n = improve_paths(ctx, paths, skip, t0 + budget_s, rng, allow_swaps, priority=prio)
+        pool.append([math.inf, i, ctx, paths, None])
+    rounds = max(1, math.ceil(math.log2(len(pool))))
+    for r in range(rounds):
+        round_end = t0 + (0.3 + 0.3 * (r + 1) / rounds) * budget_s
+        for k, member in enumerate(pool):
+            if by_count:
+                deadline, count = cap, max(1, int(0.3 * max_evals / rounds) // len(pool))
+            else:
+                deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
+                count = None
+            member[3], member[4], member[0], n = improve_paths(member[2], member[3], skip, deadline, rng,
+                                                               allow_swaps, priority=member[4], max_evals=count)
+            evals += n
+        pool.sort(key=lambda m: (m[0], m[1]))
+        log.debug("allocation race, round %d: %s", r, [round(m[0], 3) for m in pool])
+        pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
+    _, _, ctx, paths, prio = pool[0]
+    paths, prio, score, n = improve_paths(ctx, paths, skip, cap, rng, allow_swaps, priority=prio,
+                                          max_evals=max(1, max_evals - evals) if by_count else None)
     evals += n
     if sync_bytes is not None:  # the search's score also weighs the phase: report the makespan itself
         score = simulate(network, model, Plan(stages, skip, ctx.allocation, paths, prio), record=False,
                          sync_bytes=sync_bytes).makespan
     result = Plan(stages, skip, ctx.allocation, paths, prio, score,
-                  {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals})
+                  {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
+                   "capped": by_count and time.perf_counter() >= cap})
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
     return result

@@ -63,6 +63,9 @@ class TrainConfig:
     #: seconds per sample per layer (forward); 0: measure it on this machine.
     speed: float = 0.0
     planner_budget: float = 2.0
+    #: simulator evaluations the SkipPipe planner shares out (0: its wall-clock budget does); with a
+    #: count the plan is the same on any machine and under any load, ``planner_budget`` only caps it.
+    planner_evals: int = 0
     seed: int = 0
     checkpoint: str = ""
     #: with ``checkpoint``: iterations between checkpoints (and one at the end; 0: only at the end).
@@ -132,6 +135,9 @@ class TrainConfig:
                             f"({self.dead_after} s)")
         if self.resume and not self.checkpoint:
             raise PlanError("resume needs checkpoint = the file the run to continue wrote")
+        if not isinstance(self.planner_evals, int) or self.planner_evals < 0:
+            raise PlanError(f"planner_evals must be a count >= 0 (0: plan by planner_budget alone), "
+                            f"got {self.planner_evals!r}")
         for name in ("snapshot_every", "checkpoint_every", "max_retries"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
@@ -255,7 +261,8 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
         # judged by the whole iteration: the runtime's replicas exchange gradients over these links too
         plan_sync = grad_bytes
         the_plan = plan(net, spec, config.stages, config.skip, config.microbatches,
-                        budget_s=config.planner_budget, seed=config.seed, sync_bytes=plan_sync)
+                        budget_s=config.planner_budget, seed=config.seed, sync_bytes=plan_sync,
+                        max_evals=config.planner_evals or None)
     predicted = simulate(net, spec, the_plan, record=False).makespan
     if math.isinf(predicted):
         raise PlanError("the plan deadlocks under the memory limit: raise in_flight")
