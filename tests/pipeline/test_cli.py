@@ -43,3 +43,18 @@ def test_too_few_nodes_and_too_much_skip_are_errors(tmp_path, capsys):
     assert "leaves no stage besides stage 0" in capsys.readouterr().err
     assert main(base + ["--nodes", "6", "--stages", "3", "--skip", "0", "--memory", "0"]) == 2
     assert "too small for any plan" in capsys.readouterr().err
+
+
+def test_pipeline_plan_by_evaluation_count_writes_the_same_plan_twice(tmp_path, capsys):
+    docs = []
+    for i in range(2):
+        out = tmp_path / f"plan{i}.json"
+        rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "10", "--stages", "4", "--skip", "0.34",
+                   "--microbatches", "10", "--budget", "4", "--evals", "300", "--json", str(out)])
+        assert rc == 0
+        docs.append(json.loads(out.read_text()))
+    assert docs[0]["paths"] == docs[1]["paths"] and docs[0]["allocation"] == docs[1]["allocation"]
+    assert docs[0]["iteration_time_s"]["skippipe"] == docs[1]["iteration_time_s"]["skippipe"]
+    rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "10", "--stages", "4", "--skip", "0.34",
+               "--evals", "0", "--json", str(tmp_path / "x.json")])
+    assert rc == 2 and "--evals must be a positive count" in capsys.readouterr().err

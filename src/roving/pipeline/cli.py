@@ -45,6 +45,9 @@ def add_pipeline_parser(subparsers) -> None:
                    help=f"model preset (default {DEFAULT_MODEL})")
     p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
     p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
+    p.add_argument("--evals", type=int, default=None, metavar="N",
+                   help="share SkipPipe's search out by N simulator evaluations instead of seconds: the same "
+                        "plan on any machine and under any load (--budget then only caps it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
@@ -235,12 +238,16 @@ def run_plan(args: argparse.Namespace) -> int:
         failed = [f for f in args.fail.split(",") if f]
         for f in failed:
             net.node(f)
+        if args.evals is not None and args.evals < 1:
+            raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
         t0 = time.perf_counter()
-        best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed)
+        best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
+                    max_evals=args.evals)
         planner_s = time.perf_counter() - t0
         base_budget = args.budget / 2
         full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed)
-        planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed)
+        planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
+                       max_evals=args.evals)
         rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
         out = {
             "network": net.name,
