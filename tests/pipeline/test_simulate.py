@@ -171,3 +171,20 @@ def test_a_replica_without_microbatches_sends_its_gradients_at_once():
     # c: at 0, 8 s + 20 ms; b: after its backward (5.03-7.03), arriving 15.05; mb0 itself ends at 10.04
     assert sends == [("b", "c", 7.03, 15.05), ("c", "b", 0.0, 8.02)]
     assert res.makespan == pytest.approx(15.05) and max(res.finish) == pytest.approx(10.04)
+
+
+def test_gradient_bytes_of_the_cost_model_and_of_a_real_stage_split_agree():
+    """``costs.gradient_bytes`` (12 h^2 a layer, embedding and head at stage 0, 4 bytes a value) against
+    the parameters a real stage holds (``stages.stage_gradient_bytes``, counted on the meta device): the
+    cost model leaves out the norms and the rounding of the MLP width, which weighs most in tiny models."""
+    from roving.pipeline.costs import gradient_bytes
+    from roving.pipeline.model import LlamaConfig, preset
+    from roving.pipeline.stages import model_spec, stage_gradient_bytes
+    for cfg, rel in ((LlamaConfig(dim=64, n_layers=12, vocab_size=260), 0.10), (preset("500m"), 0.05)):
+        real = stage_gradient_bytes(cfg, 6)
+        model = gradient_bytes(model_spec(cfg, 4, 64), 6)
+        assert len(real) == len(model) == 6
+        assert real[0] > real[1] == real[5]  # stage 0 also holds the embedding and the head
+        for r, m in zip(real, model):
+            assert m == pytest.approx(r, rel=rel), (cfg.dim, r, m)
+        assert gradient_bytes(model_spec(cfg, 4, 64), 6, bytes_per_value=2.0)[1] == model[1] / 2
