@@ -278,7 +278,7 @@ def _improve_by_swaps(nodes: list[str], origin: str, edge, allocation) -> list[s
     return current
 
 
-#: allocations that race (a short path search each) after the allocation search; see ``plan``.
+#: allocations that race (successive halving of path searches) after the allocation search; see ``plan``.
 RACE = 5
 #: with replica synchronisation judged, the weight of the microbatch phase beside the whole iteration
 #: in the search's score: when the slowest stage's averaging sets the makespan, moves that shorten the
@@ -414,9 +414,9 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
          sync_bytes: Sequence[float] | None = None, max_evals: int | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
     for about 30% of ``budget_s``; the best ``RACE`` allocations then race by successive halving of
-    path searches (together 30%), and the winner gets the anytime path search for the rest. Deterministic for a given
-    seed and evaluation count; with a wall-clock budget the count, and so the result, can vary
-    slightly between runs on machines of different speed. Raises PlanError on impossible input.
+    path searches (together 30%), and the winner gets the anytime path search for the rest.
+    Deterministic for a given seed and evaluation count; with a wall-clock budget the count, and so
+    the result, can vary between runs on machines of different speed or load. Raises PlanError on impossible input.
     ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
     exchange of gradients included (``simulate``), so that replicas far apart cost what they cost;
     without it, by the microbatch phase alone (as the SkipPipe paper's simulator). ``max_evals``: the
