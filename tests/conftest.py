@@ -4,6 +4,8 @@
   ``helpers_targets`` by reference.
 * Every test starts from the configuration of the environment (no ``roving.init`` leaks between tests), and any child a test
   leaves running is killed afterwards, so that a failing test cannot leave processes behind.
+* The test process's own roving threads are watched (helpers_watchdog): should one stop, the suite
+  stops at once and says after which test, instead of failing every later test by timeout.
 """
 from __future__ import annotations
 
@@ -20,7 +22,29 @@ import roving  # noqa: E402
 from roving import config as _config  # noqa: E402
 from roving import context as _context  # noqa: E402
 
+import helpers_watchdog  # noqa: E402
 from helpers_core import TIMEOUT  # noqa: E402
+
+helpers_watchdog.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    last_of_file = nextitem is None or nextitem.path != item.path
+    trouble = helpers_watchdog.check(probe=last_of_file)
+    if trouble:
+        sys.__stderr__.write(f"\n{trouble} (after {item.nodeid})\n{helpers_watchdog.stacks()}\n")
+        sys.__stderr__.write("\n".join(helpers_watchdog.reported) + "\n")
+        sys.__stderr__.flush()
+        pytest.exit(f"{trouble}, after {item.nodeid}: every later test would wait on it (stacks above)", 3)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if helpers_watchdog.reported:
+        terminalreporter.section("errors roving's threads logged or raised in the test process")
+        for text in helpers_watchdog.reported:
+            terminalreporter.write_line(text)
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import pickle
 import queue
 import socket
 import struct
+import threading
 
 import pytest
 import zmq
@@ -17,6 +18,7 @@ from roving.transport import auth
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import session as _session
+from roving.transport import stream as _stream
 from roving.transport.serialize import dumps
 
 HEADER = struct.Struct("<QQd")  # (box id, request id, timeout): the request header of the wire protocol
@@ -270,3 +272,93 @@ def test_malformed_messages_from_an_authenticated_stream_peer_do_not_stop_the_no
     finally:
         conn.close()
     assert_queue_still_serves(q)
+
+
+# -- the I/O thread and the stream listener go on through errors of their own -----------------------
+
+def test_an_unexpected_error_in_the_io_thread_is_logged_and_the_node_goes_on_serving(caplog):
+    node = _node.Node(os.urandom(32))
+    conn = None
+    try:
+        box = node.new_box()
+        real_expire, calls = node._expire, []
+
+        def expire_failing_once():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("injected fault")
+            real_expire()
+
+        node._expire = expire_failing_once
+        conn = _endpoint._ZmqConnection(node.address, node.secret, TIMEOUT)
+        status, _ = conn.call(_node.GET, box, 0.2, [], TIMEOUT)  # its deadline runs into the fault
+        assert status == _node.EMPTY and len(calls) >= 2
+        assert node._thread.is_alive()
+        assert any("injected fault" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
+        conn.send(_node.PUT_NOREPLY, box, 0, [b"after the fault"])
+        status, frames = conn.call(_node.GET, box, TIMEOUT, [], TIMEOUT)
+        assert status == _node.OK and bytes(frames[0]) == b"after the fault"
+    finally:
+        if conn is not None:
+            conn.close()
+        node.close()
+
+
+def test_a_stream_that_cannot_be_served_is_dropped_and_the_others_are_served(monkeypatch, caplog):
+    node = _node.Node(os.urandom(32))
+    good = bad = None
+    try:
+        box = node.new_box()
+        listener = node.streams().address
+        good = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
+        assert good.ping(TIMEOUT)
+        bad = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
+        assert bad.ping(TIMEOUT)
+        bad_fd = max(node._peers)  # the newer of the two streams the node serves
+        real_pump = _node._stream.ServedStream.pump
+
+        def pump(self):
+            if self.fd == bad_fd:
+                raise RuntimeError("injected fault")
+            return real_pump(self)
+
+        monkeypatch.setattr(_node._stream.ServedStream, "pump", pump)
+        with pytest.raises(_node.TransportError):
+            bad.call(_node.SIZE, box, 0, [], TIMEOUT)  # the node drops it: this side sees the end
+        assert bad_fd not in node._peers and node._thread.is_alive()
+        assert any("could not be served" in r.getMessage() for r in caplog.records)
+        status, frames = good.call(_node.SIZE, box, 0, [], TIMEOUT)
+        assert status == _node.OK and struct.unpack("<QQ", frames[0]) == (0, 0)
+    finally:
+        for conn in (good, bad):
+            if conn is not None:
+                conn.close()
+        node.close()
+
+
+def test_the_stream_listener_drops_a_connection_it_has_no_thread_for_and_goes_on(monkeypatch, caplog):
+    node = _node.Node(os.urandom(32))
+    conn = None
+    try:
+        listener = node.streams()
+        real_thread, refused = threading.Thread, []
+
+        class NoAdmitThread(real_thread):
+            def start(self):
+                if self.name == "roving-stream-admit" and not refused:
+                    refused.append(self)
+                    raise RuntimeError("can't start new thread")
+                super().start()
+
+        monkeypatch.setattr(threading, "Thread", NoAdmitThread)
+        with pytest.raises((_stream.StreamError, OSError)):
+            _stream.connect(listener.address, node.secret, {"purpose": "node"}, 5)
+        monkeypatch.setattr(threading, "Thread", real_thread)
+        assert refused and listener._thread.is_alive()
+        assert any("dropped a connection" in r.getMessage() for r in caplog.records)
+        conn = _endpoint._StreamConnection(node.address, listener.address, node.secret, TIMEOUT)
+        assert conn.ping(TIMEOUT)
+    finally:
+        if conn is not None:
+            conn.close()
+        node.close()

@@ -1,15 +1,19 @@
 """The local backend: each job is a subprocess of this one, running a fresh Python interpreter."""
 from __future__ import annotations
 
+import logging
 import os
 import selectors
 import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Dict, IO, Optional
 
 from .base import Backend, Job, JobSpec, JobState, JobStatus
+
+log = logging.getLogger(__name__)
 
 
 class _OutputPump:
@@ -30,31 +34,64 @@ class _OutputPump:
         os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
+        """Copy output until the process ends. A stream that cannot be read is closed (with a warning)
+        and the others go on: a child whose output nobody reads would block once its pipe is full."""
         partial: Dict[int, bytes] = {}
         while True:
-            for key, _ in self._selector.select():
+            try:
+                events = self._selector.select()
+            except OSError as exc:
+                log.warning("roving: copying children's output: %s", exc)
+                time.sleep(0.05)
+                continue
+            for key, _ in events:
                 if key.data is None:
-                    os.read(self._wake_r, 4096)
-                    with self._lock:
-                        pending, self._pending = self._pending, []
-                    for stream, prefix, to_stderr in pending:
-                        self._selector.register(stream, selectors.EVENT_READ, (prefix, to_stderr))
+                    self._take_pending()
                     continue
-                stream, (prefix, to_stderr) = key.fileobj, key.data
-                fd = stream.fileno()
-                chunk = os.read(fd, 65536)
-                data = partial.pop(fd, b"") + chunk
-                lines = data.split(b"\n")
-                if chunk:
-                    if lines[-1]:
-                        partial[fd] = lines[-1]
-                    lines = lines[:-1]
-                else:  # end of output: flush what is left, stop watching
-                    self._selector.unregister(stream)
-                    stream.close()
-                    lines = [line for line in lines if line]
-                if lines:
-                    self._write(prefix, lines, to_stderr)
+                try:
+                    self._copy(key, partial)
+                except Exception as exc:
+                    log.warning("roving: stopped copying the output of %s: %s", key.data[0].strip(), exc)
+                    self._stop_watching(key.fileobj)
+
+    def _take_pending(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for stream, prefix, to_stderr in pending:
+            try:
+                self._selector.register(stream, selectors.EVENT_READ, (prefix, to_stderr))
+            except (ValueError, KeyError, OSError) as exc:  # closed already
+                log.warning("roving: cannot copy the output of %s: %s", prefix.strip(), exc)
+
+    def _copy(self, key: selectors.SelectorKey, partial: Dict[int, bytes]) -> None:
+        stream, (prefix, to_stderr) = key.fileobj, key.data
+        fd = stream.fileno()
+        chunk = os.read(fd, 65536)
+        data = partial.pop(fd, b"") + chunk
+        lines = data.split(b"\n")
+        if chunk:
+            if lines[-1]:
+                partial[fd] = lines[-1]
+            lines = lines[:-1]
+        else:  # end of output: flush what is left, stop watching
+            self._stop_watching(stream)
+            lines = [line for line in lines if line]
+        if lines:
+            self._write(prefix, lines, to_stderr)
+
+    def _stop_watching(self, stream: IO[bytes]) -> None:
+        try:
+            self._selector.unregister(stream)
+        except (KeyError, ValueError):
+            pass
+        try:
+            stream.close()
+        except OSError:
+            pass
 
     @staticmethod
     def _write(prefix: str, lines: list, to_stderr: bool) -> None:

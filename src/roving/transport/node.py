@@ -361,9 +361,13 @@ class Node:
         try:
             send_frames(self._router, frames)
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            log.debug("roving node: a peer left before its answer")
+            if exc.errno == zmq.EHOSTUNREACH:
+                log.debug("roving node: a peer left before its answer")
+            elif not self._running:
+                return
+            else:
+                log.warning("roving node %s: a message could not be sent (%s); handled as undeliverable",
+                            self.address, exc)
             if undeliverable is not None:
                 # Run later, on this thread and outside every lock: the sender may hold its own.
                 self._undeliverable.append(undeliverable)
@@ -394,52 +398,92 @@ class Node:
                 pass
 
     def _serve(self) -> None:
-        poller, router, wake = self._poller, self._router, self._wake_r
+        """The I/O thread. Nothing that goes wrong in one turn stops it: every other process of the
+        session depends on it, and a node that stops answering looks to them like a hang. A peer whose
+        stream cannot be served is dropped; any other error is logged with its traceback, and serving
+        goes on (after a pause, should the same error repeat at once)."""
+        failures = 0
         while self._running:
-            timeout_ms = None
-            if self._deadlines:
-                timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
             try:
-                ready = dict(poller.poll(timeout_ms))
-            except zmq.ZMQError:
+                self._serve_once()
+                failures = 0
+            except Exception:
                 if not self._running:
                     return
-                raise
-            if wake in ready:
-                self._wake_pending = False
+                failures += 1
+                log.exception("roving node %s: an error in the I/O thread (serving goes on)", self.address)
+                time.sleep(min(1.0, 0.001 * 2 ** min(failures, 10)))
+
+    def _serve_once(self) -> None:
+        poller, router, wake = self._poller, self._router, self._wake_r
+        timeout_ms = None
+        if self._deadlines:
+            timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
+        try:
+            ready = dict(poller.poll(timeout_ms))
+        except zmq.ZMQError:
+            if not self._running:
+                return
+            raise
+        if wake in ready:
+            self._wake_pending = False
+            try:
+                os.read(wake, 4096)
+            except BlockingIOError:
+                pass
+        while self._adopted:
+            stream = self._adopted.popleft()
+            try:
+                peer = _stream.ServedStream(stream, self._want_write)
+            except OSError as exc:  # it ended before it could be served
+                log.debug("roving node: a stream ended before it was served: %s", exc)
+                stream.close()
+                continue
+            self._peers[peer.fd] = peer
+            poller.register(peer.fd, zmq.POLLIN)
+        self._flush_outbox()
+        if router in ready:
+            for _ in range(256):
                 try:
-                    os.read(wake, 4096)
-                except BlockingIOError:
-                    pass
-            while self._adopted:
-                peer = _stream.ServedStream(self._adopted.popleft(), self._want_write)
-                self._peers[peer.fd] = peer
-                poller.register(peer.fd, zmq.POLLIN)
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                try:
+                    self._handle(frames)
+                except Exception:  # a bad message must never stop the node
+                    log.exception("roving node: dropped a message that could not be handled")
             self._flush_outbox()
-            if router in ready:
-                for _ in range(256):
-                    try:
-                        frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    try:
-                        self._handle(frames)
-                    except Exception:  # a bad message must never stop the node
-                        log.exception("roving node: dropped a message that could not be handled")
-                self._flush_outbox()
-            for fd, events in ready.items():
-                peer = self._peers.get(fd) if type(fd) is int else None
-                if peer is not None:
+        for fd, events in ready.items():
+            peer = self._peers.get(fd) if type(fd) is int else None
+            if peer is not None:
+                try:
                     self._serve_peer(peer, events)
-            while self._writable:
-                peer = self._writable.popleft()
-                if self._peers.get(peer.fd) is peer:
+                except Exception:
+                    log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
+                    self._drop_peer(peer)
+        while self._writable:
+            peer = self._writable.popleft()
+            if self._peers.get(peer.fd) is peer:
+                try:
                     poller.modify(peer.fd, zmq.POLLIN | (zmq.POLLOUT if peer.pending else 0))
-            if self._deadlines:
-                self._expire()
-            if self._undeliverable:
-                self._run_undeliverable()
-                self._flush_outbox()
+                except Exception:
+                    log.exception("roving node %s: a stream could not be watched; it is dropped", self.address)
+                    self._drop_peer(peer)
+        if self._deadlines:
+            self._expire()
+        if self._undeliverable:
+            self._run_undeliverable()
+            self._flush_outbox()
+
+    def _drop_peer(self, peer: _stream.ServedStream) -> None:
+        """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
+        if self._peers.get(peer.fd) is peer:
+            del self._peers[peer.fd]
+            try:
+                self._poller.unregister(peer.fd)
+            except KeyError:
+                pass
+        self._undeliverable.extend(peer.drop())
 
     def _serve_peer(self, peer: _stream.ServedStream, events: int) -> None:
         if events & zmq.POLLOUT:
@@ -461,9 +505,7 @@ class Node:
             except Exception:  # a bad message must never stop the node
                 log.exception("roving node: dropped a stream message that could not be handled")
         if ended or peer.closed:
-            self._poller.unregister(peer.fd)
-            del self._peers[peer.fd]
-            self._undeliverable.extend(peer.drop())
+            self._drop_peer(peer)
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -33,6 +33,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from . import auth
@@ -454,20 +455,31 @@ class Listener:
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        """Accept connections until closed. Nothing stops it but :meth:`close`: a connection that cannot
+        be taken on (out of file descriptors or threads) is dropped with a warning, and the loop pauses
+        briefly so that a lasting shortage does not spin."""
         while self._running:
             try:
                 sock, _ = self._sock.accept()
-            except OSError:
+            except OSError as exc:
                 if not self._running:
                     return
+                log.warning("roving stream listener %s: accepting a connection failed: %s", self.address, exc)
+                time.sleep(0.05)
                 continue
             if not self._admitting.acquire(blocking=False):
                 log.warning("roving stream listener %s: too many connections still authenticating; "
                             "dropped one", self.address)
                 sock.close()
                 continue
-            threading.Thread(target=self._admit, args=(sock,), name="roving-stream-admit",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=self._admit, args=(sock,), name="roving-stream-admit",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread can be started now
+                self._admitting.release()
+                log.warning("roving stream listener %s: dropped a connection: %s", self.address, exc)
+                sock.close()
+                time.sleep(0.05)
 
     def _admit(self, sock: socket.socket) -> None:
         try:
@@ -492,7 +504,7 @@ class Listener:
             request = json.loads(_recv_exact(sock, size))
             if not isinstance(request, dict):
                 raise StreamError("stream request is not an object")
-        except (OSError, ValueError) as exc:
+        except Exception as exc:  # not a roving peer, a wrong secret, a bad request, a timeout
             log.warning("roving stream listener %s: dropped a connection: %s", self.address, exc)
             sock.close()
             return
