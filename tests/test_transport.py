@@ -7,6 +7,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 
 import pytest
 import zmq
@@ -361,4 +362,24 @@ def test_the_stream_listener_drops_a_connection_it_has_no_thread_for_and_goes_on
     finally:
         if conn is not None:
             conn.close()
+        node.close()
+
+
+def test_a_stream_listener_that_does_not_take_the_stream_soon_is_left_for_zeromq(monkeypatch):
+    """A connection does not wait the whole connect timeout on a listener that never answers."""
+    node = _node.Node(os.urandom(32))
+    silent = socket.socket()
+    try:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes connections; nobody ever accepts them
+        monkeypatch.setattr(_endpoint, "_STREAM_OPEN_TIMEOUT", 1.0)
+        endpoint = _endpoint.Endpoint(node.address, node.secret, None, TIMEOUT)
+        endpoint._streams = "127.0.0.1:%d" % silent.getsockname()[1]
+        started = time.monotonic()
+        assert endpoint.ping(TIMEOUT)
+        assert time.monotonic() - started < TIMEOUT / 3  # 1 s for the stream, then ZeroMQ
+        assert isinstance(endpoint._threads.conn, _endpoint._ZmqConnection)
+        assert endpoint._streams == ""  # later connections go straight to ZeroMQ
+    finally:
+        silent.close()
         node.close()

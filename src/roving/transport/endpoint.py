@@ -30,6 +30,9 @@ __all__ = ["Endpoint", "Channel", "TransportError", "abandon", "close_connection
 
 log = logging.getLogger(__name__)
 
+#: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
+_STREAM_OPEN_TIMEOUT = 10.0
+
 
 class _Connection:
     """One thread's authenticated connection to one remote node: requests out, answers back in order.
@@ -279,7 +282,10 @@ class Endpoint:
             zconn.close()
         if _node.streams_enabled and self._streams:
             try:
-                return _StreamConnection(self.address, self._streams, self._secret, timeout)
+                # ZeroMQ is there to fall back on: a listener that does not take the stream soon is
+                # not waited for as long as a node that may still be starting.
+                return _StreamConnection(self.address, self._streams, self._secret,
+                                         min(timeout, _STREAM_OPEN_TIMEOUT))
             except (OSError, ConnectionError) as exc:
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
                 self._streams = ""
