@@ -97,7 +97,10 @@ class DockerBackend(Backend):
             cid = event.get("id") or event.get("Actor", {}).get("ID")
             code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", "-9"))
             if cid in self._jobs:
-                threading.Thread(target=self._ended, args=(cid, code), daemon=True).start()
+                try:
+                    threading.Thread(target=self._ended, args=(cid, code), daemon=True).start()
+                except RuntimeError:  # no thread to spare: handle it here rather than lose the event
+                    self._ended(cid, code)
 
     def _ended(self, cid: str, code: int) -> None:
         job = self._jobs[cid]
