@@ -42,7 +42,8 @@ def pytest_runtest_teardown(item, nextitem):
 
 def pytest_terminal_summary(terminalreporter):
     if helpers_watchdog.reported:
-        terminalreporter.section("errors roving's threads logged or raised in the test process")
+        terminalreporter.section("errors roving's threads logged or raised in the test process (tests that inject "
+                                 "faults add some on purpose)")
         for text in helpers_watchdog.reported:
             terminalreporter.write_line(text)
 
