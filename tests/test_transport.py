@@ -6,6 +6,7 @@ import pickle
 import queue
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -382,4 +383,33 @@ def test_a_stream_listener_that_does_not_take_the_stream_soon_is_left_for_zeromq
         assert endpoint._streams == ""  # later connections go straight to ZeroMQ
     finally:
         silent.close()
+        node.close()
+
+
+def test_no_wake_up_of_the_io_thread_is_lost_when_many_threads_wake_it_at_once():
+    """Threads hand the I/O thread work (answers, streams to serve) and wake it through a pipe. Before
+    the fix a wake-up written while the I/O thread was between clearing its flag and draining the pipe
+    was lost for good: every later one was skipped, and work waited for unrelated traffic (the test
+    process's node stopped serving its children's new streams, failing a CI run from mid-suite on)."""
+    node = _node.Node(os.urandom(32))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: the old race showed within a round
+    try:
+        for _ in range(40):
+            stop = time.monotonic() + 0.05
+
+            def wake_until_stop():
+                while time.monotonic() < stop:
+                    node._wake()
+
+            threads = [threading.Thread(target=wake_until_stop) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            served = threading.Event()
+            node._defer(served.set)  # work for the I/O thread, handed over with one more wake-up
+            assert served.wait(TIMEOUT / 3), "the I/O thread never woke for the work it was handed"
+    finally:
+        sys.setswitchinterval(interval)
         node.close()

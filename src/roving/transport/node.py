@@ -390,6 +390,9 @@ class Node:
             self._send(*self._outbox.popleft())
 
     def _wake(self) -> None:
+        """Make the I/O thread go round its loop (any thread). A writer sets the flag before it writes
+        and the I/O thread clears it only after draining the pipe, so a set flag always has a byte
+        on its way: no wake-up is lost, and a busy loop is not sent a byte per call."""
         if not self._wake_pending:
             self._wake_pending = True
             try:
@@ -426,11 +429,14 @@ class Node:
                 return
             raise
         if wake in ready:
-            self._wake_pending = False
+            # Drain first, then clear the flag: cleared first, a wake-up written in between would be
+            # drained while the flag stayed set, and every later _wake() would then skip its write.
             try:
-                os.read(wake, 4096)
+                while os.read(wake, 4096):
+                    pass
             except BlockingIOError:
                 pass
+            self._wake_pending = False
         while self._adopted:
             stream = self._adopted.popleft()
             try:
