@@ -432,8 +432,7 @@ class Node:
             # Drain first, then clear the flag: cleared first, a wake-up written in between would be
             # drained while the flag stayed set, and every later _wake() would then skip its write.
             try:
-                while os.read(wake, 4096):
-                    pass
+                os.read(wake, 4096)  # a byte written after this read stays for the next poll
             except BlockingIOError:
                 pass
             self._wake_pending = False
