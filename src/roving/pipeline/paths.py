@@ -550,7 +550,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
                          sync_bytes=sync_bytes).makespan
     result = Plan(stages, skip, ctx.allocation, paths, prio, score,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                   "capped": by_count and time.perf_counter() >= cap})
+                   "capped": by_count and time.perf_counter() >= cap,
+                   "splits": [[labs.count(st) for st in range(stages)] for labs, *_ in searches]})
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
     return result
