@@ -203,3 +203,21 @@ def test_a_plan_by_evaluation_count_is_the_same_whatever_the_machine_load():
     assert not first.stats["capped"] and not second.stats["capped"]
     assert first.to_dict() == second.to_dict() and first.predicted_s == second.predicted_s
     assert validate(first, net) == []
+
+
+def test_when_memory_binds_a_split_with_more_stage0_nodes_races_too():
+    """aws10 with room for 3 microbatches per node and 36 microbatches: an origin of the compute-
+    proportional split sends 6, more than it holds, so the split with the most stage-0 nodes gets its own
+    allocation search; the plan stays valid and the same by evaluation count. With room for all of an
+    origin's microbatches, only one split is searched."""
+    from roving.pipeline import build_network, model_preset
+    m = model_preset("llama-1.5b-skippipe")
+    net = build_network("aws10", 18, memory=3)
+    first = plan(net, m, 4, 0.25, 36, budget_s=60.0, seed=1, max_evals=300)
+    splits = first.stats["splits"]
+    assert len(splits) == 2 and splits[1][0] > splits[0][0] and all(sum(c) == 18 for c in splits)
+    assert validate(first, net) == []
+    again = plan(net, m, 4, 0.25, 36, budget_s=60.0, seed=1, max_evals=300)
+    assert again.to_dict() == first.to_dict() and again.predicted_s == first.predicted_s
+    roomy = plan(build_network("aws10", 18, memory=8), m, 4, 0.25, 36, budget_s=60.0, seed=1, max_evals=300)
+    assert len(roomy.stats["splits"]) == 1

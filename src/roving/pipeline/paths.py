@@ -280,20 +280,44 @@ def _improve_by_swaps(nodes: list[str], origin: str, edge, allocation) -> list[s
 
 #: allocations that race (successive halving of path searches) after the allocation search; see ``plan``.
 RACE = 5
+#: when memory binds, the share of the allocation search, and the places in the race, given to the
+#: split with the most stage-0 nodes (see ``plan``).
+ALT_SHARE = 0.4
+ALT_RACE = 2
+#: shares of the budget for the allocation search and for the race (the winner's path search gets the rest).
+ALLOC_FRAC = 0.3
+RACE_FRAC = 0.3
 #: with replica synchronisation judged, the weight of the microbatch phase beside the whole iteration
 #: in the search's score: when the slowest stage's averaging sets the makespan, moves that shorten the
 #: phase would otherwise score the same, and the search would drift on that plateau.
 PHASE_WEIGHT = 0.25
+#: in the path search, ties of the makespan are broken by the mean finish of the latest ``TAIL`` share
+#: of the microbatches (1: all of them): a move that lets other microbatches end sooner makes room for
+#: the last one, where the makespan alone would see a plateau.
+TAIL = 1.0
 
 
 def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip: float) -> float:
     """The search's score: the simulated makespan (with ``ctx.sync_bytes``: the whole iteration plus
     ``PHASE_WEIGHT`` times the microbatch phase)."""
+    return _judged(ctx, paths, priority, skip)[0]
+
+
+def _judged(ctx: _Context, paths: list[Path], priority: list[int] | None,
+            skip: float) -> tuple[float, list[float]]:
+    """``_makespan`` and when each microbatch finished (the search steers its moves by them)."""
     plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
     res = simulate(ctx.network, ctx.model, plan, record=False, sync_bytes=ctx.sync_bytes)
     if ctx.sync_bytes is None or res.deadlock:
-        return res.makespan
-    return res.makespan + PHASE_WEIGHT * max(res.finish, default=0.0)
+        return res.makespan, res.finish
+    return res.makespan + PHASE_WEIGHT * max(res.finish, default=0.0), res.finish
+
+
+def _tail(finish: list[float]) -> float:
+    """Secondary score on the plateaus of the makespan: the mean of the latest ``TAIL`` share of the
+    finish times (a move that lets the other late microbatches end sooner makes room for the last)."""
+    k = max(1, int(len(finish) * TAIL))
+    return sum(sorted(finish, reverse=True)[:k]) / k
 
 
 def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
@@ -301,13 +325,15 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
                   max_evals: int | None = None) -> tuple[list[Path], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
-    stage loads), toggle a swap, or reorder priorities. Ties are accepted to cross plateaus; deadlocked
+    stage loads), toggle a swap, or reorder priorities. Ties of the makespan are broken by the mean
+    finish of the microbatches (``TAIL``), and ties of both are accepted to cross plateaus; deadlocked
     plans score infinity and are never accepted. Stops at ``deadline`` or after ``max_evals`` simulator
     evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
     deterministic. Returns (paths, priority, makespan, evaluations)."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
-    cur_score = _makespan(ctx, cur, prio, skip)
+    cur_score, finish = _judged(ctx, cur, prio, skip)
+    cur_tail = _tail(finish) if cur_score < math.inf else math.inf
     best, best_prio, best_score = list(cur), list(prio), cur_score
     evals = 0
     alloc = ctx.allocation
@@ -355,10 +381,11 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
             cand_prio = list(prio)
             i, j = rng.randrange(n_mb), rng.randrange(n_mb)
             cand_prio[i], cand_prio[j] = cand_prio[j], cand_prio[i]
-        score = _makespan(ctx, cand, cand_prio, skip)
+        score, finish = _judged(ctx, cand, cand_prio, skip)
         evals += 1
-        if score <= cur_score:
-            cur, prio, cur_score = cand, cand_prio, score
+        tail = _tail(finish) if score < math.inf else math.inf  # deadlocked: ties as before
+        if score < cur_score or (score == cur_score and tail <= cur_tail):
+            cur, prio, cur_score, cur_tail = cand, cand_prio, score, tail
             if score < best_score:
                 best, best_prio, best_score = list(cand), list(cand_prio), score
     return best, best_prio, best_score, evals
@@ -414,7 +441,10 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
          sync_bytes: Sequence[float] | None = None, max_evals: int | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
     for about 30% of ``budget_s``; the best ``RACE`` allocations then race by successive halving of
-    path searches (together 30%), and the winner gets the anytime path search for the rest.
+    path searches (together 30%), and the winner gets the anytime path search for the rest. When
+    memory binds (an origin's share of the microbatches exceeds what it holds in flight), the split
+    with the most stage-0 nodes among the candidates gets ``ALT_SHARE`` of the allocation search and
+    ``ALT_RACE`` of the places in the race.
     Deterministic for a given seed and evaluation count; with a wall-clock budget the count, and so
     the result, can vary between runs on machines of different speed or load. Raises PlanError on impossible input.
     ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
@@ -450,38 +480,58 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
         starts.append(memory_fallback(order, counts, can, stages))
     labels, start = min(starts, key=lambda ls: judge_with(*ls))
 
-    judged: dict[tuple[str, ...], float] = {}
-
-    def judge(slots: list[str]) -> float:
-        v = judge_with(labels, slots)
-        judged.setdefault(tuple(slots), v)
-        return v
-
     limited = any(len(c) < stages for c in can.values())
     by_count = max_evals is not None
     cap = t0 + budget_s
-    swap_search(start, labels, judge, cap if by_count else t0 + 0.3 * budget_s, rng,
-                max_evals=int(0.3 * max_evals) if by_count else None,
-                ok=(lambda n, s: s in can[n]) if limited else None)
-    # Greedy paths judge an allocation only roughly: the allocation that is best with them is often not
-    # the best once its paths are searched (on the training benchmark's network the third of the list
-    # came out 20% faster than the first), and a short path search ranks them only a little better.
-    # So the best few race by successive halving: each gets a path search, the faster half goes on
-    # with a longer one from where it stands, and so on until one is left; it gets the rest.
-    contenders = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:RACE]] or [start]
-    pool, evals = [], len(judged)
-    for i, sl in enumerate(contenders):
-        ctx = _Context(network, model, dict(zip(sl, labels)), stages, cost, sync_bytes)
+    # When memory binds (an origin sends more microbatches than it can hold at once, so it runs them in
+    # rounds of whole round trips), a split with more stage-0 nodes has fewer rounds per origin, which
+    # greedy paths undervalue: the split with the most stage-0 nodes among the candidates then gets its
+    # own share of the allocation search, and its best allocations race with the others.
+    held = [network.node(n).in_flight(0, model, stages) for n in network.names if 0 in can[n]]
+    more = [ls for ls in starts if ls[0].count(0) > labels.count(0)]
+    if more and held and math.ceil(microbatches / labels.count(0)) > min(held):
+        alt = max(more, key=lambda ls: ls[0].count(0))
+        searches = [(labels, start, 1.0 - ALT_SHARE, RACE - ALT_RACE), (alt[0], alt[1], ALT_SHARE, ALT_RACE)]
+    else:
+        searches = [(labels, start, 1.0, RACE)]
+    contenders: list[tuple[list[int], list[str]]] = []
+    evals = 0
+    alloc_end = t0 + ALLOC_FRAC * budget_s
+    for k, (labs, first, share, take) in enumerate(searches):
+        judged: dict[tuple[str, ...], float] = {}
+
+        def judge(slots: list[str], labs=labs, judged=judged) -> float:
+            v = judge_with(labs, slots)
+            judged.setdefault(tuple(slots), v)
+            return v
+
+        left = sum(x[2] for x in searches[k:])
+        deadline = cap if by_count else \
+            time.perf_counter() + max(0.0, alloc_end - time.perf_counter()) * share / left
+        swap_search(first, labs, judge, deadline, rng,
+                    max_evals=int(ALLOC_FRAC * max_evals * share) if by_count else None,
+                    ok=(lambda n, s: s in can[n]) if limited else None)
+        # Greedy paths judge an allocation only roughly: the allocation that is best with them is often
+        # not the best once its paths are searched (on the training benchmark's network the third of the
+        # list came out 20% faster than the first), and a short path search ranks them only a little
+        # better. So the best few race by successive halving: each gets a path search, the faster half
+        # goes on with a longer one from where it stands, and so on until one is left; it gets the rest.
+        ranked = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:take]] or [first]
+        contenders += [(labs, sl) for sl in ranked]
+        evals += len(judged)
+    pool = []
+    for i, (labs, sl) in enumerate(contenders):
+        ctx = _Context(network, model, dict(zip(sl, labs)), stages, cost, sync_bytes)
         paths = build_paths(ctx, microbatches, visits, allow_swaps)
         if math.isinf(_makespan(ctx, paths, None, skip)):
             paths = build_paths(ctx, microbatches, visits, allow_swaps=False)
         pool.append([math.inf, i, ctx, paths, None])
     rounds = max(1, math.ceil(math.log2(len(pool))))
     for r in range(rounds):
-        round_end = t0 + (0.3 + 0.3 * (r + 1) / rounds) * budget_s
+        round_end = t0 + (ALLOC_FRAC + RACE_FRAC * (r + 1) / rounds) * budget_s
         for k, member in enumerate(pool):
             if by_count:
-                deadline, count = cap, max(1, int(0.3 * max_evals / rounds) // len(pool))
+                deadline, count = cap, max(1, int(RACE_FRAC * max_evals / rounds) // len(pool))
             else:
                 deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
                 count = None
@@ -500,7 +550,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
                          sync_bytes=sync_bytes).makespan
     result = Plan(stages, skip, ctx.allocation, paths, prio, score,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                   "capped": by_count and time.perf_counter() >= cap})
+                   "capped": by_count and time.perf_counter() >= cap,
+                   "splits": [[labs.count(st) for st in range(stages)] for labs, *_ in searches]})
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
     return result
