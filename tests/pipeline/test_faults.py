@@ -17,6 +17,7 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from helpers_core import wait_until
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
@@ -383,7 +384,13 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
         t.iteration(0)
         groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
-        rec = kill_mid_iteration(t, [victim], lambda names: hb.kill_from_outside("slurm", t.procs[names[0]]))
+        def cancel(names):
+            # scancel only asks: wait until the job has ended, so that it ends mid-iteration however
+            # loaded the machine is (under load the iteration could otherwise finish first)
+            hb.kill_from_outside("slurm", t.procs[names[0]])
+            assert wait_until(lambda: not t.procs[names[0]].is_alive(), 60), "scancel did not end the job"
+
+        rec = kill_mid_iteration(t, [victim], cancel)
         assert victim not in t.alloc
         dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
         assert dead and dead[0]["nodes"] == [victim]
