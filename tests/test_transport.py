@@ -314,9 +314,10 @@ def test_a_stream_that_cannot_be_served_is_dropped_and_the_others_are_served(mon
         listener = node.streams().address
         good = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
         assert good.ping(TIMEOUT)
+        served_before = set(node._peers)
         bad = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
         assert bad.ping(TIMEOUT)
-        bad_fd = max(node._peers)  # the newer of the two streams the node serves
+        (bad_fd,) = set(node._peers) - served_before  # the stream the node took on for ``bad``
         real_pump = _node._stream.ServedStream.pump
 
         def pump(self):

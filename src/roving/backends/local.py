@@ -55,10 +55,7 @@ class _OutputPump:
                     self._stop_watching(key.fileobj)
 
     def _take_pending(self) -> None:
-        try:
-            os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
+        os.read(self._wake_r, 4096)  # select() found it readable
         with self._lock:
             pending, self._pending = self._pending, []
         for stream, prefix, to_stderr in pending:

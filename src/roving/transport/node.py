@@ -391,8 +391,8 @@ class Node:
 
     def _wake(self) -> None:
         """Make the I/O thread go round its loop (any thread). A writer sets the flag before it writes
-        and the I/O thread clears it only after draining the pipe, so a set flag always has a byte
-        on its way: no wake-up is lost, and a busy loop is not sent a byte per call."""
+        and the I/O thread clears it only after reading the pipe, so a set flag always has a byte on
+        its way and no wake-up is lost; while the flag is set, further calls write nothing."""
         if not self._wake_pending:
             self._wake_pending = True
             try:
@@ -429,8 +429,8 @@ class Node:
                 return
             raise
         if wake in ready:
-            # Drain first, then clear the flag: cleared first, a wake-up written in between would be
-            # drained while the flag stayed set, and every later _wake() would then skip its write.
+            # Read first, then clear the flag: cleared first, a wake-up written in between would be
+            # read while the flag stayed set, and every later _wake() would then skip its write.
             try:
                 os.read(wake, 4096)  # a byte written after this read stays for the next poll
             except BlockingIOError:
