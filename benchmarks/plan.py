@@ -105,6 +105,10 @@ def main(argv=None) -> int:
                     help="plan by this many simulator evaluations (reproducible under any load) instead of by "
                          "the wall-clock budget, which then bounds only the DT-FM baseline's search")
     args = ap.parse_args(argv)
+    if args.evals is not None and args.evals < 1:
+        ap.error(f"--evals must be at least 1, got {args.evals}")
+    if args.budget <= 0:
+        ap.error(f"--budget must be positive, got {args.budget:g}")
     rows = []
     for s in SETTINGS[:2] if args.quick else SETTINGS:
         rows.append(run(s, args.budget, args.model, args.seed, args.evals))
