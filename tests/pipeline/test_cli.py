@@ -58,3 +58,35 @@ def test_pipeline_plan_by_evaluation_count_writes_the_same_plan_twice(tmp_path, 
     rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "10", "--stages", "4", "--skip", "0.34",
                "--evals", "0", "--json", str(tmp_path / "x.json")])
     assert rc == 2 and "--evals must be a positive count" in capsys.readouterr().err
+
+
+def test_gantt_rows_name_each_nodes_stage_and_tasks_their_microbatch(tmp_path, monkeypatch):
+    """The drawn chart labels each row with its node's stage and each wide enough task with its
+    microbatch (the figure is inspected as it is saved)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from roving.pipeline import Path, Plan, build_network, model_preset, simulate
+    from roving.pipeline.cli import draw_gantt
+    net = build_network("gcp12", 3)
+    names = net.names
+    p = Plan(3, 0.0, {names[0]: 0, names[1]: 1, names[2]: 2},
+             [Path(names[0], (names[1], names[2]), (1, 2)) for _ in range(2)])
+    result = simulate(net, model_preset("llama-1.5b-skippipe"), p)
+    seen = {}
+
+    def capture(fig, *args, **kwargs):
+        ax = fig.axes[0]
+        seen["rows"] = [t.get_text() for t in ax.get_yticklabels()]
+        seen["texts"] = [t.get_text() for t in ax.texts]
+
+    monkeypatch.setattr(Figure, "savefig", capture)
+    draw_gantt(result, str(tmp_path / "g.png"), p.allocation)
+    assert seen["rows"] == [f"{names[0]} (stage 0)", f"{names[1]} (stage 1)", f"{names[2]} (stage 2)"]
+    # tasks at least 1.2% of the makespan wide carry their microbatch id: here every forward and
+    # backward (the short loss tasks are left bare)
+    tasks = [e for evs in result.timeline.values() for e in evs if e.kind.startswith("compute")]
+    wide = [e for e in tasks if e.end - e.start >= 0.012 * result.makespan]
+    assert {e.kind for e in wide} == {"compute-fwd", "compute-bwd"} and len(wide) == 2 * 2 * 3
+    assert sorted(seen["texts"]) == sorted(str(e.microbatch) for e in wide)

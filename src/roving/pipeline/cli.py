@@ -292,13 +292,15 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "
               f"(re-planned in {out['replan']['planner_seconds']:.2f} s)")
     if args.gantt:
-        draw_gantt(simulate(shown_net, model, shown), args.gantt)
+        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
         print(f"timeline drawn to {args.gantt}")
     return 0
 
 
-def draw_gantt(result: SimResult, out_png: str) -> None:
-    """Each node's timeline as one row: forward, backward/loss compute, sends (thin bar) and idle."""
+def draw_gantt(result: SimResult, out_png: str, stages: dict[str, int] | None = None) -> None:
+    """Each node's timeline as one row: forward, backward/loss compute (each task outlined and, where
+    it is wide enough, labelled with its microbatch), sends (thin bar) and idle; ``stages`` (node ->
+    stage) adds each node's stage to its row label."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -307,18 +309,27 @@ def draw_gantt(result: SimResult, out_png: str) -> None:
     colors = {"compute-fwd": "tab:blue", "compute-bwd": "tab:orange", "compute-loss": "tab:red",
               "idle": "0.92", "send": "tab:green", "sync": "tab:purple"}
     names = sorted(result.timeline)
+    span = result.makespan if result.makespan > 0 and result.makespan != float("inf") else 1.0
     fig, ax = plt.subplots(figsize=(14, 0.4 * len(names) + 1.5))
     for row, name in enumerate(names):
         for e in result.timeline[name]:
             thin = e.kind in ("send", "sync")
+            task = e.kind.startswith("compute")
             ax.barh(row + (0.3 if thin else 0), e.end - e.start, left=e.start, height=0.15 if thin else 0.6,
-                    color=colors[e.kind], alpha=0.6 if thin else 1.0, linewidth=0)
+                    color=colors[e.kind], alpha=0.6 if thin else 1.0,
+                    edgecolor="white" if task else "none", linewidth=0.6 if task else 0)
+            if task and e.microbatch >= 0 and e.end - e.start >= 0.012 * span:
+                ax.text((e.start + e.end) / 2, row, str(e.microbatch), ha="center", va="center",
+                        fontsize=6, color="white")
+    if stages is not None:
+        names = [f"{n} (stage {stages[n]})" if n in stages else n for n in names]
     ax.set_yticks(range(len(names)), names)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(f"iteration timeline, makespan {result.makespan:.2f} s")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper right", fontsize=8)
+    ax.legend(handles, list(colors), loc="upper center", bbox_to_anchor=(0.5, -0.5 / (0.4 * len(names) + 1.5)),
+              ncol=len(colors), fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
