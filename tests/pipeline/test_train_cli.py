@@ -37,3 +37,5 @@ def test_bad_input_exits_with_a_clear_error_before_nodes_start(tmp_path, capsys)
     assert "unknown key(s) learning_rate" in capsys.readouterr().err
     assert main(["pipeline", "train", "--nodes", "2", "--stages", "3"]) == 2
     assert "2 node(s) but the model is split into 3 stages" in capsys.readouterr().err
+    assert main(["pipeline", "train", "--refine-budget", "-1"]) == 2
+    assert "refine_budget must be a number of seconds >= 0, got -1.0" in capsys.readouterr().err

@@ -92,6 +92,9 @@ def add_train_parser(sub) -> None:
                         "over from; default 5)")
     t.add_argument("--dead-after", type=float,
                    help="seconds without a heartbeat before a node is declared dead (default 2)")
+    t.add_argument("--refine-budget", type=float,
+                   help="after each re-plan (failure, slowdown, join), seconds to search a fresh plan for the "
+                        "same nodes in the background; taken between iterations when it is faster (default 0: off)")
     t.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="start dead nodes again at once; they rejoin when ready")
     t.add_argument("--control", help="folder watched for join requests (`roving pipeline join`); "
@@ -182,7 +185,7 @@ def run_train(args: argparse.Namespace) -> int:
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "restart", "control")
+              "dead_after", "refine_budget", "restart", "control")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:
@@ -211,7 +214,9 @@ def _show_progress(total: int):
     def show(rec: dict) -> None:
         if rec["event"] == "fault":
             shown = {k: v for k, v in rec.items() if k in ("nodes", "why", "failed", "joined", "moved",
-                                                         "missing_stages", "stage", "seconds_lost", "factor")}
+                                                         "missing_stages", "stage", "seconds_lost", "factor",
+                                                         "adopted", "error")}
+            shown.update({k: round(rec[k], 3) for k in ("iteration_s_before", "iteration_s_refined") if k in rec})
             print(f"  [{rec['kind']}] {shown}", flush=True)
         elif rec["event"] == "iteration":
             print(f"iteration {rec['iteration'] + 1:>4}/{total}  loss {rec['train_loss']:.4f}  "

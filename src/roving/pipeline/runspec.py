@@ -92,6 +92,9 @@ class TrainConfig:
     start_wait: float = 60.0
     #: seconds the planner may take to re-plan after a failure, slowdown or join.
     replan_budget: float = 0.5
+    #: after each re-plan, seconds to search a fresh plan for the same nodes in the background, taken
+    #: at an iteration boundary when it is faster (``Trainer``, Refining); 0: never.
+    refine_budget: float = 0.0
     #: attempts at one iteration (each after a failure) before giving up.
     max_retries: int = 5
     #: a folder watched for join requests (``roving pipeline join``); status.json is written there.
@@ -138,6 +141,10 @@ class TrainConfig:
         if not isinstance(self.planner_evals, int) or self.planner_evals < 0:
             raise PlanError(f"planner_evals must be a count >= 0 (0: plan by planner_budget alone), "
                             f"got {self.planner_evals!r}")
+        for name in ("replan_budget", "refine_budget"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise PlanError(f"{name} must be a number of seconds >= 0, got {value!r}")
         for name in ("snapshot_every", "checkpoint_every", "max_retries"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")

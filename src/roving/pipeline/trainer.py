@@ -14,7 +14,8 @@ Failures (``Trainer``'s doc has the details): dead nodes are found by heartbeats
 iteration's microbatch phase is re-run under a plan made around them, slow nodes are re-planned with
 their measured speed, nodes join between iterations with a live replica's weights and optimizer state,
 a stage that no node holds is skipped until a node takes it over from its snapshot, and a run whose
-coordinator died continues from its checkpoint (``resume``).
+coordinator died continues from its checkpoint (``resume``). With ``refine_budget``, each quick re-plan
+is followed by a fresh plan searched in the background, taken at an iteration boundary when it is faster.
 
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
 (``calibrate``), so measured and predicted iteration times can be compared: ``predicted_seconds`` is
@@ -46,7 +47,7 @@ from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_lo
 from .model import Llama
 from .network import slowed as slowed_network
 from .node import NodeSettings, Peers, node_main, pick_device
-from .paths import Plan, plan_held, replan
+from .paths import Plan, plan, plan_held, replan
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
 from .stages import merge_state_dicts
@@ -71,6 +72,33 @@ class NodesLost(Exception):
         self.names = names
 
 
+#: a plan refined in the background replaces the plan in use only when it predicts a whole iteration
+#: at least this much shorter: moving stages between nodes costs a round of weight transfers.
+REFINE_GAIN = 0.03
+
+
+class _Background:
+    """``fn()`` run once in a daemon thread; ``done()``, then ``result`` or ``error``. Nothing waits for
+    it: a result nobody wants any more is dropped (``fn`` must end by itself, as a planner with a budget)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(fn,), name="roving-refine", daemon=True).start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self.result = fn()
+        except BaseException as exc:  # handed to the coordinator, which keeps the plan it has
+            self.error = exc
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
 class Trainer:
     """Runs a prepared plan on roving processes, through node failures. Use as a context manager
     (stops the nodes).
@@ -86,6 +114,16 @@ class Trainer:
     while the others step is simply not waited for. A node much slower than the plan expects (its
     busy time over the simulator's, against the median node, above ``slow_factor`` for
     ``slow_iterations`` iterations) is marked slow and the plan is remade with its speed measured.
+
+    Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
+    allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
+    searches a fresh plan for the same nodes (allocation included, as before the run) for that long in
+    a thread while training goes on (the thread shares the coordinator's interpreter, so the
+    coordinator's own Python work runs slower meanwhile; the nodes' does not); at the first iteration
+    boundary after it is done, it replaces the
+    plan in use if it predicts a whole iteration (replica averaging included) at least ``REFINE_GAIN``
+    shorter, and nodes whose stage changes get its weights and optimizer state as after a re-plan. A
+    refinement that a newer re-plan overtook is dropped. Recorded as a "refine" event either way.
 
     Joining: ``request_join`` (and join request files in ``control``, see ``roving pipeline join``)
     starts a node process on the run's backend; when it reports ready it is admitted at the next
@@ -136,6 +174,7 @@ class Trainer:
         self._ready: dict[str, tuple[int, Any]] = {}  # started nodes that reported ready, not admitted
         self._slow_counts: dict[str, int] = {}
         self._pending_failures: dict[str, str] = {}
+        self._refining: _Background | None = None  # the refinement of the latest re-plan, if any
         self._out: Peers | None = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -553,6 +592,47 @@ class Trainer:
                     moved=moved, weights_from=sources, missing_stages=self.missing_stages,
                     predicted_s=predicted, planner_seconds=time.perf_counter() - t0,
                     allocation=dict(sorted(self.alloc.items())))
+        self._start_refining()
+
+    def _start_refining(self) -> None:
+        """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
+        refinement still running for an earlier re-plan is dropped (its thread ends by its budget)."""
+        self._refining = None
+        if self.c.refine_budget <= 0 or self.c.schedule != "skippipe" or self.missing_stages:
+            return
+        net, spec, stages, skip, count = self.net, self.spec, self.c.stages, self.p.plan.skip, len(self.plan.paths)
+        options = dict(budget_s=self.c.refine_budget, seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes,
+                       max_evals=self.c.planner_evals or None)
+        self._refining = _Background(lambda: plan(net, spec, stages, skip, count, **options))
+
+    def _take_refined(self) -> None:
+        """At an iteration boundary: the background plan replaces the plan in use if it is done and
+        faster by ``REFINE_GAIN``."""
+        job = self._refining
+        if job is None or not job.done():
+            return
+        self._refining = None
+        if job.error is not None:
+            log.warning("refining the plan failed, the plan in use stays: %s", job.error)
+            self._event("refine", adopted=False, error=f"{type(job.error).__name__}: {job.error}")
+            return
+        new_plan: Plan = job.result
+
+        def whole(p: Plan) -> float:
+            return simulate(self.net, self.spec, p, record=False, sync_bytes=self.p.plan_sync_bytes).makespan
+
+        now, refined = whole(self.plan), whole(new_plan)
+        adopted = refined < now * (1.0 - REFINE_GAIN)
+        moved: dict[str, int] = {}
+        sources: dict[int, str] = {}
+        if adopted:
+            self._use_plan(new_plan, simulate(self.net, self.spec, new_plan, record=False).makespan)
+            moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
+            sources = self._move_weights(moved)
+        self._event("refine", adopted=adopted, iteration_s_before=now, iteration_s_refined=refined,
+                    moved=moved, weights_from=sources, predicted_s=self.predicted_s,
+                    planner_seconds=new_plan.stats.get("planner_seconds"),
+                    allocation=dict(sorted(self.alloc.items())))
 
     def _move_weights(self, moved: dict[str, int]) -> dict[int, str]:
         """Load each moved node's new stage from a live node that held it (else from the latest
@@ -665,6 +745,7 @@ class Trainer:
         if self.c.control:
             self._control_requests()
         self._admit()
+        self._take_refined()
 
     def iteration(self, it: int) -> dict:
         """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW;
