@@ -326,9 +326,8 @@ def draw_gantt(result: SimResult, out_png: str, stages: dict[str, int] | None = 
             if task and e.microbatch >= 0 and e.end - e.start >= 0.012 * span:
                 ax.text((e.start + e.end) / 2, row, str(e.microbatch), ha="center", va="center",
                         fontsize=6, color="white")
-    if stages is not None:
-        names = [f"{n} (stage {stages[n]})" if n in stages else n for n in names]
-    ax.set_yticks(range(len(names)), names)
+    labels = [f"{n} (stage {stages[n]})" if stages and n in stages else n for n in names]
+    ax.set_yticks(range(len(names)), labels)
     ax.invert_yaxis()
     ax.set_xlabel("seconds")
     ax.set_title(f"iteration timeline, makespan {result.makespan:.2f} s")
