@@ -19,6 +19,13 @@ a lost stage over from its snapshot). Writes ``robustness_failures.json`` (both 
 events) and ``robustness_failures.png`` (loss against iterations and against training seconds) and
 prints a Markdown table: iterations completed, time lost, the work thrown away against one
 iteration's time, and validation loss at equal iterations.
+
+    PYTHONPATH=src python benchmarks/robustness.py refine --iterations 40 --out benchmarks/results
+
+``refine``: the same run twice with 2 of its 12 nodes killed for good in iteration 5: once with the
+quick re-plan alone, once with that re-plan refined in the background (``refine_budget``). Writes
+``robustness_refine.json`` and prints the predictions after each and the measured iteration times over
+the iterations after the refined plan was taken.
 """
 
 from __future__ import annotations
@@ -135,21 +142,23 @@ FAIL_BASE = {**TRAIN_BASE, "skip": 0.33, "eval_every": 10, "timeout": 600.0}
 
 
 def failure_run(iterations: int, calibration: dict, kill_at: int | None, rejoin_at: int | None,
-                fraction: float, seed: int, kill_after_s: float) -> dict:
+                fraction: float, seed: int, kill_after_s: float, overrides: dict | None = None,
+                label: str | None = None) -> dict:
     """One run; with ``kill_at``, ``fraction`` of the nodes are killed ``kill_after_s`` seconds into
     iteration ``kill_at`` (from a timer thread, wherever the iteration is then) and started again
-    before iteration ``rejoin_at``."""
+    before iteration ``rejoin_at`` (None: never). ``overrides``: TrainConfig fields beside FAIL_BASE."""
     import random
     import threading
 
-    cfg = TrainConfig(**{**FAIL_BASE, "iterations": iterations})
+    cfg = TrainConfig(**{**FAIL_BASE, **(overrides or {}), "iterations": iterations})
     prep = prepare(cfg, calibration)
-    label = "failures" if kill_at is not None else "no failures"
+    label = label or ("failures" if kill_at is not None else "no failures")
+    shown = ('nodes', 'failed', 'joined', 'moved', 'missing_stages', 'seconds_lost', 'adopted',
+             'iteration_s_before', 'iteration_s_refined')
     show = {"evaluation": lambda r: print(f"  {label}: after {r['iteration']} iterations val {r['val_loss']:.4f}",
                                           flush=True),
             "fault": lambda r: print(f"  {label}: [{r['kind']}] iteration {r['iteration']} "
-                                     f"{ {k: r[k] for k in ('nodes', 'failed', 'joined', 'moved', 'missing_stages', 'seconds_lost') if k in r} }",
-                                     flush=True)}
+                                     f"{ {k: r[k] for k in shown if k in r} }", flush=True)}
     victims: list[str] = []
     with Trainer(prep, progress=lambda r: show.get(r["event"], lambda r: None)(r)) as t:
         t.evaluate(0)
@@ -251,6 +260,54 @@ def run_failures(args: argparse.Namespace) -> None:
           f"{out / 'robustness_failures.png'}")
 
 
+def refine_table(runs: dict[str, dict]) -> str:
+    """Per run: predictions before the failure, after the quick re-plan and after the refinement, and
+    the measured iteration and microbatch-phase seconds over the same window of iterations (from the
+    one after the refinement was taken to the end)."""
+    def first(m: dict, kind: str) -> dict | None:
+        return next((e for e in m["events"] if e["event"] == kind), None)
+
+    taken = [first(m, "refine") for m in runs.values()]
+    start = 1 + max((e["iteration"] for e in taken if e), default=max(m["kill_at"] for m in runs.values()))
+    rows = ["| run | predicted phase s before | after the re-plan | after refining | refined plan taken in iteration "
+            f"| mean iteration s, iterations {start + 1}-end | mean microbatch phase s, same |",
+            "|---|---|---|---|---|---|---|"]
+    for name, m in runs.items():
+        rp, rf = first(m, "replan"), first(m, "refine")
+        window = [r for r in m["iterations"] if r["iteration"] >= start]
+        if not window:
+            rows.append(f"| {name} | (no iteration after {start}: run longer) |||||| ")
+            continue
+        after = f"{rf['predicted_s']:.3f}" if rf and rf.get("adopted") else "-"
+        when = (f"{rf['iteration'] + 1}" + ("" if rf.get("adopted") else " (not taken)")) if rf else "-"
+        rows.append(f"| {name} | {m['predicted_s']:.3f} | {rp['predicted_s']:.3f} | {after} | {when} "
+                    f"| {sum(r['seconds'] for r in window) / len(window):.3f} "
+                    f"| {sum(r['compute_seconds'] for r in window) / len(window):.3f} |")
+    return "\n".join(rows)
+
+
+def run_refine(args: argparse.Namespace) -> None:
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    cfg = TrainConfig(**{**FAIL_BASE, "iterations": args.iterations})
+    torch.set_num_threads(1)
+    calibration = calibrate(cfg.model_config(), cfg.samples, cfg.seq_len)
+    kill_after = 0.5 * prepare(cfg, calibration).predicted_s
+    runs = {}
+    for name, budget in (("re-plan only", 0.0), (f"re-plan, refined ({args.refine_budget:g} s)", args.refine_budget)):
+        runs[name] = failure_run(args.iterations, calibration, args.kill_at, None, args.fraction, args.seed,
+                                 kill_after, overrides={"refine_budget": budget}, label=name)
+    doc = {"settings": {**FAIL_BASE, "iterations": args.iterations, "kill_at": args.kill_at,
+                        "fraction": args.fraction, "seed": args.seed, "refine_budget": args.refine_budget},
+           "calibration": calibration, "runs": runs, "seconds": time.time() - t0}
+    (out / "robustness_refine.json").write_text(json.dumps(doc, indent=1, default=str))
+    print(refine_table(runs))
+    print(f"\n{time.time() - t0:.0f} s; figures: {out / 'robustness_refine.json'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -269,6 +326,15 @@ def main() -> None:
     f.add_argument("--seed", type=int, default=0, help="picks the nodes killed")
     f.add_argument("--out", default="benchmarks/results")
     f.set_defaults(handler=run_failures)
+    r = sub.add_parser("refine", help="nodes killed for good: the quick re-plan alone against it refined in "
+                                      "the background (--refine-budget)")
+    r.add_argument("--iterations", type=int, default=40)
+    r.add_argument("--kill-at", type=int, default=5, help="the iteration in which the nodes are killed")
+    r.add_argument("--fraction", type=float, default=0.17, help="of the nodes killed (0.17: 2 of 12)")
+    r.add_argument("--seed", type=int, default=0, help="picks the nodes killed")
+    r.add_argument("--refine-budget", type=float, default=30.0)
+    r.add_argument("--out", default="benchmarks/results")
+    r.set_defaults(handler=run_refine)
     args = ap.parse_args()
     args.handler(args)
 

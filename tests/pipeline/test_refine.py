@@ -1,8 +1,11 @@
 """A quick re-plan after a failure is followed by a fresh plan searched in the background
 (``refine_budget``), taken at an iteration boundary when it is faster; one overtaken by a newer re-plan
-is dropped, and one that fails leaves the plan in use. On local roving processes."""
+is dropped, and one that fails leaves the plan in use. On local roving processes; the background
+planner (``BackgroundPlan``, a child process) on its own too."""
 
 import math
+import os
+import signal
 import threading
 import time
 
@@ -11,7 +14,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline import PlanError, validate
+from roving.pipeline import PlanError, build_network, model_preset, plan, validate
+from roving.pipeline.background import BackgroundPlan
 from roving.pipeline import trainer as trainer_mod
 from roving.pipeline.trainer import REFINE_GAIN, Trainer, TrainConfig, prepare
 from test_faults import CFG, kill_mid_iteration, replicas_equal, stage_groups
@@ -74,40 +78,99 @@ def test_a_faster_plan_found_in_the_background_replaces_the_quick_re_plan():
         assert len(refine_events(t)) == 1, "one refinement per re-plan"
 
 
+class HeldPlan:
+    """Stands in for ``BackgroundPlan`` (same interface): each one plans, for real, in a thread, but only
+    once the test releases it; the second one made fails."""
+
+    made: list = []
+
+    def __init__(self, *args, **kwargs):
+        self.k = len(HeldPlan.made)
+        HeldPlan.made.append(self)
+        self.gate, self.finished, self.cancelled = threading.Event(), threading.Event(), False
+        self.value = self.error = None
+        threading.Thread(target=self._run, args=(args, kwargs), daemon=True).start()
+
+    def _run(self, args, kwargs):
+        assert self.gate.wait(120), "never released"
+        try:
+            if self.k == 1:
+                raise PlanError("injected: no plan")
+            self.value = plan(*args, **kwargs)
+        except PlanError as exc:
+            self.error = exc
+        self.finished.set()
+
+    def done(self):
+        return self.finished.is_set()
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def cancel(self):
+        self.cancelled = True
+
+
 def test_a_refinement_overtaken_by_a_newer_re_plan_is_dropped_and_a_failed_one_keeps_the_plan(monkeypatch):
-    """The background planner is held until released: the first refinement finishes only after a
-    second failure re-planned again (so it is dropped, whatever it found), the second one fails."""
-    real_plan = trainer_mod.plan
-    gates = [threading.Event(), threading.Event()]
-    calls = []
-
-    def held_plan(*args, **kwargs):
-        k = len(calls)
-        calls.append(k)
-        assert gates[k].wait(120), "never released"
-        if k == 1:
-            raise PlanError("injected: no plan")
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(trainer_mod, "plan", held_plan)
+    """The first refinement is still running when a second failure re-plans again: it is cancelled
+    and, though it finishes later, never taken; the second one fails: reported, the plan stays."""
+    HeldPlan.made = []
+    monkeypatch.setattr(trainer_mod, "BackgroundPlan", HeldPlan)
     prep = prepare(TrainConfig(**REFINE_CFG))
     with Trainer(prep) as t:
         t.iteration(0)
         first = kill_one_replica(t, 1)
         t.iteration(2)
-        assert calls == [0] and refine_events(t) == []
+        assert len(HeldPlan.made) == 1 and refine_events(t) == []
         second = kill_one_replica(t, 3)
-        assert calls == [0, 1] and {first, second}.isdisjoint(t.alloc)
+        assert len(HeldPlan.made) == 2 and {first, second}.isdisjoint(t.alloc)
+        assert HeldPlan.made[0].cancelled and not HeldPlan.made[1].cancelled
         after_second = (dict(t.alloc), t.plan)
-        gates[0].set()  # the first refinement ends now: stale
-        time.sleep(1.0)
+        HeldPlan.made[0].gate.set()  # the first refinement ends now: stale
+        assert HeldPlan.made[0].finished.wait(60) and HeldPlan.made[0].value is not None
         t.iteration(4)
         assert refine_events(t) == [] and t.plan is after_second[1], "a stale refinement was taken"
-        gates[1].set()
+        HeldPlan.made[1].gate.set()
         train_until(t, 5, lambda: refine_events(t), "the failed refinement was never reported")
         ev = refine_events(t)
         assert len(ev) == 1 and not ev[0]["adopted"] and "injected: no plan" in ev[0]["error"]
         assert t.alloc == after_second[0] and t.plan is after_second[1], "the plan in use stays"
+
+
+def small_case():
+    net = build_network("gcp12", 6, memory=2)
+    return net, model_preset("llama-1.5b-skippipe")
+
+
+def test_a_background_plan_is_the_plan_the_planner_makes_in_process():
+    net, m = small_case()
+    job = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0, seed=2, max_evals=150)
+    deadline = time.monotonic() + 60
+    while not job.done():
+        assert time.monotonic() < deadline, "the planning process did not finish"
+        time.sleep(0.05)
+    got = job.result()
+    here = plan(net, m, 3, 0.34, 8, budget_s=60.0, seed=2, max_evals=150)
+    assert got.to_dict() == here.to_dict() and got.predicted_s == here.predicted_s
+    assert not job._dir.exists(), "its temporary folder is removed"
+
+
+def test_a_background_plan_reports_bad_input_a_crash_and_can_be_cancelled():
+    net, m = small_case()
+    bad = BackgroundPlan(net, m, 3, 0.34, 0, budget_s=5.0)
+    with pytest.raises(PlanError, match="need at least one microbatch, got 0"):
+        bad.result()
+    crashed = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0)
+    time.sleep(0.5)
+    os.kill(crashed._proc.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"ended without a plan \(exit code -9\)"):
+        crashed.result()
+    slow = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0)
+    assert not slow.done()
+    slow.cancel()
+    assert slow.done() and slow._proc.returncode == -signal.SIGKILL and not slow._dir.exists()
 
 
 @pytest.mark.parametrize("bad", [-1.0, "5", True, float("nan")])

@@ -47,7 +47,8 @@ from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_lo
 from .model import Llama
 from .network import slowed as slowed_network
 from .node import NodeSettings, Peers, node_main, pick_device
-from .paths import Plan, plan, plan_held, replan
+from .background import BackgroundPlan
+from .paths import Plan, plan_held, replan
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
 from .stages import merge_state_dicts
@@ -77,28 +78,6 @@ class NodesLost(Exception):
 REFINE_GAIN = 0.03
 
 
-class _Background:
-    """``fn()`` run once in a daemon thread; ``done()``, then ``result`` or ``error``. Nothing waits for
-    it: a result nobody wants any more is dropped (``fn`` must end by itself, as a planner with a budget)."""
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.result: Any = None
-        self.error: BaseException | None = None
-        self._done = threading.Event()
-        threading.Thread(target=self._run, args=(fn,), name="roving-refine", daemon=True).start()
-
-    def _run(self, fn: Callable[[], Any]) -> None:
-        try:
-            self.result = fn()
-        except BaseException as exc:  # handed to the coordinator, which keeps the plan it has
-            self.error = exc
-        finally:
-            self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-
 class Trainer:
     """Runs a prepared plan on roving processes, through node failures. Use as a context manager
     (stops the nodes).
@@ -118,9 +97,8 @@ class Trainer:
     Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
     allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
     searches a fresh plan for the same nodes (allocation included, as before the run) for that long in
-    a thread while training goes on (the thread shares the coordinator's interpreter, so the
-    coordinator's own Python work runs slower meanwhile; the nodes' does not); at the first iteration
-    boundary after it is done, it replaces the
+    a process of its own while training goes on (``background.BackgroundPlan``: niced, and outside the
+    coordinator's interpreter); at the first iteration boundary after it is done, it replaces the
     plan in use if it predicts a whole iteration (replica averaging included) at least ``REFINE_GAIN``
     shorter, and nodes whose stage changes get its weights and optimizer state as after a re-plan. A
     refinement that a newer re-plan overtook is dropped. Recorded as a "refine" event either way.
@@ -174,7 +152,7 @@ class Trainer:
         self._ready: dict[str, tuple[int, Any]] = {}  # started nodes that reported ready, not admitted
         self._slow_counts: dict[str, int] = {}
         self._pending_failures: dict[str, str] = {}
-        self._refining: _Background | None = None  # the refinement of the latest re-plan, if any
+        self._refining: BackgroundPlan | None = None  # the refinement of the latest re-plan, if any
         self._out: Peers | None = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -297,6 +275,7 @@ class Trainer:
         After a start that failed part-way (some nodes never reported ready, so the coordinator has no
         inbox to tell them to stop, and none has its peers), the started nodes are killed at once."""
         self._stopping.set()
+        self._stop_refining()
         live = sorted(self.inboxes)
         for name, proc in self.procs.items():  # started nodes that were never admitted: kill them
             if (self._out is None or name not in self.inboxes) and proc.is_alive():
@@ -596,14 +575,18 @@ class Trainer:
 
     def _start_refining(self) -> None:
         """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
-        refinement still running for an earlier re-plan is dropped (its thread ends by its budget)."""
-        self._refining = None
+        refinement still running for an earlier re-plan is stopped."""
+        self._stop_refining()
         if self.c.refine_budget <= 0 or self.c.schedule != "skippipe" or self.missing_stages:
             return
-        net, spec, stages, skip, count = self.net, self.spec, self.c.stages, self.p.plan.skip, len(self.plan.paths)
-        options = dict(budget_s=self.c.refine_budget, seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes,
-                       max_evals=self.c.planner_evals or None)
-        self._refining = _Background(lambda: plan(net, spec, stages, skip, count, **options))
+        self._refining = BackgroundPlan(self.net, self.spec, self.c.stages, self.p.plan.skip, len(self.plan.paths),
+                                        budget_s=self.c.refine_budget, seed=self.c.seed,
+                                        sync_bytes=self.p.plan_sync_bytes, max_evals=self.c.planner_evals or None)
+
+    def _stop_refining(self) -> None:
+        if self._refining is not None:
+            self._refining.cancel()
+            self._refining = None
 
     def _take_refined(self) -> None:
         """At an iteration boundary: the background plan replaces the plan in use if it is done and
@@ -612,11 +595,12 @@ class Trainer:
         if job is None or not job.done():
             return
         self._refining = None
-        if job.error is not None:
-            log.warning("refining the plan failed, the plan in use stays: %s", job.error)
-            self._event("refine", adopted=False, error=f"{type(job.error).__name__}: {job.error}")
+        try:
+            new_plan = job.result()
+        except (PlanError, RuntimeError) as exc:
+            log.warning("refining the plan failed, the plan in use stays: %s", exc)
+            self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
             return
-        new_plan: Plan = job.result
 
         def whole(p: Plan) -> float:
             return simulate(self.net, self.spec, p, record=False, sync_bytes=self.p.plan_sync_bytes).makespan

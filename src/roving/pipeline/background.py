@@ -1,0 +1,96 @@
+"""A plan searched in a process of its own while the caller goes on (``pipeline train --refine-budget``).
+
+The planner is pure Python: in a thread of the training coordinator it would hold the interpreter lock
+in turns with the coordinator, whose every message would then wait for it. So ``BackgroundPlan`` runs
+``paths.plan`` in a child interpreter (``python -m roving.pipeline.background IN OUT``), at a lower
+scheduling priority (nice 10) so that on a machine shared with nodes the nodes come first. The
+arguments go in, and the plan or the error comes back, through files in a private temporary folder (a
+plan can be larger than a pipe holds, and nobody reads the pipe while the child plans). Only the child
+this process started writes there; nothing is read from any other peer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .costs import PlanError
+from .paths import Plan, plan
+
+
+class BackgroundPlan:
+    """``paths.plan(*args, **kwargs)`` in a child process. ``done()`` never blocks; ``result()`` (once
+    done) returns the plan or raises what the planner raised (PlanError keeps its message; anything
+    else, or a child that died, is a RuntimeError naming the cause); ``cancel()`` kills the child.
+    The temporary folder is removed by ``result()`` and ``cancel()``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="roving-plan-"))
+        with open(self._dir / "in.pkl", "wb") as f:
+            pickle.dump((args, kwargs), f)
+        src = str(Path(__file__).resolve().parents[2])  # the roving this process runs, for the child too
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p))
+        with open(self._dir / "stderr.txt", "wb") as err:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(self._dir / "in.pkl"), str(self._dir / "out.pkl")],
+                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)
+
+    def done(self) -> bool:
+        return self._proc.poll() is not None
+
+    def result(self) -> Plan:
+        self._proc.wait()
+        try:
+            out = self._dir / "out.pkl"
+            if not out.is_file():
+                err = (self._dir / "stderr.txt").read_text(errors="replace").strip().splitlines()
+                raise RuntimeError(f"the planning process ended without a plan (exit code {self._proc.returncode})"
+                                   + (f": {err[-1]}" if err else ""))
+            with open(out, "rb") as f:
+                kind, value = pickle.load(f)
+        finally:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        if kind == "plan":
+            return value
+        if kind == "plan-error":
+            raise PlanError(value)
+        raise RuntimeError(value)
+
+    def cancel(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """The child: plan from the arguments in ``argv[0]``, write ("plan", Plan), ("plan-error", message)
+    or ("error", message) to ``argv[1]`` (atomically: a half-written file is never read)."""
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    src, dst = argv
+    with open(src, "rb") as f:
+        args, kwargs = pickle.load(f)
+    try:
+        result: tuple[str, Any] = ("plan", plan(*args, **kwargs))
+    except PlanError as exc:
+        result = ("plan-error", str(exc))
+    except Exception as exc:  # reported to the caller, which keeps what it has
+        result = ("error", f"{type(exc).__name__}: {exc}")
+    tmp = dst + ".part"
+    with open(tmp, "wb") as f:
+        pickle.dump(result, f)
+    os.replace(tmp, dst)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
