@@ -80,12 +80,14 @@ def test_a_faster_plan_found_in_the_background_replaces_the_quick_re_plan():
 
 class HeldPlan:
     """Stands in for ``BackgroundPlan`` (same interface): each one plans, for real, in a thread, but only
-    once the test releases it; the second one made fails."""
+    once the test releases it; the second one made fails, the third cannot even start."""
 
     made: list = []
 
     def __init__(self, *args, **kwargs):
         self.k = len(HeldPlan.made)
+        if self.k == 2:
+            raise OSError("injected: cannot start")
         HeldPlan.made.append(self)
         self.gate, self.finished, self.cancelled = threading.Event(), threading.Event(), False
         self.value = self.error = None
@@ -115,7 +117,8 @@ class HeldPlan:
 
 def test_a_refinement_overtaken_by_a_newer_re_plan_is_dropped_and_a_failed_one_keeps_the_plan(monkeypatch):
     """The first refinement is still running when a second failure re-plans again: it is cancelled
-    and, though it finishes later, never taken; the second one fails: reported, the plan stays."""
+    and, though it finishes later, never taken; the second one fails: reported, the plan stays; the
+    third cannot start: reported, training goes on."""
     HeldPlan.made = []
     monkeypatch.setattr(trainer_mod, "BackgroundPlan", HeldPlan)
     prep = prepare(TrainConfig(**REFINE_CFG))
@@ -137,6 +140,12 @@ def test_a_refinement_overtaken_by_a_newer_re_plan_is_dropped_and_a_failed_one_k
         ev = refine_events(t)
         assert len(ev) == 1 and not ev[0]["adopted"] and "injected: no plan" in ev[0]["error"]
         assert t.alloc == after_second[0] and t.plan is after_second[1], "the plan in use stays"
+        it = len(t.metrics["iterations"])
+        kill_one_replica(t, it)
+        ev = refine_events(t)
+        assert len(HeldPlan.made) == 2 and len(ev) == 2 and ev[1]["error"] == "OSError: injected: cannot start"
+        rec = t.iteration(it + 1)
+        assert math.isfinite(rec["train_loss"]) and rec["attempts"] == 1
 
 
 def small_case():

@@ -41,13 +41,13 @@ from typing import Any, Callable
 
 import torch
 
+from .background import BackgroundPlan
 from .costs import PlanError
 from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Llama
 from .network import slowed as slowed_network
 from .node import NodeSettings, Peers, node_main, pick_device
-from .background import BackgroundPlan
 from .paths import Plan, plan_held, replan
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
@@ -579,9 +579,14 @@ class Trainer:
         self._stop_refining()
         if self.c.refine_budget <= 0 or self.c.schedule != "skippipe" or self.missing_stages:
             return
-        self._refining = BackgroundPlan(self.net, self.spec, self.c.stages, self.p.plan.skip, len(self.plan.paths),
-                                        budget_s=self.c.refine_budget, seed=self.c.seed,
-                                        sync_bytes=self.p.plan_sync_bytes, max_evals=self.c.planner_evals or None)
+        try:
+            self._refining = BackgroundPlan(self.net, self.spec, self.c.stages, self.p.plan.skip,
+                                            len(self.plan.paths), budget_s=self.c.refine_budget, seed=self.c.seed,
+                                            sync_bytes=self.p.plan_sync_bytes,
+                                            max_evals=self.c.planner_evals or None)
+        except Exception as exc:  # no process or no temporary file: training goes on with the re-plan
+            log.warning("could not start refining the plan, the plan in use stays: %s", exc)
+            self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
 
     def _stop_refining(self) -> None:
         if self._refining is not None:
