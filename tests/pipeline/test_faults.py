@@ -337,7 +337,8 @@ def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
         [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
          "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
          "--iterations", "400", "--eval-every", "1000", "--control", str(control), "--metrics",
-         str(tmp_path / "m.json")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+         str(tmp_path / "m.json"), "--refine-budget", "2"], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while not (control / "status.json").exists():
@@ -364,6 +365,10 @@ def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
                             env=env, capture_output=True, text=True, timeout=60)
     assert status.returncode == 0, status.stderr
     assert "iteration 400/400" in status.stdout and new in status.stdout and "stage 0:" in status.stdout
+    # --refine-budget: the join's re-plan was followed by a refinement, judged once it came back
+    refines = [e for e in m["events"] if e["event"] == "refine"]
+    assert len(refines) == 1 and refines[0]["iteration"] > joins[0]["iteration"] and "error" not in refines[0]
+    assert ("taken" if refines[0]["adopted"] else "not faster: not taken") in status.stdout
     doc = json.loads((control / "status.json").read_text())
     assert doc["nodes"][new] in (0, 1) and doc["starting"] == []
     nowhere = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "join", "--control",

@@ -137,8 +137,13 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  held by no node (skipped until a node takes them over): {doc['missing_stages']}")
     if doc["starting"]:
         print(f"  starting, will join: {', '.join(doc['starting'])}")
+    if doc.get("refining"):
+        print("  a fresh plan is being searched in the background (--refine-budget)")
     for e in doc["recent_events"]:
-        print(f"  [{e['event']}] at iteration {e.get('iteration')}: {', '.join(e.get('nodes') or [])}")
+        what = ", ".join(e.get("nodes") or [])
+        if e["event"] == "refine":
+            what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
+        print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
 
 

@@ -522,8 +522,9 @@ class Trainer:
                   "iterations": self.c.iterations, "nodes": dict(sorted(self.alloc.items())),
                   "missing_stages": self.missing_stages, "starting": sorted(self._starting | set(self._ready)),
                   "train_loss": last.get("train_loss"), "iteration_seconds": last.get("seconds"),
-                  "recent_events": [{k: e[k] for k in ("event", "iteration") if k in e} | {"nodes": e.get("nodes")}
-                                    for e in self.metrics["events"][-5:]]}
+                  "refining": self._refining is not None,
+                  "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") if k in e}
+                                    | {"nodes": e.get("nodes")} for e in self.metrics["events"][-5:]]}
         tmp = folder / "status.tmp"
         tmp.write_text(json.dumps(status, indent=1))
         tmp.replace(folder / "status.json")
