@@ -267,13 +267,16 @@ def refine_table(runs: dict[str, dict]) -> str:
     def first(m: dict, kind: str) -> dict | None:
         return next((e for e in m["events"] if e["event"] == kind), None)
 
+    def last(m: dict, kind: str) -> dict | None:  # deaths seen one after the other re-plan twice
+        return next((e for e in reversed(m["events"]) if e["event"] == kind), None)
+
     taken = [first(m, "refine") for m in runs.values()]
     start = 1 + max((e["iteration"] for e in taken if e), default=max(m["kill_at"] for m in runs.values()))
     rows = ["| run | predicted phase s before | after the re-plan | after refining | refined plan taken in iteration "
             f"| mean iteration s, iterations {start + 1}-end | mean microbatch phase s, same |",
             "|---|---|---|---|---|---|---|"]
     for name, m in runs.items():
-        rp, rf = first(m, "replan"), first(m, "refine")
+        rp, rf = last(m, "replan"), first(m, "refine")
         window = [r for r in m["iterations"] if r["iteration"] >= start]
         if not window:
             rows.append(f"| {name} | (no iteration after {start}: run longer) |||||| ")
