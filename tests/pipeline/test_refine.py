@@ -171,6 +171,9 @@ def test_a_background_plan_reports_bad_input_a_crash_and_can_be_cancelled():
     bad = BackgroundPlan(net, m, 3, 0.34, 0, budget_s=5.0)
     with pytest.raises(PlanError, match="need at least one microbatch, got 0"):
         bad.result()
+    broken = BackgroundPlan(net, m, 3, 0.34, 8, budget_s="soon")  # not a PlanError: a RuntimeError naming it
+    with pytest.raises(RuntimeError, match=r"^TypeError: "):
+        broken.result()
     crashed = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0)
     time.sleep(0.5)
     os.kill(crashed._proc.pid, signal.SIGKILL)
@@ -178,6 +181,13 @@ def test_a_background_plan_reports_bad_input_a_crash_and_can_be_cancelled():
         crashed.result()
     slow = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0)
     assert not slow.done()
+    # it plans 10 nice steps below this process (field 19 of /proc/PID/stat), so that nodes on the same
+    # machine come first
+    want = str(min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10))
+    deadline = time.monotonic() + 20
+    while open(f"/proc/{slow._proc.pid}/stat").read().rsplit(")", 1)[1].split()[16] != want:
+        assert time.monotonic() < deadline, "the planning process never lowered its priority"
+        time.sleep(0.05)
     slow.cancel()
     assert slow.done() and slow._proc.returncode == -signal.SIGKILL and not slow._dir.exists()
 
