@@ -221,3 +221,17 @@ def test_when_memory_binds_a_split_with_more_stage0_nodes_races_too():
     assert again.to_dict() == first.to_dict() and again.predicted_s == first.predicted_s
     roomy = plan(build_network("aws10", 18, memory=8), m, 4, 0.25, 36, budget_s=60.0, seed=1, max_evals=300)
     assert len(roomy.stats["splits"]) == 1
+
+
+def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_mean_finish():
+    """``_accepts``, the rule each move of ``improve_paths`` passes: on a plateau of the makespan the
+    microbatches' mean finish decides (a move that lets the other late ones end sooner is taken, one
+    that makes them later is not); a deadlocked candidate never replaces a plan that runs."""
+    from roving.pipeline.paths import _accepts
+    inf = math.inf
+    assert _accepts(9.0, 8.0, 10.0, 5.0), "a lower makespan is taken even with later finishes"
+    assert _accepts(10.0, 4.0, 10.0, 5.0) and _accepts(10.0, 5.0, 10.0, 5.0)
+    assert not _accepts(10.0, 6.0, 10.0, 5.0), "same makespan, later mean finish: not taken"
+    assert not _accepts(10.5, 1.0, 10.0, 5.0)
+    assert not _accepts(inf, inf, 10.0, 5.0), "a deadlock never replaces a plan that runs"
+    assert _accepts(10.0, 5.0, inf, inf) and _accepts(inf, inf, inf, inf)

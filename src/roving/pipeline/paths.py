@@ -320,14 +320,21 @@ def _tail(finish: list[float]) -> float:
     return sum(sorted(finish, reverse=True)[:k]) / k
 
 
+def _accepts(score: float, tail: float, cur_score: float, cur_tail: float) -> bool:
+    """The path search's rule for a candidate against the current plan: a lower makespan, or the same
+    makespan with a mean finish (``_tail``) no later; ties of both are taken, to cross plateaus. A
+    deadlocked candidate (infinite makespan and tail) is taken only while the current plan deadlocks too."""
+    return score < cur_score or (score == cur_score and tail <= cur_tail)
+
+
 def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
                   allow_swaps: bool = True, priority: list[int] | None = None,
                   max_evals: int | None = None) -> tuple[list[Path], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
-    stage loads), toggle a swap, or reorder priorities. Ties of the makespan are broken by the mean
-    finish of the microbatches (``TAIL``), and ties of both are accepted to cross plateaus; deadlocked
-    plans score infinity and are never accepted. Stops at ``deadline`` or after ``max_evals`` simulator
+    stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the
+    makespan broken by the mean finish, ``TAIL``; a deadlocked plan never replaces one that does not
+    deadlock). Stops at ``deadline`` or after ``max_evals`` simulator
     evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
     deterministic. Returns (paths, priority, makespan, evaluations)."""
     cur = list(paths)
@@ -384,7 +391,7 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
         score, finish = _judged(ctx, cand, cand_prio, skip)
         evals += 1
         tail = _tail(finish) if score < math.inf else math.inf  # deadlocked: ties as before
-        if score < cur_score or (score == cur_score and tail <= cur_tail):
+        if _accepts(score, tail, cur_score, cur_tail):
             cur, prio, cur_score, cur_tail = cand, cand_prio, score, tail
             if score < best_score:
                 best, best_prio, best_score = list(cand), list(cand_prio), score
