@@ -174,6 +174,11 @@ def test_a_background_plan_reports_bad_input_a_crash_and_can_be_cancelled():
     broken = BackgroundPlan(net, m, 3, 0.34, 8, budget_s="soon")  # not a PlanError: a RuntimeError naming it
     with pytest.raises(RuntimeError, match=r"^TypeError: "):
         broken.result()
+    garbled = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=0.2)
+    garbled._proc.wait()
+    (garbled._dir / "out.pkl").write_bytes(b"not a pickle")
+    with pytest.raises(RuntimeError, match="result could not be read"):
+        garbled.result()
     crashed = BackgroundPlan(net, m, 3, 0.34, 8, budget_s=60.0)
     time.sleep(0.5)
     os.kill(crashed._proc.pid, signal.SIGKILL)

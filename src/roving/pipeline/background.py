@@ -27,7 +27,8 @@ from .paths import Plan, plan
 class BackgroundPlan:
     """``paths.plan(*args, **kwargs)`` in a child process. ``done()`` never blocks; ``result()`` (once
     done) returns the plan or raises what the planner raised (PlanError keeps its message; anything
-    else, or a child that died, is a RuntimeError naming the cause); ``cancel()`` kills the child.
+    else, a child that died, or a result that cannot be read, is a RuntimeError naming the cause);
+    ``cancel()`` kills the child.
     The temporary folder is removed by ``result()`` and ``cancel()``."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -52,8 +53,11 @@ class BackgroundPlan:
                 err = (self._dir / "stderr.txt").read_text(errors="replace").strip().splitlines()
                 raise RuntimeError(f"the planning process ended without a plan (exit code {self._proc.returncode})"
                                    + (f": {err[-1]}" if err else ""))
-            with open(out, "rb") as f:
-                kind, value = pickle.load(f)
+            try:
+                with open(out, "rb") as f:
+                    kind, value = pickle.load(f)
+            except (OSError, EOFError, pickle.UnpicklingError, ValueError) as exc:
+                raise RuntimeError(f"the planning process's result could not be read: {exc}") from None
         finally:
             shutil.rmtree(self._dir, ignore_errors=True)
         if kind == "plan":
