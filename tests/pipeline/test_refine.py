@@ -197,7 +197,8 @@ def test_a_background_plan_reports_bad_input_a_crash_and_can_be_cancelled():
     assert slow.done() and slow._proc.returncode == -signal.SIGKILL and not slow._dir.exists()
 
 
+@pytest.mark.parametrize("name", ["refine_budget", "replan_budget"])
 @pytest.mark.parametrize("bad", [-1.0, "5", True, float("nan")])
-def test_refine_budget_must_be_seconds(bad):
-    with pytest.raises(PlanError, match="refine_budget must be a number of seconds"):
-        TrainConfig(**dict(REFINE_CFG, refine_budget=bad)).check()
+def test_refine_and_replan_budgets_must_be_seconds(name, bad):
+    with pytest.raises(PlanError, match=f"{name} must be a number of seconds"):
+        TrainConfig(**dict(REFINE_CFG, **{name: bad})).check()

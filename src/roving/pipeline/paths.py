@@ -304,13 +304,16 @@ def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip
 
 
 def _judged(ctx: _Context, paths: list[Path], priority: list[int] | None,
-            skip: float) -> tuple[float, list[float]]:
-    """``_makespan`` and when each microbatch finished (the search steers its moves by them)."""
+            skip: float) -> tuple[float, float]:
+    """``_makespan`` and the ``_tail`` of the finish times (the search's tie-break; infinite, as the
+    makespan, for a plan that deadlocks)."""
     plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
     res = simulate(ctx.network, ctx.model, plan, record=False, sync_bytes=ctx.sync_bytes)
-    if ctx.sync_bytes is None or res.deadlock:
-        return res.makespan, res.finish
-    return res.makespan + PHASE_WEIGHT * max(res.finish, default=0.0), res.finish
+    if res.deadlock:
+        return res.makespan, math.inf
+    if ctx.sync_bytes is None:
+        return res.makespan, _tail(res.finish)
+    return res.makespan + PHASE_WEIGHT * max(res.finish, default=0.0), _tail(res.finish)
 
 
 def _tail(finish: list[float]) -> float:
@@ -339,8 +342,7 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
     deterministic. Returns (paths, priority, makespan, evaluations)."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
-    cur_score, finish = _judged(ctx, cur, prio, skip)
-    cur_tail = _tail(finish) if cur_score < math.inf else math.inf
+    cur_score, cur_tail = _judged(ctx, cur, prio, skip)
     best, best_prio, best_score = list(cur), list(prio), cur_score
     evals = 0
     alloc = ctx.allocation
@@ -388,9 +390,8 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
             cand_prio = list(prio)
             i, j = rng.randrange(n_mb), rng.randrange(n_mb)
             cand_prio[i], cand_prio[j] = cand_prio[j], cand_prio[i]
-        score, finish = _judged(ctx, cand, cand_prio, skip)
+        score, tail = _judged(ctx, cand, cand_prio, skip)
         evals += 1
-        tail = _tail(finish) if score < math.inf else math.inf  # deadlocked: ties as before
         if _accepts(score, tail, cur_score, cur_tail):
             cur, prio, cur_score, cur_tail = cand, cand_prio, score, tail
             if score < best_score:
