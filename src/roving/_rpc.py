@@ -15,6 +15,9 @@ Guarantees:
   :data:`PING_EVERY` seconds, and when nothing at all has come back for :data:`DEAD_AFTER` seconds it
   raises :class:`ServerGone`; from then on every call to that address raises at once.
 * Answers are matched to calls by id, so calls can be collected in any order.
+* A connection that breaks while the server lives on (a network drop) is replaced by a new authenticated
+  one; each call that was waiting for an answer then raises :class:`ConnectionLost` (it may or may not
+  have taken effect), and later calls go over the new connection.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .transport import node as _node
-from .transport.endpoint import Channel, TransportError
+from .transport.endpoint import Channel, ConnectionLost, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,9 @@ class Caller:
         self._ids = iter(range(1, 1 << 62))
         self._answers: Dict[int, Tuple[int, List[Any]]] = {}
         self._late: Dict[int, Callable[[int, List[Any]], None]] = {}
+        self._outstanding: Set[int] = set()  # calls sent, not yet answered
+        self._lost: Set[int] = set()  # calls whose connection broke before their answer came
+        self._secret, self._connect_timeout = secret, connect_timeout
         self._check()
         try:
             self._chan = Channel(address, secret, connect_timeout)
@@ -90,6 +96,8 @@ class Caller:
         self._check()
         with self._lock:
             req_id = next(self._ids)
+            if kind != TELL:
+                self._outstanding.add(req_id)
             self._chan.send([self.op, REQ.pack(req_id, kind), *payload])
         return req_id
 
@@ -117,6 +125,11 @@ class Caller:
                 answer = self._answers.pop(req_id, None)
                 if answer is not None:
                     return answer
+                if req_id in self._lost:
+                    self._lost.discard(req_id)
+                    raise ConnectionLost(f"the connection to {self.what} at {self.address} broke before "
+                                         "this call's answer came (a network drop?): it may or may not have "
+                                         "taken effect; later calls use a new connection")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return None
@@ -136,7 +149,11 @@ class Caller:
     def _receive(self, slice_s: float) -> None:
         """Read at most one answer, waiting up to ``slice_s`` seconds (lock held); ping when silent."""
         self._check()
-        frames = self._chan.recv(slice_s)
+        try:
+            frames = self._chan.recv(slice_s)
+        except ConnectionLost:
+            self._reconnect()
+            return
         now = time.monotonic()
         if frames is None:
             if self._ping_id is None:
@@ -153,6 +170,7 @@ class Caller:
         if got == self._ping_id:
             self._ping_id = None
             return
+        self._outstanding.discard(got)
         late = self._late.pop(got, None)
         if late is not None:
             try:
@@ -161,6 +179,24 @@ class Caller:
                 log.exception("roving: could not undo a call that was abandoned")
             return
         self._answers[got] = (status, frames[1:])
+
+    def _reconnect(self) -> None:
+        """The channel broke with the server still there (lock held): every call still waiting for an
+        answer is lost; later ones go over a new channel."""
+        log.warning("roving: the connection to %s at %s broke; reconnecting", self.what, self.address)
+        self._chan.close(0)
+        self._lost |= self._outstanding
+        self._outstanding.clear()
+        for req_id in list(self._late):
+            if req_id in self._lost:  # nothing will come back to undo
+                del self._late[req_id]
+                self._lost.discard(req_id)
+        self._ping_id = None
+        try:
+            self._chan = Channel(self.address, self._secret, self._connect_timeout)
+        except (TransportError, OSError) as exc:
+            mark_dead(self.address)
+            raise self._gone(f"cannot reconnect: {exc}") from exc
 
     def close(self) -> None:
         self._chan.close(0)

@@ -81,7 +81,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen")
+                 "gone", "alone", "seen", "unreachable")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -95,6 +95,13 @@ class WorkerState:
         self.gone = False
         self.alone = False  # running a blamed item: gets nothing else meanwhile
         self.seen = time.monotonic()  # last heartbeat
+        # A message to it could not be delivered: its connection to the parent broke (a network drop)
+        # though its process may live on; the upkeep kills it so that its work is run elsewhere.
+        self.unreachable = False
+
+    def lost_contact(self) -> None:
+        """``undeliverable`` of every message to this worker (runs on the node's I/O thread)."""
+        self.unreachable = True
 
 
 class Dispatcher:
@@ -338,7 +345,7 @@ class Dispatcher:
         if self._batch:
             # One message per worker for all the units it was given this time.
             for w, frames in self._batch.items():
-                self.node.send_to(w.ident, frames)
+                self.node.send_to(w.ident, frames, w.lost_contact)
             self._batch.clear()
 
     def _steal(self) -> None:
@@ -355,7 +362,8 @@ class Dispatcher:
                 if not unit.revoked:
                     unit.revoked = True
                     idle -= 1
-                    self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)])
+                    self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)],
+                                      w.lost_contact)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
         chunk, job = unit.chunk, unit.chunk.job
@@ -386,7 +394,7 @@ class Dispatcher:
 
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
-            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)])
+            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.lost_contact)
 
     def _retire(self, w: WorkerState) -> None:
         w.retiring = True

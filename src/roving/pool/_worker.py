@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from array import array
@@ -18,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
-from ..transport.endpoint import Channel
+from ..transport.endpoint import Channel, ConnectionLost
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
 
@@ -112,19 +113,37 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
         initializer(*initargs)
     secret = _session.current().secret
     chan = Channel(address, secret, connect_timeout)
-    threading.Thread(target=_heartbeat, args=(Channel(address, secret, connect_timeout), pool_id, worker_id),
+    beats = Channel(address, secret, connect_timeout)
+    threading.Thread(target=_heartbeat, args=(beats, pool_id, worker_id, connect_timeout),
                      name="roving-pool-heartbeat", daemon=True).start()
     try:
         _Loop(chan, pool_id, maxtasks).run(worker_id)
+    except ConnectionLost as exc:
+        # Results sent since the drop were dropped unread, and the parent knows this worker by its old
+        # connection: leaving is what keeps the pool's count exact. Its unfinished work is run again
+        # elsewhere, as for any worker that dies, and a replacement starts.
+        sys.stderr.write(f"roving pool worker {worker_id} exits: {exc}\n")
+        raise SystemExit(1) from None
     finally:
         chan.close()
 
 
-def _heartbeat(chan: Channel, pool_id: int, worker_id: int) -> None:
-    """Tell the parent this worker lives, also while a long task runs (its own connection)."""
+def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: float) -> None:
+    """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
+    sent back on it but the node's word that it no longer knows the connection (after a network drop):
+    then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
     interval = _config.current().heartbeat_interval
     header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
     while True:
+        try:
+            chan.recv(0)
+        except ConnectionLost:
+            chan.close(0)
+            try:
+                chan = Channel(chan.address, _session.current().secret, connect_timeout)
+            except (OSError, ConnectionError) as exc:
+                log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
+                return
         chan.send([P.OP, header])
         time.sleep(interval)
 

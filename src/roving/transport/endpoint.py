@@ -22,16 +22,32 @@ from . import auth
 from . import node as _node
 from . import stream as _stream
 from .mailbox import ERROR, OK
-from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _CHALLENGE, _COPY_BELOW,
-                   _HEADER, _HELLO, _LINGER_MS, _PROOF, _REPLY, _REQUEST, _WELCOME, Frames, Node, _context, _nbytes,
-                   send_frames)
+from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE, _CHALLENGE, _COPY_BELOW,
+                   _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
+                   _context, _nbytes, send_frames)
 
-__all__ = ["Endpoint", "Channel", "TransportError", "abandon", "close_connections"]
+__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections"]
 
 log = logging.getLogger(__name__)
 
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
 _STREAM_OPEN_TIMEOUT = 10.0
+
+
+class ConnectionLost(TransportError):
+    """The connection to a node broke while the node may still be there (a network drop): an answer
+    awaited on it will not come, and what was sent without an answer may not have arrived. The next
+    call over the same :class:`Endpoint` opens a new authenticated connection."""
+
+
+def _is_reauth(frames: List[Any]) -> bool:
+    """Whether a message is the node's "this connection has not authenticated" (see node._REAUTH)."""
+    return len(frames) == 1 and len(frames[0]) == len(_REAUTH) and bytes(frames[0]) == _REAUTH
+
+
+def _lost(address: str) -> ConnectionLost:
+    return ConnectionLost(f"the connection to the roving node at {address} was re-made after a network drop, "
+                          "so the node no longer knows it: what was sent since was dropped unread")
 
 
 class _Connection:
@@ -49,6 +65,8 @@ class _Connection:
         self.pending: Optional[Tuple[int, bytes, int]] = None
         # Something was sent without an answer since the last answer: flush() makes sure it arrived.
         self.unacked = False
+        # The connection itself broke (not just a slow answer): the Endpoint replaces it before its next use.
+        self.broken = False
         self.thread: Callable[[], Optional[threading.Thread]] = lambda: None  # the thread it serves
 
     def _transmit(self, frames: Frames) -> None:
@@ -58,6 +76,8 @@ class _Connection:
         raise NotImplementedError
 
     def send(self, op: bytes, box_id: int, timeout: float, payload: Frames) -> int:
+        if self.broken:
+            raise ConnectionLost(f"the connection to the roving node at {self.address} broke")
         req_id = next(self._ids)
         if op in NO_REPLY:
             self.unacked = True
@@ -141,6 +161,7 @@ class _ZmqConnection(_Connection):
         self.address = address
         self.sock = _context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        _node.keep_alive(self.sock)
         self.sock.connect(address)
         try:
             self._authenticate(secret, connect_timeout)
@@ -165,7 +186,11 @@ class _ZmqConnection(_Connection):
         if timeout is not None and not self.sock.poll(timeout * 1000):
             raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
                                  "(has the process that owns it exited?)")
-        return self.sock.recv_multipart(copy=copy)
+        frames = self.sock.recv_multipart(copy=copy)
+        if _is_reauth(frames):
+            self.broken = True
+            raise _lost(self.address)
+        return frames
 
     def _transmit(self, frames: Frames) -> None:
         if any(_nbytes(f) >= _COPY_BELOW for f in frames):
@@ -176,7 +201,16 @@ class _ZmqConnection(_Connection):
             send_frames(self.sock, frames)
 
     def close(self) -> None:
+        _say_bye(self.sock)
         self.sock.close()
+
+
+def _say_bye(sock: zmq.Socket) -> None:
+    """Tell the node this connection ends (it forgets the connection's identity); after all sent before."""
+    try:
+        sock.send(_BYE, zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass
 
 
 class _StreamConnection(_Connection):
@@ -191,7 +225,8 @@ class _StreamConnection(_Connection):
         try:
             self.stream.send(_REQUEST, frames)
         except OSError as exc:
-            raise TransportError(f"the roving node at {self.address} closed the connection: {exc}") from exc
+            self.broken = True
+            raise ConnectionLost(f"the connection to the roving node at {self.address} broke: {exc}") from exc
 
     def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
         if timeout is not None and not self.stream.readable(timeout):
@@ -199,9 +234,11 @@ class _StreamConnection(_Connection):
                                  "(has the process that owns it exited?)")
         try:
             return self.stream.recv()[1]
-        except EOFError as exc:
-            raise TransportError(f"the roving node at {self.address} closed the connection "
-                                 "(has the process that owns it exited?)") from exc
+        except (EOFError, OSError) as exc:
+            self.broken = True
+            raise ConnectionLost(f"the connection to the roving node at {self.address} broke "
+                                 f"({exc or 'closed by the other end'}; has the process that owns it "
+                                 "exited?)") from exc
 
     def closes_safely(self) -> bool:
         # What send() wrote is in the kernel, and the node reads it before it sees the stream end
@@ -231,13 +268,22 @@ class Channel:
         send_frames(self._sock, frames)
 
     def recv(self, timeout: Optional[float]) -> Optional[Frames]:
-        """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s."""
+        """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s.
+
+        Raises :class:`ConnectionLost` when the node says it no longer knows this connection (ZeroMQ
+        re-made it after a network drop): messages sent since were dropped, and no answer to what was
+        sent before will come. The channel is then of no further use: open a new one.
+        """
         if timeout is not None and not self._sock.poll(max(0.0, timeout) * 1000):
             return None
-        return self._sock.recv_multipart(copy=False)
+        frames = self._sock.recv_multipart(copy=False)
+        if _is_reauth(frames):
+            raise _lost(self.address)
+        return frames
 
     def close(self, linger: float = 10.0) -> None:
         """Close, waiting up to ``linger`` seconds for queued messages to leave."""
+        _say_bye(self._sock)
         self._sock.close(int(linger * 1000))
 
 
@@ -259,6 +305,9 @@ class Endpoint:
 
     def _conn(self, connect_timeout: Optional[float] = None) -> _Connection:
         conn = getattr(self._threads, "conn", None)
+        if conn is not None and conn.broken:
+            self._replace(conn)
+            conn = None
         if conn is None:
             _close_for_ended_threads()
             conn = self._connect(connect_timeout or self._connect_timeout)
@@ -267,6 +316,25 @@ class Endpoint:
             with _open_lock:
                 _open_connections.append(conn)
         return conn
+
+    def _replace(self, conn: _Connection) -> None:
+        """Let go of this thread's broken connection; the next one is new, and authenticates anew. If
+        nothing listens at the node's address any more, its process has ended: say so at once rather
+        than wait ``connect_timeout`` for a node that will not come back."""
+        self._threads.conn = None
+        with _open_lock:
+            if conn in _open_connections:
+                _open_connections.remove(conn)
+        if conn.unacked:
+            log.warning("roving: the connection to %s broke; what was sent to it without an answer since "
+                        "its last answer may not have arrived", self.address)
+        try:
+            conn.close()
+        except (zmq.ZMQError, OSError):
+            pass
+        if not _listening(self.address):
+            raise TransportError(f"nothing listens at {self.address} any more: the process that owned "
+                                 "it has ended")
 
     def _connect(self, timeout: float) -> _Connection:
         """A stream connection where the node has a stream listener, else ZeroMQ."""

@@ -66,6 +66,11 @@ NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
 _TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
 
 _HELLO, _CHALLENGE, _PROOF, _WELCOME, _DENIED = b"hello", b"challenge", b"proof", b"welcome", b"denied"
+# A client closing its connection says so (the node forgets it); a node answers anything else from a
+# connection that has not authenticated with REAUTH (and reads nothing of it): a client whose connection
+# ZeroMQ re-made after a network drop (a new connection, so a new identity here) learns that what it sent
+# since was dropped, instead of waiting for answers that cannot come.
+_BYE, _REAUTH = b"bye", b"reauth"
 _MAX_PENDING_HANDSHAKES = 1024
 _LINGER_MS = 10_000
 
@@ -100,6 +105,14 @@ class TransportError(OSError):
 
 def _context() -> zmq.Context:
     return zmq.Context.instance()
+
+
+def keep_alive(sock: zmq.Socket) -> None:
+    """TCP keepalive on a ZeroMQ socket's connections, with the streams' timings (stream.keep_alive)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _stream.KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _stream.KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, _stream.KEEPALIVE_COUNT)
 
 
 Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
@@ -141,6 +154,7 @@ class Node:
         # no high-water mark, so that the I/O thread never blocks on a slow peer (requests bound the load).
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
+        keep_alive(self._router)
         port = self._router.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{advertise or host}:{port}"
         self.host, self.advertise = host, advertise
@@ -154,6 +168,7 @@ class Node:
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
         self._authenticated: set = set()
+        self._told: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()  # sent REAUTH
         self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
@@ -363,6 +378,7 @@ class Node:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.debug("roving node: a peer left before its answer")
+                self._authenticated.discard(frames[0])  # its connection is gone: so is its identity
             elif not self._running:
                 return
             else:
@@ -531,6 +547,9 @@ class Node:
         if handler is not None:
             handler(ident, frames[2:])
             return
+        if op == _BYE:
+            self._authenticated.discard(ident)
+            return
         if len(frames) < 3:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
@@ -590,8 +609,17 @@ class Node:
             log.warning("roving node %s: a peer failed authentication; it is ignored", self.address)
             self._send([ident, _DENIED])
             return
-        log.warning("roving node %s: dropped %d frame(s) from a peer that has not authenticated",
-                    self.address, len(frames))
+        if kind in (_BYE, _HELLO, _PROOF):  # a late goodbye, or a handshake message out of turn
+            return
+        # Once per connection: its peer re-connects (a new, authenticated connection) or gives up.
+        if ident not in self._told:
+            self._told[ident] = None
+            while len(self._told) > _MAX_PENDING_HANDSHAKES:
+                self._told.popitem(last=False)
+            log.warning("roving node %s: dropped %d frame(s) from a connection that has not authenticated "
+                        "(a client re-connected after a network drop, or a stranger); it is told so",
+                        self.address, len(frames))
+            self._send([ident, _REAUTH])
 
     def close(self) -> None:
         """Stop serving. Waiting local callers are answered with an error."""

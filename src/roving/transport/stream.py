@@ -203,6 +203,22 @@ class _Reader:
         return True
 
 
+#: TCP keepalive of every connection: a peer whose machine vanished without closing (power lost, a
+#: network partition) is found after ``IDLE + COUNT x INTERVAL`` seconds of silence (25 s), and a read
+#: waiting on it fails then instead of waiting for ever. Probes are answered by the peer's kernel, so a
+#: peer that is busy or waits on purpose is never taken for dead.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 10, 5, 3
+
+
+def keep_alive(sock: socket.socket) -> None:
+    """Turn on TCP keepalive with the timings above (where the platform lets them be set)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S), ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 class StreamError(ConnectionError):
     """A stream could not be opened, or the peer refused it."""
 
@@ -217,6 +233,7 @@ class Stream:
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keep_alive(sock)
         self.sock = sock
         self.write_lock = threading.Lock()
         self.read_lock = threading.Lock()

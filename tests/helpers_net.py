@@ -1,0 +1,82 @@
+"""A TCP forwarder on 127.0.0.1 whose connections the test can cut, as a network blip would."""
+from __future__ import annotations
+
+import socket
+import threading
+from typing import List, Tuple
+
+
+class CuttingProxy:
+    """Forwards every connection made to ``address`` to ``target`` (``tcp://127.0.0.1:PORT`` or
+    ``127.0.0.1:PORT``; ``address`` takes the same form), byte for byte. :meth:`cut` closes every connection open now, on both
+    sides (each side sees the connection end, as after a dropped link); new connections are forwarded
+    as before, so a client that reconnects reaches the target again, over a new TCP connection."""
+
+    def __init__(self, target: str) -> None:
+        scheme = "tcp://" if target.startswith("tcp://") else ""  # ZeroMQ's form, or a stream's host:port
+        host, _, port = target[len(scheme):].rpartition(":")
+        assert host == "127.0.0.1", "tests talk to 127.0.0.1 only"
+        self.target = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"{scheme}127.0.0.1:{self._listener.getsockname()[1]}"
+        self._pairs: List[Tuple[socket.socket, socket.socket]] = []
+        self._lock = threading.Lock()
+        self.accepted = 0
+        self._closed = False
+        threading.Thread(target=self._accept, name="cutting-proxy", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.target, timeout=5)
+                server.settimeout(None)
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._pairs.append((client, server))
+                self.accepted += 1
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return sum(1 for c, _ in self._pairs if c.fileno() != -1)
+
+    def cut(self) -> int:
+        """Close every connection forwarded now; returns how many were cut."""
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            for s in pair:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        return len(pairs)
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+        self.cut()

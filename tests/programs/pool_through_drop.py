@@ -1,0 +1,53 @@
+"""A pool whose workers reach the parent through a forwarder that cuts every connection mid-map.
+
+Run by tests/test_transport_drops.py with ROVING_POOL_HEARTBEAT_TIMEOUT=600, so that the pool's last
+resort (killing a worker that sent no heartbeat for that long) cannot be what finishes the map. Prints
+one JSON line: the results, how many connections were cut, and the workers that ran.
+"""
+import json
+import sys
+import tempfile
+import time
+
+import roving
+from helpers_net import CuttingProxy
+from helpers_pool import slow_square_counting
+
+
+class _Via:
+    """The dispatcher's node, except that workers started from now on are given ``address``."""
+
+    def __init__(self, node, address):
+        self._node, self.address = node, address
+
+    def __getattr__(self, name):
+        return getattr(self._node, name)
+
+
+def main():
+    log_dir = tempfile.mkdtemp()
+    with roving.Pool(1) as pool:
+        node = pool._disp.node
+        proxy = CuttingProxy(node.address)
+        pool._disp.node = _Via(node, proxy.address)
+        pool.resize(3)  # two more workers, both channels (work, heartbeats) through the forwarder
+        items = list(range(120))
+        result = pool.starmap_async(slow_square_counting, [(x, 0.05, log_dir) for x in items], chunksize=1)
+        deadline = time.monotonic() + 60
+        while proxy.open_connections() < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the workers behind the forwarder are running items now
+        cut = proxy.cut()
+        values = result.get(timeout=120)
+        ran = {}
+        import os
+        for name in os.listdir(log_dir):
+            x = int(name.split(".")[0])
+            ran[x] = ran.get(x, 0) + 1
+    print(json.dumps({"values": values, "cut": cut, "accepted_after": proxy.accepted,
+                      "missing": [x for x in items if x not in ran]}))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

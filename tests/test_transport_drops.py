@@ -1,0 +1,219 @@
+"""Connections that break while both processes live on (a network drop, made here by a forwarder on
+127.0.0.1 that cuts them): no call waits for an answer that cannot come, the next call works over a new
+authenticated connection, and nothing already stored is lost. Also: the node forgets connections that
+close, and every connection asks the kernel for keepalive probes."""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+
+import pytest
+import zmq
+
+import roving
+from helpers_core import TESTS_DIR, TIMEOUT, run_script, wait_until
+from helpers_net import CuttingProxy
+from roving import _rpc
+from roving.transport import endpoint as _endpoint
+from roving.transport import node as _node
+from roving.transport import session as _session
+from roving.transport import stream as _stream
+from roving.transport.serialize import dumps, loads
+
+
+class _OneThread:
+    """Runs calls on one thread of its own (an Endpoint keeps one connection per thread), each bounded
+    by TIMEOUT: ``run(fn)`` returns (finished in time, its result or the exception it raised)."""
+
+    def __init__(self):
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    def run(self, fn):
+        future = self._pool.submit(fn)
+        try:
+            return True, future.result(timeout=TIMEOUT)
+        except concurrent.futures.TimeoutError:
+            return False, None
+        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
+            return True, exc
+
+
+@pytest.fixture
+def queue_via_proxy():
+    q = roving.Queue()
+    proxy = CuttingProxy(q._address)
+    yield q, proxy
+    proxy.close()
+
+
+def test_a_zeromq_connection_remade_after_a_drop_raises_at_once_and_the_next_call_reconnects(queue_via_proxy):
+    q, proxy = queue_via_proxy
+    ep = _endpoint.Endpoint(proxy.address, _session.current().secret, None, connect_timeout=TIMEOUT)
+    ep._streams = ""  # ZeroMQ only: no stream listener
+    t = _OneThread()
+    assert t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps("before"))) == (True, (_node.OK, []))
+    assert proxy.cut() == 1
+    # ZeroMQ re-makes the connection under the hood: a new identity at the node, which drops what comes
+    # over it unread. A put that waits for ever for its answer must not wait for ever.
+    finished, got = t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps("lost")))
+    assert finished, "a call over a connection re-made after a drop waited for an answer that cannot come"
+    assert isinstance(got, _endpoint.ConnectionLost), got
+    assert "network drop" in str(got)
+    # The next call opens a new connection, which authenticates anew, and works.
+    assert t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps("after"))) == (True, (_node.OK, []))
+    assert proxy.accepted >= 2
+    assert q.get(timeout=TIMEOUT) == "before"
+    assert q.get(timeout=TIMEOUT) == "after"
+    assert q.qsize() == 0  # the put sent over the unknown connection was dropped, not stored
+
+
+def test_a_stream_that_breaks_raises_and_the_next_call_opens_a_new_one():
+    q = roving.Queue()
+    node = _session.current().node()
+    proxy = CuttingProxy(node.streams().address)
+    try:
+        ep = _endpoint.Endpoint(q._address, _session.current().secret, None, connect_timeout=TIMEOUT)
+        ep._streams = proxy.address  # the stream goes through the forwarder
+        t = _OneThread()
+        assert t.run(lambda: isinstance(ep._conn(), _endpoint._StreamConnection)) == (True, True)
+        assert t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps(1))) == (True, (_node.OK, []))
+        assert proxy.cut() == 1
+        finished, got = t.run(lambda: ep.call(_node.GET, 999999, -1))
+        assert finished and isinstance(got, _endpoint.ConnectionLost), got
+        finished, (status, frames) = t.run(lambda: ep.call(_node.GET, q._box, TIMEOUT))
+        assert finished and status == _node.OK and loads(frames) == 1
+        assert proxy.accepted == 2
+    finally:
+        proxy.close()
+
+
+def test_a_ping_after_a_drop_recovers_on_the_next_ping(queue_via_proxy):
+    """The child's watch of its parent pings: one drop must not look like a parent that has gone."""
+    q, proxy = queue_via_proxy
+    ep = _endpoint.Endpoint(proxy.address, _session.current().secret, None, connect_timeout=TIMEOUT)
+    ep._streams = ""
+    assert ep.ping(TIMEOUT)
+    proxy.cut()
+    answers = [ep.ping(5) for _ in range(3)]  # this thread's connection, cut under it
+    assert answers[1:] == [True, True], answers
+
+
+def test_reconnecting_to_a_node_that_has_gone_fails_at_once():
+    """After a break, a node whose port refuses connections is reported gone, not waited for."""
+    secret = _session.current().secret
+    other = _node.Node(secret)
+    box = other.new_box()
+    ep = _endpoint.Endpoint(other.address, secret, None, connect_timeout=TIMEOUT)
+    t = _OneThread()
+    assert t.run(lambda: ep.call(_node.PUT, box, -1, dumps("x"))) == (True, (_node.OK, []))
+    other.close()
+    finished, got = t.run(lambda: ep.call(_node.GET, box, 1))  # the connection breaks
+    assert finished and isinstance(got, _endpoint.ConnectionLost), got
+    finished, got = t.run(lambda: ep.call(_node.GET, box, 1))
+    assert finished and isinstance(got, _endpoint.TransportError) and "nothing listens" in str(got), got
+
+
+def test_a_stranger_is_told_once_that_it_has_not_authenticated_and_nothing_it_sent_is_read(tmp_path):
+    q = roving.Queue()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(q._address)
+    try:
+        for i in range(3):
+            sock.send_multipart([_node.PUT_NOREPLY, _node._HEADER.pack(q._box, i, 0.0), dumps("junk")[0]])
+        assert sock.poll(TIMEOUT * 1000)
+        assert sock.recv_multipart() == [_node._REAUTH]
+        assert not sock.poll(500)  # once, not once per message
+    finally:
+        sock.close(0)
+    assert q.qsize() == 0
+
+
+def test_the_node_forgets_the_connections_that_close():
+    secret = _session.current().secret
+    node = _node.Node(secret)
+    try:
+        conns = [_endpoint._ZmqConnection(node.address, secret, TIMEOUT) for _ in range(5)]
+        assert wait_until(lambda: len(node._authenticated) == 5, TIMEOUT)
+        for conn in conns:
+            conn.close()
+        assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT), node._authenticated
+        chan = _endpoint.Channel(node.address, secret, TIMEOUT)
+        assert wait_until(lambda: len(node._authenticated) == 1, TIMEOUT)
+        chan.close()
+        assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT)
+    finally:
+        node.close()
+
+
+def test_an_rpc_caller_fails_the_call_in_flight_and_reconnects_after_a_drop():
+    """Locks, managers and shared data talk over _rpc: a drop fails the call whose answer it lost
+    (it may have taken effect) and later calls work over a new connection."""
+    secret = _session.current().secret
+    node = _node.Node(secret)
+    served = []
+
+    class Echo(_rpc.Server):
+        def serve(self, ident, req_id, kind, frames):
+            served.append(bytes(frames[0]))
+            if bytes(frames[0]) != b"hold":  # "hold" is never answered: a call waiting when the drop comes
+                self.answer(ident, req_id, _rpc.OK, [frames[0]])
+
+    Echo(node, b"E")
+    proxy = CuttingProxy(node.address)
+    try:
+        caller = _rpc.Caller(proxy.address, secret, b"E", "the echo server", connect_timeout=TIMEOUT)
+        status, frames = caller.call([b"one"])
+        assert status == _rpc.OK and bytes(frames[0]) == b"one"
+        held = caller.submit([b"hold"])
+        assert wait_until(lambda: b"hold" in served, TIMEOUT)
+        proxy.cut()
+        finished, got = _OneThread().run(lambda: caller.collect(held))
+        assert finished and isinstance(got, _endpoint.ConnectionLost), got
+        status, frames = caller.call([b"two"])
+        assert status == _rpc.OK and bytes(frames[0]) == b"two"
+        assert proxy.accepted >= 2  # a new connection (ZeroMQ's own re-made one may count too)
+    finally:
+        proxy.close()
+        node.close()
+
+
+def test_a_pool_finishes_every_item_when_its_workers_connections_are_cut():
+    """The workers behind the forwarder leave (they learn that the parent no longer knows their
+    connection, or the parent, unable to reach them, kills them); their unfinished items run again
+    elsewhere. Not by the heartbeat timeout: it is set to 600 s, and the heartbeats reconnect."""
+    out = run_script(TESTS_DIR / "programs" / "pool_through_drop.py",
+                     env={"ROVING_POOL_HEARTBEAT_TIMEOUT": "600"}, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["values"] == [x * x for x in range(120)]
+    assert got["missing"] == []
+    assert got["cut"] >= 4  # both connections of both workers behind the forwarder
+    # Whichever side found out first: the worker (told by the parent's node) or the parent (a message to
+    # the worker could not be delivered).
+    assert ("exits: the connection to the roving node" in out.stderr
+            or "cannot be reached any more (its connection to the parent broke)" in out.stderr), out.stderr
+
+
+def test_every_connection_asks_for_tcp_keepalive():
+    """A peer whose machine vanished without closing is found by keepalive probes (25 s), so a read
+    waiting on it fails instead of waiting for ever."""
+    q = roving.Queue()
+    node = _session.current().node()
+    listener = node.streams()
+    stream = _stream.connect(listener.address, _session.current().secret, {"purpose": "node"}, TIMEOUT)
+    try:
+        s = stream.sock
+        assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == _stream.KEEPALIVE_IDLE_S
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == _stream.KEEPALIVE_INTERVAL_S
+        assert s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == _stream.KEEPALIVE_COUNT
+    finally:
+        stream.close()
+    conn = _endpoint._ZmqConnection(q._address, _session.current().secret, TIMEOUT)
+    try:
+        assert conn.sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+        assert conn.sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == _stream.KEEPALIVE_IDLE_S
+    finally:
+        conn.close()
