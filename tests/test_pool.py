@@ -319,7 +319,7 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
 
     disp = Dispatcher(10_000, max_task_retries=3)
     sent = []
-    disp.node = type("FakeNode", (), {"send_to": lambda self, ident, frames: sent.append((ident, frames))})()
+    disp.node = type("FakeNode", (), {"send_to": lambda self, ident, frames, undeliverable=None: sent.append((ident, frames))})()
     rec = Recorder()
     disp.submit(rec, h.square, P.MAP, list(range(6)), 6, inline=False)
     w1, w2 = WorkerState(1, None), WorkerState(2, None)
@@ -410,7 +410,7 @@ def test_repeated_calls_send_a_plain_function_once_per_worker():
     with roving.Pool(1) as p:
         sent = []
         real = p._disp.node.send_to
-        p._disp.node = type("Spy", (), {"send_to": lambda self, ident, frames: (sent.append(frames),
+        p._disp.node = type("Spy", (), {"send_to": lambda self, ident, frames, undeliverable=None: (sent.append(frames),
                                                                                  real(ident, frames))})()
         assert [p.apply_async(h.square, (i,)).get(T) for i in range(5)] == [i * i for i in range(5)]
         p.map(h.square, range(10), chunksize=2)

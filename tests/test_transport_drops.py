@@ -217,3 +217,35 @@ def test_every_connection_asks_for_tcp_keepalive():
         assert conn.sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == _stream.KEEPALIVE_IDLE_S
     finally:
         conn.close()
+
+
+def test_the_pool_parent_marks_a_worker_it_cannot_deliver_work_to():
+    """The parent's side of a worker cut off: work sent to it that cannot be delivered marks it, and the
+    pool's upkeep then kills it (its work is re-run as for any lost worker)."""
+    import helpers_pool as h
+    from roving.pool import _protocol as P
+    from roving.pool._dispatch import Dispatcher, WorkerState
+
+    class Recorder:
+        def _set_run(self, index, ok, values):
+            pass
+
+    delivered = []
+
+    def send_to(self, ident, frames, undeliverable=None):
+        if ident == b"w1":
+            undeliverable()  # its connection is gone
+        else:
+            delivered.append(ident)
+
+    disp = Dispatcher(10_000, max_task_retries=3)
+    disp.node = type("Node", (), {"send_to": send_to})()
+    disp.submit(Recorder(), h.square, P.MAP, list(range(4)), 1, inline=False)  # 4 units of 1 item
+    w1, w2 = WorkerState(1, None), WorkerState(2, None)
+    for w in (w1, w2):
+        disp.add_worker(w)
+        disp.on_message(b"w%d" % w.id, P.HELLO, w.id, 0, [])
+    disp.on_message(b"w2", P.READY, 1, 0, [])
+    assert delivered == [b"w2"] and not w2.unreachable
+    disp.on_message(b"w1", P.READY, 1, 0, [])
+    assert w1.unreachable

@@ -18,6 +18,7 @@ from .queues import JoinableQueue, Queue, SimpleQueue
 from .shared import Shared, shared
 from .sharedctypes import Array, RawArray, RawValue, Value
 from .synchronize import Barrier, BoundedSemaphore, Condition, Event, Lock, RLock, Semaphore
+from .transport.endpoint import ConnectionLost
 from .transport.serialize import SerializationError
 
 __version__ = "0.1.0"
@@ -26,7 +27,7 @@ __all__ = [
     "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Connection",
     "current_process", "parent_process", "active_children", "cpu_count",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
-    "init", "Config", "ConfigError", "SerializationError",
+    "init", "Config", "ConfigError", "SerializationError", "ConnectionLost",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
     "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",

@@ -5,6 +5,13 @@ authenticated connection — a stream when the node offers one (:class:`_StreamC
 written by the calling thread), else ZeroMQ (:class:`_ZmqConnection`). :class:`Channel` is a ZeroMQ
 connection for a protocol of one's own (the pool's). :func:`close_connections` makes sure at exit that
 what was sent without an answer has arrived.
+
+Broken connections. A connection can break while both processes live on (a network drop): a stream
+ends, or ZeroMQ quietly re-makes its TCP connection, which the node then knows as a stranger and answers
+only with REAUTH. Either way the call in progress raises :class:`ConnectionLost` instead of waiting for
+an answer that cannot come (it may or may not have taken effect), and the thread's next call opens a new
+connection with a new handshake; if nothing listens at the node's address any more, that call raises at
+once. A peer that vanished without closing is found by TCP keepalive (:mod:`.stream`), after about 25 s.
 """
 from __future__ import annotations
 

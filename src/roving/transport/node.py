@@ -14,7 +14,8 @@ managers') and for nodes that offer no streams.
 Guarantees:
 
 * A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
-  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged.
+  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged,
+  and the peer is told once, with a fixed word (REAUTH), that its connection is not known here.
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
