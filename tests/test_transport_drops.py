@@ -249,3 +249,23 @@ def test_the_pool_parent_marks_a_worker_it_cannot_deliver_work_to():
     assert delivered == [b"w2"] and not w2.unreachable
     disp.on_message(b"w1", P.READY, 1, 0, [])
     assert w1.unreachable
+
+
+def test_a_zeromq_call_waiting_for_ever_finds_out_that_its_connection_was_remade(queue_via_proxy, monkeypatch):
+    """A get() without a timeout sends nothing while it waits: it pings now and then (every
+    ``_PROBE_S`` seconds, 0.2 here) so that a connection re-made under it is found out."""
+    q, proxy = queue_via_proxy
+    monkeypatch.setattr(_endpoint, "_PROBE_S", 0.2)
+    ep = _endpoint.Endpoint(proxy.address, _session.current().secret, None, connect_timeout=TIMEOUT)
+    ep._streams = ""
+    t = _OneThread()
+    assert t.run(lambda: ep.ping(TIMEOUT)) == (True, True)
+    waiting = t._pool.submit(lambda: ep.call(_node.GET, q._box, -1))
+    assert wait_until(lambda: _session.current().node().boxes[q._box].getters, TIMEOUT)
+    proxy.cut()
+    with pytest.raises(_endpoint.ConnectionLost):
+        waiting.result(timeout=TIMEOUT)
+    q.put("kept")  # the node's answer to the lost reader cannot be delivered: the item stays
+    assert q.get(timeout=TIMEOUT) == "kept"
+    assert t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps("again"))) == (True, (_node.OK, []))
+    assert q.get(timeout=TIMEOUT) == "again"

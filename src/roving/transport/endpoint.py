@@ -39,6 +39,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
 _STREAM_OPEN_TIMEOUT = 10.0
+#: Seconds of silence after which a ZeroMQ call that waits for ever pings, to learn whether its
+#: connection was re-made under it (see _ZmqConnection._recv).
+_PROBE_S = 5.0
 
 
 class ConnectionLost(TransportError):
@@ -190,7 +193,13 @@ class _ZmqConnection(_Connection):
                                            "secret: is it part of the same roving session?")
 
     def _recv(self, timeout: Optional[float], what: str, copy: bool = False) -> List[Any]:
-        if timeout is not None and not self.sock.poll(timeout * 1000):
+        if timeout is None:
+            # Waiting for ever (a get() without a timeout): ZeroMQ may re-make the connection meanwhile
+            # without a word, and the answer would then never come. A ping now and then is answered,
+            # or, over a re-made connection, met with REAUTH.
+            while not self.sock.poll(_PROBE_S * 1000):
+                self.send(PING, 0, 0, [])
+        elif not self.sock.poll(timeout * 1000):
             raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
                                  "(has the process that owns it exited?)")
         frames = self.sock.recv_multipart(copy=copy)
