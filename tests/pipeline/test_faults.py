@@ -396,14 +396,21 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
             assert wait_until(lambda: not t.procs[names[0]].is_alive(), 60), "scancel did not end the job"
 
         rec = kill_mid_iteration(t, [victim], cancel)
+        it = 2
+        if victim in t.alloc:
+            # Slurm ends the job some time after scancel, and the coordinator waits for that inside the
+            # iteration: on a loaded machine the victim's part of it can be done by then, the iteration
+            # ends, and the death, found after it, is planned around from the next one.
+            t.iteration(it)
+            it += 1
         assert victim not in t.alloc
         dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
         assert dead and dead[0]["nodes"] == [victim]
         assert math.isfinite(rec["train_loss"])
-        t.iteration(2)
+        t.iteration(it)
         t.join([victim], timeout=120)
         assert t.procs[victim].job.id.isdigit()
-        t.iteration(3)
+        t.iteration(it + 1)
         assert victim in replicas_equal(t, t.alloc[victim])
 
 
