@@ -491,3 +491,44 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
         assert {st for st, _ in states.values()} == set(range(4)), "another replica answered"
         assert holders[0] not in states
         assert math.isfinite(t.iteration(3)["train_loss"])
+
+
+def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
+    """A message lost to a network drop (here: the coordinator's order to start one microbatch,
+    dropped on its way in the first attempt) leaves the round waiting with every node alive: after
+    ``stall_after`` seconds without a message it is aborted and run again on the same plan; no node is
+    declared dead and nothing is re-planned."""
+    prep = prepare(TrainConfig(**{**CFG, "timeout": 300}, stall_after=3.0))
+    with Trainer(prep) as t:
+        t.iteration(0)
+        alloc, paths = dict(t.alloc), [p.nodes for p in t.plan.paths]
+        real = t._put
+        dropped = []
+
+        def lossy(name, msg):
+            if msg[0] == "mb" and not dropped:
+                dropped.append(msg[2])  # the first microbatch's order never arrives
+                return
+            real(name, msg)
+
+        t._put = lossy
+        try:
+            rec = t.iteration(1)
+        finally:
+            t._put = real
+        assert len(dropped) == 1
+        stalled = [e for e in t.metrics["events"] if e["event"] == "stalled"]
+        assert len(stalled) == 1 and "within 3 s" in stalled[0]["why"]
+        assert rec["attempts"] == 2 and rec["seconds_lost"] >= 3.0
+        assert math.isfinite(rec["train_loss"])
+        assert t.alloc == alloc and [p.nodes for p in t.plan.paths] == paths  # the same plan
+        assert not [e for e in t.metrics["events"] if e["event"] in ("dead", "replan")]
+        t.iteration(2)
+
+
+def test_stall_after_must_be_seconds_at_least_zero():
+    from roving.pipeline.network import PlanError
+
+    for bad in (-1, "ten", True):
+        with pytest.raises(PlanError, match="stall_after"):
+            TrainConfig(**CFG, stall_after=bad).check()

@@ -92,6 +92,9 @@ def add_train_parser(sub) -> None:
                         "over from; default 5)")
     t.add_argument("--dead-after", type=float,
                    help="seconds without a heartbeat before a node is declared dead (default 2)")
+    t.add_argument("--stall-after", type=float,
+                   help="seconds without any message from the nodes during a round after which it is run "
+                        "again on the same plan (a message lost to a network drop; default 60, 0: off)")
     t.add_argument("--refine-budget", type=float,
                    help="after each re-plan (failure, slowdown, join), seconds to search a fresh plan for the "
                         "same nodes in the background; taken between iterations when it is faster (default 0: off)")
@@ -190,7 +193,7 @@ def run_train(args: argparse.Namespace) -> int:
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "refine_budget", "restart", "control")
+              "dead_after", "stall_after", "refine_budget", "restart", "control")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

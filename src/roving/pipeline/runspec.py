@@ -78,6 +78,10 @@ class TrainConfig:
     plot: str = ""
     #: seconds to wait for any one message from the nodes before giving up.
     timeout: float = 300.0
+    #: seconds without any message from the nodes while a round runs (microbatches, then averaging),
+    #: every node alive, after which the round is taken as stalled (a message lost to a network drop)
+    #: and run again on the same plan; it counts as one of ``max_retries`` attempts. 0: wait ``timeout``.
+    stall_after: float = 60.0
     #: seconds between a node's heartbeats, and without one before it is declared dead.
     heartbeat: float = 0.5
     dead_after: float = 2.0
@@ -141,7 +145,7 @@ class TrainConfig:
         if not isinstance(self.planner_evals, int) or self.planner_evals < 0:
             raise PlanError(f"planner_evals must be a count >= 0 (0: plan by planner_budget alone), "
                             f"got {self.planner_evals!r}")
-        for name in ("replan_budget", "refine_budget"):
+        for name in ("replan_budget", "refine_budget", "stall_after"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise PlanError(f"{name} must be a number of seconds >= 0, got {value!r}")

@@ -65,6 +65,10 @@ class _Timeout(NodeFailed):
     """Nothing came from the nodes in time."""
 
 
+class _Stalled(Exception):
+    """A round went ``stall_after`` seconds without a message while its nodes lived: one was lost."""
+
+
 class NodesLost(Exception):
     """Nodes were declared dead (their process exited, or their heartbeats stopped)."""
 
@@ -93,6 +97,9 @@ class Trainer:
     while the others step is simply not waited for. A node much slower than the plan expects (its
     busy time over the simulator's, against the median node, above ``slow_factor`` for
     ``slow_iterations`` iterations) is marked slow and the plan is remade with its speed measured.
+    A round that goes ``stall_after`` seconds without any message while every node lives has lost one
+    (a network drop between two nodes: the sender's next message goes over a new connection, but
+    the lost one is gone): it is aborted and run again on the same plan, as one of ``max_retries``.
 
     Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
     allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
@@ -765,6 +772,11 @@ class Trainer:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
+            except _Stalled as exc:
+                lost_s += time.perf_counter() - t0
+                aborted = True
+                log.warning("iteration %d: the round stalled (%s); it is run again", it, exc)
+                self._event("stalled", attempt=attempt, why=str(exc), seconds_lost=lost_s)
         else:
             raise NodeFailed(f"iteration {it} failed {self.c.max_retries + 1} times; giving up")
         coef = min(1.0, self.c.clip / (norm + 1e-6)) if self.c.clip > 0 else 1.0
@@ -799,11 +811,12 @@ class Trainer:
 
     def _abort(self) -> None:
         """Give up the current round on every live node (drop its work and gradients), then re-plan
-        around the nodes that were lost."""
+        around the nodes that were lost, if any."""
         for name in self.inboxes:
             self._put(name, ("abort", self.round))
         failed, self._pending_failures = self._pending_failures, {}
-        self._replan(failed=failed, why="failure")
+        if failed:  # else the round stalled: the same plan runs it again
+            self._replan(failed=failed, why="failure")
 
     def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
         """Send every microbatch of the plan to its origin, and every node its averaging order; wait
@@ -823,13 +836,23 @@ class Trainer:
         self._order_sync(rnd, plan.backward_counts())
         losses: dict[int, float] = {}
         while len(losses) < len(plan.paths):
-            msg = self._recv(("done", "norm"), rnd=rnd)
+            msg = self._round_recv(("done", "norm"), rnd)
             if msg[0] == "norm":
                 self._norms.setdefault(msg[3], msg[4])
                 self._norm_from.add(msg[2])
                 continue
             losses[msg[2]] = msg[3]
         return [losses[mb] for mb in range(len(plan.paths))]
+
+    def _round_recv(self, kind: str | tuple[str, ...], rnd: int) -> tuple:
+        """The next ``kind`` message of round ``rnd``; raises _Stalled after ``stall_after`` seconds
+        without one (dead nodes raise NodesLost first: they are checked every 0.1 s meanwhile)."""
+        if not self.c.stall_after:
+            return self._recv(kind, rnd=rnd)
+        try:
+            return self._recv(kind, timeout=self.c.stall_after, rnd=rnd)
+        except _Timeout as exc:
+            raise _Stalled(str(exc)) from None
 
     def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
         self._sync_round, self._norms, self._norm_from = rnd, {}, set()
@@ -843,7 +866,7 @@ class Trainer:
         if self._sync_round != rnd:
             self._order_sync(rnd, None)
         while not set(self.alloc) <= self._norm_from:
-            _, _, name, stage, v = self._recv("norm", rnd=rnd)
+            _, _, name, stage, v = self._round_recv("norm", rnd)
             self._norms.setdefault(stage, v)
             self._norm_from.add(name)
         return math.sqrt(sum(self._norms.values()))
