@@ -80,7 +80,8 @@ class TrainConfig:
     timeout: float = 300.0
     #: seconds without any message from the nodes while a round runs (microbatches, then averaging),
     #: every node alive, after which the round is taken as stalled (a message lost to a network drop)
-    #: and run again on the same plan; it counts as one of ``max_retries`` attempts. 0: wait ``timeout``.
+    #: and run again on the same plan, as one of ``max_retries`` attempts; never less than twice the
+    #: iteration the plan predicts. 0: wait ``timeout``.
     stall_after: float = 60.0
     #: seconds between a node's heartbeats, and without one before it is declared dead.
     heartbeat: float = 0.5

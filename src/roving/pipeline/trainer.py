@@ -97,9 +97,10 @@ class Trainer:
     while the others step is simply not waited for. A node much slower than the plan expects (its
     busy time over the simulator's, against the median node, above ``slow_factor`` for
     ``slow_iterations`` iterations) is marked slow and the plan is remade with its speed measured.
-    A round that goes ``stall_after`` seconds without any message while every node lives has lost one
-    (a network drop between two nodes: the sender's next message goes over a new connection, but
-    the lost one is gone): it is aborted and run again on the same plan, as one of ``max_retries``.
+    A round that goes ``stall_after`` seconds (at least twice the iteration the plan predicts here)
+    without any message while every node lives has lost one (a network drop between two nodes: the
+    sender's next message goes over a new connection, but the lost one is gone): it is aborted and
+    run again on the same plan, as one of ``max_retries``.
 
     Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
     allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
@@ -846,11 +847,14 @@ class Trainer:
 
     def _round_recv(self, kind: str | tuple[str, ...], rnd: int) -> tuple:
         """The next ``kind`` message of round ``rnd``; raises _Stalled after ``stall_after`` seconds
-        without one (dead nodes raise NodesLost first: they are checked every 0.1 s meanwhile)."""
+        (at least twice the predicted iteration) without one; dead nodes raise NodesLost first (they
+        are checked every 0.1 s meanwhile)."""
         if not self.c.stall_after:
             return self._recv(kind, rnd=rnd)
+        # Never shorter than twice the round the plan predicts here: a slow round is not a stalled one.
+        predicted = self.predicted_here_s if math.isfinite(self.predicted_here_s) else 0.0
         try:
-            return self._recv(kind, timeout=self.c.stall_after, rnd=rnd)
+            return self._recv(kind, timeout=max(self.c.stall_after, 2 * predicted), rnd=rnd)
         except _Timeout as exc:
             raise _Stalled(str(exc)) from None
 
