@@ -269,3 +269,19 @@ def test_a_zeromq_call_waiting_for_ever_finds_out_that_its_connection_was_remade
     assert q.get(timeout=TIMEOUT) == "kept"
     assert t.run(lambda: ep.call(_node.PUT, q._box, -1, dumps("again"))) == (True, (_node.OK, []))
     assert q.get(timeout=TIMEOUT) == "again"
+
+
+def test_a_pool_that_recycles_its_workers_leaves_no_connections_known_at_the_parent():
+    """Each worker's two connections (work, heartbeats) say goodbye when it exits, so the parent's node
+    does not keep an identity per worker that ever ran (maxtasksperchild recycles many)."""
+    import helpers_pool as hp
+
+    node = _session.current().node()
+    before = len(node._authenticated)
+    with roving.Pool(2, maxtasksperchild=1) as pool:
+        assert pool.map(hp.square, range(12), chunksize=1) == [x * x for x in range(12)]
+        pool.close()
+        pool.join(TIMEOUT)
+    # At least 12 workers ran (one item each), each with two connections: before goodbyes, 24 or more
+    # identities stayed. A worker killed while it starts (the pool closing) cannot say goodbye: a few may.
+    assert wait_until(lambda: len(node._authenticated) <= before + 6, TIMEOUT), (before, len(node._authenticated))

@@ -114,8 +114,10 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     secret = _session.current().secret
     chan = Channel(address, secret, connect_timeout)
     beats = Channel(address, secret, connect_timeout)
-    threading.Thread(target=_heartbeat, args=(beats, pool_id, worker_id, connect_timeout),
-                     name="roving-pool-heartbeat", daemon=True).start()
+    stop = threading.Event()
+    beating = threading.Thread(target=_heartbeat, args=(beats, pool_id, worker_id, connect_timeout, stop),
+                               name="roving-pool-heartbeat", daemon=True)
+    beating.start()
     try:
         _Loop(chan, pool_id, maxtasks).run(worker_id)
     except ConnectionLost as exc:
@@ -126,15 +128,18 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
         raise SystemExit(1) from None
     finally:
         chan.close()
+        stop.set()  # its channel closes too: the parent's node forgets both connections
+        beating.join(2.0)
 
 
-def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: float) -> None:
+def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: float,
+               stop: threading.Event) -> None:
     """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
     then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
     interval = _config.current().heartbeat_interval
     header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
-    while True:
+    while not stop.is_set():
         try:
             chan.recv(0)
         except ConnectionLost:
@@ -145,7 +150,8 @@ def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: flo
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
         chan.send([P.OP, header])
-        time.sleep(interval)
+        stop.wait(interval)
+    chan.close(1.0)
 
 
 class _Loop:
