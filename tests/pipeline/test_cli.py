@@ -90,3 +90,21 @@ def test_gantt_rows_name_each_nodes_stage_and_tasks_their_microbatch(tmp_path, m
     wide = [e for e in tasks if e.end - e.start >= 0.012 * result.makespan]
     assert {e.kind for e in wide} == {"compute-fwd", "compute-bwd"} and len(wide) == 2 * 2 * 3
     assert sorted(seen["texts"]) == sorted(str(e.microbatch) for e in wide)
+
+
+def test_pipeline_plan_tells_stderr_how_the_search_goes(tmp_path, capsys):
+    """A plan takes its whole budget and the baselines half as much again: the search's phases, then
+    the baselines, show on stderr as they happen (stdout keeps the results)."""
+    rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "10", "--stages", "4", "--skip", "0.34",
+               "--microbatches", "10", "--budget", "2", "--json", str(tmp_path / "p.json")])
+    assert rc == 0
+    cap = capsys.readouterr()
+    lines = cap.err.splitlines()
+    assert lines[0].startswith("planning 10 microbatches on 10 of 10 nodes, 4 stages, skip 0.34 (2 s)")
+    phases = [ln.split("] ", 1)[1].split(" ")[0] for ln in lines if ln.startswith("skippipe [")]
+    assert phases[0] == "allocations" and phases[-1] == "done:" and "race" in phases
+    done = next(ln for ln in lines if ln.startswith("skippipe [") and "done:" in ln)
+    predicted = json.loads((tmp_path / "p.json").read_text())["iteration_time_s"]["skippipe"]
+    assert f"done: {predicted:.2f} s per iteration" in done
+    assert lines.index(done) < next(i for i, ln in enumerate(lines) if ln.startswith("baselines: "))
+    assert "skippipe [" not in cap.out

@@ -235,3 +235,23 @@ def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_
     assert not _accepts(10.5, 1.0, 10.0, 5.0)
     assert not _accepts(inf, inf, 10.0, 5.0), "a deadlock never replaces a plan that runs"
     assert _accepts(10.0, 5.0, inf, inf) and _accepts(inf, inf, inf, inf)
+
+
+def test_plan_progress_reports_each_phase_and_leaves_the_search_as_it_was():
+    from roving.pipeline import build_network, model_preset
+
+    net = build_network("gcp12", 10, memory=4)
+    model = model_preset("llama-1.5b-skippipe")
+    events = []
+    seen = plan(net, model, 4, 0.34, 10, budget_s=30, seed=3, max_evals=400, progress=events.append)
+    quiet = plan(net, model, 4, 0.34, 10, budget_s=30, seed=3, max_evals=400)
+    assert [p.nodes for p in seen.paths] == [p.nodes for p in quiet.paths]
+    assert seen.allocation == quiet.allocation and seen.predicted_s == quiet.predicted_s
+    phases = [e["phase"] for e in events]
+    assert phases[0] == "allocation" and phases[-1] == "done"
+    assert phases.count("race") == events[1]["rounds"] and set(phases) <= {"allocation", "race", "paths", "done"}
+    times = [e["elapsed_s"] for e in events]
+    assert times == sorted(times)
+    assert events[-1]["best_s"] == seen.predicted_s and events[-1]["evaluations"] == seen.stats["path_evaluations"]
+    better = [e["best_s"] for e in events if e["phase"] == "paths"]
+    assert better == sorted(better, reverse=True) and all(b >= seen.predicted_s for b in better)

@@ -253,11 +253,16 @@ def run_plan(args: argparse.Namespace) -> int:
             net.node(f)
         if args.evals is not None and args.evals < 1:
             raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
+        bound = f"{args.evals:,} simulations, at most {args.budget:g} s" if args.evals else f"{args.budget:g} s"
+        _note(f"planning {m} microbatches on {len(net.nodes) - len(failed)} of {len(net.nodes)} nodes, "
+              f"{args.stages} stages, skip {args.skip:g} ({bound})")
         t0 = time.perf_counter()
         best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
-                    max_evals=args.evals)
+                    max_evals=args.evals, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
         base_budget = args.budget / 2
+        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_budget:g} s), "
+              f"full_pipeline_planned (this planner with skip 0), random_skip")
         full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed)
         planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
                        max_evals=args.evals)
@@ -308,6 +313,34 @@ def run_plan(args: argparse.Namespace) -> int:
         draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
         print(f"timeline drawn to {args.gantt}")
     return 0
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _plan_progress(what: str):
+    """A ``plan(progress=...)`` that tells stderr how the search goes: each phase as it ends, better
+    plans of the last phase at most once a second, and the result."""
+    last = [-1.0]
+
+    def show(ev: dict) -> None:
+        phase, best, at = ev["phase"], ev["best_s"], ev["elapsed_s"]
+        if phase == "paths":
+            if at - last[0] < 1.0:
+                return
+            text = f"path search: {best:.2f} s per iteration"
+        elif phase == "allocation":
+            text = (f"allocations searched: {ev['candidates']} go to the race, the best {best:.2f} s "
+                    "per iteration with quick paths")
+        elif phase == "race":
+            text = f"race round {ev['round']} of {ev['rounds']} ({ev['contenders']} allocations): best {best:.2f} s"
+        else:
+            text = f"done: {best:.2f} s per iteration ({ev['evaluations']:,} simulations)"
+        last[0] = at
+        _note(f"{what} [{at:5.1f} s] {text}")
+
+    return show
 
 
 def draw_gantt(result: SimResult, out_png: str, stages: dict[str, int] | None = None) -> None:

@@ -19,7 +19,7 @@ import random
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from .allocate import (
     assign,
@@ -332,14 +332,16 @@ def _accepts(score: float, tail: float, cur_score: float, cur_tail: float) -> bo
 
 def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
                   allow_swaps: bool = True, priority: list[int] | None = None,
-                  max_evals: int | None = None) -> tuple[list[Path], list[int], float, int]:
+                  max_evals: int | None = None,
+                  on_best: Callable[[float], None] | None = None) -> tuple[list[Path], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
     stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the
     makespan broken by the mean finish, ``TAIL``; a deadlocked plan never replaces one that does not
     deadlock). Stops at ``deadline`` or after ``max_evals`` simulator
     evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
-    deterministic. Returns (paths, priority, makespan, evaluations)."""
+    deterministic. ``on_best(makespan)`` is told of each new best (it does not change the search).
+    Returns (paths, priority, makespan, evaluations)."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
     cur_score, cur_tail = _judged(ctx, cur, prio, skip)
@@ -396,6 +398,8 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
             cur, prio, cur_score, cur_tail = cand, cand_prio, score, tail
             if score < best_score:
                 best, best_prio, best_score = list(cand), list(cand_prio), score
+                if on_best is not None:
+                    on_best(score)
     return best, best_prio, best_score, evals
 
 
@@ -446,7 +450,8 @@ def _count_candidates(counts: list[int]) -> list[list[int]]:
 
 def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
          budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True,
-         sync_bytes: Sequence[float] | None = None, max_evals: int | None = None) -> Plan:
+         sync_bytes: Sequence[float] | None = None, max_evals: int | None = None,
+         progress: Callable[[dict], None] | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
     for about 30% of ``budget_s``; the best ``RACE`` allocations then race by successive halving of
     path searches (together 30%), and the winner gets the anytime path search for the rest. When
@@ -460,8 +465,16 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     without it, by the microbatch phase alone (as the SkipPipe paper's simulator). ``max_evals``: the
     search is shared out by simulator evaluations instead (the same fractions), and ``budget_s`` only
     caps it: the plan is then the same on any machine and under any load, as long as the cap is not
-    reached (``stats["capped"]`` says whether it was)."""
+    reached (``stats["capped"]`` says whether it was). ``progress(event)``, when given, hears how the
+    search goes: ``{"phase": "allocation" | "race" | "paths" | "done", "elapsed_s", "best_s", ...}``
+    after the allocation search, after each round of the race, at each better plan of the last path
+    search, and at the end (it does not change the search)."""
     t0 = time.perf_counter()
+
+    def report(phase: str, best_s: float, **extra: Any) -> None:
+        if progress is not None:
+            progress({"phase": phase, "elapsed_s": time.perf_counter() - t0, "best_s": best_s, **extra})
+
     visits = _check_inputs(network, model, stages, skip, microbatches)
     can = check_memory(network, model, stages)
     rng = random.Random(seed)
@@ -504,6 +517,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
         searches = [(labels, start, 1.0, RACE)]
     contenders: list[tuple[list[int], list[str]]] = []
     evals = 0
+    best_greedy = math.inf  # the best allocation's makespan with greedy paths
     alloc_end = t0 + ALLOC_FRAC * budget_s
     for k, (labs, first, share, take) in enumerate(searches):
         judged: dict[tuple[str, ...], float] = {}
@@ -527,6 +541,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
         ranked = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:take]] or [first]
         contenders += [(labs, sl) for sl in ranked]
         evals += len(judged)
+        best_greedy = min([best_greedy, *judged.values()])
+    report("allocation", best_greedy, candidates=len(contenders))
     pool = []
     for i, (labs, sl) in enumerate(contenders):
         ctx = _Context(network, model, dict(zip(sl, labs)), stages, cost, sync_bytes)
@@ -548,10 +564,12 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
             evals += n
         pool.sort(key=lambda m: (m[0], m[1]))
         log.debug("allocation race, round %d: %s", r, [round(m[0], 3) for m in pool])
+        report("race", pool[0][0], round=r + 1, rounds=rounds, contenders=len(pool))
         pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
     _, _, ctx, paths, prio = pool[0]
     paths, prio, score, n = improve_paths(ctx, paths, skip, cap, rng, allow_swaps, priority=prio,
-                                          max_evals=max(1, max_evals - evals) if by_count else None)
+                                          max_evals=max(1, max_evals - evals) if by_count else None,
+                                          on_best=lambda v: report("paths", v))
     evals += n
     if sync_bytes is not None:  # the search's score also weighs the phase: report the makespan itself
         score = simulate(network, model, Plan(stages, skip, ctx.allocation, paths, prio), record=False,
@@ -562,6 +580,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
                    "splits": [[labs.count(st) for st in range(stages)] for labs, *_ in searches]})
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
+    report("done", score, evaluations=evals)
     return result
 
 
