@@ -100,7 +100,7 @@ def test_pipeline_plan_tells_stderr_how_the_search_goes(tmp_path, capsys):
     assert rc == 0
     cap = capsys.readouterr()
     lines = cap.err.splitlines()
-    assert lines[0].startswith("planning 10 microbatches on 10 of 10 nodes, 4 stages, skip 0.34 (2 s)")
+    assert lines[0].startswith("planning 10 microbatches on 10 nodes, 4 stages, skip 0.34 (2 s)")
     phases = [ln.split("] ", 1)[1].split(" ")[0] for ln in lines if ln.startswith("skippipe [")]
     assert phases[0] == "allocations" and phases[-1] == "done:" and "race" in phases
     done = next(ln for ln in lines if ln.startswith("skippipe [") and "done:" in ln)

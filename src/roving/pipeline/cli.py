@@ -14,7 +14,7 @@ from .network import build_network
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
 DEFAULT_MEMORY_MB = 24576
-from .paths import full_pipeline, plan, random_skip, replan
+from .paths import _check_inputs as check_inputs, full_pipeline, plan, random_skip, replan
 from .simulate import SimResult, simulate
 
 
@@ -253,9 +253,10 @@ def run_plan(args: argparse.Namespace) -> int:
             net.node(f)
         if args.evals is not None and args.evals < 1:
             raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
+        check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
         bound = f"{args.evals:,} simulations, at most {args.budget:g} s" if args.evals else f"{args.budget:g} s"
-        _note(f"planning {m} microbatches on {len(net.nodes) - len(failed)} of {len(net.nodes)} nodes, "
-              f"{args.stages} stages, skip {args.skip:g} ({bound})")
+        _note(f"planning {m} microbatches on {len(net.nodes)} nodes, {args.stages} stages, skip {args.skip:g} "
+              f"({bound})" + (f"; then again without {','.join(failed)}" if failed else ""))
         t0 = time.perf_counter()
         best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
                     max_evals=args.evals, progress=_plan_progress("skippipe"))
