@@ -1,9 +1,10 @@
 """A TCP forwarder on 127.0.0.1 whose connections the test can cut, as a network blip would."""
 from __future__ import annotations
 
+import random
 import socket
 import threading
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 
 class CuttingProxy:
@@ -63,10 +64,16 @@ class CuttingProxy:
         with self._lock:
             return sum(1 for c, _ in self._pairs if c.fileno() != -1)
 
-    def cut(self) -> int:
-        """Close every connection forwarded now; returns how many were cut."""
+    def cut(self, count: Optional[int] = None, rng: Optional[random.Random] = None) -> int:
+        """Close every connection forwarded now, or ``count`` of them chosen by ``rng``; returns how
+        many were cut."""
         with self._lock:
-            pairs, self._pairs = self._pairs, []
+            live = [p for p in self._pairs if p[0].fileno() != -1]
+            if count is None or count >= len(live):
+                pairs = live
+            else:
+                pairs = (rng or random).sample(live, count)
+            self._pairs = [p for p in live if p not in pairs]
         for pair in pairs:
             for s in pair:
                 try:
