@@ -84,7 +84,8 @@ def killed_and_rejoined():
     """8 iterations with a node of a replicated stage killed in iteration 2 and rejoining after
     iteration 4; and the same run without failures."""
     out = {}
-    prep = prepare(TrainConfig(**CFG))
+    # the re-plan's search by evaluation count (the budget only caps it): the same on any machine
+    prep = prepare(TrainConfig(**{**CFG, "replan_budget": 5.0, "replan_evals": 30}))
     with Trainer(prep) as t:
         out["val0"] = t.evaluate(0)["val_loss"]
         for it in range(2):
@@ -133,6 +134,8 @@ def test_a_node_killed_mid_iteration_is_routed_around_and_the_iteration_complete
     dead = [e for e in r["events"] if e["event"] == "dead"]
     assert dead[0]["nodes"] == [victim] and "exited" in dead[0]["why"][victim]
     assert [rec["iteration"] for rec in r["records"]] == list(range(8)), "training never stopped"
+    replans = [e for e in r["events"] if e["event"] == "replan" and e["why"] in ("failure", "joined")]
+    assert [e["path_evaluations"] for e in replans] == [30, 30], "replan_evals bounds each re-plan's search"
 
 
 def test_training_stays_on_course_through_the_failure(killed_and_rejoined):

@@ -93,3 +93,21 @@ def test_a_stage_that_lost_its_only_node_takes_a_node_the_plan_left_idle():
     assert new.allocation[idle[0]] == 3
     assert victim not in new.allocation
     assert_paths_valid(new, new_net, 6, 0.0, 6)
+
+
+def test_a_replan_by_evaluation_count_is_the_same_whatever_its_budget():
+    from roving.pipeline.paths import plan_held
+
+    net = build_network("gcp12", 12)
+    m = model_preset("llama-1.5b")
+    p = plan(net, m, 4, 0.34, 16, budget_s=30, max_evals=200, seed=1)
+    victim = p.paths[0].nodes[0]
+    runs = [replan(p, net, m, failed=[victim], budget_s=b, max_evals=150, seed=2)[0] for b in (5.0, 30.0)]
+    assert [q.nodes for q in runs[0].paths] == [q.nodes for q in runs[1].paths]
+    assert runs[0].predicted_s == runs[1].predicted_s
+    assert [r.stats["path_evaluations"] for r in runs] == [150, 150] and not runs[0].stats["capped"]
+    held = {n: s for n, s in p.allocation.items() if s != 3}  # stage 3 lost: paths skip it
+    again = [plan_held(net.without([n for n in p.allocation if n not in held]), m, held, 4, 0.34, 16,
+                       budget_s=b, seed=2, max_evals=100) for b in (5.0, 30.0)]
+    assert [q.nodes for q in again[0].paths] == [q.nodes for q in again[1].paths]
+    assert again[0].stats["path_evaluations"] == 100

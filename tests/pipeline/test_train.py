@@ -138,6 +138,9 @@ def test_bad_runs_are_refused_before_any_node_starts(tmp_path):
         prepare(TrainConfig(**{**CFG, "nodes": 2, "stages": 3}))
     with pytest.raises(PlanError, match="planner_evals must be a count >= 0"):
         prepare(TrainConfig(**{**CFG, "planner_evals": -5}))
+    for bad in (-1, 2.5, True):
+        with pytest.raises(PlanError, match="replan_evals must be a count >= 0"):
+            prepare(TrainConfig(**{**CFG, "replan_evals": bad}))
     (tmp_path / "small.txt").write_text("Too short to train on. " * 5)
     with pytest.raises(DataError, match="corpus too small"):
         prepare(TrainConfig(**{**CFG, "corpus": [str(tmp_path / "small.txt")]}))

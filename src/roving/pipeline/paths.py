@@ -670,14 +670,16 @@ def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths
 def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterable[str] = (),
            slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (),
            budget_s: float = 0.6, seed: int = 0,
-           sync_bytes: Sequence[float] | None = None) -> tuple[Plan, Network]:
+           sync_bytes: Sequence[float] | None = None, max_evals: int | None = None) -> tuple[Plan, Network]:
     """A new plan from ``current`` after nodes failed, slowed down (factor > 1 = slower) or joined.
     Keeps each microbatch's stage set (so stage loads stay balanced) and moves only what must move;
     a stage left without nodes takes a free node (joined, or idle in ``current``), else one from the
     stage with the most spare replicas; other free nodes go where the work per replica is highest; a
     stage left with fewer replicas than a fresh plan would give it may also take nodes from stages above
-    their count, when the simulator says that is faster. ``sync_bytes``: as for ``plan``. Returns the plan
-    and the updated network. Raises PlanError if a stage cannot be held."""
+    their count, when the simulator says that is faster. ``sync_bytes``: as for ``plan``. ``max_evals``:
+    the path search stops after that many simulator evaluations (``budget_s`` then only caps it), so the
+    same failure gives the same plan on any machine. Returns the plan and the updated network. Raises
+    PlanError if a stage cannot be held."""
     t0 = time.perf_counter()
     failed = set(failed)
     for f in failed:
@@ -745,14 +747,17 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
             candidates.append((_makespan(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
     _, _, ctx, paths, prio = min(candidates, key=lambda c: c[:2])
     alloc = ctx.allocation
-    paths, prio, score, evals = improve_paths(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio)
+    paths, prio, score, evals = improve_paths(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio,
+                                              max_evals=max_evals)
     new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
-                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals})
+                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
+                     "capped": max_evals is not None and evals < max_evals})
     return new_plan, new_net
 
 
 def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int, skip: float,
-              microbatches: int, *, budget_s: float = 0.5, seed: int = 0) -> Plan:
+              microbatches: int, *, budget_s: float = 0.5, seed: int = 0,
+              max_evals: int | None = None) -> Plan:
     """Paths for an allocation that stays as it is (a running training's weights sit on its nodes).
 
     Stages that no node holds are left out: every path skips them, and the stages that are held keep
@@ -760,7 +765,8 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
     takes them over. The paths are planned as for a model of the held stages only (the planner's cost
     of a stage then covers the layers of the missing ones too, an overestimate); the returned plan names
     the real stages, and its ``predicted_s`` is the simulator's makespan with the real stages' costs.
-    Raises PlanError when no node holds stage 0 (no microbatch can start)."""
+    ``max_evals``: as for ``replan``. Raises PlanError when no node holds stage 0 (no microbatch can
+    start)."""
     t0 = time.perf_counter()
     held = sorted(set(allocation.values()))
     if not held or held[0] != 0:
@@ -785,7 +791,8 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
         vpaths = build_paths(ctx, microbatches, visits)
         if math.isinf(_makespan(ctx, vpaths, None, skip)):
             vpaths = build_paths(ctx, microbatches, visits, allow_swaps=False)
-        vpaths, prio, _, evals = improve_paths(ctx, vpaths, skip, t0 + budget_s, rng, priority=None)
+        vpaths, prio, _, evals = improve_paths(ctx, vpaths, skip, t0 + budget_s, rng, priority=None,
+                                               max_evals=max_evals)
         paths = [Path(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
     result = Plan(stages, skip, dict(allocation), paths, prio, math.nan,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,

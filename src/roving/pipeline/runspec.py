@@ -97,6 +97,9 @@ class TrainConfig:
     start_wait: float = 60.0
     #: seconds the planner may take to re-plan after a failure, slowdown or join.
     replan_budget: float = 0.5
+    #: simulator evaluations of a re-plan's path search (0: ``replan_budget`` alone bounds it); with a
+    #: count the same failure gives the same plan on any machine, ``replan_budget`` only caps it.
+    replan_evals: int = 0
     #: after each re-plan, seconds to search a fresh plan for the same nodes in the background, taken
     #: at an iteration boundary when it is faster (``Trainer``, Refining); 0: never.
     refine_budget: float = 0.0
@@ -143,9 +146,10 @@ class TrainConfig:
                             f"({self.dead_after} s)")
         if self.resume and not self.checkpoint:
             raise PlanError("resume needs checkpoint = the file the run to continue wrote")
-        if not isinstance(self.planner_evals, int) or self.planner_evals < 0:
-            raise PlanError(f"planner_evals must be a count >= 0 (0: plan by planner_budget alone), "
-                            f"got {self.planner_evals!r}")
+        for name, by in (("planner_evals", "planner_budget"), ("replan_evals", "replan_budget")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise PlanError(f"{name} must be a count >= 0 (0: plan by {by} alone), got {value!r}")
         for name in ("replan_budget", "refine_budget", "stall_after"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

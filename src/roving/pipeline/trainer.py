@@ -553,7 +553,8 @@ class Trainer:
             try:
                 new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
                                        slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
-                                       seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes)
+                                       seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes,
+                                       max_evals=self.c.replan_evals or None)
             except PlanError as exc:
                 log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
         if new_plan is None:
@@ -568,7 +569,8 @@ class Trainer:
                 alloc[name] = want[0]
             try:
                 new_plan = plan_held(net, self.spec, alloc, self.c.stages, self.p.plan.skip,
-                                     len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed)
+                                     len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed,
+                                     max_evals=self.c.replan_evals or None)
             except PlanError as exc:
                 raise NodeFailed(f"training cannot go on: {exc}") from None
         predicted = simulate(net, self.spec, new_plan, record=False).makespan
@@ -579,6 +581,7 @@ class Trainer:
         self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
                     moved=moved, weights_from=sources, missing_stages=self.missing_stages,
                     predicted_s=predicted, planner_seconds=time.perf_counter() - t0,
+                    path_evaluations=new_plan.stats.get("path_evaluations"),
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
 
