@@ -26,7 +26,7 @@ from roving.pool import _dispatch
 from roving.transport import session as _session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers_net import CuttingProxy  # noqa: E402 (the forwarder the transport's tests cut with)
+from helpers_net import CuttingProxy, NodeVia  # noqa: E402 (the forwarder the transport's tests cut with)
 
 
 def task(x: int, seconds: float) -> int:
@@ -54,16 +54,6 @@ def _cutter(proxy: CuttingProxy, every: float, stop: threading.Event, cut: List[
             cut.append(1)
 
 
-class _Via:
-    """A dispatcher's node, except that the workers it starts are given the forwarder's address."""
-
-    def __init__(self, node: Any, address: str) -> None:
-        self._node, self.address = node, address
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._node, name)
-
-
 def run(tasks: int, workers: int, seconds: float, kill_every: float, chunksize: int,
         cut_every: float = 0.0) -> tuple:
     proxy: Optional[CuttingProxy] = None
@@ -73,7 +63,7 @@ def run(tasks: int, workers: int, seconds: float, kill_every: float, chunksize: 
 
         def via_proxy(self: Any, *args: Any, **kwargs: Any) -> None:
             made(self, *args, **kwargs)
-            self.node = _Via(self.node, proxy.address)
+            self.node = NodeVia(self.node, proxy.address)
 
         _dispatch.Dispatcher.__init__ = via_proxy  # every worker of this pool connects through it
     try:

@@ -87,3 +87,14 @@ class CuttingProxy:
         self._closed = True
         self._listener.close()
         self.cut()
+
+
+class NodeVia:
+    """A pool dispatcher's node, except that the workers it starts from now on are given ``address``
+    (a forwarder's) to reach it: ``pool._disp.node = NodeVia(pool._disp.node, proxy.address)``."""
+
+    def __init__(self, node, address: str) -> None:
+        self._node, self.address = node, address
+
+    def __getattr__(self, name: str):
+        return getattr(self._node, name)

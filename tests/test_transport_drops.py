@@ -285,3 +285,40 @@ def test_a_pool_that_recycles_its_workers_leaves_no_connections_known_at_the_par
     # At least 12 workers ran (one item each), each with two connections: before goodbyes, 24 or more
     # identities stayed. A worker killed while it starts (the pool closing) cannot say goodbye: a few may.
     assert wait_until(lambda: len(node._authenticated) <= before + 6, TIMEOUT), (before, len(node._authenticated))
+
+
+def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch):
+    """A machine that loses power or its network sends no FIN and no RST: a get() waiting on it would
+    wait for ever. Keepalive probes find it. Here the vanishing is made with iptables, which drops every
+    packet to and from the node's stream port on 127.0.0.1 (the Docker engine's package installs it),
+    and the probes are made faster (1 s idle, 2 probes 1 s apart) so that the test takes seconds."""
+    import shutil
+    import subprocess
+
+    iptables = shutil.which("iptables")
+    assert iptables, "iptables is missing: scripts/test.sh installs it (with docker.io)"
+    monkeypatch.setattr(_stream, "KEEPALIVE_IDLE_S", 1)
+    monkeypatch.setattr(_stream, "KEEPALIVE_INTERVAL_S", 1)
+    monkeypatch.setattr(_stream, "KEEPALIVE_COUNT", 2)
+    secret = _session.current().secret
+    node = _node.Node(secret)
+    box = node.new_box()
+    port = node.streams().address.rpartition(":")[2]
+    rules = [["INPUT", "-i", "lo", "-p", "tcp", "--dport", port, "-j", "DROP"],
+             ["INPUT", "-i", "lo", "-p", "tcp", "--sport", port, "-j", "DROP"]]
+    added = []
+    try:
+        ep = _endpoint.Endpoint(node.address, secret, None, connect_timeout=TIMEOUT)
+        t = _OneThread()
+        assert t.run(lambda: isinstance(ep._conn(), _endpoint._StreamConnection)) == (True, True)
+        waiting = t._pool.submit(lambda: ep.call(_node.GET, box, -1))  # an empty queue: it waits
+        assert wait_until(lambda: node.boxes[box].getters, TIMEOUT)
+        for rule in rules:
+            subprocess.run([iptables, "-I", *rule], check=True, capture_output=True, timeout=30)
+            added.append(rule)
+        with pytest.raises(_endpoint.ConnectionLost):
+            waiting.result(timeout=TIMEOUT)
+    finally:
+        for rule in added:
+            subprocess.run([iptables, "-D", *rule], capture_output=True, timeout=30)
+        node.close()

@@ -5,23 +5,14 @@ resort (killing a worker that sent no heartbeat for that long) cannot be what fi
 one JSON line: the results, how many connections were cut, and the workers that ran.
 """
 import json
+import os
 import sys
 import tempfile
 import time
 
 import roving
-from helpers_net import CuttingProxy
+from helpers_net import CuttingProxy, NodeVia
 from helpers_pool import slow_square_counting
-
-
-class _Via:
-    """The dispatcher's node, except that workers started from now on are given ``address``."""
-
-    def __init__(self, node, address):
-        self._node, self.address = node, address
-
-    def __getattr__(self, name):
-        return getattr(self._node, name)
 
 
 def main():
@@ -29,7 +20,7 @@ def main():
     with roving.Pool(1) as pool:
         node = pool._disp.node
         proxy = CuttingProxy(node.address)
-        pool._disp.node = _Via(node, proxy.address)
+        pool._disp.node = NodeVia(node, proxy.address)
         pool.resize(3)  # two more workers, both channels (work, heartbeats) through the forwarder
         items = list(range(120))
         result = pool.starmap_async(slow_square_counting, [(x, 0.05, log_dir) for x in items], chunksize=1)
@@ -40,7 +31,6 @@ def main():
         cut = proxy.cut()
         values = result.get(timeout=120)
         ran = {}
-        import os
         for name in os.listdir(log_dir):
             x = int(name.split(".")[0])
             ran[x] = ran.get(x, 0) + 1
