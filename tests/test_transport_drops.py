@@ -322,3 +322,18 @@ def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch)
         for rule in added:
             subprocess.run([iptables, "-D", *rule], capture_output=True, timeout=30)
         node.close()
+
+
+def test_the_node_forgets_a_connection_that_ended_without_a_goodbye_once_it_cannot_send_to_it():
+    secret = _session.current().secret
+    node = _node.Node(secret)
+    try:
+        conn = _endpoint._ZmqConnection(node.address, secret, TIMEOUT)
+        assert wait_until(lambda: len(node._authenticated) == 1, TIMEOUT)
+        ident = next(iter(node._authenticated))
+        conn.sock.close(0)  # a process killed: no goodbye
+        # The node learns that the connection has gone when a message to it cannot be sent.
+        assert wait_until(lambda: node.send_to(ident, [b"anyone there?"]) or ident not in node._authenticated,
+                          TIMEOUT)
+    finally:
+        node.close()

@@ -535,3 +535,25 @@ def test_stall_after_must_be_seconds_at_least_zero():
     for bad in (-1, "ten", True):
         with pytest.raises(PlanError, match="stall_after"):
             TrainConfig(**CFG, stall_after=bad).check()
+
+
+def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_the_predicted_iteration():
+    from roving.pipeline.trainer import _Stalled, _Timeout
+
+    t = Trainer.__new__(Trainer)  # the rule alone: no nodes
+    asked = []
+
+    def recv(kind, timeout=None, rnd=None):
+        asked.append(timeout)
+        raise _Timeout(f"no {kind!r} message from the nodes within {timeout} s")
+
+    t._recv = recv
+    for stall_after, predicted, expect in ((3.0, 1.0, 3.0), (3.0, 10.0, 20.0), (3.0, math.nan, 3.0)):
+        t.c, t.predicted_here_s = TrainConfig(**CFG, stall_after=stall_after), predicted
+        with pytest.raises(_Stalled, match="within"):
+            t._round_recv("done", 1)
+        assert asked[-1] == expect
+    t.c = TrainConfig(**CFG, stall_after=0)  # off: the plain timeout, and its error
+    with pytest.raises(_Timeout):
+        t._round_recv("done", 1)
+    assert asked[-1] is None
