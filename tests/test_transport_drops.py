@@ -1,7 +1,7 @@
 """Connections that break while both processes live on (a network drop, made here by a forwarder on
 127.0.0.1 that cuts them): no call waits for an answer that cannot come, the next call works over a new
-authenticated connection, and nothing already stored is lost. Also: the node forgets connections that
-close, and every connection asks the kernel for keepalive probes."""
+authenticated connection, and nothing already stored is lost; rpc callers and pools go on. Also: the
+node forgets connections that close, and keepalive probes find a peer that vanished without closing."""
 from __future__ import annotations
 
 import concurrent.futures
