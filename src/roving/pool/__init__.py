@@ -27,9 +27,10 @@ Guarantees:
   for a pool whose ``resources=`` do not cover it.
 * Liveness: a worker's job ending (its process sentinel), and heartbeats over the transport: a worker
   silent for the ``pool_heartbeat_timeout`` option's seconds (default 30) while its job runs is killed
-  and counts as lost. So is a worker whose connection to the parent broke while it lives on (a network
-  drop): the parent finds out when a message to it cannot be delivered, the worker when the parent's
-  node tells it that it no longer knows the connection (it then exits).
+  and counts as lost. A worker whose connection to the parent breaks while both live (a network drop)
+  reconnects when it next talks (at once when idle) and says HELLO again; the parent puts the units it
+  held back in line (results lost with the connection are computed again; none counts twice). One that
+  cannot be reached and has not reconnected within ``pool_heartbeat_timeout`` is killed and counts as lost.
 * Every ``get``/``next``/``wait`` takes a timeout; ``get`` raises :class:`multiprocessing.TimeoutError`.
 * Arguments and the function are pickled in the calling thread: one that cannot be pickled fails the
   call's result (``apply_async``, ``map_async``) or raises at once (``imap``). A plain function is pickled
@@ -486,10 +487,11 @@ class Pool:
                     log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and its "
                                 "work goes to other workers", w.id, now - w.seen)
                     w.proc.kill()
-                elif w.unreachable and state != TERMINATE:
-                    log.warning("roving pool: worker %s cannot be reached any more (its connection to the "
-                                "parent broke); it is killed and its work goes to other workers", w.id)
-                    w.unreachable = False
+                elif w.unreachable and now - w.unreachable > self._heartbeat_timeout and state != TERMINATE:
+                    log.warning("roving pool: worker %s cannot be reached (its connection to the parent broke "
+                                "%.0f s ago) and has not reconnected; it is killed and its work goes to other "
+                                "workers", w.id, now - w.unreachable)
+                    w.unreachable = 0.0
                     w.proc.kill()
                 continue
             code = w.proc.exitcode

@@ -95,13 +95,15 @@ class WorkerState:
         self.gone = False
         self.alone = False  # running a blamed item: gets nothing else meanwhile
         self.seen = time.monotonic()  # last heartbeat
-        # A message to it could not be delivered: its connection to the parent broke (a network drop)
-        # though its process may live on; the upkeep kills it so that its work is run elsewhere.
-        self.unreachable = False
+        # When a message to it could not be delivered (monotonic time; 0: never): its connection to the
+        # parent broke though its process may live on. It reconnects when it next talks (HELLO again,
+        # see Dispatcher.on_message); the upkeep kills one that has not within the heartbeat timeout.
+        self.unreachable = 0.0
 
     def lost_contact(self) -> None:
         """``undeliverable`` of every message to this worker (runs on the node's I/O thread)."""
-        self.unreachable = True
+        if not self.unreachable:
+            self.unreachable = time.monotonic()
 
 
 class Dispatcher:
@@ -240,6 +242,8 @@ class Dispatcher:
             if kind == P.HELLO:
                 w = self.workers.get(arg)
                 if w is not None and not w.gone:
+                    if w.ident is not None and w.ident != ident:
+                        self._reconnected(w)
                     w.ident = ident
                     self.by_ident[ident] = w
                     if w.retiring:
@@ -413,6 +417,28 @@ class Dispatcher:
             if not w.retiring:
                 self._retire(w)
                 self._send(w, P.STOP)  # a worker not yet connected is told at HELLO
+
+    def _reconnected(self, w: WorkerState) -> None:
+        """``w`` says HELLO over a new connection: the old one broke (a network drop) with the worker
+        alive. What was sent either way over it may be lost, so its units go back to the front of the
+        line, none blamed (it did not die; items done meanwhile count once), and it starts afresh
+        (functions sent again, no credit until it asks) (lock held)."""
+        self.by_ident.pop(w.ident, None)
+        units, w.units = list(w.units.values()), {}
+        again = []
+        for unit in units:
+            chunk = unit.chunk
+            offsets = [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n))
+                       if not chunk.done[o]]
+            if offsets:
+                again.append(_Unit(chunk, offsets))
+        self.pending.extendleft(reversed(again))
+        w.known, w.forget, w.credit, w.credit_key, w.alone, w.unreachable = set(), [], 0, 0, False, 0.0
+        if w in self.ready:
+            self.ready.remove(w)
+        log.warning("roving pool: worker %s reconnected after its connection broke; %d unit(s) it held go "
+                    "back in line", w.id, len(again))
+        self._dispatch()
 
     def worker_lost(self, w: WorkerState, exitcode: Optional[int]) -> None:
         """``w`` ended: its unfinished items go back to the front of the line (see module docstring)."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
-from ..transport.endpoint import Channel, ConnectionLost
+from ..transport.endpoint import Channel, ConnectionLost, TransportError
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
 
@@ -118,16 +118,14 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     beating = threading.Thread(target=_heartbeat, args=(beats, pool_id, worker_id, connect_timeout, stop),
                                name="roving-pool-heartbeat", daemon=True)
     beating.start()
+    loop = _Loop(chan, pool_id, maxtasks, lambda: Channel(address, secret, connect_timeout))
     try:
-        _Loop(chan, pool_id, maxtasks).run(worker_id)
-    except ConnectionLost as exc:
-        # Results sent since the drop were dropped unread, and the parent knows this worker by its old
-        # connection: leaving is what keeps the pool's count exact. Its unfinished work is run again
-        # elsewhere, as for any worker that dies, and a replacement starts.
+        loop.run(worker_id)
+    except TransportError as exc:  # the parent cannot be reached again: its work is run elsewhere
         sys.stderr.write(f"roving pool worker {worker_id} exits: {exc}\n")
         raise SystemExit(1) from None
     finally:
-        chan.close()
+        loop.chan.close()
         stop.set()  # its channel closes too: the parent's node forgets both connections
         beating.join(2.0)
 
@@ -155,8 +153,15 @@ def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: flo
 
 
 class _Loop:
-    def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int]) -> None:
-        self.chan, self.pool_id, self.maxtasks = chan, pool_id, maxtasks
+    """The worker's side of the pool protocol over ``chan``. When the parent's node says it no longer
+    knows the connection (ConnectionLost: a network drop, both processes alive), the loop opens a new
+    one with ``reconnect()`` and says HELLO again: the parent then puts the units it had given this
+    worker back in line (results that were lost with the old connection are computed again, by whoever
+    gets them; results that arrive twice count once), and the worker drops them too."""
+
+    def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
+                 reconnect: Optional[Callable[[], Channel]] = None) -> None:
+        self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
         self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
@@ -235,31 +240,61 @@ class _Loop:
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)
         self._ask()
-        chan = self.chan
         while True:
-            self._poll()
-            if not self.units:
-                self.results.flush()
-                if self.leaving and self.acked:
+            try:
+                if self._turn(worker_id):
                     return
-                frames = chan.recv(1.0)
-                if frames is not None:
-                    self._take(frames)
-                continue
-            unit = self.units.popleft()
-            if unit[5] != self.key:
-                self.key, self.depth = unit[5], 1
-            if self.depth > 1:
-                self._ask()  # the next units arrive while this one runs
-            started = time.monotonic()
-            self._run_unit(*unit[:5])
-            took = time.monotonic() - started
-            self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
-            self.done += 1
-            if self.maxtasks is not None and self.done >= self.maxtasks:
-                self._leave()
-            if not self.units and self.asked == 0:
-                self._ask()
+            except ConnectionLost as exc:
+                if self.reconnect is None:
+                    raise
+                log.warning("roving pool worker %d: %s; reconnecting", worker_id, exc)
+                self._reconnected(worker_id)
+
+    def _reconnected(self, worker_id: int) -> None:
+        """A new connection, HELLO again, and start afresh: the parent has put this worker's units back
+        in line. Results not yet sent go after the HELLO (the parent keeps whichever arrives first)."""
+        self.chan.close(0)
+        self.chan = self.results.chan = self.reconnect()
+        self.units.clear()
+        self.asked, self.depth = 0, 1
+        self._send(P.HELLO, worker_id)
+        if self.leaving:
+            self.results.flush()
+            self._send(P.BYE, 0)
+        else:
+            self._ask()
+
+    def _turn(self, worker_id: int) -> bool:
+        """Run the next unit, or wait a moment for work; True once the worker may leave."""
+        chan = self.chan
+        self._poll()
+        if not self.units:
+            self.results.flush()
+            if self.leaving and self.acked:
+                return True
+            frames = chan.recv(1.0)
+            if frames is not None:
+                self._take(frames)
+            else:
+                # Idle: a word on this connection, so that one re-made under it (a network drop) is
+                # found now rather than when work comes (the parent takes it as a heartbeat).
+                self._send(P.HEARTBEAT, worker_id)
+            return False
+        unit = self.units.popleft()
+        if unit[5] != self.key:
+            self.key, self.depth = unit[5], 1
+        if self.depth > 1:
+            self._ask()  # the next units arrive while this one runs
+        started = time.monotonic()
+        self._run_unit(*unit[:5])
+        took = time.monotonic() - started
+        self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
+        self.done += 1
+        if self.maxtasks is not None and self.done >= self.maxtasks:
+            self._leave()
+        if not self.units and self.asked == 0:
+            self._ask()
+        return False
 
     def _poll(self) -> None:
         """Take whatever has arrived, without waiting."""
