@@ -252,6 +252,12 @@ def test_the_pool_parent_marks_a_worker_it_cannot_deliver_to_and_puts_its_work_b
     disp.on_message(b"w1-again", P.HELLO, 1, 0, [])
     assert not w1.unreachable and w1.units == {} and w1.ident == b"w1-again" and b"w1" not in disp.by_ident
     assert disp.pending[0].chunk is held and w1.known == set() and w1.credit == 0
+    # A worker that was running a blamed item alone: the item stays with the blamed ones (run alone).
+    w2.alone = True
+    alone_unit = next(iter(w2.units.values()))
+    disp.on_message(b"w2-again", P.HELLO, 2, 0, [])
+    assert w2.units == {} and not w2.alone
+    assert disp.suspects and disp.suspects[0].chunk is alone_unit.chunk
 
 
 def test_a_zeromq_call_waiting_for_ever_finds_out_that_its_connection_was_remade(queue_via_proxy, monkeypatch):

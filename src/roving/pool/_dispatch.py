@@ -77,6 +77,12 @@ class _Unit:
         self.chunk, self.offsets, self.left, self.revoked = chunk, offsets, 0, False
 
 
+def _unfinished(unit: "_Unit") -> List[int]:
+    """The offsets of ``unit``'s items whose results have not arrived."""
+    chunk = unit.chunk
+    return [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n)) if not chunk.done[o]]
+
+
 class WorkerState:
     """The parent's view of one worker process."""
 
@@ -425,14 +431,9 @@ class Dispatcher:
         (functions sent again, no credit until it asks) (lock held)."""
         self.by_ident.pop(w.ident, None)
         units, w.units = list(w.units.values()), {}
-        again = []
-        for unit in units:
-            chunk = unit.chunk
-            offsets = [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n))
-                       if not chunk.done[o]]
-            if offsets:
-                again.append(_Unit(chunk, offsets))
-        self.pending.extendleft(reversed(again))
+        again = [_Unit(u.chunk, left) for u in units if (left := _unfinished(u))]
+        # A worker running a blamed item alone held only that one: it stays with the blamed ones.
+        (self.suspects if w.alone else self.pending).extendleft(reversed(again))
         w.known, w.forget, w.credit, w.credit_key, w.alone, w.unreachable = set(), [], 0, 0, False, 0.0
         if w in self.ready:
             self.ready.remove(w)
@@ -451,8 +452,7 @@ class Dispatcher:
             blamed = False
             for unit in units:
                 chunk = unit.chunk
-                offsets = [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n))
-                           if not chunk.done[o]]
+                offsets = _unfinished(unit)
                 if not offsets:
                     continue
                 if not blamed:  # the first unfinished item is the one it was running
