@@ -228,11 +228,12 @@ def test_the_pool_parent_marks_a_worker_it_cannot_deliver_to_and_puts_its_work_b
         def _set_run(self, index, ok, values):
             pass
 
-    delivered = []
+    delivered, late = [], []
 
     def send_to(self, ident, frames, undeliverable=None):
         if ident == b"w1":
             undeliverable()  # its connection is gone
+            late.append(undeliverable)
         else:
             delivered.append(ident)
 
@@ -252,6 +253,8 @@ def test_the_pool_parent_marks_a_worker_it_cannot_deliver_to_and_puts_its_work_b
     disp.on_message(b"w1-again", P.HELLO, 1, 0, [])
     assert not w1.unreachable and w1.units == {} and w1.ident == b"w1-again" and b"w1" not in disp.by_ident
     assert disp.pending[0].chunk is held and w1.known == set() and w1.credit == 0
+    late[0]()  # a message to the old connection fails after the HELLO: it does not count any more
+    assert not w1.unreachable
     # A worker that was running a blamed item alone: the item stays with the blamed ones (run alone).
     w2.alone = True
     alone_unit = next(iter(w2.units.values()))

@@ -16,6 +16,7 @@ Guarantees:
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import logging
 import threading
@@ -87,7 +88,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen", "unreachable")
+                 "gone", "alone", "seen", "unreachable", "undeliverable")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -106,9 +107,12 @@ class WorkerState:
         # see Dispatcher.on_message); the upkeep kills one that has not within the heartbeat timeout.
         self.unreachable = 0.0
 
-    def lost_contact(self) -> None:
-        """``undeliverable`` of every message to this worker (runs on the node's I/O thread)."""
-        if not self.unreachable:
+        self.undeliverable: Optional[Callable[[], None]] = None  # for messages to ``ident`` (see HELLO)
+
+    def lost_contact(self, ident: bytes) -> None:
+        """A message to ``ident`` could not be delivered (on the node's I/O thread). A connection this
+        worker has since replaced (it said HELLO again) does not count."""
+        if ident == self.ident and not self.unreachable:
             self.unreachable = time.monotonic()
 
 
@@ -251,6 +255,7 @@ class Dispatcher:
                     if w.ident is not None and w.ident != ident:
                         self._reconnected(w)
                     w.ident = ident
+                    w.undeliverable = functools.partial(w.lost_contact, ident)
                     self.by_ident[ident] = w
                     if w.retiring:
                         self._send(w, P.STOP)
@@ -355,7 +360,7 @@ class Dispatcher:
         if self._batch:
             # One message per worker for all the units it was given this time.
             for w, frames in self._batch.items():
-                self.node.send_to(w.ident, frames, w.lost_contact)
+                self.node.send_to(w.ident, frames, w.undeliverable)
             self._batch.clear()
 
     def _steal(self) -> None:
@@ -373,7 +378,7 @@ class Dispatcher:
                     unit.revoked = True
                     idle -= 1
                     self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)],
-                                      w.lost_contact)
+                                      w.undeliverable)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
         chunk, job = unit.chunk, unit.chunk.job
@@ -404,7 +409,7 @@ class Dispatcher:
 
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
-            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.lost_contact)
+            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.undeliverable)
 
     def _retire(self, w: WorkerState) -> None:
         w.retiring = True
