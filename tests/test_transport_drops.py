@@ -182,7 +182,8 @@ def test_an_rpc_caller_fails_the_call_in_flight_and_reconnects_after_a_drop():
 def test_a_pool_finishes_every_item_when_its_workers_connections_are_cut():
     """The workers behind the forwarder learn that the parent no longer knows their connection,
     reconnect and say HELLO again; the parent puts the units they held back in line. Every item comes
-    back once, no worker is lost (the heartbeat timeout is 600 s: it cannot be what finishes the map)."""
+    back once, no worker is lost (the heartbeat timeout is 600 s: it cannot be what finishes the map).
+    Cut again once idle, they find it out and reconnect with no work to make them talk."""
     out = run_script(TESTS_DIR / "programs" / "pool_through_drop.py",
                      env={"ROVING_POOL_HEARTBEAT_TIMEOUT": "600"}, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -190,7 +191,8 @@ def test_a_pool_finishes_every_item_when_its_workers_connections_are_cut():
     assert got["values"] == [x * x for x in range(120)]
     assert got["missing"] == []
     assert got["cut"] >= 4  # both connections of both workers behind the forwarder
-    assert out.stderr.count("reconnected after its connection broke") == 2, out.stderr
+    assert got["idle_reconnected"], "idle workers did not find their cut connections"
+    assert out.stderr.count("reconnected after its connection broke") == 4, out.stderr  # busy, then idle
     assert "exits:" not in out.stderr and "is killed" not in out.stderr and "ended (exit code" not in out.stderr
 
 

@@ -112,13 +112,15 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     if initializer is not None:
         initializer(*initargs)
     secret = _session.current().secret
-    chan = Channel(address, secret, connect_timeout)
-    beats = Channel(address, secret, connect_timeout)
+
+    def connect() -> Channel:
+        return Channel(address, secret, connect_timeout)
+
     stop = threading.Event()
-    beating = threading.Thread(target=_heartbeat, args=(beats, pool_id, worker_id, connect_timeout, stop),
+    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop),
                                name="roving-pool-heartbeat", daemon=True)
+    loop = _Loop(connect(), pool_id, maxtasks, connect)
     beating.start()
-    loop = _Loop(chan, pool_id, maxtasks, lambda: Channel(address, secret, connect_timeout))
     try:
         loop.run(worker_id)
     except TransportError as exc:  # the parent cannot be reached again: its work is run elsewhere
@@ -130,20 +132,24 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
         beating.join(2.0)
 
 
-def _heartbeat(chan: Channel, pool_id: int, worker_id: int, connect_timeout: float,
-               stop: threading.Event) -> None:
+def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event) -> None:
     """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
     then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
     interval = _config.current().heartbeat_interval
     header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
+    try:
+        chan = connect()
+    except (OSError, ConnectionError) as exc:
+        log.warning("roving pool worker %d: cannot connect its heartbeats (%s)", worker_id, exc)
+        return
     while not stop.is_set():
         try:
             chan.recv(0)
         except ConnectionLost:
             chan.close(0)
             try:
-                chan = Channel(chan.address, _session.current().secret, connect_timeout)
+                chan = connect()
             except (OSError, ConnectionError) as exc:
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
@@ -160,7 +166,7 @@ class _Loop:
     gets them; results that arrive twice count once), and the worker drops them too."""
 
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
-                 reconnect: Optional[Callable[[], Channel]] = None) -> None:
+                 reconnect: Callable[[], Channel]) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
         self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
@@ -245,8 +251,6 @@ class _Loop:
                 if self._turn(worker_id):
                     return
             except ConnectionLost as exc:
-                if self.reconnect is None:
-                    raise
                 log.warning("roving pool worker %d: %s; reconnecting", worker_id, exc)
                 self._reconnected(worker_id)
 
