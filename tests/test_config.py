@@ -17,7 +17,7 @@ def write_pyproject(tmp_path, body):
 def test_defaults_without_file_env_or_overrides(tmp_path):
     cfg = load(cwd=str(tmp_path), environ={})
     assert cfg == config.Config()
-    assert cfg.backend == "local" and cfg.child_output == "prefix" and cfg.host == "127.0.0.1"
+    assert cfg.backend == "local" and cfg.child_output == "prefix" and cfg.host == "auto" and cfg.advertise == "auto"
 
 
 def test_pyproject_tool_roving_table_overrides_defaults(tmp_path):

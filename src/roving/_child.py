@@ -48,8 +48,12 @@ def _die(why: str) -> None:
 def main() -> int:
     info = json.loads(os.environ[_session.CHILD_ENV])
     session = _session.current()
-    endpoint = session.endpoint(info["parent"])
-    status, frames = endpoint.call(_node.GET, info["box"], _config.current().connect_timeout)
+    timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
+    try:
+        status, frames = session.endpoint(info["parent"], timeout).call(_node.GET, info["box"], timeout)
+    except OSError as exc:
+        sys.stderr.write(_unreachable(info, timeout, exc))
+        return 1
     if status != _node.OK:
         sys.stderr.write("roving: the child could not fetch its work from its parent\n")
         return 1
@@ -70,6 +74,20 @@ def main() -> int:
     finally:
         _stop_watching.set()
         watcher.join(proc._config.heartbeat_interval * 2 + 1)
+
+
+def _unreachable(info: dict, timeout: float, exc: OSError) -> str:
+    """What a child that cannot reach its parent says: the address it tried, how the parent chose it,
+    and what to set."""
+    import socket
+
+    parent = info["parent"]
+    return (f"roving: this child (on {socket.gethostname()}) could not reach its parent at {parent} within "
+            f"connect_timeout={timeout:g} s: {exc}\n"
+            f"roving: the parent chose that address by {info.get('parent_why', 'its host/advertise options')}; "
+            "if this machine cannot reach it, set the roving options host= and advertise= (ROVING_HOST, "
+            "ROVING_ADVERTISE) in the parent to an address of its machine that this one can reach, and open "
+            "its ports (port_range) in any firewall between them\n")
 
 
 def _run(proc: _process.Process) -> int:

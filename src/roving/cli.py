@@ -196,6 +196,15 @@ def _info(args: argparse.Namespace) -> int:
     print(f"backend: {cfg.backend} ({_chosen_why(cfg) if not args.backend else 'given with --backend'})")
     for key, value in backends.get(cfg.backend).describe().items():
         print(f"  {key}: {value}")
+    from .transport import session
+
+    try:
+        choice = session.current().address()
+    except OSError as exc:
+        print(f"address: none could be chosen: {exc}")
+        return 1
+    ports = f"{choice.port_range[0]}-{choice.port_range[1]}" if choice.port_range else "any free port"
+    print(f"address: binds {choice.bind}, advertises {choice.advertise} ({choice.why}); ports: {ports}")
     return 0
 
 

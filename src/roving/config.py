@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
+from .transport.addressing import parse_port_range
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -65,10 +67,15 @@ class Config:
     #: Which backend starts processes as jobs: local, slurm, docker, kubernetes, or auto (the default):
     #: slurm inside a Slurm allocation, kubernetes inside a Kubernetes pod, local otherwise.
     backend: str = dataclasses.field(default_factory=_detected_backend)
-    #: Address this process's transport endpoint binds to. Loopback unless the backend needs more.
-    host: str = "127.0.0.1"
-    #: Address other processes use to reach this one, when it differs from ``host`` (NAT, 0.0.0.0).
-    advertise: Optional[str] = None
+    #: Address this process's endpoints bind to. ``auto``: loopback when every process runs on this
+    #: machine, else the interface towards the parent (a child) or the cluster (see
+    #: roving.transport.addressing); ``0.0.0.0``/``::``: every interface. Holds for the process that sets
+    #: it: a child chooses its own (a wildcard is kept).
+    host: str = "auto"
+    #: Address other processes use to reach this one (NAT, a wildcard ``host``); ``auto``: the one bound.
+    advertise: Optional[str] = "auto"
+    #: Ports roving listens on, as ``LOW-HIGH`` (for firewalls); none: any free port.
+    port_range: Optional[str] = None
     #: Where a child's stdout/stderr go: "prefix" (parent's terminal, each line prefixed with the
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"
@@ -82,6 +89,9 @@ class Config:
     #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
     #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
     pool_heartbeat_timeout: float = 30.0
+    #: A pool whose workers fail to start this many times in a row, none connecting in between, gives
+    #: up: its pending and later calls raise the error (a worker that connects resets the count).
+    pool_start_failures: int = 5
 
     # -- what each process asks the backend for (ignored by local) --------------------------
     #: CPUs per process.
@@ -135,6 +145,9 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
             elif key == "memory" and value is not None:
                 parse_memory(value)
                 value = str(value)
+            elif key == "port_range" and value is not None:
+                parse_port_range(value)
+                value = str(value).strip()
             elif isinstance(default, tuple):
                 items = value.split(",") if isinstance(value, str) else list(value)
                 value = tuple(str(item).strip() for item in items if str(item).strip())
@@ -148,6 +161,8 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
                 value = int(value)
                 if value < 0:
                     raise ValueError("must not be negative")
+                if key == "pool_start_failures" and value < 1:
+                    raise ValueError("must be at least 1")
             elif value is not None:
                 value = str(value)
         except (TypeError, ValueError) as exc:
@@ -223,7 +238,12 @@ def init(**options: Any) -> Config:
 _init_options: Dict[str, Any] = {}
 
 
+_WILDCARD_HOSTS = ("0.0.0.0", "::")
+
+
 def _adopt(config: Config) -> None:
-    """Used by a child: take the parent's resolved configuration."""
+    """Used by a child: take the parent's resolved configuration, but not its address: a child
+    chooses its own (``host``/``advertise`` back to ``auto``; a wildcard ``host`` is kept)."""
     global _current
-    _current = config
+    _current = dataclasses.replace(
+        config, host=config.host if config.host in _WILDCARD_HOSTS else "auto", advertise="auto")

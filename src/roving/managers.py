@@ -218,8 +218,7 @@ class _Server(_rpc.Server):
 
 def _serve(registry: Dict[str, tuple], authkey: Optional[bytes], reply: Any) -> None:
     """The manager server process: a node of its own (with the manager's authkey), until shutdown."""
-    cfg = _config.current()
-    node = _node.Node(authkey or _session.current().secret, cfg.host, cfg.advertise)
+    node = _node.Node.at(authkey or _session.current().secret, _session.current().address())
     server = _Server(node, registry)
     reply.put(node.address)
     server.stop.wait()

@@ -36,7 +36,12 @@ from .transport.serialize import SerializationError, dumps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Process", "current_process", "parent_process", "active_children", "cpu_count"]
+__all__ = ["Process", "ProcessStartError", "current_process", "parent_process", "active_children", "cpu_count"]
+
+
+class ProcessStartError(OSError):
+    """A started process ended before it reached this process to fetch its work (an unreachable
+    address, or a machine where Python or roving cannot start); the message names the address."""
 
 _counter = itertools.count(1)
 _children: Set["Process"] = set()
@@ -85,6 +90,7 @@ class Process:
         self._sentinel: Optional[int] = None
         self._closed = False
         self._released = False
+        self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
@@ -114,7 +120,8 @@ class Process:
         env = dict(os.environ)
         env[_session.CHILD_ENV] = json.dumps({
             "secret": session.secret.hex(), "uid": self._uid, "parent": node.address, "box": box,
-            "parent_pid": os.getpid(), "local": cfg.backend == "local",
+            "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
+            "connect_timeout": cfg.connect_timeout,
         })
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
@@ -174,10 +181,20 @@ class Process:
         self._job = self._backend = self._sentinel = None
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until the process ends, or ``timeout`` seconds pass (then exitcode stays None)."""
+        """Wait until the process ends, or ``timeout`` seconds pass (then exitcode stays None).
+
+        Raises :class:`ProcessStartError` (naming the address it was to reach) when the process ended
+        with an error before it fetched its work from this one; exitcode is set all the same."""
         self._check_closed()
         assert self._parent_pid == os.getpid(), "can only join a child process"
         assert self._job is not None, "can only join a started process"
+        self._wait(timeout)
+        if self._unreached:
+            self._unreached = False  # said once, as a failed start would be
+            raise ProcessStartError(self._unreached_message(self._exitcode))
+
+    def _wait(self, timeout: Optional[float]) -> None:
+        """join() without its error: for roving's own joins (reaping, exit, a pool's upkeep)."""
         if self._exitcode is None:
             code = self._backend.wait(self._job, timeout)
             if code is not None:
@@ -229,9 +246,22 @@ class Process:
             _reaper().forget(self)
             self._backend.forget(self._job)
 
+    def _work_unfetched(self) -> bool:
+        """Whether the child never took its work from this process (it never reached it)."""
+        box = getattr(self, "_payload_box", None)
+        return box is not None and _session.current().node().items_in(box) > 0
+
+    def _unreached_message(self, code: int) -> str:
+        node = _session.current().node()
+        return (f"{self._name} exited with code {code} before it fetched its work from this process at "
+                f"{node.address} (chosen by {node.why}): it could not reach that address, or could not "
+                f"start Python and roving (its output says which). If its machine cannot reach this one "
+                "there, set the roving options host= and advertise= to an address it can reach.")
+
     def _finished(self, code: Optional[int]) -> None:
         if self._exitcode is not None:
             return
+        self._unreached = code is not None and code > 0 and self._work_unfetched()
         self._exitcode = code
         with _children_lock:
             _children.discard(self)
@@ -435,7 +465,7 @@ class _Reaper:
                     continue
                 self._drop(proc, close=False)
                 try:
-                    proc.join(timeout=5)
+                    proc._wait(5)
                 except Exception:  # never let one child stop the reaper
                     log.exception("roving: could not reap %s", proc)
 
@@ -471,10 +501,10 @@ def _at_exit() -> None:
             child.terminate()
     for child in children:
         try:
-            child.join(None if not child.daemon else 5)
+            child._wait(None if not child.daemon else 5)
             if child._exitcode is None:
                 child.kill()
-                child.join(5)
+                child._wait(5)
         except Exception:
             pass
     if _session._session is not None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
+from ..transport import addressing
 from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources
 
 __all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "get", "detect",
@@ -55,6 +56,16 @@ def get(name: str) -> Backend:
             backend = cls()
             _instances[name] = backend
         return backend
+
+
+def towards(cfg) -> Optional[Tuple[str, str]]:
+    """Towards which host the jobs of ``cfg.backend`` run, seen from here; None: on this machine."""
+    if cfg is None or cfg.backend == "local":
+        return None
+    return get(cfg.backend).towards()
+
+
+addressing.set_cluster_route(towards)
 
 
 def _shutdown() -> None:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +191,12 @@ class Backend(abc.ABC):
     def describe(self) -> Dict[str, str]:
         """What the backend sees of its cluster, for `roving info`."""
         return {"cpus": str(self.cpu_count())}
+
+    def towards(self) -> Optional[Tuple[str, str]]:
+        """A host on the side of the machines this backend's jobs run on, as (address or name, what it
+        is), or None when they all run on this machine. A process that starts jobs binds the interface
+        that routes there (roving.transport.addressing)."""
+        return None
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         """Stop and remove these jobs, whoever started them; ids already gone are ignored."""

@@ -16,7 +16,8 @@ import logging
 import os
 import threading
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
+from urllib.parse import urlparse
 
 from .. import config as _config
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
@@ -250,6 +251,29 @@ class DockerBackend(Backend):
 
     def cpu_count(self) -> int:
         return int(self._info().get("NCPU") or os.cpu_count() or 1)
+
+    def towards(self) -> Optional[Tuple[str, str]]:
+        """A remote engine's host (its containers run there); else, on a network other than ``host``,
+        that network's gateway (this machine's address on it, which its containers reach); else None
+        (containers share this machine's network)."""
+        cfg = _config.current()
+        url = cfg.docker_url or os.environ.get("DOCKER_HOST", "")
+        parsed = urlparse(url) if "://" in url else None
+        if parsed is not None and parsed.scheme in ("tcp", "http", "https", "ssh") and parsed.hostname:
+            return parsed.hostname, f"the Docker engine's host {parsed.hostname}"
+        if cfg.docker_network in ("host", "none"):
+            return None
+        try:
+            ipam = self.client().networks.get(cfg.docker_network).attrs.get("IPAM") or {}
+        except DockerError:
+            raise
+        except Exception as exc:
+            raise DockerError(f"docker_network={cfg.docker_network!r}: the engine does not know it ({exc})") from None
+        for entry in ipam.get("Config") or ():
+            if entry.get("Gateway"):
+                return entry["Gateway"], f"the gateway of Docker network {cfg.docker_network} ({entry['Gateway']})"
+        raise DockerError(f"Docker network {cfg.docker_network!r} has no gateway address: set the roving options "
+                          "host= and advertise= to an address of this machine its containers reach")
 
     def describe(self) -> Dict[str, str]:
         info = self._info()

@@ -27,7 +27,8 @@ import os
 import re
 import threading
 import time
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Tuple
+from urllib.parse import urlparse
 
 from .. import config as _config
 from ..transport import session as _session
@@ -356,6 +357,12 @@ class KubernetesBackend(Backend):
     def cpu_count(self) -> int:
         cap = self._capacity()
         return max(1, int(cap["cpu"])) if cap else (os.cpu_count() or 1)
+
+    def towards(self) -> Optional[Tuple[str, str]]:
+        """The API server's host: in a pod, the route there leaves by the pod's own address, which the
+        other pods reach."""
+        host = urlparse(self.api().api_client.configuration.host).hostname
+        return (host, f"the Kubernetes API server {host}") if host else None
 
     def describe(self) -> Dict[str, str]:
         import kubernetes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import shlex
 import subprocess
 import threading
@@ -99,6 +100,7 @@ class SlurmBackend(Backend):
         self._controller_ok = False
         self._reaper = Reaper(self.name)
         self._step_counter = 0
+        self._towards: Optional[Tuple[str, str]] = None
 
     # -- submission ------------------------------------------------------------------------------
     def _check_controller(self) -> None:
@@ -373,6 +375,23 @@ class SlurmBackend(Backend):
                                       f"{mem} MB per node, gres {gres}, {avail}")
         info["cpus"] = str(self.cpu_count())
         return info
+
+    def towards(self) -> Optional[Tuple[str, str]]:
+        """The Slurm controller's address (``SlurmctldAddr``, else ``SlurmctldHost``'s): compute nodes
+        reach it, so the interface towards it is one they can reach this process on."""
+        if self._towards is None:
+            text = _slurm(["scontrol", "show", "config"], timeout=10).stdout
+            addr = re.search(r"^SlurmctldAddr\s*=\s*(\S+)", text, re.M)
+            host = re.search(r"^SlurmctldHost(?:\[0\])?\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", text, re.M)
+            if addr and addr.group(1) != "(null)":
+                where = addr.group(1)
+            elif host:
+                where = host.group(2) or host.group(1)
+            else:
+                raise SlurmError("`scontrol show config` names no SlurmctldHost: cannot tell which interface "
+                                 "the compute nodes reach; set the roving options host= and advertise=")
+            self._towards = (where, f"the Slurm controller at {where}")
+        return self._towards
 
     def list_jobs(self) -> List[JobInfo]:
         result = _slurm(["squeue", "-h", "-O", "JobID:|,Name:|,State:|,Reason:|,Comment:|"], timeout=10)

@@ -18,7 +18,9 @@ Guarantees:
 * ``Pool(processes=(min, max))`` scales itself: while work waits and no worker is free it starts workers
   (up to ``max``); a worker idle for ``idle_timeout`` seconds leaves (down to ``min``). A worker that
   fails to start (its job refused, or it exits before connecting) is logged with the reason, counted in
-  :attr:`Pool.start_failures`, and started again after a backoff that doubles up to 10 s.
+  :attr:`Pool.start_failures`, and started again after a backoff that doubles up to 10 s; after
+  ``pool_start_failures`` (default 5) such failures in a row with no worker connecting, the pool gives up:
+  pending results and later calls raise :class:`PoolStartError`, naming the address workers were to reach.
 * Resources: each worker is a job asking the backend for ``Pool(resources={"cpu": .., "memory": ..,
   "gpu": ..})`` or, when the pool was given none, for what the task function declares with
   :func:`meta`; what neither says comes from the configuration (``cpu``, ``memory``, ``gpu``). The
@@ -59,9 +61,17 @@ from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, I
                        MapResult, WorkerLostError)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError", "meta"]
+           "WorkerLostError", "PoolStartError", "meta"]
 
 log = logging.getLogger(__name__)
+
+
+
+class PoolStartError(OSError):
+    """Workers failed to start ``pool_start_failures`` times in a row with none connecting (their
+    machines cannot reach this one, or their jobs are refused): the pool gives up; pending results and
+    every later call raise it. The message has the last reason and the address workers were to reach."""
+
 
 RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
 _UPKEEP_S = 0.1
@@ -176,6 +186,8 @@ class Pool:
         self._workers: Dict[int, WorkerState] = {}
         self._lock = threading.RLock()  # guards _workers, _size, _state
         self._failures = 0
+        #: Set when workers failed to start pool_start_failures times in a row: every call raises it.
+        self._broken: Optional[PoolStartError] = None
         self._next_start = 0.0
         self._wake = threading.Event()
         self._start_workers()
@@ -304,6 +316,8 @@ class Pool:
 
     # -- submitting ----------------------------------------------------------------------------
     def _check_running(self) -> None:
+        if self._broken is not None:
+            raise self._broken
         if self._state != RUN:
             raise ValueError("Pool not running")
 
@@ -398,6 +412,8 @@ class Pool:
 
     # -- worker upkeep (the pool's thread) -----------------------------------------------------
     def _start_workers(self) -> None:
+        if self._broken is not None:
+            return
         with self._lock:
             live = sum(1 for w in self._workers.values() if not w.retiring)
             want = self._size - live
@@ -426,10 +442,22 @@ class Pool:
 
     def _failed_start(self, why: str) -> None:
         self._failures += 1
-        delay = min(_MAX_BACKOFF_S, 0.1 * 2 ** self._failures)
-        self._next_start = time.monotonic() + delay
         self.start_failures.append((time.time(), why))
         del self.start_failures[:-100]
+        limit = _config.current().pool_start_failures
+        if self._broken is not None:  # a worker started before the pool gave up failed too
+            return
+        if self._failures >= limit:
+            node = self._disp.node
+            self._broken = PoolStartError(
+                f"roving pool: {self._failures} workers in a row failed to start and none connected "
+                f"(pool_start_failures={limit}); the last: {why}. Workers were to connect to this process at "
+                f"{node.address} (chosen by {node.why}); their output says why they could not.")
+            log.error("%s", self._broken)
+            self._disp.fail_all(self._broken)
+            return
+        delay = min(_MAX_BACKOFF_S, 0.1 * 2 ** self._failures)
+        self._next_start = time.monotonic() + delay
         log.warning("roving pool: %s; trying again in %.1f s", why, delay)
 
     def _autoscale(self, workers: List[WorkerState], now: float) -> None:
@@ -509,7 +537,7 @@ class Pool:
             with self._lock:
                 workers = list(self._workers.values())
             for w in workers:
-                w.proc.join(1.0)
+                w.proc._wait(1.0)
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)

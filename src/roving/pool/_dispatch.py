@@ -481,13 +481,14 @@ class Dispatcher:
                             "items go to other workers", w.id, exitcode)
             self._dispatch()
 
-    def fail_all(self, error_text: str) -> None:
-        """Terminate: every result not yet delivered fails with ``error_text``."""
+    def fail_all(self, error: Union[str, BaseException]) -> None:
+        """Terminate: every result not yet delivered fails with ``error`` (text: a RuntimeError)."""
+        exc = RuntimeError(error) if isinstance(error, str) else error
         with self.lock:
             for chunk in list(self.chunks.values()):
                 for off in range(chunk.n):
                     if not chunk.done[off]:
-                        self._deliver_run(chunk, off, False, [RuntimeError(error_text)])
+                        self._deliver_run(chunk, off, False, [exc])
             self.pending.clear()
             self.suspects.clear()
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
-from . import auth
+from . import addressing, auth
 from . import stream as _stream
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
 
@@ -104,6 +104,26 @@ class TransportError(OSError):
     """A node could not be reached or answered with an error."""
 
 
+def _bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int]]) -> int:
+    """Bind ``sock`` to ``host`` on a port of ``port_range`` (or any); the port."""
+    url = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+
+    def bind(port: int) -> None:
+        try:
+            sock.bind(f"{url}:{port}")
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, f"{exc}") from None
+
+    try:
+        if port_range is None:
+            return sock.bind_to_random_port(url)
+        return addressing.bind_in_range(bind, port_range, host)
+    except zmq.ZMQError as exc:
+        raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
+
+
 def _context() -> zmq.Context:
     return zmq.Context.instance()
 
@@ -141,7 +161,10 @@ class _RemoteWaiter(Waiter):
 class Node:
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None) -> None:
+    def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
+                 port_range: Optional[Tuple[int, int]] = None) -> None:
+        """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
+        AddressError when the address cannot be bound, naming it."""
         self.secret = secret
         self.lock = threading.Lock()
         self.boxes: Dict[int, Mailbox] = {}
@@ -156,9 +179,12 @@ class Node:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
         keep_alive(self._router)
-        port = self._router.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{advertise or host}:{port}"
-        self.host, self.advertise = host, advertise
+        port = _bind_router(self._router, host, port_range)
+        shown = advertise or host
+        self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
+        self.host, self.advertise, self.port_range = host, advertise, port_range
+        #: How this address was chosen, in words (for errors that name it).
+        self.why = f"host={host}" + (f", advertise={advertise}" if advertise else "")
         # Pipe ends claimed for a direct stream: (inbox or 0, outbox or 0) -> the claim (a dict).
         self.claims: Dict[Tuple[int, int], dict] = {}
         # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
@@ -188,12 +214,29 @@ class Node:
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
 
+    @classmethod
+    def at(cls, secret: bytes, choice: addressing.Choice) -> "Node":
+        """A node at the address :func:`addressing.choose` picked; AddressError (naming why that address
+        was chosen) when it cannot be bound."""
+        try:
+            node = cls(secret, choice.bind, choice.advertise, choice.port_range)
+        except addressing.AddressError as exc:
+            raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
+        node.why = choice.why
+        return node
+
     # -- mailboxes ---------------------------------------------------------------------------
     def new_box(self, maxsize: int = 0, track_writers: bool = False) -> int:
         with self.lock:
             box_id = next(self._ids)
             self.boxes[box_id] = Mailbox(maxsize, track_writers)
             return box_id
+
+    def items_in(self, box_id: int) -> int:
+        """How many items a mailbox holds now (0 when there is no such mailbox)."""
+        with self.lock:
+            box = self.boxes.get(box_id)
+            return len(box.items) if box is not None else 0
 
     def drop_box(self, box_id: int) -> None:
         with self.lock:
@@ -223,7 +266,7 @@ class Node:
     def streams(self) -> _stream.Listener:
         """This process's stream listener, started on first use."""
         return self.service("streams", lambda node: _stream.Listener(
-            node.secret, node.host, node.advertise, node._on_stream))
+            node.secret, node.host, node.advertise, node._on_stream, node.port_range))
 
     def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
         """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""

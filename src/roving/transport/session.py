@@ -13,7 +13,7 @@ import threading
 from typing import Dict, Optional
 
 from .. import config as _config
-from . import auth
+from . import addressing, auth
 from .endpoint import Endpoint, close_connections
 from .node import Node
 
@@ -33,23 +33,30 @@ class Session:
         self._endpoints: Dict[str, Endpoint] = {}
         self._lock = threading.Lock()
 
+    def address(self) -> addressing.Choice:
+        """Where this process's endpoints listen and what they advertise, with why
+        (:mod:`roving.transport.addressing`); AddressError when no interface can be chosen."""
+        cfg = _config.current()
+        return addressing.choose(cfg.host, cfg.advertise, self.parent_address, cfg, cfg.port_range)
+
     def node(self) -> Node:
         """This process's endpoint, started on first use."""
         with self._lock:
             if self._node is None:
-                cfg = _config.current()
-                self._node = Node(self.secret, cfg.host, cfg.advertise)
+                self._node = Node.at(self.secret, self.address())
             return self._node
 
-    def endpoint(self, address: str) -> Endpoint:
-        """The way to the mailboxes at ``address`` (direct calls when it is this process's own)."""
+    def endpoint(self, address: str, connect_timeout: Optional[float] = None) -> Endpoint:
+        """The way to the mailboxes at ``address`` (direct calls when it is this process's own);
+        ``connect_timeout`` (default: the option) bounds each authentication of its connections."""
         endpoint = self._endpoints.get(address)
         if endpoint is None:
             with self._lock:
                 local = self._node if self._node is not None and self._node.address == address else None
                 endpoint = self._endpoints.get(address)
                 if endpoint is None:
-                    endpoint = Endpoint(address, self.secret, local, _config.current().connect_timeout)
+                    endpoint = Endpoint(address, self.secret, local,
+                                        connect_timeout or _config.current().connect_timeout)
                     self._endpoints[address] = endpoint
         return endpoint
 

@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
-from . import auth
+from . import addressing, auth
 
 log = logging.getLogger(__name__)
 
@@ -455,13 +455,21 @@ class Listener:
     """
 
     def __init__(self, secret: bytes, host: str, advertise: Optional[str],
-                 on_open: Callable[[dict, "Stream"], bool]) -> None:
+                 on_open: Callable[[dict, "Stream"], bool],
+                 port_range: Optional[Tuple[int, int]] = None) -> None:
         self._secret = secret
         self._on_open = on_open
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
+        try:
+            addressing.bind_in_range(lambda port: self._sock.bind((host, port)), port_range, host)
+        except OSError as exc:
+            self._sock.close()
+            if isinstance(exc, addressing.AddressError):
+                raise
+            raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this "
+                                          "machine?") from None
         self._sock.listen(128)
         port = self._sock.getsockname()[1]
         shown = advertise or host
