@@ -186,6 +186,7 @@ class Pool:
         self._workers: Dict[int, WorkerState] = {}
         self._lock = threading.RLock()  # guards _workers, _size, _state
         self._failures = 0
+        self._abandoned: List[Process] = []  # killed workers whose jobs have not ended yet
         #: Set when workers failed to start pool_start_failures times in a row: every call raises it.
         self._broken: Optional[PoolStartError] = None
         self._next_start = 0.0
@@ -488,6 +489,18 @@ class Pool:
                     self._disp.retire(w)
                     self._size -= 1
 
+    def _abandon(self, w: WorkerState) -> None:
+        """Kill ``w`` and count it as lost at once, without waiting for its job to end: a job on a machine
+        cut off from the cluster may not end for minutes (or until the machine is back), and its work must
+        not wait that long. A late word from it is ignored (it is gone); its job is reaped when it ends."""
+        w.unreachable = 0.0
+        w.proc.kill()
+        with self._lock:
+            self._workers.pop(w.id, None)
+            self._idle_since.pop(w.id, None)
+        self._disp.worker_lost(w, None)
+        self._abandoned.append(w.proc)
+
     def _maintain(self) -> None:
         try:
             while True:
@@ -509,18 +522,24 @@ class Pool:
             workers = list(self._workers.values())
             state = self._state
         now = time.monotonic()
+        if self._abandoned:
+            ended = [p for p in self._abandoned if not p.is_alive()]
+            for p in ended:
+                self._abandoned.remove(p)
+                p._release()
         for w in workers:
             if w.proc.is_alive():
-                if w.ident is not None and now - w.seen > self._heartbeat_timeout and state != TERMINATE:
-                    log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and its "
-                                "work goes to other workers", w.id, now - w.seen)
-                    w.proc.kill()
-                elif w.unreachable and now - w.unreachable > self._heartbeat_timeout and state != TERMINATE:
-                    log.warning("roving pool: worker %s cannot be reached (its connection to the parent broke "
-                                "%.0f s ago) and has not reconnected; it is killed and its work goes to other "
-                                "workers", w.id, now - w.unreachable)
-                    w.unreachable = 0.0
-                    w.proc.kill()
+                silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
+                cut_off = w.unreachable and now - w.unreachable > self._heartbeat_timeout
+                if (silent or cut_off) and state != TERMINATE:
+                    if silent:
+                        log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and counts "
+                                    "as lost: its work goes to other workers", w.id, now - w.seen)
+                    else:
+                        log.warning("roving pool: worker %s cannot be reached (its connection to the parent broke "
+                                    "%.0f s ago) and has not reconnected; it is killed and counts as lost: its "
+                                    "work goes to other workers", w.id, now - w.unreachable)
+                    self._abandon(w)
                 continue
             code = w.proc.exitcode
             with self._lock:

@@ -1,0 +1,202 @@
+"""roving across separate hosts: the parent on one test host, its children on the others.
+
+The hosts are network namespaces with their own addresses and hostnames, joined by a bridge, with a
+multi-node Slurm on them (scripts/cluster/hosts.sh; tests/helpers_hosts.py). Each test runs a fresh
+roving program (tests/programs/across_hosts.py) on the login host with nothing set about addresses:
+``host``/``advertise`` stay ``auto``, and every process must find its own. Children run as Slurm jobs
+on the compute hosts, and what they report names the host they ran on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import helpers_hosts as hh
+from helpers_core import TESTS_DIR
+
+PROGRAM = TESTS_DIR / "programs" / "across_hosts.py"
+COMPUTE = [h.name for h in hh.COMPUTE]
+ADDRESSES = {h.name: h.address for h in hh.COMPUTE}
+
+
+def program_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
+    env.update(hh.slurm_env({}))
+    src = str(TESTS_DIR.parent / "src")
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), src, env.get("PYTHONPATH", "")])
+    env.update(ACROSS_PARTITION=hh.PARTITION, ACROSS_COMPUTE=",".join(COMPUTE), **extra)
+    return env
+
+
+def run_scenario(name, timeout=240, **extra):
+    """Run a scenario of across_hosts.py on the login host; its result (a dict) and its whole output."""
+    proc = hh.run_on(hh.LOGIN, [sys.executable, str(PROGRAM), name], env=program_env(**extra),
+                     cwd=str(TESTS_DIR.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        output, _ = proc.communicate()
+        raise AssertionError(f"scenario {name} did not end within {timeout} s:\n{output[-4000:]}")
+    lines = [l for l in output.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"scenario {name} failed ({proc.returncode}):\n{output[-4000:]}"
+    result = json.loads(lines[-1][len("RESULT "):])
+    # nothing was set: the parent chose the login host's own address, towards the Slurm controller
+    assert result["parent_address"].startswith(f"tcp://{hh.LOGIN.address}:"), result
+    assert f"the Slurm controller at {hh.HEAD.address}" in result["parent_why"]
+    return result, output
+
+
+@pytest.fixture(autouse=True)
+def _hosts(hosts):
+    yield hosts
+
+
+def test_pool_every_flavour_across_hosts():
+    r, _ = run_scenario("pool")
+    for key in ("map", "imap", "imap_unordered", "starmap", "map_async_callback", "after_grow",
+                "after_shrink", "autoscale"):
+        assert r[key] is True, (key, r)
+    assert r["remote_error"].startswith("three on rv-h") and r["error_callback"] == ["ValueError"]
+    assert set(r["hosts"]) <= set(COMPUTE) and len(r["hosts"]) >= 2, r["hosts"]
+
+
+def test_processes_on_three_hosts_advertise_their_own_addresses_and_their_output_arrives():
+    r, output = run_scenario("process")
+    seen = {c["host"]: c["address"] for c in r["children"]}
+    assert sorted(seen) == sorted(COMPUTE)
+    for host, address in seen.items():
+        assert address.startswith(f"tcp://{ADDRESSES[host]}:"), (host, address)
+    assert r["exitcodes"] == [0, 1, 2] and r["terminated"] == -15
+    for i, host in enumerate(COMPUTE, 1):
+        assert f"[Process-{i + 1}] line from {host}" in output or f"line from {host}" in output
+
+
+@pytest.mark.parametrize("kind", ["queue", "joinable"])
+def test_a_queue_owned_by_a_child_on_one_host_is_used_by_children_on_two_others(kind):
+    r, _ = run_scenario(kind)
+    assert r["owner"] == COMPUTE[0] and r["address"].startswith(f"tcp://{ADDRESSES[COMPUTE[0]]}:")
+    assert r["got"] == [[1, COMPUTE[1]], [2, COMPUTE[2]]] and r["exitcodes"] == [0, 0, 0]
+
+
+def test_a_pipe_between_children_on_two_hosts():
+    r, output = run_scenario("pipe")
+    (tag, ((hello, sender), total, echoer)) = r["got"]
+    assert (tag, hello, sender, echoer) == ("first got", "hello from", COMPUTE[1], COMPUTE[2])
+    assert total == float(sum(range(1 << 20)))
+    assert r["exitcodes"] == [0, 0]
+    assert "using ZeroMQ" not in output, "the pipe's ends should have talked over a direct stream"
+
+
+def test_manager_proxies_used_from_two_other_hosts():
+    r, _ = run_scenario("manager")
+    assert r["address"].startswith(f"tcp://{ADDRESSES[COMPUTE[0]]}:")
+    assert r["dict"] == {COMPUTE[1]: 1, COMPUTE[2]: 2} and r["list"] == sorted(COMPUTE[1:3])
+
+
+def test_lock_event_barrier_and_value_across_three_hosts():
+    r, _ = run_scenario("sync")
+    assert r["value"] == 150 and r["hosts"] == sorted(COMPUTE) and r["exitcodes"] == [0, 0, 0]
+
+
+# -- faults across hosts ------------------------------------------------------------------------------
+
+class Running:
+    """A scenario started on the login host whose output the test reads as it comes."""
+
+    def __init__(self, name, **extra):
+        self.proc = hh.run_on(hh.LOGIN, [sys.executable, "-u", str(PROGRAM), name], env=program_env(**extra),
+                              cwd=str(TESTS_DIR.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
+        self.output = []
+
+    def wait_for(self, prefix, timeout):
+        """The JSON after ``prefix`` on the first line that starts with it (AssertionError on timeout)."""
+        import select
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            self.output.append(line)
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+        self.kill()
+        raise AssertionError(f"no {prefix!r} line within {timeout} s:\n{''.join(self.output)[-4000:]}")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def run_chaos(hosts, disturb, **extra):
+    """The chaos scenario: once under way, ``disturb(host)`` one host that holds a worker; its result."""
+    run = Running("chaos", **extra)
+    try:
+        before = run.wait_for("STARTED ", 120)
+        victim = sorted(before)[0]
+        disturb(victim)
+        result = run.wait_for("RESULT ", 240)
+    finally:
+        run.kill()
+    return victim, result, "".join(run.output)
+
+
+_CHAOS = dict(ROVING_POOL_HEARTBEAT_TIMEOUT="4", ROVING_CONNECT_TIMEOUT="8")
+
+
+def test_a_host_cut_off_for_good_mid_map_loses_its_workers_and_no_result(hosts):
+    victim, r, output = run_chaos(hosts, hosts.cut, **_CHAOS)
+    assert r["ok"] is True and r["count"] == 400, output[-3000:]
+    assert "sent no heartbeat" in output or "cannot be reached" in output, output[-3000:]
+    assert victim not in r["late_hosts"] and r["late_hosts"], (victim, r)
+
+
+def test_a_host_cut_off_briefly_reconnects_and_nothing_is_lost_or_doubled(hosts):
+    import time
+
+    def blip(host):
+        hosts.cut(host)
+        time.sleep(2.0)
+        hosts.restore(host)
+
+    victim, r, output = run_chaos(hosts, blip, ROVING_POOL_HEARTBEAT_TIMEOUT="30")
+    assert r["ok"] is True and r["count"] == 400, output[-3000:]
+    assert "sent no heartbeat" not in output and "is killed" not in output, output[-3000:]
+    assert victim in r["late_hosts"], (victim, r)  # its worker lived on and went on working
+
+
+def test_a_host_killed_whole_is_marked_down_by_slurm_and_the_pool_carries_on(hosts):
+    victim, r, output = run_chaos(hosts, hosts.kill_host, **_CHAOS)
+    assert r["ok"] is True and r["count"] == 400, output[-3000:]
+    assert victim not in r["late_hosts"], (victim, r)
+    assert hosts.wait_node_state(victim, ("down", "down*", "idle*", "down~"), 60).startswith(("down", "idle*"))
+
+
+def test_children_exit_when_their_parents_host_is_cut_off_and_leave_no_slurm_job(hosts):
+    import time
+
+    run = Running("orphans", ROVING_PARENT_TIMEOUT="3")
+    try:
+        ready = run.wait_for("READY ", 120)
+        assert len(ready["jobs"]) == 3
+        hosts.cut(hh.LOGIN)
+        deadline = time.monotonic() + 30
+        left = ready["jobs"]
+        while left and time.monotonic() < deadline:
+            out = hosts.slurm(["squeue", "-h", "-o", "%i", "-j", ",".join(ready["jobs"])]).stdout.split()
+            left = [j for j in ready["jobs"] if j in out]
+            time.sleep(0.5)
+        assert not left, f"Slurm jobs {left} still there 30 s after their parent's host was cut off"
+    finally:
+        run.kill()
