@@ -32,6 +32,7 @@ from . import backends
 from . import config as _config
 from .transport import node as _node
 from .transport import session as _session
+from .transport import timeouts
 from .transport.serialize import SerializationError, dumps
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ class Process:
         assert self._parent_pid == os.getpid(), "can only join a child process"
         assert self._job is not None, "can only join a started process"
         if self._exitcode is None:
-            code = self._backend.wait(self._job, timeout)
+            code = self._backend.wait(self._job, timeouts.limit(timeout))
             if code is not None:
                 self._finished(code)
 
