@@ -198,3 +198,11 @@ def put_from_many_threads(q, count, out):
         thread.start()
         thread.join()
     out.put(len(endpoint._open_connections))
+
+
+def report_environment(out, go=None):
+    """Put this process's environment; then wait for ``go``, so that the parent can look at the job
+    while it runs."""
+    out.put(dict(os.environ))
+    if go is not None:
+        go.get(timeout=TIMEOUT)
