@@ -206,3 +206,11 @@ def report_environment(out, go=None):
     out.put(dict(os.environ))
     if go is not None:
         go.get(timeout=TIMEOUT)
+
+
+def make_file_and_report_mode(path, out):
+    """Create ``path`` as a program would (plain open) and report its permission bits."""
+    with open(path, "w") as f:
+        f.write("x")
+    print("a line for the job's output", flush=True)
+    out.put(os.stat(path).st_mode & 0o777)

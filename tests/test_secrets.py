@@ -7,6 +7,7 @@ import stat
 import subprocess
 import sys
 
+import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT, finish, start
 from roving.transport import session as _session
@@ -49,3 +50,17 @@ def test_a_roving_grandchild_still_gets_the_secret_from_its_parents_session():
     assert out.get(timeout=TIMEOUT) == "from the grandchild"
     finish(p)
     assert p.exitcode == 0
+
+
+def test_log_dir_and_its_log_files_are_private(tmp_path):
+    log_dir = tmp_path / "fresh" / "logs"
+    roving.init(child_output="files", log_dir=str(log_dir))
+    out = roving.Queue()
+    p = start(h.make_file_and_report_mode, str(tmp_path / "made.txt"), out, name="private-log")
+    out.get(timeout=TIMEOUT)
+    finish(p)
+    log = log_dir / "private-log.log"
+    assert "a line for the job's output" in log.read_text()
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(log_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh").st_mode) == 0o700
