@@ -280,6 +280,7 @@ class Shared:
                     mapping = self._try_open(name)
                     if mapping is None and self._machine != machine_id():
                         mapping = self._try_fetch(name)
+                    gone = mapping is None and self._machine == machine_id() and not _exists(name)
                 except _Stranger as e:
                     raise LookupError(f"shared data {self._token} cannot be used: {e}; "
                                       "nothing of it was read") from None
@@ -287,7 +288,7 @@ class Shared:
                     _mappings[name] = mapping.mm
                     _spans[name] = mapping.spans
                     return mapping.mm
-                if self._machine == machine_id() and not _exists(name):
+                if gone:
                     raise LookupError(f"shared data {self._token} is gone: every process that used it "
                                       "(its creator included) has let go of it")
                 if time.monotonic() > deadline:

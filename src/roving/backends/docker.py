@@ -139,14 +139,30 @@ class DockerBackend(Backend):
         self._remove(cid)
 
     def _remove(self, cid: str) -> None:
+        state = self._jobs.get(cid)
+        # A container this process did not start (`roving cancel`, the reaper of a killed parent): its
+        # secret's folder is the one mounted at _SECRET_MOUNT.
+        folder = state.secret_dir if state is not None else self._secret_folder_of(cid)
         try:
             self.client().api.remove_container(cid, force=True)
         except Exception:  # already gone
             pass
-        state = self._jobs.get(cid)
-        if state is not None and state.secret_dir:
-            shutil.rmtree(state.secret_dir, ignore_errors=True)
-            state.secret_dir = None
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            if state is not None:
+                state.secret_dir = None
+
+    def _secret_folder_of(self, cid: str) -> Optional[str]:
+        try:
+            mounts = self.client().api.inspect_container(cid).get("Mounts") or []
+        except Exception:
+            return None
+        for m in mounts:
+            source = m.get("Source", "")
+            if (m.get("Destination") == _SECRET_MOUNT and os.path.dirname(source) == tempfile.gettempdir()
+                    and os.path.basename(source).startswith("roving-secret-")):
+                return source
+        return None
 
     # -- jobs ------------------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> Job:
