@@ -147,3 +147,5 @@ def test_pool_results_take_an_infinite_timeout():
         assert pool.apply_async(abs, (-3,)).get(timeout=INF) == 3
         it = pool.imap(abs, [-1, -2])
         assert [it.next(timeout=INF), it.next(timeout=1e300)] == [1, 2]
+        pool.close()
+        pool.join(INF)
