@@ -80,8 +80,13 @@ def _take_child_env() -> Tuple[Optional[dict], str]:
     info = json.loads(raw)
     secret = info.pop("secret", None) or secret
     if not secret and secret_file:
-        with open(secret_file) as f:
-            secret = f.read().strip()
+        try:
+            with open(secret_file) as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise OSError(f"roving: this child cannot read the session secret from {secret_file} ({exc}); "
+                          "the file is readable only by the user who started the parent: run the container as "
+                          "that user, or as root") from None
     _child_info = info
     return info, secret
 
