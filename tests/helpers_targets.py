@@ -198,3 +198,19 @@ def put_from_many_threads(q, count, out):
         thread.start()
         thread.join()
     out.put(len(endpoint._open_connections))
+
+
+def report_environment(out, go=None):
+    """Put this process's environment; then wait for ``go``, so that the parent can look at the job
+    while it runs."""
+    out.put(dict(os.environ))
+    if go is not None:
+        go.get(timeout=TIMEOUT)
+
+
+def make_file_and_report_mode(path, out):
+    """Create ``path`` as a program would (plain open) and report its permission bits."""
+    with open(path, "w") as f:
+        f.write("x")
+    print("a line for the job's output", flush=True)
+    out.put(os.stat(path).st_mode & 0o777)

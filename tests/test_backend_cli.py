@@ -60,3 +60,13 @@ def test_info_says_which_backend_and_why():
 def test_unknown_backend_is_a_clear_error():
     r = roving_cmd("ps", "--backend", "nope")
     assert r.returncode == 2 and "bad value 'nope' for roving option 'backend'" in r.stderr
+
+
+def test_python_dash_m_roving_is_the_roving_command():
+    r = subprocess.run([sys.executable, "-m", "roving", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith("usage: roving") and "info" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "roving", "info"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "backend: local (detected: no Slurm allocation" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "roving", "ps", "--backend", "nope"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "bad value 'nope' for roving option 'backend'" in r.stderr

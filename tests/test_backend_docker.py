@@ -28,7 +28,8 @@ def test_container_has_limits_labels_and_the_working_directory_and_is_removed_af
     client = p._backend.client()
     attrs = client.api.inspect_container(p.job.id)
     assert attrs["HostConfig"]["NanoCpus"] == 500_000_000 and attrs["HostConfig"]["Memory"] == 200 * 2**20
-    assert attrs["Config"]["Labels"] == {"roving.session": backends.base.session_tag(), "roving.name": "boxed"}
+    assert attrs["Config"]["Labels"] == {"roving.session": backends.base.session_tag(), "roving.name": "boxed",
+                                         "roving.user": backends.base.user_name()}
     assert attrs["HostConfig"]["NetworkMode"] == "host" and attrs["Config"]["Image"] == hb.DOCKER_IMAGE
     import os
     assert any(m["Destination"] == os.getcwd() for m in attrs["Mounts"])
@@ -51,3 +52,40 @@ def test_bad_requests_fail_at_start_within_seconds_naming_the_cause(options, wor
         roving.Process(target=h.return_normally).start()
     assert time.monotonic() - t0 < 10
     backends._instances.pop("docker", None)
+
+
+def test_a_container_gets_only_what_roving_needs_and_forward_env_and_the_secret_only_as_a_file(monkeypatch):
+    import json
+    import os
+    import stat
+
+    from roving.transport import session as _session
+
+    monkeypatch.setenv("CLOUD_TOKEN", "do-not-leak-8d1f")
+    monkeypatch.setenv("WANTED_SETTING", "wanted-5e2a")
+    roving.init(backend="docker", forward_env="WANTED_SETTING", **hb.OPTIONS["docker"])
+    secret = _session.current().secret.hex()
+    out, go = roving.Queue(), roving.Queue()
+    p = roving.Process(target=h.report_environment, args=(out, go))
+    p.start()
+    seen = out.get(timeout=60)  # the child authenticated: the secret reached it
+    client = p._backend.client()
+    attrs = client.api.inspect_container(p.job.id)
+    image_env = {e.split("=", 1)[0] for e in client.images.get(hb.DOCKER_IMAGE).attrs["Config"].get("Env") or []}
+    spec_env = dict(e.split("=", 1) for e in attrs["Config"]["Env"])
+    assert secret not in json.dumps(attrs), "the secret is in no part of the container's spec"
+    asked = {"ROVING_CHILD", "PYTHONPATH", "PYTHONUNBUFFERED", "WANTED_SETTING", _session.SECRET_FILE_ENV}
+    extra = {k for k in spec_env if k not in asked | image_env and not k.startswith("ROVING_")}
+    assert extra == set(), f"variables nobody asked for: {extra}"
+    assert "CLOUD_TOKEN" not in spec_env and "CLOUD_TOKEN" not in seen
+    assert spec_env["WANTED_SETTING"] == "wanted-5e2a" and seen["WANTED_SETTING"] == "wanted-5e2a"
+    assert secret not in json.dumps(seen) and _session.SECRET_FILE_ENV not in seen  # read, then dropped
+    mount = [m for m in attrs["Mounts"] if m["Destination"] == "/run/roving-session"][0]
+    assert mount["RW"] is False
+    folder = mount["Source"]
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(folder, "secret")).st_mode) == 0o600
+    go.put("done")
+    p.join(60)
+    assert p.exitcode == 0
+    assert wait_until(lambda: not os.path.exists(folder), 10), "the secret's folder goes with the container"

@@ -224,3 +224,27 @@ def test_a_parent_killed_with_sigkill_leaves_no_pod_and_no_secret(fake, tmp_path
         if parent.poll() is None:
             parent.kill()
         parent.communicate(timeout=30)
+
+
+def test_a_pod_spec_holds_only_what_roving_needs_and_forward_env(fake, monkeypatch, tmp_path):
+    from roving.transport import session as _session
+
+    monkeypatch.setenv("CLOUD_TOKEN", "do-not-leak-8d1f")
+    monkeypatch.setenv("WANTED_SETTING", "wanted-5e2a")
+    _use(monkeypatch, tmp_path, fake, forward_env=["WANTED_SETTING"])
+    out = roving.Queue()
+    p = roving.Process(target=h.report_environment, args=(out,))
+    p.start()
+    seen = out.get(timeout=T)
+    body = fake.pods[("default", p.job.id)].body
+    env = {e["name"]: e for e in body["spec"]["containers"][0]["env"]}
+    asked = {"ROVING_CHILD", "PYTHONPATH", "PYTHONUNBUFFERED", "WANTED_SETTING", _session.SECRET_ENV}
+    extra = {k for k in env if k not in asked and not k.startswith("ROVING_")}
+    assert extra == set(), f"variables nobody asked for: {extra}"
+    assert "CLOUD_TOKEN" not in json.dumps(body) and "CLOUD_TOKEN" not in seen
+    assert env["WANTED_SETTING"]["value"] == "wanted-5e2a" and seen["WANTED_SETTING"] == "wanted-5e2a"
+    assert _session.current().secret.hex() not in json.dumps(body)
+    assert "valueFrom" in env[_session.SECRET_ENV]  # from the session's Secret
+    assert body["metadata"]["labels"]["roving.user"] == backends.base.user_name()
+    p.join(T)
+    assert p.exitcode == 0

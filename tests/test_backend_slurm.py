@@ -88,3 +88,71 @@ def test_a_pending_job_reports_slurms_reason_and_is_logged(caplog):
     for p in procs:
         p.kill()
         p.join(30)
+
+
+def _mode(path):
+    import os
+    return os.stat(path).st_mode & 0o777
+
+
+@pytest.mark.parametrize("child_output", ["prefix", "files"])
+def test_slurm_output_folders_and_files_are_private_and_the_job_keeps_the_callers_umask(child_output, tmp_path):
+    import glob
+    import os
+
+    log_dir = tmp_path / "new" / "logs"
+    roving.init(backend="slurm", child_output=child_output, log_dir=str(log_dir))
+    out = roving.Queue()
+    p = roving.Process(target=h.make_file_and_report_mode, args=(str(tmp_path / "made.txt"), out), name="modes")
+    p.start()
+    made = out.get(timeout=60)
+    p.join(60)
+    assert p.exitcode == 0
+    if child_output == "prefix":
+        folder = os.path.join(os.path.expanduser("~/.roving/slurm"), backends.base.session_tag())
+    else:
+        folder = str(log_dir)
+        assert _mode(tmp_path / "new") == 0o700  # a missing parent is made private too
+    files = glob.glob(os.path.join(folder, "modes*"))
+    assert files, os.listdir(folder)
+    assert _mode(folder) == 0o700
+    assert all(_mode(f) == 0o600 for f in files), [(f, oct(_mode(f))) for f in files]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert made == 0o666 & ~umask  # what the job itself creates follows the caller's umask, not 077
+
+
+def test_cancel_all_lists_only_this_users_jobs():
+    """A job of user nobody (submitted as root with sbatch --uid) is a roving job of another user; this
+    user's `roving cancel --all` must not touch it. Its list comes from the real squeue; the cancel
+    itself is recorded, not sent: other sessions of this user (other test runs on this machine) have
+    roving jobs too, which a real --all would cancel."""
+    from roving import cli
+
+    other = subprocess.run(["sbatch", "--uid=nobody", "--parsable", "--job-name=roving-anotherusers",
+                            "--chdir=/tmp", "--output=/dev/null", "--wrap", "sleep 120"],
+                           capture_output=True, text=True, timeout=30)
+    assert other.returncode == 0, other.stderr
+    other_id = other.stdout.strip().split(";")[0]
+    roving.init(backend="slurm")
+    p = roving.Process(target=h.sleep_for, args=(120,), name="mine")
+    p.start()
+    try:
+        backend = backends.get("slurm")
+        assert wait_until(lambda: {p.job.id, other_id} <= {j.id for j in backend.list_jobs()}, 30)
+        mine = {j.id: j for j in backend.list_jobs(user=backends.base.user_name())}
+        assert p.job.id in mine and other_id not in mine and mine[p.job.id].user == backends.base.user_name()
+        theirs = {j.id for j in backend.list_jobs(user="nobody")}
+        assert other_id in theirs and p.job.id not in theirs
+        cancelled = []
+        real_cancel = backend.cancel_ids
+        backend.cancel_ids = lambda ids: cancelled.extend(ids)
+        try:
+            assert cli.main(["cancel", "--all", "--backend", "slurm"]) == 0
+        finally:
+            backend.cancel_ids = real_cancel
+        assert p.job.id in cancelled and other_id not in cancelled
+    finally:
+        subprocess.run(["scancel", other_id], timeout=30)
+        p.kill()
+        p.join(30)

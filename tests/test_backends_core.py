@@ -6,6 +6,7 @@ Slurm and Docker are the real daemons that scripts/test.sh installs and starts.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from helpers_backends import backend  # noqa: F401  (the fixture)
 import helpers_pool as hp
 import helpers_targets as h
 import roving
+from roving import backends
 from helpers_core import TESTS_DIR, read_log, wait_until
 
 T = 60
@@ -148,10 +150,17 @@ def test_every_job_of_a_parent_killed_with_sigkill_is_cancelled(name, tmp_path):
             pytest.fail(f"the parent failed: {parent.communicate(timeout=30)}")
         job_ids = out.read_text().split()[1:]
         assert len(job_ids) == 3 and sorted(hb.session_jobs_alive(name, job_ids)) == sorted(job_ids)
+        folders = []
+        if name == "docker":  # each container's secret file lies in a host folder of its own
+            client = backends.get("docker").client()
+            folders = [m["Source"] for cid in job_ids for m in client.api.inspect_container(cid)["Mounts"]
+                       if m["Destination"] == "/run/roving-session"]
+            assert len(folders) == 3 and all(os.path.isfile(os.path.join(f, "secret")) for f in folders)
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
         assert wait_until(lambda: hb.session_jobs_alive(name, job_ids) == [], 15, 0.25), \
             hb.session_jobs_alive(name, job_ids)
+        assert wait_until(lambda: not any(os.path.exists(f) for f in folders), 15), "secret folders left"
     finally:
         if parent.poll() is None:
             parent.kill()

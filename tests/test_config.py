@@ -148,3 +148,12 @@ def test_a_rejected_init_keeps_earlier_init_options():
     with pytest.raises(roving.ConfigError):
         roving.init(no_such_option=1)
     assert roving.init().parent_timeout == 7.0
+
+
+def test_forward_env_is_a_tuple_of_names_from_a_list_or_a_comma_separated_string(tmp_path):
+    assert load(cwd=str(tmp_path), environ={}).forward_env == ()
+    cfg = load(cwd=str(tmp_path), environ={"ROVING_FORWARD_ENV": "HF_TOKEN, WANDB_API_KEY"})
+    assert cfg.forward_env == ("HF_TOKEN", "WANDB_API_KEY")
+    (tmp_path / "roving.toml").write_text('forward_env = ["A", "B"]\n')
+    assert load(cwd=str(tmp_path), environ={}).forward_env == ("A", "B")
+    assert load({"forward_env": "C"}, cwd=str(tmp_path), environ={}).forward_env == ("C",)

@@ -80,7 +80,8 @@ def test_another_machine_fetches_once_and_its_processes_share_that_copy():
     data = np.linspace(0, 1, 300_000)
     handle = roving.shared(data)
     token = handle._token
-    elsewhere = _shared.Shared(token, handle._owner, "another-machine", handle.nbytes)  # as seen remotely
+    # as seen remotely
+    elsewhere = _shared.Shared(token, handle._owner, "another-machine", handle.nbytes, handle._check)
     out = roving.Queue()
     barrier = roving.Barrier(3)
     procs = [start(read_shared, elsewhere, out, barrier) for _ in range(3)]
@@ -108,7 +109,7 @@ def test_segment_stays_while_a_user_holds_it_after_the_creator_let_go_and_goes_w
     finish(p)
     assert segments(token) == []
     with pytest.raises(LookupError, match="let go"):
-        _shared.Shared(token, handle._owner, handle._machine, handle.nbytes).get()
+        _shared.Shared(token, handle._owner, handle._machine, handle.nbytes, handle._check).get()
 
 
 def test_any_picklable_object_is_shared_and_unpicklable_input_is_a_clear_error():
@@ -147,3 +148,109 @@ def test_no_segment_is_left_in_dev_shm_after_a_session_exits_without_releasing(t
     token, total = result.stdout.split()
     assert float(total) == 100_000.0
     assert segments(token) == []
+
+
+# -- files planted by someone else are never unpickled ----------------------------------------
+
+class Payload:
+    """Unpickling this creates ``marker``: a stand-in for code an attacker would run."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def plant(path, check, marker, uid=None, mode=0o600):
+    """Write at ``path`` a file laid out as a ready segment whose one frame is a Payload pickle."""
+    frames = _shared.dumps(Payload(marker))
+    size, spans = _shared._layout(frames)
+    data = bytearray(size)
+    _shared._write_header(data, _shared._READY, spans, check)
+    for (offset, n), frame in zip(spans, frames):
+        data[offset:offset + n] = memoryview(frame).cast("B")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, bytes(data))
+        os.fchmod(fd, mode)
+        if uid is not None:
+            os.fchown(fd, uid, -1)
+    finally:
+        os.close(fd)
+
+
+def released_handle():
+    """A handle whose data every user let go of: its name in /dev/shm is free for anyone."""
+    handle = roving.shared(np.arange(10))
+    copy = _shared.Shared(handle._token, handle._owner, handle._machine, handle.nbytes, handle._check)
+    handle.release()
+    assert segments(handle._token) == []
+    return copy
+
+
+NOBODY = 65534
+
+
+@pytest.mark.parametrize("how", ["another user's", "group-writable", "wrong check value", "symlink"])
+def test_a_file_planted_under_a_released_name_is_a_lookup_error_and_runs_nothing(tmp_path, how):
+    handle = released_handle()
+    path = f"/dev/shm/rv-{handle._token}"
+    marker = tmp_path / "payload-ran"
+    try:
+        if how == "another user's":
+            plant(path, handle._check, marker, uid=NOBODY)
+        elif how == "group-writable":
+            plant(path, handle._check, marker, mode=0o620)
+        elif how == "wrong check value":
+            plant(path, os.urandom(len(handle._check)), marker)
+        else:
+            target = f"/dev/shm/rv-target-{handle._token}"
+            plant(target, handle._check, marker)
+            os.symlink(target, path)
+        with pytest.raises(LookupError, match=handle._token):
+            handle.get(timeout=5)
+        assert not marker.exists()
+    finally:
+        for p in glob.glob(f"/dev/shm/rv-*{handle._token}*"):
+            os.unlink(p)
+
+
+def test_a_file_planted_under_a_name_not_yet_created_is_a_lookup_error_and_runs_nothing(tmp_path):
+    handle = roving.shared(np.arange(10))
+    elsewhere = _shared.Shared(handle._token, handle._owner, "another-machine", handle.nbytes, handle._check)
+    path = f"/dev/shm/rv-{handle._token}-copy"  # where that machine's copy would go
+    marker = tmp_path / "payload-ran"
+    plant(path, handle._check, marker, uid=NOBODY)
+    try:
+        with pytest.raises(LookupError, match="belongs to uid"):
+            elsewhere.get(timeout=5)
+        assert not marker.exists()
+        assert _shared._server().fetches.get(handle._token, 0) == 0
+    finally:
+        os.unlink(path)
+        handle.release()
+
+
+def test_the_planted_file_would_run_if_it_passed_the_checks(tmp_path):
+    # The control for the tests above: the same file, ours, private and with the handle's check value,
+    # is read (so what stops them is each check, not a malformed file).
+    handle = released_handle()
+    path = f"/dev/shm/rv-{handle._token}"
+    marker = tmp_path / "payload-ran"
+    plant(path, handle._check, marker)
+    try:
+        handle.get(timeout=5)
+        assert marker.exists()
+    finally:
+        handle.release()
+        gc.collect()
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_segments_are_created_private_to_this_user():
+    handle = roving.shared(np.arange(10))
+    st = os.stat(f"/dev/shm/rv-{handle._token}")
+    assert st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o600
+    handle.release()

@@ -5,7 +5,6 @@ liveness, runs the process, and exits with multiprocessing's exit codes.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -46,8 +45,8 @@ def _die(why: str) -> None:
 
 
 def main() -> int:
-    info = json.loads(os.environ[_session.CHILD_ENV])
     session = _session.current()
+    info = _session.child_info()
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
     try:
         status, frames = session.endpoint(info["parent"], timeout).call(_node.GET, info["box"], timeout)

@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .transport import node as _node
 from .transport.endpoint import Channel, ConnectionLost, TransportError
+from .transport import timeouts
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class Caller:
         If the wait is interrupted (KeyboardInterrupt...), an answer that arrives later is passed to
         ``on_late`` (e.g. to give back a lock granted to a caller that left).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = timeouts.deadline(timeout)
         try:
             while True:
                 answer = self._answers.pop(req_id, None)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     p = subparsers.add_parser("cancel", help="cancel jobs")
     _backend_arg(p)
     p.add_argument("jobs", nargs="*", help="job ids as `roving ps` shows them")
-    p.add_argument("--all", action="store_true", help="every job of every roving session")
+    p.add_argument("--all", action="store_true", help="every job of every roving session of this user")
     p.set_defaults(handler=_cancel)
 
     p = subparsers.add_parser("info", help="show the backend chosen, why, and the resources it sees")
@@ -182,7 +182,8 @@ def _cancel(args: argparse.Namespace) -> int:
     if args.all == bool(args.jobs):
         print("roving: error: give job ids or --all (not both)", file=sys.stderr)
         return 2
-    ids = [j.id for j in backend.list_jobs()] if args.all else args.jobs
+    # --all: only this user's jobs (another user's are not ours to stop, even where we could)
+    ids = [j.id for j in backend.list_jobs(user=backends.base.user_name())] if args.all else args.jobs
     backend.cancel_ids(ids)
     for job_id in ids:
         print(f"cancelled {job_id}")

@@ -27,7 +27,7 @@ _CHOICES = {
     "child_output": ("prefix", "off", "files"),
 }
 # Environment variables that roving sets for its own children; not options.
-_INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET"}
+_INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
 
 
 class ConfigError(ValueError):
@@ -122,6 +122,9 @@ class Config:
     docker_volumes: Tuple[str, ...] = ()
     #: Docker network mode of the containers.
     docker_network: str = "host"
+    #: Variables of this environment that containers and pods get too, by name; a list, or
+    #: comma-separated in one string. They get nothing else of it but what roving itself needs.
+    forward_env: Tuple[str, ...] = ()
     #: Kubernetes namespace of the pods (default: the parent pod's own, else "default").
     kubernetes_namespace: Optional[str] = None
 

@@ -26,6 +26,7 @@ from .queues import raise_error
 from .transport import link as _link
 from .transport import node as _node
 from .transport import session as _session
+from .transport import timeouts
 from .transport.mailbox import TRANSIT
 from .transport.serialize import dumps, loads
 
@@ -204,7 +205,7 @@ class Connection:
 
         Returns OK (ready), EOF or EMPTY (nothing came in time).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = timeouts.deadline(timeout)
         while True:
             if self._stash:
                 return _node.OK
@@ -275,7 +276,7 @@ class Connection:
         True at end-of-file too, so that the following recv() raises EOFError, as in multiprocessing.
         """
         self._check_readable()
-        return self._fetch(None if timeout is None else max(0.0, float(timeout))) != _node.EMPTY
+        return self._fetch(timeouts.limit(timeout)) != _node.EMPTY
 
 
 def close_all(timeout: float = 10.0) -> None:

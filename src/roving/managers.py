@@ -39,6 +39,7 @@ from . import config as _config
 from . import process as _process
 from .transport import node as _node
 from .transport import session as _session
+from .transport import timeouts
 from .transport.serialize import dumps, loads
 
 log = logging.getLogger(__name__)
@@ -415,6 +416,7 @@ class AcquirerProxy(BaseProxy):
     _exposed_ = ("acquire", "release")
 
     def acquire(self, blocking: bool = True, timeout: Optional[float] = None) -> bool:
+        timeout = timeouts.limit(timeout)
         args = (blocking,) if timeout is None else (blocking, timeout)
         return self._callmethod("acquire", args)
 
@@ -432,7 +434,7 @@ class ConditionProxy(AcquirerProxy):
     _exposed_ = ("acquire", "release", "wait", "notify", "notify_all")
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._callmethod("wait", (timeout,))
+        return self._callmethod("wait", (timeouts.limit(timeout),))
 
     def notify(self, n: int = 1) -> None:
         return self._callmethod("notify", (n,))
@@ -443,7 +445,7 @@ class ConditionProxy(AcquirerProxy):
     def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
         import time
         result = predicate()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = timeouts.deadline(timeout)
         while not result:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -466,14 +468,14 @@ class EventProxy(BaseProxy):
         return self._callmethod("clear")
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._callmethod("wait", (timeout,))
+        return self._callmethod("wait", (timeouts.limit(timeout),))
 
 
 class BarrierProxy(BaseProxy):
     _exposed_ = ("__getattribute__", "wait", "abort", "reset")
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        return self._callmethod("wait", (timeout,))
+        return self._callmethod("wait", (timeouts.limit(timeout),))
 
     def abort(self) -> None:
         return self._callmethod("abort")

@@ -32,6 +32,7 @@ from . import backends
 from . import config as _config
 from .transport import node as _node
 from .transport import session as _session
+from .transport import timeouts
 from .transport.serialize import SerializationError, dumps
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class Process:
     def _wait(self, timeout: Optional[float]) -> None:
         """join() without its error: for roving's own joins (reaping, exit, a pool's upkeep)."""
         if self._exitcode is None:
-            code = self._backend.wait(self._job, timeout)
+            code = self._backend.wait(self._job, timeouts.limit(timeout))
             if code is not None:
                 self._finished(code)
 

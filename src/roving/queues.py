@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from .transport import node as _node
 from .transport import session as _session
+from .transport import timeouts
 from .transport.serialize import dumps, loads
 
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
@@ -24,13 +25,9 @@ __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
 
 def wait_time(block: bool, timeout: Optional[float]) -> float:
     """multiprocessing's (block, timeout) as the transport's timeout: -1 forever, 0 no wait."""
-    if not block:
-        return 0.0
-    if timeout is None:
-        return -1.0
-    if timeout < 0:
-        raise ValueError("'timeout' must be a non-negative number")
-    return float(timeout)
+    if block and timeout is not None and timeout < 0:
+        raise ValueError("'timeout' must be a non-negative number")  # as queue.Queue
+    return timeouts.to_wire(block, timeout)
 
 
 def raise_error(frames: list) -> None:

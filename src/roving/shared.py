@@ -18,14 +18,22 @@ Guarantees:
   Processes killed with SIGKILL let go too (the kernel drops their locks); only if *every* user of a
   segment is killed that way does the segment outlive them.
 * A process that asks for data whose every user has let go gets a clear ``LookupError``.
+* Nothing a stranger wrote is unpickled. Segments are opened without following links and must be regular
+  files owned by this user and writable by no one else (they are created 0600); the segment's header
+  holds a random check value that travels in the handle, compared before anything is read. A file that
+  fails any of this (planted by another local user under a released or not yet created name, say) is
+  a ``LookupError``; nothing in it is unpickled.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import hmac
 import mmap
 import os
 import pickle
 import socket
+import stat
 import struct
 import threading
 import time
@@ -42,9 +50,10 @@ from .transport.serialize import dumps, loads
 __all__ = ["shared", "Shared"]
 
 OP = b"shd"
-_MAGIC = b"ROVSHD01"
+_MAGIC = b"ROVSHD02"
 _FILLING, _READY, _DEAD = 0, 1, 2
-_HEAD = struct.Struct("<8sQQ")  # magic, state, number of frames; then (offset, length) per frame
+_CHECK = 16  # bytes of the random check value shared by a handle and its segment
+_HEAD = struct.Struct(f"<8sQQ{_CHECK}s")  # magic, state, frames, check; then (offset, length) per frame
 _PAIR = struct.Struct("<QQ")
 _ALIGN = 64
 _CHUNK = 32 << 20
@@ -78,22 +87,55 @@ def _layout(frames: List[Any]) -> Tuple[int, List[Tuple[int, int]]]:
     return offset, spans
 
 
-def _write_header(mm: mmap.mmap, state: int, spans: List[Tuple[int, int]]) -> None:
-    _HEAD.pack_into(mm, 0, _MAGIC, state, len(spans))
+def _write_header(mm: mmap.mmap, state: int, spans: List[Tuple[int, int]], check: bytes) -> None:
+    _HEAD.pack_into(mm, 0, _MAGIC, state, len(spans), check)
     for i, span in enumerate(spans):
         _PAIR.pack_into(mm, _HEAD.size + i * _PAIR.size, *span)
 
 
+class _Stranger(LookupError):
+    """The file under a segment's name is not one this user's roving wrote."""
+
+
 def _open(name: str, flags: int) -> int:
-    return _posixshmem.shm_open(name, flags, 0o600)
+    """Open a segment without following links; it must be a regular file of this user that no one else
+    may write (raises _Stranger, a LookupError, otherwise)."""
+    try:
+        fd = _posixshmem.shm_open(name, flags | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _Stranger(f"/dev/shm{name} is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _Stranger(f"/dev/shm{name} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise _Stranger(f"/dev/shm{name} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+        if st.st_mode & 0o022:
+            raise _Stranger(f"/dev/shm{name} may be written by others (mode {stat.S_IMODE(st.st_mode):o})")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def _state(fd: int) -> int:
+def _same_file(a: int, b: int) -> bool:
+    sa, sb = os.fstat(a), os.fstat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def _state(fd: int, check: bytes) -> int:
+    """The segment's state; raises _Stranger when its check value is not the handle's."""
     head = os.pread(fd, _HEAD.size, 0)
     if len(head) < _HEAD.size:
         return _FILLING
-    magic, state, _ = _HEAD.unpack(head)
-    return state if magic == _MAGIC else _FILLING
+    magic, state, _, theirs = _HEAD.unpack(head)
+    if magic != _MAGIC:
+        return _FILLING
+    if not hmac.compare_digest(theirs, check):
+        raise _Stranger("its check value is not the handle's")
+    return state
 
 
 def _let_go(fd: int, name: str) -> None:
@@ -108,8 +150,8 @@ def _let_go(fd: int, name: str) -> None:
         pass
     try:
         fd = _open(name, os.O_RDWR)
-    except OSError:
-        return  # already removed
+    except (OSError, LookupError):
+        return  # already removed (or replaced by a file that is not ours: left alone)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.pwrite(fd, struct.pack("<Q", _DEAD), 8)  # a process opening it just now will not use it
@@ -142,11 +184,14 @@ def _let_go_all() -> None:
         fin()
 
 
-def _map(name: str) -> mmap.mmap:
+def _map(name: str, locked: int) -> mmap.mmap:
     """A read-only mapping through an open file of its own: mmap keeps its file open, and a flock stays
-    while any reference to the locked open file remains, so the lock's file must not be the mapping's."""
+    while any reference to the locked open file remains, so the lock's file must not be the mapping's.
+    It must be the very file ``locked`` has open (already checked)."""
     fd = _open(name, os.O_RDONLY)
     try:
+        if not _same_file(fd, locked):
+            raise _Stranger(f"/dev/shm{name} was replaced while it was opened")
         return mmap.mmap(fd, os.fstat(fd).st_size, access=mmap.ACCESS_READ)
     finally:
         os.close(fd)
@@ -157,9 +202,9 @@ class _Mapping:
 
     def __init__(self, fd: int, name: str) -> None:
         self.name = name
-        self.mm = _map(name)
+        self.mm = _map(name, fd)
         head = self.mm[:_HEAD.size]
-        _, _, n = _HEAD.unpack(head)
+        _, _, n, _ = _HEAD.unpack(head)
         self.spans = [_PAIR.unpack_from(self.mm, _HEAD.size + i * _PAIR.size) for i in range(n)]
         # The segment stays while the mmap object lives: every array from get() keeps it alive.
         _let_go_later(self.mm, _let_go, fd, name)
@@ -178,13 +223,14 @@ _attach_lock = threading.Lock()
 class Shared:
     """A handle on data shared with :func:`shared`; small and picklable. ``get()`` returns the data."""
 
-    def __init__(self, token: str, owner: str, machine: str, nbytes: int) -> None:
+    def __init__(self, token: str, owner: str, machine: str, nbytes: int, check: bytes) -> None:
         self._token, self._owner, self._machine, self.nbytes = token, owner, machine, nbytes
+        self._check = check  # the segment's header must hold the same value before anything is read
         self._mm: Optional[mmap.mmap] = None
         self._creator: Optional[weakref.finalize] = None
 
     def __getstate__(self) -> tuple:
-        return self._token, self._owner, self._machine, self.nbytes
+        return self._token, self._owner, self._machine, self.nbytes, self._check
 
     def __setstate__(self, state: tuple) -> None:
         self.__init__(*state)
@@ -202,7 +248,9 @@ class Shared:
 
         The first call on a machine other than the creator's fetches the data (once for that machine);
         others there wait for it, up to ``timeout`` seconds (None: the configured connect timeout, plus
-        the transfer). Raises LookupError if every user has let go of the data.
+        the transfer). Raises LookupError if every user has let go of the data, or if the file under
+        its name is not this data's (not this user's, writable by others, a link, another check value):
+        then nothing of it is unpickled.
         """
         if self._mm is None:
             self._mm = self._attach(timeout)
@@ -228,29 +276,33 @@ class Shared:
             deadline = time.monotonic() + (timeout if timeout is not None
                                            else _config.current().connect_timeout + self.nbytes / 50e6)
             while True:
-                mapping = self._try_open(name)
-                if mapping is None and self._machine != machine_id():
-                    mapping = self._try_fetch(name)
+                try:
+                    mapping = self._try_open(name)
+                    if mapping is None and self._machine != machine_id():
+                        mapping = self._try_fetch(name)
+                    gone = mapping is None and self._machine == machine_id() and not _exists(name)
+                except _Stranger as e:
+                    raise LookupError(f"shared data {self._token} cannot be used: {e}; "
+                                      "nothing of it was read") from None
                 if mapping is not None:
                     _mappings[name] = mapping.mm
                     _spans[name] = mapping.spans
                     return mapping.mm
-                if self._machine == machine_id() and not _exists(name):
+                if gone:
                     raise LookupError(f"shared data {self._token} is gone: every process that used it "
                                       "(its creator included) has let go of it")
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"shared data {self._token} did not become ready in time")
                 time.sleep(0.01)
 
-    @staticmethod
-    def _try_open(name: str) -> Optional[_Mapping]:
+    def _try_open(self, name: str) -> Optional[_Mapping]:
         try:
             fd = _open(name, os.O_RDWR)
         except FileNotFoundError:
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)  # waits while a fetcher fills it
-            if _state(fd) != _READY:
+            if _state(fd, self._check) != _READY:
                 os.close(fd)
                 return None
             return _Mapping(fd, name)
@@ -266,6 +318,8 @@ class Shared:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             _fetch_into(fd, self._owner, self._token)
+            if _state(fd, self._check) != _READY:
+                raise LookupError(f"shared data {self._token} arrived incomplete")
             fcntl.flock(fd, fcntl.LOCK_SH)  # ready: from fetcher to user
             return _Mapping(fd, name)
         except BaseException:
@@ -364,7 +418,7 @@ def shared(obj: Any) -> Shared:
     """
     frames = dumps(obj)
     size, spans = _layout(frames)
-    token = os.urandom(8).hex()
+    token, check = os.urandom(8).hex(), os.urandom(_CHECK)
     name = f"/rv-{token}"
     fd = _open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL)
     try:
@@ -374,16 +428,16 @@ def shared(obj: Any) -> Shared:
         try:
             for (offset, n), frame in zip(spans, frames):
                 mm[offset:offset + n] = memoryview(frame).cast("B")
-            _write_header(mm, _READY, spans)
+            _write_header(mm, _READY, spans, check)
         finally:
             mm.close()
         fcntl.flock(fd, fcntl.LOCK_SH)
         server = _server()
-        server.segments[token] = _map(name)
+        server.segments[token] = _map(name, fd)
     except BaseException:
         _posixshmem.shm_unlink(name)
         os.close(fd)
         raise
-    handle = Shared(token, server.node.address, machine_id(), size)
+    handle = Shared(token, server.node.address, machine_id(), size, check)
     handle._creator = _let_go_later(handle, _creator_let_go, server, token, fd, name)
     return handle

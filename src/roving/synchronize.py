@@ -31,6 +31,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from . import _rpc
 from . import config as _config
 from .transport import session as _session
+from .transport import timeouts
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier"]
 
@@ -320,6 +321,7 @@ class _Home(_rpc.Server):
 
     def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
         method, oid, who, timeout, args = pickle.loads(frames[0].bytes)
+        timeout = timeouts.from_wire(timeout)
         w = _Waiter(ident, req_id, who)
         try:
             if method == "new":
@@ -434,11 +436,7 @@ def _who() -> str:
 
 
 def _timeout(block: bool, timeout: Optional[float]) -> float:
-    if not block:
-        return 0.0
-    if timeout is None:
-        return -1.0
-    return max(0.0, float(timeout))
+    return timeouts.to_wire(block, timeout)
 
 
 class _Homed:
@@ -593,7 +591,7 @@ class Condition(_Homed):
 
     def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
         result = predicate()
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = timeouts.deadline(timeout)
         while not result:
             if deadline is not None:
                 left = deadline - time.monotonic()

@@ -261,7 +261,7 @@ def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
         while True:
             assert time.monotonic() < deadline and run.poll() is None, "the run ended before it was killed"
             if ck.exists():
-                done = torch.load(ck, weights_only=False)["iteration"]
+                done = torch.load(ck, weights_only=True)["iteration"]
                 if done >= 3:
                     break
             time.sleep(0.2)
@@ -278,7 +278,7 @@ def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
     alive = [p for p in nodes if os.path.exists(f"/proc/{p}")
              and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"]
     assert not alive, "the dead coordinator's nodes exit within 10 s"
-    at = torch.load(ck, weights_only=False)["iteration"]
+    at = torch.load(ck, weights_only=True)["iteration"]
     resumed = subprocess.run([*cmd, "--checkpoint", str(ck), "--checkpoint-every", "1", "--resume",
                               "--metrics", str(tmp_path / "resumed.json")], env=env, capture_output=True,
                              text=True, timeout=300)

@@ -7,11 +7,12 @@ import enum
 import hashlib
 import json
 import os
+import pwd
 import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +61,8 @@ class JobInfo:
     session: str
     state: str
     reason: str = ""
+    #: The user who started it, where the cluster says.
+    user: str = ""
 
 
 def session_tag() -> str:
@@ -70,6 +73,65 @@ def session_tag() -> str:
     from ..transport import session as _session
 
     return hashlib.sha256(b"roving-session:" + _session.current().secret).hexdigest()[:12]
+
+
+def user_name() -> str:
+    """This process's user, from its uid (not from the environment): the jobs it started carry it, and
+    `roving cancel --all` touches only jobs that carry it."""
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:  # a uid without a name (a container's, say)
+        return f"uid{os.getuid()}"
+
+
+def private_dir(path: str) -> None:
+    """Make ``path`` and its missing parents, each readable by this user only (0700); folders that
+    exist already are left as they are."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
+
+
+def open_private(path: str, mode: str = "ab"):
+    """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``), creating it readable by
+    this user only (0600), in a folder made by :func:`private_dir`."""
+    private_dir(os.path.dirname(os.path.abspath(path)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    return os.fdopen(fd, mode)
+
+
+def container_env(env: Mapping[str, str], forward: Iterable[str]) -> Tuple[Dict[str, str], str]:
+    """What of a job's environment a container or pod may see, and the session secret (hex) apart.
+
+    A container is another machine: it gets what roving needs (ROVING_CHILD without the secret,
+    PYTHONPATH, PYTHONUNBUFFERED, the ROVING_<option> variables) and the variables ``forward`` names
+    (the ``forward_env`` option), never the rest of the parent's environment. The secret must reach
+    it another way (a file, a Kubernetes Secret); it is "" when ``env`` holds none.
+    """
+    from ..transport import session as _session
+
+    wanted = set(forward)
+    out = {k: v for k, v in env.items()
+           if k in wanted or k in ("PYTHONPATH", "PYTHONUNBUFFERED", _session.CHILD_ENV)
+           or (k.startswith("ROVING_") and k not in (_session.SECRET_ENV, _session.SECRET_FILE_ENV))}
+    secret = ""
+    if _session.CHILD_ENV in out:
+        info = json.loads(out[_session.CHILD_ENV])
+        secret = info.pop("secret", None) or ""
+        out[_session.CHILD_ENV] = json.dumps(info)
+    out.setdefault("PYTHONUNBUFFERED", "1")
+    return out, secret
 
 
 def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
@@ -184,8 +246,9 @@ class Backend(abc.ABC):
         """A handle on an existing job from its id (as `roving ps` shows it)."""
         return Job(self, job_id)
 
-    def list_jobs(self) -> List[JobInfo]:
-        """The jobs of every roving session this backend can see (`roving ps`)."""
+    def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
+        """The jobs of every roving session this backend can see (`roving ps`); only ``user``'s when
+        given (`roving cancel --all`)."""
         return []
 
     def describe(self) -> Dict[str, str]:

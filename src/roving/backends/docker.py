@@ -1,11 +1,14 @@
 """The docker backend: each job is a container of the configured ``image`` (Docker SDK for Python).
 
-* The container runs ``python -m roving._child`` with the parent's environment, the working directory
+* The container runs ``python -m roving._child`` with the variables roving needs and those named in
+  ``forward_env`` (never the rest of the parent's environment), the working directory
   bind-mounted at the same path (and used as the working directory), the ``docker_volumes`` mounts,
   ``--network host`` by default (``docker_network``), ``nano_cpus``/``mem_limit`` from the process
   resources and a GPU device request for ``gpu``. It runs under Docker's init (tini), which passes
   signals on, so ``terminate_job`` (SIGTERM) and ``force`` (SIGKILL) give exit codes -15 and -9.
-* Containers carry the labels ``roving.session`` and ``roving.name``; one thread follows the engine's
+* The session secret is not in the container's environment or spec: it is a file (0600, in a private
+  0700 folder of the host, removed when the container is) mounted read-only at ``/run/roving-session``.
+* Containers carry the labels ``roving.session``, ``roving.name`` and ``roving.user``; one thread follows the engine's
   ``die`` events of this session for every container's exit code, then the container is removed.
 * Output: followed and printed with the process name as prefix, or written to the process's log file.
 * When this process exits, normally or killed, its containers still there are removed.
@@ -14,18 +17,21 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from .. import config as _config
+from ..transport import session as _session
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   session_tag)
+                   container_env, open_private, session_tag, user_name)
 
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
-_SKIP_ENV = {"HOSTNAME", "HOME", "PWD", "OLDPWD", "SHLVL", "_"}
+_SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder holding the session secret
 
 
 class DockerError(OSError):
@@ -52,6 +58,16 @@ class _Container:
         self.output = bytearray()
         self.output_done = threading.Event()
         self.ended = threading.Event()
+        self.secret_dir: Optional[str] = None  # the host folder of its secret file, removed with it
+
+
+def _secret_folder(secret: str) -> str:
+    """A new private folder (0700) holding the file ``secret`` (0600) with the session secret."""
+    folder = tempfile.mkdtemp(prefix="roving-secret-")
+    fd = os.open(os.path.join(folder, "secret"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    return folder
 
 
 class DockerBackend(Backend):
@@ -111,8 +127,7 @@ class DockerBackend(Backend):
         try:
             if job.spec.output == "files":
                 data = client.api.logs(cid, stdout=True, stderr=True)
-                os.makedirs(os.path.dirname(job.spec.log_path) or ".", exist_ok=True)
-                with open(job.spec.log_path, "ab") as f:
+                with open_private(job.spec.log_path) as f:
                     f.write(data)
                 job.output[:] = data[-_KEEP_LOG:]
             elif job.spec.output == "prefix":
@@ -125,10 +140,30 @@ class DockerBackend(Backend):
         self._remove(cid)
 
     def _remove(self, cid: str) -> None:
+        state = self._jobs.get(cid)
+        # A container this process did not start (`roving cancel`, the reaper of a killed parent): its
+        # secret's folder is the one mounted at _SECRET_MOUNT.
+        folder = state.secret_dir if state is not None else self._secret_folder_of(cid)
         try:
             self.client().api.remove_container(cid, force=True)
         except Exception:  # already gone
             pass
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+            if state is not None:
+                state.secret_dir = None
+
+    def _secret_folder_of(self, cid: str) -> Optional[str]:
+        try:
+            mounts = self.client().api.inspect_container(cid).get("Mounts") or []
+        except Exception:
+            return None
+        for m in mounts:
+            source = m.get("Source", "")
+            if (m.get("Destination") == _SECRET_MOUNT and os.path.dirname(source) == tempfile.gettempdir()
+                    and os.path.basename(source).startswith("roving-secret-")):
+                return source
+        return None
 
     # -- jobs ------------------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> Job:
@@ -153,22 +188,31 @@ class DockerBackend(Backend):
             if len(parts) < 2:
                 raise DockerError(f"bad docker_volumes entry {item!r}: use host:container[:ro]")
             volumes[os.path.abspath(parts[0])] = {"bind": parts[1], "mode": parts[2] if len(parts) > 2 else "rw"}
-        env = {k: v for k, v in spec.env.items() if k not in _SKIP_ENV}
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        env, secret = container_env(spec.env, cfg.forward_env)
+        secret_dir = _secret_folder(secret) if secret else None
+        if secret_dir:
+            volumes[secret_dir] = {"bind": _SECRET_MOUNT, "mode": "ro"}
+            env[_session.SECRET_FILE_ENV] = f"{_SECRET_MOUNT}/secret"
         tag = session_tag()
         try:
             container = client.containers.create(
                 cfg.image, command=spec.command, environment=env, working_dir=spec.cwd, volumes=volumes,
                 network_mode=cfg.docker_network, init=True, nano_cpus=int(res.cpu * 1e9),
                 mem_limit=res.memory or None, device_requests=device_requests, detach=True,
-                labels={"roving.session": tag, "roving.name": spec.name},
+                labels={"roving.session": tag, "roving.name": spec.name, "roving.user": user_name()},
                 name=f"roving-{tag}-{spec.name.replace(':', '-')}-{os.urandom(3).hex()}")
-        except docker.errors.ImageNotFound:
-            raise DockerError(f"the image {cfg.image!r} is not on the Docker host; build it (`roving run "
-                              "--build`, or docker build) or pull it") from None
-        except docker.errors.APIError as exc:
-            raise DockerError(f"Docker refused to create a container for {spec.name}: {exc.explanation or exc}") from None
+        except BaseException as exc:
+            if secret_dir:
+                shutil.rmtree(secret_dir, ignore_errors=True)
+            if isinstance(exc, docker.errors.ImageNotFound):
+                raise DockerError(f"the image {cfg.image!r} is not on the Docker host; build it (`roving "
+                                  "run --build`, or docker build) or pull it") from None
+            if isinstance(exc, docker.errors.APIError):
+                raise DockerError(f"Docker refused to create a container for {spec.name}: "
+                                  f"{exc.explanation or exc}") from None
+            raise
         job_state = _Container(spec)
+        job_state.secret_dir = secret_dir
         with self._lock:
             self._jobs[container.id] = job_state
         self._reaper.add(container.id)
@@ -288,11 +332,13 @@ class DockerBackend(Backend):
                 "cpus": str(info.get("NCPU")), "memory": f"{info.get('MemTotal', 0) / 2**30:.1f} GiB",
                 "gpu runtimes": ", ".join(sorted(info.get("Runtimes", {}))), "image": image}
 
-    def list_jobs(self) -> List[JobInfo]:
+    def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
+        labels = ["roving.session"] + ([f"roving.user={user}"] if user is not None else [])
         jobs = []
-        for c in self.client().containers.list(all=True, filters={"label": "roving.session"}):
+        for c in self.client().containers.list(all=True, filters={"label": labels}):
             jobs.append(JobInfo(id=c.id[:12], name=c.labels.get("roving.name", ""),
-                                session=c.labels.get("roving.session", ""), state=c.status))
+                                session=c.labels.get("roving.session", ""), state=c.status,
+                                user=c.labels.get("roving.user", "")))
         return jobs
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:

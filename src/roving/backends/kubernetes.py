@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 from .. import config as _config
 from ..transport import session as _session
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   session_tag)
+                   container_env, open_private, session_tag, user_name)
 
 log = logging.getLogger(__name__)
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -47,6 +47,11 @@ class KubernetesError(OSError):
 
 def _dns_name(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:30] or "p"
+
+
+def _user_label(user: str) -> str:
+    """A user name as a label value (letters, digits, '-', '_', '.'; at most 63)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", user)[:63].strip("-_.") or "unknown"
 
 
 def _quantity_cpu(text: str) -> float:
@@ -167,23 +172,17 @@ class KubernetesBackend(Backend):
             amounts["nvidia.com/gpu"] = str(res.gpu)
         tag = session_tag()
         name = f"roving-{tag}-{_dns_name(spec.name)}-{os.urandom(3).hex()}"
-        env = dict(spec.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        env.pop("HOSTNAME", None)
-        env.pop(_session.SECRET_ENV, None)  # a pod's own copy, inherited: never into a pod spec
+        # Only what roving needs and what forward_env names; the secret travels in a Secret.
+        env, secret = container_env(spec.env, cfg.forward_env)
         from_refs = []
         if "ROVING_ADVERTISE" in env:  # the parent's own pod IP, inherited: each pod advertises its own
             env.pop("ROVING_ADVERTISE")
             from_refs.append({"name": "ROVING_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
-        if _session.CHILD_ENV in env:  # the session's secret travels in a Secret, not in the pod spec
-            info = json.loads(env[_session.CHILD_ENV])
-            secret = info.pop("secret", None)
-            if secret:
-                env[_session.CHILD_ENV] = json.dumps(info)
-                from_refs.append({"name": _session.SECRET_ENV, "valueFrom": {"secretKeyRef": {
-                    "name": self._session_secret(secret), "key": "secret"}}})
+        if secret:
+            from_refs.append({"name": _session.SECRET_ENV, "valueFrom": {"secretKeyRef": {
+                "name": self._session_secret(secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
-                                              "roving.name": _dns_name(spec.name)},
+                                              "roving.name": _dns_name(spec.name), "roving.user": _user_label(user_name())},
                     "annotations": {"roving.process-name": spec.name}}
         owner = self._owner_reference()
         if owner:
@@ -313,8 +312,7 @@ class KubernetesBackend(Backend):
         if pod.spec.output == "files":
             text = self._read_log(pod.name) or pod.output
             pod.output = text
-            os.makedirs(os.path.dirname(pod.spec.log_path) or ".", exist_ok=True)
-            with open(pod.spec.log_path, "a") as f:
+            with open_private(pod.spec.log_path, "a") as f:
                 f.write(text)
         elif pod.spec.output == "prefix" and pod.deleted_with is None:
             pod.output = self._read_log(pod.name) or pod.output
@@ -376,15 +374,17 @@ class KubernetesBackend(Backend):
         info["owner pod"] = (self._owner_reference() or {}).get("name", "(none: not inside a pod)")
         return info
 
-    def list_jobs(self) -> List[JobInfo]:
-        items = self.api().list_namespaced_pod(self.namespace, label_selector="app.kubernetes.io/managed-by=roving",
+    def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
+        selector = "app.kubernetes.io/managed-by=roving" + (f",roving.user={_user_label(user)}" if user else "")
+        items = self.api().list_namespaced_pod(self.namespace, label_selector=selector,
                                                _request_timeout=_TIMEOUT).items
         out = []
         for item in items:
             status = _status_of(item)
             out.append(JobInfo(id=item.metadata.name, name=(item.metadata.annotations or {}).get("roving.process-name", ""),
                                session=(item.metadata.labels or {}).get("roving.session", ""),
-                               state=item.status.phase, reason=status.reason))
+                               state=item.status.phase, reason=status.reason,
+                               user=(item.metadata.labels or {}).get("roving.user", "")))
         return out
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Dict, IO, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus
+from .base import Backend, Job, JobSpec, JobState, JobStatus, open_private
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,7 @@ class LocalBackend(Backend):
         elif spec.output == "off":
             stdout = stderr = subprocess.DEVNULL
         elif spec.output == "files":
-            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
-            log_file = open(spec.log_path, "ab")
+            log_file = open_private(spec.log_path)
             stdout, stderr = log_file, subprocess.STDOUT
         try:
             proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,

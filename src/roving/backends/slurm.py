@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import config as _config
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   session_tag)
+                   open_private, private_dir, session_tag)
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +45,10 @@ class SlurmError(OSError):
 
 
 def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
-           check: bool = True) -> subprocess.CompletedProcess:
+           check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
     try:
         result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
-                                stdin=subprocess.DEVNULL)
+                                stdin=subprocess.DEVNULL, umask=umask)
     except FileNotFoundError:
         raise SlurmError(f"Slurm's `{args[0]}` command is not on PATH: is Slurm installed on this "
                          "machine? (or choose another roving backend)") from None
@@ -58,6 +58,18 @@ def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dic
     if check and result.returncode != 0:
         raise SlurmError(f"`{shlex.join(args[:1])}` failed: {(result.stderr or result.stdout).strip()}")
     return result
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it (which other threads would see meanwhile)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def _exitcode(raw: str, forced: bool, state: str) -> int:
@@ -144,13 +156,16 @@ class SlurmBackend(Backend):
         else:
             output = os.path.join(os.path.expanduser("~/.roving/slurm"), tag, f"{spec.name}-%j.out")
         if output != "/dev/null":
-            os.makedirs(os.path.dirname(output), exist_ok=True)
+            private_dir(os.path.dirname(output))
         error = output[:-len(".out")] + ".err" if spec.output == "prefix" else output
+        # Slurm creates the output files under the umask sbatch ran with: 077 makes them 0600; the job
+        # itself runs under this process's own umask again.
         args = ["sbatch", "--parsable", f"--job-name=roving-{tag}", f"--comment={spec.name}",
                 "--export=ALL", f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append",
                 f"--output={output}", f"--error={error}", *self._resource_options(spec, cfg),
-                "--wrap", "exec " + shlex.join(spec.command)]
-        result = _slurm(args, env=env, check=False)
+                "--wrap", f"umask {_umask():04o}; exec " + shlex.join(spec.command)]
+        env.pop("SLURM_UMASK", None)  # it would win over sbatch's own umask
+        result = _slurm(args, env=env, check=False, umask=0o077)
         if result.returncode != 0:
             raise SlurmError(f"Slurm refused to start {spec.name}: "
                              f"{(result.stderr or result.stdout).strip()}")
@@ -177,8 +192,7 @@ class SlurmBackend(Backend):
         out = {"prefix": subprocess.PIPE, "off": subprocess.DEVNULL}.get(spec.output)
         log_file = None
         if spec.output == "files":
-            os.makedirs(os.path.dirname(spec.log_path) or ".", exist_ok=True)
-            log_file = out = open(spec.log_path, "ab")
+            log_file = out = open_private(spec.log_path)
         try:
             proc = subprocess.Popen(args, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
                                     stderr=subprocess.STDOUT if log_file else out, close_fds=True)
@@ -393,14 +407,16 @@ class SlurmBackend(Backend):
             self._towards = (where, f"the Slurm controller at {where}")
         return self._towards
 
-    def list_jobs(self) -> List[JobInfo]:
-        result = _slurm(["squeue", "-h", "-O", "JobID:|,Name:|,State:|,Reason:|,Comment:|"], timeout=10)
+    def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
+        result = _slurm(["squeue", "-h", "-O", "JobID:|,Name:|,State:|,Reason:|,Comment:|,UserName:|",
+                         *([f"--user={user}"] if user is not None else [])], timeout=10)
         jobs = []
         for line in result.stdout.splitlines():
             parts = [p.strip() for p in line.split("|")]
-            if len(parts) >= 5 and parts[1].startswith("roving-"):
+            if len(parts) >= 6 and parts[1].startswith("roving-"):
                 jobs.append(JobInfo(id=parts[0], name=parts[4], session=parts[1][len("roving-"):],
-                                    state=parts[2], reason=parts[3] if parts[3] != "None" else ""))
+                                    state=parts[2], reason=parts[3] if parts[3] != "None" else "",
+                                    user=parts[5]))
         return jobs
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from . import checkpoint_file
 from .costs import PlanError
 from .data import decode, encode, load_corpus, val_batches
 from .evaluate import kept_layers, layer_logits, perplexity, validation_loss
@@ -57,10 +58,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
         raise InferenceError(f"checkpoint {path} does not exist (write one with `roving pipeline train "
                              "--checkpoint PATH`)")
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
-    except Exception as exc:  # torch raises several unrelated types for a file that is not its own
-        raise InferenceError(f"{path} is not a checkpoint torch can read ({type(exc).__name__}: "
-                             f"{_one_line(exc)})") from None
+        state = checkpoint_file.read(path, map_location=device)
+    except checkpoint_file.CheckpointFileError as exc:
+        raise InferenceError(str(exc)) from None
     if not isinstance(state, dict):
         raise InferenceError(f"{path} is not a roving checkpoint: it holds a {type(state).__name__}, "
                              "not a dict")

@@ -41,6 +41,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import checkpoint_file
 from .background import BackgroundPlan
 from .costs import PlanError
 from .data import train_batches, val_batches
@@ -966,15 +967,12 @@ class Trainer:
         optimizer state, the metrics so far (enough for ``resume``)."""
         self.snapshot = self.take_snapshot(it)
         parts = [st["params"] for st in self.snapshot["stages"].values()]
-        path = FilePath(self.c.checkpoint)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
         metrics = {k: self.metrics[k] for k in ("iterations", "evaluations", "events")}
         metrics["train_seconds_total"] = self._train_s
-        torch.save({"format": 2, "model": merge_state_dicts(parts), "model_config": dataclasses.asdict(self.p.model),
-                    "config": dataclasses.asdict(self.c), "iteration": it, "stages": self.snapshot["stages"],
-                    "metrics": metrics}, tmp)
-        tmp.replace(path)
+        checkpoint_file.save({"format": 2, "model": merge_state_dicts(parts),
+                              "model_config": dataclasses.asdict(self.p.model), "config": dataclasses.asdict(self.c),
+                              "iteration": it, "stages": self.snapshot["stages"], "metrics": metrics},
+                             self.c.checkpoint)
 
     def train(self) -> dict:
         """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at
@@ -1001,11 +999,11 @@ def load_checkpoint(path: str, prep: Prepared) -> dict:
     if not path:
         raise PlanError("resume needs checkpoint = the file the run wrote")
     try:
-        ck = torch.load(path, map_location="cpu", weights_only=False)
+        ck = checkpoint_file.read(path)
     except FileNotFoundError:
         raise PlanError(f"cannot resume: checkpoint {path} does not exist") from None
-    except Exception as exc:
-        raise PlanError(f"cannot resume: {path} is not a roving checkpoint ({exc})") from None
+    except checkpoint_file.CheckpointFileError as exc:
+        raise PlanError(f"cannot resume: {exc}") from None
     if not isinstance(ck, dict) or ck.get("format") != 2 or "stages" not in ck:
         raise PlanError(f"cannot resume from {path}: it has no per-stage optimizer state (written by an older "
                         "roving, or not by `roving pipeline train`)")

@@ -52,6 +52,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 from .. import config as _config
 from ..backends import Resources
 from ..process import Process, cpu_count
+from ..transport import timeouts
 from ..transport.serialize import SerializationError
 from . import _protocol as P
 from . import _worker
@@ -276,7 +277,7 @@ class Pool:
         """Wait for the workers to exit after close() or terminate() (up to ``timeout`` seconds)."""
         if self._state == RUN:
             raise ValueError("Pool is still running")
-        self._upkeep.join(timeout)
+        self._upkeep.join(timeouts.limit(timeout))
 
     def resize(self, processes: int) -> None:
         """Grow or shrink the pool to ``processes`` workers without losing work.

@@ -13,6 +13,8 @@ import time
 from multiprocessing import ProcessError, TimeoutError
 from typing import Any, Callable, Dict, List, Optional
 
+from ..transport import timeouts
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
@@ -76,7 +78,7 @@ class AsyncResult:
         return bool(self._success)
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._event.wait(timeout)
+        self._event.wait(timeouts.limit(timeout))
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """The value, or the task's exception raised here (its remote traceback as ``__cause__``).
@@ -168,7 +170,7 @@ class IMapIterator:
 
     def next(self, timeout: Optional[float] = None) -> Any:
         """The next result; multiprocessing.TimeoutError if none is ready within ``timeout`` seconds."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = timeouts.deadline(timeout)
         with self._cond:
             while True:
                 if self._length is not None and self._next >= self._length:

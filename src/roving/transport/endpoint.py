@@ -28,6 +28,7 @@ import zmq
 from . import auth
 from . import node as _node
 from . import stream as _stream
+from . import timeouts
 from .mailbox import ERROR, OK
 from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE, _CHALLENGE, _COPY_BELOW,
                    _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
@@ -382,7 +383,8 @@ class Endpoint:
             return status, frames or []
         conn = self._conn()
         # The node answers every wait itself; this guard only catches a node that has gone away.
-        guard = None if timeout < 0 else timeout + 30.0
+        wait = timeouts.from_wire(timeout)
+        guard = None if wait < 0 else wait + 30.0
         return conn.call(op, box_id, timeout, list(payload), guard)
 
     def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:

@@ -43,6 +43,7 @@ import zmq
 
 from . import addressing, auth
 from . import stream as _stream
+from . import timeouts
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
 
 log = logging.getLogger(__name__)
@@ -393,12 +394,13 @@ class Node:
     def call_local(self, op: bytes, box_id: int, timeout: float,
                    payload: Frames = ()) -> Tuple[int, Optional[Frames]]:
         """Run an operation from a thread of this process, waiting up to ``timeout`` (-1: forever)."""
+        timeout = timeouts.from_wire(timeout)
         waiter = LocalWaiter()
         with self.lock:
             status, frames = self.dispatch(op, box_id, timeout, list(payload), waiter)
         if status != -1:
             return status, frames
-        if not waiter.wait(-1 if timeout < 0 else timeout):
+        if not waiter.wait(timeout):
             with self.lock:
                 box = self.boxes.get(box_id)
                 if box is not None:
@@ -607,6 +609,7 @@ class Node:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         box_id, req_id, timeout = _HEADER.unpack(header)
+        timeout = timeouts.from_wire(timeout)  # inf or NaN from a peer must not reach the deadlines
         if op == PING:
             answer([_REPLY.pack(req_id, OK)], None)
             return

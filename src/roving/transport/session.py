@@ -1,8 +1,11 @@
 """The roving session this process belongs to: its secret, its identity and its endpoint.
 
 A session is a parent program and every process it starts, directly or not. They share one random
-secret, which the parent hands to each child through the child's job environment; every connection
-between them is authenticated with it. The endpoint (:class:`~roving.transport.node.Node`) of a process
+secret, which the parent hands to each child through the child's job environment (a container reads it
+from a private file, a pod from a Kubernetes Secret); every connection between them is authenticated
+with it. A child removes what it was told from ``os.environ`` as soon as it has read it, so that the
+programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving processes it
+starts get the secret from its Session, as its own children. The endpoint (:class:`~roving.transport.node.Node`) of a process
 is started the first time something needs it.
 """
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from .. import config as _config
 from . import addressing, auth
@@ -21,6 +24,8 @@ CHILD_ENV = "ROVING_CHILD"
 #: Where a child finds the session's secret when its CHILD_ENV holds none (the kubernetes backend puts
 #: it in a Secret that the pod's environment references, not in the pod spec).
 SECRET_ENV = "ROVING_SESSION_SECRET"
+#: Or a file that holds it (the docker backend mounts one read-only into each container).
+SECRET_FILE_ENV = "ROVING_SESSION_SECRET_FILE"
 
 
 class Session:
@@ -68,6 +73,36 @@ class Session:
 
 _session: Optional[Session] = None
 _session_lock = threading.Lock()
+_child_info: Optional[dict] = None
+
+
+def _take_child_env() -> Tuple[Optional[dict], str]:
+    """What the parent told this child, and the secret (hex), removed from os.environ."""
+    global _child_info
+    raw = os.environ.pop(CHILD_ENV, None)
+    if not raw:
+        return None, ""
+    secret = os.environ.pop(SECRET_ENV, "")
+    secret_file = os.environ.pop(SECRET_FILE_ENV, "")
+    info = json.loads(raw)
+    secret = info.pop("secret", None) or secret
+    if not secret and secret_file:
+        try:
+            with open(secret_file) as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise OSError(f"roving: this child cannot read the session secret from {secret_file} ({exc}); "
+                          "the file is readable only by the user who started the parent: run the container as "
+                          "that user, or as root") from None
+    _child_info = info
+    return info, secret
+
+
+def child_info() -> Optional[dict]:
+    """What the parent told this child (its uid, the parent's address, the work's box...; never the
+    secret), or None outside a roving child."""
+    current()
+    return _child_info
 
 
 def current() -> Session:
@@ -76,10 +111,8 @@ def current() -> Session:
     if _session is None:
         with _session_lock:
             if _session is None:
-                info = os.environ.get(CHILD_ENV)
-                if info:
-                    data = json.loads(info)
-                    secret = data.get("secret") or os.environ.get(SECRET_ENV, "")
+                data, secret = _take_child_env()
+                if data is not None:
                     _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
                 else:
                     _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())
