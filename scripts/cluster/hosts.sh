@@ -187,8 +187,10 @@ states() { timeout 5 sinfo -h -N -p "$HOSTS_SLURM_PARTITION" -o '%N %t' 2>/dev/n
 for _ in $(seq 120); do
     out=$(states)
     ok=1
+    [ -n "$out" ] || ok=0  # the controller does not answer (yet)
     for h in $COMPUTE; do
         name=${h%%:*}
+        wanted "$name" || continue
         state=$(awk -v n="$name" '$1 == n {print $2}' <<<"$out")
         case "$state" in
             idle|mix|alloc) ;;
@@ -198,7 +200,7 @@ for _ in $(seq 120); do
         esac
     done
     if [ "$ok" = 1 ]; then
-        echo "hosts: $HOSTS_BRIDGE $HOSTS_ROOT_ADDR; $ALL; Slurm (SLURM_CONF=$CONF) nodes $NODES idle"
+        echo "hosts: $HOSTS_BRIDGE $HOSTS_ROOT_ADDR; $ALL; Slurm (SLURM_CONF=$CONF): ${*:-$NODES} ready"
         exit 0
     fi
     sleep 0.5
