@@ -81,8 +81,10 @@ BRIDGE = ENV["HOSTS_BRIDGE"]
 ROOT = Host(socket.gethostname(), ENV["HOSTS_ROOT_ADDR"], None)
 HEAD = _host(ENV["HOSTS_HEAD"])
 COMPUTE = tuple(_host(s) for s in ENV["HOSTS_COMPUTE"].split(","))
-#: Every namespace host by name (the head and the compute hosts; not the root).
-HOSTS = {h.name: h for h in (HEAD, *COMPUTE)}
+#: A host with no Slurm daemon, for a parent process that a test cuts off alone (the root host cannot be).
+LOGIN = _host(ENV["HOSTS_LOGIN"])
+#: Every namespace host by name (the head, the compute hosts, the login host; not the root).
+HOSTS = {h.name: h for h in (HEAD, *COMPUTE, LOGIN)}
 NODE_CPUS = int(ENV["HOSTS_NODE_CPUS"])
 SLURM_CONF = ENV["HOSTS_SLURM_CONF"]
 SLURM_STATE = ENV["HOSTS_SLURM_STATE"]

@@ -8,13 +8,13 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 import helpers_backends as hb
 import helpers_hosts as hh
 import roving
+from helpers_core import TESTS_DIR
 from helpers_hosts import hosts  # noqa: F401  (fixture)
 
 ADDRESSES = """
@@ -196,3 +196,15 @@ def test_missing_hosts_fail_the_test_naming_the_script_never_skip(monkeypatch):
     monkeypatch.setattr(hh, "HOSTS", {"rv-gone": hh.Host("rv-gone", "10.77.0.99", "rv-gone")})
     with pytest.raises(pytest.fail.Exception, match=r"rv-missing .*rv-gone.*bash scripts/cluster/hosts.sh"):
         hh.require()
+
+
+def test_a_pool_whose_parent_runs_on_the_login_host_spreads_its_workers_over_the_compute_hosts(hosts):
+    # the parent is on a host of its own (listening on its address), the workers on three others
+    program = str(TESTS_DIR / "programs" / "hosts_pool.py")
+    done = hh.call_on(hh.LOGIN, [sys.executable, program, hh.LOGIN.address, "3"], timeout=180, env=hh.slurm_env())
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["parent"] == hh.LOGIN.name
+    assert sorted(name for name, _ in seen["met"]) == sorted(h.name for h in hh.COMPUTE)
+    assert [sq for _, sq in seen["met"]] == [0, 1, 4]
+    assert [sq for _, sq in seen["results"]] == [x * x for x in range(12)]
+    assert {name for name, _ in seen["results"]} <= {h.name for h in hh.COMPUTE}

@@ -43,10 +43,12 @@ fi
 # machine at the gateway, $DOCKER_TEST_GATEWAY, which Docker puts on the bridge $DOCKER_TEST_BRIDGE.
 # shellcheck source=hosts.env
 . "$(dirname "$0")/hosts.env"
-subnet=$(docker network inspect -f '{{range .IPAM.Config}}{{.Subnet}} {{.Gateway}}{{end}}' "$DOCKER_TEST_NETWORK" 2>/dev/null || true)
+subnet=$(docker network inspect -f '{{range .IPAM.Config}}{{.Subnet}} {{.Gateway}}{{end}}' "$DOCKER_TEST_NETWORK" \
+    2>/dev/null || true)
 if [ "$subnet" != "$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY" ]; then
     if [ -n "$subnet" ]; then
-        echo "docker: network $DOCKER_TEST_NETWORK has '$subnet', not '$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY': making it anew"
+        echo "docker: network $DOCKER_TEST_NETWORK has '$subnet', not" \
+            "'$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY': making it anew"
         docker network rm "$DOCKER_TEST_NETWORK" >/dev/null
     fi
     other=$(ip -4 route show to match "${DOCKER_TEST_SUBNET%/*}" | grep -v '^default' || true)

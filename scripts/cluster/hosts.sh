@@ -7,9 +7,10 @@
 # Needs root. Names, addresses and paths come from hosts.env (tests/helpers_hosts.py reads the same file).
 #
 # * Hosts: a Linux bridge ($HOSTS_BRIDGE) in the root network namespace, holding $HOSTS_ROOT_ADDR (so the
-#   root namespace, where pytest runs, is a host too), and one network namespace per host (the head host
-#   and the compute hosts), joined to the bridge by a veth pair: `ve-NAME` on the bridge, `eth0` inside,
-#   `lo` up, the host's address. No default route inside: a host reaches the test subnet and nothing else.
+#   root namespace, where pytest runs, is a host too), and one network namespace per host (the head host,
+#   the compute hosts and a login host with no daemon), joined to the bridge by a veth pair: `ve-NAME` on
+#   the bridge, `eth0` inside, `lo` up, the host's address. No default route inside: a host reaches the
+#   test subnet and nothing else.
 # * Slurm: a cluster apart from the single-node one of slurm.sh (own config $HOSTS_SLURM_CONF, own state
 #   $HOSTS_SLURM_STATE): slurmctld inside the head host, one slurmd inside each compute host, each daemon
 #   in its own UTS namespace with the host's name as hostname, real munge (its socket is a file, shared).
@@ -33,7 +34,7 @@ STATE=$HOSTS_SLURM_STATE
 HEAD_NAME=${HOSTS_HEAD%%:*}
 HEAD_ADDR=${HOSTS_HEAD##*:}
 COMPUTE=${HOSTS_COMPUTE//,/ }
-ALL="$HOSTS_HEAD $COMPUTE"
+ALL="$HOSTS_HEAD $COMPUTE $HOSTS_LOGIN"
 ONLY=" $* "
 
 fail() { echo "hosts: $*" >&2; exit 1; }
@@ -195,7 +196,8 @@ for _ in $(seq 120); do
         case "$state" in
             idle|mix|alloc) ;;
             # marked down or drained while it was away, and its slurmd answers again: back to service
-            down|drain|drng|fail) ok=0; timeout 5 scontrol update nodename="$name" state=resume >/dev/null 2>&1 || true;;
+            down|drain|drng|fail)
+                ok=0; timeout 5 scontrol update nodename="$name" state=resume >/dev/null 2>&1 || true;;
             *) ok=0;;
         esac
     done
