@@ -147,9 +147,16 @@ def problems() -> List[str]:
     return found
 
 
-def require() -> None:
-    """Fail the test (never skip) naming the fix when the hosts or the multi-node Slurm are not there."""
+def require(grace: float = 30) -> None:
+    """Fail the test (never skip) naming the fix when the hosts or the multi-node Slurm are not there.
+
+    A node on its way back (a host an earlier test revived) is given ``grace`` seconds to be idle.
+    """
+    deadline = time.monotonic() + grace
     found = problems()
+    while found and all(f.startswith("Slurm node ") for f in found) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        found = problems()
     if found:
         pytest.fail(f"the test hosts are not ready: {'; '.join(found)}: {FIX}", pytrace=False)
 
@@ -376,3 +383,10 @@ def hosts():
         yield sys.modules[__name__]
     finally:
         mend()
+
+
+def docker_network_options() -> Dict[str, object]:
+    """roving options for the docker backend with containers on :data:`DOCKER_NETWORK` (own addresses)."""
+    import helpers_backends
+
+    return {**helpers_backends.docker_options(), "docker_network": DOCKER_NETWORK}

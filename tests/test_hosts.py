@@ -178,9 +178,9 @@ def meet_then_host_and_square(barrier, x):
 
 def test_a_pool_on_the_multi_node_slurm_runs_its_workers_on_the_three_compute_hosts(hosts, monkeypatch):
     # The parent (this test process, on the root host) listens on the bridge address; the workers are
-    # Slurm jobs on the compute hosts (the partition places one-node jobs on the least loaded node, LLN).
+    # Slurm jobs on the compute hosts, one per host (--exclusive: a worker has a node to itself).
     monkeypatch.setenv("SLURM_CONF", hh.SLURM_CONF)
-    roving.init(backend="slurm", host=hh.ROOT.address)
+    roving.init(backend="slurm", host=hh.ROOT.address, slurm_options="--exclusive")
     with roving.Pool(3) as pool:
         barrier = roving.Barrier(3)
         met = pool.starmap(meet_then_host_and_square, [(barrier, x) for x in range(3)], chunksize=1)
@@ -208,3 +208,20 @@ def test_a_pool_whose_parent_runs_on_the_login_host_spreads_its_workers_over_the
     assert [sq for _, sq in seen["met"]] == [0, 1, 4]
     assert [sq for _, sq in seen["results"]] == [x * x for x in range(12)]
     assert {name for name, _ in seen["results"]} <= {h.name for h in hh.COMPUTE}
+
+
+def own_address_and_square(x):
+    return socket.gethostbyname(socket.gethostname()), x * x
+
+
+def test_a_pool_on_the_docker_network_runs_its_workers_in_containers_with_their_own_addresses():
+    hb.require("docker")
+    hh.require_docker_network()
+    # the parent listens on the network's gateway, the address of this machine that the containers reach
+    roving.init(backend="docker", host=hh.DOCKER_GATEWAY, **hh.docker_network_options())
+    with roving.Pool(2) as pool:
+        results = pool.map(own_address_and_square, range(20))
+    assert [sq for _, sq in results] == [x * x for x in range(20)]
+    subnet = ipaddress.ip_network(hh.DOCKER_SUBNET)
+    addresses = {a for a, _ in results}
+    assert addresses and all(ipaddress.ip_address(a) in subnet and a != hh.DOCKER_GATEWAY for a in addresses)
