@@ -51,6 +51,9 @@ fi
 command -v slurmctld >/dev/null && command -v munged >/dev/null \
     || fail "Slurm and munge are not installed: run scripts/cluster/slurm.sh first (scripts/test.sh does)"
 bash "$HERE/munge.sh"
+# one run at a time (tests mend hosts with it, maybe from several test processes)
+exec 9>/run/roving-hosts.lock
+flock -w 180 9 || fail "another hosts.sh has held /run/roving-hosts.lock for 180 s"
 
 # --- the network -----------------------------------------------------------------------------------
 # the subnet must be ours alone: no route into it through any other device
@@ -145,6 +148,8 @@ stop_stale() {  # PIDFILE NAME COMM: a daemon of that pid file outside host NAME
     local pid
     pid=$(cat "$1" 2>/dev/null || true)
     [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$3" ] || return 0
+    # the pid may have been reused since, even by the single-node cluster's daemon: ours name our config
+    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "-f $CONF" || return 0
     in_host "$2" "$3" && return 0
     kill -9 "$pid" 2>/dev/null || true
 }
@@ -154,7 +159,7 @@ start_daemon() {  # NAME COMM ARGS...: start a daemon inside host NAME, with NAM
     echo "hosts: starting $1 in $name"
     # the daemon forks into the background itself; its UTS namespace lives on with it
     nsenter --net="/run/netns/$name" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$name" "$@" \
-        </dev/null >>"$STATE/start-$name.log" 2>&1 || fail "$1 did not start in $name; see $STATE/start-$name.log"
+        </dev/null >>"$STATE/start-$name.log" 2>&1 9>&- || fail "$1 did not start in $name; see $STATE/start-$name.log"
 }
 
 if [ "$conf_changed" = 1 ]; then
