@@ -14,6 +14,9 @@ What to know when writing a test:
   written "on" one host is seen on every other one (as with a shared filesystem; /dev/shm too).
 * There is no link delay or loss to emulate (tc netem does not work here); a fault is a link set down
   (:func:`cut`: partitioned, its processes live on) or a host killed whole (:func:`kill_host`).
+* A process's roving endpoint binds once, with the options of its first use (the pytest process's
+  usually to loopback, by an earlier test): a cross-host parent runs as a program of its own
+  (:func:`run_on` / :func:`call_on`, e.g. tests/programs/hosts_pool.py), on the root host or another.
 * Every call here has a timeout; use :func:`slurm` for Slurm's commands (srun can hang after a node
   failure) and the :func:`hosts` fixture in any test that cuts or kills a host: it mends them afterwards,
   even when the test fails.

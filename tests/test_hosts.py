@@ -13,7 +13,6 @@ import pytest
 
 import helpers_backends as hb
 import helpers_hosts as hh
-import roving
 from helpers_core import TESTS_DIR
 from helpers_hosts import hosts  # noqa: F401  (fixture)
 
@@ -166,29 +165,39 @@ def test_a_container_on_the_docker_network_has_its_own_address_and_reaches_the_h
     assert said == peer and ipaddress.ip_address(peer) in subnet and peer != hh.DOCKER_GATEWAY
 
 
-def host_and_square(x):
-    return socket.gethostname(), x * x
+def run_pool(parent: hh.Host, options: dict, n: int, env=None) -> dict:
+    """tests/programs/hosts_pool.py as the parent, on host ``parent``: what ran where."""
+    program = str(TESTS_DIR / "programs" / "hosts_pool.py")
+    done = hh.call_on(parent, [sys.executable, program, json.dumps(options), str(n)], timeout=240, env=env)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def meet_then_host_and_square(barrier, x):
-    # every worker holds one item until all three are held: the three items run on three workers at once
-    barrier.wait(60)
-    return socket.gethostname(), x * x
+@pytest.mark.parametrize("parent", [hh.ROOT, hh.LOGIN], ids=["parent-on-root-host", "parent-on-login-host"])
+def test_a_pool_on_the_multi_node_slurm_runs_one_worker_on_each_compute_host(hosts, parent):
+    # The parent listens on its host's address (explicit `host`); the workers are Slurm jobs, one per
+    # compute host (--exclusive: a worker has a node to itself). The parent is a program of its own: this
+    # test process's roving endpoint may already be bound to loopback by an earlier test.
+    seen = run_pool(parent, {"backend": "slurm", "host": parent.address, "slurm_options": "--exclusive"}, 3,
+                    env=hh.slurm_env())
+    assert seen["parent"] == parent.name
+    assert sorted((name, address) for name, address, _ in seen["met"]) == sorted((h.name, h.address)
+                                                                                 for h in hh.COMPUTE)
+    assert [sq for _, _, sq in seen["met"]] == [0, 1, 4]
+    assert [sq for _, _, sq in seen["results"]] == [x * x for x in range(12)]
+    assert {(name, address) for name, address, _ in seen["results"]} <= {(h.name, h.address) for h in hh.COMPUTE}
 
 
-def test_a_pool_on_the_multi_node_slurm_runs_its_workers_on_the_three_compute_hosts(hosts, monkeypatch):
-    # The parent (this test process, on the root host) listens on the bridge address; the workers are
-    # Slurm jobs on the compute hosts, one per host (--exclusive: a worker has a node to itself).
-    monkeypatch.setenv("SLURM_CONF", hh.SLURM_CONF)
-    roving.init(backend="slurm", host=hh.ROOT.address, slurm_options="--exclusive")
-    with roving.Pool(3) as pool:
-        barrier = roving.Barrier(3)
-        met = pool.starmap(meet_then_host_and_square, [(barrier, x) for x in range(3)], chunksize=1)
-        assert sorted(name for name, _ in met) == sorted(h.name for h in hh.COMPUTE)
-        assert [sq for _, sq in met] == [0, 1, 4]
-        results = pool.map(host_and_square, range(40))
-        assert [sq for _, sq in results] == [x * x for x in range(40)]
-        assert {name for name, _ in results} <= {h.name for h in hh.COMPUTE}
+def test_a_pool_on_the_docker_network_runs_its_workers_in_containers_with_their_own_addresses():
+    hb.require("docker")
+    hh.require_docker_network()
+    # the parent listens on the network's gateway, the address of this machine that the containers reach
+    seen = run_pool(hh.ROOT, {"backend": "docker", "host": hh.DOCKER_GATEWAY, **hh.docker_network_options()}, 2)
+    subnet = ipaddress.ip_network(hh.DOCKER_SUBNET)
+    met = {address for _, address, _ in seen["met"]}
+    assert len(met) == 2 and all(ipaddress.ip_address(a) in subnet and a != hh.DOCKER_GATEWAY for a in met)
+    assert [sq for _, _, sq in seen["met"]] == [0, 1]
+    assert [sq for _, _, sq in seen["results"]] == [x * x for x in range(8)]
+    assert {address for _, address, _ in seen["results"]} <= met
 
 
 def test_missing_hosts_fail_the_test_naming_the_script_never_skip(monkeypatch):
@@ -196,32 +205,3 @@ def test_missing_hosts_fail_the_test_naming_the_script_never_skip(monkeypatch):
     monkeypatch.setattr(hh, "HOSTS", {"rv-gone": hh.Host("rv-gone", "10.77.0.99", "rv-gone")})
     with pytest.raises(pytest.fail.Exception, match=r"rv-missing .*rv-gone.*bash scripts/cluster/hosts.sh"):
         hh.require()
-
-
-def test_a_pool_whose_parent_runs_on_the_login_host_spreads_its_workers_over_the_compute_hosts(hosts):
-    # the parent is on a host of its own (listening on its address), the workers on three others
-    program = str(TESTS_DIR / "programs" / "hosts_pool.py")
-    done = hh.call_on(hh.LOGIN, [sys.executable, program, hh.LOGIN.address, "3"], timeout=180, env=hh.slurm_env())
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["parent"] == hh.LOGIN.name
-    assert sorted(name for name, _ in seen["met"]) == sorted(h.name for h in hh.COMPUTE)
-    assert [sq for _, sq in seen["met"]] == [0, 1, 4]
-    assert [sq for _, sq in seen["results"]] == [x * x for x in range(12)]
-    assert {name for name, _ in seen["results"]} <= {h.name for h in hh.COMPUTE}
-
-
-def own_address_and_square(x):
-    return socket.gethostbyname(socket.gethostname()), x * x
-
-
-def test_a_pool_on_the_docker_network_runs_its_workers_in_containers_with_their_own_addresses():
-    hb.require("docker")
-    hh.require_docker_network()
-    # the parent listens on the network's gateway, the address of this machine that the containers reach
-    roving.init(backend="docker", host=hh.DOCKER_GATEWAY, **hh.docker_network_options())
-    with roving.Pool(2) as pool:
-        results = pool.map(own_address_and_square, range(20))
-    assert [sq for _, sq in results] == [x * x for x in range(20)]
-    subnet = ipaddress.ip_network(hh.DOCKER_SUBNET)
-    addresses = {a for a, _ in results}
-    assert addresses and all(ipaddress.ip_address(a) in subnet and a != hh.DOCKER_GATEWAY for a in addresses)

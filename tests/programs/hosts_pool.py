@@ -1,7 +1,11 @@
-"""A roving parent on the multi-node Slurm of the test hosts: a Pool of N workers, first N items held at
-once (a Barrier: so they run on N workers together, one per node), then a map; prints what ran where, as JSON.
+"""A roving parent for the cross-host tests: a Pool of N workers; the first N items are held at once
+(a Barrier), so they run on N workers together; then a map. Prints, as JSON, the parent's hostname and
+for each item the worker's hostname, its address (what its hostname resolves to) and the result.
 
-usage: hosts_pool.py HOST N   (HOST: the address this parent listens on; SLURM_CONF set by the caller)
+usage: hosts_pool.py OPTIONS_JSON N   (OPTIONS_JSON: roving.init's keyword arguments)
+
+A program of its own because a process's roving endpoint binds once, with the options of its first use:
+a test process that has already used roving with other options cannot be the parent here.
 """
 import json
 import socket
@@ -10,21 +14,21 @@ import sys
 import roving
 
 
+def where(x):
+    name = socket.gethostname()
+    return name, socket.gethostbyname(name), x * x
+
+
 def meet(barrier, x):
     barrier.wait(60)
-    return socket.gethostname(), x * x
-
-
-def where(x):
-    return socket.gethostname(), x * x
+    return where(x)
 
 
 if __name__ == "__main__":
-    address, n = sys.argv[1], int(sys.argv[2])
-    # one worker per host: a worker has a node to itself
-    roving.init(backend="slurm", host=address, child_output="off", slurm_options="--exclusive")
+    options, n = json.loads(sys.argv[1]), int(sys.argv[2])
+    roving.init(child_output="off", **options)
     with roving.Pool(n) as pool:
         barrier = roving.Barrier(n)
-        met = pool.starmap(meet, [(barrier, x) for x in range(n)], chunksize=1)
-        results = pool.map(where, range(4 * n))
+        met = pool.starmap_async(meet, [(barrier, x) for x in range(n)], chunksize=1).get(120)
+        results = pool.map_async(where, range(4 * n)).get(120)
     print(json.dumps({"parent": socket.gethostname(), "met": met, "results": results}))
