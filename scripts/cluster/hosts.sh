@@ -61,7 +61,8 @@ other=$(ip -4 route show to match "${HOSTS_SUBNET%/*}" | grep -v '^default' | gr
 [ -z "$other" ] || fail "the test subnet $HOSTS_SUBNET is already routed elsewhere: '$other'; change hosts.env"
 
 ip link show "$HOSTS_BRIDGE" >/dev/null 2>&1 || ip link add "$HOSTS_BRIDGE" type bridge
-ip -4 addr show dev "$HOSTS_BRIDGE" | grep -q "inet $HOSTS_ROOT_ADDR/$HOSTS_PREFIX " \
+# (ip's output is read whole, then matched: with pipefail, `ip | grep -q` can fail when grep ends first)
+[[ "$(ip -4 addr show dev "$HOSTS_BRIDGE")" == *"inet $HOSTS_ROOT_ADDR/$HOSTS_PREFIX "* ]] \
     || ip addr add "$HOSTS_ROOT_ADDR/$HOSTS_PREFIX" dev "$HOSTS_BRIDGE"
 ip link set "$HOSTS_BRIDGE" up
 
@@ -76,7 +77,7 @@ make_host() {  # NAME ADDR: the namespace, its veth pair on the bridge, lo and e
     ip link set "$veth" master "$HOSTS_BRIDGE"
     ip link set "$veth" up
     ip -n "$name" link set lo up
-    ip -n "$name" -4 addr show dev eth0 | grep -q "inet $addr/$HOSTS_PREFIX " \
+    [[ "$(ip -n "$name" -4 addr show dev eth0)" == *"inet $addr/$HOSTS_PREFIX "* ]] \
         || ip -n "$name" addr add "$addr/$HOSTS_PREFIX" dev eth0
     ip -n "$name" link set eth0 up
 }
@@ -149,7 +150,7 @@ stop_stale() {  # PIDFILE NAME COMM: a daemon of that pid file outside host NAME
     pid=$(cat "$1" 2>/dev/null || true)
     [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$3" ] || return 0
     # the pid may have been reused since, even by the single-node cluster's daemon: ours name our config
-    tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "-f $CONF" || return 0
+    [[ "$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)" == *"-f $CONF "* ]] || return 0
     in_host "$2" "$3" && return 0
     kill -9 "$pid" 2>/dev/null || true
 }
