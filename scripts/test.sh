@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Install what the tests need, start the cluster software they run against (a single-node Slurm and a
-# Docker engine, both real), then run the whole test suite.
+# Install what the tests need, start the cluster software they run against (a single-node Slurm, the test
+# hosts with a multi-node Slurm on them, and a Docker engine, all real), then run the whole test suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # jargon-text: the Jargon File, public-domain English prose for the SkipPipe training tests' corpus
-if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1; then
+if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1 \
+        || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text iproute2 util-linux
 fi
 export SETUP_APT_UPDATED=1
 bash scripts/install.sh
 bash scripts/cluster/slurm.sh
+bash scripts/cluster/hosts.sh
 bash scripts/cluster/docker.sh
 python3 -m pytest -q -p no:cacheprovider tests

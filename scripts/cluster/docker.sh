@@ -37,3 +37,62 @@ if ! docker image inspect "$IMAGE" >/dev/null 2>&1; then
     tar -C "$ROOT" -c . | docker import -c 'ENV PATH=/usr/local/bin:/usr/bin:/bin' - "$IMAGE" >/dev/null
     echo "docker: built image $IMAGE"
 fi
+
+# A user-defined bridge network (names in hosts.env) for the tests of containers with their own addresses
+# (the `docker_network` option): each container gets an address in $DOCKER_TEST_SUBNET and reaches this
+# machine at the gateway, $DOCKER_TEST_GATEWAY, which Docker puts on the bridge $DOCKER_TEST_BRIDGE.
+# shellcheck source=hosts.env
+. "$(dirname "$0")/hosts.env"
+subnet=$(docker network inspect -f '{{range .IPAM.Config}}{{.Subnet}} {{.Gateway}}{{end}}' "$DOCKER_TEST_NETWORK" \
+    2>/dev/null || true)
+if [ "$subnet" != "$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY" ]; then
+    if [ -n "$subnet" ]; then
+        echo "docker: network $DOCKER_TEST_NETWORK has '$subnet', not" \
+            "'$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY': making it anew"
+        docker network rm "$DOCKER_TEST_NETWORK" >/dev/null
+    fi
+    other=$(ip -4 route show to match "${DOCKER_TEST_SUBNET%/*}" | grep -v '^default' || true)
+    if [ -n "$other" ]; then
+        echo "docker: the subnet $DOCKER_TEST_SUBNET is already routed here: '$other'; change hosts.env" >&2; exit 1
+    fi
+    docker network create --driver bridge --subnet "$DOCKER_TEST_SUBNET" --gateway "$DOCKER_TEST_GATEWAY" \
+        -o "com.docker.network.bridge.name=$DOCKER_TEST_BRIDGE" "$DOCKER_TEST_NETWORK" >/dev/null
+    echo "docker: made network $DOCKER_TEST_NETWORK ($DOCKER_TEST_SUBNET, this machine at $DOCKER_TEST_GATEWAY)"
+fi
+# a container on it must reach this machine at the gateway: a listener here, a connection from a container
+# running the host's Python (mounted read-only, as the tests do)
+"$(command -v python3)" - "$DOCKER_TEST_GATEWAY" "$DOCKER_TEST_NETWORK" "$IMAGE" <<'PY'
+import socket, subprocess, sys, time
+gateway, network, image = sys.argv[1:]
+prefixes = sorted({sys.base_prefix, sys.prefix})
+with socket.create_server((gateway, 0)) as server:
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    probe = (f"import socket; c = socket.create_connection(({gateway!r}, {port}), timeout=10); "
+             "c.sendall(socket.gethostbyname(socket.gethostname()).encode())")
+    mounts = [a for p in ["/usr", *prefixes] for a in ("-v", f"{p}:{p}:ro")]
+    run = subprocess.Popen(["docker", "run", "--rm", "--network", network, *mounts, image, sys.executable,
+                            "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    conn, deadline = None, time.monotonic() + 60
+    while conn is None and run.poll() is None and time.monotonic() < deadline:
+        try:
+            conn, (peer, _) = server.accept()
+        except socket.timeout:
+            pass
+    if conn is None:
+        run.kill()
+        out, _ = run.communicate()
+        sys.exit(f"docker: a container on {network} did not reach this machine at {gateway}:{port} within 60 s "
+                 f"(exit {run.returncode}); its output: {out.strip()}")
+    with conn:
+        conn.settimeout(10)
+        said = conn.recv(100).decode()
+    try:
+        out, _ = run.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        run.kill()
+        out, _ = run.communicate()
+if run.returncode != 0:
+    sys.exit(f"docker: the probe container on {network} failed (exit {run.returncode}): {out.strip()}")
+print(f"docker: a container on {network} at {peer} (it says {said}) reaches this machine at {gateway}")
+PY

@@ -23,17 +23,7 @@ if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge
 fi
 
-# munge: a key, its run folder, the daemon
-if [ ! -s /etc/munge/munge.key ]; then
-    dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none
-fi
-chown munge:munge /etc/munge/munge.key && chmod 0400 /etc/munge/munge.key
-mkdir -p /run/munge /var/log/munge /var/lib/munge
-chown munge:munge /run/munge /var/log/munge /var/lib/munge
-if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
-    munged --force
-    for _ in $(seq 50); do munge -n 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
-fi
+bash "$(dirname "$0")/munge.sh"
 
 mkdir -p "$STATE/state" "$STATE/spool" /etc/slurm
 MEM_MB=$(awk '/MemTotal/ {print int($2/1024)}' /proc/meminfo)
@@ -65,8 +55,9 @@ NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$CPUS RealMemory=$MEM_MB State=UNKNOWN
 PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
 CONF
 
-pgrep -x slurmctld >/dev/null || slurmctld -f "$CONF"
-pgrep -x slurmd >/dev/null || slurmd -f "$CONF"
+# only daemons in this network namespace count: hosts.sh runs others inside the test hosts' namespaces
+pgrep --ns $$ --nslist net -x slurmctld >/dev/null || slurmctld -f "$CONF"
+pgrep --ns $$ --nslist net -x slurmd >/dev/null || slurmd -f "$CONF"
 for _ in $(seq 120); do
     if ready; then echo "slurm: node $HOST up ($CPUS CPUs configured, ${MEM_MB} MB)"; exit 0; fi
     sleep 0.5
