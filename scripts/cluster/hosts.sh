@@ -60,20 +60,39 @@ flock -w 180 9 || fail "another hosts.sh has held /run/roving-hosts.lock for 180
 other=$(ip -4 route show to match "${HOSTS_SUBNET%/*}" | grep -v '^default' | grep -v " dev $HOSTS_BRIDGE " || true)
 [ -z "$other" ] || fail "the test subnet $HOSTS_SUBNET is already routed elsewhere: '$other'; change hosts.env"
 
+# Fixed link addresses, made from the IP addresses: a host remade (its namespace lost) has the MAC it had,
+# and the bridge keeps its own (a Linux bridge otherwise takes the lowest of its ports', which changes as
+# ports come and go), so no neighbour cache is left pointing at an old MAC (seconds of silent loss).
+mac() {  # KIND IP: 02:72:KIND and the IP's last three numbers (KIND: 62 bridge, 76 root end, 68 host end)
+    local IFS=.
+    # shellcheck disable=SC2086
+    set -- "$1" $2
+    printf '02:72:%s:%02x:%02x:%02x' "$1" "$3" "$4" "$5"
+}
+link_mac() {  # [-n NS] DEV MAC: set DEV's MAC when it differs
+    local ns=()
+    if [ "$1" = -n ]; then ns=(-n "$2"); shift 2; fi
+    [[ "$(ip "${ns[@]}" link show dev "$1")" == *"link/ether $2 "* ]] || ip "${ns[@]}" link set dev "$1" address "$2"
+}
+
 ip link show "$HOSTS_BRIDGE" >/dev/null 2>&1 || ip link add "$HOSTS_BRIDGE" type bridge
+link_mac "$HOSTS_BRIDGE" "$(mac 62 "$HOSTS_ROOT_ADDR")"
 # (ip's output is read whole, then matched: with pipefail, `ip | grep -q` can fail when grep ends first)
 [[ "$(ip -4 addr show dev "$HOSTS_BRIDGE")" == *"inet $HOSTS_ROOT_ADDR/$HOSTS_PREFIX "* ]] \
     || ip addr add "$HOSTS_ROOT_ADDR/$HOSTS_PREFIX" dev "$HOSTS_BRIDGE"
 ip link set "$HOSTS_BRIDGE" up
 
+remade=0
 make_host() {  # NAME ADDR: the namespace, its veth pair on the bridge, lo and eth0 up with ADDR
     local name=$1 addr=$2 veth=ve-$1
-    [ -e "/run/netns/$name" ] || ip netns add "$name"
+    [ -e "/run/netns/$name" ] || { ip netns add "$name"; remade=1; }
     if ! ip -n "$name" link show eth0 >/dev/null 2>&1; then
         # a root end left from an earlier namespace of that name (deleted while processes held it) goes
         ip link del "$veth" 2>/dev/null || true
         ip link add "$veth" type veth peer name eth0 netns "$name"
     fi
+    link_mac "$veth" "$(mac 76 "$addr")"
+    link_mac -n "$name" eth0 "$(mac 68 "$addr")"
     ip link set "$veth" master "$HOSTS_BRIDGE"
     ip link set "$veth" up
     ip -n "$name" link set lo up
@@ -83,6 +102,28 @@ make_host() {  # NAME ADDR: the namespace, its veth pair on the bridge, lo and e
 }
 
 for h in $ALL; do wanted "${h%%:*}" && make_host "${h%%:*}" "${h##*:}"; done
+
+stop_orphans() {
+    # A host's namespace deleted while processes held it lives on without a link: a slurmd or a job's
+    # slurmstepd there can reach no one (its node stays "completing"). Such namespaces are those of Slurm
+    # processes in no namespace known here (the root's, /run/netns/*, Docker's); everything in them goes.
+    local known p ns orphans=""
+    known=" $(stat -L -c %i /proc/$$/ns/net /run/netns/* /var/run/docker/netns/* 2>/dev/null | tr '\n' ' ') "
+    for p in /proc/[0-9]*; do
+        case "$(cat "$p/comm" 2>/dev/null)" in slurmd|slurmstepd|slurmctld) ;; *) continue;; esac
+        ns=$(stat -L -c %i "$p/ns/net" 2>/dev/null) || continue
+        [[ "$known" == *" $ns "* ]] || orphans="$orphans $ns "
+    done
+    [ -n "$orphans" ] || return 0
+    for p in /proc/[0-9]*; do
+        ns=$(stat -L -c %i "$p/ns/net" 2>/dev/null) || continue
+        if [[ "$orphans" == *" $ns "* ]]; then
+            echo "hosts: killing ${p#/proc/} ($(cat "$p/comm" 2>/dev/null)), left in a lost host namespace"
+            kill -9 "${p#/proc/}" 2>/dev/null || true
+        fi
+    done
+}
+[ "$remade" = 0 ] || stop_orphans
 
 # the hosts' names resolve everywhere (one /etc/hosts for all of them, as a cluster's DNS would)
 BEGIN="# roving test hosts (scripts/cluster/hosts.sh)" END="# end of roving test hosts"
