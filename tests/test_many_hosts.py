@@ -17,6 +17,7 @@ import pytest
 
 import helpers_hosts as hh
 from helpers_core import TESTS_DIR
+from helpers_hosts import hosts  # noqa: F401  (fixture)
 
 PROGRAM = TESTS_DIR / "programs" / "across_hosts.py"
 COMPUTE = [h.name for h in hh.COMPUTE]

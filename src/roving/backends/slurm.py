@@ -161,7 +161,9 @@ class SlurmBackend(Backend):
         # Slurm creates the output files under the umask sbatch ran with: 077 makes them 0600; the job
         # itself runs under this process's own umask again.
         args = ["sbatch", "--parsable", f"--job-name=roving-{tag}", f"--comment={spec.name}",
-                "--export=ALL", f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append",
+                # never requeued after a node failure: a process runs once (its parent decides what is
+                # run again), and a requeued copy would find its work already taken
+                "--export=ALL", f"--chdir={spec.cwd}", "--ntasks=1", "--open-mode=append", "--no-requeue",
                 f"--output={output}", f"--error={error}", *self._resource_options(spec, cfg),
                 "--wrap", f"umask {_umask():04o}; exec " + shlex.join(spec.command)]
         env.pop("SLURM_UMASK", None)  # it would win over sbatch's own umask
