@@ -174,11 +174,11 @@ def run_pool(parent: hh.Host, options: dict, n: int, env=None) -> dict:
 
 @pytest.mark.parametrize("parent", [hh.ROOT, hh.LOGIN], ids=["parent-on-root-host", "parent-on-login-host"])
 def test_a_pool_on_the_multi_node_slurm_runs_one_worker_on_each_compute_host(hosts, parent):
-    # The parent listens on its host's address (explicit `host`); the workers are Slurm jobs, one per
-    # compute host (--exclusive: a worker has a node to itself). The parent is a program of its own: this
-    # test process's roving endpoint may already be bound to loopback by an earlier test.
-    seen = run_pool(parent, {"backend": "slurm", "host": parent.address, "slurm_options": "--exclusive"}, 3,
-                    env=hh.slurm_env())
+    # Nothing set about addresses: the parent finds its host's address itself (host=auto: the interface
+    # towards the Slurm controller); the workers are Slurm jobs, one per compute host (--exclusive: a worker
+    # has a node to itself). The parent is a program of its own: this test process's roving endpoint may
+    # already be bound to loopback by an earlier test.
+    seen = run_pool(parent, {"backend": "slurm", "slurm_options": "--exclusive"}, 3, env=hh.slurm_env())
     assert seen["parent"] == parent.name
     assert sorted((name, address) for name, address, _ in seen["met"]) == sorted((h.name, h.address)
                                                                                  for h in hh.COMPUTE)
@@ -190,8 +190,9 @@ def test_a_pool_on_the_multi_node_slurm_runs_one_worker_on_each_compute_host(hos
 def test_a_pool_on_the_docker_network_runs_its_workers_in_containers_with_their_own_addresses():
     hb.require("docker")
     hh.require_docker_network()
-    # the parent listens on the network's gateway, the address of this machine that the containers reach
-    seen = run_pool(hh.ROOT, {"backend": "docker", "host": hh.DOCKER_GATEWAY, **hh.docker_network_options()}, 2)
+    # nothing set about addresses: the parent listens on the network's gateway (host=auto), the address of
+    # this machine that the containers reach, and each container on its own address
+    seen = run_pool(hh.ROOT, {"backend": "docker", **hh.docker_network_options()}, 2)
     subnet = ipaddress.ip_network(hh.DOCKER_SUBNET)
     met = {address for _, address, _ in seen["met"]}
     assert len(met) == 2 and all(ipaddress.ip_address(a) in subnet and a != hh.DOCKER_GATEWAY for a in met)
