@@ -10,8 +10,10 @@ What to know when writing a test:
 
 * Loopback is per host: nothing inside a host reaches 127.0.0.1 of another (nor of the root namespace).
   A process that other hosts must reach listens on its host's address (or 0.0.0.0).
-* The filesystem is one for all hosts: /tmp, /dev/shm, the working tree, the munge socket. A file
-  written "on" one host is seen on every other one (as with a shared filesystem; /dev/shm too).
+* The filesystem is one for all hosts: /tmp, the working tree, the munge socket. A file written "on" one
+  host is seen on every other one (as with a shared filesystem). /dev/shm is not: the Slurm jobs of each
+  compute host have a tmpfs of their own there, as separate machines would (processes started with
+  :func:`run_on` see the root's).
 * There is no link delay or loss to emulate (tc netem does not work here); a fault is a link set down
   (:func:`cut`: partitioned, its processes live on) or a host killed whole (:func:`kill_host`).
 * A process's roving endpoint binds once, with the options of its first use (the pytest process's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -98,6 +99,20 @@ def test_the_hosts_share_one_filesystem(hosts, tmp_path):
     assert path.read_text() == hh.COMPUTE[0].name
     assert hh.python_on(hh.COMPUTE[1], "import sys; print(open(sys.argv[1]).read())", str(path)).stdout.strip() \
         == hh.COMPUTE[0].name
+
+
+def test_the_jobs_of_each_compute_host_have_a_dev_shm_of_their_own(hosts, tmp_path):
+    name = f"rv-probe-{os.getpid()}"
+    write = f"open('/dev/shm/{name}', 'w').write('x')"
+    hh.slurm(["srun", "-w", hh.COMPUTE[0].name, sys.executable, "-c", write], timeout=60, check=True)
+    try:
+        look = f"import os; print(os.path.exists('/dev/shm/{name}'))"
+        seen = {h.name: hh.slurm(["srun", "-w", h.name, sys.executable, "-c", look], timeout=60,
+                                 check=True).stdout.strip() for h in hh.COMPUTE}
+        assert seen == {h.name: str(h is hh.COMPUTE[0]) for h in hh.COMPUTE}
+        assert not os.path.exists(f"/dev/shm/{name}")  # nor does the root host see it
+    finally:
+        hh.slurm(["srun", "-w", hh.COMPUTE[0].name, "rm", "-f", f"/dev/shm/{name}"], timeout=60)
 
 
 def test_srun_on_three_nodes_runs_one_task_per_compute_host_with_its_own_name_and_address(hosts):

@@ -201,3 +201,16 @@ def test_children_exit_when_their_parents_host_is_cut_off_and_leave_no_slurm_job
         assert not left, f"Slurm jobs {left} still there 30 s after their parent's host was cut off"
     finally:
         run.kill()
+
+
+def test_shared_data_is_written_once_per_host_and_read_there_by_every_worker():
+    r, _ = run_scenario("shared")
+    hosts = r["hosts"]
+    assert sorted(hosts) == sorted(COMPUTE), hosts
+    for host, seen in hosts.items():
+        assert seen["sums_ok"], host
+        # one copy on each host (one file, one inode), mapped by every worker that read it there
+        assert len(seen["maps"]) == 1 and seen["maps"][0][0].endswith("-copy"), (host, seen)
+    # each host's /dev/shm is its own (hosts.sh mounts one per host): three copies, one per machine
+    assert len({d for seen in hosts.values() for d in seen["devs"]}) == 3, hosts
+    assert max(seen["workers"] for seen in hosts.values()) >= 2, hosts

@@ -22,8 +22,8 @@
 #
 # What the hosts share and what they do not: loopback is per namespace (127.0.0.1 inside a host is that
 # host's own; nothing in a host reaches the root namespace's 127.0.0.1), and so are abstract Unix sockets.
-# The filesystem is one: /tmp, /dev/shm, /run/munge and the working tree are the same in every host (as on
-# a cluster with a shared filesystem, but /dev/shm is shared too, unlike separate machines).
+# The filesystem is one: /tmp, /run/munge and the working tree are the same in every host (as on a cluster
+# with a shared filesystem); /dev/shm is each compute host's own for its Slurm jobs (a tmpfs per slurmd).
 # `tc netem` does not work on these machines (the qdisc kind is unknown): links have no emulated delay.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -199,8 +199,11 @@ stop_stale() {  # PIDFILE NAME COMM: a daemon of that pid file outside host NAME
 start_daemon() {  # NAME COMM ARGS...: start a daemon inside host NAME, with NAME as its hostname
     local name=$1; shift
     echo "hosts: starting $1 in $name"
-    # the daemon forks into the background itself; its UTS namespace lives on with it
-    nsenter --net="/run/netns/$name" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$name" "$@" \
+    # The daemon forks into the background itself; its UTS and mount namespaces live on with it, and its
+    # jobs inherit them: a hostname of the host's own, and a /dev/shm of its own (a tmpfs mounted in a
+    # private mount namespace), as separate machines have (roving.shared writes data once per machine).
+    nsenter --net="/run/netns/$name" unshare --uts --mount --propagation private \
+        sh -c 'mount -t tmpfs -o mode=1777,size=2g "tmpfs-$0" /dev/shm && hostname "$0" && exec "$@"' "$name" "$@" \
         </dev/null >>"$STATE/start-$name.log" 2>&1 9>&- || fail "$1 did not start in $name; see $STATE/start-$name.log"
 }
 

@@ -98,9 +98,22 @@ def sync_worker(lock, event, barrier, value, out):
     out.put(socket.gethostname())
 
 
+_kept = []
+
+
 def read_shared(handle):
+    """The data's sum, with where this worker read it from: the shared-memory files it has mapped (name
+    and inode, from /proc/self/maps) and the device of its /dev/shm (one tmpfs per test host)."""
     arr = handle.get()
-    return float(arr.sum()), socket.gethostname(), os.getpid()
+    _kept.append(arr)  # a worker keeps using the data (as the ES demo keeps its noise table)
+    maps = set()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5].startswith("/dev/shm/rv-"):
+                maps.add((parts[5], int(parts[4])))
+    time.sleep(0.05)
+    return float(arr.sum()), socket.gethostname(), sorted(maps), os.stat("/dev/shm").st_dev, os.getpid()
 
 
 # -- scenarios ----------------------------------------------------------------------------------------
@@ -235,13 +248,15 @@ def shared_scenario():
     handle = roving.shared(arr)
     with roving.Pool(6) as pool:
         res = pool.map(read_shared, [handle] * 60, chunksize=1)
-    return {"sums_ok": all(s == float(arr.sum()) for s, _, _ in res), "hosts": sorted({h for _, h, _ in res}),
-            "fetches": handle_fetches(handle)}
-
-
-def handle_fetches(handle):
-    stats = getattr(handle, "stats", None)
-    return stats() if callable(stats) else None
+    per_host = {}
+    for total, host, maps, dev, pid in res:
+        seen = per_host.setdefault(host, {"maps": set(), "devs": set(), "pids": set(), "sums_ok": True})
+        seen["maps"].update(map(tuple, maps))
+        seen["devs"].add(dev)
+        seen["pids"].add(pid)
+        seen["sums_ok"] &= total == float(arr.sum())
+    return {"hosts": {host: {"maps": sorted(v["maps"]), "devs": sorted(v["devs"]), "workers": len(v["pids"]),
+                             "sums_ok": v["sums_ok"]} for host, v in per_host.items()}}
 
 
 def chaos_scenario():
