@@ -214,3 +214,25 @@ def test_shared_data_is_written_once_per_host_and_read_there_by_every_worker():
     # each host's /dev/shm is its own (hosts.sh mounts one per host): three copies, one per machine
     assert len({d for seen in hosts.values() for d in seen["devs"]}) == 3, hosts
     assert max(seen["workers"] for seen in hosts.values()) >= 2, hosts
+
+
+def test_pipeline_training_plans_around_a_host_cut_off_mid_iteration(hosts):
+    program = TESTS_DIR / "programs" / "train_across_hosts.py"
+    proc = hh.run_on(hh.LOGIN, [sys.executable, "-u", str(program)], env=program_env(), cwd=str(TESTS_DIR.parent),
+                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = Running.__new__(Running)
+    run.proc, run.output = proc, []
+    try:
+        placed = run.wait_for("PLACED ", 240)
+        assert set(placed["hosts"].values()) == set(COMPUTE), placed  # the nodes are spread over the hosts
+        victim = run.wait_for("CUT ", 240)
+        hosts.cut(victim)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        r = run.wait_for("RESULT ", 300)
+    finally:
+        run.kill()
+    on_victim = sorted(n for n, h in placed["hosts"].items() if h == victim)
+    assert r["cut_mid_iteration"] and r["losses_finite"], r
+    assert r["dead"] == on_victim, (r, "".join(run.output)[-3000:])
+    assert not set(on_victim) & set(r["alloc"]), r  # planned around
