@@ -115,6 +115,7 @@ class Process:
         env[_session.CHILD_ENV] = json.dumps({
             "secret": session.secret.hex(), "uid": self._uid, "parent": node.address, "box": box,
             "parent_pid": os.getpid(), "local": cfg.backend == "local",
+            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
         })
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}

@@ -73,6 +73,8 @@ def current() -> Session:
                 if info:
                     data = json.loads(info)
                     secret = data.get("secret") or os.environ.get(SECRET_ENV, "")
+                    if data.get("encrypt"):  # the parent's, for the connections made before its config arrives
+                        _config._adopt(_config.current().replace("the parent process", encrypt=data["encrypt"]))
                     _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
                 else:
                     _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())
