@@ -294,7 +294,7 @@ class Node:
     def streams(self) -> _stream.Listener:
         """This process's stream listener, started on first use."""
         return self.service("streams", lambda node: _stream.Listener(
-            node.secret, node.host, node.advertise, node._on_stream))
+            node.secret, node.host, node.advertise, node._on_stream, node.encrypt))
 
     def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
         """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""
