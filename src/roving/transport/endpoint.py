@@ -184,9 +184,10 @@ class _ZmqConnection(_Connection):
             monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         self.sock.connect(address)
         try:
+            deadline = time.monotonic() + connect_timeout
             if monitor is not None:
                 self._await_curve(monitor, connect_timeout)
-            self._authenticate(secret, connect_timeout)
+            self._authenticate(secret, max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.sock.close(0)
             raise
@@ -194,7 +195,7 @@ class _ZmqConnection(_Connection):
     def _await_curve(self, monitor: zmq.Socket, timeout: float) -> None:
         """Wait up to ``timeout`` s for the CURVE handshake; AuthenticationError when the node ends it
         unfinished (its key is not this session's, or it refused this process's key). On a timeout the
-        challenge's wait (in _authenticate) says that nothing answered."""
+        challenge's wait (in _authenticate, with the time left: none) says that nothing answered."""
         deadline = time.monotonic() + timeout
         connected = False
         try:
