@@ -461,9 +461,12 @@ class ServedStream:
             if self.closed:
                 return False
             if not self._out:
-                todo = collections.deque(todo)
                 try:
-                    sent = self._write_some(todo)
+                    if self._tls:
+                        todo = collections.deque(todo)
+                        sent = self._write_some(todo)  # takes what it wrote off todo
+                    else:
+                        sent = self.sock.sendmsg(todo[:self._IOV])
                 except BlockingIOError:
                     sent = 0
                 except OSError:
@@ -471,6 +474,9 @@ class ServedStream:
                     return False
                 if sent == size:
                     return True
+                if not self._tls:
+                    todo = collections.deque(todo)
+                    _advance(todo, sent)
                 size -= sent
                 notify = True
             self._out.extend(todo)
