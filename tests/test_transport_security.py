@@ -513,3 +513,30 @@ def test_after_the_fuzzing_nothing_leaked_and_the_node_still_serves():
         conn.close()
     assert wait_until(lambda: _fds() <= baseline + 2, 10), (_fds(), baseline)
     assert len(node._authenticated) < 200  # authenticated fuzz peers left; the node forgot them
+
+
+# -- which connections are encrypted ------------------------------------------------------------
+
+def test_which_streams_are_encrypted_under_each_mode():
+    assert crypto.is_loopback("127.0.0.1") and crypto.is_loopback("::1") and crypto.is_loopback("[::1]")
+    assert crypto.is_loopback("::ffff:127.0.0.1") and crypto.is_loopback("localhost")
+    assert not crypto.is_loopback("10.1.2.3") and not crypto.is_loopback("::ffff:10.1.2.3")
+    assert not crypto.is_loopback("no-such-host.invalid")  # unknown: treated as leaving loopback
+    assert [crypto.stream_encrypted("127.0.0.1", m) for m in ("auto", "always", "off")] == [False, True, False]
+    assert [crypto.stream_encrypted("10.1.2.3", m) for m in ("auto", "always", "off")] == [True, True, False]
+    assert crypto.zmq_encrypted("auto") and crypto.zmq_encrypted("always") and not crypto.zmq_encrypted("off")
+
+
+def test_a_bad_encrypt_value_is_an_error_naming_the_option():
+    with pytest.raises(roving.config.ConfigError, match="encrypt"):
+        roving.config.load({"encrypt": "sometimes"})
+
+
+def test_every_process_of_a_session_derives_the_same_keys_and_another_secret_other_ones():
+    a, b = os.urandom(32), os.urandom(32)
+    assert crypto.curve_keys(a) == crypto.curve_keys(bytes(a))
+    assert crypto.curve_keys(a) != crypto.curve_keys(b)
+    assert crypto._certificate(a) == crypto._certificate(bytes(a))  # deterministic, so pinnable
+    assert crypto._certificate(a)[1] != crypto._certificate(b)[1]
+    server, client = crypto.tls_contexts(a)
+    assert server.minimum_version == client.minimum_version == __import__("ssl").TLSVersion.TLSv1_3

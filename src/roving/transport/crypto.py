@@ -21,6 +21,7 @@ of either, unchanged.
 from __future__ import annotations
 
 import datetime
+import functools
 import ipaddress
 import logging
 import os
@@ -150,11 +151,14 @@ def tls_contexts(secret: bytes) -> Tuple[ssl.SSLContext, ssl.SSLContext]:
     return contexts
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str) -> bool:
     """Whether ``host`` (an address or a name) is this machine's loopback; False when unknown."""
     host = host.strip("[]")
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, as a dual-stack socket shows it
+        return (mapped or address).is_loopback
     except ValueError:
         pass
     if host == "localhost":
@@ -163,7 +167,7 @@ def is_loopback(host: str) -> bool:
         infos = socket.getaddrinfo(host, None)
     except OSError:
         return False
-    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
 
 
 _warned_off: set = set()
