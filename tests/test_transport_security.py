@@ -73,7 +73,7 @@ def _capture_payloads(pcap: bytes, ports: set) -> bytes:
 
 def _run_captured(encrypt: str, marker: str, tmp_path):
     pcap = tmp_path / f"{encrypt}.pcap"
-    dump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "-s", "0", "-w", str(pcap), "tcp"],
+    dump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "--immediate-mode", "-s", "0", "-w", str(pcap), "tcp"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     try:
         line = dump.stderr.readline().decode()
@@ -85,7 +85,9 @@ def _run_captured(encrypt: str, marker: str, tmp_path):
         dump.wait(10)
     assert "OK" in result.stdout, result.stdout + result.stderr
     ports = {int(p) for p in result.stdout.split("PORTS", 1)[1].split("\n", 1)[0].split()}
-    return _capture_payloads(pcap.read_bytes(), ports)
+    data = pcap.read_bytes()
+    print("capture:", len(data), "bytes; ports", ports, "tcpdump:", dump.stderr.read().decode()[-300:])
+    return _capture_payloads(data, ports)
 
 
 def test_with_encrypt_always_the_wire_carries_neither_the_marker_nor_pickle_bytes(tmp_path):
@@ -317,6 +319,39 @@ def test_the_stream_handshake_has_one_deadline_however_slowly_the_peer_drips(mon
             try:
                 s.sendall(bytes([byte]))
                 s.settimeout(0.3)
+                if s.recv(1) == b"":
+                    closed = True
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                closed = True
+                break
+        assert closed and time.monotonic() - start < 5
+        s.close()
+    finally:
+        listener.close()
+
+
+def test_a_tls_handshake_dripped_byte_by_byte_is_cut_at_the_same_deadline(monkeypatch):
+    import ssl
+
+    monkeypatch.setattr(_stream, "HANDSHAKE_TIMEOUT", 1.5)
+    secret = os.urandom(32)
+    listener = _stream.Listener(secret, "127.0.0.1", None, lambda r, s: False, encrypt="always")
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    hello = crypto.tls_contexts(secret)[1].wrap_bio(incoming, outgoing)
+    with pytest.raises(ssl.SSLWantReadError):
+        hello.do_handshake()
+    client_hello = outgoing.read()  # a genuine ClientHello, sent a byte at a time
+    try:
+        s = socket.create_connection(("127.0.0.1", _port(listener.address)), timeout=10)
+        s.sendall(b"roving-stream/T\n")
+        start, closed = time.monotonic(), False
+        for byte in client_hello:
+            try:
+                s.sendall(bytes([byte]))
+                s.settimeout(0.2)
                 if s.recv(1) == b"":
                     closed = True
                     break

@@ -580,21 +580,20 @@ class _Timed:
             self.sock.settimeout(left)
 
     def recv(self, size: int) -> bytes:
-        if type(self.sock) is _TlsSocket:
-            buf = bytearray(size)
+        if type(self.sock) is not _TlsSocket:
+            return self.sock.recv(size)
+        buf = bytearray(size)
+        while True:  # a record may come in parts: wait again, until the deadline
             if not _wait(self.sock, select.POLLIN, self.deadline):
                 raise StreamError("the handshake did not finish in time")
             self.sock.blocking = False
             try:
                 got = self.sock.recv_into(buf)
+                return bytes(buf[:got])
             except BlockingIOError:
-                return self.recv(size)
+                continue
             finally:
                 self.sock.blocking = True
-            if not got:
-                return b""
-            return bytes(buf[:got])
-        return self.sock.recv(size)
 
     def sendall(self, data: bytes) -> None:
         left = self.deadline - time.monotonic()
