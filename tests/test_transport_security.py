@@ -251,6 +251,7 @@ def test_a_peer_with_a_wrong_secret_never_gets_in_over_zeromq_or_streams(monkeyp
     try:
         with pytest.raises(auth.AuthenticationError):
             _endpoint._ZmqConnection(node.address, os.urandom(32), TIMEOUT)
+        assert wait_until(lambda: node._refusals.count > 0, TIMEOUT)  # and the node logged it
         listener = node.streams()
         for mode in ("always", "auto"):
             with pytest.raises(auth.AuthenticationError if mode == "always" else _stream.StreamError):

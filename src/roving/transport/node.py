@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from . import auth
 from . import crypto
@@ -250,6 +251,11 @@ class Node:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        # libzmq tells of handshakes that failed before its ZAP handler was asked (a stranger's CURVE
+        # hello made with another key, a protocol error): logged, throttled, like every refusal
+        self._monitor = self._router.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, _stream.ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
         self._writable: "collections.deque[_stream.ServedStream]" = collections.deque()
@@ -535,6 +541,8 @@ class Node:
             self._peers[peer.fd] = peer
             poller.register(peer.fd, zmq.POLLIN)
         self._flush_outbox()
+        if self._monitor in ready:
+            self._note_failed_handshakes()
         if router in ready:
             for _ in range(256):
                 try:
@@ -567,6 +575,17 @@ class Node:
         if self._undeliverable:
             self._run_undeliverable()
             self._flush_outbox()
+
+    def _note_failed_handshakes(self) -> None:
+        while True:
+            try:
+                event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            kind = ("a protocol error (a stranger, or a peer with another session's key)"
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else "no detail given")
+            # libzmq names the listening address here, not the peer's
+            self._refusals.refuse("a ZeroMQ peer", f"its ZeroMQ handshake failed: {kind}")
 
     def _drop_peer(self, peer: _stream.ServedStream) -> None:
         """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
@@ -730,6 +749,7 @@ class Node:
             for peer in list(self._peers.values()):
                 peer.drop()
             self._peers.clear()
+            self._monitor.close(0)
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
