@@ -241,8 +241,10 @@ class Node:
         self._seq = itertools.count()
         # Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
         self._authenticated: Dict[bytes, str] = {}
-        self._told: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()  # sent REAUTH
-        self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
+        # Connections (routing id, user id) told REAUTH, and those half-way through the handshake.
+        self._told: "collections.OrderedDict[Tuple[bytes, str], None]" = collections.OrderedDict()
+        self._handshakes: "collections.OrderedDict[Tuple[bytes, str], Tuple[bytes, bytes]]" = \
+            collections.OrderedDict()
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
