@@ -458,7 +458,8 @@ def _fuzz_target():
         box = node.new_box()
         listener = node.streams()
         node.register_stream_purpose("pipe", lambda request, stream: False)
-        _fuzz_state.update(node=node, box=box, listener=listener)
+        time.sleep(0.2)
+        _fuzz_state.update(node=node, box=box, listener=listener, fds=_fds())
     return _fuzz_state
 
 
@@ -480,7 +481,7 @@ def _authenticated_stream(purpose: str) -> _stream.Stream:
 frames_strategy = st.lists(st.binary(max_size=64), min_size=0, max_size=6)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.binary(max_size=512), target=st.sampled_from(["zmq", "stream", "stream-greeted", "zmq-greeted"]))
 def test_fuzz_raw_bytes_at_every_listening_port_before_authentication(data, target):
     state = _fuzz_target()
@@ -492,7 +493,7 @@ def test_fuzz_raw_bytes_at_every_listening_port_before_authentication(data, targ
         _raw(_port(state["listener"].address), prefix + data)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(frames=frames_strategy, op=st.sampled_from(
     [b"", b"P", b"G", b"L", b"S", b"T", b"J", b"C", b"W", b"I", b"hello", b"proof", b"\x00pieces", b"zz"]))
 def test_fuzz_frames_from_an_authenticated_zeromq_peer_and_a_stranger(frames, op):
@@ -512,7 +513,7 @@ def test_fuzz_frames_from_an_authenticated_zeromq_peer_and_a_stranger(frames, op
             sock.close(0)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.binary(max_size=256), purpose=st.sampled_from(["node", "pipe"]),
        cut=st.booleans())
 def test_fuzz_bytes_on_an_authenticated_stream(data, purpose, cut):
@@ -548,6 +549,8 @@ def test_after_the_fuzzing_nothing_leaked_and_the_node_still_serves():
     finally:
         conn.close()
     assert wait_until(lambda: _fds() <= baseline + 2, 10), (_fds(), baseline)
+    # and against the descriptors open before the first fuzz case (every case closed its own)
+    assert wait_until(lambda: _fds() <= state["fds"] + 4, 10), (_fds(), state["fds"])
     assert len(node._authenticated) < 200  # authenticated fuzz peers left; the node forgot them
 
 
