@@ -255,8 +255,9 @@ class Node:
         self._poller.register(self._wake_r, zmq.POLLIN)
         # libzmq tells of handshakes that failed before its ZAP handler was asked (a stranger's CURVE
         # hello made with another key, a protocol error): logged, throttled, like every refusal
-        self._monitor = self._router.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
+        # port listens, is no refusal)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, _stream.ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
@@ -584,10 +585,10 @@ class Node:
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            kind = ("a protocol error (a stranger, or a peer with another session's key)"
-                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL else "no detail given")
-            # libzmq names the listening address here, not the peer's
-            self._refusals.refuse("a ZeroMQ peer", f"its ZeroMQ handshake failed: {kind}")
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                # libzmq names the listening address here, not the peer's
+                self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
+                                      "(a stranger, or a peer with another session's key)")
 
     def _drop_peer(self, peer: _stream.ServedStream) -> None:
         """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
