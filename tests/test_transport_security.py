@@ -566,6 +566,16 @@ def test_which_streams_are_encrypted_under_each_mode():
     assert crypto.zmq_encrypted("auto") and crypto.zmq_encrypted("always") and not crypto.zmq_encrypted("off")
 
 
+def test_encrypt_off_warns_once_when_zeromq_traffic_leaves_loopback_only(caplog):
+    crypto._warned_off.clear()
+    with caplog.at_level("WARNING", logger="roving.transport.crypto"):
+        assert not crypto.zmq_encrypted("off", "127.0.0.1")
+        assert not caplog.records
+        assert not crypto.zmq_encrypted("off", "10.1.2.3") and not crypto.zmq_encrypted("off", "10.1.2.3")
+        assert not crypto.stream_encrypted("10.1.2.3", "off")
+    assert len([r for r in caplog.records if "10.1.2.3" in r.getMessage()]) == 2  # ZeroMQ once, streams once
+
+
 def test_a_bad_encrypt_value_is_an_error_naming_the_option():
     with pytest.raises(roving.config.ConfigError, match="encrypt"):
         roving.config.load({"encrypt": "sometimes"})

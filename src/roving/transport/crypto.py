@@ -187,12 +187,14 @@ def stream_encrypted(host: str, encrypt: str) -> bool:
     return not loopback
 
 
-def zmq_encrypted(encrypt: str) -> bool:
-    """Whether ZeroMQ sockets run CURVE under the ``encrypt`` option (all of them, or none)."""
+def zmq_encrypted(encrypt: str, host: str = "127.0.0.1") -> bool:
+    """Whether ZeroMQ sockets run CURVE under the ``encrypt`` option (all of them, or none); ``host``
+    is the address bound or connected to (warned about once when ``off`` lets traffic leave loopback)."""
     if encrypt == "off":
-        if "zmq" not in _warned_off:
-            _warned_off.add("zmq")
-            log.warning("roving: encrypt='off': ZeroMQ traffic is plain text; strangers that reach a "
-                        "node's port can hold connections and memory until they fail to authenticate")
+        if not is_loopback(host) and ("zmq", host) not in _warned_off:
+            _warned_off.add(("zmq", host))
+            log.warning("roving: encrypt='off': ZeroMQ traffic with %s is plain text; strangers that reach "
+                        "a node's port can hold connections and memory until they fail to authenticate",
+                        host)
         return False
     return True

@@ -179,7 +179,7 @@ class _ZmqConnection(_Connection):
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, _node.HANDSHAKE_IVL_MS)
         _node.keep_alive(self.sock)
         monitor = None
-        if crypto.zmq_encrypted(crypto.mode()):
+        if crypto.zmq_encrypted(crypto.mode(), address.partition("://")[2].rpartition(":")[0]):
             crypto.curve_client(self.sock, secret)
             monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         self.sock.connect(address)

@@ -221,7 +221,7 @@ class Node:
         keep_alive(self._router)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
         self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
-        curve = crypto.zmq_encrypted(self.encrypt)
+        curve = crypto.zmq_encrypted(self.encrypt, host)
         if curve:
             crypto.curve_server(self._router, secret)
         self._zap_domain = zap.register(ctx, crypto.curve_keys(secret).client_public if curve else None)
