@@ -8,6 +8,7 @@ after the others, alone, since its daemons load the machine).
 
     python benchmarks/pool_overhead.py                       # every peer that is installed
     python benchmarks/pool_overhead.py --peers roving multiprocessing --repeat 5
+    python benchmarks/pool_overhead.py --peers roving multiprocessing --encrypt off   # roving's option
 """
 from __future__ import annotations
 
@@ -146,7 +147,11 @@ def main(argv: Any = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peers", nargs="+", default=["roving", "multiprocessing", "loky", "ray"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--encrypt", choices=["auto", "always", "off"], default="auto",
+                        help="roving's encrypt option (auto: CURVE on ZeroMQ, plain loopback streams)")
     args = parser.parse_args(argv)
+    roving.init(encrypt=args.encrypt)
+    print(f"# roving encrypt={args.encrypt}", file=sys.stderr)
     present = [p for p in args.peers if _installed(p)]
     for peer in set(args.peers) - set(present):
         print(f"# {peer}: not installed", file=sys.stderr)

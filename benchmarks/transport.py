@@ -8,6 +8,7 @@ compare the ratios.
     python benchmarks/transport.py                 # 64 B, 1 MiB, 100 MiB; numpy payloads
     python benchmarks/transport.py --payload bytes
     python benchmarks/transport.py --transport zmq  # roving as it was before streams: all over ZeroMQ
+    python benchmarks/transport.py --encrypted      # adds roving with encrypt="always" (TLS on loopback)
 """
 from __future__ import annotations
 
@@ -92,7 +93,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tenth of the rounds (a smoke run)")
     parser.add_argument("--transport", choices=["streams", "zmq"], default="streams",
                         help="zmq: no direct streams (pipes and requests all over ZeroMQ), to compare")
+    parser.add_argument("--encrypted", action="store_true",
+                        help="also roving with encrypt='always' (TLS 1.3 streams, CURVE), beside plain")
     args = parser.parse_args(argv)
+    if args.encrypted:
+        return main_encrypted(args)
     if args.transport == "zmq":
         from roving.transport import link, node
 
@@ -114,6 +119,32 @@ def main(argv=None) -> None:
                   f"{times['roving'] * 1e6:>15.0f} us | {rate['multiprocessing']:>9.0f} "
                   f"{rate['roving']:>12.0f} | {times['roving'] / times['multiprocessing']:>13.2f}x",
                   flush=True)
+
+
+def main_encrypted(args) -> None:
+    """multiprocessing, roving with plain loopback streams (encrypt="auto") and roving with every
+    connection encrypted (encrypt="always"), interleaved by size. The mode is set before each cell's
+    pipe, queues and child are made: the child inherits it, and every connection of the cell is new."""
+    libs = {"multiprocessing": multiprocessing.get_context("spawn"), "plain": roving, "tls": roving}
+    print(f"python {sys.version.split()[0]}, payload {args.payload}, median of {args.repeats} repeats; "
+          "roving plain = encrypt auto on loopback, tls = encrypt always")
+    header = f"{'channel':8} {'size':>8} | {'mp':>10} {'roving plain':>13} {'roving tls':>11} | " \
+             f"{'tls MiB/s':>9} | {'tls/plain':>9} {'tls/mp':>7}"
+    print(header)
+    print("-" * len(header))
+    for channel, measure in (("Pipe", measure_pipe), ("Queue", measure_queue)):
+        for label, size in SIZES.items():
+            rounds = max(2, ROUNDS[size] // (10 if args.quick else 1))
+            message = make_message(size, args.payload)
+            times = {}
+            for name, lib in libs.items():
+                if name != "multiprocessing":
+                    roving.init(encrypt="always" if name == "tls" else "auto")
+                times[name] = measure(lib, message, rounds, args.repeats)
+            print(f"{channel:8} {label:>8} | {times['multiprocessing'] * 1e6:>7.0f} us "
+                  f"{times['plain'] * 1e6:>10.0f} us {times['tls'] * 1e6:>8.0f} us | "
+                  f"{2 * size / times['tls'] / 2**20:>9.0f} | {times['tls'] / times['plain']:>8.2f}x "
+                  f"{times['tls'] / times['multiprocessing']:>6.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ _CHOICES = {
     # "auto" is resolved at once to the backend detected here (see roving.backends.detect)
     "backend": ("auto", "local", "slurm", "docker", "kubernetes"),
     "child_output": ("prefix", "off", "files"),
+    "encrypt": ("auto", "always", "off"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -76,6 +77,11 @@ class Config:
     advertise: Optional[str] = "auto"
     #: Ports roving listens on, as ``LOW-HIGH`` (for firewalls); none: any free port.
     port_range: Optional[str] = None
+    #: Encryption and integrity of connections between processes (roving.transport.crypto): "auto"
+    #: (every stream whose address is not loopback is TLS 1.3; ZeroMQ always runs CURVE, which also keeps
+    #: strangers out of its handshake), "always" (loopback streams too) or "off" (plain text; a warning
+    #: is logged when traffic leaves loopback).
+    encrypt: str = "auto"
     #: Where a child's stdout/stderr go: "prefix" (parent's terminal, each line prefixed with the
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"

@@ -123,6 +123,7 @@ class Process:
             "secret": session.secret.hex(), "uid": self._uid, "parent": node.address, "box": box,
             "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
             "connect_timeout": cfg.connect_timeout,
+            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
         })
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}

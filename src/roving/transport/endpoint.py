@@ -24,15 +24,17 @@ import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from . import auth
+from . import crypto
 from . import node as _node
 from . import stream as _stream
 from . import timeouts
 from .mailbox import ERROR, OK
 from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE, _CHALLENGE, _COPY_BELOW,
                    _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
-                   _context, _nbytes, send_frames)
+                   _context, _nbytes, send_frames, split_frames)
 
 __all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections"]
 
@@ -40,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
 _STREAM_OPEN_TIMEOUT = 10.0
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 #: Seconds of silence after which a ZeroMQ call that waits for ever pings, to learn whether its
 #: connection was re-made under it (see _ZmqConnection._recv).
 _PROBE_S = 5.0
@@ -172,13 +177,46 @@ class _ZmqConnection(_Connection):
         self.address = address
         self.sock = _context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, _node.HANDSHAKE_IVL_MS)
         _node.keep_alive(self.sock)
+        monitor = None
+        if crypto.zmq_encrypted(crypto.mode(), address.partition("://")[2].rpartition(":")[0]):
+            crypto.curve_client(self.sock, secret)
+            monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
         self.sock.connect(address)
         try:
-            self._authenticate(secret, connect_timeout)
+            deadline = time.monotonic() + connect_timeout
+            if monitor is not None:
+                self._await_curve(monitor, connect_timeout)
+            self._authenticate(secret, max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.sock.close(0)
             raise
+
+    def _await_curve(self, monitor: zmq.Socket, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the CURVE handshake; AuthenticationError when the node ends it
+        unfinished (its key is not this session's, or it refused this process's key). On a timeout the
+        challenge's wait (in _authenticate, with the time left: none) says that nothing answered."""
+        deadline = time.monotonic() + timeout
+        connected = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not monitor.poll(left * 1000):
+                    return
+                event = zmq_monitor.recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    return
+                if event == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and connected):
+                    raise auth.AuthenticationError(
+                        f"the roving node at {self.address} ended the encrypted ZeroMQ handshake: it is not "
+                        "part of this roving session (another secret), or it runs with encrypt='off' "
+                        "where this process does not")
+        finally:
+            self.sock.disable_monitor()
+            monitor.close(0)
 
     def _authenticate(self, secret: bytes, timeout: float) -> None:
         client_nonce = auth.new_nonce()
@@ -211,7 +249,7 @@ class _ZmqConnection(_Connection):
 
     def _transmit(self, frames: Frames) -> None:
         if any(_nbytes(f) >= _COPY_BELOW for f in frames):
-            tracker = self.sock.send_multipart(frames, copy=False, track=True)
+            tracker = self.sock.send_multipart(split_frames(frames), copy=False, track=True)
             # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
             tracker.wait()
         else:
@@ -282,7 +320,7 @@ class Channel:
 
     def send(self, frames: Frames) -> None:
         """Queue a message; the frames' buffers must not change until the channel is closed."""
-        send_frames(self._sock, frames)
+        send_frames(self._sock, split_frames(frames))
 
     def recv(self, timeout: Optional[float]) -> Optional[Frames]:
         """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s.

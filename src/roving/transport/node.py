@@ -14,8 +14,15 @@ managers') and for nodes that offer no streams.
 Guarantees:
 
 * A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
-  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged,
-  and the peer is told once, with a fixed word (REAUTH), that its connection is not known here.
+  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged
+  (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
+  is not known here. Authentication belongs to the connection: the node knows a peer by the user id
+  that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
+  may choose.
+* Before authentication, bounds: ZeroMQ runs CURVE with the session's keys (:mod:`.crypto`, unless
+  ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
+  that has not completed it within :data:`HANDSHAKE_IVL_MS`; no frame larger than :data:`MAX_FRAME`
+  is taken from anyone (larger ones are sent in pieces, :func:`split_frames`, and joined here).
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
@@ -27,6 +34,7 @@ Guarantees:
 """
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import heapq
@@ -40,10 +48,14 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
+from zmq.utils import monitor as zmq_monitor
 
 from . import addressing, auth
+from . import crypto
 from . import stream as _stream
 from . import timeouts
+from . import zap
+from .guard import Refusals
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
 
 log = logging.getLogger(__name__)
@@ -75,6 +87,15 @@ _HELLO, _CHALLENGE, _PROOF, _WELCOME, _DENIED = b"hello", b"challenge", b"proof"
 _BYE, _REAUTH = b"bye", b"reauth"
 _MAX_PENDING_HANDSHAKES = 1024
 _LINGER_MS = 10_000
+#: The largest frame a node's ZeroMQ socket takes from any peer (libzmq disconnects a peer that declares
+#: a larger one, before buffering it); larger frames travel in pieces (split_frames).
+MAX_FRAME = 1 << 20
+_PIECE = MAX_FRAME - 4096  # CURVE adds its box and command header to each frame on the wire
+#: A connection that has not completed ZeroMQ's handshake (CURVE included) within this is closed.
+HANDSHAKE_IVL_MS = 10_000
+# First frame of a message whose large frames were cut into pieces; then the layout (pieces per frame).
+_PIECES = b"\x00pieces"
+_LAYOUT = "Q"
 
 
 _COPY_BELOW = 65536  # frames smaller than this are copied into ZeroMQ: cheaper than tracking them
@@ -93,6 +114,45 @@ def send_frames(sock: zmq.Socket, frames: Frames) -> None:
             sock.send(frame, flags)
         else:
             sock.send(frame, flags, copy=_nbytes(frame) < _COPY_BELOW)
+
+
+def split_frames(frames: Frames) -> Frames:
+    """``frames`` as a node's socket takes them: unchanged when every frame fits in :data:`MAX_FRAME`,
+    else ``[_PIECES, layout, *pieces]`` (pieces share memory with the frames; the node joins them)."""
+    if all(_nbytes(f) <= _PIECE for f in frames):
+        return frames
+    counts, pieces = [], []
+    for frame in frames:
+        size = _nbytes(frame)
+        if size <= _PIECE:
+            counts.append(1)
+            pieces.append(frame)
+            continue
+        view = memoryview(frame).cast("B") if type(frame) is not memoryview else frame.cast("B")
+        counts.append((size + _PIECE - 1) // _PIECE)
+        pieces.extend(view[at:at + _PIECE] for at in range(0, size, _PIECE))
+    return [_PIECES, array.array(_LAYOUT, counts).tobytes(), *pieces]
+
+
+def _join_pieces(frames: List[Any]) -> List[Any]:
+    """The frames of a message made by :func:`split_frames` (``frames`` from its layout on)."""
+    counts = array.array(_LAYOUT)
+    counts.frombytes(frames[0].bytes)
+    pieces, out, at = frames[1:], [], 0
+    if sum(counts) != len(pieces) or any(c < 1 for c in counts):
+        raise ValueError("a message in pieces does not match its layout")
+    for count in counts:
+        if count == 1:
+            out.append(pieces[at])
+        else:
+            whole = bytearray(sum(len(p) for p in pieces[at:at + count]))
+            pos = 0
+            for piece in pieces[at:at + count]:
+                whole[pos:pos + len(piece)] = piece.buffer
+                pos += len(piece)
+            out.append(whole)
+        at += count
+    return out
 
 
 def _nbytes(frame: Any) -> int:
@@ -163,10 +223,12 @@ class Node:
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
-                 port_range: Optional[Tuple[int, int]] = None) -> None:
+                 port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
         """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
         AddressError when the address cannot be bound, naming it."""
         self.secret = secret
+        #: The ``encrypt`` option this node serves under (roving.transport.crypto).
+        self.encrypt = encrypt or crypto.mode()
         self.lock = threading.Lock()
         self.boxes: Dict[int, Mailbox] = {}
         self._ids = itertools.count(1)
@@ -180,9 +242,17 @@ class Node:
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
         keep_alive(self._router)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        curve = crypto.zmq_encrypted(self.encrypt, host)
+        if curve:
+            crypto.curve_server(self._router, secret)
+        self._zap_domain = zap.register(ctx, crypto.curve_keys(secret).client_public if curve else None)
+        self._router.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain)
         port = _bind_router(self._router, host, port_range)
         shown = advertise or host
         self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
+        self._refusals = Refusals(log, f"node {self.address}")
         self.host, self.advertise, self.port_range = host, advertise, port_range
         #: How this address was chosen, in words (for errors that name it).
         self.why = f"host={host}" + (f", advertise={advertise}" if advertise else "")
@@ -195,9 +265,12 @@ class Node:
         self._outbox: "collections.deque[Frames]" = collections.deque()
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
-        self._authenticated: set = set()
-        self._told: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()  # sent REAUTH
-        self._handshakes: "collections.OrderedDict[bytes, Tuple[bytes, bytes]]" = collections.OrderedDict()
+        # Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
+        self._authenticated: Dict[bytes, str] = {}
+        # Connections (routing id, user id) told REAUTH, and those half-way through the handshake.
+        self._told: "collections.OrderedDict[Tuple[bytes, str], None]" = collections.OrderedDict()
+        self._handshakes: "collections.OrderedDict[Tuple[bytes, str], Tuple[bytes, bytes]]" = \
+            collections.OrderedDict()
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
@@ -206,6 +279,12 @@ class Node:
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
+        # libzmq tells of handshakes that failed before its ZAP handler was asked (a stranger's CURVE
+        # hello made with another key, a protocol error): logged, throttled, like every refusal
+        # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
+        # port listens, is no refusal)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, _stream.ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
         self._writable: "collections.deque[_stream.ServedStream]" = collections.deque()
@@ -267,7 +346,7 @@ class Node:
     def streams(self) -> _stream.Listener:
         """This process's stream listener, started on first use."""
         return self.service("streams", lambda node: _stream.Listener(
-            node.secret, node.host, node.advertise, node._on_stream, node.port_range))
+            node.secret, node.host, node.advertise, node._on_stream, node.port_range, node.encrypt))
 
     def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
         """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""
@@ -424,7 +503,7 @@ class Node:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.debug("roving node: a peer left before its answer")
-                self._authenticated.discard(frames[0])  # its connection is gone: so is its identity
+                self._authenticated.pop(frames[0], None)  # its connection is gone: so is its identity
             elif not self._running:
                 return
             else:
@@ -509,6 +588,8 @@ class Node:
             self._peers[peer.fd] = peer
             poller.register(peer.fd, zmq.POLLIN)
         self._flush_outbox()
+        if self._monitor in ready:
+            self._note_failed_handshakes()
         if router in ready:
             for _ in range(256):
                 try:
@@ -541,6 +622,17 @@ class Node:
         if self._undeliverable:
             self._run_undeliverable()
             self._flush_outbox()
+
+    def _note_failed_handshakes(self) -> None:
+        while True:
+            try:
+                event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                # libzmq names the listening address here, not the peer's
+                self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
+                                      "(a stranger, or a peer with another session's key)")
 
     def _drop_peer(self, peer: _stream.ServedStream) -> None:
         """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
@@ -585,21 +677,27 @@ class Node:
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
         ident = frames[0].bytes
-        if ident not in self._authenticated:
+        known = self._authenticated.get(ident)
+        if known is None or frames[1].get("User-Id") != known:
+            if known is not None:  # a new connection under the routing id of one that has gone
+                del self._authenticated[ident]
             self._handshake(ident, frames[1:])
             return
         op = frames[1].bytes
+        if op == _PIECES:
+            frames = [frames[0], *_join_pieces(frames[2:])]
+            op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:
             handler(ident, frames[2:])
             return
         if op == _BYE:
-            self._authenticated.discard(ident)
+            self._authenticated.pop(ident, None)
             return
         if len(frames) < 3:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
-        self._request(op, frames[2].bytes, frames[3:],
+        self._request(op, bytes(frames[2]), frames[3:],
                       lambda out, undeliverable: self._post([ident, *out], undeliverable))
 
     def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
@@ -638,34 +736,39 @@ class Node:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
 
     def _handshake(self, ident: bytes, frames: List[zmq.Frame]) -> None:
-        kind = frames[0].bytes if frames else b""
+        if not frames:
+            return
+        user = frames[0].get("User-Id")
+        key = (ident, user)  # a handshake belongs to its connection, as its outcome does
+        kind = frames[0].bytes if len(frames[0]) <= 16 else b""
         if kind == _HELLO and len(frames) == 2 and len(frames[1]) == auth.NONCE_BYTES:
             client_nonce, server_nonce = frames[1].bytes, auth.new_nonce()
-            self._handshakes[ident] = (client_nonce, server_nonce)
+            self._handshakes[key] = (client_nonce, server_nonce)
             while len(self._handshakes) > _MAX_PENDING_HANDSHAKES:
                 self._handshakes.popitem(last=False)
             proof = auth.server_proof(self.secret, client_nonce, server_nonce)
             self._send([ident, _CHALLENGE, server_nonce, proof])
             return
-        if kind == _PROOF and len(frames) == 2 and ident in self._handshakes:
-            client_nonce, server_nonce = self._handshakes.pop(ident)
+        if kind == _PROOF and len(frames) == 2 and key in self._handshakes:
+            client_nonce, server_nonce = self._handshakes.pop(key)
             if auth.verify(auth.client_proof(self.secret, client_nonce, server_nonce), frames[1].bytes):
-                self._authenticated.add(ident)
+                self._authenticated[ident] = user
                 self._send([ident, _WELCOME])
                 return
-            log.warning("roving node %s: a peer failed authentication; it is ignored", self.address)
+            self._refusals.refuse(frames[0].get("Peer-Address"), "it failed to prove the session secret")
             self._send([ident, _DENIED])
             return
         if kind in (_BYE, _HELLO, _PROOF):  # a late goodbye, or a handshake message out of turn
             return
         # Once per connection: its peer re-connects (a new, authenticated connection) or gives up.
-        if ident not in self._told:
-            self._told[ident] = None
+        if key not in self._told:
+            self._told[key] = None
             while len(self._told) > _MAX_PENDING_HANDSHAKES:
                 self._told.popitem(last=False)
-            log.warning("roving node %s: dropped %d frame(s) from a connection that has not authenticated "
-                        "(a client re-connected after a network drop, or a stranger); it is told so",
-                        self.address, len(frames))
+            self._refusals.refuse(frames[0].get("Peer-Address"),
+                                  f"dropped {len(frames)} frame(s) from a connection that has not "
+                                  "authenticated (a client re-connected after a network drop, or a "
+                                  "stranger); it is told so")
             self._send([ident, _REAUTH])
 
     def close(self) -> None:
@@ -678,6 +781,7 @@ class Node:
             except Exception:
                 log.exception("roving node: a close callback failed")
         self._running = False
+        zap.unregister(self._zap_domain)
         with self.lock:
             for box in self.boxes.values():
                 for waiter in [*box.getters, *box.pollers, *box.joiners, *(w for w, _ in box.putters)]:
@@ -693,6 +797,7 @@ class Node:
             for peer in list(self._peers.values()):
                 peer.drop()
             self._peers.clear()
+            self._monitor.close(0)
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)

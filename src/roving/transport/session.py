@@ -113,6 +113,8 @@ def current() -> Session:
             if _session is None:
                 data, secret = _take_child_env()
                 if data is not None:
+                    if data.get("encrypt"):  # the parent's, for the connections made before its config arrives
+                        _config._adopt(_config.current().replace("the parent process", encrypt=data["encrypt"]))
                     _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
                 else:
                     _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())

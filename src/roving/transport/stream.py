@@ -14,7 +14,15 @@ Guarantees:
 
 * Both sides prove that they know the session secret (:mod:`roving.transport.auth`, fresh nonces each
   way) before either reads anything else; the listener then reads one small JSON request, and nothing
-  from the connection is unpickled before that. A peer that fails is dropped and logged.
+  from the connection is unpickled before that. A peer that fails is dropped and logged (throttled).
+* A stream whose address is not loopback (any stream, with ``encrypt="always"``) is TLS 1.3, mutual,
+  with the session's key (:mod:`roving.transport.crypto`): what it carries can be neither read nor
+  changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
+  for TLS in its first line; the listener refuses plain text from an address that is not loopback.
+* Before authentication the listener bounds what a peer can hold: the whole handshake has one deadline
+  (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once and
+  :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
+  :data:`_MAX_REQUEST` bytes.
 * A message is one gather write: its frames leave from the caller's buffers without a copy. On the
   receiving side a large frame is read straight into a buffer of its own, which the unpickled object then
   uses as its memory (numpy arrays, tensors, bytearrays).
@@ -31,23 +39,30 @@ import os
 import itertools
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from . import addressing, auth
+from . import crypto
+from .guard import Admission, Refusals
 
 log = logging.getLogger(__name__)
 
-_GREETING = b"roving-stream/1\n"
+_GREETING = b"roving-stream/1\n"  # a plain-text stream follows
+_GREETING_TLS = b"roving-stream/T\n"  # a TLS handshake follows, then the stream
 _HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
 _LENGTH = struct.Struct("<Q")
 _MAX_REQUEST = 16384
 _BUFFER = 256 * 1024
 _OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
-_HANDSHAKE_TIMEOUT = 10.0
+#: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
+HANDSHAKE_TIMEOUT = 10.0
 _MAX_HANDSHAKES = 128  # connections authenticating at once; more are dropped
+_MAX_HANDSHAKES_PER_SOURCE = 16  # of them from one address
+_JOIN = 64 * 1024  # over TLS, buffers smaller than this are joined into one write (one record)
 
 
 def _fresh_buffers():
@@ -97,6 +112,85 @@ def _advance(todo: Deque[Any], sent: int) -> None:
         else:
             todo[0] = memoryview(todo[0])[sent:]
             sent = 0
+
+
+class _TlsSocket:
+    """A TLS connection that two threads may read and write at once (a stream's reader and writer):
+    OpenSSL's object is used by one thread at a time, the socket is non-blocking underneath, and a
+    blocking call waits outside the lock. ``blocking=False`` makes calls raise BlockingIOError instead
+    of waiting (an I/O thread's stream)."""
+
+    def __init__(self, ssock: ssl.SSLSocket) -> None:
+        ssock.setblocking(False)
+        self.ssock = ssock
+        self.blocking = True
+        self._lock = threading.Lock()
+        self._fd = ssock.fileno()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def _call(self, fn: Callable[[], int], want: int) -> int:
+        while True:
+            with self._lock:
+                try:
+                    return fn()
+                except ssl.SSLWantReadError:
+                    want = select.POLLIN
+                except ssl.SSLWantWriteError:
+                    want = select.POLLOUT
+            if not self.blocking:
+                raise BlockingIOError("the TLS stream has nothing to give or take now")
+            poller = select.poll()
+            poller.register(self._fd, want)
+            poller.poll()
+
+    def recv_into(self, view: Any) -> int:
+        return self._call(lambda: self.ssock.recv_into(view), select.POLLIN)
+
+    def send(self, data: Any) -> int:
+        return self._call(lambda: self.ssock.send(data), select.POLLOUT)
+
+    def sendall(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            view = view[self.send(view):]
+
+    def pending(self) -> int:
+        with self._lock:
+            return self.ssock.pending()
+
+    def setblocking(self, flag: bool) -> None:
+        self.blocking = flag
+
+    def settimeout(self, value: Optional[float]) -> None:
+        self.blocking = value != 0
+
+    def setsockopt(self, *args: Any) -> None:
+        self.ssock.setsockopt(*args)
+
+    def shutdown(self, how: int) -> None:
+        socket.socket.shutdown(self.ssock, how)  # the TCP connection: a thread waiting on it returns
+
+    def close(self) -> None:
+        self.ssock.close()
+
+
+def _tls_write(sock: _TlsSocket, todo: Deque[Any], retry: bool) -> int:
+    """Write the front of ``todo`` to a TLS stream; the bytes written. Small buffers at the front are
+    joined first, in place (unless this is the retry of a write that could not finish: OpenSSL wants
+    the same bytes again), so that a small message is one record."""
+    if not retry and len(todo) > 1 and len(todo[0]) < _JOIN:
+        size = count = 0
+        for buf in todo:
+            if size + len(buf) > _JOIN and count:
+                break
+            size += len(buf)
+            count += 1
+        if count > 1:
+            joined = b"".join([todo.popleft() for _ in range(count)])
+            todo.appendleft(joined)
+    return sock.send(todo[0])
 
 
 class _Reader:
@@ -230,11 +324,13 @@ class Stream:
     ``send`` interrupted after part of a message went out closes the stream (the peer drops the part).
     """
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Any) -> None:
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         keep_alive(sock)
         self.sock = sock
+        #: Whether the stream is TLS (roving.transport.crypto).
+        self.encrypted = type(sock) is _TlsSocket
         self.write_lock = threading.Lock()
         self.read_lock = threading.Lock()
         self._reader = _Reader(sock)
@@ -251,6 +347,12 @@ class Stream:
         total = sum(len(v) for v in todo)
         sent = 0
         try:
+            if self.encrypted:
+                while todo:
+                    n = _tls_write(self.sock, todo, False)
+                    sent += n
+                    _advance(todo, n)
+                return
             while todo:
                 n = self.sock.sendmsg(list(itertools.islice(todo, 512)) if len(todo) > 512 else todo)
                 sent += n
@@ -264,6 +366,8 @@ class Stream:
     def readable(self, timeout: Optional[float]) -> bool:
         """Whether a message (or the end of the stream) can be read within ``timeout`` s (None: wait)."""
         if self._reader.buffered() or self._reader.ended:
+            return True
+        if self.encrypted and self.sock.pending():  # decrypted already, so the socket has it no more
             return True
         ms = None if timeout is None else max(0, int(timeout * 1000 + 0.999))
         return bool(self._poller.poll(ms))
@@ -318,6 +422,29 @@ class ServedStream:
         self._queued = 0  # bytes in _out; _ends holds (bytes left until a message's end, callback)
         self.closed = False
         self._reader = _Reader(self.sock)
+        self._tls = stream.encrypted
+        self._retry = False  # a TLS write could not finish: the same bytes go first again
+
+    def _write_some(self, todo: Deque[Any]) -> int:
+        """Write what the socket takes now from the front of ``todo`` and drop it from there; the bytes
+        written. BlockingIOError when it takes nothing."""
+        if not self._tls:
+            sent = self.sock.sendmsg(list(itertools.islice(todo, self._IOV)))
+            _advance(todo, sent)
+            return sent
+        sent = 0
+        while todo:
+            try:
+                n = _tls_write(self.sock, todo, self._retry)
+            except BlockingIOError:
+                self._retry = True
+                if sent:
+                    return sent
+                raise
+            self._retry = False
+            sent += n
+            _advance(todo, n)
+        return sent
 
     @property
     def pending(self) -> bool:
@@ -335,7 +462,11 @@ class ServedStream:
                 return False
             if not self._out:
                 try:
-                    sent = self.sock.sendmsg(todo[:self._IOV])
+                    if self._tls:
+                        todo = collections.deque(todo)
+                        sent = self._write_some(todo)  # takes what it wrote off todo
+                    else:
+                        sent = self.sock.sendmsg(todo[:self._IOV])
                 except BlockingIOError:
                     sent = 0
                 except OSError:
@@ -343,8 +474,9 @@ class ServedStream:
                     return False
                 if sent == size:
                     return True
-                todo = collections.deque(todo)
-                _advance(todo, sent)
+                if not self._tls:
+                    todo = collections.deque(todo)
+                    _advance(todo, sent)
                 size -= sent
                 notify = True
             self._out.extend(todo)
@@ -359,13 +491,12 @@ class ServedStream:
         with self._lock:
             while self._out and not self.closed:
                 try:
-                    sent = self.sock.sendmsg(list(itertools.islice(self._out, self._IOV)))
+                    sent = self._write_some(self._out)
                 except BlockingIOError:
                     return
                 except OSError:
                     self.closed = True
                     return
-                _advance(self._out, sent)
                 self._queued -= sent
                 self._ends = collections.deque((end - sent, fn) for end, fn in self._ends if end - sent > 0)
 
@@ -401,9 +532,14 @@ class ServedStream:
 
 # -- opening streams ---------------------------------------------------------------------------
 
-def _recv_exact(sock: socket.socket, size: int) -> bytes:
+def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
+    """``size`` bytes, all of them before ``deadline`` (time.monotonic()), or StreamError."""
     data = bytearray()
     while len(data) < size:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StreamError("the handshake did not finish in time")
+        sock.settimeout(left)
         chunk = sock.recv(size - len(data))
         if not chunk:
             raise StreamError("the peer closed the connection during the handshake")
@@ -411,40 +547,135 @@ def _recv_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
-def connect(address: str, secret: bytes, request: dict, timeout: float) -> Stream:
+def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: float) -> _TlsSocket:
+    """Run the TLS 1.3 handshake over ``sock`` before ``deadline``; the TLS stream, or OSError."""
+    server_ctx, client_ctx = crypto.tls_contexts(secret)
+    ctx = server_ctx if server else client_ctx
+    ssock = ctx.wrap_socket(sock, server_side=server, do_handshake_on_connect=False)
+    ssock.setblocking(False)
+    while True:
+        try:
+            ssock.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            want = select.POLLIN
+        except ssl.SSLWantWriteError:
+            want = select.POLLOUT
+        left = deadline - time.monotonic()
+        poller = select.poll()
+        poller.register(ssock.fileno(), want)
+        if left <= 0 or not poller.poll(left * 1000):
+            raise StreamError("the TLS handshake did not finish in time")
+    return _TlsSocket(ssock)
+
+
+class _Timed:
+    """A socket's blocking reads and writes, each bounded by what is left until one deadline."""
+
+    def __init__(self, sock: Any, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def settimeout(self, left: float) -> None:
+        if type(self.sock) is not _TlsSocket:
+            self.sock.settimeout(left)
+
+    def recv(self, size: int) -> bytes:
+        if type(self.sock) is not _TlsSocket:
+            return self.sock.recv(size)
+        buf = bytearray(size)
+        while True:  # a record may come in parts: wait again, until the deadline
+            if not _wait(self.sock, select.POLLIN, self.deadline):
+                raise StreamError("the handshake did not finish in time")
+            self.sock.blocking = False
+            try:
+                got = self.sock.recv_into(buf)
+                return bytes(buf[:got])
+            except BlockingIOError:
+                continue
+            finally:
+                self.sock.blocking = True
+
+    def sendall(self, data: bytes) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise StreamError("the handshake did not finish in time")
+        if type(self.sock) is _TlsSocket:
+            self.sock.sendall(data)  # small: the kernel takes it at once
+        else:
+            self.sock.settimeout(left)
+            self.sock.sendall(data)
+
+
+def _wait(sock: _TlsSocket, want: int, deadline: float) -> bool:
+    if want == select.POLLIN and sock.pending():
+        return True
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), want)
+    return bool(poller.poll(left * 1000))
+
+
+def connect(address: str, secret: bytes, request: dict, timeout: float,
+            encrypt: Optional[str] = None) -> Stream:
     """Open a stream to the listener at ``address`` ("host:port") and make ``request`` of it.
 
-    Raises StreamError (or auth.AuthenticationError) when it cannot connect, authenticate or the
-    listener refuses the request, all within about ``timeout`` seconds.
+    The stream is TLS when ``encrypt`` (default: the ``encrypt`` option) asks for it at this address
+    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError)
+    when it cannot connect, authenticate or the listener refuses the request, all within about
+    ``timeout`` seconds.
     """
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    tls = crypto.stream_encrypted(host, encrypt or crypto.mode())
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
     except OSError as exc:
         raise StreamError(f"cannot reach the roving stream listener at {address}: {exc}") from exc
+    link: Any = sock
     try:
         client_nonce = auth.new_nonce()
-        sock.sendall(_GREETING + client_nonce)
-        answer = _recv_exact(sock, 2 * auth.NONCE_BYTES)
+        if tls:
+            sock.sendall(_GREETING_TLS)
+            try:
+                link = _tls_handshake(sock, secret, False, deadline)
+            except ssl.SSLError as exc:
+                raise auth.AuthenticationError(
+                    f"the roving stream listener at {address} failed the TLS handshake (not of this "
+                    f"session?): {exc}") from exc
+            wire = _Timed(link, deadline)
+            wire.sendall(client_nonce)
+        else:
+            wire = _Timed(link, deadline)
+            wire.sendall(_GREETING + client_nonce)
+        try:
+            answer = _recv_exact(wire, 2 * auth.NONCE_BYTES, deadline)
+        except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
+            if not tls or "in time" in str(exc):
+                raise
+            raise auth.AuthenticationError(
+                f"the roving stream listener at {address} ended the TLS stream after its handshake: it "
+                f"refused this process's certificate (another session's?) ({exc})") from exc
         server_nonce, proof = answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:]
         if not auth.verify(auth.server_proof(secret, client_nonce, server_nonce), proof):
             raise auth.AuthenticationError(f"the roving stream listener at {address} failed to "
                                            "authenticate")
         body = json.dumps(request).encode()
-        sock.sendall(auth.client_proof(secret, client_nonce, server_nonce) + _LENGTH.pack(len(body)) + body)
-        verdict = _recv_exact(sock, 1)
+        wire.sendall(auth.client_proof(secret, client_nonce, server_nonce) + _LENGTH.pack(len(body)) + body)
+        verdict = _recv_exact(wire, 1, deadline)
     except OSError as exc:
-        sock.close()
+        link.close()
         if isinstance(exc, (StreamError, auth.AuthenticationError)):
             raise
         raise StreamError(f"opening a stream to {address} failed: {exc}") from exc
     except BaseException:
-        sock.close()
+        link.close()
         raise
     if verdict != b"\x01":
-        sock.close()
+        link.close()
         raise StreamError(f"the roving process at {address} refused the stream")
-    return Stream(sock)
+    return Stream(link)
 
 
 class Listener:
@@ -452,13 +683,16 @@ class Listener:
 
     ``on_open`` must call :func:`accept` on the stream before anything else is written to it, and
     return True; returning False (or raising) refuses it. It runs on a thread of its own per stream.
+    Streams are TLS as ``encrypt`` (default: the ``encrypt`` option) requires for their source address;
+    an opener that asks for TLS always gets it.
     """
 
     def __init__(self, secret: bytes, host: str, advertise: Optional[str],
                  on_open: Callable[[dict, "Stream"], bool],
-                 port_range: Optional[Tuple[int, int]] = None) -> None:
+                 port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
         self._secret = secret
         self._on_open = on_open
+        self._encrypt = encrypt or crypto.mode()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -475,7 +709,9 @@ class Listener:
         shown = advertise or host
         self.address = f"[{shown}]:{port}" if ":" in shown else f"{shown}:{port}"
         self._running = True
-        self._admitting = threading.BoundedSemaphore(_MAX_HANDSHAKES)
+        self._admission = Admission(_MAX_HANDSHAKES, _MAX_HANDSHAKES_PER_SOURCE)
+        #: Refused connections, logged at most once a minute per source address.
+        self.refusals = Refusals(log, f"stream listener {self.address}")
         self._thread = threading.Thread(target=self._accept_loop, name="roving-streams", daemon=True)
         self._thread.start()
 
@@ -485,55 +721,63 @@ class Listener:
         briefly so that a lasting shortage does not spin."""
         while self._running:
             try:
-                sock, _ = self._sock.accept()
+                sock, peer = self._sock.accept()
             except OSError as exc:
                 if not self._running:
                     return
-                log.warning("roving stream listener %s: accepting a connection failed: %s", self.address, exc)
+                self.refusals.refuse("(accept)", f"accepting a connection failed: {exc}")
                 time.sleep(0.05)
                 continue
-            if not self._admitting.acquire(blocking=False):
-                log.warning("roving stream listener %s: too many connections still authenticating; "
-                            "dropped one", self.address)
+            source = str(peer[0])
+            why = self._admission.enter(source)
+            if why:
+                self.refusals.refuse(source, why)
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._admit, args=(sock,), name="roving-stream-admit",
+                threading.Thread(target=self._admit, args=(sock, source), name="roving-stream-admit",
                                  daemon=True).start()
             except RuntimeError as exc:  # no thread can be started now
-                self._admitting.release()
-                log.warning("roving stream listener %s: dropped a connection: %s", self.address, exc)
+                self._admission.leave(source)
+                self.refusals.refuse(source, f"no thread for it: {exc}")
                 sock.close()
                 time.sleep(0.05)
 
-    def _admit(self, sock: socket.socket) -> None:
+    def _admit(self, sock: socket.socket, source: str) -> None:
         try:
-            self._handshake(sock)
+            self._handshake(sock, source)
         finally:
-            self._admitting.release()
+            self._admission.leave(source)
 
-    def _handshake(self, sock: socket.socket) -> None:
+    def _handshake(self, sock: socket.socket, source: str) -> None:
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT
+        link: Any = sock
         try:
-            sock.settimeout(_HANDSHAKE_TIMEOUT)
-            greeting = _recv_exact(sock, len(_GREETING) + auth.NONCE_BYTES)
-            if greeting[:len(_GREETING)] != _GREETING:
+            greeting = _recv_exact(_Timed(sock, deadline), len(_GREETING), deadline)
+            if greeting == _GREETING_TLS:
+                link = _tls_handshake(sock, self._secret, True, deadline)
+            elif greeting != _GREETING:
                 raise StreamError("not a roving stream")
-            client_nonce, server_nonce = greeting[len(_GREETING):], auth.new_nonce()
-            sock.sendall(server_nonce + auth.server_proof(self._secret, client_nonce, server_nonce))
-            proof = _recv_exact(sock, 32)
+            elif crypto.stream_encrypted(source, self._encrypt):
+                raise StreamError("plain text refused: streams from this address must be encrypted "
+                                  f"(encrypt={self._encrypt!r})")
+            wire = _Timed(link, deadline)
+            client_nonce, server_nonce = _recv_exact(wire, auth.NONCE_BYTES, deadline), auth.new_nonce()
+            wire.sendall(server_nonce + auth.server_proof(self._secret, client_nonce, server_nonce))
+            proof = _recv_exact(wire, 32, deadline)
             if not auth.verify(auth.client_proof(self._secret, client_nonce, server_nonce), proof):
-                raise auth.AuthenticationError("a peer failed authentication")
-            (size,) = _LENGTH.unpack(_recv_exact(sock, _LENGTH.size))
+                raise auth.AuthenticationError("it failed to prove the session secret")
+            (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))
             if size > _MAX_REQUEST:
                 raise StreamError(f"stream request of {size} bytes is too large")
-            request = json.loads(_recv_exact(sock, size))
+            request = json.loads(_recv_exact(wire, size, deadline))
             if not isinstance(request, dict):
                 raise StreamError("stream request is not an object")
         except Exception as exc:  # not a roving peer, a wrong secret, a bad request, a timeout
-            log.warning("roving stream listener %s: dropped a connection: %s", self.address, exc)
-            sock.close()
+            self.refusals.refuse(source, str(exc) or type(exc).__name__)
+            link.close()
             return
-        stream = Stream(sock)
+        stream = Stream(link)
         try:
             ok = self._on_open(request, stream)
         except Exception:
@@ -541,7 +785,7 @@ class Listener:
             ok = False
         if not ok:
             try:
-                sock.sendall(b"\x00")
+                link.sendall(b"\x00")
             except OSError:
                 pass
             stream.close()
