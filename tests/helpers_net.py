@@ -1,8 +1,10 @@
-"""A TCP forwarder on 127.0.0.1 whose connections the test can cut, as a network blip would."""
+"""A TCP forwarder on 127.0.0.1 whose connections the test can cut, as a network blip would; the TCP
+payloads of a packet capture."""
 from __future__ import annotations
 
 import random
 import socket
+import struct
 import threading
 from typing import List, Optional, Tuple
 
@@ -98,3 +100,28 @@ class NodeVia:
 
     def __getattr__(self, name: str):
         return getattr(self._node, name)
+
+
+def tcp_payloads(pcap: bytes, ports: set) -> bytes:
+    """The TCP payloads of a pcap file (Ethernet-framed, as tcpdump writes loopback and veth) to or from
+    ``ports``."""
+    out = bytearray()
+    magic = struct.unpack("<I", pcap[:4])[0]
+    assert magic == 0xA1B2C3D4, "not a little-endian microsecond pcap file"
+    at = 24
+    while at + 16 <= len(pcap):
+        incl = struct.unpack_from("<I", pcap, at + 8)[0]
+        packet = pcap[at + 16:at + 16 + incl]
+        at += 16 + incl
+        if len(packet) < 14 + 20 or packet[12:14] != b"\x08\x00":
+            continue
+        ip = packet[14:]
+        ihl = (ip[0] & 15) * 4
+        if ip[9] != 6:
+            continue
+        total = struct.unpack_from(">H", ip, 2)[0]
+        tcp = ip[ihl:total]
+        sport, dport = struct.unpack_from(">HH", tcp, 0)
+        if sport in ports or dport in ports:
+            out += tcp[(tcp[12] >> 4) * 4:]
+    return bytes(out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -236,3 +237,45 @@ def test_pipeline_training_plans_around_a_host_cut_off_mid_iteration(hosts):
     assert r["cut_mid_iteration"] and r["losses_finite"], r
     assert r["dead"] == on_victim, (r, "".join(run.output)[-3000:])
     assert not set(on_victim) & set(r["alloc"]), r  # planned around
+
+
+# -- what a sniffer on the path sees ------------------------------------------------------------------
+
+# the start of a pickle of protocol 5: PROTO 5, FRAME and its 8-byte length (under 64 KiB: six zero bytes)
+_PICKLE_FRAME = re.compile(rb"\x80\x05\x95..\x00{6}", re.S)
+
+
+def _sniffed(hosts, encrypt, marker, tmp_path):
+    """tests/programs/wire_marker.py with its parent on the login host and its children on the first
+    compute host, under ``encrypt``; what tcpdump inside that compute host (its eth0) saw of roving's
+    connections: the TCP payloads to and from their ports."""
+    from helpers_net import tcp_payloads
+
+    target = hh.COMPUTE[0]
+    pcap = tmp_path / f"{encrypt}.pcap"
+    dump = hh.run_on(target, ["tcpdump", "-i", "eth0", "-U", "--immediate-mode", "-s", "0", "-w", str(pcap), "tcp"],
+                     stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    try:
+        line = dump.stderr.readline().decode()
+        assert "listening on" in line, f"tcpdump did not start in {target.name}: {line}"
+        env = program_env(ROVING_BACKEND="slurm", ROVING_SLURM_PARTITION=hh.PARTITION,
+                          ROVING_SLURM_OPTIONS=f"--nodelist={target.name}", ROVING_CHILD_OUTPUT="off")
+        done = hh.call_on(hh.LOGIN, [sys.executable, str(TESTS_DIR / "programs" / "wire_marker.py"), encrypt, marker],
+                          timeout=180, env=env, cwd=str(TESTS_DIR.parent))
+    finally:
+        dump.terminate()
+        dump.wait(10)
+    assert "OK" in done.stdout, done.stdout + done.stderr
+    ports = {int(p) for p in done.stdout.split("PORTS", 1)[1].split("\n", 1)[0].split()}
+    return tcp_payloads(pcap.read_bytes(), ports)
+
+
+def test_a_sniffer_on_another_host_sees_neither_pickles_nor_the_data_of_roving_traffic(hosts, tmp_path):
+    marker = "roving-marker-" + os.urandom(8).hex()
+    plain = _sniffed(hosts, "off", marker, tmp_path)
+    # the control: with encryption off the capture does hold the data (so the capture itself works)
+    assert marker.encode() in plain and _PICKLE_FRAME.search(plain), "the capture saw no plain traffic"
+    wire = _sniffed(hosts, "auto", marker, tmp_path)  # the default
+    assert len(wire) > 10_000, "the capture saw too little traffic to mean anything"
+    assert marker.encode() not in wire
+    assert not _PICKLE_FRAME.search(wire)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import roving
 from helpers_core import TESTS_DIR, TIMEOUT, run_script, wait_until
+from helpers_net import tcp_payloads
 from roving.transport import auth, crypto, zap
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
@@ -47,30 +48,6 @@ def _port(address: str) -> int:
 
 # -- what the wire carries ----------------------------------------------------------------------
 
-def _capture_payloads(pcap: bytes, ports: set) -> bytes:
-    """The TCP payloads of a pcap file (Ethernet-framed, as tcpdump writes loopback) to or from ``ports``."""
-    out = bytearray()
-    magic = struct.unpack("<I", pcap[:4])[0]
-    assert magic == 0xA1B2C3D4, "not a little-endian microsecond pcap file"
-    at = 24
-    while at + 16 <= len(pcap):
-        incl = struct.unpack_from("<I", pcap, at + 8)[0]
-        packet = pcap[at + 16:at + 16 + incl]
-        at += 16 + incl
-        if len(packet) < 14 + 20 or packet[12:14] != b"\x08\x00":
-            continue
-        ip = packet[14:]
-        ihl = (ip[0] & 15) * 4
-        if ip[9] != 6:
-            continue
-        total = struct.unpack_from(">H", ip, 2)[0]
-        tcp = ip[ihl:total]
-        sport, dport = struct.unpack_from(">HH", tcp, 0)
-        if sport in ports or dport in ports:
-            out += tcp[(tcp[12] >> 4) * 4:]
-    return bytes(out)
-
-
 def _run_captured(encrypt: str, marker: str, tmp_path):
     pcap = tmp_path / f"{encrypt}.pcap"
     dump = subprocess.Popen(["tcpdump", "-i", "lo", "-U", "--immediate-mode", "-s", "0", "-w", str(pcap), "tcp"],
@@ -87,7 +64,7 @@ def _run_captured(encrypt: str, marker: str, tmp_path):
     ports = {int(p) for p in result.stdout.split("PORTS", 1)[1].split("\n", 1)[0].split()}
     data = pcap.read_bytes()
     print("capture:", len(data), "bytes; ports", ports, "tcpdump:", dump.stderr.read().decode()[-300:])
-    return _capture_payloads(data, ports)
+    return tcp_payloads(data, ports)
 
 
 def test_with_encrypt_always_the_wire_carries_neither_the_marker_nor_pickle_bytes(tmp_path):
