@@ -73,6 +73,18 @@ def test_slurm_auto_looks_towards_the_controller():
     assert "the Slurm controller at 127.0.0.1" in choice.why and choice.bind == "127.0.0.1"
 
 
+def test_docker_auto_looks_towards_a_remote_engines_host_or_a_networks_gateway():
+    from roving import backends
+
+    roving.init(backend="docker", docker_url="tcp://10.77.0.11:2376")
+    assert backends.get("docker").towards() == ("10.77.0.11", "the Docker engine's host 10.77.0.11")
+    roving.init(docker_url="unix:///var/run/docker.sock", docker_network="host")
+    assert backends.get("docker").towards() is None  # containers share this machine's network
+    roving.init(docker_network="no-such-network")
+    with pytest.raises(OSError, match="docker_network='no-such-network': the engine does not know it"):
+        backends.get("docker").towards()
+
+
 # -- port_range ------------------------------------------------------------------------------------
 
 def _free_range(width: int) -> tuple:

@@ -74,8 +74,8 @@ def test_processes_on_three_hosts_advertise_their_own_addresses_and_their_output
     for host, address in seen.items():
         assert address.startswith(f"tcp://{ADDRESSES[host]}:"), (host, address)
     assert r["exitcodes"] == [0, 1, 2] and r["terminated"] == -15
-    for i, host in enumerate(COMPUTE, 1):
-        assert f"[Process-{i + 1}] line from {host}" in output or f"line from {host}" in output
+    for i, host in enumerate(COMPUTE, 1):  # each child's line, on the parent's terminal, with its name
+        assert f"[Process-{i}] line from {host}" in output, output
 
 
 @pytest.mark.parametrize("kind", ["queue", "joinable"])
@@ -279,3 +279,36 @@ def test_a_sniffer_on_another_host_sees_neither_pickles_nor_the_data_of_roving_t
     assert len(wire) > 10_000, "the capture saw too little traffic to mean anything"
     assert marker.encode() not in wire
     assert not _PICKLE_FRAME.search(wire)
+
+
+def test_roving_ps_logs_and_cancel_see_the_jobs_on_the_hosts(hosts):
+    import time
+
+    run = Running("orphans")
+    try:
+        ready = run.wait_for("READY ", 120)
+        env = program_env()
+
+        def roving_cmd(*args):
+            return subprocess.run([sys.executable, "-m", "roving", *args, "--backend", "slurm"], env=env,
+                                  capture_output=True, text=True, timeout=60)
+
+        ps = roving_cmd("ps")
+        assert ps.returncode == 0, ps.stderr
+        for job in ready["jobs"]:
+            assert any(line.split()[:1] == [job] and "PoolWorker" in line for line in ps.stdout.splitlines()), ps.stdout
+        victim = ready["jobs"][0]
+        logs = roving_cmd("logs", victim)
+        assert logs.returncode == 0, logs.stderr
+        assert f"worker of job {victim} on rv-h" in logs.stdout, logs.stdout
+        cancel = roving_cmd("cancel", victim)
+        assert cancel.returncode == 0 and f"cancelled {victim}" in cancel.stdout, cancel.stderr
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            out = hosts.slurm(["squeue", "-h", "-o", "%i", "-j", victim]).stdout.split()
+            if victim not in out:
+                break
+            time.sleep(0.5)
+        assert victim not in out, f"job {victim} still there 30 s after roving cancel"
+    finally:
+        run.kill()

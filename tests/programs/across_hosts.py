@@ -282,8 +282,14 @@ def host_of_worker(_):
     return socket.gethostname()
 
 
+_said = []
+
+
 def job_of_worker(_):
     time.sleep(0.05)
+    if not _said:  # once per worker: what `roving logs JOB` shows of it
+        print(f"worker of job {os.environ.get('SLURM_JOB_ID')} on {socket.gethostname()}", flush=True)
+        _said.append(True)
     return socket.gethostname(), os.environ.get("SLURM_JOB_ID")
 
 
