@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -79,7 +78,7 @@ def inner_chaos(tasks: int, task_ms: float) -> Dict[str, float]:
     _slurm(pool_heartbeat_timeout=3.0, connect_timeout=8.0)
     with roving.Pool(3) as pool:
         pool.map(chaos_task, [(0, 0.05)] * 30, chunksize=1)  # up, warm, spread
-        print("STARTED", flush=True)
+        print("STARTED {}", flush=True)
         start = time.perf_counter()
         out = pool.map(chaos_task, [(x, task_ms / 1000) for x in range(tasks)], chunksize=1)
         took = time.perf_counter() - start
@@ -109,29 +108,9 @@ def inner_roundtrip(where: str, repeat: int) -> Dict[str, float]:
 
 # -- the driver (root namespace) ---------------------------------------------------------------------
 
-def _env() -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
-    env.update(hh.slurm_env({}))
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT / "tests"), str(ROOT / "src")])
-    return env
-
-
-def _inner(host, *args: str, timeout: float = 900) -> subprocess.Popen:
-    return hh.run_on(host, [sys.executable, "-u", str(Path(__file__).resolve()), "--inner", *args],
-                     env=_env(), cwd=str(ROOT), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _result(proc: subprocess.Popen, what: str, timeout: float = 900) -> dict:
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        raise SystemExit(f"{what} did not end within {timeout} s:\n{err[-3000:]}")
-    lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise SystemExit(f"{what} failed ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+def _inner(host, *args: str) -> "hh.Program":
+    return hh.Program(host, [sys.executable, "-u", str(Path(__file__).resolve()), "--inner", *args],
+                      hh.program_env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "tests"), str(ROOT / "src")])))
 
 
 def _table(title: str, figures: Dict[str, Dict[str, float]], base: str, unit: str, scale: float) -> None:
@@ -152,32 +131,27 @@ def overhead(args) -> None:
     for i in range(args.repeat):
         for name, (host, where) in places.items():
             hh.require()
-            runs[name].append(_result(_inner(host, "overhead", where), f"overhead {name}"))
+            runs[name].append(_inner(host, "overhead", where).result(900))
             print(f"# run {i + 1}/{args.repeat} {name} done", file=sys.stderr, flush=True)
     figures = {n: {t: statistics.median(r[t] for r in rs) for t in rs[0]} for n, rs in runs.items()}
     _table(f"Pool overhead, 5 workers, seconds (median of {args.repeat})", figures, "one host", "s", 1)
 
 
 def chaos(args) -> None:
-    import select
-
     results = {}
     for name in ("undisturbed", "one host cut off"):
         hh.require()
-        proc = _inner(hh.LOGIN, "chaos", str(args.tasks), str(args.task_ms))
+        run = _inner(hh.LOGIN, "chaos", str(args.tasks), str(args.task_ms))
         victim = None
-        if name != "undisturbed":
-            ready, _, _ = select.select([proc.stdout], [], [], 120)
-            line = proc.stdout.readline() if ready else ""
-            if not line.startswith("STARTED"):
-                proc.kill()
-                raise SystemExit(f"the chaos run did not start: {line!r} {proc.stderr.read()[-2000:]}")
-            time.sleep(args.cut_after)
-            victim = COMPUTE[0]
-            hh.cut(victim)
         try:
-            results[name] = _result(proc, f"chaos {name}")
+            if name != "undisturbed":
+                run.wait_for("STARTED", 120)
+                time.sleep(args.cut_after)
+                victim = COMPUTE[0]
+                hh.cut(victim)
+            results[name] = run.result(900)
         finally:
+            run.kill()
             if victim:
                 hh.mend()
         print(f"# {name}: {results[name]}", file=sys.stderr, flush=True)
@@ -197,7 +171,7 @@ def roundtrip(args) -> None:
     for i in range(args.runs):
         for name, (host, where) in places.items():
             hh.require()
-            runs[name].append(_result(_inner(host, "roundtrip", where, str(args.repeat)), f"roundtrip {name}"))
+            runs[name].append(_inner(host, "roundtrip", where, str(args.repeat)).result(1800))
             print(f"# run {i + 1}/{args.runs} {name} done", file=sys.stderr, flush=True)
     figures = {n: {t: statistics.median(r[t] for r in rs) for t in rs[0]} for n, rs in runs.items()}
     _table(f"Round trips, microseconds (median of {args.runs} runs x {args.repeat} repeats)", figures,

@@ -25,6 +25,7 @@ What to know when writing a test:
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -33,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import pytest
 
@@ -186,6 +187,72 @@ def slurm_env(base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ if base is None else base)
     env["SLURM_CONF"] = SLURM_CONF
     return env
+
+
+def program_env(**extra: str) -> Dict[str, str]:
+    """The environment of a roving program started on a test host: this process's without roving's and
+    Slurm's own variables, the multi-node cluster's SLURM_CONF, tests/ and src/ on PYTHONPATH, ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
+    env["SLURM_CONF"] = SLURM_CONF
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent / "src"), env.get("PYTHONPATH", "")])
+    env.update(extra)
+    return env
+
+
+class Program:
+    """A program started on a test host whose output (stdout and stderr, one text pipe) is read as it
+    comes: :meth:`wait_for` a line it prints, :meth:`result` its ``RESULT <json>`` line at the end."""
+
+    def __init__(self, h: HostLike, argv: Sequence[str], env: Dict[str, str], stdin: bool = False) -> None:
+        self.proc = run_on(h, argv, env=env, cwd=str(TESTS_DIR.parent), text=True, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+        self.name = " ".join(Path(a).name for a in argv[1:3])
+        self.output: List[str] = []
+
+    def wait_for(self, prefix: str, timeout: float) -> object:
+        """The JSON after ``prefix`` on the first line that starts with it; AssertionError with the output
+        so far (and the program killed) when none comes within ``timeout`` seconds."""
+        import select
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                break
+            self.output.append(line)
+            if line.startswith(prefix):
+                return json.loads(line[len(prefix):])
+        self.kill()
+        raise AssertionError(f"{self.name}: no {prefix!r} line within {timeout} s:\n{self.text()[-4000:]}")
+
+    def say(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def result(self, timeout: float) -> dict:
+        """Its ``RESULT`` JSON, once it has ended; AssertionError with its output when it failed."""
+        try:
+            rest, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.name} did not end within {timeout} s:\n{self.text()[-4000:]}") from None
+        self.output.append(rest)
+        lines = [line for line in self.text().splitlines() if line.startswith("RESULT ")]
+        if self.proc.returncode != 0 or not lines:
+            raise AssertionError(f"{self.name} failed ({self.proc.returncode}):\n{self.text()[-4000:]}")
+        return json.loads(lines[-1][len("RESULT "):])
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        try:
+            self.output.append(self.proc.communicate(timeout=30)[0] or "")
+        except (ValueError, subprocess.TimeoutExpired):
+            pass
 
 
 def slurm(argv: Sequence[str], timeout: float = 60, check: bool = False, **kw) -> subprocess.CompletedProcess:

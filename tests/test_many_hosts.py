@@ -8,7 +8,6 @@ on the compute hosts, and what they report names the host they ran on.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -26,31 +25,22 @@ ADDRESSES = {h.name: h.address for h in hh.COMPUTE}
 
 
 def program_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
-    env.update(hh.slurm_env({}))
-    src = str(TESTS_DIR.parent / "src")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), src, env.get("PYTHONPATH", "")])
-    env.update(ACROSS_PARTITION=hh.PARTITION, ACROSS_COMPUTE=",".join(COMPUTE), **extra)
-    return env
+    return hh.program_env(ACROSS_PARTITION=hh.PARTITION, ACROSS_COMPUTE=",".join(COMPUTE), **extra)
+
+
+def start(name, **extra):
+    """Scenario ``name`` of across_hosts.py, started on the login host."""
+    return hh.Program(hh.LOGIN, [sys.executable, "-u", str(PROGRAM), name], program_env(**extra))
 
 
 def run_scenario(name, timeout=240, **extra):
     """Run a scenario of across_hosts.py on the login host; its result (a dict) and its whole output."""
-    proc = hh.run_on(hh.LOGIN, [sys.executable, str(PROGRAM), name], env=program_env(**extra),
-                     cwd=str(TESTS_DIR.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        output, _ = proc.communicate()
-        raise AssertionError(f"scenario {name} did not end within {timeout} s:\n{output[-4000:]}")
-    lines = [l for l in output.splitlines() if l.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"scenario {name} failed ({proc.returncode}):\n{output[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
+    run = start(name, **extra)
+    result = run.result(timeout)
     # nothing was set: the parent chose the login host's own address, towards the Slurm controller
     assert result["parent_address"].startswith(f"tcp://{hh.LOGIN.address}:"), result
     assert f"the Slurm controller at {hh.HEAD.address}" in result["parent_why"]
-    return result, output
+    return result, run.text()
 
 
 @pytest.fixture(autouse=True)
@@ -107,51 +97,17 @@ def test_lock_event_barrier_and_value_across_three_hosts():
 
 # -- faults across hosts ------------------------------------------------------------------------------
 
-class Running:
-    """A scenario started on the login host whose output the test reads as it comes."""
-
-    def __init__(self, name, **extra):
-        self.proc = hh.run_on(hh.LOGIN, [sys.executable, "-u", str(PROGRAM), name], env=program_env(**extra),
-                              cwd=str(TESTS_DIR.parent), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
-        self.output = []
-
-    def wait_for(self, prefix, timeout):
-        """The JSON after ``prefix`` on the first line that starts with it (AssertionError on timeout)."""
-        import select
-        import time
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                break
-            line = self.proc.stdout.readline()
-            if not line:
-                break
-            self.output.append(line)
-            if line.startswith(prefix):
-                return json.loads(line[len(prefix):])
-        self.kill()
-        raise AssertionError(f"no {prefix!r} line within {timeout} s:\n{''.join(self.output)[-4000:]}")
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(30)
-
-
 def run_chaos(hosts, disturb, **extra):
     """The chaos scenario: once under way, ``disturb(host)`` one host that holds a worker; its result."""
-    run = Running("chaos", **extra)
+    run = start("chaos", **extra)
     try:
         before = run.wait_for("STARTED ", 120)
         victim = sorted(before)[0]
         disturb(victim)
-        result = run.wait_for("RESULT ", 240)
+        result = run.result(240)
     finally:
         run.kill()
-    return victim, result, "".join(run.output)
+    return victim, result, run.text()
 
 
 _CHAOS = dict(ROVING_POOL_HEARTBEAT_TIMEOUT="4", ROVING_CONNECT_TIMEOUT="8")
@@ -188,7 +144,7 @@ def test_a_host_killed_whole_is_marked_down_by_slurm_and_the_pool_carries_on(hos
 def test_children_exit_when_their_parents_host_is_cut_off_and_leave_no_slurm_job(hosts):
     import time
 
-    run = Running("orphans", ROVING_PARENT_TIMEOUT="3")
+    run = start("orphans", ROVING_PARENT_TIMEOUT="3")
     try:
         ready = run.wait_for("READY ", 120)
         assert len(ready["jobs"]) == 3
@@ -218,24 +174,20 @@ def test_shared_data_is_written_once_per_host_and_read_there_by_every_worker():
 
 
 def test_pipeline_training_plans_around_a_host_cut_off_mid_iteration(hosts):
-    program = TESTS_DIR / "programs" / "train_across_hosts.py"
-    proc = hh.run_on(hh.LOGIN, [sys.executable, "-u", str(program)], env=program_env(), cwd=str(TESTS_DIR.parent),
-                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    run = Running.__new__(Running)
-    run.proc, run.output = proc, []
+    run = hh.Program(hh.LOGIN, [sys.executable, "-u", str(TESTS_DIR / "programs" / "train_across_hosts.py")],
+                     program_env(), stdin=True)
     try:
         placed = run.wait_for("PLACED ", 240)
         assert set(placed["hosts"].values()) == set(COMPUTE), placed  # the nodes are spread over the hosts
         victim = run.wait_for("CUT ", 240)
         hosts.cut(victim)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        r = run.wait_for("RESULT ", 300)
+        run.say("go")
+        r = run.result(300)
     finally:
         run.kill()
     on_victim = sorted(n for n, h in placed["hosts"].items() if h == victim)
     assert r["cut_mid_iteration"] and r["losses_finite"], r
-    assert r["dead"] == on_victim, (r, "".join(run.output)[-3000:])
+    assert r["dead"] == on_victim, (r, run.text()[-3000:])
     assert not set(on_victim) & set(r["alloc"]), r  # planned around
 
 
@@ -284,7 +236,7 @@ def test_a_sniffer_on_another_host_sees_neither_pickles_nor_the_data_of_roving_t
 def test_roving_ps_logs_and_cancel_see_the_jobs_on_the_hosts(hosts):
     import time
 
-    run = Running("orphans")
+    run = start("orphans")
     try:
         ready = run.wait_for("READY ", 120)
         env = program_env()

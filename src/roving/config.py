@@ -35,10 +35,23 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names it and where it came from."""
 
 
-def _detected_backend() -> str:
-    from .backends import detect  # late: backends import this module
+def _local() -> str:
+    return "local"
 
-    return detect()[0]
+
+#: Names the backend to use when the option is "auto": roving.backends installs its detect() when it is
+#: imported (which importing roving does), so that this module, below every other, imports none of them.
+_detector: Callable[[], str] = _local
+
+
+def set_backend_detector(detector: Callable[[], str]) -> None:
+    """Install the function that names the backend ``backend="auto"`` stands for (roving.backends)."""
+    global _detector
+    _detector = detector
+
+
+def _detected_backend() -> str:
+    return _detector()
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 1024 ** 2, "mb": 1024 ** 2,

@@ -18,7 +18,8 @@ from roving.pipeline.trainer import Trainer, TrainConfig, prepare  # noqa: E402
 
 CFG = dict(model="tiny", nodes=6, stages=3, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
-           replan_budget=0.2, speed=1e-3, clip=1.0, timeout=120, in_flight=2, backend="slurm")
+           replan_budget=0.2, speed=1e-3, clip=1.0, timeout=120, in_flight=2, backend="slurm",
+           dead_after=6.0)  # a loaded machine can delay a live node's heartbeats by seconds; a cut one stops
 
 
 def host_of(proc) -> str:

@@ -12,6 +12,7 @@ import os
 import threading
 from typing import Dict, Optional, Tuple
 
+from .. import config as _config
 from ..transport import addressing
 from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources
 
@@ -66,6 +67,7 @@ def towards(cfg) -> Optional[Tuple[str, str]]:
 
 
 addressing.set_cluster_route(towards)
+_config.set_backend_detector(lambda: detect()[0])
 
 
 def _shutdown() -> None:
