@@ -22,6 +22,7 @@ the auto choice is advertised); ``advertise`` is what peers are told (NAT, a loa
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import random
 import socket
@@ -48,15 +49,24 @@ class Choice:
     port_range: Optional[Tuple[int, int]] = None
 
 
+@functools.lru_cache(maxsize=1024)
 def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) is this machine's loopback."""
+    """Whether ``host`` (an address, ``[v6]``, or a name every address of which is loopback) is this
+    machine's loopback; False when unknown (a name that does not resolve leaves loopback)."""
     host = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, as a dual-stack socket shows it
+        return (mapped or address).is_loopback
+    except ValueError:
+        pass
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
         return False
+    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
 
 
 def host_of(address: str) -> str:

@@ -21,12 +21,9 @@ of either, unchanged.
 from __future__ import annotations
 
 import datetime
-import functools
-import ipaddress
 import logging
 import os
 import shutil
-import socket
 import ssl
 import tempfile
 import threading
@@ -39,6 +36,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
+
+from .addressing import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -149,25 +148,6 @@ def tls_contexts(secret: bytes) -> Tuple[ssl.SSLContext, ssl.SSLContext]:
                             _context(ssl.PROTOCOL_TLS_CLIENT, key_pem, cert_pem))
                 _tls_cache[secret] = contexts
     return contexts
-
-
-@functools.lru_cache(maxsize=1024)
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or a name) is this machine's loopback; False when unknown."""
-    host = host.strip("[]")
-    try:
-        address = ipaddress.ip_address(host)
-        mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1, as a dual-stack socket shows it
-        return (mapped or address).is_loopback
-    except ValueError:
-        pass
-    if host == "localhost":
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    return bool(infos) and all(is_loopback(str(info[4][0])) for info in infos)
 
 
 _warned_off: set = set()
