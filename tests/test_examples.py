@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("gymnasium")
-pytest.importorskip("torch")
+import gymnasium  # noqa: F401  (the examples need it and torch: a missing one fails here, loudly)
+import torch  # noqa: F401
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))  # pool workers take on this sys.path, so they import the examples too

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-gym = pytest.importorskip("gymnasium")
+import gymnasium as gym  # a missing gymnasium fails these tests, loudly
 
 from roving.rl import RovingVectorEnv  # noqa: E402
 
