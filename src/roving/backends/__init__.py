@@ -13,9 +13,9 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from ..transport import addressing
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources, UnknownJobError
 
-__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "get", "detect",
+__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "UnknownJobError", "get", "detect",
            "NAMES"]
 
 NAMES = ("local", "slurm", "docker", "kubernetes")

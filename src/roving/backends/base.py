@@ -15,6 +15,10 @@ import time
 from typing import Dict, Iterable, List, Mapping, Optional, Tuple
 
 
+class UnknownJobError(LookupError):
+    """No job of that id is known to the backend (`roving logs`, `roving cancel`); the message names it."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Resources:
     """What one job asks the cluster for."""
@@ -232,7 +236,8 @@ class Backend(abc.ABC):
         """Ask the job to stop (SIGTERM), or stop it at once (``force``: SIGKILL). Idempotent."""
 
     def logs(self, job: Job) -> str:
-        """What the job wrote, when the backend keeps it."""
+        """What the job wrote, when the backend keeps it. Raises :class:`UnknownJobError` when no job of
+        that id is known."""
         return ""
 
     def pid(self, job: Job) -> Optional[int]:
@@ -260,6 +265,11 @@ class Backend(abc.ABC):
         is), or None when they all run on this machine. A process that starts jobs binds the interface
         that routes there (roving.transport.addressing)."""
         return None
+
+    def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
+        """Those of ``job_ids`` that name no job :meth:`list_jobs` lists (what `roving cancel` refuses)."""
+        known = {j.id for j in self.list_jobs()}
+        return [i for i in job_ids if i not in known]
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         """Stop and remove these jobs, whoever started them; ids already gone are ignored."""

@@ -27,7 +27,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import config as _config
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   open_private, private_dir, session_tag)
+                   UnknownJobError, open_private, private_dir, session_tag)
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +360,8 @@ class SlurmBackend(Backend):
             result = _slurm(["scontrol", "show", "job", "-o", job.id], check=False)
             fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
             if result.returncode != 0:
+                if "Invalid job id" in result.stderr:
+                    raise UnknownJobError(f"no Slurm job {job.id} (Slurm: {result.stderr.strip()})")
                 raise SlurmError(f"no Slurm job {job.id}: {result.stderr.strip()}")
             path = fields.get("StdOut", "")
         if not path or not os.path.exists(path):
