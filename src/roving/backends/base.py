@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 
 class UnknownJobError(LookupError):
@@ -152,19 +152,26 @@ def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False)
 
 
 class LineSplitter:
-    """Turns chunks of output into whole lines for :func:`write_prefixed`."""
+    """Turns chunks of output into whole lines for :func:`write_prefixed`; with ``keep``, only the lines
+    for which ``keep(line)`` is true are written."""
 
-    def __init__(self, prefix: str, to_stderr: bool = False) -> None:
-        self.prefix, self.to_stderr, self._partial = prefix, to_stderr, b""
+    def __init__(self, prefix: str, to_stderr: bool = False,
+                 keep: Optional[Callable[[bytes], bool]] = None) -> None:
+        self.prefix, self.to_stderr, self._partial, self._keep = prefix, to_stderr, b"", keep
+
+    def _write(self, lines: List[bytes]) -> None:
+        if self._keep is not None:
+            lines = [line for line in lines if self._keep(line)]
+        write_prefixed(self.prefix, lines, self.to_stderr)
 
     def feed(self, chunk: bytes) -> None:
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
-        write_prefixed(self.prefix, lines, self.to_stderr)
+        self._write(lines)
 
     def close(self) -> None:
         if self._partial:
-            write_prefixed(self.prefix, [self._partial], self.to_stderr)
+            self._write([self._partial])
             self._partial = b""
 
 
