@@ -108,3 +108,22 @@ def test_pipeline_plan_tells_stderr_how_the_search_goes(tmp_path, capsys):
     assert f"done: {predicted:.2f} s per iteration" in done
     assert lines.index(done) < next(i for i, ln in enumerate(lines) if ln.startswith("baselines: "))
     assert "skippipe [" not in cap.out
+
+
+def test_pipeline_plan_by_evaluation_count_prints_the_same_baselines_whatever_the_budget(tmp_path, capsys):
+    """With --evals, DT-FM's allocation search (full_pipeline) is bounded by its evaluations, not by the
+    clock: a budget eight times larger (what a loaded machine amounts to, the other way round) changes
+    no baseline figure."""
+    docs, printed = [], []
+    for budget in ("2", "16"):
+        out = tmp_path / f"plan{budget}.json"
+        rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "20", "--stages", "6", "--skip", "0.33",
+                   "--microbatches", "20", "--budget", budget, "--evals", "500", "--json", str(out)])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert "stopped at" not in captured.err  # the clock did not cut a search short
+        docs.append(json.loads(out.read_text())["iteration_time_s"])
+        printed.append([line for line in captured.out.splitlines() if "planner" not in line])
+    assert docs[0] == docs[1]
+    assert docs[0]["full_pipeline"] is not None
+    assert printed[0] == printed[1] and any("full_pipeline:" in line for line in printed[0])

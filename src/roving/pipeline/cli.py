@@ -46,8 +46,9 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
     p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
     p.add_argument("--evals", type=int, default=None, metavar="N",
-                   help="share SkipPipe's search out by N simulator evaluations instead of seconds: the same "
-                        "plan on any machine and under any load (--budget then only caps it)")
+                   help="share SkipPipe's search out by N simulator evaluations instead of seconds, and stop "
+                        "the baselines' searches after N evaluations each (DT-FM's: of its cost model): the same "
+                        "plan and baselines on any machine and under any load (--budget then only caps them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
@@ -262,9 +263,16 @@ def run_plan(args: argparse.Namespace) -> int:
                     max_evals=args.evals, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
         base_budget = args.budget / 2
-        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_budget:g} s), "
+        base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
+                      else f"{base_budget:g} s")
+        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
               f"full_pipeline_planned (this planner with skip 0), random_skip")
-        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed)
+        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
+                             max_evals=args.evals)
+        if full.stats["capped"]:
+            _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
+                  f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
+                  "another machine (raise --budget)")
         planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
                        max_evals=args.evals)
         rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
