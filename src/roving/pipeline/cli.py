@@ -201,6 +201,7 @@ def run_train(args: argparse.Namespace) -> int:
             cfg = TrainConfig.from_toml(args.config, **overrides)
         else:
             cfg = TrainConfig.from_dict({}, source="flags", **overrides)
+        _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -217,6 +218,17 @@ def run_train(args: argparse.Namespace) -> int:
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+def _resolved_run(cfg, source: str | None) -> str:
+    """What `pipeline train` is about to run, defaults filled in: one line for stderr."""
+    from .. import config as _config
+
+    backend = cfg.backend or f"{_config.current().backend} (the roving configuration's)"
+    schedule = "dtfm (full pipelines)" if cfg.schedule == "dtfm" else f"skippipe, skip {cfg.skip:g}"
+    return (f"training {cfg.model} on network {cfg.network}: {cfg.nodes} nodes, {cfg.stages} stages, "
+            f"{schedule}, {cfg.iterations} iterations, backend {backend}"
+            f" ({'from ' + source + ' and flags' if source else 'flags and defaults'})")
 
 
 def _show_progress(total: int):
