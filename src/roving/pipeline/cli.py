@@ -10,6 +10,7 @@ from pathlib import Path as FilePath
 
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, PlanError, model_preset
 from .network import build_network
+from .outputs import check_output
 
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
@@ -126,6 +127,13 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"error: {args.control} is not the control folder of a `roving pipeline train --control` run "
               "(no status.json in it)", file=sys.stderr)
         return 2
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"error: {path}: not a status file written by `roving pipeline train` ({exc})", file=sys.stderr)
+        return 2
+    problem = _status_problem(doc)
+    if problem:
+        print(f"error: {path}: not a status file written by `roving pipeline train` ({problem})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
@@ -149,6 +157,30 @@ def run_status(args: argparse.Namespace) -> int:
             what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
         print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
+
+
+_STATUS_KEYS = {"iterations_done": int, "iterations": int, "nodes": dict, "missing_stages": list,
+                "starting": list, "recent_events": list}
+
+
+def _status_problem(doc) -> str:
+    """What is wrong with a status.json document for `pipeline status`, or "" when nothing is."""
+    if not isinstance(doc, dict):
+        return f"it holds a JSON {type(doc).__name__}, not an object"
+    for key, kind in _STATUS_KEYS.items():
+        if key not in doc:
+            return f"it lacks {key}"
+        if not isinstance(doc[key], kind):
+            return f"its {key} is a {type(doc[key]).__name__}, not a {kind.__name__}"
+    if not all(isinstance(v, int) for v in doc["nodes"].values()):
+        return "its nodes do not map node names to stage numbers"
+    if not all(isinstance(e, dict) and "event" in e for e in doc["recent_events"]):
+        return "its recent_events are not events"
+    loss = doc.get("train_loss")
+    if loss is not None and not (isinstance(loss, (int, float)) and isinstance(doc.get("iteration_seconds"),
+                                                                               (int, float))):
+        return "its train_loss or iteration_seconds is not a number"
+    return ""
 
 
 def run_join(args: argparse.Namespace) -> int:
@@ -201,6 +233,13 @@ def run_train(args: argparse.Namespace) -> int:
             cfg = TrainConfig.from_toml(args.config, **overrides)
         else:
             cfg = TrainConfig.from_dict({}, source="flags", **overrides)
+        for option, path in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
+            if path:
+                check_output(path, option, make_parents=True)
+        if cfg.checkpoint and not cfg.resume:
+            check_output(cfg.checkpoint, "--checkpoint", make_parents=True)
+        if cfg.control:
+            check_output(cfg.control, "--control", make_parents=True, folder=True)
         _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
     except PlanError as exc:
@@ -251,6 +290,9 @@ def _show_progress(total: int):
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
+        check_output(args.json_out, "--json")
+        if args.gantt:
+            check_output(args.gantt, "--gantt")
         nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
         if isinstance(nodes, str) and not FilePath(nodes).is_file():
             raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
