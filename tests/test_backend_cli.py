@@ -70,3 +70,30 @@ def test_python_dash_m_roving_is_the_roving_command():
     r = subprocess.run([sys.executable, "-m", "roving", "ps", "--backend", "nope"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "bad value 'nope' for roving option 'backend'" in r.stderr
+
+
+@pytest.mark.parametrize("name", ["local", "slurm", "docker"])
+def test_logs_and_cancel_of_an_unknown_job_say_so_and_fail(name):
+    if name != "local":
+        hb.require(name)
+    r = roving_cmd("logs", "--backend", name, "999999")
+    assert r.returncode == 1 and "unknown job" in r.stderr and "999999" in r.stderr, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    r = roving_cmd("cancel", "--backend", name, "999999")
+    assert r.returncode == 1 and "unknown job" in r.stderr and "999999" in r.stderr, (r.stdout, r.stderr)
+    assert "cancelled" not in r.stdout
+
+
+def test_cancel_with_one_unknown_id_cancels_none_of_the_list():
+    hb.require("slurm")
+    roving.init(backend="slurm")
+    q = roving.Process(target=h.sleep_for, args=(120,), name="sleeper")
+    q.start()
+    try:
+        assert wait_until(lambda: q.job.id in roving_cmd("ps", "--backend", "slurm").stdout, 30)
+        r = roving_cmd("cancel", "--backend", "slurm", q.job.id, "999999")
+        assert r.returncode == 1 and "999999" in r.stderr and "nothing was cancelled" in r.stderr
+        assert q.is_alive()
+    finally:
+        q.kill()
+        q.join(30)

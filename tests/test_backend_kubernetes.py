@@ -248,3 +248,22 @@ def test_a_pod_spec_holds_only_what_roving_needs_and_forward_env(fake, monkeypat
     assert body["metadata"]["labels"]["roving.user"] == backends.base.user_name()
     p.join(T)
     assert p.exitcode == 0
+
+
+def test_roving_logs_and_cancel_of_an_unknown_pod_say_so_and_fail(fake):
+    import subprocess
+    import sys
+
+    p = roving.Process(target=h.sleep_for, args=(60,), name="sleeper")
+    p.start()
+    try:
+        assert wait_until(lambda: len(fake.pods) == 1, T)
+        for args in (["logs", "no-such-pod"], ["cancel", "no-such-pod"]):
+            r = subprocess.run([sys.executable, "-m", "roving.cli", args[0], "--backend", "kubernetes", args[1]],
+                               capture_output=True, text=True, timeout=T)
+            assert r.returncode == 1 and "unknown job" in r.stderr and "no-such-pod" in r.stderr, (r.stdout, r.stderr)
+            assert "cancelled" not in r.stdout
+        assert p.is_alive() and len(fake.pods) == 1
+    finally:
+        p.kill()
+        p.join(T)

@@ -156,3 +156,37 @@ def test_cancel_all_lists_only_this_users_jobs():
         subprocess.run(["scancel", other_id], timeout=30)
         p.kill()
         p.join(30)
+
+
+def _program(*args, timeout=180):
+    import sys
+    from helpers_core import TESTS_DIR
+
+    return subprocess.Popen([sys.executable, str(TESTS_DIR / "programs" / "slurm_cancel_lines.py"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_pool_that_ends_normally_shows_no_cancelled_line_of_its_workers_jobs():
+    proc = _program("pool")
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert out.count("result [1, 2, 3]") == 2 and "done" in out
+    assert "CANCELLED" not in out + err, out + err
+
+
+def test_a_job_cancelled_from_outside_still_shows_slurms_cancelled_line(tmp_path):
+    id_file = tmp_path / "job"
+    proc = _program("sleeper", str(id_file))
+    try:
+        assert wait_until(lambda: id_file.exists() or proc.poll() is not None, 60), "the parent did not start"
+        assert id_file.exists(), proc.communicate(timeout=30)
+        job_id = id_file.read_text()
+        assert wait_until(lambda: _job_fields(job_id).get("JobState") == "RUNNING", 60)
+        subprocess.run(["scancel", job_id], check=True, timeout=30)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert "exitcode -15" in out, (out, err)
+    assert f"[sleeper] slurmstepd" in err and f"JOB {job_id} ON" in err and "CANCELLED" in err, (out, err)

@@ -80,8 +80,13 @@ def main(argv: list[str] | None = None) -> int:
 
     add_pipeline_parser(subparsers)
     args = parser.parse_args(argv)
+    from .backends import UnknownJobError
+
     try:
         return args.handler(args)
+    except UnknownJobError as exc:
+        print(f"roving: error: unknown job: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 1
     except (OSError, ValueError) as exc:
         print(f"roving: error: {exc}", file=sys.stderr)
         return 2
@@ -184,6 +189,12 @@ def _cancel(args: argparse.Namespace) -> int:
         return 2
     # --all: only this user's jobs (another user's are not ours to stop, even where we could)
     ids = [j.id for j in backend.list_jobs(user=backends.base.user_name())] if args.all else args.jobs
+    unknown = [] if args.all else backend.unknown_ids(ids)
+    if unknown:
+        # nothing is cancelled when an id is wrong: a typo must not leave half of a list cancelled
+        print(f"roving: error: unknown job: no roving job {', '.join(unknown)} among those `roving ps` lists "
+              f"on the {cfg.backend} backend; nothing was cancelled", file=sys.stderr)
+        return 1
     backend.cancel_ids(ids)
     for job_id in ids:
         print(f"cancelled {job_id}")

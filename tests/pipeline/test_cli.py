@@ -108,3 +108,96 @@ def test_pipeline_plan_tells_stderr_how_the_search_goes(tmp_path, capsys):
     assert f"done: {predicted:.2f} s per iteration" in done
     assert lines.index(done) < next(i for i, ln in enumerate(lines) if ln.startswith("baselines: "))
     assert "skippipe [" not in cap.out
+
+
+def test_pipeline_plan_by_evaluation_count_prints_the_same_baselines_whatever_the_budget(tmp_path, capsys):
+    """With --evals, DT-FM's allocation search (full_pipeline) is bounded by its evaluations, not by the
+    clock: a budget eight times larger (what a loaded machine amounts to, the other way round) changes
+    no baseline figure."""
+    docs, printed = [], []
+    for budget in ("2", "16"):
+        out = tmp_path / f"plan{budget}.json"
+        rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "20", "--stages", "6", "--skip", "0.33",
+                   "--microbatches", "20", "--budget", budget, "--evals", "500", "--json", str(out)])
+        captured = capsys.readouterr()
+        assert rc == 0, captured.err
+        assert "stopped at" not in captured.err  # the clock did not cut a search short
+        docs.append(json.loads(out.read_text())["iteration_time_s"])
+        printed.append([line for line in captured.out.splitlines() if "planner" not in line])
+    assert docs[0] == docs[1]
+    assert docs[0]["full_pipeline"] is not None
+    assert printed[0] == printed[1] and any("full_pipeline:" in line for line in printed[0])
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def test_network_and_nodes_files_of_the_wrong_shape_are_one_line_errors_naming_the_file(tmp_path, capsys):
+    base = ["pipeline", "plan", "--stages", "2", "--skip", "0", "--budget", "0.2", "--json", str(tmp_path / "o.json")]
+    cases = [({"regions": ["a"], "links": []}, "[1, 2]", "network", "a network file is a JSON object"),
+             (None, '{"regions": "eu"}', "network", "regions must be a list of region names, got a string"),
+             (None, '{"links": {"a": 1}}', "network", "links must be a list of objects"),
+             (None, '{"links": [], "regions": ["a"], "intra": 3}', "network", "intra must be an object"),
+             (None, "[1]", "nodes", "a nodes file is a JSON list of objects"),
+             (None, '"eu"', "nodes", "got a string")]
+    for _, text, which, words in cases:
+        bad = tmp_path / f"{which}.json"
+        bad.write_text(text)
+        net, nodes = (str(bad), "4") if which == "network" else ("gcp12", str(bad))
+        assert main(base + ["--network", net, "--nodes", nodes]) == 2
+        err = _one_error_line(capsys)
+        assert str(bad) in err and words in err, err
+
+
+def test_outputs_are_checked_before_any_search(tmp_path, capsys):
+    """A plan whose --json (or --gantt) cannot be written fails at once, naming the option and the path:
+    the budget here is long, and the command must not spend it."""
+    import time
+
+    (tmp_path / "afile").write_text("x")
+    base = ["pipeline", "plan", "--network", "gcp12", "--nodes", "6", "--stages", "3", "--skip", "0",
+            "--budget", "600"]
+    for extra, words in (
+            (["--json", str(tmp_path / "missing" / "dir" / "out.json")], "folder"),
+            (["--json", str(tmp_path)], "is a folder, not a file"),
+            (["--json", str(tmp_path / "afile" / "out.json")], "is a file, not a folder"),
+            (["--json", str(tmp_path / "o.json"), "--gantt", str(tmp_path / "nope" / "g.png")], "--gantt")):
+        t0 = time.monotonic()
+        assert main(base + extra) == 2
+        assert time.monotonic() - t0 < 60  # not the 600 s budget
+        err = _one_error_line(capsys)
+        assert words in err and extra[-1] in err, err
+    assert main(["pipeline", "train", "--metrics", str(tmp_path / "afile" / "m.json")]) == 2
+    err = _one_error_line(capsys)
+    assert "--metrics" in err and "is a file, not a folder" in err
+    assert main(["pipeline", "train", "--control", str(tmp_path / "afile")]) == 2
+    assert "--control" in _one_error_line(capsys)
+    assert main(["pipeline", "eval", "--checkpoint", str(tmp_path / "c.pt"), "--json", str(tmp_path)]) == 2
+    assert "--json" in _one_error_line(capsys)
+
+
+def test_generate_with_a_folder_as_checkpoint_says_it_is_a_folder(tmp_path, capsys):
+    assert main(["pipeline", "generate", "--checkpoint", str(tmp_path), "--prompt", "hi"]) == 2
+    err = _one_error_line(capsys)
+    assert str(tmp_path) in err and "is a folder" in err and "does not exist" not in err
+
+
+def test_status_with_a_malformed_status_file_is_one_line_naming_the_file(tmp_path, capsys):
+    status = tmp_path / "status.json"
+    for text, words in (("{", "Expecting property name"), ("[]", "holds a JSON list"),
+                        ("{}", "lacks iterations_done"),
+                        ('{"iterations_done": 1, "iterations": 2, "nodes": {"n0": "x"}, "missing_stages": [],'
+                         ' "starting": [], "recent_events": []}', "stage numbers"),
+                        ('{"iterations_done": 1, "iterations": 2, "nodes": {}, "missing_stages": [],'
+                         ' "starting": [], "recent_events": [3]}', "recent_events")):
+        status.write_text(text)
+        assert main(["pipeline", "status", "--control", str(tmp_path)]) == 2
+        err = _one_error_line(capsys)
+        assert str(status) in err and words in err, err
+    status.write_text('{"iterations_done": 1, "iterations": 2, "nodes": {"n0": 0}, "missing_stages": [],'
+                      ' "starting": [], "recent_events": [], "train_loss": 2.5, "iteration_seconds": 0.1}')
+    assert main(["pipeline", "status", "--control", str(tmp_path)]) == 0
+    assert "iteration 1/2, train loss 2.5000" in capsys.readouterr().out

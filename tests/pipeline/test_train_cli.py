@@ -39,3 +39,25 @@ def test_bad_input_exits_with_a_clear_error_before_nodes_start(tmp_path, capsys)
     assert "2 node(s) but the model is split into 3 stages" in capsys.readouterr().err
     assert main(["pipeline", "train", "--refine-budget", "-1"]) == 2
     assert "refine_budget must be a number of seconds >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_train_with_no_arguments_says_what_it_resolved_before_it_starts(monkeypatch, capsys):
+    """The defaults filled in (model, network, nodes, stages, skip, iterations, backend) are on stderr
+    before the run starts: the run itself is replaced here, so nothing trains."""
+    import roving.pipeline.trainer as trainer
+
+    seen = []
+
+    def fake_run(cfg, progress=None):
+        seen.append(capsys.readouterr().err)
+        return {"iterations": [], "predicted_s": 0.0}
+
+    monkeypatch.setattr(trainer, "run", fake_run)
+    assert main(["pipeline", "train"]) == 0
+    assert len(seen) == 1
+    err = seen[0]
+    assert "training tiny on network gcp12: 6 nodes, 3 stages, skippipe, skip 0.33, 50 iterations" in err
+    assert "backend local" in err and "flags and defaults" in err
+    assert main(["pipeline", "train", "--backend", "slurm", "--stages", "2", "--iterations", "7",
+                 "--schedule", "dtfm", "--skip", "0"]) == 0
+    assert "2 stages, dtfm (full pipelines), 7 iterations, backend slurm" in seen[1]

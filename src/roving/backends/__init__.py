@@ -14,9 +14,9 @@ from typing import Dict, Optional, Tuple
 
 from .. import config as _config
 from ..transport import addressing
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources, UnknownJobError
 
-__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "get", "detect",
+__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "UnknownJobError", "get", "detect",
            "NAMES"]
 
 NAMES = ("local", "slurm", "docker", "kubernetes")

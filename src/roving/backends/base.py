@@ -12,7 +12,11 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+
+
+class UnknownJobError(LookupError):
+    """No job of that id is known to the backend (`roving logs`, `roving cancel`); the message names it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,19 +152,26 @@ def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False)
 
 
 class LineSplitter:
-    """Turns chunks of output into whole lines for :func:`write_prefixed`."""
+    """Turns chunks of output into whole lines for :func:`write_prefixed`; with ``keep``, only the lines
+    for which ``keep(line)`` is true are written."""
 
-    def __init__(self, prefix: str, to_stderr: bool = False) -> None:
-        self.prefix, self.to_stderr, self._partial = prefix, to_stderr, b""
+    def __init__(self, prefix: str, to_stderr: bool = False,
+                 keep: Optional[Callable[[bytes], bool]] = None) -> None:
+        self.prefix, self.to_stderr, self._partial, self._keep = prefix, to_stderr, b"", keep
+
+    def _write(self, lines: List[bytes]) -> None:
+        if self._keep is not None:
+            lines = [line for line in lines if self._keep(line)]
+        write_prefixed(self.prefix, lines, self.to_stderr)
 
     def feed(self, chunk: bytes) -> None:
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
-        write_prefixed(self.prefix, lines, self.to_stderr)
+        self._write(lines)
 
     def close(self) -> None:
         if self._partial:
-            write_prefixed(self.prefix, [self._partial], self.to_stderr)
+            self._write([self._partial])
             self._partial = b""
 
 
@@ -232,7 +243,8 @@ class Backend(abc.ABC):
         """Ask the job to stop (SIGTERM), or stop it at once (``force``: SIGKILL). Idempotent."""
 
     def logs(self, job: Job) -> str:
-        """What the job wrote, when the backend keeps it."""
+        """What the job wrote, when the backend keeps it. Raises :class:`UnknownJobError` when no job of
+        that id is known."""
         return ""
 
     def pid(self, job: Job) -> Optional[int]:
@@ -260,6 +272,11 @@ class Backend(abc.ABC):
         is), or None when they all run on this machine. A process that starts jobs binds the interface
         that routes there (roving.transport.addressing)."""
         return None
+
+    def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
+        """Those of ``job_ids`` that name no job :meth:`list_jobs` lists (what `roving cancel` refuses)."""
+        known = {j.id for j in self.list_jobs()}
+        return [i for i in job_ids if i not in known]
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         """Stop and remove these jobs, whoever started them; ids already gone are ignored."""

@@ -27,7 +27,7 @@ from urllib.parse import urlparse
 from .. import config as _config
 from ..transport import session as _session
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   container_env, open_private, session_tag, user_name)
+                   UnknownJobError, container_env, open_private, session_tag, user_name)
 
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
@@ -290,6 +290,8 @@ class DockerBackend(Backend):
             return bytes(state.output).decode(errors="replace")
         try:
             return self.client().api.logs(job.id, stdout=True, stderr=True).decode(errors="replace")
+        except _sdk().errors.NotFound:
+            raise UnknownJobError(f"no Docker container {job.id}") from None
         except Exception as exc:
             raise DockerError(f"no logs for container {job.id[:12]}: {exc}") from None
 
@@ -340,6 +342,12 @@ class DockerBackend(Backend):
                                 session=c.labels.get("roving.session", ""), state=c.status,
                                 user=c.labels.get("roving.user", "")))
         return jobs
+
+    def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
+        """Those of ``job_ids`` that are no roving container; an id may be any prefix of 12 characters or more
+        of the full one, or the full one."""
+        known = [j.id for j in self.list_jobs()]
+        return [i for i in job_ids if not any(i[:12] == k and len(i) >= 12 for k in known)]
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         for cid in job_ids:

@@ -33,7 +33,7 @@ from urllib.parse import urlparse
 from .. import config as _config
 from ..transport import session as _session
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   container_env, open_private, session_tag, user_name)
+                   UnknownJobError, container_env, open_private, session_tag, user_name)
 
 log = logging.getLogger(__name__)
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -350,7 +350,14 @@ class KubernetesBackend(Backend):
         pod = self._pods.get(job.id)
         if pod is not None and pod.status.state is JobState.EXITED:
             return pod.output
-        return self._read_log(job.id)
+        from kubernetes.client.rest import ApiException
+
+        try:
+            return self.api().read_namespaced_pod_log(job.id, self.namespace, _request_timeout=_TIMEOUT) or ""
+        except ApiException as exc:
+            if exc.status == 404:
+                raise UnknownJobError(f"no pod {job.id} in namespace {self.namespace}") from None
+            raise KubernetesError(f"cannot read the log of pod {job.id}: {exc.status} {exc.reason}") from None
 
     def cpu_count(self) -> int:
         cap = self._capacity()

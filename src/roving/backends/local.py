@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Dict, IO, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, open_private
+from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError, open_private
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,14 @@ class LocalBackend(Backend):
                 proc.send_signal(signal.SIGKILL if force else signal.SIGTERM)
             except ProcessLookupError:
                 pass
+
+    def logs(self, job: Job) -> str:
+        """Local jobs are child processes of the program that started them, whose output goes to that
+        program (or to its log files): no other process knows them."""
+        if job.id not in self._procs:
+            raise UnknownJobError(f"no local job {job.id}: local jobs are child processes of the program that "
+                                  "started them, known to that program only")
+        return ""
 
     def pid(self, job: Job) -> Optional[int]:
         return int(job.id)  # the job id is the pid

@@ -10,6 +10,8 @@
 * ``terminate_job`` sends SIGTERM (``scancel --signal=TERM --full``), ``force`` SIGKILL.
 * A job's output goes to a file (``--output``): the process's log file with ``child_output = "files"``,
   else ``~/.roving/slurm/<session>/``, which is followed and printed with the process name as prefix.
+  slurmstepd's ``*** JOB N ... CANCELLED ***`` line is not printed for a job this process cancelled itself
+  (a Pool's workers at its end); for a job cancelled by anyone else it is.
 * When this process exits, normally or killed, every job it started and that is still there is
   cancelled (:class:`~roving.backends.base.Reaper`).
 """
@@ -27,7 +29,7 @@ from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import config as _config
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   open_private, private_dir, session_tag)
+                   UnknownJobError, open_private, private_dir, session_tag)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,9 @@ _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
 # is not settled yet
 _RUNNING = {"RUNNING", "COMPLETING"}
 _REFRESH_S = 0.2
+# What slurmstepd writes into a job's error file when the job is cancelled:
+# "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
+_CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ CANCELLED AT .*\*\*\*\s*$")
 _COMMAND_TIMEOUT = 30
 
 
@@ -106,6 +111,7 @@ class SlurmBackend(Backend):
         self._own: Dict[str, str] = {}  # job id -> output file ("" when none)
         self._names: Dict[str, str] = {}
         self._forced: Set[str] = set()
+        self._cancelled: Set[str] = set()  # jobs this process cancelled or signalled itself
         self._steps: Dict[str, _Step] = {}
         self._pending_since: Dict[str, float] = {}
         self._warned: Set[str] = set()
@@ -222,7 +228,7 @@ class SlurmBackend(Backend):
 
     def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
         """Print the job's output files as they grow, until the job has ended and they are read."""
-        followed = [[path, None, LineSplitter(prefix, to_stderr)] for path, to_stderr in paths]
+        followed = [[path, None, LineSplitter(prefix, to_stderr, self._not_our_cancel)] for path, to_stderr in paths]
         delay = 0.05
         while True:
             ended = self.job_status(job).state is JobState.EXITED
@@ -243,6 +249,16 @@ class SlurmBackend(Backend):
             if f is not None:
                 f.close()
             splitter.close()
+
+    def _not_our_cancel(self, line: bytes) -> bool:
+        """False for slurmstepd's CANCELLED line of a job this process ended itself: that end is roving's
+        normal way of stopping a worker, not the child's output (an operator's scancel still shows)."""
+        match = _CANCELLED_LINE.match(line)
+        if match is None or match.group(1).decode() not in self._cancelled:
+            return True
+        log.debug("roving: not shown (this process cancelled Slurm job %s): %s", match.group(1).decode(),
+                  line.decode(errors="replace"))
+        return False
 
     # -- state -----------------------------------------------------------------------------------
     def _refresh(self, wanted: str) -> None:
@@ -319,6 +335,7 @@ class SlurmBackend(Backend):
         if force:
             self._forced.add(job.id)
         with self._lock:
+            self._cancelled.add(job.id)
             self._checked_at.pop(job.id, None)
         self._refresh(job.id)
         if self._status.get(job.id, JobStatus(JobState.PENDING)).state is JobState.RUNNING:
@@ -360,6 +377,8 @@ class SlurmBackend(Backend):
             result = _slurm(["scontrol", "show", "job", "-o", job.id], check=False)
             fields = dict(f.split("=", 1) for f in result.stdout.split() if "=" in f)
             if result.returncode != 0:
+                if "Invalid job id" in result.stderr:
+                    raise UnknownJobError(f"no Slurm job {job.id} (Slurm: {result.stderr.strip()})")
                 raise SlurmError(f"no Slurm job {job.id}: {result.stderr.strip()}")
             path = fields.get("StdOut", "")
         if not path or not os.path.exists(path):
@@ -423,6 +442,8 @@ class SlurmBackend(Backend):
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         ids = [i for i in job_ids if i]
+        with self._lock:
+            self._cancelled.update(ids)
         if ids:
             _slurm(["scancel", *ids], check=False)
 

@@ -10,6 +10,7 @@ from pathlib import Path as FilePath
 
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, PlanError, model_preset
 from .network import build_network
+from .outputs import check_output
 
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
@@ -46,8 +47,9 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
     p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
     p.add_argument("--evals", type=int, default=None, metavar="N",
-                   help="share SkipPipe's search out by N simulator evaluations instead of seconds: the same "
-                        "plan on any machine and under any load (--budget then only caps it)")
+                   help="share SkipPipe's search out by N simulator evaluations instead of seconds, and stop "
+                        "the baselines' searches after N evaluations each (DT-FM's: of its cost model): the same "
+                        "plan and baselines on any machine and under any load (--budget then only caps them)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
@@ -125,6 +127,13 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"error: {args.control} is not the control folder of a `roving pipeline train --control` run "
               "(no status.json in it)", file=sys.stderr)
         return 2
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"error: {path}: not a status file written by `roving pipeline train` ({exc})", file=sys.stderr)
+        return 2
+    problem = _status_problem(doc)
+    if problem:
+        print(f"error: {path}: not a status file written by `roving pipeline train` ({problem})", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(doc, indent=1))
         return 0
@@ -148,6 +157,30 @@ def run_status(args: argparse.Namespace) -> int:
             what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
         print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
+
+
+_STATUS_KEYS = {"iterations_done": int, "iterations": int, "nodes": dict, "missing_stages": list,
+                "starting": list, "recent_events": list}
+
+
+def _status_problem(doc) -> str:
+    """What is wrong with a status.json document for `pipeline status`, or "" when nothing is."""
+    if not isinstance(doc, dict):
+        return f"it holds a JSON {type(doc).__name__}, not an object"
+    for key, kind in _STATUS_KEYS.items():
+        if key not in doc:
+            return f"it lacks {key}"
+        if not isinstance(doc[key], kind):
+            return f"its {key} is a {type(doc[key]).__name__}, not a {kind.__name__}"
+    if not all(isinstance(v, int) for v in doc["nodes"].values()):
+        return "its nodes do not map node names to stage numbers"
+    if not all(isinstance(e, dict) and "event" in e for e in doc["recent_events"]):
+        return "its recent_events are not events"
+    loss = doc.get("train_loss")
+    if loss is not None and not (isinstance(loss, (int, float)) and isinstance(doc.get("iteration_seconds"),
+                                                                               (int, float))):
+        return "its train_loss or iteration_seconds is not a number"
+    return ""
 
 
 def run_join(args: argparse.Namespace) -> int:
@@ -200,6 +233,14 @@ def run_train(args: argparse.Namespace) -> int:
             cfg = TrainConfig.from_toml(args.config, **overrides)
         else:
             cfg = TrainConfig.from_dict({}, source="flags", **overrides)
+        for option, path in (("--metrics", cfg.metrics), ("--plot", cfg.plot)):
+            if path:
+                check_output(path, option, make_parents=True)
+        if cfg.checkpoint and not cfg.resume:
+            check_output(cfg.checkpoint, "--checkpoint", make_parents=True)
+        if cfg.control:
+            check_output(cfg.control, "--control", make_parents=True, folder=True)
+        _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -216,6 +257,17 @@ def run_train(args: argparse.Namespace) -> int:
         if path:
             print(f"{what}: {path}")
     return 0
+
+
+def _resolved_run(cfg, source: str | None) -> str:
+    """What `pipeline train` is about to run, defaults filled in: one line for stderr."""
+    from .. import config as _config
+
+    backend = cfg.backend or f"{_config.current().backend} (the roving configuration's)"
+    schedule = "dtfm (full pipelines)" if cfg.schedule == "dtfm" else f"skippipe, skip {cfg.skip:g}"
+    return (f"training {cfg.model} on network {cfg.network}: {cfg.nodes} nodes, {cfg.stages} stages, "
+            f"{schedule}, {cfg.iterations} iterations, backend {backend}"
+            f" ({'from ' + source + ' and flags' if source else 'flags and defaults'})")
 
 
 def _show_progress(total: int):
@@ -238,6 +290,9 @@ def _show_progress(total: int):
 
 def run_plan(args: argparse.Namespace) -> int:
     try:
+        check_output(args.json_out, "--json")
+        if args.gantt:
+            check_output(args.gantt, "--gantt")
         nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
         if isinstance(nodes, str) and not FilePath(nodes).is_file():
             raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
@@ -262,9 +317,16 @@ def run_plan(args: argparse.Namespace) -> int:
                     max_evals=args.evals, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
         base_budget = args.budget / 2
-        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_budget:g} s), "
+        base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
+                      else f"{base_budget:g} s")
+        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
               f"full_pipeline_planned (this planner with skip 0), random_skip")
-        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed)
+        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
+                             max_evals=args.evals)
+        if full.stats["capped"]:
+            _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
+                  f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
+                  "another machine (raise --budget)")
         planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
                        max_evals=args.evals)
         rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)

@@ -37,6 +37,9 @@ class DtfmAllocation:
     pipelines: list[list[str]]
     idle: list[str]
     cost: float
+    #: cost-model evaluations the search made; True when ``budget_s`` ended it before ``max_evals``
+    evaluations: int = 0
+    capped: bool = False
 
 
 def stage_param_bytes(model: ModelSpec, stages: int) -> list[float]:
@@ -185,8 +188,13 @@ def _groups(labels: list[int], names: list[str], stages: int) -> list[tuple[str,
 
 
 def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
-                    budget_s: float = 10.0, seed: int = 0, population: int = 50) -> DtfmAllocation:
-    """DT-FM's allocation for ``nodes // stages`` pipelines, searched for about ``budget_s`` seconds."""
+                    budget_s: float = 10.0, seed: int = 0, population: int = 50,
+                    max_evals: int | None = None) -> DtfmAllocation:
+    """DT-FM's allocation for ``nodes // stages`` pipelines, searched for about ``budget_s`` seconds.
+
+    ``max_evals``: stop after that many evaluations of DT-FM's cost model instead (``budget_s`` then only
+    caps the search): the same seed and count give the same allocation on any machine, under any load,
+    unless the cap cuts it short (the result's ``capped`` is then True)."""
     names = network.names
     group = len(names) // stages
     costs = _Costs(network, model, stages, group, microbatches)
@@ -195,8 +203,15 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
     base = [g for g, size in enumerate(sizes) for _ in range(size)]
     deadline = time.perf_counter() + budget_s
 
+    evals = [0]
+
     def score(labels: list[int]) -> float:
+        evals[0] += 1
         return costs.total(_groups(labels, names, stages))
+
+    def more() -> bool:
+        """Whether the search goes on: within the clock, and the evaluation count when one is given."""
+        return time.perf_counter() < deadline and (max_evals is None or evals[0] < max_evals)
 
     def repair(labels: list[int]) -> list[int]:
         have = [0] * len(sizes)
@@ -229,10 +244,10 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         labels = list(base)
         rng.shuffle(labels)
         pop.append((score(labels), labels))
-        if time.perf_counter() > deadline and len(pop) >= 2:
+        if not more() and len(pop) >= 2:
             break
     tries = 2 * len(names)
-    while time.perf_counter() < deadline:
+    while more():
         a, b = rng.sample(range(len(pop)), 2)
         child = list(pop[b][1])
         for point in rng.sample(range(len(names)), min(5, len(names))):
@@ -253,4 +268,5 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         for c in chains:
             c.append(by_prev[c[-1]])
     idle = sorted(n for n, g in zip(names, labels) if g >= stages)
-    return DtfmAllocation(chains, idle, value)
+    capped = max_evals is not None and evals[0] < max_evals
+    return DtfmAllocation(chains, idle, value, evals[0], capped)

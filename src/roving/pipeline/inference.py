@@ -54,6 +54,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
     """The model and training config saved by `roving pipeline train --checkpoint`, in eval mode.
     Raises InferenceError naming the file when it is missing, not a checkpoint, or lacks keys."""
     path = Path(path)
+    if path.is_dir():
+        raise InferenceError(f"checkpoint {path} is a folder: give the checkpoint file `roving pipeline train "
+                             "--checkpoint PATH` wrote")
     if not path.is_file():
         raise InferenceError(f"checkpoint {path} does not exist (write one with `roving pipeline train "
                              "--checkpoint PATH`)")
@@ -253,6 +256,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def run_eval(args: argparse.Namespace) -> int:
     try:
+        if args.json_out:
+            from .outputs import check_output
+
+            check_output(args.json_out, "--json", make_parents=True)
         ckpt = load_checkpoint(args.checkpoint)
         drops = choose_drops(ckpt.stages, explicit=args.stages, fraction=args.drop, subsets=args.subsets,
                              seed=args.seed)

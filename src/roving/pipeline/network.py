@@ -133,9 +133,15 @@ def _parse_links(doc: dict[str, Any], source: str) -> tuple[list[str], dict[tupl
     if unit not in BANDWIDTH_UNITS:
         raise PlanError(f"{source}: unknown bandwidth_unit {unit!r}; use one of {', '.join(BANDWIDTH_UNITS)}")
     scale = BANDWIDTH_UNITS[unit]
-    regions = list(doc.get("regions") or [])
+    raw_regions, raw_links = doc.get("regions") or [], doc.get("links", [])
+    if not isinstance(raw_regions, list) or not all(isinstance(r, str) for r in raw_regions):
+        raise PlanError(f"{source}: regions must be a list of region names, got {_shape(raw_regions)}")
+    if not isinstance(raw_links, list) or not all(isinstance(e, dict) for e in raw_links):
+        raise PlanError(f"{source}: links must be a list of objects with a, b, latency_ms and bandwidth, "
+                        f"got {_shape(raw_links)}")
+    regions = list(raw_regions)
     links: dict[tuple[str, str], Link] = {}
-    for i, entry in enumerate(doc.get("links", [])):
+    for i, entry in enumerate(raw_links):
         try:
             a, b = str(entry["a"]), str(entry["b"])
             lat, bw = float(entry["latency_ms"]), float(entry["bandwidth"])
@@ -154,8 +160,17 @@ def _parse_links(doc: dict[str, Any], source: str) -> tuple[list[str], dict[tupl
     return regions, links
 
 
+def _shape(value: Any) -> str:
+    """What a JSON value is, for an error message: 'a list', 'the number 3', ..."""
+    names = {list: "a list", dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"the number {value}"
+    return names.get(type(value), type(value).__name__)
+
+
 def load_network_doc(spec: str) -> tuple[dict[str, Any], str]:
-    """Read a preset name (gcp12, aws10) or a JSON file path."""
+    """Read a preset name (gcp12, aws10) or a JSON file path; a file that is not a JSON object with
+    regions and links is a PlanError naming it."""
     if spec in PRESETS:
         text = resources.files("roving.pipeline").joinpath("data", f"{spec}.json").read_text()
         return json.loads(text), spec
@@ -163,9 +178,14 @@ def load_network_doc(spec: str) -> tuple[dict[str, Any], str]:
     if not path.is_file():
         raise PlanError(f"network {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a file")
     try:
-        return json.loads(path.read_text()), path.stem
+        doc = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise PlanError(f"{spec}: not valid JSON ({exc})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PlanError(f"cannot read network file {spec}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise PlanError(f"{spec}: a network file is a JSON object with regions and links, got {_shape(doc)}")
+    return doc, path.stem
 
 
 def build_network(
@@ -186,14 +206,21 @@ def build_network(
         doc, source = spec, str(spec.get("name", "custom"))
     else:
         doc, source = load_network_doc(spec)
-    all_regions, links = _parse_links(doc, source)
+    where = spec if isinstance(spec, str) and spec not in PRESETS else source  # errors name the file
+    all_regions, links = _parse_links(doc, where)
     if isinstance(nodes, str):
+        nodes_file = nodes
         try:
             nodes = json.loads(Path(nodes).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise PlanError(f"cannot read nodes file {nodes}: {exc}") from None
         if isinstance(nodes, dict):
             nodes = nodes.get("nodes", [])
+        if not isinstance(nodes, list) or not all(isinstance(d, dict) for d in nodes):
+            raise PlanError(f"{nodes_file}: a nodes file is a JSON list of objects with name and region "
+                            "(or an object whose nodes is one), got "
+                            + (f"a list holding {_shape(next(d for d in nodes if not isinstance(d, dict)))}"
+                               if isinstance(nodes, list) else _shape(nodes)))
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanError(f"need at least one node, got {nodes}")
@@ -228,7 +255,10 @@ def build_network(
     intra_link = INTRA_REGION_LINK
     if intra:
         scale = BANDWIDTH_UNITS[doc.get("bandwidth_unit", "GiB/s")]
-        intra_link = Link(float(intra["latency_ms"]) / 1000.0, float(intra["bandwidth"]) * scale)
+        try:
+            intra_link = Link(float(intra["latency_ms"]) / 1000.0, float(intra["bandwidth"]) * scale)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"{where}: intra must be an object with latency_ms and bandwidth ({exc!r})") from None
     net = Network(node_list, links, intra_link, source)
     log.debug("network %s: %d nodes over %d regions", source, len(node_list),
               len({n.region for n in node_list}))

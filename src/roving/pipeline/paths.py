@@ -804,17 +804,20 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
 # ---- baselines, judged by the same simulator ----
 
 def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
-                  budget_s: float = 5.0, seed: int = 0) -> Plan:
+                  budget_s: float = 5.0, seed: int = 0, max_evals: int | None = None) -> Plan:
     """The paper's baseline: DT-FM's allocation (``nodes // stages`` fixed full pipelines chosen by
     DT-FM's communication cost model and evolutionary search, see ``dtfm``), no stage skipped, the
     microbatches split evenly across the pipelines (pipeline i carries microbatches i, i+p, ...).
     Nodes left over stay idle. The simulator only measures the result; it never steers the search.
     Like DT-FM it ignores per-node memory: with nodes of different memory it may put a stage on a node
     that cannot hold it, and the result's ``predicted_s`` is then infinite (``stats["memory_ok"]``
-    False)."""
+    False). ``max_evals``: DT-FM's search stops after that many evaluations of its cost model
+    (``budget_s`` then only caps it; ``stats["capped"]`` says whether it did), so that the baseline is the
+    same on any machine, under any load."""
     _check_inputs(network, model, stages, 0.0, microbatches)
     t0 = time.perf_counter()
-    found = dtfm_allocation(network, model, stages, microbatches, budget_s=budget_s, seed=seed)
+    found = dtfm_allocation(network, model, stages, microbatches, budget_s=budget_s, seed=seed,
+                            max_evals=max_evals)
     chains = found.pipelines
     alloc = {n: pos for c in chains for pos, n in enumerate(c)}
     paths = [Path(c[0], tuple(c[1:]), tuple(range(1, stages)))
@@ -822,7 +825,7 @@ def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches:
     result = Plan(stages, 0.0, alloc, paths)
     result.predicted_s = simulate(network, model, result, record=False).makespan
     result.stats = {"planner_seconds": time.perf_counter() - t0, "dtfm_cost": found.cost,
-                    "idle": found.idle,
+                    "idle": found.idle, "evaluations": found.evaluations, "capped": found.capped,
                     "memory_ok": all(network.node(n).can_hold(s, model, stages) for n, s in alloc.items())}
     return result
 

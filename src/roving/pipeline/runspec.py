@@ -272,7 +272,8 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
     if config.schedule == "dtfm":
         plan_sync = None  # the baseline: DT-FM's allocation, which has a data-parallel cost of its own
         the_plan = full_pipeline(net, spec, config.stages, config.microbatches,
-                                 budget_s=config.planner_budget, seed=config.seed)
+                                 budget_s=config.planner_budget, seed=config.seed,
+                                 max_evals=config.planner_evals or None)
     else:
         # judged by the whole iteration: the runtime's replicas exchange gradients over these links too
         plan_sync = grad_bytes
