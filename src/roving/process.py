@@ -34,7 +34,7 @@ from . import config as _config
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
-from .transport.serialize import SerializationError, dumps
+from .transport.serialize import SerializationError, dumps, serialization_error
 
 log = logging.getLogger(__name__)
 
@@ -163,9 +163,10 @@ class Process:
                     try:
                         dumps(obj)
                     except SerializationError as exc:
-                        raise SerializationError(
+                        original = exc.__cause__ or exc
+                        raise serialization_error(
                             f"{self._name}: {what} cannot be pickled, so it cannot be sent to the child "
-                            f"process ({exc.__cause__ or exc})") from exc.__cause__
+                            f"process ({original})", original) from exc.__cause__
                 raise
         finally:
             _pickling_for.uid = None
