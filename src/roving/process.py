@@ -9,7 +9,11 @@ reference, so the child imports their modules.
 Guarantees:
 
 * Anything that cannot be pickled is a :class:`~roving.transport.serialize.SerializationError` from
-  ``start()`` that names the offending target or argument; no job is created.
+  ``start()`` that names the offending target or argument, and is of the type pickle raised too; no job
+  is created. ``start()`` then drops the target and arguments (the child has its copy), as
+  multiprocessing does.
+* A child ends once its target returned and its non-daemonic threads have ended, as in multiprocessing.
+* A joined and closed Process (or one merely dropped after it ended) is freed: nothing of roving's holds it.
 * A child whose target raises prints the traceback to its stderr and ends with exit code 1; ``SystemExit``
   sets the exit code as in :mod:`multiprocessing`; a child killed by signal N has exit code ``-N``.
 * A child exits within ``parent_timeout`` seconds (default 5) of its parent's death, also after ``kill -9``.
@@ -104,8 +108,9 @@ class Process:
     def start(self) -> None:
         """Create the job. Returns once the backend has accepted it (it may still be pending).
 
-        Raises SerializationError (a TypeError) naming what cannot be pickled, AssertionError when
-        started twice (as multiprocessing does), ValueError when closed, OSError when the backend refuses.
+        Raises SerializationError (also of the type pickle raised) naming what cannot be pickled,
+        AssertionError when started twice (as multiprocessing does), ValueError when closed, OSError
+        when the backend refuses.
         """
         self._check_closed()
         assert self._job is None, "cannot start a process twice"

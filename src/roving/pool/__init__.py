@@ -145,6 +145,9 @@ class Pool:
     bounds how many dead workers one item may cost before it fails with :class:`WorkerLostError`.
     ``resources`` (a dict of ``cpu``, ``memory``, ``gpu``, or a :class:`roving.backends.Resources`) is
     what each worker's job asks the backend for.
+
+    A running pool that is garbage-collected without close() or terminate() gives multiprocessing's
+    ``ResourceWarning`` and its workers are killed; a closed one finishes its work first.
     """
 
     def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
