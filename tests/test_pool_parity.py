@@ -103,3 +103,17 @@ def test_closed_pool_dropped_before_its_work_is_done_still_delivers(backend):
         del pool
         gc.collect()
     assert result.get(TIMEOUT) == [x * x for x in range(20)]
+
+
+@pytest.mark.filterwarnings("ignore:unclosed running multiprocessing pool:ResourceWarning")
+def test_a_pending_result_keeps_an_otherwise_unreferenced_pool_working(backend):
+    # as multiprocessing's results hold their pool: Pool(...).map_async(...) without a name for the pool
+    result = roving.Pool(2).map_async(square, range(10))
+    gc.collect()
+    assert result.get(TIMEOUT) == [x * x for x in range(10)]
+    it = roving.Pool(2).imap(square, iter(range(5)))
+    gc.collect()
+    assert list(it) == [x * x for x in range(5)]
+    single = roving.Pool(1).apply_async(square, (7,))
+    gc.collect()
+    assert single.get(TIMEOUT) == 49

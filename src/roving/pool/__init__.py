@@ -202,12 +202,13 @@ class Pool:
         self._wake = threading.Event()
         # The upkeep thread and the finalizer hold the pool weakly: a running pool nobody references any
         # more is collected, warned about (__del__) and its workers killed, as multiprocessing's is.
-        self._finalizer = weakref.finalize(self, _collected, self._workers, self._lock, self._disp, self._wake)
+        self._finalizer = weakref.finalize(self, self._wake.set)  # the upkeep thread then cleans up
         self._finalizer.atexit = False
         self._start_workers()
         self._hold: List[Pool] = []
         self._upkeep = threading.Thread(target=_maintain, args=(weakref.ref(self), self._hold, self._wake,
-                                                                  self._disp, self._runner),
+                                                                  self._disp, self._runner, self._workers,
+                                                                  self._lock),
                                         name="roving-pool", daemon=True)
         self._upkeep.start()
 
@@ -222,6 +223,7 @@ class Pool:
         self._check_running()
         self._fit(func)
         result = AsyncResult(self._runner, callback, error_callback)
+        result._pool = self  # until it is complete, as multiprocessing's results do
         self._submit(result, func, P.APPLY, ((args if type(args) is tuple else tuple(args), kwds or {}),), 1,
                      inline=True)
         return result
@@ -401,6 +403,8 @@ class Pool:
             if extra:
                 chunksize += 1
         result = MapResult(self._runner, len(items), callback, error_callback)
+        if not result.ready():
+            result._pool = self  # until it is complete, as multiprocessing's results do
         if progress:
             result._progress = self._progress_bar(func, len(items))
         self._submit(result, func, mode, items, chunksize)
@@ -421,11 +425,13 @@ class Pool:
         self._fit(func)
         if isinstance(iterable, (list, tuple, range)):
             result = kind(len(iterable))
+            result._pool = self  # until it is complete, as multiprocessing's results do
             if progress:
                 result._progress = self._progress_bar(func, len(iterable))
             self._submit(result, func, P.MAP, iterable, chunksize)
             return result
         result = kind(None)
+        result._pool = self  # until it is complete, as multiprocessing's results do
         if progress:
             result._progress = self._progress_bar(func, None)
         job = self._disp.open_job(result, func, P.MAP)
@@ -606,15 +612,20 @@ class Pool:
 
 
 def _maintain(ref: "weakref.ref[Pool]", hold: List["Pool"], wake: threading.Event, disp: Dispatcher,
-              runner: CallbackRunner) -> None:
+              runner: CallbackRunner, workers: Dict[int, WorkerState], lock: threading.RLock) -> None:
     """The pool's upkeep thread. It holds a running pool only while one round of upkeep runs; one that
-    was closed or terminated (put in ``hold``) until its work is done."""
+    was closed or terminated (put in ``hold``) until its work is done. A pool garbage-collected while it
+    ran is cleaned up here (never in the thread that happened to drop the last reference, which may be
+    the transport's own, holding the dispatcher's lock)."""
     try:
         while True:
             wake.wait(_UPKEEP_S)
             wake.clear()
             pool = hold[0] if hold else ref()
-            if pool is None or not pool._upkeep_once():
+            if pool is None:
+                _collected(workers, lock, disp)
+                return
+            if not pool._upkeep_once():
                 return
             pool = None
     except Exception as exc:
@@ -626,8 +637,7 @@ def _maintain(ref: "weakref.ref[Pool]", hold: List["Pool"], wake: threading.Even
         runner.stop(5.0)
 
 
-def _collected(workers: Dict[int, WorkerState], lock: threading.RLock, disp: Dispatcher,
-               wake: threading.Event) -> None:
+def _collected(workers: Dict[int, WorkerState], lock: threading.RLock, disp: Dispatcher) -> None:
     """A pool was garbage-collected: kill its workers (reaped as any child is) and fail what was pending."""
     with lock:
         procs = [w.proc for w in workers.values()]
@@ -637,4 +647,3 @@ def _collected(workers: Dict[int, WorkerState], lock: threading.RLock, disp: Dis
         except Exception:
             pass
     disp.fail_all("the pool was garbage-collected before this task finished")
-    wake.set()
