@@ -66,10 +66,13 @@ def main() -> int:
     watcher = threading.Thread(target=_watch_parent, args=(info, proc._config),
                                name="roving-parent-watch", daemon=True)
     watcher.start()
-    _process._current = proc
-    _process._parent = _process._ParentProcess(proc._parent_name, info.get("parent_pid"), info["parent"])
+    _process._become(proc, _process._ParentProcess(proc._parent_name, info.get("parent_pid"), info["parent"]))
     try:
-        return _run(proc)
+        code = _run(proc)
+        # As multiprocessing's children do: the process ends once its non-daemonic threads have ended
+        # (and concurrent.futures' executors are told to finish), while the parent is still watched.
+        threading._shutdown()
+        return code
     finally:
         _stop_watching.set()
         watcher.join(proc._config.heartbeat_interval * 2 + 1)

@@ -9,7 +9,11 @@ reference, so the child imports their modules.
 Guarantees:
 
 * Anything that cannot be pickled is a :class:`~roving.transport.serialize.SerializationError` from
-  ``start()`` that names the offending target or argument; no job is created.
+  ``start()`` that names the offending target or argument, and is of the type pickle raised too; no job
+  is created. ``start()`` then drops the target and arguments (the child has its copy), as
+  multiprocessing does.
+* A child ends once its target returned and its non-daemonic threads have ended, as in multiprocessing.
+* A joined and closed Process (or one merely dropped after it ended) is freed: nothing of roving's holds it.
 * A child whose target raises prints the traceback to its stderr and ends with exit code 1; ``SystemExit``
   sets the exit code as in :mod:`multiprocessing`; a child killed by signal N has exit code ``-N``.
 * A child exits within ``parent_timeout`` seconds (default 5) of its parent's death, also after ``kill -9``.
@@ -26,14 +30,15 @@ import selectors
 import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
+import weakref
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from . import backends
 from . import config as _config
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
-from .transport.serialize import SerializationError, dumps
+from .transport.serialize import SerializationError, dumps, serialization_error
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +101,16 @@ class Process:
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
         """The work of the process: calls the target. Override in a subclass, as with multiprocessing."""
-        if self._target:
+        if getattr(self, "_target", None):
             self._target(*self._args, **self._kwargs)
 
     # -- control from the parent -----------------------------------------------------------
     def start(self) -> None:
         """Create the job. Returns once the backend has accepted it (it may still be pending).
 
-        Raises SerializationError (a TypeError) naming what cannot be pickled, AssertionError when
-        started twice (as multiprocessing does), ValueError when closed, OSError when the backend refuses.
+        Raises SerializationError (also of the type pickle raised) naming what cannot be pickled,
+        AssertionError when started twice (as multiprocessing does), ValueError when closed, OSError
+        when the backend refuses.
         """
         self._check_closed()
         assert self._job is None, "cannot start a process twice"
@@ -141,6 +147,13 @@ class Process:
             raise
         self._payload_box = box
         self._sentinel = self._backend.sentinel(self._job)
+        # a Process freed without close() still gives its sentinel back (the finalizer holds no reference)
+        self._sentinel_finalizer = weakref.finalize(self, _reaper().close_fd, self._sentinel)
+        self._sentinel_finalizer.atexit = False
+        # As multiprocessing's start() does: the child has its own copy (in the payload), so the parent
+        # lets go of the target and arguments at once; large arguments are not kept, nor a cycle
+        # through a target that refers to this Process.
+        del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
         _reaper().watch(self)
@@ -155,9 +168,10 @@ class Process:
                     try:
                         dumps(obj)
                     except SerializationError as exc:
-                        raise SerializationError(
+                        original = exc.__cause__ or exc
+                        raise serialization_error(
                             f"{self._name}: {what} cannot be pickled, so it cannot be sent to the child "
-                            f"process ({exc.__cause__ or exc})") from exc.__cause__
+                            f"process ({original})", original) from exc.__cause__
                 raise
         finally:
             _pickling_for.uid = None
@@ -174,7 +188,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -306,6 +320,10 @@ class Process:
         if not isinstance(value, str):
             raise TypeError("name must be a string")
         self._name = value
+        if self is _current and self is not _main_process:
+            import multiprocessing.process as mp_process
+
+            mp_process._current_process._name = value  # as _become(): the standard library's agrees
 
     @property
     def daemon(self) -> bool:
@@ -393,6 +411,21 @@ _current: Process = _main_process
 _parent: Optional[_ParentProcess] = None
 
 
+def _become(proc: Process, parent: _ParentProcess) -> None:
+    """In a child: make ``proc`` this process and ``parent`` its parent, for roving and for the
+    standard library's ``multiprocessing.current_process()``/``parent_process()`` (which libraries and
+    logging's ``processName`` read): the same name and identity. The standard library's object keeps
+    its own authkey (the session secret must not reach what a child starts with the standard library)
+    and ``daemon`` False (so a library may still start its own multiprocessing children in a worker)."""
+    global _current, _parent
+    _current, _parent = proc, parent
+    import multiprocessing.process as mp_process
+
+    mp_process._current_process._name = proc.name
+    mp_process._current_process._identity = proc._identity
+    mp_process._parent_process = parent
+
+
 def current_process() -> Process:
     """The Process object of the calling process (``MainProcess`` in the program that started it all)."""
     return _current
@@ -430,6 +463,8 @@ class _Reaper:
     """One thread that notices every child's end through its sentinel, even if nobody joins it.
 
     A child's end releases the pipe ends it held here, so that a reader on the other end sees EOFError.
+    The reaper holds each Process only weakly (the ``_children`` set holds a running one): a Process
+    that was closed and deleted is freed at once, as multiprocessing's is.
     """
 
     def __init__(self) -> None:
@@ -437,51 +472,68 @@ class _Reaper:
         self._wake_r, self._wake_w = os.pipe()
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
-        self._add: List[Process] = []
-        self._remove: List[Process] = []
+        self._add: List[Tuple[int, "weakref.ref[Process]"]] = []
+        self._remove: List[int] = []
         threading.Thread(target=self._run, name="roving-reaper", daemon=True).start()
 
     def watch(self, proc: Process) -> None:
         with self._lock:
-            self._add.append(proc)
+            self._add.append((proc._sentinel, weakref.ref(proc)))
         os.write(self._wake_w, b"x")
 
     def forget(self, proc: Process) -> None:
+        """Stop watching ``proc`` and close its sentinel (the reaper closes it, after unregistering)."""
+        finalizer = getattr(proc, "_sentinel_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         with self._lock:
-            self._remove.append(proc)
+            fd, proc._sentinel = proc._sentinel, None
+        if fd is not None:
+            self.close_fd(fd)
+
+    def close_fd(self, fd: int) -> None:
+        """Unregister and close a sentinel, in the reaper's thread (so its number is not reused while
+        the selector still knows it)."""
+        with self._lock:
+            self._remove.append(fd)
         os.write(self._wake_w, b"x")
 
     def _run(self) -> None:
         while True:
-            for key, _ in self._selector.select():
-                proc = key.data
-                if proc is None:
-                    os.read(self._wake_r, 4096)
-                    with self._lock:
-                        add, self._add = self._add, []
-                        remove, self._remove = self._remove, []
-                    for p in add:
-                        self._selector.register(p._sentinel, selectors.EVENT_READ, p)
-                    for p in remove:
-                        self._drop(p)
-                    continue
-                self._drop(proc, close=False)
-                try:
-                    proc._wait(5)
-                except Exception:  # never let one child stop the reaper
-                    log.exception("roving: could not reap %s", proc)
+            self._step()
 
-    def _drop(self, proc: Process, close: bool = True) -> None:
+    def _step(self) -> None:
+        """One wait and what it found, in a frame of its own: no local variable keeps a Process alive
+        while the reaper waits."""
+        for key, _ in self._selector.select():
+            if key.data is None:
+                os.read(self._wake_r, 4096)
+                with self._lock:
+                    add, self._add = self._add, []
+                    remove, self._remove = self._remove, []
+                for fd, ref in add:
+                    self._selector.register(fd, selectors.EVENT_READ, ref)
+                for fd in remove:
+                    self._unregister(fd)
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                continue
+            self._unregister(key.fd)
+            proc = key.data()
+            if proc is None:  # freed without close(): its finalizer has queued the sentinel's closing
+                continue
+            try:
+                proc._wait(5)
+            except Exception:  # never let one child stop the reaper
+                log.exception("roving: could not reap %s", proc)
+
+    def _unregister(self, fd: int) -> None:
         try:
-            self._selector.unregister(proc._sentinel)
+            self._selector.unregister(fd)
         except (KeyError, ValueError):
             pass
-        if close and proc._sentinel is not None:
-            try:
-                os.close(proc._sentinel)
-            except OSError:
-                pass
-            proc._sentinel = None
 
 
 _reaper_instance: Optional[_Reaper] = None

@@ -47,6 +47,8 @@ import itertools
 import logging
 import threading
 import time
+import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from .. import config as _config
@@ -143,6 +145,9 @@ class Pool:
     bounds how many dead workers one item may cost before it fails with :class:`WorkerLostError`.
     ``resources`` (a dict of ``cpu``, ``memory``, ``gpu``, or a :class:`roving.backends.Resources`) is
     what each worker's job asks the backend for.
+
+    A running pool that is garbage-collected without close() or terminate() gives multiprocessing's
+    ``ResourceWarning`` and its workers are killed; a closed one finishes its work first.
     """
 
     def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
@@ -185,6 +190,9 @@ class Pool:
         register(self._disp)
         self._worker_ids = itertools.count(1)
         self._workers: Dict[int, WorkerState] = {}
+        #: multiprocessing's ``_pool``: workers leave it when they end while the pool runs (replaced or
+        #: retired); after close()/terminate() the workers of the end stay in it, ended.
+        self._members: Dict[int, Process] = {}
         self._lock = threading.RLock()  # guards _workers, _size, _state
         self._failures = 0
         self._abandoned: List[Process] = []  # killed workers whose jobs have not ended yet
@@ -192,8 +200,16 @@ class Pool:
         self._broken: Optional[PoolStartError] = None
         self._next_start = 0.0
         self._wake = threading.Event()
+        # The upkeep thread and the finalizer hold the pool weakly: a running pool nobody references any
+        # more is collected, warned about (__del__) and its workers killed, as multiprocessing's is.
+        self._finalizer = weakref.finalize(self, self._wake.set)  # the upkeep thread then cleans up
+        self._finalizer.atexit = False
         self._start_workers()
-        self._upkeep = threading.Thread(target=self._maintain, name="roving-pool", daemon=True)
+        self._hold: List[Pool] = []
+        self._upkeep = threading.Thread(target=_maintain, args=(weakref.ref(self), self._hold, self._wake,
+                                                                  self._disp, self._runner, self._workers,
+                                                                  self._lock),
+                                        name="roving-pool", daemon=True)
         self._upkeep.start()
 
     # -- the multiprocessing API ---------------------------------------------------------------
@@ -207,6 +223,7 @@ class Pool:
         self._check_running()
         self._fit(func)
         result = AsyncResult(self._runner, callback, error_callback)
+        result._pool = self  # until it is complete, as multiprocessing's results do
         self._submit(result, func, P.APPLY, ((args if type(args) is tuple else tuple(args), kwds or {}),), 1,
                      inline=True)
         return result
@@ -258,6 +275,7 @@ class Pool:
         with self._lock:
             if self._state == RUN:
                 self._state = CLOSE
+        self._keep_until_done()
         self._wake.set()
 
     def terminate(self) -> None:
@@ -265,6 +283,7 @@ class Pool:
         with self._lock:
             self._state = TERMINATE
             workers = list(self._workers.values())
+        self._keep_until_done()
         for w in workers:
             try:
                 w.proc.kill()
@@ -272,6 +291,14 @@ class Pool:
                 pass
         self._disp.fail_all("the pool was terminated before this task finished")
         self._wake.set()
+
+    def _keep_until_done(self) -> None:
+        """Closed or terminated on purpose: the upkeep thread holds the pool until its work is done, so
+        dropping it then neither warns nor kills its workers."""
+        self._finalizer.detach()
+        with self._lock:
+            if not self._hold:
+                self._hold.append(self)
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the workers to exit after close() or terminate() (up to ``timeout`` seconds)."""
@@ -297,6 +324,19 @@ class Pool:
                 for w in live[:extra]:
                     self._disp.retire(w)
         self._wake.set()
+
+    @property
+    def _pool(self) -> List[Process]:
+        """The worker processes, with multiprocessing's meaning: those running now (a replaced worker
+        leaves the list, its replacement joins it); after close()/terminate() and join(), the pool's last
+        workers, each with ``is_alive()`` False."""
+        with self._lock:
+            return [self._members[wid] for wid in sorted(self._members)]
+
+    def __del__(self, _warn: Callable[..., None] = warnings.warn) -> None:
+        # _warn is bound at definition: at interpreter exit the warnings module may be gone already
+        if getattr(self, "_state", None) == RUN:
+            _warn(f"unclosed running multiprocessing pool {self!r}", ResourceWarning, source=self)
 
     @property
     def processes(self) -> int:
@@ -363,6 +403,8 @@ class Pool:
             if extra:
                 chunksize += 1
         result = MapResult(self._runner, len(items), callback, error_callback)
+        if not result.ready():
+            result._pool = self  # until it is complete, as multiprocessing's results do
         if progress:
             result._progress = self._progress_bar(func, len(items))
         self._submit(result, func, mode, items, chunksize)
@@ -383,11 +425,13 @@ class Pool:
         self._fit(func)
         if isinstance(iterable, (list, tuple, range)):
             result = kind(len(iterable))
+            result._pool = self  # until it is complete, as multiprocessing's results do
             if progress:
                 result._progress = self._progress_bar(func, len(iterable))
             self._submit(result, func, P.MAP, iterable, chunksize)
             return result
         result = kind(None)
+        result._pool = self  # until it is complete, as multiprocessing's results do
         if progress:
             result._progress = self._progress_bar(func, None)
         job = self._disp.open_job(result, func, P.MAP)
@@ -440,6 +484,7 @@ class Pool:
                 return
             with self._lock:
                 self._workers[worker_id] = w
+                self._members[worker_id] = proc
             self._disp.add_worker(w)
 
     def _failed_start(self, why: str) -> None:
@@ -499,23 +544,10 @@ class Pool:
         with self._lock:
             self._workers.pop(w.id, None)
             self._idle_since.pop(w.id, None)
+            if self._state == RUN:
+                self._members.pop(w.id, None)
         self._disp.worker_lost(w, None)
         self._abandoned.append(w.proc)
-
-    def _maintain(self) -> None:
-        try:
-            while True:
-                self._wake.wait(_UPKEEP_S)
-                self._wake.clear()
-                if not self._upkeep_once():
-                    return
-        except Exception as exc:
-            log.exception("roving pool: the upkeep thread failed")
-            # nobody would deliver results any more: fail what is pending rather than hang get()
-            self._disp.fail_all(f"the pool's upkeep thread failed: {exc!r}")
-        finally:
-            unregister(self._disp)
-            self._runner.stop(5.0)
 
     def _upkeep_once(self) -> bool:
         """One round of upkeep; False once the pool is finished."""
@@ -546,6 +578,8 @@ class Pool:
             with self._lock:
                 self._workers.pop(w.id, None)
                 self._idle_since.pop(w.id, None)
+                if self._state == RUN:
+                    self._members.pop(w.id, None)
             if state != TERMINATE:
                 if w.ident is None and code != 0:
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
@@ -575,3 +609,41 @@ class Pool:
                 self._disp.retire(w)
             return bool(workers)
         return True
+
+
+def _maintain(ref: "weakref.ref[Pool]", hold: List["Pool"], wake: threading.Event, disp: Dispatcher,
+              runner: CallbackRunner, workers: Dict[int, WorkerState], lock: threading.RLock) -> None:
+    """The pool's upkeep thread. It holds a running pool only while one round of upkeep runs; one that
+    was closed or terminated (put in ``hold``) until its work is done. A pool garbage-collected while it
+    ran is cleaned up here (never in the thread that happened to drop the last reference, which may be
+    the transport's own, holding the dispatcher's lock)."""
+    try:
+        while True:
+            wake.wait(_UPKEEP_S)
+            wake.clear()
+            pool = hold[0] if hold else ref()
+            if pool is None:
+                _collected(workers, lock, disp)
+                return
+            if not pool._upkeep_once():
+                return
+            pool = None
+    except Exception as exc:
+        log.exception("roving pool: the upkeep thread failed")
+        # nobody would deliver results any more: fail what is pending rather than hang get()
+        disp.fail_all(f"the pool's upkeep thread failed: {exc!r}")
+    finally:
+        unregister(disp)
+        runner.stop(5.0)
+
+
+def _collected(workers: Dict[int, WorkerState], lock: threading.RLock, disp: Dispatcher) -> None:
+    """A pool was garbage-collected: kill its workers (reaped as any child is) and fail what was pending."""
+    with lock:
+        procs = [w.proc for w in workers.values()]
+    for proc in procs:
+        try:
+            proc.kill()
+        except Exception:
+            pass
+    disp.fail_all("the pool was garbage-collected before this task finished")

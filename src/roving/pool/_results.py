@@ -59,6 +59,9 @@ class AsyncResult:
     """The result of :meth:`Pool.apply_async`; see :class:`multiprocessing.pool.AsyncResult`."""
 
     _progress: Any = None  # a Progress bar counting this result's items (map with progress=True)
+    #: The pool, held until this result is complete, as multiprocessing's results hold theirs: a pool
+    #: nobody else references lives until its pending results are in.
+    _pool: Any = None
 
     def __init__(self, runner: CallbackRunner, callback: Optional[Callable[[Any], Any]] = None,
                  error_callback: Optional[Callable[[BaseException], Any]] = None) -> None:
@@ -105,6 +108,7 @@ class AsyncResult:
         if self._success is not None:
             return
         self._success, self._value = ok, value
+        self._pool = None
         if self._progress is not None:
             self._progress.finish()
         if (self._callback if ok else self._error_callback) is None:
@@ -155,8 +159,10 @@ class IMapIterator:
     """Results of :meth:`Pool.imap` in input order; ``next(timeout)`` raises TimeoutError."""
 
     _progress: Any = None
+    _pool: Any = None  # held until every result is in (see AsyncResult._pool)
 
     def __init__(self, length: Optional[int]) -> None:
+        self._received = 0
         self._cond = threading.Condition(threading.Lock())
         self._length = length  # None until the iterable has been read to its end
         self._ready: Dict[int, tuple] = {}
@@ -193,6 +199,7 @@ class IMapIterator:
         with self._cond:
             self._length = length
             self._cond.notify_all()
+            self._let_go_when_done()
         if self._progress is not None:
             self._progress.set_total(length)
 
@@ -202,7 +209,13 @@ class IMapIterator:
         with self._cond:
             for i, value in enumerate(values):
                 self._ready[index + i] = (ok, value)
+            self._received += len(values)
             self._cond.notify()
+            self._let_go_when_done()
+
+    def _let_go_when_done(self) -> None:
+        if self._length is not None and self._received >= self._length:
+            self._pool = None
 
 
 class IMapUnorderedIterator(IMapIterator):
@@ -220,4 +233,6 @@ class IMapUnorderedIterator(IMapIterator):
             self._progress.update(len(values))
         with self._cond:
             self._done.extend((ok, value) for value in values)
+            self._received += len(values)
             self._cond.notify()
+            self._let_go_when_done()

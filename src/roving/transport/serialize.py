@@ -14,19 +14,66 @@ from __future__ import annotations
 import io
 import pickle
 import sys
+import threading
 import types
 from typing import Any, Callable, Dict, List, Sequence
 
 import cloudpickle
 
-__all__ = ["dumps", "loads", "OOB_THRESHOLD", "SerializationError"]
+__all__ = ["dumps", "loads", "OOB_THRESHOLD", "SerializationError", "serialization_error"]
 
 #: Buffers at least this large travel as frames of their own; smaller ones stay inside the pickle.
 OOB_THRESHOLD = 64 * 1024
 
 
 class SerializationError(TypeError):
-    """An object could not be pickled; the message names the object."""
+    """An object could not be pickled; the message names the object.
+
+    What roving raises is also of the type pickle itself raised (see :func:`serialization_error`):
+    ``except TypeError``, ``except pickle.PicklingError`` or ``except RuntimeError`` catch it as they
+    would under multiprocessing, and ``except SerializationError`` catches every kind."""
+
+
+_error_types: Dict[type, type] = {}
+_error_types_lock = threading.Lock()
+
+
+def _error_type(kind: type) -> type:
+    """A subclass of both SerializationError and ``kind``, named as ``kind`` (so a traceback reads as
+    multiprocessing's would); SerializationError itself when no such class can be made."""
+    if issubclass(kind, SerializationError):
+        return kind
+    with _error_types_lock:
+        made = _error_types.get(kind)
+        if made is None:
+            try:
+                made = type(kind.__name__, (SerializationError, kind),
+                            {"__module__": kind.__module__, "__qualname__": kind.__qualname__,
+                             "__reduce__": _reduce_error, "_original_type": kind})
+            except TypeError:  # a layout that cannot be combined, a final type
+                made = SerializationError
+            _error_types[kind] = made
+        return made
+
+
+def _reduce_error(self: BaseException) -> Any:
+    return _rebuild_error, (type(self)._original_type, self.args)
+
+
+def _rebuild_error(kind: type, args: tuple) -> BaseException:
+    return _error_type(kind)(*args)
+
+
+def serialization_error(message: str, original: BaseException) -> SerializationError:
+    """The error for an object that could not be pickled: a SerializationError with ``message`` that is
+    also an instance of ``type(original)`` (what pickle raised: TypeError, PicklingError, RuntimeError,
+    ...), with ``original`` as its cause. Every call of roving that pickles user data raises this."""
+    try:
+        exc = _error_type(type(original))(message)
+    except Exception:  # a type whose constructor wants other arguments
+        exc = SerializationError(message)
+    exc.__cause__ = original
+    return exc
 
 
 def _by_value(obj: Any) -> bool:
@@ -205,7 +252,7 @@ def dumps(obj: Any) -> List[Any]:
     try:
         _Pickler(stream, protocol=5, buffer_callback=keep).dump(obj)
     except Exception as exc:  # pickle raises TypeError, AttributeError, PicklingError...
-        raise SerializationError(f"cannot pickle {_describe(obj)}: {exc}") from exc
+        raise serialization_error(f"cannot pickle {_describe(obj)}: {exc}", exc) from exc
     return [stream.getbuffer(), *(b.raw() for b in buffers)]
 
 
