@@ -130,3 +130,17 @@ def _fd_target(fd):
         return os.readlink(f"/proc/self/fd/{fd}")
     except OSError:
         return None
+
+
+def test_manager_server_with_a_call_still_blocked_ends_by_itself_at_shutdown():
+    # the server's threads serving clients are not waited for (multiprocessing's are daemonic): the
+    # server process ends with code 0 rather than being terminated after shutdown's timeout
+    from roving.managers import AsyncManager
+
+    manager = AsyncManager()
+    manager.start()
+    q = manager.Queue()
+    q.get()  # a call that blocks in the server for ever
+    time.sleep(0.5)  # let it reach the server (the test passes either way if it had not)
+    manager.shutdown()
+    assert manager._process.exitcode == 0

@@ -71,7 +71,8 @@ def main() -> int:
         code = _run(proc)
         # As multiprocessing's children do: the process ends once its non-daemonic threads have ended
         # (and concurrent.futures' executors are told to finish), while the parent is still watched.
-        threading._shutdown()
+        if _process.joins_threads_at_end():
+            threading._shutdown()
         return code
     finally:
         _stop_watching.set()

@@ -223,6 +223,7 @@ def _serve(registry: Dict[str, tuple], authkey: Optional[bytes], reply: Any) -> 
     server = _Server(node, registry)
     reply.put(node.address)
     server.stop.wait()
+    _process.end_without_joining_threads()  # calls still blocked in the server's threads must not hold it
     # Give the answer to shutdown() time to leave before the process ends.
     import time
     time.sleep(0.1)

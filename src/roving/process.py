@@ -426,6 +426,22 @@ def _become(proc: Process, parent: _ParentProcess) -> None:
     mp_process._parent_process = parent
 
 
+_join_threads_at_end = True
+
+
+def end_without_joining_threads() -> None:
+    """In a child: end, once the target returns, without waiting for this process's non-daemonic
+    threads. For roving's servers whose worker threads may be blocked in calls for clients that will
+    never finish (multiprocessing's manager server uses daemonic threads for the same reason)."""
+    global _join_threads_at_end
+    _join_threads_at_end = False
+
+
+def joins_threads_at_end() -> bool:
+    """Whether a child waits for its non-daemonic threads when its target returns (the default)."""
+    return _join_threads_at_end
+
+
 def current_process() -> Process:
     """The Process object of the calling process (``MainProcess`` in the program that started it all)."""
     return _current
