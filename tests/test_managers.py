@@ -309,3 +309,28 @@ def test_every_call_raises_promptly_when_the_server_died_here_and_in_another_pro
     finish(p)
     assert kind == "ServerGone" and waited < 15
     m.shutdown()
+
+
+def _walk_while_changing(lst):
+    """Iterate a list proxy while the shared list changes; what each step sees."""
+    seen = []
+    it = iter(lst)
+    seen.append(next(it))
+    lst[1] = "changed"
+    lst.append("appended")
+    seen.append(next(it))
+    lst.pop(0)
+    seen.extend(it)
+    return seen
+
+
+def test_iterating_a_list_proxy_walks_the_shared_list_as_multiprocessing_s_does():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Manager() as mp_manager:
+        expected = _walk_while_changing(mp_manager.list([0, 1, 2, 3]))
+    with roving.Manager() as m:
+        got = _walk_while_changing(m.list([0, 1, 2, 3]))
+        assert list(m.list(["a", "b"])) == ["a", "b"] and list(m.list()) == []
+    assert expected == [0, "changed", 3, "appended"]
+    assert got == expected

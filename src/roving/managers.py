@@ -538,6 +538,9 @@ BaseListProxy = MakeProxyType("BaseListProxy", (
 
 
 class ListProxy(BaseListProxy):
+    """A shared list. It has no ``__iter__``, as multiprocessing's has none: ``iter()`` walks the shared
+    list by index, one ``__getitem__`` call a step, so each step sees the list as it is then."""
+
     def __iadd__(self, value: Any) -> "ListProxy":
         self._callmethod("extend", (value,))
         return self
@@ -545,9 +548,6 @@ class ListProxy(BaseListProxy):
     def __imul__(self, value: Any) -> "ListProxy":
         self._callmethod("__imul__", (value,))
         return self
-
-    def __iter__(self):
-        return iter(self._callmethod("__getitem__", (slice(None),)))
 
 
 DictProxy = MakeProxyType("DictProxy", (
