@@ -334,3 +334,41 @@ def test_iterating_a_list_proxy_walks_the_shared_list_as_multiprocessing_s_does(
         assert list(m.list(["a", "b"])) == ["a", "b"] and list(m.list()) == []
     assert expected == [0, "changed", 3, "appended"]
     assert got == expected
+
+
+def fill_nested(shelf, key, n):
+    """In a child: reach a dict proxy through the dict proxy that holds it, and change it there."""
+    shelf[key]["from child"] = n
+
+
+def test_a_dict_proxy_stored_in_a_dict_proxy_comes_back_as_a_proxy_of_the_same_dict():
+    with roving.Manager() as m:
+        fruit, tools = m.dict(apples=3), m.dict(saws=1)
+        shelf = m.dict(fruit=fruit)  # given to the constructor
+        shelf["tools"] = tools  # and stored by a call
+        shelf["tools"]["hammers"] = 2
+        shelf["fruit"]["apples"] += 1
+        assert dict(tools.items()) == {"saws": 1, "hammers": 2} and fruit["apples"] == 4
+        finish(start(fill_nested, shelf, "fruit", 7))
+        assert fruit["from child"] == 7
+        del fruit, tools  # the shelf's references keep both alive
+        gc.collect()
+        assert shelf["fruit"]["apples"] == 4 and shelf["tools"]["saws"] == 1
+        tools = shelf["tools"]
+        shelf.clear()  # now only this proxy holds the tools
+        assert len(shelf) == 0 and tools["hammers"] == 2
+        rows = m.list([tools, [1, 2]])
+        assert rows[0]["saws"] == 1 and rows[1] == [1, 2] and isinstance(rows[1], list)
+        cond = m.Condition(m.Lock())  # a lock given to a Condition is still the lock itself
+        with cond:
+            assert cond.wait(0.05) is False
+
+
+def test_a_queue_proxy_stored_in_a_list_proxy_comes_back_as_a_proxy_of_the_same_queue():
+    with roving.Manager() as m:
+        q, lst = m.Queue(), m.list()
+        lst.append(q)
+        lst[0].put("through the list")
+        assert q.get(timeout=TIMEOUT) == "through the list"
+        q.put("direct")
+        assert lst[0].get(timeout=TIMEOUT) == "direct"

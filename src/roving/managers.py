@@ -157,9 +157,13 @@ class _Server(_rpc.Server):
             return oid, self.exposed[oid]
 
     def _here(self, value: Any) -> Any:
-        """A proxy of this server as an argument stands for its referent (Condition(Lock()))."""
+        """A proxy of a lock of this server, as a constructor's argument, stands for the lock itself:
+        Condition(Lock()) then waits on the lock, not through a proxy back to this server. Any other
+        proxy stays a proxy, so the object made holds the same shared object (dict(d=other_dict))."""
         if isinstance(value, BaseProxy) and value._token.address == self.node.address:
-            return self.objects[value._token.id]
+            obj = self.objects.get(value._token.id)
+            if callable(getattr(obj, "acquire", None)) and callable(getattr(obj, "release", None)):
+                return obj
         return value
 
     def _handle(self, what: str, *args: Any) -> Tuple[int, Any]:
@@ -177,8 +181,10 @@ class _Server(_rpc.Server):
             if method not in self.exposed[oid]:
                 raise AttributeError(f"method {method!r} of {type(obj).__name__} object is not in the list "
                                      f"of allowed methods {list(self.exposed[oid])}")
-            result = getattr(obj, method)(*map(self._here, call_args),
-                                          **{k: self._here(v) for k, v in kwds.items()})
+            # A proxy in a method's arguments stays a proxy (it holds its own reference here), so
+            # that a shared object stored in another (a dict in a dict, a Queue in a list) comes back
+            # out as a proxy of the same object, as in multiprocessing.
+            result = getattr(obj, method)(*call_args, **kwds)
             typeid = self.registry[self.typeids[oid]][2].get(method) if self.typeids[oid] in self.registry \
                 else None
             if typeid:
