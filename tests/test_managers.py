@@ -372,3 +372,15 @@ def test_a_queue_proxy_stored_in_a_list_proxy_comes_back_as_a_proxy_of_the_same_
         assert q.get(timeout=TIMEOUT) == "through the list"
         q.put("direct")
         assert lst[0].get(timeout=TIMEOUT) == "direct"
+
+
+@pytest.mark.parametrize("where", ["function", "global"])
+def test_a_program_that_never_shuts_its_manager_down_exits_and_its_server_ends(where):
+    from helpers_core import TESTS_DIR, pid_running, run_script, wait_until
+
+    result = run_script(TESTS_DIR / "programs" / "manager_never_shut_down.py", where, timeout=90)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "result 42" in lines, result.stdout
+    server = int(next(line.split()[1] for line in lines if line.startswith("server ")))
+    assert wait_until(lambda: not pid_running(server), TIMEOUT), f"the server (pid {server}) still runs"
