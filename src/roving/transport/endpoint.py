@@ -36,7 +36,8 @@ from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE
                    _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
                    _context, _nbytes, send_frames, split_frames)
 
-__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections"]
+__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections",
+           "flush_sent"]
 
 log = logging.getLogger(__name__)
 
@@ -473,6 +474,21 @@ def _close_for_ended_threads() -> None:
             conn.close()
         except (zmq.ZMQError, OSError):
             pass
+
+
+def flush_sent(timeout: float = 30.0) -> None:
+    """Wait until every message the calling thread sent without an answer (a pipe send or queue put
+    over the mailboxes) has reached its node, up to ``timeout`` s for each connection. A
+    synchronization operation calls this first, so that what it lets another process do next happens
+    after those messages are in their mailboxes (causal order across writers). Costs nothing when
+    everything sent has been answered."""
+    me = threading.current_thread()
+    with _open_lock:
+        waiting = [c for c in _open_connections if c.unacked and c.pending is None and c.thread() is me]
+    for conn in waiting:
+        if not conn.flush(timeout):
+            log.warning("roving: %s did not confirm what this thread sent it within %s s", conn.address,
+                        timeout)
 
 
 def abandon(address: str) -> None:
