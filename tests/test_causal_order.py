@@ -8,7 +8,7 @@ import pytest
 import roving
 from helpers_core import TIMEOUT, finish, start
 
-ROUNDS = 150
+ROUNDS = 100
 
 
 def write_then_barrier(conn, barrier, tag, first):
@@ -30,10 +30,12 @@ def write_under_lock(q_or_conn, lock, turn, tag, first):
         while True:
             with lock:
                 if turn.value == r:
+                    # A's messages are large (they take a while to cross), C's small.
+                    message = (tag, r, b"x" * (4 << 20) if first else b"")
                     if hasattr(q_or_conn, "send"):
-                        q_or_conn.send((tag, r))
+                        q_or_conn.send(message)
                     else:
-                        q_or_conn.put((tag, r))
+                        q_or_conn.put(message)
                     turn.value = r + 1
                     break
             time.sleep(0.0005)
@@ -66,4 +68,4 @@ def test_messages_sent_under_a_lock_by_two_processes_arrive_in_the_lock_s_order(
     c = start(write_under_lock, writer, lock, turn, "C", False)
     got = read_all(take, ROUNDS)
     finish(a, c)
-    assert [r for _, r in got] == list(range(ROUNDS)), got
+    assert [m[1] for m in got] == list(range(ROUNDS)), [m[:2] for m in got]
