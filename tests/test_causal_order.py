@@ -69,3 +69,27 @@ def test_messages_sent_under_a_lock_by_two_processes_arrive_in_the_lock_s_order(
     got = read_all(take, ROUNDS)
     finish(a, c)
     assert [m[1] for m in got] == list(range(ROUNDS)), [m[:2] for m in got]
+
+
+def send_then_signal(conn, signal, done):
+    for r in range(ROUNDS):
+        conn.send(("A", r, b"x" * (4 << 20)))
+        signal.put(r)
+        done.get(timeout=TIMEOUT)
+
+
+def wait_signal_then_send(conn, signal, done):
+    for r in range(ROUNDS):
+        assert signal.get(timeout=TIMEOUT) == r
+        conn.send(("C", r, b""))
+        done.put(r)
+
+
+def test_a_message_sent_before_a_queue_put_arrives_before_one_sent_after_its_get():
+    reader, writer = roving.Pipe(duplex=False)
+    signal, done = roving.Queue(), roving.Queue()
+    a = start(send_then_signal, writer, signal, done)
+    c = start(wait_signal_then_send, writer, signal, done)
+    got = read_all(lambda: reader.recv() if reader.poll(TIMEOUT) else "nothing came", 2 * ROUNDS)
+    finish(a, c)
+    assert [m[:2] for m in got] == [(tag, r) for r in range(ROUNDS) for tag in "AC"]

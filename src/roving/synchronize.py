@@ -31,7 +31,6 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 from . import _rpc
 from . import config as _config
 from . import process as _process
-from .transport import endpoint as _endpoint
 from .transport import session as _session
 from .transport import timeouts
 
@@ -460,9 +459,6 @@ class _Homed:
     def _call(self, method: str, *args: Any, timeout: float = -1,
               on_late: Optional[Callable[[int, List[Any]], None]] = None, raw: bool = False) -> Any:
         payload = pickle.dumps((method, getattr(self, "_id", 0), _who(), timeout, args))
-        # What this thread sent before must be at its destination before another process can act on
-        # this operation (causal order, as with multiprocessing's one pipe).
-        _endpoint.flush_sent()
         status, frames = _caller(self._address).call([payload], on_late=on_late)
         result = pickle.loads(frames[0].bytes)
         if status == _rpc.ERR:
