@@ -309,3 +309,78 @@ def test_every_call_raises_promptly_when_the_server_died_here_and_in_another_pro
     finish(p)
     assert kind == "ServerGone" and waited < 15
     m.shutdown()
+
+
+def _walk_while_changing(lst):
+    """Iterate a list proxy while the shared list changes; what each step sees."""
+    seen = []
+    it = iter(lst)
+    seen.append(next(it))
+    lst[1] = "changed"
+    lst.append("appended")
+    seen.append(next(it))
+    lst.pop(0)
+    seen.extend(it)
+    return seen
+
+
+def test_iterating_a_list_proxy_walks_the_shared_list_as_multiprocessing_s_does():
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Manager() as mp_manager:
+        expected = _walk_while_changing(mp_manager.list([0, 1, 2, 3]))
+    with roving.Manager() as m:
+        got = _walk_while_changing(m.list([0, 1, 2, 3]))
+        assert list(m.list(["a", "b"])) == ["a", "b"] and list(m.list()) == []
+    assert expected == [0, "changed", 3, "appended"]
+    assert got == expected
+
+
+def fill_nested(shelf, key, n):
+    """In a child: reach a dict proxy through the dict proxy that holds it, and change it there."""
+    shelf[key]["from child"] = n
+
+
+def test_a_dict_proxy_stored_in_a_dict_proxy_comes_back_as_a_proxy_of_the_same_dict():
+    with roving.Manager() as m:
+        fruit, tools = m.dict(apples=3), m.dict(saws=1)
+        shelf = m.dict(fruit=fruit)  # given to the constructor
+        shelf["tools"] = tools  # and stored by a call
+        shelf["tools"]["hammers"] = 2
+        shelf["fruit"]["apples"] += 1
+        assert dict(tools.items()) == {"saws": 1, "hammers": 2} and fruit["apples"] == 4
+        finish(start(fill_nested, shelf, "fruit", 7))
+        assert fruit["from child"] == 7
+        del fruit, tools  # the shelf's references keep both alive
+        gc.collect()
+        assert shelf["fruit"]["apples"] == 4 and shelf["tools"]["saws"] == 1
+        tools = shelf["tools"]
+        shelf.clear()  # now only this proxy holds the tools
+        assert len(shelf) == 0 and tools["hammers"] == 2
+        rows = m.list([tools, [1, 2]])
+        assert rows[0]["saws"] == 1 and rows[1] == [1, 2] and isinstance(rows[1], list)
+        cond = m.Condition(m.Lock())  # a lock given to a Condition is still the lock itself
+        with cond:
+            assert cond.wait(0.05) is False
+
+
+def test_a_queue_proxy_stored_in_a_list_proxy_comes_back_as_a_proxy_of_the_same_queue():
+    with roving.Manager() as m:
+        q, lst = m.Queue(), m.list()
+        lst.append(q)
+        lst[0].put("through the list")
+        assert q.get(timeout=TIMEOUT) == "through the list"
+        q.put("direct")
+        assert lst[0].get(timeout=TIMEOUT) == "direct"
+
+
+@pytest.mark.parametrize("where", ["function", "global"])
+def test_a_program_that_never_shuts_its_manager_down_exits_and_its_server_ends(where):
+    from helpers_core import TESTS_DIR, pid_running, run_script, wait_until
+
+    result = run_script(TESTS_DIR / "programs" / "manager_never_shut_down.py", where, timeout=90)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "result 42" in lines, result.stdout
+    server = int(next(line.split()[1] for line in lines if line.startswith("server ")))
+    assert wait_until(lambda: not pid_running(server), TIMEOUT), f"the server (pid {server}) still runs"

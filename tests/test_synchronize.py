@@ -68,6 +68,12 @@ def write_array(arr):
         arr[1:3] = [7, 8]
 
 
+def hold_until(lock, held, done):
+    with lock:
+        held.set()
+        done.wait(TIMEOUT)
+
+
 def count_action(counter):
     with counter.get_lock():
         counter.value += 1
@@ -304,3 +310,66 @@ def _rpc_home_waiters(lock):
 
     objects = synchronize.home().objects
     return lambda: len(objects[lock._id].queue)
+
+
+# -- reprs ------------------------------------------------------------------------------------
+
+def _reprs(m):
+    """The reprs multiprocessing's tests and users see, for module ``m`` (multiprocessing or roving)."""
+    out = {}
+    lock, rlock = m.Lock(), m.RLock()
+    out["lock free"] = repr(lock)
+    with lock:
+        out["lock mine"] = repr(lock)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(repr(lock)), name="Reader")
+        t.start()
+        t.join(TIMEOUT)
+        out["lock other thread"] = seen[0]
+
+        def own_in_thread():
+            with lock2:
+                seen.append(repr(lock2))
+        lock2 = m.Lock()
+        t = threading.Thread(target=own_in_thread, name="Owner")
+        t.start()
+        t.join(TIMEOUT)
+        out["lock mine in thread"] = seen[1]
+    out["rlock free"] = repr(rlock)
+    with rlock, rlock:
+        out["rlock mine"] = repr(rlock)
+    out["sem"] = repr(m.Semaphore(3))
+    out["bsem"] = repr(m.BoundedSemaphore(2))
+    bsem = m.BoundedSemaphore(2)
+    bsem.acquire()
+    out["bsem taken"] = repr(bsem)
+    cond = m.Condition(m.Lock())
+    out["cond"] = repr(cond)
+    event = m.Event()
+    out["event unset"] = repr(event).replace(hex(id(event)), "ADDR")
+    event.set()
+    out["event set"] = repr(event).replace(hex(id(event)), "ADDR")
+    return out
+
+
+def test_reprs_read_as_multiprocessing_s_do():
+    import multiprocessing
+
+    expected = _reprs(multiprocessing.get_context("spawn"))
+    got = _reprs(roving)
+    assert got == expected
+    assert expected["event unset"] == "<Event at ADDR unset>"  # the format the issue names
+    assert expected["lock mine in thread"] == "<Lock(owner=MainProcess|Owner)>"
+
+
+def test_a_lock_held_by_another_process_reads_someotherprocess_as_in_multiprocessing():
+    lock, rlock, held, done = roving.Lock(), roving.RLock(), roving.Event(), roving.Event()
+    p = start(hold_until, lock, held, done)
+    q = start(hold_until, rlock, held, done)
+    try:
+        assert wait_until(lambda: repr(lock) == "<Lock(owner=SomeOtherProcess)>"
+                          and repr(rlock) == "<RLock(SomeOtherProcess, nonzero)>", TIMEOUT), (lock, rlock)
+    finally:
+        done.set()
+    finish(p, q)
+    assert repr(lock) == "<Lock(owner=None)>" and repr(rlock) == "<RLock(None, 0)>"

@@ -28,7 +28,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .transport import node as _node
-from .transport.endpoint import Channel, ConnectionLost, TransportError
+from .transport.endpoint import Channel, ConnectionLost, TransportError, flush_sent
 from .transport import timeouts
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,9 @@ class Caller:
             raise self._gone("its process has exited")
 
     def submit(self, payload: List[Any], kind: int = CALL) -> int:
-        """Send a request; returns its id (TELL: no answer will come)."""
+        """Send a request; returns its id (TELL: no answer will come). What the calling thread sent
+        without an answer before is first confirmed at its nodes (causal order: see flush_sent)."""
+        flush_sent()
         self._check()
         with self._lock:
             req_id = next(self._ids)

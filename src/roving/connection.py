@@ -14,6 +14,7 @@ stays on the mailboxes.
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -21,6 +22,8 @@ import time
 import weakref
 from typing import Any, Deque, List, Optional, Tuple
 
+from . import _rpc
+from . import config as _config
 from . import process as _process
 from .queues import raise_error
 from .transport import link as _link
@@ -63,7 +66,9 @@ class Connection:
         self._endpoint = _session.current().endpoint(self._address)
         self._lock = threading.RLock()
         self._link: Optional[_link.Link] = None
-        self._claim: Optional[str] = None  # None: not used here yet; "claimed"; "given" (went away)
+        # None: not used here yet; "claimed"; "shared" (claimed, but another process writes to it
+        # too: never on a stream); "given" (went away)
+        self._claim: Optional[str] = None
         self._stash: Deque[Tuple[bytes, List[Any]]] = collections.deque()  # read, not yet returned
         _open.add(self)
 
@@ -141,7 +146,10 @@ class Connection:
         if self._claim is None:
             self._claim = "claimed"
             try:
-                _link.claim(self)
+                _session.current().node().service("pipe-revoke", _RevokeServer)
+                holder = _link.claim(self)
+                if holder is not None:
+                    _revoke_at(holder, self)
             except Exception as exc:  # the mailboxes work regardless
                 log.debug("roving: pipe end stays on its mailbox: %s", exc)
         return self._link
@@ -151,7 +159,7 @@ class Connection:
         was read and not returned, and let another process claim it."""
         with self._lock:
             link, self._link = self._link, None
-            claimed = self._claim == "claimed"
+            claimed = self._claim in ("claimed", "shared")
             if claimed:
                 self._claim = "given"
             stash, self._stash = list(self._stash), collections.deque()
@@ -277,6 +285,48 @@ class Connection:
         """
         self._check_readable()
         return self._fetch(timeouts.limit(timeout)) != _node.EMPTY
+
+
+# -- an end written by two processes ------------------------------------------------------------
+
+_REVOKE = b"pipe-revoke"
+
+
+class _RevokeServer(_rpc.Server):
+    """Answers "stop writing to your stream" for the pipe ends this process claimed (see link.revoke)."""
+
+    def __init__(self, node: Any) -> None:
+        super().__init__(node, _REVOKE)
+
+    def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
+        owner, inbox, outbox = json.loads(bytes(frames[0]))
+
+        def run() -> None:  # off the I/O thread: stopping may wait for a send in progress
+            try:
+                _link.revoke(owner, int(inbox), int(outbox))
+            finally:
+                self.answer(ident, req_id, _rpc.OK)
+        threading.Thread(target=run, name="roving-pipe-revoke", daemon=True).start()
+
+
+def _revoke_at(node_address: str, end: "Connection") -> None:
+    """Make the process at ``node_address``, which claimed ``end`` first, stop writing it to a stream
+    before this process writes it to the mailbox: both then write to the one mailbox, in causal order."""
+    try:
+        caller = _rpc.Caller(node_address, _session.current().secret, _REVOKE, "the other process writing "
+                             "this pipe end", connect_timeout=min(5.0, _config.current().connect_timeout))
+    except ConnectionError as exc:  # it has ended: its stream ended with it
+        log.debug("roving: %s", exc)
+        return
+    try:
+        req_id = caller.submit([json.dumps([end._address, end._inbox or 0, end._outbox or 0]).encode()])
+        if caller.collect(req_id, 30.0) is None:
+            log.warning("roving: the process at %s did not leave its pipe stream within 30 s; messages "
+                        "of this pipe end may arrive out of order", node_address)
+    except ConnectionError as exc:
+        log.debug("roving: %s", exc)
+    finally:
+        caller.close()
 
 
 def close_all(timeout: float = 10.0) -> None:

@@ -17,6 +17,9 @@ Guarantees:
 * :class:`AsyncManager` creates proxies whose method calls return a :class:`Handle` at once; the calls
   run concurrently in the server, and each handle gets its own call's result (matched by call id) in
   whatever order the handles are collected.
+* A started manager's server stops at ``shutdown()``, or when the manager is garbage-collected, or at
+  exit, whichever comes first (as multiprocessing's Finalize does): a program that never calls
+  ``shutdown()`` still exits.
 * Objects are reference-counted by the proxies alive in all processes and freed at the server when the
   last one goes (as in multiprocessing, a proxy in flight inside a message does not hold a reference).
 """
@@ -157,9 +160,13 @@ class _Server(_rpc.Server):
             return oid, self.exposed[oid]
 
     def _here(self, value: Any) -> Any:
-        """A proxy of this server as an argument stands for its referent (Condition(Lock()))."""
+        """A proxy of a lock of this server, as a constructor's argument, stands for the lock itself:
+        Condition(Lock()) then waits on the lock, not through a proxy back to this server. Any other
+        proxy stays a proxy, so the object made holds the same shared object (dict(d=other_dict))."""
         if isinstance(value, BaseProxy) and value._token.address == self.node.address:
-            return self.objects[value._token.id]
+            obj = self.objects.get(value._token.id)
+            if callable(getattr(obj, "acquire", None)) and callable(getattr(obj, "release", None)):
+                return obj
         return value
 
     def _handle(self, what: str, *args: Any) -> Tuple[int, Any]:
@@ -177,8 +184,10 @@ class _Server(_rpc.Server):
             if method not in self.exposed[oid]:
                 raise AttributeError(f"method {method!r} of {type(obj).__name__} object is not in the list "
                                      f"of allowed methods {list(self.exposed[oid])}")
-            result = getattr(obj, method)(*map(self._here, call_args),
-                                          **{k: self._here(v) for k, v in kwds.items()})
+            # A proxy in a method's arguments stays a proxy (it holds its own reference here), so
+            # that a shared object stored in another (a dict in a dict, a Queue in a list) comes back
+            # out as a proxy of the same object, as in multiprocessing.
+            result = getattr(obj, method)(*call_args, **kwds)
             typeid = self.registry[self.typeids[oid]][2].get(method) if self.typeids[oid] in self.registry \
                 else None
             if typeid:
@@ -539,6 +548,9 @@ BaseListProxy = MakeProxyType("BaseListProxy", (
 
 
 class ListProxy(BaseListProxy):
+    """A shared list. It has no ``__iter__``, as multiprocessing's has none: ``iter()`` walks the shared
+    list by index, one ``__getitem__`` call a step, so each step sees the list as it is then."""
+
     def __iadd__(self, value: Any) -> "ListProxy":
         self._callmethod("extend", (value,))
         return self
@@ -546,9 +558,6 @@ class ListProxy(BaseListProxy):
     def __imul__(self, value: Any) -> "ListProxy":
         self._callmethod("__imul__", (value,))
         return self
-
-    def __iter__(self):
-        return iter(self._callmethod("__getitem__", (slice(None),)))
 
 
 DictProxy = MakeProxyType("DictProxy", (
@@ -668,7 +677,12 @@ class BaseManager:
                                f"output of {self._process.name}") from None
         _started[self._address] = self._process
         self._state = "started"
-        _live.add(self)
+        # As multiprocessing's Finalize: the server stops when this manager is collected, or at exit,
+        # whichever comes first, even if shutdown() is never called.
+        self._finalizer = weakref.finalize(self, _stop_server, self._process, self._address, self._key(),
+                                           self._shutdown_timeout)
+        self._finalizer.atexit = False  # _shutdown_all runs it, before roving joins its children
+        _running[:] = [f for f in _running if f.alive] + [self._finalizer]
 
     def connect(self) -> None:
         """Use the running manager at ``address`` (authenticated with ``authkey``)."""
@@ -682,17 +696,7 @@ class BaseManager:
         if self._state != "started":
             return
         self._state = "shutdown"
-        _live.discard(self)
-        try:
-            if self._process._exitcode is None and self._address not in _rpc._dead:
-                _request(self._address, self._key(), "shutdown")
-        except (ConnectionError, OSError):
-            pass
-        self._process.join(self._shutdown_timeout + 5)
-        if self._process.exitcode is None:
-            self._process.terminate()
-            self._process.join(5)
-        _rpc.mark_dead(self._address)
+        _run_now(self._finalizer)
 
     def join(self, timeout: Optional[float] = None) -> None:
         if self._process is not None:
@@ -855,16 +859,39 @@ def Manager(*, ctx: Any = None) -> SyncManager:
     return manager
 
 
-_live: "weakref.WeakSet[BaseManager]" = weakref.WeakSet()
+# The finalizer of each server this process started (those already run are pruned at each start).
+_running: List[weakref.finalize] = []
+
+
+def _stop_server(process: "_process.Process", address: str, authkey: bytes, timeout: float) -> None:
+    """Ask the server at ``address`` to stop, wait up to ``timeout`` + 5 s, then terminate it."""
+    try:
+        if process._exitcode is None and address not in _rpc._dead:
+            _request(address, authkey, "shutdown")
+    except (ConnectionError, OSError):
+        pass
+    process.join(timeout + 5)
+    if process.exitcode is None:
+        process.terminate()
+        process.join(5)
+    _rpc.mark_dead(address)
+
+
+def _run_now(finalizer: weakref.finalize) -> None:
+    """Run ``finalizer`` once, even at exit (where weakref's own exit hook has disabled calling it)."""
+    info = finalizer.detach()
+    if info is not None:
+        _, func, args, kwargs = info
+        func(*args, **kwargs)
 
 
 def _shutdown_all() -> None:
     """At exit, before roving joins its children: stop the managers still running (as multiprocessing)."""
-    for manager in list(_live):
+    for finalizer in list(_running):
         try:
-            manager.shutdown()
+            _run_now(finalizer)
         except Exception:
-            pass
+            log.exception("roving: a manager's server could not be stopped at exit")
 
 
 atexit.register(_shutdown_all)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from . import _rpc
 from . import config as _config
+from . import process as _process
 from .transport import session as _session
 from .transport import timeouts
 
@@ -137,6 +138,9 @@ class _Cond:
     def __init__(self, lock: _Sem) -> None:
         self.lock = lock
         self.waiters: Deque[_Waiter] = deque()
+
+    def info(self) -> int:
+        return len(self.waiters)
 
     def _check_owned(self, who: str, what: str) -> None:
         if not self.lock.is_mine(who):
@@ -490,12 +494,18 @@ class _SemLock(_Homed):
     def _info(self) -> Tuple[Any, ...]:
         return self._call("info")
 
-    def __repr__(self) -> str:
-        try:
-            kind, value, owner, count, waiting = self._info()
-        except Exception:
-            return f"<{type(self).__name__}(unknown)>"
-        return f"<{type(self).__name__}(value={value}, owner={owner}, count={count}, waiting={waiting})>"
+    def _owner_name(self, owner: Optional[str]) -> str:
+        """The owner as multiprocessing's reprs name it, seen from the calling thread."""
+        if owner == _who():
+            name = _process.current_process().name
+            if threading.current_thread().name != "MainThread":
+                name += "|" + threading.current_thread().name
+            return name
+        if owner is None:
+            return "None"
+        if owner.split("/", 1)[0] == _session.current().uid:
+            return "SomeOtherThread"
+        return "SomeOtherProcess"
 
 
 class Lock(_SemLock):
@@ -508,14 +518,10 @@ class Lock(_SemLock):
 
     def __repr__(self) -> str:
         try:
-            kind, value, owner, count, waiting = self._info()
+            name = self._owner_name(self._info()[2])
         except Exception:
-            return "<Lock(unknown)>"
-        if value:
-            state = "unlocked"
-        else:
-            state = "MainThread" if owner == _who() else "SomeOtherThread"
-        return f"<Lock(owner={state})>"
+            name = "unknown"
+        return f"<Lock(owner={name})>"
 
 
 class RLock(_SemLock):
@@ -526,6 +532,18 @@ class RLock(_SemLock):
     def __init__(self, *, ctx: Any = None) -> None:
         self._create(1, None)
 
+    def __repr__(self) -> str:
+        try:
+            _, _, owner, count, _ = self._info()
+            name = self._owner_name(owner)
+            if owner is None:
+                count = 0
+            elif owner != _who():
+                count = "nonzero"
+        except Exception:
+            name, count = "unknown", "unknown"
+        return f"<RLock({name}, {count})>"
+
 
 class Semaphore(_SemLock):
     """A counting semaphore; see :class:`multiprocessing.Semaphore`."""
@@ -535,7 +553,8 @@ class Semaphore(_SemLock):
     def __init__(self, value: int = 1, *, ctx: Any = None) -> None:
         if value < 0:
             raise ValueError("semaphore initial value must be >= 0")
-        self._create(int(value), self._max(value))
+        self._maxvalue = self._max(value)
+        self._create(int(value), self._maxvalue)
 
     @staticmethod
     def _max(value: int) -> Optional[int]:
@@ -544,6 +563,13 @@ class Semaphore(_SemLock):
     def get_value(self) -> int:
         return self._info()[1]
 
+    def __repr__(self) -> str:
+        try:
+            value: Any = self.get_value()
+        except Exception:
+            value = "unknown"
+        return f"<{type(self).__name__}(value={value})>"
+
 
 class BoundedSemaphore(Semaphore):
     """A semaphore that may not be released above its initial value (ValueError)."""
@@ -551,6 +577,13 @@ class BoundedSemaphore(Semaphore):
     @staticmethod
     def _max(value: int) -> Optional[int]:
         return int(value)
+
+    def __repr__(self) -> str:
+        try:
+            kind, value, _, _, _ = self._info()
+        except Exception:
+            value = "unknown"
+        return f"<{type(self).__name__}(value={value}, maxvalue={self._maxvalue})>"
 
 
 class Condition(_Homed):
@@ -612,7 +645,11 @@ class Condition(_Homed):
     notifyAll = notify_all
 
     def __repr__(self) -> str:
-        return f"<Condition({self._lock!r})>"
+        try:
+            waiting: Any = self._call("info")
+        except Exception:
+            waiting = "unknown"
+        return f"<Condition({self._lock!r}, {waiting})>"
 
 
 class Event(_Homed):
@@ -637,7 +674,7 @@ class Event(_Homed):
         return self._call("wait", timeout=_timeout(True, timeout))
 
     def __repr__(self) -> str:
-        return f"<Event({'set' if self.is_set() else 'unset'})>"
+        return f"<{type(self).__qualname__} at {id(self):#x} {'set' if self.is_set() else 'unset'}>"
 
 
 class Barrier(_Homed):
@@ -689,5 +726,3 @@ class Barrier(_Homed):
     def broken(self) -> bool:
         return self._call("barrier_info")[1]
 
-    def __repr__(self) -> str:
-        return f"<Barrier(parties={self._parties})>"

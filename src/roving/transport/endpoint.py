@@ -36,7 +36,8 @@ from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE
                    _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
                    _context, _nbytes, send_frames, split_frames)
 
-__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections"]
+__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections",
+           "flush_sent"]
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,9 @@ class _Connection:
         req_id = next(self._ids)
         if op in NO_REPLY:
             self.unacked = True
+            unconfirmed = _unconfirmed()
+            if self not in unconfirmed:
+                unconfirmed.append(self)
         self._transmit([op, _HEADER.pack(box_id, req_id, timeout), *payload])
         return req_id
 
@@ -417,9 +421,11 @@ class Endpoint:
     def call(self, op: bytes, box_id: int, timeout: float = -1,
              payload: Frames = ()) -> Tuple[int, Frames]:
         if self.local is not None:
+            flush_sent()
             status, frames = self.local.call_local(op, box_id, timeout, _own(payload))
             return status, frames or []
         conn = self._conn()
+        flush_sent(keep=conn)
         # The node answers every wait itself; this guard only catches a node that has gone away.
         wait = timeouts.from_wire(timeout)
         guard = None if wait < 0 else wait + 30.0
@@ -427,11 +433,14 @@ class Endpoint:
 
     def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:
         if self.local is not None:
+            flush_sent()
             status, frames = self.local.call_local(op, box_id, 0, _own(payload))
             if status == ERROR:
                 raise TransportError(bytes(frames[0]).decode() if frames else "error")
             return
-        self._conn().send(op, box_id, 0, list(payload))
+        conn = self._conn()
+        flush_sent(keep=conn)
+        conn.send(op, box_id, 0, list(payload))
 
     def ping(self, timeout: float) -> bool:
         """True when the node answers within ``timeout`` seconds."""
@@ -473,6 +482,37 @@ def _close_for_ended_threads() -> None:
             conn.close()
         except (zmq.ZMQError, OSError):
             pass
+
+
+_sent = threading.local()  # .conns: this thread's connections that carried a send not yet confirmed
+
+
+def _unconfirmed() -> List["_Connection"]:
+    conns = getattr(_sent, "conns", None)
+    if conns is None:
+        conns = _sent.conns = []
+    return conns
+
+
+def flush_sent(timeout: float = 30.0, keep: Optional["_Connection"] = None) -> None:
+    """Wait until every message the calling thread sent without an answer (a pipe send or queue put
+    over the mailboxes) has reached its node, up to ``timeout`` s for each connection; ``keep``, the
+    connection about to be used, is not waited for (a node handles one connection's messages in
+    order). Every operation another process can observe calls this first — a synchronization
+    primitive's, a manager's, and a send or put towards another node — so that a message that
+    happens-before another arrives before it, also across writers (causal order, as with
+    multiprocessing's one pipe). Costs nothing when the thread's last sends went where it sends now."""
+    conns = _unconfirmed()
+    if not conns or (len(conns) == 1 and conns[0] is keep):
+        return
+    for conn in conns:
+        if conn is keep or not conn.unacked or conn.pending is not None:
+            continue
+        if not conn.flush(timeout):
+            log.warning("roving: %s did not confirm what this thread sent it within %s s", conn.address,
+                        timeout)
+    conns[:] = [c for c in conns if c.unacked and c is not keep and not c.broken] + \
+        ([keep] if keep is not None and keep.unacked else [])
 
 
 def abandon(address: str) -> None:

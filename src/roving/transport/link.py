@@ -75,7 +75,9 @@ class Link:
         """Send one message over the stream; False when it must go to the mailbox instead."""
         with self.stream.write_lock:
             if self.out == BOX:
-                self.end._endpoint.tell(_node.PUT_NOREPLY, self.end._outbox, [SWITCH, self.token.encode()])
+                # Confirmed, not told: once a writer of another process is told this end stopped
+                # writing here (revoke), the switch item is surely in the mailbox before its messages.
+                self.end._endpoint.call(_node.PUT, self.end._outbox, 0, [SWITCH, self.token.encode()])
                 self.out = OPEN
             if self.out != OPEN:
                 return False
@@ -228,10 +230,14 @@ def _listener() -> _stream.Listener:
     return node.streams()
 
 
-def claim(end: Any) -> None:
-    """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed."""
+def claim(end: Any) -> Optional[str]:
+    """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed.
+
+    Returns the node address of another process that holds the claim (the end is used by two
+    processes: this one must keep to the mailbox, and that one must first stop writing to its stream,
+    see :func:`revoke`), else None."""
     if not enabled:
-        return
+        return None
     session = _session.current()
     listener = _listener()
     key = (end._address, end._inbox or 0, end._outbox or 0)
@@ -241,10 +247,12 @@ def claim(end: Any) -> None:
     status, frames = end._endpoint.call(_node.CLAIM, end._inbox or end._outbox, 0,
                                         [json.dumps(request).encode()])
     if status != _node.OK:
-        return
+        return None
     answer = json.loads(bytes(frames[0]))
+    if answer.get("answer") == "no":
+        return answer.get("holder") or None
     if answer.get("answer") != "go":
-        return
+        return None
     token = _stream.new_token()
     opening = {"purpose": "pipe", "token": token, "owner": end._address, "end": [end._outbox or 0, end._inbox or 0],
                "node": session.node().address}
@@ -252,15 +260,32 @@ def claim(end: Any) -> None:
         stream = _stream.connect(answer["stream"], session.secret, opening, timeout=10.0)
     except (OSError, ConnectionError) as exc:
         log.debug("roving: pipe end stays on its mailbox: %s", exc)
-        return
+        return None
     link = Link(stream, token, answer["node"], end)
     with end._lock:
         if end._closed or end._link is not None or end._claim != "claimed":
             stream.close()
-            return
+            return None
         end._link = link
     with _lock:
         _links[token] = link
+    return None
+
+
+def revoke(owner: str, inbox: int, outbox: int) -> None:
+    """Another process writes to the end (``owner``, ``inbox``, ``outbox``) that this process claimed:
+    this process stops writing to its stream (a back message, then the mailbox) and never links it
+    again, so that both write to the one mailbox and their messages keep their order there. Returns
+    once the back message is sent (up to 5 s if another thread is sending)."""
+    end = _ends.get((owner, inbox, outbox))
+    if end is None:
+        return
+    with end._lock:
+        if end._claim == "claimed":
+            end._claim = "shared"  # claim() installs no stream for it from now on
+        link = end._link
+    if link is not None:
+        link.stop_writing()
 
 
 def unclaim(end: Any) -> None:

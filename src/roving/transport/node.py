@@ -408,7 +408,8 @@ class Node:
         uid = str(request["uid"])
         held = self.claims.get((inbox, outbox))
         if held is not None and held["uid"] != uid:
-            return {"answer": "no"}
+            # Its holder must stop writing to its stream before this claimant writes to the mailbox.
+            return {"answer": "no", "holder": held.get("node")}
         self.claims[(inbox, outbox)] = {"uid": uid, "stream": request.get("stream"),
                                          "node": request.get("node")}
         peer = self.claims.get((outbox, inbox))
