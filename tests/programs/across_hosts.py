@@ -293,6 +293,11 @@ def job_of_worker(_):
     return socket.gethostname(), os.environ.get("SLURM_JOB_ID")
 
 
+def job_of_worker_met(barrier, x):
+    barrier.wait(60)
+    return job_of_worker(x)
+
+
 def slow_square(arg):
     x, seconds = arg
     time.sleep(seconds)
@@ -302,7 +307,8 @@ def slow_square(arg):
 def orphans_scenario():
     """Workers on the compute hosts, then READY with their Slurm job ids; the test cuts this host off."""
     pool = roving.Pool(3)
-    seen = set(pool.map(job_of_worker, range(30), chunksize=1))
+    barrier = roving.Barrier(3)  # three items held at once: every worker runs one
+    seen = set(pool.starmap(job_of_worker_met, [(barrier, x) for x in range(3)], chunksize=1))
     print("READY " + json.dumps({"hosts": sorted({h for h, _ in seen}), "jobs": sorted({j for _, j in seen})}),
           flush=True)
     time.sleep(600)
