@@ -557,3 +557,33 @@ def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_th
     with pytest.raises(_Timeout):
         t._round_recv("done", 1)
     assert asked[-1] is None
+
+
+def test_loading_weights_leaves_out_a_node_that_dies_meanwhile():
+    """Two nodes of one lost machine are declared dead one after the other: the second can die while
+    the first one's re-plan moves weights to it. The load goes on without it (it is re-planned around
+    at the next boundary) instead of waiting for its answer until the timeout (seen across hosts)."""
+    prep = prepare(TrainConfig(**dict(CFG, timeout=30)))
+    with Trainer(prep) as t:
+        t.iteration(0)
+        a, b = sorted(t.alloc)[:2]
+        stage = t.alloc[a]
+        _, _, _, params, opt = t._ask(("export",), "exported", [a])[a]
+        real_put = t._put
+
+        def put(name, msg):
+            real_put(name, msg)
+            if name == b and msg[0] == "load":  # b dies before it can answer
+                t.procs[b].kill()
+                assert wait_until(lambda: not t.procs[b].is_alive(), 30)
+
+        t._put = put
+        started = time.monotonic()
+        try:
+            t._load_stages({stage: {"params": params, "optimizer": opt}}, {a: stage, b: stage})
+        finally:
+            t._put = real_put
+        assert time.monotonic() - started < 25, "the load waited for the dead node's answer"
+        assert t.holding[a] == stage and b in t._pending_failures and b not in t.inboxes
+        rec = t.iteration(1)  # the next attempt plans around it
+        assert b not in t.alloc and math.isfinite(rec["train_loss"])

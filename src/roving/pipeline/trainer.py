@@ -664,14 +664,22 @@ class Trainer:
         return sources
 
     def _load_stages(self, stages: dict[int, dict], targets: dict[str, int]) -> None:
-        """Each target node loads its stage's weights and optimizer state; ``holding`` follows."""
-        for name, stage in targets.items():
+        """Each target node loads its stage's weights and optimizer state; ``holding`` follows. A target
+        that is dead already, or dies meanwhile, is left out: it is re-planned around at the next
+        attempt's boundary (two nodes of one lost machine are often declared dead one after the other,
+        the second while the first one's re-plan moves weights)."""
+        waiting = {name for name in targets if name in self.inboxes}
+        for name in sorted(waiting):
+            stage = targets[name]
             limit = max(1, self.net.node(name).in_flight(stage, self.spec, self.c.stages))
             st = stages[stage]
             self._put(name, ("load", stage, limit, st["params"], st["optimizer"]))
-        waiting = set(targets)
         while waiting:
-            _, name, stage = self._recv("loaded", names=waiting)
+            try:
+                _, name, stage = self._recv("loaded", names=waiting)
+            except NodesLost as exc:
+                waiting -= set(exc.names)
+                continue
             waiting.discard(name)
             self.holding[name] = stage
 
