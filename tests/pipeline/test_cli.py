@@ -137,13 +137,13 @@ def _one_error_line(capsys):
 
 def test_network_and_nodes_files_of_the_wrong_shape_are_one_line_errors_naming_the_file(tmp_path, capsys):
     base = ["pipeline", "plan", "--stages", "2", "--skip", "0", "--budget", "0.2", "--json", str(tmp_path / "o.json")]
-    cases = [({"regions": ["a"], "links": []}, "[1, 2]", "network", "a network file is a JSON object"),
-             (None, '{"regions": "eu"}', "network", "regions must be a list of region names, got a string"),
-             (None, '{"links": {"a": 1}}', "network", "links must be a list of objects"),
-             (None, '{"links": [], "regions": ["a"], "intra": 3}', "network", "intra must be an object"),
-             (None, "[1]", "nodes", "a nodes file is a JSON list of objects"),
-             (None, '"eu"', "nodes", "got a string")]
-    for _, text, which, words in cases:
+    cases = [("[1, 2]", "network", "a network file is a JSON object with regions and links, got a list"),
+             ('{"regions": "eu"}', "network", "regions must be a list of region names, got a string"),
+             ('{"links": {"a": 1}}', "network", "links must be a list of objects"),
+             ('{"links": [], "regions": ["a"], "intra": 3}', "network", "intra must be an object"),
+             ("[1]", "nodes", "a nodes file is a JSON list of objects"),
+             ('"eu"', "nodes", "got a string")]
+    for text, which, words in cases:
         bad = tmp_path / f"{which}.json"
         bad.write_text(text)
         net, nodes = (str(bad), "4") if which == "network" else ("gcp12", str(bad))
