@@ -1,6 +1,6 @@
 """Shared fixtures of roving's core tests.
 
-* tests/ is put on sys.path, so that children (which take on the parent's sys.path) can import
+* tests/support/ is put on sys.path, so that children (which take on the parent's sys.path) can import
   ``helpers_targets`` by reference.
 * Every test starts from the configuration of the environment (no ``roving.init`` leaks between tests), and any child a test
   leaves running is killed afterwards, so that a failing test cannot leave processes behind.
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
-if str(TESTS_DIR) not in sys.path:
-    sys.path.insert(0, str(TESTS_DIR))
+SUPPORT_DIR = Path(__file__).resolve().parent / "support"
+if str(SUPPORT_DIR) not in sys.path:
+    sys.path.insert(0, str(SUPPORT_DIR))
 
 import roving  # noqa: E402
 from roving import config as _config  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from roving.pipeline import ModelSpec, PlanError, full_pipeline, plan, random_skip, simulate, validate
-from helpers import assert_memory_respected, assert_paths_valid, small_network
+from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
 

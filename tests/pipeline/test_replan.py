@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from roving.pipeline import ModelSpec, PlanError, build_network, model_preset, plan, replan
 from roving.pipeline.network import Node
-from helpers import assert_memory_respected, assert_paths_valid, small_network
+from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
 

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 import roving
-from helpers_core import TESTS_DIR, TIMEOUT, run_script, wait_until
+from helpers_core import TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import CuttingProxy
 from roving import _rpc
 from roving.transport import crypto
@@ -188,7 +188,7 @@ def test_a_pool_finishes_every_item_when_its_workers_connections_are_cut():
     reconnect and say HELLO again; the parent puts the units they held back in line. Every item comes
     back once, no worker is lost (the heartbeat timeout is 600 s: it cannot be what finishes the map).
     Cut again once idle, they find it out and reconnect with no work to make them talk."""
-    out = run_script(TESTS_DIR / "programs" / "pool_through_drop.py",
+    out = run_script(PROGRAMS / "pool_through_drop.py",
                      env={"ROVING_POOL_HEARTBEAT_TIMEOUT": "600"}, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])

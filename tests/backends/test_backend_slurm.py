@@ -11,7 +11,7 @@ import pytest
 import helpers_backends as hb
 import helpers_targets as h
 import roving
-from helpers_core import wait_until
+from helpers_core import wait_until, PROGRAMS
 from roving import backends
 from roving.backends.slurm import SlurmBackend
 
@@ -160,9 +160,9 @@ def test_cancel_all_lists_only_this_users_jobs():
 
 def _program(*args, timeout=180):
     import sys
-    from helpers_core import TESTS_DIR
+    from helpers_core import PROGRAMS
 
-    return subprocess.Popen([sys.executable, str(TESTS_DIR / "programs" / "slurm_cancel_lines.py"), *args],
+    return subprocess.Popen([sys.executable, str(PROGRAMS / "slurm_cancel_lines.py"), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

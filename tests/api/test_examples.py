@@ -18,7 +18,7 @@ import pytest
 import gymnasium  # noqa: F401  (the examples need it and torch: a missing one fails here, loudly)
 import torch  # noqa: F401
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # pool workers take on this sys.path, so they import the examples too
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import shutil
 
-from helpers_core import TESTS_DIR, run_script
+from helpers_core import run_script, PROGRAMS
 
-PROGRAM = TESTS_DIR / "programs" / "mp_program.py"
+PROGRAM = PROGRAMS / "mp_program.py"
 
 
 def test_multiprocessing_program_prints_the_same_with_roving_as_with_the_stdlib(tmp_path):

@@ -18,7 +18,7 @@ What to know when writing a test:
   (:func:`cut`: partitioned, its processes live on) or a host killed whole (:func:`kill_host`).
 * A process's roving endpoint binds once, with the options of its first use (the pytest process's
   usually to loopback, by an earlier test): a cross-host parent runs as a program of its own
-  (:func:`run_on` / :func:`call_on`, e.g. tests/programs/hosts_pool.py), on the root host or another.
+  (:func:`run_on` / :func:`call_on`, e.g. tests/support/programs/hosts_pool.py), on the root host or another.
 * Every call here has a timeout; use :func:`slurm` for Slurm's commands (srun can hang after a node
   failure) and the :func:`hosts` fixture in any test that cuts or kills a host: it mends them afterwards,
   even when the test fails.
@@ -38,9 +38,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import pytest
 
-from helpers_core import TESTS_DIR, TIMEOUT
+from helpers_core import SUPPORT_DIR, TIMEOUT, ROOT
 
-SCRIPTS = TESTS_DIR.parent / "scripts" / "cluster"
+SCRIPTS = ROOT / "scripts" / "cluster"
 HOSTS_SH = SCRIPTS / "hosts.sh"
 ENV_FILE = SCRIPTS / "hosts.env"
 FIX = "run `bash scripts/cluster/hosts.sh` as root (scripts/test.sh does)"
@@ -194,7 +194,7 @@ def program_env(**extra: str) -> Dict[str, str]:
     Slurm's own variables, the multi-node cluster's SLURM_CONF, tests/ and src/ on PYTHONPATH, ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
     env["SLURM_CONF"] = SLURM_CONF
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), str(TESTS_DIR.parent / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT_DIR), str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
 
@@ -204,7 +204,7 @@ class Program:
     comes: :meth:`wait_for` a line it prints, :meth:`result` its ``RESULT <json>`` line at the end."""
 
     def __init__(self, h: HostLike, argv: Sequence[str], env: Dict[str, str], stdin: bool = False) -> None:
-        self.proc = run_on(h, argv, env=env, cwd=str(TESTS_DIR.parent), text=True, stdout=subprocess.PIPE,
+        self.proc = run_on(h, argv, env=env, cwd=str(ROOT), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
         self.name = " ".join(Path(a).name for a in argv[1:3])
         self.output: List[str] = []

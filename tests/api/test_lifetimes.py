@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from helpers_core import TESTS_DIR, pid_running, wait_until
+from helpers_core import pid_running, wait_until, PROGRAMS
 
-PROGRAM = TESTS_DIR / "programs" / "parent_with_children.py"
+PROGRAM = PROGRAMS / "parent_with_children.py"
 GONE_WITHIN = 10.0  # seconds: the requirement
 
 
@@ -116,7 +116,7 @@ def test_exit_does_not_wait_for_a_node_whose_process_has_ended(tmp_path):
     """What was put to a queue of an ended child is gone with it: the parent's exit notices that
     nothing listens there any more instead of waiting (10 s) for an answer, and warns of nothing."""
     env = {k: v for k, v in os.environ.items() if k != "ROVING_CHILD"}
-    run = subprocess.run([sys.executable, str(TESTS_DIR / "programs" / "put_to_ended_child.py")], env=env,
+    run = subprocess.run([sys.executable, str(PROGRAMS / "put_to_ended_child.py")], env=env,
                          cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and "joined 0" in run.stdout, run.stderr
     assert "may be lost" not in run.stderr, run.stderr

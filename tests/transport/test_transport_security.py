@@ -19,7 +19,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import roving
-from helpers_core import TESTS_DIR, TIMEOUT, run_script, wait_until
+from helpers_core import SUPPORT_DIR, TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import tcp_payloads
 from roving.transport import auth, crypto, zap
 from roving.transport import endpoint as _endpoint
@@ -55,7 +55,7 @@ def _run_captured(encrypt: str, marker: str, tmp_path):
     try:
         line = dump.stderr.readline().decode()
         assert "listening on" in line, f"tcpdump did not start: {line}"
-        result = run_script(TESTS_DIR / "programs" / "wire_marker.py", encrypt, marker, timeout=180)
+        result = run_script(PROGRAMS / "wire_marker.py", encrypt, marker, timeout=180)
         time.sleep(0.5)
     finally:
         dump.terminate()
@@ -405,7 +405,7 @@ print("FDS", fds, "EXIT", p.exitcode, q.get(timeout=30), flush=True)
 def test_connections_silent_after_the_zeromq_greeting_are_closed_and_the_program_goes_on(tmp_path):
     script = tmp_path / "target.py"
     script.write_text(_SILENT_TARGET)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SUPPORT_DIR), os.environ.get("PYTHONPATH", "")]))
     env.pop("ROVING_CHILD", None)
     proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True, env=env)

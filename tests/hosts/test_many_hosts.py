@@ -1,8 +1,8 @@
 """roving across separate hosts: the parent on one test host, its children on the others.
 
 The hosts are network namespaces with their own addresses and hostnames, joined by a bridge, with a
-multi-node Slurm on them (scripts/cluster/hosts.sh; tests/helpers_hosts.py). Each test runs a fresh
-roving program (tests/programs/across_hosts.py) on the login host with nothing set about addresses:
+multi-node Slurm on them (scripts/cluster/hosts.sh; tests/support/helpers_hosts.py). Each test runs a fresh
+roving program (tests/support/programs/across_hosts.py) on the login host with nothing set about addresses:
 ``host``/``advertise`` stay ``auto``, and every process must find its own. Children run as Slurm jobs
 on the compute hosts, and what they report names the host they ran on.
 """
@@ -16,10 +16,10 @@ import sys
 import pytest
 
 import helpers_hosts as hh
-from helpers_core import TESTS_DIR
+from helpers_core import PROGRAMS, ROOT
 from helpers_hosts import hosts  # noqa: F401  (fixture)
 
-PROGRAM = TESTS_DIR / "programs" / "across_hosts.py"
+PROGRAM = PROGRAMS / "across_hosts.py"
 COMPUTE = [h.name for h in hh.COMPUTE]
 ADDRESSES = {h.name: h.address for h in hh.COMPUTE}
 
@@ -174,7 +174,7 @@ def test_shared_data_is_written_once_per_host_and_read_there_by_every_worker():
 
 
 def test_pipeline_training_plans_around_a_host_cut_off_mid_iteration(hosts):
-    run = hh.Program(hh.LOGIN, [sys.executable, "-u", str(TESTS_DIR / "programs" / "train_across_hosts.py")],
+    run = hh.Program(hh.LOGIN, [sys.executable, "-u", str(PROGRAMS / "train_across_hosts.py")],
                      program_env(), stdin=True)
     try:
         placed = run.wait_for("PLACED ", 240)
@@ -198,7 +198,7 @@ _PICKLE_FRAME = re.compile(rb"\x80\x05\x95..\x00{6}", re.S)
 
 
 def _sniffed(hosts, encrypt, marker, tmp_path):
-    """tests/programs/wire_marker.py with its parent on the login host and its children on the first
+    """tests/support/programs/wire_marker.py with its parent on the login host and its children on the first
     compute host, under ``encrypt``; what tcpdump inside that compute host (its eth0) saw of roving's
     connections: the TCP payloads to and from their ports."""
     from helpers_net import tcp_payloads
@@ -212,8 +212,8 @@ def _sniffed(hosts, encrypt, marker, tmp_path):
         assert "listening on" in line, f"tcpdump did not start in {target.name}: {line}"
         env = program_env(ROVING_BACKEND="slurm", ROVING_SLURM_PARTITION=hh.PARTITION,
                           ROVING_SLURM_OPTIONS=f"--nodelist={target.name}", ROVING_CHILD_OUTPUT="off")
-        done = hh.call_on(hh.LOGIN, [sys.executable, str(TESTS_DIR / "programs" / "wire_marker.py"), encrypt, marker],
-                          timeout=180, env=env, cwd=str(TESTS_DIR.parent))
+        done = hh.call_on(hh.LOGIN, [sys.executable, str(PROGRAMS / "wire_marker.py"), encrypt, marker],
+                          timeout=180, env=env, cwd=str(ROOT))
     finally:
         dump.terminate()
         dump.wait(10)

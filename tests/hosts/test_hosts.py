@@ -14,7 +14,7 @@ import pytest
 
 import helpers_backends as hb
 import helpers_hosts as hh
-from helpers_core import TESTS_DIR
+from helpers_core import PROGRAMS, ROOT
 from helpers_hosts import hosts  # noqa: F401  (fixture)
 
 ADDRESSES = """
@@ -181,8 +181,8 @@ def test_a_container_on_the_docker_network_has_its_own_address_and_reaches_the_h
 
 
 def run_pool(parent: hh.Host, options: dict, n: int, env=None) -> dict:
-    """tests/programs/hosts_pool.py as the parent, on host ``parent``: what ran where."""
-    program = str(TESTS_DIR / "programs" / "hosts_pool.py")
+    """tests/support/programs/hosts_pool.py as the parent, on host ``parent``: what ran where."""
+    program = str(PROGRAMS / "hosts_pool.py")
     done = hh.call_on(parent, [sys.executable, program, json.dumps(options), str(n)], timeout=240, env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,6 +1,6 @@
 """A pool whose workers reach the parent through a forwarder that cuts every connection mid-map.
 
-Run by tests/test_transport_drops.py with ROVING_POOL_HEARTBEAT_TIMEOUT=600, so that the pool's last
+Run by tests/transport/test_transport_drops.py with ROVING_POOL_HEARTBEAT_TIMEOUT=600, so that the pool's last
 resort (killing a worker that sent no heartbeat for that long) cannot be what finishes the map. Prints
 one JSON line: the results, how many connections were cut, and the workers that ran.
 """

@@ -9,7 +9,7 @@ import pytest
 import helpers_backends as hb
 import helpers_targets as h
 import roving
-from helpers_core import TESTS_DIR, wait_until
+from helpers_core import wait_until, PROGRAMS
 
 
 def roving_cmd(*args, timeout=120, cwd=None):
@@ -25,7 +25,7 @@ def test_every_subcommand_has_help(sub):
 
 def test_run_on_slurm_runs_the_program_as_a_job_whose_pool_workers_are_job_steps():
     hb.require("slurm")
-    r = roving_cmd("run", "--backend", "slurm", "--cpu", "2", "cli_prog.py", "a", "b", cwd=TESTS_DIR / "programs")
+    r = roving_cmd("run", "--backend", "slurm", "--cpu", "2", "cli_prog.py", "a", "b", cwd=PROGRAMS)
     assert r.returncode == 0, r.stderr
     assert "[cli_prog.py] result [1, 2, 3] backend slurm ['a', 'b']" in r.stdout
     assert "runs as slurm job" in r.stderr

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 import roving
-from helpers_core import TESTS_DIR, TIMEOUT, read_log, run_script
+from helpers_core import TIMEOUT, read_log, run_script, PROGRAMS
 from roving.transport import addressing, node as _node, stream as _stream
 from roving.transport.session import current as session
 
@@ -150,10 +150,10 @@ def test_roving_info_says_what_auto_chose_and_why():
             "backend runs on this machine); ports: 50000-50100") in r.stdout
 
 
-# -- children choose their own; fail fast (each case a fresh parent: tests/programs/addressing_prog.py) --
+# -- children choose their own; fail fast (each case a fresh parent: tests/support/programs/addressing_prog.py) --
 
 def run_parent(mode, log_dir=""):
-    r = run_script(TESTS_DIR / "programs" / "addressing_prog.py", mode, log_dir, timeout=180)
+    r = run_script(PROGRAMS / "addressing_prog.py", mode, log_dir, timeout=180)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.splitlines()[-1])
 

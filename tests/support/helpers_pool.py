@@ -1,4 +1,4 @@
-"""Module-level functions that pool workers import by reference in tests/test_pool.py (cheap to import)."""
+"""Module-level functions that pool workers import by reference in tests/pool/test_pool.py (cheap to import)."""
 from __future__ import annotations
 
 import os

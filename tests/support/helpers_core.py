@@ -7,7 +7,14 @@ import sys
 import time
 from pathlib import Path
 
-TESTS_DIR = Path(__file__).resolve().parent
+#: tests/support: the helper modules (on sys.path, so children import them by reference) and the test programs.
+SUPPORT_DIR = Path(__file__).resolve().parent
+#: tests/
+TESTS_DIR = SUPPORT_DIR.parent
+#: The repository's root.
+ROOT = TESTS_DIR.parent
+#: The programs some tests run in a fresh interpreter.
+PROGRAMS = SUPPORT_DIR / "programs"
 
 #: The bound of every blocking call in these tests: generous, only there so that a bug cannot hang the run.
 TIMEOUT = 30
@@ -22,7 +29,7 @@ def run_script(path, *args, env=None, cwd=None, timeout=120):
     """Run a Python script in a fresh interpreter; returns the CompletedProcess (text)."""
     full_env = dict(os.environ)
     full_env.pop("ROVING_CHILD", None)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), full_env.get("PYTHONPATH", "")])
+    full_env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT_DIR), full_env.get("PYTHONPATH", "")])
     if env:
         full_env.update(env)
     return subprocess.run([sys.executable, str(path), *map(str, args)], capture_output=True, text=True,

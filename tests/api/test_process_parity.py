@@ -1,5 +1,5 @@
 """Process behaviours checked the way CPython's own multiprocessing tests check them, on the local
-backend and on the real single-node Slurm (tests/helpers_backends.py: a Slurm that is not running fails)."""
+backend and on the real single-node Slurm (tests/support/helpers_backends.py: a Slurm that is not running fails)."""
 from __future__ import annotations
 
 import gc

@@ -12,7 +12,7 @@ import pytest
 import roving
 from roving import managers
 from roving.managers import AsyncManager, BaseManager, BaseProxy, ServerGone, SyncManager
-from helpers_core import TIMEOUT, finish, start
+from helpers_core import TIMEOUT, finish, start, PROGRAMS
 
 
 # -- targets run in children ---------------------------------------------------------------------
@@ -376,9 +376,9 @@ def test_a_queue_proxy_stored_in_a_list_proxy_comes_back_as_a_proxy_of_the_same_
 
 @pytest.mark.parametrize("where", ["function", "global"])
 def test_a_program_that_never_shuts_its_manager_down_exits_and_its_server_ends(where):
-    from helpers_core import TESTS_DIR, pid_running, run_script, wait_until
+    from helpers_core import pid_running, run_script, wait_until, PROGRAMS
 
-    result = run_script(TESTS_DIR / "programs" / "manager_never_shut_down.py", where, timeout=90)
+    result = run_script(PROGRAMS / "manager_never_shut_down.py", where, timeout=90)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "result 42" in lines, result.stdout

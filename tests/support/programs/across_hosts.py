@@ -1,4 +1,4 @@
-"""A roving program whose children run on the test hosts' multi-node Slurm (tests/test_many_hosts.py).
+"""A roving program whose children run on the test hosts' multi-node Slurm (tests/hosts/test_many_hosts.py).
 
 ``across_hosts.py SCENARIO``: run on one test host (the login host) with SLURM_CONF of that cluster; it
 sets nothing about addresses (``host``/``advertise`` stay ``auto``) and prints one JSON line of what it

@@ -20,7 +20,7 @@ import helpers_pool as hp
 import helpers_targets as h
 import roving
 from roving import backends
-from helpers_core import TESTS_DIR, read_log, wait_until
+from helpers_core import read_log, wait_until, PROGRAMS, ROOT
 
 T = 60
 
@@ -140,8 +140,8 @@ def test_every_job_of_a_parent_killed_with_sigkill_is_cancelled(name, tmp_path):
     hb.require(name)
     out = tmp_path / "jobs.txt"
     options = hb.OPTIONS[name]
-    parent = subprocess.Popen([sys.executable, str(TESTS_DIR / "programs" / "backend_parent.py"), str(out), name,
-                               "3", json.dumps(options)], cwd=str(TESTS_DIR.parent),
+    parent = subprocess.Popen([sys.executable, str(PROGRAMS / "backend_parent.py"), str(out), name,
+                               "3", json.dumps(options)], cwd=str(ROOT),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if not wait_until(lambda: out.exists() or parent.poll() is not None, 120):

@@ -1,4 +1,4 @@
-"""Module-level targets for the tests of pipes on direct streams (tests/test_pipe_streams.py)."""
+"""Module-level targets for the tests of pipes on direct streams (tests/api/test_pipe_streams.py)."""
 from __future__ import annotations
 
 

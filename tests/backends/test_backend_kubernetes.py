@@ -1,4 +1,4 @@
-"""The kubernetes backend against a FAKE Kubernetes API server (tests/fake_k8s/server.py).
+"""The kubernetes backend against a FAKE Kubernetes API server (tests/support/fake_k8s/server.py).
 
 No Kubernetes API server can run on the machines these tests run on, so these tests use the official
 kubernetes client against a fake of the Pod endpoints the backend uses, which runs each pod as a local
@@ -207,7 +207,7 @@ def test_a_parent_killed_with_sigkill_leaves_no_pod_and_no_secret(fake, tmp_path
     import sys
     from pathlib import Path
 
-    tests = Path(__file__).resolve().parent
+    tests = Path(__file__).resolve().parents[1] / "support"
     out = tmp_path / "jobs.txt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ROVING_")}
     parent = subprocess.Popen([sys.executable, str(tests / "programs" / "backend_parent.py"), str(out), "kubernetes",

@@ -1,4 +1,4 @@
-"""SkipPipe training whose nodes are Slurm jobs spread over the test hosts (tests/test_many_hosts.py).
+"""SkipPipe training whose nodes are Slurm jobs spread over the test hosts (tests/hosts/test_many_hosts.py).
 
 Run on the login host with SLURM_CONF of the hosts' cluster. After a first iteration it prints PLACED
 with each node's host and the host to cut (the one whose loss leaves every stage a node); at the first
