@@ -2,9 +2,9 @@
 # Make the project's test hosts and a multi-node Slurm on them, for roving's cross-host tests.
 #
 #   bash scripts/cluster/hosts.sh            # make or mend every host, start what is missing
-#   bash scripts/cluster/hosts.sh rv-h2 ...  # mend only these hosts (tests/helpers_hosts.py revive())
+#   bash scripts/cluster/hosts.sh rv-h2 ...  # mend only these hosts (tests/support/helpers_hosts.py revive())
 #
-# Needs root. Names, addresses and paths come from hosts.env (tests/helpers_hosts.py reads the same file).
+# Needs root. Names, addresses and paths come from hosts.env (tests/support/helpers_hosts.py reads the same file).
 #
 # * Hosts: a Linux bridge ($HOSTS_BRIDGE) in the root network namespace, holding $HOSTS_ROOT_ADDR (so the
 #   root namespace, where pytest runs, is a host too), and one network namespace per host (the head host,
