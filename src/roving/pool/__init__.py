@@ -58,7 +58,7 @@ from ._dispatch import Dispatcher
 from ._progress import Progress
 from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator,
                        MapResult, PoolStartError, WorkerLostError)
-from ._shape import meta
+from ._shape import meta, meta_of
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
@@ -254,7 +254,7 @@ class Pool:
 
     def _fit(self, func: Any) -> None:
         """Give the workers the shape ``func`` declares with :func:`meta` (see the module docstring)."""
-        need = _shape.meta_of(func)
+        need = meta_of(func)
         if not need:
             return
         shape = self._upkeep.shape
