@@ -42,6 +42,7 @@ from . import _rpc
 from . import config as _config
 from . import process as _process
 # The proxies, MakeProxyType and public_methods are importable from here, as from multiprocessing.managers.
+from ._manager_proxy import OP  # noqa: F401  (the managers' operation, importable here as before)
 from ._manager_proxy import (ArrayProxy, AcquirerProxy, AsyncProxy, AutoProxy, BarrierProxy, BaseListProxy,
                              BasePoolProxy, BaseProxy, ConditionProxy, DictProxy, EventProxy, Handle,
                              IteratorProxy, ListProxy, MakeProxyType, NamespaceProxy, PoolProxy, RemoteError,

@@ -30,6 +30,7 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from . import _rpc
 from . import process as _process
+from ._homed import OP  # noqa: F401  (the homes' operation, importable here as before)
 from ._homed import Answer, Home, Homed, State, Waiter, caller, home, picklable_error, register_kind, who
 from .transport import session as _session
 from .transport import timeouts
