@@ -39,7 +39,7 @@ class PoolStartError(OSError):
 
 def deliver(result: Any, index: int, ok: bool, values: List[Any]) -> None:
     """Items ``index``, ``index + 1``, ... of ``result`` finished with the same outcome (``ok``: their
-    values; else each value is the exception the item raised). The dispatcher calls it once per item."""
+    values; else each value is the exception the item raised). The dispatcher delivers each item once."""
     result._set_run(index, ok, values)
 
 
