@@ -1,8 +1,8 @@
 """Value, Array, RawValue and RawArray shared between roving processes on any backend.
 
 multiprocessing's are ctypes objects in shared memory, which processes on other machines cannot map.
-roving's keep the ctypes object in the process that created it (its home, as for
-:mod:`roving.synchronize`) and every access is a round trip to it (about 0.1 ms on one machine): reading
+roving's keep the ctypes object in the process that created it (its home: a homed object of
+:mod:`roving._homed`, as the locks of :mod:`roving.synchronize` are) and every access is a round trip to it (about 0.1 ms on one machine): reading
 ``.value`` or ``a[i]`` asks the home, writing sends the new value there. So a ``Value`` works the same
 whether its users share a machine or not, at the price of a round trip per access: read a whole
 ``Array`` with ``a[:]`` (one round trip) rather than element by element. For large read-only data use
@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import ctypes
 from multiprocessing.sharedctypes import typecode_to_type
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
+from . import _rpc
 from . import synchronize as _sync
+from ._homed import Answer, Home, Homed, State, Waiter, register_kind
 
 __all__ = ["RawValue", "RawArray", "Value", "Array"]
 
@@ -51,7 +53,40 @@ def _wrapped(name: str) -> property:
                     doc=f"The wrapped object's ``{name}``.")
 
 
-class _Raw(_sync._Homed):
+class _Cell(State):
+    """A ctypes object at its home; its one operation, ``ctype``, is (what, *arguments) on it."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def serve(self, home: Home, method: str, w: Waiter, timeout: float, args: Tuple[Any, ...]) -> Answer:
+        if method == "ctype":
+            return _rpc.OK, _ctype_op(self.obj, *args)
+        return super().serve(home, method, w, timeout, args)
+
+
+def _ctype_op(obj: Any, op: str, *args: Any) -> Any:
+    if op == "get":
+        return getattr(obj, args[0])
+    if op == "set":
+        setattr(obj, args[0], args[1])
+        return None
+    if op == "getitem":
+        return obj[args[0]]
+    if op == "setitem":
+        obj[args[0]] = args[1]
+        return None
+    if op == "len":
+        return len(obj)
+    if op == "copy":
+        return bytes(memoryview(obj).cast("B")), type(obj)
+    raise ValueError(f"unknown operation {op!r}")
+
+
+register_kind("ctype", lambda home, obj: _Cell(obj))
+
+
+class _Raw(Homed):
     """A ctypes object homed at the process that created it."""
 
     _kind = "ctype"

@@ -1,9 +1,11 @@
 """Lock, RLock, Semaphore, BoundedSemaphore, Event, Condition and Barrier across roving processes.
 
 multiprocessing's primitives are POSIX semaphores, which only processes of one machine share. roving's
-work between processes on any backend: a primitive's state lives in the process that created it (its
-*home*), like a queue's items, and is served by that process's node I/O thread; other processes (and the
-home itself) operate on it with requests over authenticated connections. So:
+work between processes on any backend: each is a homed object (:mod:`roving._homed`): its state lives in
+the process that created it (its *home*), like a queue's items, and is served by that process's node I/O
+thread; other processes (and the home itself) operate on it with requests over authenticated
+connections. This module holds both halves of each primitive: its state at the home (``_Sem``, ``_Cond``,
+``_Event``, ``_Barrier``) and the handle users hold (``Lock`` ...). So:
 
 * each ``acquire``/``release``/``wait``/``set`` is one round trip to the home (about 0.1 ms on one
   machine), not a system call;
@@ -19,46 +21,43 @@ initial value raises ``ValueError``; ``Condition.wait``/``notify`` without holdi
 """
 from __future__ import annotations
 
-import heapq
-import itertools
 import pickle
 import threading
 import time
 from collections import deque
 from threading import BrokenBarrierError
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from . import _rpc
-from . import config as _config
 from . import process as _process
+from ._homed import OP  # noqa: F401  (the homes' operation, importable here as before)
+from ._homed import Answer, Home, Homed, State, Waiter, caller, home, picklable_error, register_kind, who
 from .transport import session as _session
 from .transport import timeouts
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier"]
 
-OP = b"sync"
 # Statuses beyond OK/ERR.
 _RUN_ACTION = 2
 
 
 # -- the home: server side --------------------------------------------------------------------
 
-class _Waiter:
-    __slots__ = ("ident", "req_id", "done", "who", "count", "result", "cond_timeout")
+class _Primitive(State):
+    """The state of a primitive at its home; its operations are :func:`_serve`'s."""
 
-    def __init__(self, ident: bytes, req_id: int, who: str = "", count: int = 1, result: Any = True) -> None:
-        self.ident, self.req_id, self.done = ident, req_id, False
-        self.who, self.count, self.result = who, count, result
+    def serve(self, home: Home, method: str, w: Waiter, timeout: float, args: Tuple[Any, ...]) -> Answer:
+        return _serve(self, home, method, w, timeout, args)
 
 
-class _Sem:
+class _Sem(_Primitive):
     """Lock (maxvalue 1, owned), RLock (recursive, owned) and (bounded) semaphores."""
 
     def __init__(self, kind: str, value: int = 1, maxvalue: Optional[int] = None) -> None:
         self.kind, self.value, self.maxvalue = kind, value, maxvalue
         self.owner: Optional[str] = None
         self.count = 0
-        self.queue: Deque[_Waiter] = deque()
+        self.queue: Deque[Waiter] = deque()
 
     def _free(self) -> bool:
         return self.owner is None if self.kind == "rlock" else self.value > 0
@@ -71,7 +70,7 @@ class _Sem:
             if self.kind == "lock":
                 self.owner = who
 
-    def acquire(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+    def acquire(self, home: Home, w: Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
         if self.kind == "rlock" and self.owner == w.who:
             self.count += 1
             return _rpc.OK, True
@@ -85,7 +84,7 @@ class _Sem:
             home.later(timeout, lambda: self._expire(home, w))
         return None
 
-    def _expire(self, home: "_Home", w: _Waiter) -> None:
+    def _expire(self, home: Home, w: Waiter) -> None:
         if not w.done:
             self.queue.remove(w)
             home.fulfil(w, _rpc.OK, False)
@@ -93,7 +92,7 @@ class _Sem:
     def is_mine(self, who: str) -> bool:
         return self.owner == who
 
-    def release(self, home: "_Home", who: str, full: bool = False) -> int:
+    def release(self, home: Home, who: str, full: bool = False) -> int:
         """Release once (``full``: an RLock entirely); returns the recursion count released."""
         released = 1
         if self.kind == "rlock":
@@ -117,13 +116,13 @@ class _Sem:
         self.hand_off(home)
         return released
 
-    def hand_off(self, home: "_Home") -> None:
+    def hand_off(self, home: Home) -> None:
         while self.queue and self._free():
             w = self.queue.popleft()
             self._take(w.who, w.count)
             home.fulfil(w, _rpc.OK, w.result, undeliverable=lambda w=w: self._take_back(home, w))
 
-    def _take_back(self, home: "_Home", w: _Waiter) -> None:
+    def _take_back(self, home: Home, w: Waiter) -> None:
         """The waiter's process left before the grant reached it: release in its name."""
         with home.lock:
             if self.kind in ("lock", "rlock") and self.owner != w.who:
@@ -134,10 +133,10 @@ class _Sem:
         return self.kind, self.value, self.owner, self.count, len(self.queue)
 
 
-class _Cond:
+class _Cond(_Primitive):
     def __init__(self, lock: _Sem) -> None:
         self.lock = lock
-        self.waiters: Deque[_Waiter] = deque()
+        self.waiters: Deque[Waiter] = deque()
 
     def info(self) -> int:
         return len(self.waiters)
@@ -146,19 +145,19 @@ class _Cond:
         if not self.lock.is_mine(who):
             raise RuntimeError(f"cannot {what} on un-acquired lock")
 
-    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> None:
+    def wait(self, home: Home, w: Waiter, timeout: float) -> None:
         self._check_owned(w.who, "wait")
         w.count = self.lock.release(home, w.who, full=True)
         self.waiters.append(w)
         if timeout >= 0:
             home.later(timeout, lambda: self._expire(home, w))
 
-    def _expire(self, home: "_Home", w: _Waiter) -> None:
+    def _expire(self, home: Home, w: Waiter) -> None:
         if w in self.waiters:
             self.waiters.remove(w)
             self._reacquire(home, w, False)
 
-    def _reacquire(self, home: "_Home", w: _Waiter, result: bool) -> None:
+    def _reacquire(self, home: Home, w: Waiter, result: bool) -> None:
         w.result = result
         if self.lock._free() and not self.lock.queue:
             self.lock._take(w.who, w.count)
@@ -166,7 +165,7 @@ class _Cond:
         else:
             self.lock.queue.append(w)
 
-    def notify(self, home: "_Home", who: str, n: Optional[int]) -> None:
+    def notify(self, home: Home, who: str, n: Optional[int]) -> None:
         self._check_owned(who, "notify")
         count = len(self.waiters) if n is None else n
         while self.waiters and count > 0:
@@ -174,12 +173,12 @@ class _Cond:
             count -= 1
 
 
-class _Event:
+class _Event(_Primitive):
     def __init__(self) -> None:
         self.flag = False
-        self.waiters: List[_Waiter] = []
+        self.waiters: List[Waiter] = []
 
-    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+    def wait(self, home: Home, w: Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
         if self.flag or timeout == 0:
             return _rpc.OK, self.flag
         self.waiters.append(w)
@@ -187,28 +186,28 @@ class _Event:
             home.later(timeout, lambda: self._expire(home, w))
         return None
 
-    def _expire(self, home: "_Home", w: _Waiter) -> None:
+    def _expire(self, home: Home, w: Waiter) -> None:
         if not w.done:
             self.waiters.remove(w)
             home.fulfil(w, _rpc.OK, False)
 
-    def set(self, home: "_Home") -> None:
+    def set(self, home: Home) -> None:
         self.flag = True
         waiters, self.waiters = self.waiters, []
         for w in waiters:
             home.fulfil(w, _rpc.OK, True)
 
 
-class _Barrier:
+class _Barrier(_Primitive):
     def __init__(self, parties: int, has_action: bool) -> None:
         self.parties, self.has_action = parties, has_action
-        self.waiters: List[_Waiter] = []
+        self.waiters: List[Waiter] = []
         self.broken = False
-        self.action_runner: Optional[_Waiter] = None
+        self.action_runner: Optional[Waiter] = None
         # Callers of the next round that arrive while the action of this one runs.
-        self.early: List[Tuple[_Waiter, float]] = []
+        self.early: List[Tuple[Waiter, float]] = []
 
-    def wait(self, home: "_Home", w: _Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
+    def wait(self, home: Home, w: Waiter, timeout: float) -> Optional[Tuple[int, Any]]:
         if self.broken:
             raise BrokenBarrierError
         if self.action_runner is not None:
@@ -227,11 +226,11 @@ class _Barrier:
             home.later(timeout, lambda: self._expire(home, w))
         return None
 
-    def _expire(self, home: "_Home", w: _Waiter) -> None:
+    def _expire(self, home: Home, w: Waiter) -> None:
         if not w.done and w in self.waiters:
             self.abort(home)
 
-    def _release(self, home: "_Home") -> None:
+    def _release(self, home: Home) -> None:
         waiters, self.waiters, self.action_runner = self.waiters, [], None
         for w in waiters:
             if not w.done:
@@ -240,7 +239,7 @@ class _Barrier:
         for w, timeout in early:
             self.wait(home, w, timeout)
 
-    def action_done(self, home: "_Home", w: _Waiter, ok: bool) -> Tuple[int, Any]:
+    def action_done(self, home: Home, w: Waiter, ok: bool) -> Tuple[int, Any]:
         runner = self.action_runner
         if runner is None:
             raise BrokenBarrierError
@@ -251,234 +250,81 @@ class _Barrier:
         self.abort(home)
         return _rpc.OK, index
 
-    def abort(self, home: "_Home") -> None:
+    def abort(self, home: Home) -> None:
         self.broken = True
         waiters, self.waiters, self.action_runner = self.waiters, [], None
         waiters += [w for w, _ in self.early]
         self.early = []
         for w in waiters:
             if not w.done:
-                home.fulfil(w, _rpc.ERR, _err(BrokenBarrierError()))
+                home.fulfil(w, _rpc.ERR, picklable_error(BrokenBarrierError()))
 
-    def reset(self, home: "_Home") -> None:
+    def reset(self, home: Home) -> None:
         if self.waiters:
             self.abort(home)
         self.broken = False
 
 
-class _Home(_rpc.Server):
-    """The primitives created in (or homed at) this process, served by its node's I/O thread."""
-
-    def __init__(self, node: Any) -> None:
-        self.lock = threading.Lock()
-        self.objects: Dict[int, Any] = {}
-        self._ids = itertools.count(1)
-        self._timers: List[Tuple[float, int, Callable[[], None]]] = []
-        self._seq = itertools.count()
-        self._timer_wake = threading.Condition(self.lock)
-        threading.Thread(target=self._run_timers, name="roving-sync-timers", daemon=True).start()
-        super().__init__(node, OP)
-
-    # called with self.lock held
-    def later(self, delay: float, fn: Callable[[], None]) -> None:
-        heapq.heappush(self._timers, (time.monotonic() + delay, next(self._seq), fn))
-        self._timer_wake.notify()
-
-    def fulfil(self, w: _Waiter, status: int, result: Any,
-               undeliverable: Optional[Callable[[], None]] = None) -> None:
-        w.done = True
-        self.answer(w.ident, w.req_id, status, [pickle.dumps(result)], undeliverable)
-
-    def _run_timers(self) -> None:
-        with self.lock:
-            while True:
-                if not self._timers:
-                    self._timer_wake.wait()
-                    continue
-                due = self._timers[0][0] - time.monotonic()
-                if due > 0:
-                    self._timer_wake.wait(due)
-                    continue
-                _, _, fn = heapq.heappop(self._timers)
-                try:
-                    fn()
-                except Exception:
-                    _rpc.log.exception("roving: a synchronization timeout could not be handled")
-
-    def create(self, kind: str, args: Tuple[Any, ...]) -> int:
-        if kind in ("lock", "rlock", "sem"):
-            obj: Any = _Sem(kind, *args)
-        elif kind == "cond":
-            obj = _Cond(self.objects[args[0]])
-        elif kind == "event":
-            obj = _Event()
-        elif kind == "barrier":
-            obj = _Barrier(*args)
-        elif kind == "ctype":
-            obj = args[0]
-        else:
-            raise ValueError(f"unknown kind {kind!r}")
-        with self.lock:
-            oid = next(self._ids)
-            self.objects[oid] = obj
-        return oid
-
-    def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
-        method, oid, who, timeout, args = pickle.loads(frames[0].bytes)
-        timeout = timeouts.from_wire(timeout)
-        w = _Waiter(ident, req_id, who)
-        try:
-            if method == "new":
-                out: Any = (_rpc.OK, self.create(*args))
-            else:
-                with self.lock:
-                    obj = self.objects.get(oid)
-                    if obj is None:
-                        raise ValueError("no such synchronization object at this process")
-                    out = self._dispatch(obj, method, w, timeout, args)
-        except Exception as exc:
-            if kind != _rpc.TELL:
-                self.fulfil(w, _rpc.ERR, _err(exc))
-            return
-        if out is not None and kind != _rpc.TELL:
-            self.fulfil(w, *out)
-
-    def _dispatch(self, obj: Any, method: str, w: _Waiter, timeout: float,
-                  args: Tuple[Any, ...]) -> Optional[Tuple[int, Any]]:
-        if method == "acquire":
-            return obj.acquire(self, w, timeout)
-        if method == "release":
-            obj.release(self, w.who)
-            return _rpc.OK, None
-        if method == "info":
-            return _rpc.OK, obj.info()
-        if method == "wait":  # Condition, Event, Barrier
-            if isinstance(obj, _Cond):
-                obj.wait(self, w, timeout)
-                return None
-            return obj.wait(self, w, timeout)
-        if method == "notify":
-            obj.notify(self, w.who, args[0])
-            return _rpc.OK, None
-        if method == "set":
-            obj.set(self)
-            return _rpc.OK, None
-        if method == "clear":
-            obj.flag = False
-            return _rpc.OK, None
-        if method == "is_set":
-            return _rpc.OK, obj.flag
-        if method == "action_done":
-            return obj.action_done(self, w, args[0])
-        if method == "abort":
-            obj.abort(self)
-            return _rpc.OK, None
-        if method == "reset":
-            obj.reset(self)
-            return _rpc.OK, None
-        if method == "barrier_info":
-            return _rpc.OK, (len(obj.waiters), obj.broken)
-        if method == "ctype":  # Value/Array: (operation, *arguments) on the ctypes object
-            return _rpc.OK, _ctype_op(obj, *args)
-        raise ValueError(f"unknown operation {method!r}")
+def _serve(obj: Any, home: Home, method: str, w: Waiter, timeout: float, args: Tuple[Any, ...]) -> Answer:
+    """The operations of the primitives, by name (home.lock held)."""
+    if method == "acquire":
+        return obj.acquire(home, w, timeout)
+    if method == "release":
+        obj.release(home, w.who)
+        return _rpc.OK, None
+    if method == "info":
+        return _rpc.OK, obj.info()
+    if method == "wait":  # Condition, Event, Barrier
+        if isinstance(obj, _Cond):
+            obj.wait(home, w, timeout)
+            return None
+        return obj.wait(home, w, timeout)
+    if method == "notify":
+        obj.notify(home, w.who, args[0])
+        return _rpc.OK, None
+    if method == "set":
+        obj.set(home)
+        return _rpc.OK, None
+    if method == "clear":
+        obj.flag = False
+        return _rpc.OK, None
+    if method == "is_set":
+        return _rpc.OK, obj.flag
+    if method == "action_done":
+        return obj.action_done(home, w, args[0])
+    if method == "abort":
+        obj.abort(home)
+        return _rpc.OK, None
+    if method == "reset":
+        obj.reset(home)
+        return _rpc.OK, None
+    if method == "barrier_info":
+        return _rpc.OK, (len(obj.waiters), obj.broken)
+    raise ValueError(f"unknown operation {method!r}")
 
 
-def _ctype_op(obj: Any, op: str, *args: Any) -> Any:
-    if op == "get":
-        return getattr(obj, args[0])
-    if op == "set":
-        setattr(obj, args[0], args[1])
-        return None
-    if op == "getitem":
-        return obj[args[0]]
-    if op == "setitem":
-        obj[args[0]] = args[1]
-        return None
-    if op == "len":
-        return len(obj)
-    if op == "copy":
-        return bytes(memoryview(obj).cast("B")), type(obj)
-    raise ValueError(f"unknown operation {op!r}")
-
-
-def _err(exc: BaseException) -> BaseException:
-    try:
-        pickle.dumps(exc)
-        return exc
-    except Exception:
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-
-
-def home() -> _Home:
-    """This process's home of synchronization objects (started on first use)."""
-    return _session.current().node().service("sync", _Home)
+for _kind in ("lock", "rlock", "sem"):
+    register_kind(_kind, lambda home, *args, _kind=_kind: _Sem(_kind, *args))
+register_kind("cond", lambda home, lock_id: _Cond(home.objects[lock_id]))
+register_kind("event", lambda home: _Event())
+register_kind("barrier", lambda home, parties, has_action: _Barrier(parties, has_action))
 
 
 # -- client side ------------------------------------------------------------------------------
-
-_callers = threading.local()
-
-
-def _caller(address: str) -> _rpc.Caller:
-    """This thread's connection to the home at ``address``."""
-    cache = getattr(_callers, "by_address", None)
-    if cache is None:
-        cache = _callers.by_address = {}
-    caller = cache.get(address)
-    if caller is None:
-        session = _session.current()
-        caller = cache[address] = _rpc.Caller(address, session.secret, OP, "the process that homes this "
-                                              "synchronization object",
-                                              connect_timeout=min(10.0, _config.current().connect_timeout))
-    return caller
-
-
-def _who() -> str:
-    return f"{_session.current().uid}/{threading.get_ident()}"
-
 
 def _timeout(block: bool, timeout: Optional[float]) -> float:
     return timeouts.to_wire(block, timeout)
 
 
-class _Homed:
-    """A handle on an object homed at some process; picklable."""
-
-    _kind = ""
-
-    def _create(self, *args: Any, at: Optional[str] = None) -> None:
-        if at is None:
-            h = home()
-            self._address, self._id = h.node.address, h.create(self._kind, args)
-        else:
-            self._address = at
-            self._id = self._call("new", self._kind, args)
-
-    def _call(self, method: str, *args: Any, timeout: float = -1,
-              on_late: Optional[Callable[[int, List[Any]], None]] = None, raw: bool = False) -> Any:
-        payload = pickle.dumps((method, getattr(self, "_id", 0), _who(), timeout, args))
-        status, frames = _caller(self._address).call([payload], on_late=on_late)
-        result = pickle.loads(frames[0].bytes)
-        if status == _rpc.ERR:
-            raise result
-        return (status, result) if raw else result
-
-    def _tell(self, method: str, *args: Any) -> None:
-        payload = pickle.dumps((method, self._id, _who(), 0, args))
-        _caller(self._address).tell([payload])
-
-
-class _SemLock(_Homed):
+class _SemLock(Homed):
     def acquire(self, block: bool = True, timeout: Optional[float] = None) -> bool:
         """Acquire; with ``block`` False or a ``timeout``, return False if not acquired in time."""
         wait = _timeout(block, timeout)
-        who = _who()
+        me = who()
 
         def give_back(status: int, frames: List[Any]) -> None:  # granted after this caller left
             if status == _rpc.OK and pickle.loads(frames[0].bytes):
-                _caller(self._address).tell([pickle.dumps(("release", self._id, who, 0, ()))])
+                caller(self._address).tell([pickle.dumps(("release", self._id, me, 0, ()))])
 
         return self._call("acquire", timeout=wait, on_late=give_back)
 
@@ -496,7 +342,7 @@ class _SemLock(_Homed):
 
     def _owner_name(self, owner: Optional[str]) -> str:
         """The owner as multiprocessing's reprs name it, seen from the calling thread."""
-        if owner == _who():
+        if owner == who():
             name = _process.current_process().name
             if threading.current_thread().name != "MainThread":
                 name += "|" + threading.current_thread().name
@@ -538,7 +384,7 @@ class RLock(_SemLock):
             name = self._owner_name(owner)
             if owner is None:
                 count = 0
-            elif owner != _who():
+            elif owner != who():
                 count = "nonzero"
         except Exception:
             name, count = "unknown", "unknown"
@@ -586,7 +432,7 @@ class BoundedSemaphore(Semaphore):
         return f"<{type(self).__name__}(value={value}, maxvalue={self._maxvalue})>"
 
 
-class Condition(_Homed):
+class Condition(Homed):
     """A condition variable over a roving Lock or RLock (a new RLock by default).
 
     The condition's waiters live at the lock's home, so wait() releases the lock and joins the waiters
@@ -652,7 +498,7 @@ class Condition(_Homed):
         return f"<Condition({self._lock!r}, {waiting})>"
 
 
-class Event(_Homed):
+class Event(Homed):
     """An event flag; see :class:`multiprocessing.Event`."""
 
     _kind = "event"
@@ -677,7 +523,7 @@ class Event(_Homed):
         return f"<{type(self).__qualname__} at {id(self):#x} {'set' if self.is_set() else 'unset'}>"
 
 
-class Barrier(_Homed):
+class Barrier(Homed):
     """A barrier for ``parties`` callers; see :class:`multiprocessing.Barrier`.
 
     ``action`` (picklable) runs in the process of the last caller to arrive, before any is released; if

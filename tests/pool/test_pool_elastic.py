@@ -48,7 +48,7 @@ def test_worker_that_fails_to_start_is_retried_with_backoff_and_reported(monkeyp
                 raise OSError("the cluster said no")
             super().start()
 
-    monkeypatch.setattr(roving.pool, "Process", Flaky)
+    monkeypatch.setattr(roving.pool._upkeep, "Process", Flaky)  # the upkeep starts the workers
     start = time.monotonic()
     with roving.Pool(1) as p:
         assert p.apply(h.square, (3,), ) == 9

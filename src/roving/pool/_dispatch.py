@@ -2,7 +2,13 @@
 
 Everything here runs under one lock, from three kinds of threads: the callers that submit work, the
 node's I/O thread that handles workers' messages (:meth:`Dispatcher.on_message`, which never blocks), and
-the pool's upkeep thread that reports workers that ended (:meth:`Dispatcher.worker_lost`).
+the pool's upkeep thread that adds workers and reports those that ended (:meth:`Dispatcher.worker_lost`).
+The dispatcher's table of workers is the pool's one registry of them, under that one lock: the upkeep
+(:mod:`roving.pool._upkeep`) reads it with :meth:`Dispatcher.workers_now`. Outcomes reach the caller's
+result objects only through :mod:`roving.pool._results`' writer functions, called from here.
+
+Workers' messages reach a pool's dispatcher through its node's ``pool`` service (:class:`Router`, made by
+``node.service``): one handler per node for the pool operation, routing by pool id.
 
 Guarantees:
 
@@ -24,11 +30,12 @@ import time
 import types
 from array import array
 from multiprocessing.pool import MaybeEncodingError
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..transport import session as _session
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
+from . import _results
 from ._results import WorkerLostError
 
 log = logging.getLogger(__name__)
@@ -117,6 +124,8 @@ class WorkerState:
 
 
 class Dispatcher:
+    """One pool's work and workers: what waits, what is out at which worker, each item's outcome."""
+
     def __init__(self, pool_id: int, max_task_retries: int) -> None:
         self.pool_id = pool_id
         self.max_task_retries = max_task_retries
@@ -134,6 +143,17 @@ class Dispatcher:
         self._keys: Dict[Any, int] = {}
         self._funcs: Dict[Any, _Func] = {}  # (function, mode) -> its pickle, for plain functions
         self._batch: Dict[WorkerState, List[Any]] = {}  # frames for each worker, sent at the end of _dispatch
+        self._router: Optional[Router] = None
+
+    def attach(self) -> None:
+        """Receive this pool's messages from workers: join the node's pool service."""
+        self._router = self.node.service(SERVICE, Router)
+        self._router.add(self)
+
+    def detach(self) -> None:
+        """Stop receiving them (the pool is finished)."""
+        if self._router is not None:
+            self._router.remove(self)
 
     # -- callers -------------------------------------------------------------------------------
     def submit(self, result: Any, func: Callable[..., Any], mode: int, items: Sequence[Any],
@@ -182,9 +202,14 @@ class Dispatcher:
             self.pending.append(_Unit(chunk))
             self._dispatch()
 
-    def close_job(self, job: _Job) -> None:
-        """No more items for ``job``."""
+    def close_job(self, job: _Job, length: int, error: Optional[BaseException] = None) -> None:
+        """No more items for ``job``: its iterator gave ``length`` items, then (``error``) raised, or held
+        an item that cannot be pickled; that error is then the outcome of item ``length``."""
         with self.lock:
+            if error is not None:
+                _results.deliver(job.result, length, False, [error])
+                length += 1
+            _results.set_length(job.result, length)
             job.left -= 1
             if job.left == 0:
                 self._job_done(job)
@@ -214,6 +239,15 @@ class Dispatcher:
         if key is None:
             key = self._keys[ident] = next(self._job_ids)
         return key
+
+    def workers_now(self) -> List[WorkerState]:
+        """The pool's workers now: started and not yet ended (a snapshot)."""
+        with self.lock:
+            return list(self.workers.values())
+
+    def worker(self, worker_id: int) -> Optional[WorkerState]:
+        with self.lock:
+            return self.workers.get(worker_id)
 
     def backlog(self) -> Tuple[int, int]:
         """(units of work waiting for a worker, connected workers holding none)."""
@@ -323,7 +357,7 @@ class Dispatcher:
             del self.chunks[chunk.id]
         job = chunk.job
         try:
-            job.result._set_run(chunk.base + first, ok, values)
+            _results.deliver(job.result, chunk.base + first, ok, values)
         except Exception:
             log.exception("roving pool: could not deliver a result")
         job.left -= count
@@ -493,26 +527,29 @@ class Dispatcher:
             self.suspects.clear()
 
 
-_pools: Dict[int, Dispatcher] = {}
-_registered: set = set()
-_register_lock = threading.Lock()
+#: The key of the pool service of a node (``node.service``).
+SERVICE = "pool"
 
 
-def register(disp: Dispatcher) -> None:
-    with _register_lock:
-        _pools[disp.pool_id] = disp
-        if id(disp.node) not in _registered:
-            disp.node.register_handler(P.OP, _route)
-            _registered.add(id(disp.node))
+class Router:
+    """The pools of one node: the handler of the pool operation, routing each worker's message to its
+    pool's dispatcher by pool id (on the node's I/O thread). One per node, made by ``node.service``."""
 
+    def __init__(self, node: Any) -> None:
+        self._pools: Dict[int, Dispatcher] = {}
+        self._lock = threading.Lock()
+        node.register_handler(P.OP, self._route)
 
-def unregister(disp: Dispatcher) -> None:
-    with _register_lock:
-        _pools.pop(disp.pool_id, None)
+    def add(self, disp: Dispatcher) -> None:
+        with self._lock:
+            self._pools[disp.pool_id] = disp
 
+    def remove(self, disp: Dispatcher) -> None:
+        with self._lock:
+            self._pools.pop(disp.pool_id, None)
 
-def _route(ident: bytes, frames: List[Any]) -> None:
-    pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0].bytes)
-    disp = _pools.get(pool_id)
-    if disp is not None:
-        disp.on_message(ident, kind, arg, key, frames)
+    def _route(self, ident: bytes, frames: List[Any]) -> None:
+        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0].bytes)
+        disp = self._pools.get(pool_id)
+        if disp is not None:
+            disp.on_message(ident, kind, arg, key, frames)

@@ -1,7 +1,11 @@
 """What a caller holds for work it gave the pool: AsyncResult, MapResult and the imap iterators.
 
-The pool's I/O thread fills them, one item at a time, through ``_set``; callbacks run on the pool's
-callback thread (never the I/O thread), before ``get()`` returns, as in :mod:`multiprocessing`.
+This module is the one writer of their outcomes: :func:`deliver` (items finished, from the dispatcher,
+mostly on the node's I/O thread), :func:`fail` (a call that could not be queued at all) and
+:func:`set_length` (an imap's iterable read to its end); nothing else sets a result's state. Callbacks
+run on the pool's callback thread (never the I/O thread), before ``get()`` returns, as in
+:mod:`multiprocessing`. It also holds the errors a result can raise that are the pool's own:
+:class:`WorkerLostError` and :class:`PoolStartError`.
 """
 from __future__ import annotations
 
@@ -18,11 +22,35 @@ from ..transport import timeouts
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError"]
+           "WorkerLostError", "PoolStartError", "deliver", "fail", "set_length"]
 
 
 class WorkerLostError(ProcessError):
     """A task was running on ``max_task_retries`` workers that died; it is not tried again."""
+
+
+class PoolStartError(OSError):
+    """Workers failed to start ``pool_start_failures`` times in a row with none connecting (their
+    machines cannot reach this one, or their jobs are refused): the pool gives up; pending results and
+    every later call raise it. The message has the last reason and the address workers were to reach."""
+
+
+# -- the one writer of outcomes ---------------------------------------------------------------
+
+def deliver(result: Any, index: int, ok: bool, values: List[Any]) -> None:
+    """Items ``index``, ``index + 1``, ... of ``result`` finished with the same outcome (``ok``: their
+    values; else each value is the exception the item raised). The dispatcher delivers each item once."""
+    result._set_run(index, ok, values)
+
+
+def fail(result: "AsyncResult", exc: BaseException) -> None:
+    """``result`` (of apply_async, map_async) fails as a whole with ``exc``: its call could not be queued."""
+    result._complete(False, exc)
+
+
+def set_length(result: "IMapIterator", length: int) -> None:
+    """An imap over an iterator: the iterator ended after ``length`` items."""
+    result._set_length(length)
 
 
 class CallbackRunner:
@@ -64,7 +92,9 @@ class AsyncResult:
     _pool: Any = None
 
     def __init__(self, runner: CallbackRunner, callback: Optional[Callable[[Any], Any]] = None,
-                 error_callback: Optional[Callable[[BaseException], Any]] = None) -> None:
+                 error_callback: Optional[Callable[[BaseException], Any]] = None, *, pool: Any = None,
+                 progress: Any = None) -> None:
+        self._pool, self._progress = pool, progress
         self._runner = runner
         self._callback, self._error_callback = callback, error_callback
         self._event = threading.Event()
@@ -95,7 +125,7 @@ class AsyncResult:
             return self._value
         raise self._value
 
-    # -- filled by the pool's I/O thread ---------------------------------------------------------
+    # -- written through deliver() and fail() only --------------------------------------------
     def _set(self, index: int, ok: bool, value: Any) -> None:
         self._complete(ok, value)
 
@@ -133,8 +163,8 @@ class MapResult(AsyncResult):
     """The result of :meth:`Pool.map_async`: a list in input order, or the first item's error."""
 
     def __init__(self, runner: CallbackRunner, length: int, callback: Optional[Callable] = None,
-                 error_callback: Optional[Callable] = None) -> None:
-        super().__init__(runner, callback, error_callback)
+                 error_callback: Optional[Callable] = None, *, pool: Any = None, progress: Any = None) -> None:
+        super().__init__(runner, callback, error_callback, pool=pool, progress=progress)
         self._values: List[Any] = [None] * length
         self._left = length
         if length == 0:
@@ -161,7 +191,8 @@ class IMapIterator:
     _progress: Any = None
     _pool: Any = None  # held until every result is in (see AsyncResult._pool)
 
-    def __init__(self, length: Optional[int]) -> None:
+    def __init__(self, length: Optional[int], *, pool: Any = None, progress: Any = None) -> None:
+        self._pool, self._progress = pool, progress
         self._received = 0
         self._cond = threading.Condition(threading.Lock())
         self._length = length  # None until the iterable has been read to its end
@@ -195,6 +226,7 @@ class IMapIterator:
 
     __next__ = next
 
+    # -- written through deliver() and set_length() only ---------------------------------------
     def _set_length(self, length: int) -> None:
         with self._cond:
             self._length = length
@@ -221,8 +253,8 @@ class IMapIterator:
 class IMapUnorderedIterator(IMapIterator):
     """Results of :meth:`Pool.imap_unordered`, in the order they finish."""
 
-    def __init__(self, length: Optional[int]) -> None:
-        super().__init__(length)
+    def __init__(self, length: Optional[int], *, pool: Any = None, progress: Any = None) -> None:
+        super().__init__(length, pool=pool, progress=progress)
         self._done: "collections.deque[tuple]" = collections.deque()
 
     def _take(self) -> Optional[tuple]:

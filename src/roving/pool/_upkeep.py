@@ -1,0 +1,332 @@
+"""A pool's worker upkeep: starting workers (with a backoff after failures), autoscaling between ``min`` and
+``max``, liveness (a job that ended, heartbeats, a connection cut off), and the pool's upkeep thread.
+
+The workers themselves are registered in one place, the pool's dispatcher (:mod:`roving.pool._dispatch`),
+under its lock: the upkeep adds a worker there when its job starts, reads the table each round
+(:meth:`~roving.pool._dispatch.Dispatcher.workers_now`) and reports there each worker that ended. Its own
+lock guards the rest of the pool's state: RUN, CLOSE or TERMINATE; how many workers it keeps (now, min,
+max); their shape; multiprocessing's list of member processes. Lock order: this one, then the
+dispatcher's (never the other way round).
+
+The upkeep thread holds the pool only weakly: a running pool nobody references any more is collected,
+warned about (``Pool.__del__``) and its workers killed here, never in the thread that dropped the last
+reference (which may be the transport's own, inside the dispatcher's lock). A pool that was closed or
+terminated is held (:meth:`Upkeep.keep`) until its work is done.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from .. import config as _config
+from ..process import Process
+from ..transport.serialize import SerializationError
+from . import _worker
+from ._dispatch import Dispatcher, WorkerState
+from ._results import CallbackRunner, PoolStartError
+from ._shape import covers
+
+__all__ = ["Upkeep", "RUN", "CLOSE", "TERMINATE"]
+
+log = logging.getLogger(__name__)
+
+RUN, CLOSE, TERMINATE = "RUN", "CLOSE", "TERMINATE"
+_UPKEEP_S = 0.1
+_MAX_BACKOFF_S = 10.0
+
+
+class Upkeep:
+    """The workers of one pool kept as many and as alive as the pool says (see the module docstring).
+
+    ``size`` workers are kept (``low`` <= size <= ``high``; autoscaling when they differ); each is a
+    :class:`roving.Process` running the worker loop with ``initializer``, ``initargs`` and ``maxtasks``
+    and asking the backend for ``shape``.
+    """
+
+    def __init__(self, disp: Dispatcher, runner: CallbackRunner, size: int, low: int, high: int, *,
+                 idle_timeout: float, shape: Dict[str, Any], initializer: Optional[Callable[..., Any]],
+                 initargs: Tuple[Any, ...], maxtasks: Optional[int]) -> None:
+        self.disp, self.runner = disp, runner
+        self.lock = threading.RLock()  # guards state, size, min, max, shape, the members, idle times
+        self.state = RUN
+        self.size, self.min, self.max = size, low, high
+        self.shape = shape
+        #: Workers that could not start, as (time.time(), reason); the latest 100.
+        self.start_failures: List[Tuple[float, str]] = []
+        #: Set when workers failed to start pool_start_failures times in a row: every call raises it.
+        self.broken: Optional[PoolStartError] = None
+        #: Set to run a round of upkeep now (after a change, or when the pool was collected).
+        self.wake = threading.Event()
+        self._idle_timeout = idle_timeout
+        self._heartbeat_timeout = _config.current().pool_heartbeat_timeout
+        self._initializer, self._initargs, self._maxtasks = initializer, initargs, maxtasks
+        self._worker_ids = itertools.count(1)
+        #: multiprocessing's ``_pool``: workers leave it when they end while the pool runs (replaced or
+        #: retired); after close()/terminate() the workers of the end stay in it, ended.
+        self._members: Dict[int, Process] = {}
+        self._idle_since: Dict[int, float] = {}
+        self._failures = 0
+        self._abandoned: List[Process] = []  # killed workers whose jobs have not ended yet
+        self._next_start = 0.0
+        self._hold: List[Any] = []  # the pool, once closed or terminated
+        self._thread: Optional[threading.Thread] = None
+
+    # -- called by the pool ----------------------------------------------------------------------
+    def start(self, pool: Any) -> None:
+        """Start the upkeep thread, holding ``pool`` weakly."""
+        self._thread = threading.Thread(target=self._run, args=(weakref.ref(pool),), name="roving-pool",
+                                        daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: Optional[float]) -> None:
+        """Wait up to ``timeout`` seconds for the upkeep thread to end (after close or terminate)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def members(self) -> List[Process]:
+        """multiprocessing's ``Pool._pool``, in the order the workers started."""
+        with self.lock:
+            return [self._members[wid] for wid in sorted(self._members)]
+
+    def resize(self, processes: int) -> None:
+        """Keep ``processes`` workers from now on; shrinking retires idle workers first, then busy ones."""
+        with self.lock:
+            self.min = self.max = processes
+            self.size = processes
+            live = [w for w in self.disp.workers_now() if not w.retiring]
+            extra = len(live) - processes
+            if extra > 0:
+                live.sort(key=lambda w: (len(w.units) > 0, w.ident is not None))
+                for w in live[:extra]:
+                    self.disp.retire(w)
+        self.wake.set()
+
+    def reshape(self, need: Dict[str, Any], func: Any) -> None:
+        """Workers of shape ``need`` from now on (``func`` asked for it): the present ones are retired
+        (they run what they hold first) and replaced, unless the shape covers ``need`` meanwhile."""
+        with self.lock:
+            if covers(self.shape, need):
+                return
+            log.info("roving pool: %s asks for workers with %s; the pool's workers are replaced",
+                     getattr(func, "__qualname__", func), need)
+            self.shape = dict(need)
+            for w in self.disp.workers_now():
+                self.disp.retire(w)
+        self.wake.set()
+
+    def close(self, pool: Any) -> None:
+        """No more work: the workers leave once everything submitted is done."""
+        with self.lock:
+            if self.state == RUN:
+                self.state = CLOSE
+        self.keep(pool)
+        self.wake.set()
+
+    def terminate(self, pool: Any) -> None:
+        """Kill the workers now; every result not yet delivered fails."""
+        with self.lock:
+            self.state = TERMINATE
+        workers = self.disp.workers_now()
+        self.keep(pool)
+        for w in workers:
+            try:
+                w.proc.kill()
+            except Exception:
+                pass
+        self.disp.fail_all("the pool was terminated before this task finished")
+        self.wake.set()
+
+    def keep(self, pool: Any) -> None:
+        """Closed or terminated on purpose: the upkeep thread holds ``pool`` until its work is done, so
+        dropping it then neither warns nor kills its workers."""
+        with self.lock:
+            if not self._hold:
+                self._hold.append(pool)
+
+    # -- starting workers --------------------------------------------------------------------------
+    def start_workers(self) -> None:
+        """Start as many workers as are missing, unless a backoff after a failure is still running.
+        SerializationError if the initializer or its arguments cannot be pickled."""
+        if self.broken is not None:
+            return
+        with self.lock:
+            live = sum(1 for w in self.disp.workers_now() if not w.retiring)
+            want = self.size - live
+        now = time.monotonic()
+        if want <= 0 or now < self._next_start:
+            return
+        disp = self.disp
+        node = disp.node
+        cfg = _config.current()
+        for _ in range(want):
+            worker_id = next(self._worker_ids)
+            proc = Process(target=_worker.serve, name=f"PoolWorker-{disp.pool_id}-{worker_id}",
+                           args=(node.address, disp.pool_id, worker_id, self._initializer,
+                                 self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
+                           resources=self.shape)
+            w = WorkerState(worker_id, proc)
+            try:
+                proc.start()
+            except SerializationError:
+                raise
+            except Exception as exc:
+                self._failed_start(f"could not start a worker: {exc}")
+                return
+            with self.lock:
+                self._members[worker_id] = proc
+            disp.add_worker(w)
+
+    def _failed_start(self, why: str) -> None:
+        self._failures += 1
+        self.start_failures.append((time.time(), why))
+        del self.start_failures[:-100]
+        limit = _config.current().pool_start_failures
+        if self.broken is not None:  # a worker started before the pool gave up failed too
+            return
+        if self._failures >= limit:
+            node = self.disp.node
+            self.broken = PoolStartError(
+                f"roving pool: {self._failures} workers in a row failed to start and none connected "
+                f"(pool_start_failures={limit}); the last: {why}. Workers were to connect to this process at "
+                f"{node.address} (chosen by {node.why}); their output says why they could not.")
+            log.error("%s", self.broken)
+            self.disp.fail_all(self.broken)
+            return
+        delay = min(_MAX_BACKOFF_S, 0.1 * 2 ** self._failures)
+        self._next_start = time.monotonic() + delay
+        log.warning("roving pool: %s; trying again in %.1f s", why, delay)
+
+    # -- one round ---------------------------------------------------------------------------------
+    def _autoscale(self, workers: List[WorkerState], now: float) -> None:
+        """Between ``min`` and ``max`` workers: grow while work waits and no worker is free, shrink by
+        workers idle for ``idle_timeout`` seconds."""
+        waiting, free = self.disp.backlog()
+        live = [w for w in workers if not w.retiring]
+        starting = sum(1 for w in live if w.ident is None)
+        with self.lock:
+            if waiting and not free and self.size < self.max:
+                grow = min(self.max - self.size, max(0, waiting - starting))
+                if grow:
+                    log.info("roving pool: %d unit(s) of work waiting; %d more worker(s)", waiting, grow)
+                    self.size += grow
+                return
+            for w in live:
+                if w.units or w.ident is None:
+                    self._idle_since.pop(w.id, None)
+                else:
+                    self._idle_since.setdefault(w.id, now)
+            idle = sorted((since, wid) for wid, since in self._idle_since.items()
+                          if now - since >= self._idle_timeout)
+            extra = min(len(idle), len(live) - self.min)
+            for _, wid in idle[:max(0, extra)]:
+                w = self.disp.worker(wid)
+                if w is not None:
+                    self._idle_since.pop(wid, None)
+                    self.disp.retire(w)
+                    self.size -= 1
+
+    def _ended(self, w: WorkerState) -> None:
+        """Forget ``w`` here (the dispatcher forgets it at worker_lost)."""
+        with self.lock:
+            self._idle_since.pop(w.id, None)
+            if self.state == RUN:
+                self._members.pop(w.id, None)
+
+    def _abandon(self, w: WorkerState) -> None:
+        """Kill ``w`` and count it as lost at once, without waiting for its job to end: a job on a machine
+        cut off from the cluster may not end for minutes (or until the machine is back), and its work must
+        not wait that long. A late word from it is ignored (it is gone); its job is reaped when it ends."""
+        w.unreachable = 0.0
+        w.proc.kill()
+        self._ended(w)
+        self.disp.worker_lost(w, None)
+        self._abandoned.append(w.proc)
+
+    def once(self) -> bool:
+        """One round of upkeep; False once the pool is finished."""
+        workers = self.disp.workers_now()
+        with self.lock:
+            state = self.state
+        now = time.monotonic()
+        if self._abandoned:
+            ended = [p for p in self._abandoned if not p.is_alive()]
+            for p in ended:
+                self._abandoned.remove(p)
+                p._release()
+        for w in workers:
+            if w.proc.is_alive():
+                silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
+                cut_off = w.unreachable and now - w.unreachable > self._heartbeat_timeout
+                if (silent or cut_off) and state != TERMINATE:
+                    if silent:
+                        log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and counts "
+                                    "as lost: its work goes to other workers", w.id, now - w.seen)
+                    else:
+                        log.warning("roving pool: worker %s cannot be reached (its connection to the parent broke "
+                                    "%.0f s ago) and has not reconnected; it is killed and counts as lost: its "
+                                    "work goes to other workers", w.id, now - w.unreachable)
+                    self._abandon(w)
+                continue
+            code = w.proc.exitcode
+            self._ended(w)
+            if state != TERMINATE:
+                if w.ident is None and code != 0:
+                    self._failed_start(f"worker {w.id} exited with code {code} before it connected")
+                elif w.ident is not None:
+                    self._failures = 0
+            self.disp.worker_lost(w, code)
+            w.proc._release()  # its sentinel and job handle; a long-lived pool recycles many workers
+        if state == TERMINATE:
+            workers = self.disp.workers_now()
+            for w in workers:
+                w.proc._wait(1.0)
+                if w.proc.is_alive():
+                    w.proc.kill()
+            return any(w.proc.is_alive() for w in workers)
+        if self._failures and any(w.ident is not None and not w.retiring for w in workers):
+            self._failures = 0  # a worker connected: the next failure starts the backoff afresh
+        busy = self.disp.busy()
+        if (state == RUN or busy) and self.min != self.max:  # also after close(), while work is left
+            self._autoscale(workers, now)
+        if state == RUN or busy:
+            self.start_workers()
+        elif state == CLOSE:
+            workers = self.disp.workers_now()
+            for w in workers:
+                self.disp.retire(w)
+            return bool(workers)
+        return True
+
+    # -- the thread --------------------------------------------------------------------------------
+    def _run(self, ref: "weakref.ref[Any]") -> None:
+        """The pool's upkeep thread: a round every 0.1 s or when woken, until the pool is finished."""
+        try:
+            while True:
+                self.wake.wait(_UPKEEP_S)
+                self.wake.clear()
+                if not self._hold and ref() is None:
+                    self._collected()
+                    return
+                if not self.once():
+                    return
+        except Exception as exc:
+            log.exception("roving pool: the upkeep thread failed")
+            # nobody would deliver results any more: fail what is pending rather than hang get()
+            self.disp.fail_all(f"the pool's upkeep thread failed: {exc!r}")
+        finally:
+            self.disp.detach()
+            self.runner.stop(5.0)
+
+    def _collected(self) -> None:
+        """The pool was garbage-collected: kill its workers (reaped as any child is) and fail what was
+        pending."""
+        for w in self.disp.workers_now():
+            try:
+                w.proc.kill()
+            except Exception:
+                pass
+        self.disp.fail_all("the pool was garbage-collected before this task finished")
