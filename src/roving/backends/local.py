@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Dict, IO, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError, open_private
+from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError
+from .output import open_private
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,79 @@
+"""Where a job's output goes: this process's terminal, each line prefixed with the process name, or a
+log file that only this user can read.
+
+Every backend that copies a child's output uses these, so that the ``child_output`` option means the
+same on each: "prefix" (:class:`LineSplitter` to :func:`write_prefixed`), "files" (:func:`open_private`)
+or "off".
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Iterable, List, Optional
+
+__all__ = ["write_prefixed", "LineSplitter", "private_dir", "open_private"]
+
+
+def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
+    """Write a child's output lines to this process's terminal, ``prefix`` before each. Never raises
+    for a closed stream (the interpreter is shutting down): the lines are dropped."""
+    out = sys.stderr if to_stderr else sys.stdout
+    text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+    if not text:
+        return
+    try:
+        out.write(text)
+        out.flush()
+    except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
+        pass
+
+
+class LineSplitter:
+    """Turns chunks of output into whole lines for :func:`write_prefixed`; with ``keep``, only the lines
+    for which ``keep(line)`` is true are written. :meth:`close` writes a last line without its newline."""
+
+    def __init__(self, prefix: str, to_stderr: bool = False,
+                 keep: Optional[Callable[[bytes], bool]] = None) -> None:
+        self.prefix, self.to_stderr, self._partial, self._keep = prefix, to_stderr, b"", keep
+
+    def _write(self, lines: List[bytes]) -> None:
+        if self._keep is not None:
+            lines = [line for line in lines if self._keep(line)]
+        write_prefixed(self.prefix, lines, self.to_stderr)
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        self._write(lines)
+
+    def close(self) -> None:
+        if self._partial:
+            self._write([self._partial])
+            self._partial = b""
+
+
+def private_dir(path: str) -> None:
+    """Make ``path`` and its missing parents, each readable by this user only (0700); folders that
+    exist already are left as they are."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
+
+
+def open_private(path: str, mode: str = "ab"):
+    """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``), creating it readable by
+    this user only (0600), in a folder made by :func:`private_dir`."""
+    private_dir(os.path.dirname(os.path.abspath(path)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    return os.fdopen(fd, mode)
