@@ -448,8 +448,6 @@ def _short(exc: Exception) -> str:
     body = getattr(exc, "body", None)
     if body:
         try:
-            import json
-
             return json.loads(body).get("message", str(body))
         except Exception:
             return str(body)[:300]
