@@ -1,22 +1,21 @@
 """The Reaper: a small watcher process that cancels this process's jobs once this process is gone.
 
 :class:`Reaper` is the parent's side, one per backend that starts jobs on a cluster. It starts the
-watcher (``python -m roving.backends.reaper NAME``, in a session of its own, so that a Ctrl-C to the
+watcher (``python -m roving.backends.reaper_main NAME``, in a session of its own, so that a Ctrl-C to the
 terminal does not stop it first) when the first job is added, and tells it each job id through a pipe:
 ``+ID`` when the job is started, ``-ID`` when it is seen to end. The first line is the parent's resolved
 configuration (JSON), which the watcher takes on to reach the same cluster. The kernel closes the pipe
 whatever way the parent ends, ``kill -9`` included; the watcher then cancels every job it was told of
 and not told was done (:meth:`roving.backends.base.Backend.cancel_ids`), and exits.
 
-Nothing in the package imports this module but the backends that use it, so that running it with
-``-m`` finds it not yet imported.
+The watcher program is :mod:`roving.backends.reaper_main`: it uses the backends (to cancel), so it stands
+above them, while this module stands below them (they use it).
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -46,7 +45,7 @@ class Reaper:
                 env.pop("ROVING_CHILD", None)
                 env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "roving.backends.reaper", self._backend_name],
+                    [sys.executable, "-m", "roving.backends.reaper_main", self._backend_name],
                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True,
                     close_fds=True)
                 cfg = dataclasses.asdict(_config.current())
@@ -65,31 +64,3 @@ class Reaper:
         """The job has ended (or was cancelled here): the watcher forgets it."""
         if self._proc is not None:
             self._send("-" + job_id)
-
-
-def main() -> int:
-    """The watcher: read the configuration and the job ids until the input closes, then cancel."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    name = sys.argv[1]
-    first = sys.stdin.readline()
-    if not first:
-        return 0
-    live = {}
-    for line in sys.stdin:
-        line = line.strip()
-        if line.startswith("+"):
-            live[line[1:]] = True
-        elif line.startswith("-"):
-            live.pop(line[1:], None)
-    if not live:
-        return 0
-    from .. import backends
-
-    options = json.loads(first)
-    _config.adopt(_config.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}))
-    backends.get(name).cancel_ids(list(live))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
