@@ -5,10 +5,13 @@ secret, which the parent hands to each child through the child's job environment
 SECRET_ENV (a backend whose jobs run elsewhere moves it out of the environment: a container reads it
 from a private file named by SECRET_FILE_ENV, a pod from a Kubernetes Secret; the job's
 :class:`~roving.backends.base.JobSession` names both variables); every connection between them is
-authenticated with it. A child removes what it was told from ``os.environ`` as soon as it has read it, so that the
-programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving processes it
-starts get the secret from its Session, as its own children. The endpoint (:class:`~roving.transport.node.Node`) of a process
-is started the first time something needs it.
+authenticated with it. A child removes what it was told from ``os.environ`` as soon as it has read it,
+so that the programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving
+processes it starts get the secret from its Session, as its own children. The endpoint
+(:class:`~roving.transport.node.Node`) of a process is started the first time something needs it.
+
+Importing this module points roving.transport.addressing at :func:`roving.backends.towards`: the
+transport stands above the backends and asks them where their jobs run.
 """
 from __future__ import annotations
 
