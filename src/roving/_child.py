@@ -62,7 +62,7 @@ def main() -> int:
         sys.stderr.write("roving: the child could not load its target:\n")
         traceback.print_exc()
         return 1
-    _config._adopt(proc._config)
+    _config.adopt(proc._config)
     watcher = threading.Thread(target=_watch_parent, args=(info, proc._config),
                                name="roving-parent-watch", daemon=True)
     watcher.start()

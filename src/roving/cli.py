@@ -33,7 +33,7 @@ def _chosen_why(cfg) -> str:
 
     if os.environ.get("ROVING_BACKEND"):
         return f"ROVING_BACKEND={os.environ['ROVING_BACKEND']}"
-    values, source = config._file_layer(os.getcwd())
+    values, source = config.file_options(os.getcwd())
     if "backend" in values:
         return f"backend = {values['backend']!r} in {source}"
     name, why = backends.detect()
@@ -93,34 +93,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _build_image(cfg) -> str:
+    """`roving run --build`: the image of the working directory, built (and pushed to the `registry`
+    option's registry) on the Docker engine; its tag."""
     import re
 
-    from .backends.docker import DockerBackend, _sdk
+    from . import backends
 
     if not os.path.exists("Dockerfile"):
         raise OSError("--build needs a Dockerfile in the working directory (deploy/Dockerfile is an example)")
     # an image name allows only [a-z0-9._-], starting with a letter or digit
     name = re.sub(r"[^a-z0-9._-]+", "-", os.path.basename(os.getcwd()).lower()).lstrip("._-") or "app"
     tag = f"{cfg.registry.rstrip('/')}/roving-{name}:latest" if cfg.registry else f"roving-{name}:latest"
-    client = DockerBackend().client()
+    docker = backends.get("docker")
     print(f"roving: building {tag} from ./Dockerfile", file=sys.stderr)
-    try:
-        client.images.build(path=".", tag=tag, buildargs={"WORKDIR": os.getcwd()}, rm=True)
-    except _sdk().errors.DockerException as exc:
-        raise OSError(f"the build of {tag} from ./Dockerfile failed: {exc}") from None
+    docker.build_image(tag, ".", buildargs={"WORKDIR": os.getcwd()})
     if cfg.registry:
         print(f"roving: pushing {tag}", file=sys.stderr)
-        try:
-            for line in client.images.push(tag, stream=True, decode=True):
-                if "error" in line:
-                    raise OSError(f"push of {tag} failed: {line['error']}")
-        except _sdk().errors.DockerException as exc:
-            raise OSError(f"push of {tag} failed: {exc}") from None
+        docker.push_image(tag)
     return tag
 
 
 def _run(args: argparse.Namespace) -> int:
     from . import backends, config
+    from .transport import session
 
     memory = args.memory
     if memory is not None:
@@ -137,7 +132,7 @@ def _run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     spec = backends.JobSpec(
         name=os.path.basename(args.script), command=[sys.executable, args.script, *args.args], env=env,
-        cwd=os.getcwd(), resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None,
+        cwd=os.getcwd(), session=session.current().job_session(), resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None,
                                                       cfg.gpu), output="prefix")
     job = backend.create_job(spec)
     print(f"roving: {args.script} runs as {cfg.backend} job {job.id}", file=sys.stderr)
@@ -188,7 +183,7 @@ def _cancel(args: argparse.Namespace) -> int:
         print("roving: error: give job ids or --all (not both)", file=sys.stderr)
         return 2
     # --all: only this user's jobs (another user's are not ours to stop, even where we could)
-    ids = [j.id for j in backend.list_jobs(user=backends.base.user_name())] if args.all else args.jobs
+    ids = [j.id for j in backend.list_jobs(user=backends.user_name())] if args.all else args.jobs
     unknown = [] if args.all else backend.unknown_ids(ids)
     if unknown:
         # nothing is cancelled when an id is wrong: a typo must not leave half of a list cancelled

@@ -12,14 +12,13 @@ import os
 import sys
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from .transport.addressing import parse_port_range
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["Config", "ConfigError", "load", "current", "init"]
+__all__ = ["Config", "ConfigError", "load", "current", "init", "file_options", "parse_memory", "parse_port_range",
+           "set_backend_detector", "adopt"]
 
 _CHOICES = {
     # "auto" is resolved at once to the backend detected here (see roving.backends.detect)
@@ -40,7 +39,9 @@ def _local() -> str:
 
 
 #: Names the backend to use when the option is "auto": roving.backends installs its detect() when it is
-#: imported (which importing roving does), so that this module, below every other, imports none of them.
+#: imported (which importing roving does), so that this module, below every other, imports none of them
+#: (the detection is the backends' knowledge; that the choice is made once, here, is the configuration's:
+#: a child takes the parent's resolved choice and never detects again).
 _detector: Callable[[], str] = _local
 
 
@@ -74,6 +75,20 @@ def parse_memory(value: Any) -> int:
     if size <= 0:
         raise ValueError("must be positive")
     return size
+
+
+def parse_port_range(text: Optional[str]) -> Optional[Tuple[int, int]]:
+    """``"50000-50100"`` (or one port) as (low, high); None for none. ValueError if malformed."""
+    if text is None or not str(text).strip():
+        return None
+    low, _, high = str(text).strip().partition("-")
+    try:
+        lo, hi = int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a port range: use LOW-HIGH, e.g. 50000-50100") from None
+    if not 1 <= lo <= hi <= 65535:
+        raise ValueError(f"{text!r} is not a port range within 1-65535 with LOW <= HIGH")
+    return lo, hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +211,10 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
     return out
 
 
-def _file_layer(cwd: str) -> Tuple[Dict[str, Any], str]:
+def file_options(cwd: str) -> Tuple[Dict[str, Any], str]:
+    """The options of the file layer found in ``cwd`` (``roving.toml``, else ``[tool.roving]`` of
+    ``pyproject.toml``) as written there, and where they came from ("" when there is no file).
+    ConfigError when ``roving.toml`` is not valid TOML."""
     path = os.path.join(cwd, "roving.toml")
     if os.path.exists(path):
         with open(path, "rb") as f:
@@ -219,7 +237,7 @@ def load(overrides: Optional[Mapping[str, Any]] = None, cwd: Optional[str] = Non
          environ: Optional[Mapping[str, str]] = None) -> Config:
     """Resolve the configuration from defaults, file, environment and ``overrides``, in that order."""
     config = Config()
-    values, source = _file_layer(cwd or os.getcwd())
+    values, source = file_options(cwd or os.getcwd())
     if values:
         config = config.replace(source, **values)
     env = os.environ if environ is None else environ
@@ -263,9 +281,10 @@ _init_options: Dict[str, Any] = {}
 _WILDCARD_HOSTS = ("0.0.0.0", "::")
 
 
-def _adopt(config: Config) -> None:
-    """Used by a child: take the parent's resolved configuration, but not its address: a child
-    chooses its own (``host``/``advertise`` back to ``auto``; a wildcard ``host`` is kept)."""
+def adopt(config: Config) -> None:
+    """Used by a child (and by the Reaper's watcher): take the parent's resolved configuration as this
+    process's, but not its address: a child chooses its own (``host``/``advertise`` back to ``auto``; a
+    wildcard ``host`` is kept)."""
     global _current
     _current = dataclasses.replace(
         config, host=config.host if config.host in _WILDCARD_HOSTS else "auto", advertise="auto")

@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import json
 import logging
 import os
-import selectors
-import signal
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from . import backends
 from . import config as _config
+from ._sentinels import watcher as _sentinel_watcher
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
@@ -52,6 +50,7 @@ class ProcessStartError(OSError):
 _counter = itertools.count(1)
 _children: Set["Process"] = set()
 _children_lock = threading.Lock()
+_sentinel_lock = threading.Lock()
 
 # The process a pickling of Connections is for: pipe ends sent to a child are held in its name.
 _pickling_for = threading.local()
@@ -125,19 +124,19 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         cfg = self._config
         env = dict(os.environ)
-        env[_session.CHILD_ENV] = json.dumps({
-            "secret": session.secret.hex(), "uid": self._uid, "parent": node.address, "box": box,
+        env.update(session.child_env({
+            "uid": self._uid, "parent": node.address, "box": box,
             "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
             "connect_timeout": cfg.connect_timeout,
             "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        })
+        }))
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         spec = backends.JobSpec(
             name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
-            resources=resources, output=cfg.child_output,
+            session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
         try:
             self._backend = backends.get(cfg.backend)
@@ -148,7 +147,7 @@ class Process:
         self._payload_box = box
         self._sentinel = self._backend.sentinel(self._job)
         # a Process freed without close() still gives its sentinel back (the finalizer holds no reference)
-        self._sentinel_finalizer = weakref.finalize(self, _reaper().close_fd, self._sentinel)
+        self._sentinel_finalizer = weakref.finalize(self, _sentinel_watcher().close_fd, self._sentinel)
         self._sentinel_finalizer.atexit = False
         # As multiprocessing's start() does: the child has its own copy (in the payload), so the parent
         # lets go of the target and arguments at once; large arguments are not kept, nor a cycle
@@ -156,7 +155,7 @@ class Process:
         del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
-        _reaper().watch(self)
+        _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
         _pickling_for.uid = self._uid
@@ -259,8 +258,18 @@ class Process:
         """
         if self._job is not None and self._exitcode is not None and not self._released:
             self._released = True
-            _reaper().forget(self)
+            self._drop_sentinel()
             self._backend.forget(self._job)
+
+    def _drop_sentinel(self) -> None:
+        """Stop watching the sentinel and close it (the watcher closes it, after unregistering)."""
+        finalizer = getattr(self, "_sentinel_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        with _sentinel_lock:
+            fd, self._sentinel = self._sentinel, None
+        if fd is not None:
+            _sentinel_watcher().close_fd(fd)
 
     def _work_unfetched(self) -> bool:
         """Whether the child never took its work from this process (it never reached it)."""
@@ -281,11 +290,11 @@ class Process:
         self._exitcode = code
         with _children_lock:
             _children.discard(self)
-        session = _session.current()
-        if session._node is not None:
+        node = _session.current().started_node()
+        if node is not None:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
-            session._node.release_everywhere(self._uid.encode())
-            session._node.drop_box(self._payload_box)
+            node.release_everywhere(self._uid.encode())
+            node.drop_box(self._payload_box)
 
     def _check_closed(self) -> None:
         if self._closed:
@@ -475,91 +484,9 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
-class _Reaper:
-    """One thread that notices every child's end through its sentinel, even if nobody joins it.
-
-    A child's end releases the pipe ends it held here, so that a reader on the other end sees EOFError.
-    The reaper holds each Process only weakly (the ``_children`` set holds a running one): a Process
-    that was closed and deleted is freed at once, as multiprocessing's is.
-    """
-
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._lock = threading.Lock()
-        self._add: List[Tuple[int, "weakref.ref[Process]"]] = []
-        self._remove: List[int] = []
-        threading.Thread(target=self._run, name="roving-reaper", daemon=True).start()
-
-    def watch(self, proc: Process) -> None:
-        with self._lock:
-            self._add.append((proc._sentinel, weakref.ref(proc)))
-        os.write(self._wake_w, b"x")
-
-    def forget(self, proc: Process) -> None:
-        """Stop watching ``proc`` and close its sentinel (the reaper closes it, after unregistering)."""
-        finalizer = getattr(proc, "_sentinel_finalizer", None)
-        if finalizer is not None:
-            finalizer.detach()
-        with self._lock:
-            fd, proc._sentinel = proc._sentinel, None
-        if fd is not None:
-            self.close_fd(fd)
-
-    def close_fd(self, fd: int) -> None:
-        """Unregister and close a sentinel, in the reaper's thread (so its number is not reused while
-        the selector still knows it)."""
-        with self._lock:
-            self._remove.append(fd)
-        os.write(self._wake_w, b"x")
-
-    def _run(self) -> None:
-        while True:
-            self._step()
-
-    def _step(self) -> None:
-        """One wait and what it found, in a frame of its own: no local variable keeps a Process alive
-        while the reaper waits."""
-        for key, _ in self._selector.select():
-            if key.data is None:
-                os.read(self._wake_r, 4096)
-                with self._lock:
-                    add, self._add = self._add, []
-                    remove, self._remove = self._remove, []
-                for fd, ref in add:
-                    self._selector.register(fd, selectors.EVENT_READ, ref)
-                for fd in remove:
-                    self._unregister(fd)
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                continue
-            self._unregister(key.fd)
-            proc = key.data()
-            if proc is None:  # freed without close(): its finalizer has queued the sentinel's closing
-                continue
-            try:
-                proc._wait(5)
-            except Exception:  # never let one child stop the reaper
-                log.exception("roving: could not reap %s", proc)
-
-    def _unregister(self, fd: int) -> None:
-        try:
-            self._selector.unregister(fd)
-        except (KeyError, ValueError):
-            pass
-
-
-_reaper_instance: Optional[_Reaper] = None
-
-
-def _reaper() -> _Reaper:
-    global _reaper_instance
-    if _reaper_instance is None:
-        _reaper_instance = _Reaper()
-    return _reaper_instance
+def _reaped(proc: Process) -> None:
+    """The sentinel watcher's call when a child's sentinel fires: take note of its end."""
+    proc._wait(5)
 
 
 def _at_exit() -> None:
@@ -577,8 +504,9 @@ def _at_exit() -> None:
                 child._wait(5)
         except Exception:
             pass
-    if _session._session is not None:
-        _session._session.close()
+    session = _session.existing()
+    if session is not None:
+        session.close()
 
 
 atexit.register(_at_exit)

@@ -41,7 +41,7 @@ def test_ps_logs_and_cancel_a_slurm_job_of_this_session():
     q.start()
     assert wait_until(lambda: q.job.id in roving_cmd("ps", "--backend", "slurm").stdout, 30)
     line = [l for l in roving_cmd("ps", "--backend", "slurm").stdout.splitlines() if l.startswith(q.job.id + " ")][0]
-    assert "sleeper" in line and roving.backends.base.session_tag() in line
+    assert "sleeper" in line and roving.transport.session.current().tag in line
     assert "marker-line" in roving_cmd("logs", "--backend", "slurm", p.job.id).stdout
     r = roving_cmd("cancel", "--backend", "slurm", q.job.id)
     assert r.returncode == 0 and f"cancelled {q.job.id}" in r.stdout

@@ -11,6 +11,7 @@ import helpers_targets as h
 import roving
 from helpers_core import wait_until
 from roving import backends
+from roving.transport import session as _session
 from roving.backends.docker import DockerBackend
 
 
@@ -28,7 +29,7 @@ def test_container_has_limits_labels_and_the_working_directory_and_is_removed_af
     client = p._backend.client()
     attrs = client.api.inspect_container(p.job.id)
     assert attrs["HostConfig"]["NanoCpus"] == 500_000_000 and attrs["HostConfig"]["Memory"] == 200 * 2**20
-    assert attrs["Config"]["Labels"] == {"roving.session": backends.base.session_tag(), "roving.name": "boxed",
+    assert attrs["Config"]["Labels"] == {"roving.session": _session.current().tag, "roving.name": "boxed",
                                          "roving.user": backends.base.user_name()}
     assert attrs["HostConfig"]["NetworkMode"] == "host" and attrs["Config"]["Image"] == hb.DOCKER_IMAGE
     import os

@@ -19,6 +19,7 @@ import roving
 from fake_k8s.server import FakeKubernetes
 from helpers_core import wait_until
 from roving import backends
+from roving.transport import session as _session
 
 T = 60
 
@@ -68,7 +69,7 @@ def test_pod_has_resources_labels_namespace_and_no_restarts(fake, monkeypatch, t
         "cpu": "500m", "memory": str(256 * 2**20), "nvidia.com/gpu": "1"}
     assert spec["restartPolicy"] == "Never" and spec["containers"][0]["image"] == "fake/roving:test"
     labels = pod.body["metadata"]["labels"]
-    assert labels["roving.session"] == backends.base.session_tag() and labels["roving.name"] == "worker-1"
+    assert labels["roving.session"] == _session.current().tag and labels["roving.name"] == "worker-1"
     p.terminate()
     p.join(T)
     assert p.exitcode == -15
@@ -168,7 +169,7 @@ def test_the_session_secret_is_in_a_secret_object_not_in_any_pod_spec(fake):
     ref = env[_session.SECRET_ENV]["valueFrom"]["secretKeyRef"]
     stored = fake.secrets[("default", ref["name"])]
     assert base64.b64decode(stored["data"][ref["key"]]).decode() == secret
-    assert stored["metadata"]["labels"]["roving.session"] == backends.base.session_tag()
+    assert stored["metadata"]["labels"]["roving.session"] == _session.current().tag
     p.join(T)
     backends.get("kubernetes").shutdown()
     assert ("default", ref["name"]) not in fake.secrets, "the Secret goes when the session ends"

@@ -13,6 +13,7 @@ import helpers_targets as h
 import roving
 from helpers_core import wait_until, PROGRAMS
 from roving import backends
+from roving.transport import session as _session
 from roving.backends.slurm import SlurmBackend
 
 
@@ -34,7 +35,7 @@ def test_resources_and_configured_options_reach_the_slurm_job():
     f = _job_fields(p.job.id)
     assert f["NumCPUs"] == "2" and f["MinMemoryNode"] == "300M" and f["TimeLimit"] == "00:05:00"
     assert f["Nice"] == "7" and f["Partition"] == "debug"
-    assert f["JobName"] == f"roving-{backends.base.session_tag()}" and f["Comment"] == "sized"
+    assert f["JobName"] == f"roving-{_session.current().tag}" and f["Comment"] == "sized"
     p.kill()
     p.join(30)
 
@@ -109,7 +110,7 @@ def test_slurm_output_folders_and_files_are_private_and_the_job_keeps_the_caller
     p.join(60)
     assert p.exitcode == 0
     if child_output == "prefix":
-        folder = os.path.join(os.path.expanduser("~/.roving/slurm"), backends.base.session_tag())
+        folder = os.path.join(os.path.expanduser("~/.roving/slurm"), _session.current().tag)
     else:
         folder = str(log_dir)
         assert _mode(tmp_path / "new") == 0o700  # a missing parent is made private too

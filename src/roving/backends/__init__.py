@@ -3,7 +3,9 @@
 Nothing above this layer imports a backend module directly; it asks :func:`get` for the configured one.
 ``local`` runs jobs as subprocesses; ``slurm`` as Slurm jobs (sbatch, or srun steps inside an
 allocation); ``docker`` as containers; ``kubernetes`` as pods. :func:`detect` picks one when the
-``backend`` option is ``auto``.
+``backend`` option is ``auto`` (installed into roving.config as its detector when this package is
+imported). Backends sit below the transport: they import only roving.config, and what they need of a
+job's session comes in its spec.
 """
 from __future__ import annotations
 
@@ -13,11 +15,11 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from .. import config as _config
-from ..transport import addressing
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, Resources, UnknownJobError
+from .base import (Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, UnknownJobError,
+                   user_name)
 
-__all__ = ["Backend", "Job", "JobInfo", "JobSpec", "JobState", "JobStatus", "Resources", "UnknownJobError", "get", "detect",
-           "NAMES"]
+__all__ = ["Backend", "Job", "JobInfo", "JobSession", "JobSpec", "JobState", "JobStatus", "Resources",
+           "UnknownJobError", "get", "detect", "towards", "user_name", "NAMES"]
 
 NAMES = ("local", "slurm", "docker", "kubernetes")
 _instances: Dict[str, Backend] = {}
@@ -59,14 +61,14 @@ def get(name: str) -> Backend:
         return backend
 
 
-def towards(cfg) -> Optional[Tuple[str, str]]:
-    """Towards which host the jobs of ``cfg.backend`` run, seen from here; None: on this machine."""
+def towards(cfg: Optional[_config.Config]) -> Optional[Tuple[str, str]]:
+    """Towards which host the jobs of ``cfg.backend`` run, seen from here; None: on this machine
+    (roving.transport.addressing binds the interface that routes there)."""
     if cfg is None or cfg.backend == "local":
         return None
     return get(cfg.backend).towards()
 
 
-addressing.set_cluster_route(towards)
 _config.set_backend_detector(lambda: detect()[0])
 
 

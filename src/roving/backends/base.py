@@ -1,18 +1,20 @@
-"""The small interface every backend implements, and the plain data it speaks in."""
+"""The small interface every backend implements (:class:`Backend`, :class:`Job`), and the plain data it
+speaks in (:class:`JobSpec` and what it holds, :class:`JobStatus`, :class:`JobInfo`).
+
+A backend knows nothing of the transport: what it needs of the roving session a job belongs to comes in
+the job's spec (:class:`JobSession`). Where a job's output goes is :mod:`roving.backends.output`; the
+watcher that cancels a dead parent's jobs is :mod:`roving.backends.reaper`.
+"""
 from __future__ import annotations
 
 import abc
 import dataclasses
 import enum
-import hashlib
-import json
 import os
 import pwd
-import subprocess
-import sys
 import threading
 import time
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 
 class UnknownJobError(LookupError):
@@ -28,6 +30,20 @@ class Resources:
     gpu: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class JobSession:
+    """What a backend needs to know of the roving session that starts a job."""
+
+    #: A short public name of the session, the same in all its processes: job names and labels carry it.
+    tag: str
+    #: The variable of the job's environment that holds the session secret (hex), when it holds one. A
+    #: backend whose jobs run on other machines moves the secret out of the environment (into a file, a
+    #: Kubernetes Secret) and gives the job it under this name or :attr:`secret_file_env`.
+    secret_env: str
+    #: The variable that tells a job the path of a file holding the secret instead.
+    secret_file_env: str
+
+
 @dataclasses.dataclass
 class JobSpec:
     """Everything a backend needs to start one roving process."""
@@ -36,6 +52,7 @@ class JobSpec:
     command: List[str]
     env: Dict[str, str]
     cwd: str
+    session: JobSession
     resources: Resources = dataclasses.field(default_factory=Resources)
     #: "prefix", "off" or "files" (see :class:`roving.config.Config`).
     output: str = "prefix"
@@ -69,16 +86,6 @@ class JobInfo:
     user: str = ""
 
 
-def session_tag() -> str:
-    """A short name for this process's roving session, the same in every process of it.
-
-    Derived from the session secret by a one-way hash, so that it can be shown in job names and labels.
-    """
-    from ..transport import session as _session
-
-    return hashlib.sha256(b"roving-session:" + _session.current().secret).hexdigest()[:12]
-
-
 def user_name() -> str:
     """This process's user, from its uid (not from the environment): the jobs it started carry it, and
     `roving cancel --all` touches only jobs that carry it."""
@@ -88,132 +95,22 @@ def user_name() -> str:
         return f"uid{os.getuid()}"
 
 
-def private_dir(path: str) -> None:
-    """Make ``path`` and its missing parents, each readable by this user only (0700); folders that
-    exist already are left as they are."""
-    path = os.path.abspath(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
-
-
-def open_private(path: str, mode: str = "ab"):
-    """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``), creating it readable by
-    this user only (0600), in a folder made by :func:`private_dir`."""
-    private_dir(os.path.dirname(os.path.abspath(path)))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
-    return os.fdopen(fd, mode)
-
-
-def container_env(env: Mapping[str, str], forward: Iterable[str]) -> Tuple[Dict[str, str], str]:
+def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str], str]:
     """What of a job's environment a container or pod may see, and the session secret (hex) apart.
 
-    A container is another machine: it gets what roving needs (ROVING_CHILD without the secret,
-    PYTHONPATH, PYTHONUNBUFFERED, the ROVING_<option> variables) and the variables ``forward`` names
-    (the ``forward_env`` option), never the rest of the parent's environment. The secret must reach
-    it another way (a file, a Kubernetes Secret); it is "" when ``env`` holds none.
+    A container is another machine: it gets what roving needs (ROVING_CHILD, PYTHONPATH,
+    PYTHONUNBUFFERED, the ROVING_<option> variables) and the variables ``forward`` names (the
+    ``forward_env`` option), never the rest of the parent's environment, and never the secret's variables
+    (``spec.session``), even when ``forward`` names them. The secret must reach it another way (a file, a
+    Kubernetes Secret); it is "" when the environment holds none.
     """
-    from ..transport import session as _session
-
+    secret_vars = (spec.session.secret_env, spec.session.secret_file_env)
     wanted = set(forward)
-    out = {k: v for k, v in env.items()
-           if k in wanted or k in ("PYTHONPATH", "PYTHONUNBUFFERED", _session.CHILD_ENV)
-           or (k.startswith("ROVING_") and k not in (_session.SECRET_ENV, _session.SECRET_FILE_ENV))}
-    secret = ""
-    if _session.CHILD_ENV in out:
-        info = json.loads(out[_session.CHILD_ENV])
-        secret = info.pop("secret", None) or ""
-        out[_session.CHILD_ENV] = json.dumps(info)
+    out = {k: v for k, v in spec.env.items()
+           if k not in secret_vars and (k in wanted or k in ("PYTHONPATH", "PYTHONUNBUFFERED")
+                                        or k.startswith("ROVING_"))}
     out.setdefault("PYTHONUNBUFFERED", "1")
-    return out, secret
-
-
-def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
-    """Write a child's output lines to this process's terminal, ``prefix`` before each."""
-    out = sys.stderr if to_stderr else sys.stdout
-    text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
-    if not text:
-        return
-    try:
-        out.write(text)
-        out.flush()
-    except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
-        pass
-
-
-class LineSplitter:
-    """Turns chunks of output into whole lines for :func:`write_prefixed`; with ``keep``, only the lines
-    for which ``keep(line)`` is true are written."""
-
-    def __init__(self, prefix: str, to_stderr: bool = False,
-                 keep: Optional[Callable[[bytes], bool]] = None) -> None:
-        self.prefix, self.to_stderr, self._partial, self._keep = prefix, to_stderr, b"", keep
-
-    def _write(self, lines: List[bytes]) -> None:
-        if self._keep is not None:
-            lines = [line for line in lines if self._keep(line)]
-        write_prefixed(self.prefix, lines, self.to_stderr)
-
-    def feed(self, chunk: bytes) -> None:
-        lines = (self._partial + chunk).split(b"\n")
-        self._partial = lines.pop()
-        self._write(lines)
-
-    def close(self) -> None:
-        if self._partial:
-            self._write([self._partial])
-            self._partial = b""
-
-
-class Reaper:
-    """A small watcher process that cancels this process's jobs once this process is gone.
-
-    It learns each job id through a pipe; the kernel closes the pipe whatever way this process ends,
-    ``kill -9`` included, and the watcher then cancels every job it was told of and not told was done.
-    The watcher runs in its own session so that a Ctrl-C to the terminal does not stop it first.
-    """
-
-    def __init__(self, backend_name: str) -> None:
-        self._backend_name = backend_name
-        self._proc: Optional[subprocess.Popen] = None
-        self._lock = threading.Lock()
-
-    def _send(self, line: str) -> None:
-        with self._lock:
-            if self._proc is None:
-                from .. import config as _config
-
-                env = dict(os.environ)
-                env.pop("ROVING_CHILD", None)
-                env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "roving.backends._reaper", self._backend_name],
-                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True,
-                    close_fds=True)
-                cfg = dataclasses.asdict(_config.current())
-                self._proc.stdin.write((json.dumps(cfg) + "\n").encode())
-            try:
-                self._proc.stdin.write((line + "\n").encode())
-                self._proc.stdin.flush()
-            except (BrokenPipeError, ValueError):
-                pass
-
-    def add(self, job_id: str) -> None:
-        self._send("+" + job_id)
-
-    def done(self, job_id: str) -> None:
-        if self._proc is not None:
-            self._send("-" + job_id)
+    return out, spec.env.get(spec.session.secret_env, "")
 
 
 class Job:

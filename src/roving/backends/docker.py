@@ -25,9 +25,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from .. import config as _config
-from ..transport import session as _session
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   UnknownJobError, container_env, open_private, session_tag, user_name)
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+                   user_name)
+from .output import LineSplitter, open_private
+from .reaper import Reaper
 
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
@@ -77,7 +78,7 @@ class DockerBackend(Backend):
         self._client = None
         self._lock = threading.Lock()
         self._jobs: Dict[str, _Container] = {}
-        self._events_started = False
+        self._events_for: set = set()  # the session tags whose containers' ends are followed
         self._reaper = Reaper(self.name)
 
     # -- the engine ------------------------------------------------------------------------------
@@ -97,15 +98,17 @@ class DockerBackend(Backend):
             self._client = client
         return self._client
 
-    def _start_events(self) -> None:
+    def _start_events(self, tag: str) -> None:
+        """Follow the ends of the containers of session ``tag`` (once per session: there is one per
+        process but for `roving run`'s)."""
         with self._lock:
-            if self._events_started:
+            if tag in self._events_for:
                 return
-            self._events_started = True
+            self._events_for.add(tag)
         client = self.client()
         since = int(time.time()) - 1
         events = client.events(since=since, decode=True, filters={
-            "type": "container", "event": "die", "label": f"roving.session={session_tag()}"})
+            "type": "container", "event": "die", "label": f"roving.session={tag}"})
         threading.Thread(target=self._follow_events, args=(events,), name="roving-docker-events",
                          daemon=True).start()
 
@@ -173,7 +176,8 @@ class DockerBackend(Backend):
             raise DockerError("the docker backend needs an image: set the roving option `image` "
                               "(or use `roving run --build`)")
         client = self.client()
-        self._start_events()
+        tag = spec.session.tag
+        self._start_events(tag)
         res = spec.resources
         info = self._info()
         if res.memory and res.memory > info.get("MemTotal", res.memory):
@@ -188,12 +192,11 @@ class DockerBackend(Backend):
             if len(parts) < 2:
                 raise DockerError(f"bad docker_volumes entry {item!r}: use host:container[:ro]")
             volumes[os.path.abspath(parts[0])] = {"bind": parts[1], "mode": parts[2] if len(parts) > 2 else "rw"}
-        env, secret = container_env(spec.env, cfg.forward_env)
+        env, secret = container_env(spec, cfg.forward_env)
         secret_dir = _secret_folder(secret) if secret else None
         if secret_dir:
             volumes[secret_dir] = {"bind": _SECRET_MOUNT, "mode": "ro"}
-            env[_session.SECRET_FILE_ENV] = f"{_SECRET_MOUNT}/secret"
-        tag = session_tag()
+            env[spec.session.secret_file_env] = f"{_SECRET_MOUNT}/secret"
         try:
             container = client.containers.create(
                 cfg.image, command=spec.command, environment=env, working_dir=spec.cwd, volumes=volumes,
@@ -320,6 +323,25 @@ class DockerBackend(Backend):
                 return entry["Gateway"], f"the gateway of Docker network {cfg.docker_network} ({entry['Gateway']})"
         raise DockerError(f"Docker network {cfg.docker_network!r} has no gateway address: set the roving options "
                           "host= and advertise= to an address of this machine its containers reach")
+
+    # -- images ----------------------------------------------------------------------------------
+    def build_image(self, tag: str, context: str = ".", buildargs: Optional[Dict[str, str]] = None) -> None:
+        """Build the image ``tag`` from the Dockerfile in the folder ``context``, on the engine; blocks
+        until it is built. OSError (DockerError) naming the tag when the build fails."""
+        try:
+            self.client().images.build(path=context, tag=tag, buildargs=dict(buildargs or {}), rm=True)
+        except _sdk().errors.DockerException as exc:
+            raise DockerError(f"the build of {tag} from {os.path.join(context, 'Dockerfile')} failed: {exc}") from None
+
+    def push_image(self, tag: str) -> None:
+        """Push the image ``tag`` to the registry its name starts with; blocks until pushed. OSError
+        (DockerError) naming the tag when the push fails."""
+        try:
+            for line in self.client().images.push(tag, stream=True, decode=True):
+                if "error" in line:
+                    raise DockerError(f"push of {tag} failed: {line['error']}")
+        except _sdk().errors.DockerException as exc:
+            raise DockerError(f"push of {tag} failed: {exc}") from None
 
     def describe(self) -> Dict[str, str]:
         info = self._info()

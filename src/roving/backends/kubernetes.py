@@ -31,9 +31,10 @@ from typing import Dict, Iterable, List, Optional, Tuple
 from urllib.parse import urlparse
 
 from .. import config as _config
-from ..transport import session as _session
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   UnknownJobError, container_env, open_private, session_tag, user_name)
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+                   user_name)
+from .output import LineSplitter, open_private
+from .reaper import Reaper
 
 log = logging.getLogger(__name__)
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -170,17 +171,17 @@ class KubernetesBackend(Backend):
             amounts["memory"] = str(res.memory)
         if res.gpu:
             amounts["nvidia.com/gpu"] = str(res.gpu)
-        tag = session_tag()
+        tag = spec.session.tag
         name = f"roving-{tag}-{_dns_name(spec.name)}-{os.urandom(3).hex()}"
         # Only what roving needs and what forward_env names; the secret travels in a Secret.
-        env, secret = container_env(spec.env, cfg.forward_env)
+        env, secret = container_env(spec, cfg.forward_env)
         from_refs = []
         if "ROVING_ADVERTISE" in env:  # the parent's own pod IP, inherited: each pod advertises its own
             env.pop("ROVING_ADVERTISE")
             from_refs.append({"name": "ROVING_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
         if secret:
-            from_refs.append({"name": _session.SECRET_ENV, "valueFrom": {"secretKeyRef": {
-                "name": self._session_secret(secret), "key": "secret"}}})
+            from_refs.append({"name": spec.session.secret_env, "valueFrom": {"secretKeyRef": {
+                "name": self._session_secret(tag, secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
                                               "roving.name": _dns_name(spec.name), "roving.user": _user_label(user_name())},
                     "annotations": {"roving.process-name": spec.name}}
@@ -207,16 +208,17 @@ class KubernetesBackend(Backend):
                              daemon=True).start()
         return Job(self, name)
 
-    def _session_secret(self, secret: str) -> str:
-        """The name of the Secret that holds this session's ``secret`` (hex), made on first use."""
+    def _session_secret(self, tag: str, secret: str) -> str:
+        """The name of the Secret that holds the ``secret`` (hex) of session ``tag``, made on first use
+        (a process has one session)."""
         from kubernetes.client.rest import ApiException
 
         with self._lock:
             if self._secret is not None:
                 return self._secret
-            name = f"roving-{session_tag()}"
+            name = f"roving-{tag}"
             metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
-                                                 "roving.session": session_tag()}}
+                                                 "roving.session": tag}}
             owner = self._owner_reference()
             if owner:
                 metadata["ownerReferences"] = [owner]
@@ -281,13 +283,15 @@ class KubernetesBackend(Backend):
             live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
         if not live:
             return
-        try:
-            items = self.api().list_namespaced_pod(self.namespace, label_selector=f"roving.session={session_tag()}",
-                                                   _request_timeout=_TIMEOUT).items
-        except ApiException as exc:
-            log.warning("roving: cannot list pods: %s", _short(exc))
-            return
-        found = {item.metadata.name: item for item in items}
+        found = {}
+        for tag in {p.spec.session.tag for p in live}:  # one: a process has one session
+            try:
+                items = self.api().list_namespaced_pod(self.namespace, label_selector=f"roving.session={tag}",
+                                                       _request_timeout=_TIMEOUT).items
+            except ApiException as exc:
+                log.warning("roving: cannot list pods: %s", _short(exc))
+                return
+            found.update((item.metadata.name, item) for item in items)
         for pod in live:
             item = found.get(pod.name)
             if item is None:  # deleted: by us (the code we asked for) or from outside (as SIGTERM)
@@ -444,8 +448,6 @@ def _short(exc: Exception) -> str:
     body = getattr(exc, "body", None)
     if body:
         try:
-            import json
-
             return json.loads(body).get("message", str(body))
         except Exception:
             return str(body)[:300]

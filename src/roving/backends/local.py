@@ -3,102 +3,15 @@ from __future__ import annotations
 
 import logging
 import os
-import selectors
 import signal
 import subprocess
-import sys
 import threading
-import time
-from typing import Dict, IO, Optional
+from typing import Dict, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError, open_private
+from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError
+from .output import OutputPump, open_private
 
 log = logging.getLogger(__name__)
-
-
-class _OutputPump:
-    """One thread that copies every child's output to this process's terminal, a prefix on each line."""
-
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._lock = threading.Lock()
-        self._pending: list = []
-        self._thread = threading.Thread(target=self._run, name="roving-output", daemon=True)
-        self._thread.start()
-
-    def add(self, stream: IO[bytes], prefix: str, to_stderr: bool) -> None:
-        with self._lock:
-            self._pending.append((stream, prefix, to_stderr))
-        os.write(self._wake_w, b"x")
-
-    def _run(self) -> None:
-        """Copy output until the process ends. A stream that cannot be read is closed (with a warning)
-        and the others go on: a child whose output nobody reads would block once its pipe is full."""
-        partial: Dict[int, bytes] = {}
-        while True:
-            try:
-                events = self._selector.select()
-            except OSError as exc:
-                log.warning("roving: copying children's output: %s", exc)
-                time.sleep(0.05)
-                continue
-            for key, _ in events:
-                if key.data is None:
-                    self._take_pending()
-                    continue
-                try:
-                    self._copy(key, partial)
-                except Exception as exc:
-                    log.warning("roving: stopped copying the output of %s: %s", key.data[0].strip(), exc)
-                    self._stop_watching(key.fileobj)
-
-    def _take_pending(self) -> None:
-        os.read(self._wake_r, 4096)  # select() found it readable
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for stream, prefix, to_stderr in pending:
-            try:
-                self._selector.register(stream, selectors.EVENT_READ, (prefix, to_stderr))
-            except (ValueError, KeyError, OSError) as exc:  # closed already
-                log.warning("roving: cannot copy the output of %s: %s", prefix.strip(), exc)
-
-    def _copy(self, key: selectors.SelectorKey, partial: Dict[int, bytes]) -> None:
-        stream, (prefix, to_stderr) = key.fileobj, key.data
-        fd = stream.fileno()
-        chunk = os.read(fd, 65536)
-        data = partial.pop(fd, b"") + chunk
-        lines = data.split(b"\n")
-        if chunk:
-            if lines[-1]:
-                partial[fd] = lines[-1]
-            lines = lines[:-1]
-        else:  # end of output: flush what is left, stop watching
-            self._stop_watching(stream)
-            lines = [line for line in lines if line]
-        if lines:
-            self._write(prefix, lines, to_stderr)
-
-    def _stop_watching(self, stream: IO[bytes]) -> None:
-        try:
-            self._selector.unregister(stream)
-        except (KeyError, ValueError):
-            pass
-        try:
-            stream.close()
-        except OSError:
-            pass
-
-    @staticmethod
-    def _write(prefix: str, lines: list, to_stderr: bool) -> None:
-        out = sys.stderr if to_stderr else sys.stdout
-        text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
-        try:
-            out.write(text)
-            out.flush()
-        except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
-            pass
 
 
 def _has_exited(pid: int) -> bool:
@@ -116,7 +29,7 @@ class LocalBackend(Backend):
 
     def __init__(self) -> None:
         self._procs: Dict[str, subprocess.Popen] = {}
-        self._pump: Optional[_OutputPump] = None
+        self._pump: Optional[OutputPump] = None
         self._lock = threading.Lock()
 
     def create_job(self, spec: JobSpec) -> Job:
@@ -140,7 +53,7 @@ class LocalBackend(Backend):
         if spec.output == "prefix":
             with self._lock:
                 if self._pump is None:
-                    self._pump = _OutputPump()
+                    self._pump = OutputPump()
             prefix = f"[{spec.name}] "
             self._pump.add(proc.stdout, prefix, False)
             self._pump.add(proc.stderr, prefix, True)

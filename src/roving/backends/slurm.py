@@ -13,7 +13,7 @@
   slurmstepd's ``*** JOB N ... CANCELLED ***`` line is not printed for a job this process cancelled itself
   (a Pool's workers at its end); for a job cancelled by anyone else it is.
 * When this process exits, normally or killed, every job it started and that is still there is
-  cancelled (:class:`~roving.backends.base.Reaper`).
+  cancelled (:class:`~roving.backends.reaper.Reaper`).
 """
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ import time
 from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from .. import config as _config
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, LineSplitter, Reaper,
-                   UnknownJobError, open_private, private_dir, session_tag)
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
+from .output import LineSplitter, open_private, private_dir
+from .reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ class SlurmBackend(Backend):
         if os.environ.get("SLURM_JOB_ID"):
             return self._create_step(spec, cfg, env)
         self._check_controller()
-        tag = session_tag()
+        tag = spec.session.tag
         if spec.output == "off":
             output = "/dev/null"
         elif spec.output == "files":
@@ -194,7 +195,7 @@ class SlurmBackend(Backend):
     def _create_step(self, spec: JobSpec, cfg: _config.Config, env: Dict[str, str]) -> Job:
         with self._lock:
             self._step_counter += 1
-            step_name = f"roving-{session_tag()}-{os.getpid()}-{self._step_counter}"
+            step_name = f"roving-{spec.session.tag}-{os.getpid()}-{self._step_counter}"
         args = ["srun", "--overlap", "--ntasks=1", "--nodes=1", "--export=ALL", f"--job-name={step_name}",
                 f"--chdir={spec.cwd}", "--quiet", *self._resource_options(spec, cfg), *spec.command]
         out = {"prefix": subprocess.PIPE, "off": subprocess.DEVNULL}.get(spec.output)

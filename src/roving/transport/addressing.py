@@ -28,6 +28,8 @@ import random
 import socket
 from typing import Callable, Optional, Tuple
 
+from ..config import parse_port_range  # the option's own parser; named here too, as before
+
 __all__ = ["Choice", "AddressError", "choose", "route_to", "is_loopback", "parse_port_range", "bind_in_range",
            "set_cluster_route", "cluster_route", "host_of"]
 
@@ -100,7 +102,8 @@ def route_to(host: str) -> str:
 # -- the backend's part: where its jobs run, seen from here -----------------------------------------
 
 #: ``(config) -> (host, why)`` of a machine on the cluster's side, or None when every job of the
-#: configured backend runs on this machine. Set by roving.backends; loopback until then.
+#: configured backend runs on this machine. Set by roving.transport.session (to roving.backends.towards);
+#: loopback until then.
 _cluster_route: Callable[[object], Optional[Tuple[str, str]]] = lambda cfg: None
 
 
@@ -115,20 +118,6 @@ def cluster_route(cfg: object) -> Optional[Tuple[str, str]]:
 
 
 # -- the choice --------------------------------------------------------------------------------------
-
-def parse_port_range(text: Optional[str]) -> Optional[Tuple[int, int]]:
-    """``"50000-50100"`` (or one port) as (low, high); None for none. ValueError if malformed."""
-    if text is None or not str(text).strip():
-        return None
-    low, _, high = str(text).strip().partition("-")
-    try:
-        lo, hi = int(low), int(high or low)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a port range: use LOW-HIGH, e.g. 50000-50100") from None
-    if not 1 <= lo <= hi <= 65535:
-        raise ValueError(f"{text!r} is not a port range within 1-65535 with LOW <= HIGH")
-    return lo, hi
-
 
 def choose(host: str, advertise: Optional[str], parent: Optional[str] = None, cfg: object = None,
            port_range: Optional[str] = None) -> Choice:

@@ -1,31 +1,42 @@
 """The roving session this process belongs to: its secret, its identity and its endpoint.
 
 A session is a parent program and every process it starts, directly or not. They share one random
-secret, which the parent hands to each child through the child's job environment (a container reads it
-from a private file, a pod from a Kubernetes Secret); every connection between them is authenticated
-with it. A child removes what it was told from ``os.environ`` as soon as it has read it, so that the
-programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving processes it
-starts get the secret from its Session, as its own children. The endpoint (:class:`~roving.transport.node.Node`) of a process
-is started the first time something needs it.
+secret, which the parent hands to each child through the child's job environment, in the variable
+SECRET_ENV (a backend whose jobs run elsewhere moves it out of the environment: a container reads it
+from a private file named by SECRET_FILE_ENV, a pod from a Kubernetes Secret; the job's
+:class:`~roving.backends.base.JobSession` names both variables); every connection between them is
+authenticated with it. A child removes what it was told from ``os.environ`` as soon as it has read it,
+so that the programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving
+processes it starts get the secret from its Session, as its own children. The endpoint
+(:class:`~roving.transport.node.Node`) of a process is started the first time something needs it.
+
+Importing this module points roving.transport.addressing at :func:`roving.backends.towards`: the
+transport stands above the backends and asks them where their jobs run.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .. import backends
 from .. import config as _config
 from . import addressing, auth
 from .endpoint import Endpoint, close_connections
 from .node import Node
 
+#: What the parent tells a child (JSON: its uid, the parent's address, the work's box...; never the secret).
 CHILD_ENV = "ROVING_CHILD"
-#: Where a child finds the session's secret when its CHILD_ENV holds none (the kubernetes backend puts
-#: it in a Secret that the pod's environment references, not in the pod spec).
+#: Where a child finds the session's secret (hex): the job's environment (local, slurm), or a variable
+#: that references a Kubernetes Secret (the pod spec holds only the reference).
 SECRET_ENV = "ROVING_SESSION_SECRET"
 #: Or a file that holds it (the docker backend mounts one read-only into each container).
 SECRET_FILE_ENV = "ROVING_SESSION_SECRET_FILE"
+
+# The address a process without a parent binds looks towards the machines its backend starts jobs on.
+addressing.set_cluster_route(backends.towards)
 
 
 class Session:
@@ -37,6 +48,21 @@ class Session:
         self._node: Optional[Node] = None
         self._endpoints: Dict[str, Endpoint] = {}
         self._lock = threading.Lock()
+
+    @property
+    def tag(self) -> str:
+        """A short name for this session, the same in every process of it: derived from the secret by a
+        one-way hash, so that it can be shown in job names and labels."""
+        return hashlib.sha256(b"roving-session:" + self.secret).hexdigest()[:12]
+
+    def job_session(self) -> backends.JobSession:
+        """What a backend is told of this session with each job it starts."""
+        return backends.JobSession(self.tag, SECRET_ENV, SECRET_FILE_ENV)
+
+    def child_env(self, info: Mapping[str, Any]) -> Dict[str, str]:
+        """The variables that make a job a child of this session: ``info`` (what :func:`child_info`
+        gives the child) and the secret."""
+        return {CHILD_ENV: json.dumps(dict(info)), SECRET_ENV: self.secret.hex()}
 
     def address(self) -> addressing.Choice:
         """Where this process's endpoints listen and what they advertise, with why
@@ -65,6 +91,10 @@ class Session:
                     self._endpoints[address] = endpoint
         return endpoint
 
+    def started_node(self) -> Optional[Node]:
+        """This process's endpoint if it was started, else None (it is not started by asking)."""
+        return self._node
+
     def close(self) -> None:
         close_connections()
         if self._node is not None:
@@ -85,7 +115,6 @@ def _take_child_env() -> Tuple[Optional[dict], str]:
     secret = os.environ.pop(SECRET_ENV, "")
     secret_file = os.environ.pop(SECRET_FILE_ENV, "")
     info = json.loads(raw)
-    secret = info.pop("secret", None) or secret
     if not secret and secret_file:
         try:
             with open(secret_file) as f:
@@ -105,6 +134,11 @@ def child_info() -> Optional[dict]:
     return _child_info
 
 
+def existing() -> Optional[Session]:
+    """This process's session if something made it already, else None (it is not made by asking)."""
+    return _session
+
+
 def current() -> Session:
     """This process's session: inherited from the parent in a child, else a new one."""
     global _session
@@ -114,7 +148,7 @@ def current() -> Session:
                 data, secret = _take_child_env()
                 if data is not None:
                     if data.get("encrypt"):  # the parent's, for the connections made before its config arrives
-                        _config._adopt(_config.current().replace("the parent process", encrypt=data["encrypt"]))
+                        _config.adopt(_config.current().replace("the parent process", encrypt=data["encrypt"]))
                     _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
                 else:
                     _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())

@@ -1,0 +1,153 @@
+"""Where a job's output goes: this process's terminal, each line prefixed with the process name, or a
+log file that only this user can read.
+
+Every backend that copies a child's output uses these, so that the ``child_output`` option means the
+same on each: "prefix" (:class:`LineSplitter` to :func:`write_prefixed`), "files" (:func:`open_private`)
+or "off".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import sys
+import threading
+import time
+from typing import IO, Callable, Iterable, List, Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["write_prefixed", "LineSplitter", "OutputPump", "private_dir", "open_private"]
+
+
+def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
+    """Write a child's output lines to this process's terminal, ``prefix`` before each. Never raises
+    for a closed stream (the interpreter is shutting down): the lines are dropped."""
+    out = sys.stderr if to_stderr else sys.stdout
+    text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
+    if not text:
+        return
+    try:
+        out.write(text)
+        out.flush()
+    except (ValueError, OSError):  # the parent's stream was closed (interpreter shutdown)
+        pass
+
+
+class LineSplitter:
+    """Turns chunks of output into whole lines for :func:`write_prefixed`; with ``keep``, only the lines
+    for which ``keep(line)`` is true are written. :meth:`close` writes a last line without its newline."""
+
+    def __init__(self, prefix: str, to_stderr: bool = False,
+                 keep: Optional[Callable[[bytes], bool]] = None) -> None:
+        self.prefix, self.to_stderr, self._partial, self._keep = prefix, to_stderr, b"", keep
+
+    def _write(self, lines: List[bytes]) -> None:
+        if self._keep is not None:
+            lines = [line for line in lines if self._keep(line)]
+        write_prefixed(self.prefix, lines, self.to_stderr)
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        self._write(lines)
+
+    def close(self) -> None:
+        if self._partial:
+            self._write([self._partial])
+            self._partial = b""
+
+
+class OutputPump:
+    """One thread that copies the output of many streams (children's pipes) to this process's terminal,
+    a prefix on each line. Each stream is closed at its end, or once it cannot be read (with a warning:
+    the others go on, since a child whose output nobody reads would block once its pipe is full)."""
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._pending: list = []
+        self._thread = threading.Thread(target=self._run, name="roving-output", daemon=True)
+        self._thread.start()
+
+    def add(self, stream: IO[bytes], prefix: str, to_stderr: bool) -> None:
+        """Copy ``stream`` until its end, to stderr with ``to_stderr``, else to stdout. Returns at once."""
+        with self._lock:
+            self._pending.append((stream, LineSplitter(prefix, to_stderr)))
+        os.write(self._wake_w, b"x")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                events = self._selector.select()
+            except OSError as exc:
+                log.warning("roving: copying children's output: %s", exc)
+                time.sleep(0.05)
+                continue
+            for key, _ in events:
+                if key.data is None:
+                    self._take_pending()
+                    continue
+                try:
+                    self._copy(key)
+                except Exception as exc:
+                    log.warning("roving: stopped copying the output of %s: %s", key.data.prefix.strip(), exc)
+                    self._stop_watching(key.fileobj)
+
+    def _take_pending(self) -> None:
+        os.read(self._wake_r, 4096)  # select() found it readable
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for stream, splitter in pending:
+            try:
+                self._selector.register(stream, selectors.EVENT_READ, splitter)
+            except (ValueError, KeyError, OSError) as exc:  # closed already
+                log.warning("roving: cannot copy the output of %s: %s", splitter.prefix.strip(), exc)
+
+    def _copy(self, key: selectors.SelectorKey) -> None:
+        stream, splitter = key.fileobj, key.data
+        chunk = os.read(stream.fileno(), 65536)
+        if chunk:
+            splitter.feed(chunk)
+        else:  # end of output: flush what is left, stop watching
+            self._stop_watching(stream)
+            splitter.close()
+
+    def _stop_watching(self, stream: IO[bytes]) -> None:
+        try:
+            self._selector.unregister(stream)
+        except (KeyError, ValueError):
+            pass
+        try:
+            stream.close()
+        except OSError:
+            pass
+
+
+def private_dir(path: str) -> None:
+    """Make ``path`` and its missing parents, each readable by this user only (0700); folders that
+    exist already are left as they are."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
+
+
+def open_private(path: str, mode: str = "ab"):
+    """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``), creating it readable by
+    this user only (0600), in a folder made by :func:`private_dir`."""
+    private_dir(os.path.dirname(os.path.abspath(path)))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+    return os.fdopen(fd, mode)

@@ -1,0 +1,142 @@
+"""Backends sit below the transport: what they need of a job's session comes in its spec.
+
+The secret reaches a child in the session's own variable (never inside the child's bootstrap, which
+backends no longer edit), a container never gets the secret's variables, and the output helpers copy a
+child's lines with their prefix. The import checks read the source, so they fail on any new import.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import helpers_targets as h
+import roving
+from roving import backends
+from roving.backends.base import container_env
+from roving.backends.output import LineSplitter, OutputPump
+from roving.transport import session as _session
+
+SRC = Path(roving.__file__).resolve().parent
+T = 60
+
+
+def _roving_imports(path: Path) -> set:
+    """The roving modules ``path`` imports (absolute names), at any depth of the file."""
+    package = ".".join(("roving", *path.relative_to(SRC).parent.parts)).rstrip(".")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            names = [name] + [f"{name}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == "roving" or n.startswith("roving."))
+    return found
+
+
+def test_no_backend_module_imports_the_transport_or_anything_above_the_configuration():
+    files = sorted((SRC / "backends").glob("*.py"))
+    assert len(files) >= 7
+    for path in files:
+        outside = {n for n in _roving_imports(path)
+                   if not n.startswith("roving.backends") and n not in ("roving", "roving.config")}
+        assert outside == set(), f"{path.name} imports {sorted(outside)}"
+
+
+def test_the_configuration_imports_no_other_roving_module():
+    assert _roving_imports(SRC / "config.py") == set()
+
+
+def test_auto_is_resolved_by_the_backends_detection():
+    cfg = roving.config.load(overrides={"backend": "auto"}, environ={})
+    assert cfg.backend == backends.detect()[0]
+    in_slurm = subprocess.run(
+        [sys.executable, "-c", "import roving; print(roving.config.load({'backend': 'auto'}).backend)"],
+        env={**os.environ, "SLURM_JOB_ID": "4242"}, capture_output=True, text=True, timeout=T)
+    assert in_slurm.stdout.strip() == "slurm", in_slurm.stderr
+
+
+@pytest.fixture
+def specs(monkeypatch):
+    """The JobSpecs the local backend receives, recorded on their way in."""
+    backend = backends.get("local")
+    got = []
+    real = backend.create_job
+
+    def create_job(spec):
+        got.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(backend, "create_job", create_job)
+    return got
+
+
+def test_a_child_gets_the_secret_in_the_sessions_variable_and_its_bootstrap_holds_none(specs):
+    session = _session.current()
+    q = roving.Queue()
+    p = roving.Process(target=h.put_value, args=(q, "reached"), name="carrier")
+    p.start()
+    assert q.get(timeout=T) == "reached"  # the child found the secret where the spec said
+    p.join(T)
+    assert p.exitcode == 0
+    (spec,) = [s for s in specs if s.name == "carrier"]
+    assert spec.session == backends.JobSession(session.tag, _session.SECRET_ENV, _session.SECRET_FILE_ENV)
+    assert spec.env[spec.session.secret_env] == session.secret.hex()
+    assert "secret" not in json.loads(spec.env[_session.CHILD_ENV])
+    assert session.secret.hex() not in spec.env[_session.CHILD_ENV]
+
+
+def test_a_container_never_gets_the_secrets_variables_even_when_forward_env_names_them():
+    session = backends.JobSession("tag0", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE")
+    spec = backends.JobSpec(
+        name="c", command=["true"], cwd="/", session=session,
+        env={"ROVING_SESSION_SECRET": "ab12", "ROVING_SESSION_SECRET_FILE": "/x", "ROVING_CHILD": "{}",
+             "ROVING_CPU": "2", "PYTHONPATH": "/p", "HOME": "/root", "WANTED": "1"})
+    env, secret = container_env(spec, ["WANTED", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"])
+    assert secret == "ab12"
+    assert env == {"ROVING_CHILD": "{}", "ROVING_CPU": "2", "PYTHONPATH": "/p", "WANTED": "1",
+                   "PYTHONUNBUFFERED": "1"}
+    spec.env.pop("ROVING_SESSION_SECRET")
+    assert container_env(spec, ())[1] == ""
+
+
+def test_line_splitter_prefixes_whole_lines_and_writes_the_last_partial_one_at_close(capfd):
+    splitter = LineSplitter("[w] ", keep=lambda line: line != b"drop")
+    splitter.feed(b"one\ntw")
+    splitter.feed(b"o\ndrop\nthr")
+    assert capfd.readouterr().out == "[w] one\n[w] two\n"
+    splitter.close()
+    assert capfd.readouterr().out == "[w] thr\n"
+
+
+def test_output_pump_copies_each_stream_with_its_prefix_until_its_end(capfd):
+    pump = OutputPump()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    pump.add(os.fdopen(out_r, "rb"), "[a] ", False)
+    pump.add(os.fdopen(err_r, "rb"), "[b] ", True)
+    os.write(out_w, b"first\nsecond, no newline")
+    os.write(err_w, b"to stderr\n")
+    os.close(out_w)
+    os.close(err_w)
+    seen_out = seen_err = ""
+    for _ in range(200):
+        captured = capfd.readouterr()
+        seen_out, seen_err = seen_out + captured.out, seen_err + captured.err
+        if seen_out.count("\n") == 2 and seen_err:
+            break
+        pump._thread.join(0.05)
+    assert seen_out == "[a] first\n[a] second, no newline\n"
+    assert seen_err == "[b] to stderr\n"
