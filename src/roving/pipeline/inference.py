@@ -24,7 +24,7 @@ import torch
 from . import checkpoint_file
 from .costs import PlanError
 from .data import decode, encode, load_corpus, val_batches
-from .evaluate import kept_layers, layer_logits, perplexity, validation_loss
+from .evaluate import kept_layers, perplexity, validation_loss
 from .model import Llama, LlamaConfig
 from .stages import layer_ranges
 
@@ -215,7 +215,8 @@ def generate(model: Llama, prompt: str, layers: Sequence[int] | None = None, *, 
     new: list[int] = []
     for _ in range(tokens):
         window = torch.tensor([seq[-model.cfg.max_seq_len:]], device=device)
-        tok = next_token(layer_logits(model, window, layers)[0, -1].cpu(), temperature, top_k, gen)
+        logits, _ = model(window, layers=layers)
+        tok = next_token(logits[0, -1].cpu(), temperature, top_k, gen)
         seq.append(tok)
         new.append(tok)
     return new
