@@ -76,14 +76,14 @@ def test_planner_is_deterministic_for_a_seed_and_evaluation_count():
     """The seeded path search, stopped by an evaluation count (not the clock), gives the same result
     twice; another seed searches differently."""
     import random
-    from roving.pipeline.paths import _Context, build_paths, improve_paths
+    from roving.pipeline.routes import SearchContext, build_routes, improve_routes
     net = small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 9)
-    ctx = _Context(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
-    start = build_paths(ctx, 10, 1)
-    assert start == build_paths(ctx, 10, 1)
+    ctx = SearchContext(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
+    start = build_routes(ctx, 10, 1)
+    assert start == build_routes(ctx, 10, 1)
 
     def search(seed):
-        return improve_paths(ctx, start, 0.5, math.inf, random.Random(seed), max_evals=150)
+        return improve_routes(ctx, start, 0.5, math.inf, random.Random(seed), max_evals=150)
 
     a, b = search(7), search(7)
     assert a[3] == 150  # stopped by the count, so a slower or faster machine gives the same result
@@ -224,10 +224,10 @@ def test_when_memory_binds_a_split_with_more_stage0_nodes_races_too():
 
 
 def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_mean_finish():
-    """``_accepts``, the rule each move of ``improve_paths`` passes: on a plateau of the makespan the
+    """``_accepts``, the rule each move of ``improve_routes`` passes: on a plateau of the makespan the
     microbatches' mean finish decides (a move that lets the other late ones end sooner is taken, one
     that makes them later is not); a deadlocked candidate never replaces a plan that runs."""
-    from roving.pipeline.paths import _accepts
+    from roving.pipeline.routes import _accepts
     inf = math.inf
     assert _accepts(9.0, 8.0, 10.0, 5.0), "a lower makespan is taken even with later finishes"
     assert _accepts(10.0, 4.0, 10.0, 5.0) and _accepts(10.0, 5.0, 10.0, 5.0)

@@ -20,7 +20,8 @@ import random
 import time
 from typing import Callable, Sequence
 
-from .costs import ModelSpec, PlanError, stage_layers, stage_memory, transfer_time
+from .costs import ModelSpec, stage_layers, stage_memory, transfer_time
+from .errors import PlanError
 from .network import Network
 from .plan import visits_per_microbatch
 
