@@ -49,8 +49,8 @@ from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_lo
 from .model import Llama
 from .network import slowed as slowed_network
 from .node import NodeSettings, Peers, node_main, pick_device
-from .planner import plan_held, replan
 from .plan import Plan
+from .planner import plan_held, replan
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
 from .stages import merge_state_dicts
