@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .transport import node as _node
-from .transport.endpoint import Channel, ConnectionLost, TransportError, flush_sent
-from .transport import timeouts
+from . import node as _node
+from . import timeouts
+from .endpoint import Channel, ConnectionLost, TransportError, flush_sent
 
 log = logging.getLogger(__name__)
 
