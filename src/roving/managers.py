@@ -355,7 +355,7 @@ def _rebuild_proxy(cls: type, token: Token, authkey: Optional[bytes], exposed: A
 
 def _decref(address: str, authkey: bytes, oid: int) -> None:
     try:
-        if address not in _rpc._dead:
+        if not _rpc.is_dead(address):
             _async_caller(address, authkey).tell(dumps(("decref", oid)))
     except Exception:  # the server or this process is going away
         pass
@@ -866,7 +866,7 @@ _running: List[weakref.finalize] = []
 def _stop_server(process: "_process.Process", address: str, authkey: bytes, timeout: float) -> None:
     """Ask the server at ``address`` to stop, wait up to ``timeout`` + 5 s, then terminate it."""
     try:
-        if process._exitcode is None and address not in _rpc._dead:
+        if process._exitcode is None and not _rpc.is_dead(address):
             _request(address, authkey, "shutdown")
     except (ConnectionError, OSError):
         pass

@@ -35,7 +35,8 @@ from . import wire
 from .framing import is_bytes
 from .mailbox import ERROR, OK
 from .node import Node
-from .wire import GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames
+from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames, nbytes,
+                   send_frames, split_frames)
 
 __all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections",
            "flush_sent"]
@@ -243,12 +244,12 @@ class _ZmqConnection(_Connection):
         return frames
 
     def _transmit(self, frames: Frames) -> None:
-        if any(wire.nbytes(f) >= wire.COPY_BELOW for f in frames):
-            tracker = self.sock.send_multipart(wire.split_frames(frames), copy=False, track=True)
+        if any(nbytes(f) >= COPY_BELOW for f in frames):
+            tracker = self.sock.send_multipart(split_frames(frames), copy=False, track=True)
             # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
             tracker.wait()
         else:
-            wire.send_frames(self.sock, frames)
+            send_frames(self.sock, frames)
 
     def close(self) -> None:
         _say_bye(self.sock)
@@ -315,7 +316,7 @@ class Channel:
 
     def send(self, frames: Frames) -> None:
         """Queue a message; the frames' buffers must not change until the channel is closed."""
-        wire.send_frames(self._sock, wire.split_frames(frames))
+        send_frames(self._sock, split_frames(frames))
 
     def recv(self, timeout: Optional[float]) -> Optional[Frames]:
         """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s.

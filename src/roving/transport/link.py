@@ -3,7 +3,8 @@ stream of their own (:mod:`roving.transport.stream`) instead of through the pipe
 
 The mailboxes at the pipe's owner stay the authority; a stream is an optimisation that comes and goes:
 
-* **Claims.** The first time a process uses an end, it claims it at the owner (:meth:`Node._claim`).
+* **Claims.** The first time a process uses an end, it claims it at the owner (the CLAIM
+  operation, :class:`.boxes.Boxes`).
   When the other end is claimed by another process, the owner names it and the claimant opens a stream
   to it. An end that two processes use at once is never linked: both keep to the mailbox.
 * **Switching over.** Each direction moves to the stream on its writer's first send after the stream

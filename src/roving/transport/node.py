@@ -39,10 +39,8 @@ import collections
 import functools
 import heapq
 import itertools
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -51,6 +49,7 @@ import zmq
 from zmq.utils import monitor as zmq_monitor
 
 from . import addressing, auth
+from .boxes import TIMEOUT_STATUS, Boxes
 from . import crypto
 from . import stream as _stream
 from .served import ServedStream
@@ -58,18 +57,16 @@ from . import timeouts
 from . import wire
 from . import zap
 from .guard import Refusals
-from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
+from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL: for callers)
 
 # The operations are the wire format's (roving.transport.wire); they are also names of this module for
 # the layers that call a node's operations (node.PUT, node.GET...), as the statuses are (node.OK...).
 from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN,  # noqa: F401
                    NO_REPLY, PIECES, PING, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
-                   REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames)
+                   REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames, send_frames)
 
 log = logging.getLogger(__name__)
 
-# Statuses a timed-out wait is answered with.
-_TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
 
 
 def _bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int]]) -> int:
@@ -110,11 +107,11 @@ class _RemoteWaiter(Waiter):
         undeliverable = None
         if status == OK and frames:
             # An item handed to a reader whose process has gone goes back to the front of its mailbox.
-            undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
+            undeliverable = functools.partial(self.node.put_back, self.box_id, frames)
         self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
-class Node:
+class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
@@ -124,9 +121,7 @@ class Node:
         self.secret = secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
-        self.lock = threading.Lock()
-        self.boxes: Dict[int, Mailbox] = {}
-        self._ids = itertools.count(1)
+        super().__init__()
         self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
         ctx = wire.context()
         self._router = ctx.socket(zmq.ROUTER)
@@ -151,8 +146,6 @@ class Node:
         self.host, self.advertise, self.port_range = host, advertise, port_range
         #: How this address was chosen, in words (for errors that name it).
         self.why = f"host={host}" + (f", advertise={advertise}" if advertise else "")
-        # Pipe ends claimed for a direct stream: (inbox or 0, outbox or 0) -> the claim (a dict).
-        self.claims: Dict[Tuple[int, int], dict] = {}
         # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -196,23 +189,6 @@ class Node:
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
-
-    # -- mailboxes ---------------------------------------------------------------------------
-    def new_box(self, maxsize: int = 0, track_writers: bool = False) -> int:
-        with self.lock:
-            box_id = next(self._ids)
-            self.boxes[box_id] = Mailbox(maxsize, track_writers)
-            return box_id
-
-    def items_in(self, box_id: int) -> int:
-        """How many items a mailbox holds now (0 when there is no such mailbox)."""
-        with self.lock:
-            box = self.boxes.get(box_id)
-            return len(box.items) if box is not None else 0
-
-    def drop_box(self, box_id: int) -> None:
-        with self.lock:
-            self.boxes.pop(box_id, None)
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -277,110 +253,6 @@ class Node:
         exit skips atexit handlers). Used by roving.shared to let go of shared memory."""
         self._at_close.append(fn)
 
-    def release_everywhere(self, key: Any) -> None:
-        """Forget every pipe end that ``key`` (a process that ended) held, claimed or gated here."""
-        uid = key.decode() if isinstance(key, bytes) else key
-        with self.lock:
-            for end in [e for e, c in self.claims.items() if c.get("uid") == uid]:
-                del self.claims[end]
-            for box in self.boxes.values():
-                if box.gates:
-                    box.open_gates_of(uid)
-                if box.track_writers and key in box.writers:
-                    box.release(key, all_holds=True)
-
-    def _claim(self, request: dict) -> dict:
-        """A process is about to use a pipe end (``request["end"]``: its inbox and outbox, 0 for none).
-
-        The first process to claim an end has it until it unclaims it; another one is told "no" (two
-        processes using one end at once keep to the mailboxes). When the other end is claimed by
-        another process, the answer names it ("go"): the claimant opens a stream to it.
-        """
-        inbox, outbox = (int(x) for x in request["end"])
-        uid = str(request["uid"])
-        held = self.claims.get((inbox, outbox))
-        if held is not None and held["uid"] != uid:
-            # Its holder must stop writing to its stream before this claimant writes to the mailbox.
-            return {"answer": "no", "holder": held.get("node")}
-        self.claims[(inbox, outbox)] = {"uid": uid, "stream": request.get("stream"),
-                                         "node": request.get("node")}
-        peer = self.claims.get((outbox, inbox))
-        if peer is not None and peer["uid"] != uid and peer.get("stream"):
-            return {"answer": "go", "stream": peer["stream"], "node": peer["node"]}
-        return {"answer": "wait"}
-
-    # -- operations, shared by local callers and the I/O thread (lock held) --------------------
-    def dispatch(self, op: bytes, box_id: int, timeout: float, payload: Frames,
-                 waiter: Waiter) -> Tuple[int, Optional[Frames]]:
-        """Run one operation. Returns (status, frames), or (-1, None) when ``waiter`` now waits."""
-        box = self.boxes.get(box_id)
-        if box is None:
-            return ERROR, [b"no such queue or pipe here: the process that created it has closed it"]
-        blocking = timeout != 0
-        if op == GET:
-            return box.get(waiter if blocking else None)
-        if op in (PUT, PUT_NOREPLY):
-            if op == PUT_NOREPLY and box.full():
-                # Only unbounded mailboxes are written without a reply; keep the item regardless.
-                box.items.append(payload)
-                box.unfinished += 1
-                return OK, None
-            return box.put(payload, waiter if blocking else None), None
-        if op == POLL:
-            return box.poll(waiter if blocking else None), None
-        if op == SIZE:
-            return OK, [struct.pack("<QQ", len(box.items) + len(box.putters), box.unfinished)]
-        if op == TASK_DONE:
-            status = box.task_done()
-            return status, [b"task_done() called too many times"] if status == ERROR else None
-        if op == JOIN:
-            return box.join(waiter if blocking else None), None
-        if op == PUT_FRONT:
-            box.put_front(payload)
-            return OK, None
-        if op == HOLD:
-            box.hold(bytes(payload[0]))
-            return OK, None
-        if op == CLAIM:
-            return OK, [json.dumps(self._claim(json.loads(bytes(payload[0])))).encode()]
-        if op == UNCLAIM:
-            request = json.loads(bytes(payload[0]))
-            end = tuple(int(x) for x in request["end"])
-            if self.claims.get(end, {}).get("uid") == request["uid"]:
-                del self.claims[end]
-            return OK, None
-        if op == GATE:
-            box.close_gate(bytes(payload[0]), bytes(payload[1]).decode(), bytes(payload[2]) == b"1")
-            return OK, None
-        if op == INSERT:
-            box.insert_at_gate(bytes(payload[0]), list(payload[1:]))
-            return OK, None
-        if op == UNGATE:
-            box.open_gate(bytes(payload[0]))
-            return OK, None
-        if op == RELEASE:
-            box.release(bytes(payload[0]))
-            return OK, None
-        return ERROR, [b"unknown operation"]
-
-    def call_local(self, op: bytes, box_id: int, timeout: float,
-                   payload: Frames = ()) -> Tuple[int, Optional[Frames]]:
-        """Run an operation from a thread of this process, waiting up to ``timeout`` (-1: forever)."""
-        timeout = timeouts.from_wire(timeout)
-        waiter = LocalWaiter()
-        with self.lock:
-            status, frames = self.dispatch(op, box_id, timeout, list(payload), waiter)
-        if status != -1:
-            return status, frames
-        if not waiter.wait(timeout):
-            with self.lock:
-                box = self.boxes.get(box_id)
-                if box is not None:
-                    box.cancel(waiter, _TIMEOUT_STATUS.get(op, EMPTY))
-                elif not waiter.done:
-                    waiter.fulfil(ERROR, [b"closed while waiting"])
-        return waiter.status, waiter.frames
-
     # -- I/O thread --------------------------------------------------------------------------
     def _post(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
         """Send ``frames`` (thread-safe); see :meth:`send_to` for ``undeliverable``."""
@@ -392,7 +264,7 @@ class Node:
 
     def _send(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
         try:
-            wire.send_frames(self._router, frames)
+            send_frames(self._router, frames)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.debug("roving node: a peer left before its answer")
@@ -405,12 +277,6 @@ class Node:
             if undeliverable is not None:
                 # Run later, on this thread and outside every lock: the sender may hold its own.
                 self._undeliverable.append(undeliverable)
-
-    def _put_back(self, box_id: int, frames: Frames) -> None:
-        with self.lock:
-            box = self.boxes.get(box_id)
-            if box is not None:
-                box.put_front(frames)
 
     def _run_undeliverable(self) -> None:
         while self._undeliverable:
@@ -616,12 +482,12 @@ class Node:
             if status == -1:
                 if timeout > 0:
                     heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), box_id,
-                                                     waiter, _TIMEOUT_STATUS.get(op, EMPTY)))
+                                                     waiter, TIMEOUT_STATUS.get(op, EMPTY)))
                 return
         if op not in NO_REPLY:
             item = None
             if op == GET and status == OK and out:
-                item = functools.partial(self._put_back, box_id, out)
+                item = functools.partial(self.put_back, box_id, out)
             answer([REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")

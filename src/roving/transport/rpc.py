@@ -54,6 +54,11 @@ def mark_dead(address: str) -> None:
     _dead.add(address)
 
 
+def is_dead(address: str) -> bool:
+    """Whether the server at ``address`` was found gone (every call to it now raises at once)."""
+    return address in _dead
+
+
 class Caller:
     """Calls to one server (``op`` on the node at ``address``) over one channel; thread-safe.
 
