@@ -43,6 +43,7 @@ __all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon",
 
 log = logging.getLogger(__name__)
 
+_LINGER_MS = 10_000  # how long a closing ZeroMQ connection keeps trying to deliver what it queued
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
 _STREAM_OPEN_TIMEOUT = 10.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -181,7 +182,7 @@ class _ZmqConnection(_Connection):
         super().__init__()
         self.address = address
         self.sock = wire.context().socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, wire.LINGER_MS)
+        self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
         wire.keep_alive(self.sock)
         monitor = None

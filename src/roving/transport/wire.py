@@ -51,8 +51,6 @@ PIECES = b"\x00pieces"
 _LAYOUT = "Q"
 #: A ZeroMQ connection that has not completed ZeroMQ's handshake (CURVE included) within this is closed.
 HANDSHAKE_IVL_MS = 10_000
-#: How long a closing client's ZeroMQ socket keeps trying to deliver what it queued.
-LINGER_MS = 10_000
 #: Frames smaller than this are copied into ZeroMQ: cheaper than tracking them.
 COPY_BELOW = 65536
 
