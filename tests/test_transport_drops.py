@@ -153,7 +153,7 @@ def test_the_node_forgets_the_connections_that_close():
 
 
 def test_an_rpc_caller_fails_the_call_in_flight_and_reconnects_after_a_drop():
-    """Locks, managers and shared data talk over _rpc: a drop fails the call whose answer it lost
+    """Locks, managers and shared data talk over transport.rpc: a drop fails the call whose answer it lost
     (it may have taken effect) and later calls work over a new connection."""
     secret = _session.current().secret
     node = _node.Node(secret)

@@ -4,7 +4,8 @@ Every roving process that creates a queue or a pipe runs one :class:`Node`: a Ze
 to the backend's address (loopback for the local backend), served by one I/O thread. The mailboxes of the
 queues and pipes created in that process live there; other processes reach them with requests over
 authenticated connections (:mod:`roving.transport.endpoint`). Inside the owning process the same
-operations run directly on the mailboxes, without sockets.
+operations run directly on the mailboxes, without sockets: the mailboxes and their operations are
+:class:`.boxes.Boxes`, which a Node is; what travels, and how, is :mod:`.wire`'s.
 
 A client first asks the node over ZeroMQ where its stream listener is (STREAMS), then sends its requests
 over a stream of its own (:mod:`roving.transport.stream`), which the same I/O thread serves: same
@@ -49,6 +50,7 @@ import zmq
 from zmq.utils import monitor as zmq_monitor
 
 from . import addressing, auth
+from .auth import BYE
 from .boxes import TIMEOUT_STATUS, Boxes
 from . import crypto
 from . import stream as _stream
@@ -448,7 +450,7 @@ class Node(Boxes):
         if handler is not None:
             handler(ident, frames[2:])
             return
-        if op == auth.BYE:
+        if op == BYE:
             self._door.forget(ident)
             return
         if len(frames) < 3:
