@@ -64,7 +64,7 @@ from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, I
                        MapResult, WorkerLostError)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError", "PoolStartError", "meta"]
+           "WorkerLostError", "PoolStartError", "meta", "Progress"]
 
 log = logging.getLogger(__name__)
 
