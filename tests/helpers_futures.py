@@ -80,3 +80,15 @@ def fail_on_bad(message):
     if message == "bad":
         raise ValueError(f"{message} item")
     return message
+
+
+def meet(barrier, timeout=30.0):
+    """Wait at ``barrier`` (a roving Barrier), then return this worker's pid."""
+    barrier.wait(timeout)
+    return os.getpid()
+
+
+def logged_or_fail(log_path, i, bad=5):
+    """Log the call (see logged_square), sleep 50 ms, and fail for item ``bad``."""
+    logged_square(log_path, i, 0.05)
+    return fail_on_bad("bad" if i == bad else "ok")

@@ -214,6 +214,11 @@ class Executor(_StdExecutor):
                 self._idle.wait(left)
         pool.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
+    @property
+    def usable(self) -> bool:
+        """Whether ``submit`` would accept a call: not shut down and not broken (roving's addition)."""
+        return not self._shutdown and self._broken is None and not _exiting
+
     def __repr__(self) -> str:
         state = "broken" if self._broken else "shutdown" if self._shutdown else "running"
         return f"<roving.futures.Executor {state} max_workers={self._max_workers}>"
