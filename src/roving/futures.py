@@ -37,6 +37,7 @@ import collections
 import itertools
 import logging
 import multiprocessing.context
+import queue
 import threading
 import time
 import weakref
@@ -206,13 +207,18 @@ class Executor(_StdExecutor):
         if not wait:
             return
         deadline = timeouts.deadline(timeout)
+        if self._wait_idle(deadline):
+            pool.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _wait_idle(self, deadline: Optional[float]) -> bool:
+        """Wait until no call is pending or running (until ``deadline`` at most); whether it came."""
         with self._lock:
             while self._pending or self._running:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    return
+                    return False
                 self._idle.wait(left)
-        pool.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return True
 
     @property
     def usable(self) -> bool:
@@ -242,7 +248,11 @@ class Executor(_StdExecutor):
                 self._pending.append(call)
                 return future
             self._running += 1
-            pool = self._pool if self._pool is not None else self._start()
+            try:
+                pool = self._pool if self._pool is not None else self._start()
+            except BaseException:  # the pool could not start (bad resources, ...): the error is the caller's
+                self._running -= 1
+                raise
         self._hand(pool, call)
         return future
 
@@ -250,9 +260,9 @@ class Executor(_StdExecutor):
         """The pool, started at the first call (under the lock)."""
         initializer, initargs = self._initializer, self._initargs
         if initializer is not None:
-            from .queues import SimpleQueue
+            from .queues import Queue
 
-            self._report = SimpleQueue()
+            self._report = Queue()
             initializer, initargs = _init_worker, (self._report, initializer, initargs)
             threading.Thread(target=_watch_init, args=(weakref.ref(self), self._report),
                              name="roving-executor-init", daemon=True).start()
@@ -332,16 +342,22 @@ class Executor(_StdExecutor):
 
 
 def _watch_init(ref: "weakref.ref[Executor]", report: Any) -> None:
-    """Wait for word of an initializer that failed; break the executor when it comes."""
+    """Wait for word of an initializer that failed, and break the executor when it comes; ends when the
+    executor is gone or shut down with nothing left to run."""
     while True:
         try:
-            got = report.get()
-        except (OSError, EOFError):  # the session ends
+            got = report.get(timeout=1.0)
+        except queue.Empty:
+            ex = ref()
+            if ex is None or ex._shutdown and not ex._pending and not ex._running:
+                return
+            ex = None
+            continue
+        except (OSError, EOFError, ValueError):  # the session ends
             return
         ex = ref()
-        if ex is None or got is None:
-            return
-        ex._break(got)
+        if ex is not None:
+            ex._break(got)
         return
 
 
@@ -367,12 +383,16 @@ def _results(futures: List[Future], end: Optional[float], chunked: bool) -> Iter
 
 
 def _at_exit() -> None:
-    """Finish what was submitted to executors still alive, then stop their workers."""
+    """Finish what was submitted to executors still alive (as the standard library does), then let their
+    workers go (waiting 10 s at most for each executor's workers to leave)."""
     global _exiting
     _exiting = True
     for ex in list(_live):
         try:
-            ex.shutdown(wait=True)
+            ex.shutdown(wait=False)
+            ex._wait_idle(None)
+            if ex._pool is not None:
+                ex._pool.join(10.0)
         except Exception:
             log.exception("roving executor: shutting down at exit failed")
 
