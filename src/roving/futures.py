@@ -90,17 +90,20 @@ class _Call:
                  kwargs: dict) -> None:
         self.ex, self.future, self.fn, self.args, self.kwargs = ex, future, fn, args, kwargs
 
+    # Once done, a call lets go of its executor and future: the pool may hold a finished result (and so
+    # this call) a while longer, and that must not keep an executor nobody uses from being collected.
     def ok(self, value: Any) -> None:
-        self.future.set_result(value)
-        self.ex._finished()
+        ex, future, self.ex, self.future = self.ex, self.future, None, None
+        future.set_result(value)
+        ex._finished()
 
     def failed(self, exc: BaseException) -> None:
-        ex = self.ex
+        ex, future, self.ex, self.future = self.ex, self.future, None, None
         if isinstance(exc, PoolStartError):
             ex._break(exc)
         if ex._broken is not None and not isinstance(exc.__cause__, RemoteTraceback):
             exc = ex._broken_error()  # not the call's own exception: the pool stopped for the executor
-        self.future.set_exception(exc)
+        future.set_exception(exc)
         ex._finished()
 
 
@@ -268,6 +271,9 @@ class Executor(_StdExecutor):
                              name="roving-executor-init", daemon=True).start()
         self._pool = Pool(self._max_workers, initializer, initargs, self._max_tasks_per_child,
                           max_task_retries=self._max_task_retries, resources=self._resources)
+        # an executor dropped without shutdown() lets its workers go once their work is done (it cannot be
+        # collected before: every call not yet done holds it), as the standard library's does
+        weakref.finalize(self, self._pool.close).atexit = False
         return self._pool
 
     def _hand(self, pool: Pool, call: _Call) -> None:

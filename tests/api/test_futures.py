@@ -339,3 +339,32 @@ def test_resources_reach_the_workers_and_bad_ones_are_an_error_naming_them():
     with pytest.raises(ValueError, match="disk"):
         ex.submit(fx.square, 3)
     ex.shutdown()
+
+
+def test_import_roving_loads_neither_joblib_nor_the_executor_until_asked():
+    import subprocess
+    import sys
+
+    code = ("import sys, roving; assert 'joblib' not in sys.modules and 'roving.futures' not in sys.modules; "
+            "assert roving.futures.Executor.__name__ == 'Executor'; assert 'joblib' not in sys.modules; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_an_executor_dropped_without_shutdown_lets_its_pool_go_without_a_warning():
+    import gc
+    import warnings
+
+    import weakref
+
+    ex = Executor(1)
+    assert ex.submit(fx.square, 6).result(TIMEOUT) == 36
+    gone = weakref.ref(ex)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del ex
+        gc.collect()
+    assert gone() is None  # nothing the pool keeps holds the executor
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
