@@ -304,7 +304,7 @@ def test_kill_9_of_a_worker_during_a_map_of_5000_calls_loses_and_repeats_nothing
     # a call ran twice only when its first run was on the killed worker (its result never left it)
     for i, pids in repeated.items():
         assert len(pids) == 2 and pids[0] == killed and pids[1] != killed, (i, pids)
-    assert len(repeated) <= 2 * 16  # at most what the dead worker held
+    assert len(repeated) <= 2 * roving.futures.QUEUED_PER_WORKER  # at most what the dead worker could hold
 
 
 def test_a_call_that_kills_its_worker_every_time_fails_with_worker_lost_error_alone(backend):
@@ -319,6 +319,20 @@ def test_a_call_that_kills_its_worker_every_time_fails_with_worker_lost_error_al
         assert [f.result(TIMEOUT) for f in more] == [i * i for i in range(10)]
         assert ex.submit(fx.square, 7).result(TIMEOUT) == 49
         assert list(ex.map(fx.square, range(5))) == [0, 1, 4, 9, 16]
+
+
+def test_workers_that_cannot_start_break_the_executor_with_the_pools_reason():
+    require("slurm")
+    roving.init(backend="slurm", pool_start_failures=2)
+    ex = Executor(1, resources={"memory": "10T"})  # more than the node has: sbatch refuses every worker
+    f = ex.submit(fx.square, 3)
+    with pytest.raises(BrokenProcessPool, match="cannot start"):
+        f.result(TIMEOUT)
+    assert isinstance(f.exception().__cause__, roving.PoolStartError)
+    assert "Memory specification can not be satisfied" in str(f.exception().__cause__)
+    with pytest.raises(BrokenProcessPool):
+        ex.submit(fx.square, 3)
+    ex.shutdown()
 
 
 def test_map_progress_draws_a_bar_that_ends_with_the_total(capsys):
