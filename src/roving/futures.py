@@ -196,13 +196,16 @@ class Executor(_StdExecutor):
         library does); ``wait=False`` returns at once and the workers leave when the work is done."""
         with self._lock:
             self._shutdown = True
+            cancelled: List[_Call] = []
             if cancel_futures:
-                for call in self._pending:
-                    call.future.cancel()
-                    call.future.set_running_or_notify_cancel()
-                self._pending.clear()
+                cancelled, self._pending = list(self._pending), collections.deque()
             pool = self._pool
             idle = not self._pending and self._running == 0
+            if idle:
+                self._idle.notify_all()
+        for call in cancelled:  # outside the lock: done callbacks run here
+            call.future.cancel()
+            call.future.set_running_or_notify_cancel()
         if pool is None:
             return
         if idle:
@@ -256,7 +259,8 @@ class Executor(_StdExecutor):
             except BaseException:  # the pool could not start (bad resources, ...): the error is the caller's
                 self._running -= 1
                 raise
-        self._hand(pool, call)
+        if not self._hand(pool, call):
+            self._finished()
         return future
 
     def _start(self) -> Pool:
@@ -276,12 +280,12 @@ class Executor(_StdExecutor):
         weakref.finalize(self, self._pool.close).atexit = False
         return self._pool
 
-    def _hand(self, pool: Pool, call: _Call) -> None:
-        """Give one call (counted in ``_running``) to the pool, unless it was cancelled meanwhile."""
+    def _hand(self, pool: Pool, call: _Call) -> bool:
+        """Give one call (counted in ``_running``) to the pool; False when it is done already (it was
+        cancelled meanwhile, or the pool refused it), so that the caller counts it finished."""
         future = call.future
         if not future.set_running_or_notify_cancel():
-            self._finished()
-            return
+            return False
         fn, args, kwargs = call.fn, call.args, call.kwargs
         call.fn = call.args = call.kwargs = None
         try:
@@ -289,30 +293,31 @@ class Executor(_StdExecutor):
         except PoolStartError as exc:
             self._break(exc)
             future.set_exception(self._broken_error())
-            self._finished()
+            return False
         except BaseException as exc:  # the pool refused it (a roving.meta the workers cannot meet)
             future.set_exception(exc)
-            self._finished()
+            return False
+        return True
 
     def _finished(self) -> None:
         """A call handed to the pool is done: hand it the next ones waiting; close the pool once the
-        executor is shut down and nothing is left."""
-        take: List[_Call] = []
-        with self._lock:
-            self._running -= 1
-            while self._pending and self._running < self._window:
-                take.append(self._pending.popleft())
-                self._running += 1
-            pool = self._pool
-            if not self._pending and self._running == 0:
-                self._idle.notify_all()
-                close = self._shutdown
-            else:
-                close = False
-        for call in take:
-            self._hand(pool, call)
-        if close and pool is not None:
-            pool.close()
+        executor is shut down and nothing is left. (A loop, not recursion: thousands of cancelled calls
+        may come one after another.)"""
+        done = 1
+        while done:
+            take: List[_Call] = []
+            with self._lock:
+                self._running -= done
+                while self._pending and self._running < self._window:
+                    take.append(self._pending.popleft())
+                    self._running += 1
+                pool = self._pool
+                idle = not self._pending and self._running == 0
+                if idle:
+                    self._idle.notify_all()
+            done = sum(1 for call in take if not self._hand(pool, call))
+            if idle and self._shutdown and pool is not None:
+                pool.close()
 
     # -- broken --------------------------------------------------------------------------------
     def _broken_error(self) -> BrokenProcessPool:

@@ -382,3 +382,16 @@ def test_an_executor_dropped_without_shutdown_lets_its_pool_go_without_a_warning
         gc.collect()
     assert gone() is None  # nothing the pool keeps holds the executor
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], caught
+
+
+def test_thousands_of_cancelled_calls_drain_without_trouble(tmp_path):
+    gate = tmp_path / "gate"
+    with Executor(1) as ex:
+        blocker = ex.submit(fx.wait_for, str(gate))
+        rest = [ex.submit(fx.square, i) for i in range(3000)]
+        assert all(f.cancel() for f in rest[100:])  # beyond what was handed to the pool
+        gate.touch()
+        assert blocker.result(TIMEOUT) == "done"
+        assert [f.result(TIMEOUT) for f in rest[:16]] == [i * i for i in range(16)]
+    assert all(f.done() for f in rest)
+    assert all(f.cancelled() or f.result() == i * i for i, f in enumerate(rest))
