@@ -35,5 +35,14 @@ __all__ = [
 ]
 
 
+def __getattr__(name: str):
+    # roving.futures and roving.joblib load on first use: joblib is heavy, and only its users need it
+    if name in ("futures", "joblib"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def freeze_support() -> None:
     """Accepted for compatibility; roving never needs it."""
