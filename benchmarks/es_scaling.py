@@ -78,38 +78,64 @@ def es_args(args: argparse.Namespace, workers: int) -> argparse.Namespace:
     return a
 
 
+def init_worker(own_session: bool, env, hidden, noise) -> None:
+    """es.init_worker, first moving the worker into a session of its own when ``own_session``.
+
+    Why: with the kernel's autogroup scheduling (``/proc/sys/kernel/sched_autogroup_enabled``), CPU time
+    is shared fairly between sessions, not processes. Every Slurm job is a session of its own, while a
+    local pool's workers share their parent's; on cores contended by other programs the Slurm workers
+    would then get a larger share of the machine than local ones, for no merit of the framework's.
+    """
+    if own_session:
+        try:
+            os.setsid()
+        except PermissionError:  # already a process group leader: it keeps its group (whoami shows it)
+            pass
+    es.init_worker(env, hidden, noise)
+
+
 def whoami(seconds: float) -> str:
-    """Where this worker runs ("host/pid"), after ``seconds`` of sleep (so that every idle worker gets one)."""
+    """Where this worker runs ("host/pid/scheduling group"), after ``seconds`` of sleep (so that every
+    idle worker gets one)."""
     time.sleep(seconds)
-    return f"{socket.gethostname()}/{os.getpid()}"
+    try:
+        with open("/proc/self/autogroup") as f:
+            group = f.read().split()[0]
+    except OSError:
+        group = "-"
+    return f"{socket.gethostname()}/{os.getpid()}/{group}"
 
 
-def wait_for_workers(pool, workers: int, timeout: float = 600.0) -> Dict[str, int]:
-    """Block until ``workers`` distinct workers have run a task (their initializer done); how many of
-    them each host holds. RuntimeError naming the count when they are not all up within ``timeout``."""
-    seen: set = set()
+def wait_for_workers(pool, workers: int, timeout: float = 600.0) -> dict:
+    """Block until ``workers`` distinct workers have run a task (their initializer done); returns
+    ``{"hosts": {host: workers there}, "groups": distinct scheduling groups of the workers}``.
+    RuntimeError naming the count when they are not all up within ``timeout`` seconds."""
+    seen: Dict[str, str] = {}
     deadline = time.monotonic() + timeout
     while len(seen) < workers:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(seen)} of {workers} workers answered within {timeout:g} s")
-        seen.update(pool.map(whoami, [0.2] * (2 * workers), chunksize=1))
-    return dict(collections.Counter(w.split("/")[0] for w in seen))
+        for w in pool.map(whoami, [0.2] * (2 * workers), chunksize=1):
+            host, pid, group = w.split("/", 2)
+            seen[f"{host}/{pid}"] = group
+    return {"hosts": dict(collections.Counter(k.split("/")[0] for k in seen)), "groups": len(set(seen.values()))}
 
 
 def time_iterations(framework: str, workers: int, args: argparse.Namespace,
-                    placement: Optional[Dict[str, int]] = None) -> List[float]:
+                    placement: Optional[dict] = None) -> List[float]:
     """Seconds of each ES iteration (the first left out) with ``workers`` workers of ``framework``, once
-    every worker is up; ``placement`` (when given) is filled with the number of workers on each host."""
+    every worker is up; ``placement`` (when given) is filled with :func:`wait_for_workers`'s answer."""
     a = es_args(args, workers)
+    own = bool(getattr(args, "own_sessions", False))
     hidden = tuple(a.hidden)
     if framework == "roving":
         noise = es_noise_handle = roving.shared(
             np.random.default_rng(a.seed + 1).standard_normal(1 << a.noise_log2, dtype=np.float32))
-        pool = roving.Pool(workers, initializer=es.init_worker, initargs=(a.env, hidden, noise))
+        pool = roving.Pool(workers, initializer=init_worker, initargs=(own, a.env, hidden, noise))
     elif framework == "multiprocessing":
         es_noise_handle = None
         pool = std_multiprocessing.get_context("spawn").Pool(
-            workers, initializer=es.init_worker, initargs=(a.env, hidden, SeededNoise(a.seed, a.noise_log2)))
+            workers, initializer=init_worker, initargs=(own, a.env, hidden, SeededNoise(a.seed, a.noise_log2)))
     elif framework == "ray":
         import ray
         from ray.util.multiprocessing import Pool as RayPool
@@ -117,8 +143,8 @@ def time_iterations(framework: str, workers: int, args: argparse.Namespace,
             ray.init(num_cpus=max(args.workers), include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}})
         es_noise_handle = None
-        pool = RayPool(workers, initializer=es.init_worker,
-                       initargs=(a.env, hidden, SeededNoise(a.seed, a.noise_log2)))
+        pool = RayPool(workers, initializer=init_worker,
+                       initargs=(own, a.env, hidden, SeededNoise(a.seed, a.noise_log2)))
     else:
         raise ValueError(framework)
     try:
@@ -216,7 +242,7 @@ def inner_hosts(settings: dict) -> dict:
     import helpers_hosts as hh
 
     roving.init(backend="slurm", slurm_partition=hh.PARTITION, child_output="off")
-    placement: Dict[str, int] = {}
+    placement: dict = {}
     times = time_iterations("roving", settings["workers"], argparse.Namespace(**settings["args"]), placement)
     return {"times": times, "placement": placement, "parent": socket.gethostname()}
 
@@ -228,7 +254,8 @@ def roving_across_hosts(workers: int, args: argparse.Namespace) -> dict:
 
     hh.require()
     settings = {"workers": workers, "args": {k: getattr(args, k) for k in
-                                             ("iterations", "pairs", "noise_log2", "episode_steps")}}
+                                             ("iterations", "pairs", "noise_log2", "episode_steps",
+                                              "own_sessions")}}
     program = hh.Program(hh.LOGIN, [sys.executable, "-u", str(Path(__file__).resolve()), "--inner-hosts",
                                     json.dumps(settings)],
                          hh.program_env(PYTHONPATH=os.pathsep.join(_hosts_path())))
@@ -236,7 +263,7 @@ def roving_across_hosts(workers: int, args: argparse.Namespace) -> dict:
 
 
 def report_hosts(args: argparse.Namespace, frameworks: List[str], results: Dict[str, Dict[int, float]],
-                 best: Dict[str, Dict[int, float]], placements: Dict[int, Dict[str, int]], loads: List[float],
+                 best: Dict[str, Dict[int, float]], placements: Dict[tuple, dict], loads: List[float],
                  seconds: float) -> None:
     """The --hosts figures: printed, plotted, and with --write our own section of RESULTS.md."""
     import subprocess
@@ -249,8 +276,12 @@ def report_hosts(args: argparse.Namespace, frameworks: List[str], results: Dict[
     plot(results, Path(args.plot), title, best=best, labels=labels)
     text = (table(results, args.workers) + "\n\nFastest iteration (least disturbed by other load):\n\n"
             + table(best, args.workers) + "\n\nroving's workers per host: "
-            + "; ".join(f"{w}: " + ", ".join(f"{h} {n}" for h, n in sorted(placements[w].items()))
-                        for w in args.workers if w in placements))
+            + "; ".join(f"{w}: " + ", ".join(f"{h} {n}" for h, n in sorted(placements["roving", w]["hosts"].items()))
+                        for w in args.workers)
+            + ".\n\nDistinct scheduling groups (autogroups) of the workers, framework: per workers setting: "
+            + "; ".join(f"{f} " + " ".join(str(placements[f, w]["groups"]) for w in args.workers)
+                        for f in frameworks)
+            + f" (workers' sessions: {args.worker_sessions}).")
     print(text)
     print(f"load average {min(loads):.1f}-{max(loads):.1f} (median {statistics.median(loads):.1f}); "
           f"{seconds / 60:.1f} minutes")
@@ -294,12 +325,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--hosts", action="store_true",
                    help="roving across the test hosts (parent on the login host, workers Slurm jobs on the "
                         "compute hosts); multiprocessing and Ray on this machine")
+    p.add_argument("--worker-sessions", choices=["auto", "own", "inherited"], default="auto",
+                   help="own: every worker calls os.setsid() first, so that autogroup scheduling gives each "
+                        "the share a Slurm job gets (see init_worker); auto: own with --hosts")
     p.add_argument("--setting-timeout", type=float, default=1800.0,
                    help="--hosts: seconds one roving setting may take before it is called failed")
     p.add_argument("--plot", default=None, help="default: benchmarks/es_scaling.png, with --hosts "
                                                 "benchmarks/es_scaling_hosts.png")
     p.add_argument("--write", action="store_true", help="write the figures into RESULTS.md")
     args = p.parse_args(argv)
+    if args.worker_sessions == "auto":
+        args.worker_sessions = "own" if args.hosts else "inherited"
+    args.own_sessions = args.worker_sessions == "own"
     if args.plot is None:
         args.plot = str(HERE / ("es_scaling_hosts.png" if args.hosts else "es_scaling.png"))
     known = {"roving", "multiprocessing", "ray"} | ({"roving-local"} if args.hosts else set())
@@ -315,20 +352,21 @@ def main(argv: Optional[List[str]] = None) -> None:
             print("ray is not installed: left out")
             frameworks.remove("ray")
     samples: Dict[str, Dict[int, List[float]]] = {f: {w: [] for w in args.workers} for f in frameworks}
-    placements: Dict[int, Dict[str, int]] = {}
+    placements: Dict[tuple, dict] = {}  # (framework, workers): wait_for_workers's answer, the last run's
     loads = [os.getloadavg()[0]]
     started = time.time()
     for repeat in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all alike
         for w in args.workers:
             for f in frameworks:
-                where = ""
+                where, placement = "", {}
                 if args.hosts and f == "roving":
                     run = roving_across_hosts(w, args)
-                    times = run["times"]
-                    placements[w] = run["placement"]
-                    where = f"  parent on {run['parent']}, workers {run['placement']}"
+                    times, placement = run["times"], run["placement"]
+                    where = f"  parent on {run['parent']}"
                 else:  # roving-local: roving's local backend, in this process on this machine
-                    times = time_iterations("roving" if f == "roving-local" else f, w, args)
+                    times = time_iterations("roving" if f == "roving-local" else f, w, args, placement)
+                placements[f, w] = placement
+                where += f"  workers {placement['hosts']} in {placement['groups']} scheduling group(s)"
                 samples[f][w] += times
                 loads.append(os.getloadavg()[0])
                 print(f"{f:16s} {w:3d} workers  {statistics.median(times):.3f} s/iter (median of this run)  "
