@@ -122,9 +122,10 @@ def wait_for_workers(pool, workers: int, timeout: float = 600.0) -> dict:
 
 
 def time_iterations(framework: str, workers: int, args: argparse.Namespace,
-                    placement: Optional[dict] = None) -> List[float]:
+                    placement: Optional[dict] = None, history: Optional[dict] = None) -> List[float]:
     """Seconds of each ES iteration (the first left out) with ``workers`` workers of ``framework``, once
-    every worker is up; ``placement`` (when given) is filled with :func:`wait_for_workers`'s answer."""
+    every worker is up; ``placement`` (when given) is filled with :func:`wait_for_workers`'s answer,
+    ``history`` with es.train's (returns per iteration and so on)."""
     a = es_args(args, workers)
     own = bool(getattr(args, "own_sessions", False))
     hidden = tuple(a.hidden)
@@ -154,14 +155,16 @@ def time_iterations(framework: str, workers: int, args: argparse.Namespace,
         quiet = open(os.devnull, "w")
         stdout, sys.stdout = sys.stdout, quiet
         try:
-            history = es.train(a, pool=pool)
+            trained = es.train(a, pool=pool)
         finally:
             sys.stdout = stdout
             quiet.close()
     finally:
         pool.terminate() if framework == "ray" else (pool.close(), pool.join())
         del es_noise_handle
-    return np.diff(history["seconds"]).tolist()  # per iteration, the first one left out
+    if history is not None:
+        history.update(trained)
+    return np.diff(trained["seconds"]).tolist()  # per iteration, the first one left out
 
 
 def default_workers() -> List[int]:
@@ -271,8 +274,8 @@ def report_hosts(args: argparse.Namespace, frameworks: List[str], results: Dict[
     labels = {"roving": "roving, 3 hosts (Slurm)", "roving-local": "roving, this machine",
               "multiprocessing": "multiprocessing, this machine", "ray": "Ray, this machine"}
     steps = args.episode_steps or 200
-    title = (f"ES on Pendulum-v1, population {2 * args.pairs} ({steps}-step episodes); roving across the test "
-             f"hosts,\nthe others on this machine; all share {os.cpu_count()} cores")
+    title = (f"ES on Pendulum-v1, population {2 * args.pairs}, {steps}-step episodes\nroving across the "
+             f"test hosts, the others on this machine; all on {os.cpu_count()} cores")
     plot(results, Path(args.plot), title, best=best, labels=labels)
     text = (table(results, args.workers) + "\n\nFastest iteration (least disturbed by other load):\n\n"
             + table(best, args.workers) + "\n\nroving's workers per host: "
