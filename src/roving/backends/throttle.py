@@ -33,8 +33,10 @@ _FIRST_DELAY_S = 0.5
 _MAX_DELAY_S = 8.0
 
 
-def concurrently(call: Callable[[T], R], items: Sequence[T], bound: int = CONCURRENCY) -> List[Union[R, Exception]]:
-    """``call(item)`` for every item, at most ``bound`` at a time; per item its result or its exception."""
+def concurrently(call: Callable[[T], R], items: Sequence[T], bound: Optional[int] = None) -> List[Union[R, Exception]]:
+    """``call(item)`` for every item, at most ``bound`` (default :data:`CONCURRENCY`) at a time; per item
+    its result or its exception."""
+    bound = CONCURRENCY if bound is None else bound
     def one(item: T) -> Union[R, Exception]:
         try:
             return call(item)
