@@ -257,3 +257,44 @@ def test_array_task_output_is_prefixed_and_roving_own_cancels_are_not_printed(ca
     time.sleep(1.5)  # the output followers read to the end
     err = read()[1]
     assert "CANCELLED" not in err, err  # slurmstepd's line of a task roving ended itself is not shown
+
+
+def test_the_tasks_of_a_parent_killed_with_sigkill_are_cancelled(tmp_path):
+    from helpers_core import PROGRAMS
+    import signal
+
+    out = tmp_path / "ids"
+    proc = subprocess.Popen([sys.executable, str(PROGRAMS / "slurm_array_parent.py"), str(out), "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: out.exists() or proc.poll() is not None, T), "the parent did not start"
+        assert out.exists(), proc.communicate(timeout=30)
+        pid, *ids = out.read_text().split()
+        array = ids[0].split("_")[0]
+        assert ids == [f"{array}_{i}" for i in range(3)]
+        assert all(s == "RUNNING" for _, s, _ in _tasks(array).values()), _tasks(array)
+        os.kill(int(pid), signal.SIGKILL)
+        proc.communicate(timeout=30)
+        # the watcher cancels every task the parent left (its pipe closed)
+        assert wait_until(lambda: all(s == "CANCELLED" for _, s, _ in _tasks(array).values()), 60), _tasks(array)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+def test_with_child_output_files_each_array_task_writes_its_own_log(tmp_path):
+    log_dir = tmp_path / "logs"
+    _use_slurm(child_output="files", log_dir=str(log_dir))
+    with roving.Pool(2) as p:
+        names = [proc.name for proc in p._pool]
+        assert all("_" in proc.job.id for proc in p._pool)
+        for i in range(6):
+            p.apply(ht.print_lines, ([f"line-{i}-{os.getpid()}"], []))
+
+        def logged():
+            return {n: (log_dir / f"{n}.log").read_text() if (log_dir / f"{n}.log").exists() else "" for n in names}
+        assert wait_until(lambda: sum(t.count(f"-{os.getpid()}") for t in logged().values()) == 6, 30), logged()
+        assert sorted(set(os.listdir(log_dir))) == sorted(f"{n}.log" for n in names)
+        assert all(oct((log_dir / f"{n}.log").stat().st_mode & 0o777) == oct(0o600) for n in names
+                   if (log_dir / f"{n}.log").exists())

@@ -57,7 +57,9 @@ def task_script(specs: Sequence[JobSpec], per_task: List[Dict[str, str]], umask:
                 log_files: Optional[List[str]] = None) -> str:
     """The batch script (sh) of an array of ``specs``: task i exports ``per_task[i]`` (and appends its
     output to ``log_files[i]`` when given), then execs the shared command under ``umask``."""
-    lines = [f"umask {umask:04o}", 'case "$SLURM_ARRAY_TASK_ID" in']
+    # the task's own log file is made private (as Slurm makes its output files under sbatch's umask 077);
+    # the process then runs under the caller's umask
+    lines = ["umask 0077", 'case "$SLURM_ARRAY_TASK_ID" in']
     for i, extra in enumerate(per_task):
         body = [f"export {k}={shlex.quote(v)}" for k, v in sorted(extra.items())]
         if log_files is not None:
@@ -65,6 +67,7 @@ def task_script(specs: Sequence[JobSpec], per_task: List[Dict[str, str]], umask:
         lines.append(f"{i}) " + "; ".join(body or [":"]) + " ;;")
     lines.append('*) echo "roving: no task $SLURM_ARRAY_TASK_ID in this array" >&2; exit 70 ;;')
     lines.append("esac")
+    lines.append(f"umask {umask:04o}")
     lines.append("exec " + shlex.join(specs[0].command))
     return "\n".join(lines) + "\n"
 
