@@ -298,3 +298,42 @@ def test_with_child_output_files_each_array_task_writes_its_own_log(tmp_path):
         assert sorted(set(os.listdir(log_dir))) == sorted(f"{n}.log" for n in names)
         assert all(oct((log_dir / f"{n}.log").stat().st_mode & 0o777) == oct(0o600) for n in names
                    if (log_dir / f"{n}.log").exists())
+
+
+def test_a_pending_array_is_logged_once_not_once_per_task(caplog):
+    roving.init(backend="slurm", cpu=32, memory="100M", pending_warning=0.5)  # the whole node each: 1 runs
+    caplog.set_level(logging.WARNING, logger="roving.backends.slurm")
+
+    def warnings():
+        return [r.getMessage() for r in caplog.records if "has been pending" in r.getMessage()]
+
+    with roving.Pool(4) as p:
+        array = p._pool[0].job.id.split("_")[0]
+        assert wait_until(lambda: warnings(), 30), _tasks(array)
+        time.sleep(2)  # the upkeep keeps asking about every task meanwhile
+        assert len(warnings()) == 1, warnings()
+        assert f"Slurm job {array}_" in warnings()[0] and "other pending tasks of this array" in warnings()[0]
+        assert sum(s == "PENDING" for _, s, _ in _tasks(array).values()) >= 3
+        p.terminate()
+
+
+def test_a_worker_that_says_hello_before_its_submission_returned_is_not_lost(tmp_path, monkeypatch):
+    """One job each: sbatch (a wrapper) returns only once the job runs and 5 s more, so the worker's first
+    word reaches the pool before its submission has returned. The pool knows its workers before any of
+    their jobs exists, so the worker is not ignored (it was, and the pool waited on it for ever)."""
+    real = shutil.which("sbatch")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/sh\n"
+        f'out=$({shlex.quote(real)} "$@") || exit $?\n'
+        'id=${out%%;*}\n'
+        'for i in $(seq 150); do [ "$(squeue -h -j "$id" -o %T)" = RUNNING ] && break; sleep 0.2; done\n'
+        "sleep 5\n"
+        'echo "$out"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    _use_slurm(slurm_array=False)
+    with roving.Pool(2) as p:
+        assert wait_until(lambda: len(_live(p)) == 2, 60), [(w.id, w.ident) for w in p._workers.values()]
+        assert p.map(hp.square, range(4)) == [0, 1, 4, 9]

@@ -411,10 +411,13 @@ class SlurmBackend(Backend):
             self._checked_at[job_id] = now
             if status.state is JobState.PENDING:
                 since = self._pending_since.setdefault(job_id, now)
-                if now - since > _config.current().pending_warning and job_id not in self._warned:
-                    self._warned.add(job_id)
-                    log.warning("roving: Slurm job %s (%s) has been pending for %.0f s; Slurm's reason: %s",
-                                job_id, self._names.get(job_id, "?"), now - since, status.reason)
+                # an array's tasks pend together: one warning for the array, not one per task
+                key = slurm_array.base_id(job_id)
+                if now - since > _config.current().pending_warning and key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("roving: Slurm job %s (%s) has been pending for %.0f s; Slurm's reason: %s%s",
+                                job_id, self._names.get(job_id, "?"), now - since, status.reason,
+                                " (other pending tasks of this array are not logged)" if key != job_id else "")
             else:
                 self._pending_since.pop(job_id, None)
         if status.state is JobState.EXITED and job_id in self._own:

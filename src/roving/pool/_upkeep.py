@@ -170,6 +170,10 @@ class Upkeep:
                                  self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
                            resources=self.shape)
             batch.append(WorkerState(worker_id, proc))
+        # Known to the dispatcher before any of their jobs exists: a worker that starts early (the first
+        # of 64 sbatch calls, say) says HELLO at once, and a HELLO from an unknown worker is ignored.
+        for w in batch:
+            disp.add_worker(w)
         # one submission for all of them (a Slurm job array, concurrent container creation)
         try:
             if len(batch) == 1:
@@ -178,17 +182,23 @@ class Upkeep:
             else:
                 errors = start_many([w.proc for w in batch])
         except SerializationError:
+            for w in batch:
+                disp.worker_lost(w, None)
             raise
         except Exception as exc:
             errors = [exc] * len(batch)
+        except BaseException:
+            for w in batch:
+                disp.worker_lost(w, None)
+            raise
         failed = None
         for w, error in zip(batch, errors):
             if error is not None:
                 failed = failed or error
+                disp.worker_lost(w, None)  # it never started: nothing of it is left
                 continue
             with self.lock:
                 self._members[w.id] = w.proc
-            disp.add_worker(w)
         if failed is not None:  # one submission, one failure (an array refused is not 32 failures)
             lost = sum(e is not None for e in errors)
             self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
