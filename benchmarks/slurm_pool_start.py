@@ -5,8 +5,9 @@ usage: python benchmarks/slurm_pool_start.py [--workers 64] [--repeat 3]
 
 Per repeat and mode: "submitted" is the time from ``Pool(N)`` until it returns, which is once Slurm has
 accepted every worker (the pool's first upkeep round submits them all); "sbatch calls" counts the
-submissions (squeue: distinct array/job ids of the pool); "K connected" is the time until K workers have
-connected to the pool, K = min(N, the CPUs Slurm offers): each worker asks for 1 CPU, so at most that many
+submissions (distinct array/job ids of the pool's workers); "K running" the time until squeue lists K of
+them RUNNING (the cluster's side of start-up); "K connected" the time until K workers have connected to
+the pool (their Python interpreters started, which on a 2-core machine is most of it), K = min(N, the CPUs Slurm offers): each worker asks for 1 CPU, so at most that many
 run at once. Slurm must be running (bash scripts/cluster/slurm.sh); the queue should be otherwise idle.
 """
 from __future__ import annotations
@@ -21,6 +22,13 @@ import roving
 
 def connected(pool) -> int:
     return sum(1 for w in pool._workers.values() if w.ident is not None)
+
+
+def running_jobs(ids) -> int:
+    """How many tasks/jobs of these arrays/jobs squeue lists as RUNNING."""
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "RUNNING", "-j", ",".join(sorted(ids)), "-o", "%i"],
+                         capture_output=True, text=True, timeout=30).stdout
+    return len(out.split())
 
 
 def queue_clear(tag: str, timeout: float = 120) -> None:
@@ -43,14 +51,19 @@ def one(n: int, array: bool, k: int) -> dict:
     submitted = time.monotonic() - t0
     ids = {proc.job.id.split("_")[0] for proc in pool._pool}
     deadline = time.monotonic() + 300
-    while connected(pool) < k:
-        if time.monotonic() > deadline:
+    running = ready = None
+    while running is None or ready is None:
+        now = time.monotonic()
+        if now > deadline:
             raise TimeoutError(f"only {connected(pool)} of {k} workers connected in 300 s")
-        time.sleep(0.02)
-    ready = time.monotonic() - t0
+        if ready is None and connected(pool) >= k:
+            ready = now - t0
+        if running is None and running_jobs(ids) >= k:
+            running = now - t0
+        time.sleep(0.05)
     pool.terminate()
     pool.join(120)
-    return {"submitted": submitted, "ready": ready, "calls": len(ids)}
+    return {"submitted": submitted, "running": running, "ready": ready, "calls": len(ids)}
 
 
 def main() -> None:
@@ -68,18 +81,23 @@ def main() -> None:
             queue_clear(tag)
             rows[array].append(one(args.workers, array, k))
             r = rows[array][-1]
-            print(f"  slurm_array={array}: submitted {r['submitted']:.2f} s, {k} connected {r['ready']:.2f} s, "
+            print(f"  slurm_array={array}: submitted {r['submitted']:.2f} s, {k} running {r['running']:.2f} s, "
+                  f"{k} connected {r['ready']:.2f} s, "
                   f"{r['calls']} submission(s)", flush=True)
     fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"  # noqa: E731
     print(f"\nPool({args.workers}) on Slurm, {args.repeat} repeats, median (min–max)")
-    print(f"| mode | sbatch calls | Pool({args.workers}) returns: all submitted | {k} workers connected |")
-    print("|---|---|---|---|")
+    print(f"| mode | sbatch calls | Pool({args.workers}) returns: all submitted | {k} running (squeue) | "
+          f"{k} workers connected |")
+    print("|---|---|---|---|---|")
     for array, label in ((True, "one job array (slurm_array=True)"), (False, "one job each (slurm_array=False)")):
         xs = rows[array]
-        print(f"| {label} | {xs[0]['calls']} | {fmt([x['submitted'] for x in xs])} | {fmt([x['ready'] for x in xs])} |")
+        print(f"| {label} | {xs[0]['calls']} | {fmt([x['submitted'] for x in xs])} | "
+              f"{fmt([x['running'] for x in xs])} | {fmt([x['ready'] for x in xs])} |")
     sub = statistics.median(x["submitted"] for x in rows[False]) / statistics.median(x["submitted"] for x in rows[True])
-    rdy = statistics.median(x["ready"] for x in rows[False]) / statistics.median(x["ready"] for x in rows[True])
-    print(f"\narrays faster: submission {sub:.1f}x, until {k} connected {rdy:.1f}x")
+    med = lambda key, array: statistics.median(x[key] for x in rows[array])  # noqa: E731
+    print(f"\narrays faster (ratio of medians): submission {sub:.1f}x, until {k} running "
+          f"{med('running', False) / med('running', True):.1f}x, until {k} connected "
+          f"{med('ready', False) / med('ready', True):.1f}x")
 
 
 if __name__ == "__main__":
