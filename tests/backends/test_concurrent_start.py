@@ -122,3 +122,38 @@ def test_kubernetes_rate_limit_is_retried_with_backoff_and_the_servers_words_log
         assert len(fake.creations) == 5  # 3 pods, 2 refused first
     busy = [r.getMessage() for r in caplog.records if "busy" in r.getMessage()]
     assert len(busy) == 2 and all("HTTP 429" in m and "too many requests" in m for m in busy), busy
+
+
+def test_start_many_reports_each_refusal_and_a_refused_process_can_be_started_again(monkeypatch):
+    from roving.process import start_many
+    import helpers_targets as ht
+
+    roving.init(backend="local")
+    backend = backends.get("local")
+    real, seen = backend.create_job, []
+
+    def create_job(spec):  # the default submit_many asks for each job in turn
+        seen.append(spec.name)
+        if spec.name == "second" and seen.count("second") == 1:
+            raise OSError("the cluster said no to second")
+        return real(spec)
+
+    monkeypatch.setattr(backend, "create_job", create_job)
+    procs = [roving.Process(target=ht.exit_with, args=(i,), name=n) for i, n in enumerate(["first", "second", "third"])]
+    errors = start_many(procs)
+    assert [str(e) if e else None for e in errors] == [None, "the cluster said no to second", None]
+    assert seen == ["first", "second", "third"]
+    assert procs[1].job is None
+    procs[1].start()  # refused once, started now
+    for p in procs:
+        p.join(T)
+    assert [p.exitcode for p in procs] == [0, 1, 2]
+    with pytest.raises(ValueError, match="several backends"):
+        start_many([_with_backend("local"), _with_backend("slurm")])
+
+
+def _with_backend(name):
+    import helpers_targets as ht
+
+    roving.init(backend=name)
+    return roving.Process(target=ht.return_normally)
