@@ -23,7 +23,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config as _config
-from ..process import Process
+from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
 from ._dispatch import Dispatcher, WorkerState
@@ -162,23 +162,47 @@ class Upkeep:
         disp = self.disp
         node = disp.node
         cfg = _config.current()
+        batch: List[WorkerState] = []
         for _ in range(want):
             worker_id = next(self._worker_ids)
             proc = Process(target=_worker.serve, name=f"PoolWorker-{disp.pool_id}-{worker_id}",
                            args=(node.address, disp.pool_id, worker_id, self._initializer,
                                  self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
                            resources=self.shape)
-            w = WorkerState(worker_id, proc)
-            try:
-                proc.start()
-            except SerializationError:
-                raise
-            except Exception as exc:
-                self._failed_start(f"could not start a worker: {exc}")
-                return
-            with self.lock:
-                self._members[worker_id] = proc
+            batch.append(WorkerState(worker_id, proc))
+        # Known to the dispatcher before any of their jobs exists: a worker that starts early (the first
+        # of 64 sbatch calls, say) says HELLO at once, and a HELLO from an unknown worker is ignored.
+        for w in batch:
             disp.add_worker(w)
+        # one submission for all of them (a Slurm job array, concurrent container creation)
+        try:
+            if len(batch) == 1:
+                batch[0].proc.start()
+                errors: List[Optional[Exception]] = [None]
+            else:
+                errors = start_many([w.proc for w in batch])
+        except SerializationError:
+            for w in batch:
+                disp.worker_lost(w, None)
+            raise
+        except Exception as exc:
+            errors = [exc] * len(batch)
+        except BaseException:
+            for w in batch:
+                disp.worker_lost(w, None)
+            raise
+        failed = None
+        for w, error in zip(batch, errors):
+            if error is not None:
+                failed = failed or error
+                disp.worker_lost(w, None)  # it never started: nothing of it is left
+                continue
+            with self.lock:
+                self._members[w.id] = w.proc
+        if failed is not None:  # one submission, one failure (an array refused is not 32 failures)
+            lost = sum(e is not None for e in errors)
+            self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
+                               f"could not start {lost} of {len(batch)} workers: {failed}")
 
     def _failed_start(self, why: str) -> None:
         self._failures += 1
