@@ -435,6 +435,23 @@ _current: Process = _main_process
 _parent: Optional[_ParentProcess] = None
 
 
+def reap(proc: Process, timeout: Optional[float]) -> None:
+    """Wait up to ``timeout`` for ``proc`` to end, as :meth:`Process.join` does but without raising its
+    errors: for roving's own joins of processes it started (a pool's upkeep, a manager's shutdown)."""
+    proc._wait(timeout)
+
+
+def release(proc: Process) -> None:
+    """Free the sentinel and the backend's handle of an ended process; its exitcode stays readable. A pool
+    does this for workers it replaced, so that a long-lived pool holds no descriptor per worker it ever had."""
+    proc._release()
+
+
+def ended(proc: Process) -> bool:
+    """Whether ``proc`` is known to have ended (its exit code is in), without asking its backend."""
+    return proc._exitcode is not None
+
+
 def start_many(procs: Sequence[Process]) -> List[Optional[Exception]]:
     """Start several processes as one submission to their backend (:meth:`Backend.submit_many`): on Slurm
     one job array, on Docker and Kubernetes several creations at once. One entry per process, in order:

@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config as _config
+from .. import process as _process
 from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
@@ -280,7 +281,7 @@ class Upkeep:
             ended = [p for p in self._abandoned if not p.is_alive()]
             for p in ended:
                 self._abandoned.remove(p)
-                p._release()
+                _process.release(p)
         for w in workers:
             if w.proc.is_alive():
                 silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
@@ -303,11 +304,11 @@ class Upkeep:
                 elif w.ident is not None:
                     self._failures = 0
             self.disp.worker_lost(w, code)
-            w.proc._release()  # its sentinel and job handle; a long-lived pool recycles many workers
+            _process.release(w.proc)  # its sentinel and job handle; a long-lived pool recycles many workers
         if state == TERMINATE:
             workers = self.disp.workers_now()
             for w in workers:
-                w.proc._wait(1.0)
+                _process.reap(w.proc, 1.0)
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)
