@@ -2,7 +2,7 @@
 causal attention through ``scaled_dot_product_attention``; untied input embedding and output head.
 
 Nothing here knows about pipelines: how the layers are split into stages, and how stages are run on
-nodes, lives in ``stages.py`` and ``node.py``. Weights are initialised part by part from ``(seed,
+nodes, lives in ``stages.py`` and ``stage_process.py``. Weights are initialised part by part from ``(seed,
 part)`` (see ``init_part``), so a node that builds only its own layers gets exactly the weights the
 whole model would have.
 """
