@@ -29,7 +29,7 @@ import roving
 from roving.pipeline.model import preset
 from roving.pipeline import protocol as m
 from roving.pipeline.stage_process import StageSettings, pick_device, stage_main
-from roving.pipeline.paths import Path
+from roving.pipeline.plan import Route
 from roving.pipeline.stages import Stage
 
 
@@ -67,7 +67,7 @@ def via_node(args, cfg, xs: list, gs: list) -> list[float]:
             raise RuntimeError(msg.traceback)
         inbox = msg.inbox  # Ready
         inbox.put(m.Peers({"n1": inbox, "me": mine}))
-        path = Path("me", ("n1",), (1,))
+        path = Route("me", ("n1",), (1,))
         times = []
         for r in range(args.rounds + 1):
             t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """SkipPipe planning: which node holds which stage, and which stages each microbatch visits.
 
-Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``plan()`` and
+Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Route), ``plan()`` and
 ``replan()``, the memory model (``stage_memory``, ``microbatches_in_flight``), the simulator that judges every plan (``simulate()``), and the baselines
 (``full_pipeline``, ``full_pipeline_planned``, ``random_skip``). Imports only the standard library
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from .costs import MODEL_PRESETS, ModelSpec, PlanError, microbatches_in_flight, model_preset, stage_memory
 from .network import Link, Network, Node, build_network
-from .paths import Path, Plan, full_pipeline, plan, random_skip, replan, validate
+from .paths import full_pipeline, plan, random_skip, replan
+from .plan import Plan, Route, validate
 from .simulate import SimResult, simulate
 
 
@@ -28,7 +29,10 @@ _TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "Train
 
 
 def __getattr__(name: str):
-    """The training names, imported on first use so that planning never needs PyTorch."""
+    """The training names, imported on first use so that planning never needs PyTorch; ``Path``, the
+    former name of ``Route``, for code written against it (left out of ``__all__``: it shadows pathlib)."""
+    if name == "Path":
+        return Route
     if name in _TRAINING:
         import importlib
 
@@ -38,7 +42,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "Path", "Plan", "PlanError", "SimResult",
+    "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "Plan", "PlanError", "Route", "SimResult",
     "build_network", "full_pipeline", "full_pipeline_planned", "microbatches_in_flight", "model_preset", "plan",
     "random_skip", "replan", "simulate", "stage_memory", "validate",
 ]

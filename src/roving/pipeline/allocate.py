@@ -22,21 +22,7 @@ from typing import Callable, Sequence
 
 from .costs import ModelSpec, PlanError, stage_layers, stage_memory, transfer_time
 from .network import Network
-
-
-def visits_per_microbatch(stages: int, skip: float) -> int:
-    """How many of the stages besides stage 0 a microbatch visits when it skips a fraction ``skip``."""
-    if not 0.0 <= skip < 1.0:
-        raise PlanError(f"skip fraction must be in [0, 1), got {skip}")
-    if stages < 2:
-        raise PlanError(f"need at least 2 stages, got {stages}")
-    visits = math.floor((1.0 - skip) * (stages - 1) + 0.5)
-    if visits < 1:
-        raise PlanError(
-            f"skip {skip} with {stages} stages leaves no stage besides stage 0 to visit; "
-            f"use a skip below {1 - 0.5 / (stages - 1):.2f} or more stages"
-        )
-    return visits
+from .plan import visits_per_microbatch
 
 
 def check_sizes(network: Network, stages: int) -> None:

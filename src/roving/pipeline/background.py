@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .costs import PlanError
-from .paths import Plan, plan
+from .paths import plan
+from .plan import Plan
 
 
 class BackgroundPlan:

@@ -1,7 +1,7 @@
 """Which stages each microbatch visits, in which order and on which nodes; the planner, re-planning and
 the baselines.
 
-Path rules (SkipPipe): a microbatch starts and ends at a stage-0 node, visits ``visits`` of the other
+Route rules (SkipPipe): a microbatch starts and ends at a stage-0 node, visits ``visits`` of the other
 stages (``round((1 - skip) * (stages - 1))``), each at most once, in increasing stage order except for at
 most 2 swaps of neighbouring positions (the visited stage sequence has at most 2 inversions). Every
 stage besides 0 is visited by ``microbatches * visits / (stages - 1)`` microbatches, give or take one
@@ -18,7 +18,6 @@ import math
 import random
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from .allocate import (
@@ -32,108 +31,14 @@ from .allocate import (
     spread_labels,
     swap_search,
     tour_order,
-    visits_per_microbatch,
 )
 from .costs import ModelSpec, PlanError, stage_costs
 from .dtfm import dtfm_allocation
 from .network import Network, Node, slowed
+from .plan import MAX_SWAPS, Plan, Route, inversions, stage_quotas, validate, visits_per_microbatch  # noqa: F401
 from .simulate import simulate
 
 log = logging.getLogger(__name__)
-MAX_SWAPS = 2
-
-
-@dataclass(frozen=True)
-class Path:
-    """One microbatch's route: its stage-0 origin, then the nodes it visits and their stages, in order."""
-
-    origin: str
-    nodes: tuple[str, ...]
-    stages: tuple[int, ...]
-
-    @property
-    def swaps(self) -> int:
-        return inversions(self.stages)
-
-
-@dataclass
-class Plan:
-    """An allocation (node -> stage; nodes not in it stay idle) and one path per microbatch.
-    ``priority`` lists microbatch ids from most to least urgent for the simulator's tie-breaks."""
-
-    stages: int
-    skip: float
-    allocation: dict[str, int]
-    paths: list[Path]
-    priority: list[int] | None = None
-    #: the simulator's makespan for this plan when the planner made it, in seconds.
-    predicted_s: float = math.nan
-    stats: dict = field(default_factory=dict)
-
-    def backward_counts(self) -> dict[str, int]:
-        """Backward passes each node runs in one iteration (an origin one per microbatch it sends,
-        a node one per visit); nodes of the allocation that no path uses count 0."""
-        out = dict.fromkeys(self.allocation, 0)
-        for p in self.paths:
-            out[p.origin] = out.get(p.origin, 0) + 1
-            for n in p.nodes:
-                out[n] = out.get(n, 0) + 1
-        return out
-
-    def to_dict(self) -> dict:
-        return {
-            "stages": self.stages,
-            "skip": self.skip,
-            "allocation": dict(sorted(self.allocation.items())),
-            "paths": [
-                {"microbatch": i, "origin": p.origin, "nodes": list(p.nodes), "stages": list(p.stages)}
-                for i, p in enumerate(self.paths)
-            ],
-            "priority": list(self.priority) if self.priority else list(range(len(self.paths))),
-        }
-
-
-def inversions(seq: Sequence[int]) -> int:
-    return sum(1 for i in range(len(seq)) for j in range(i + 1, len(seq)) if seq[i] > seq[j])
-
-
-def stage_quotas(microbatches: int, stages: int, visits: int) -> list[int]:
-    """Visits each stage gets (index 0 unused): equal shares, differing by at most one."""
-    base, extra = divmod(microbatches * visits, stages - 1)
-    return [0] + [base + (1 if s <= extra else 0) for s in range(1, stages)]
-
-
-def validate(plan: Plan, network: Network, visits: int | None = None, model: ModelSpec | None = None) -> list[str]:
-    """Every rule a plan breaks, as sentences (empty when valid). With ``model``, also that every node
-    can hold its stage in its memory."""
-    problems = []
-    names = set(network.names)
-    s_count = plan.stages
-    visits = visits_per_microbatch(s_count, plan.skip) if visits is None else visits
-    per_stage = [0] * s_count
-    if model is not None:
-        for n, s in sorted(plan.allocation.items()):
-            if n in names and 0 <= s < s_count and not network.node(n).can_hold(s, model, s_count):
-                problems.append(f"node {n} cannot hold stage {s} (its memory does not fit the stage's weights "
-                                "and one microbatch)")
-    for i, p in enumerate(plan.paths):
-        where = f"microbatch {i}"
-        if p.origin not in names or plan.allocation.get(p.origin) != 0:
-            problems.append(f"{where}: origin {p.origin} is not a live stage-0 node")
-        if len(p.nodes) != len(p.stages) or len(p.stages) != visits:
-            problems.append(f"{where}: visits {len(p.stages)} stages, expected {visits}")
-        if len(set(p.stages)) != len(p.stages) or 0 in p.stages:
-            problems.append(f"{where}: visits a stage twice or revisits stage 0")
-        if p.swaps > MAX_SWAPS:
-            problems.append(f"{where}: {p.swaps} swaps, at most {MAX_SWAPS} allowed")
-        for n, s in zip(p.nodes, p.stages):
-            if n not in names or plan.allocation.get(n) != s:
-                problems.append(f"{where}: node {n} does not hold stage {s}")
-            if 0 < s < s_count:
-                per_stage[s] += 1
-    if plan.paths and max(per_stage[1:]) - min(per_stage[1:]) > 1:
-        problems.append(f"stage loads {per_stage[1:]} differ by more than one microbatch")
-    return problems
 
 
 class _Context:
@@ -170,7 +75,7 @@ class _Context:
 
 
 def build_paths(ctx: _Context, microbatches: int, visits: int, allow_swaps: bool = True,
-                rng: random.Random | None = None, noise: float = 0.0) -> list[Path]:
+                rng: random.Random | None = None, noise: float = 0.0) -> list[Route]:
     """Greedy, collision-aware construction: microbatch by microbatch, a dynamic program picks which
     stages to visit and on which replicas, minimising transfer time plus penalties that grow with the
     load already put on each node and link, under the per-stage quotas."""
@@ -251,7 +156,7 @@ def build_paths(ctx: _Context, microbatches: int, visits: int, allow_swaps: bool
         for a, b in zip(hops, hops[1:]):
             link_load[a, b] += cost[a, b]
             link_load[b, a] += cost[b, a]
-        paths.append(Path(origin, tuple(nodes), stages_seq))
+        paths.append(Route(origin, tuple(nodes), stages_seq))
     return paths
 
 
@@ -297,13 +202,13 @@ PHASE_WEIGHT = 0.25
 TAIL = 1.0
 
 
-def _makespan(ctx: _Context, paths: list[Path], priority: list[int] | None, skip: float) -> float:
+def _makespan(ctx: _Context, paths: list[Route], priority: list[int] | None, skip: float) -> float:
     """The search's score: the simulated makespan (with ``ctx.sync_bytes``: the whole iteration plus
     ``PHASE_WEIGHT`` times the microbatch phase)."""
     return _judged(ctx, paths, priority, skip)[0]
 
 
-def _judged(ctx: _Context, paths: list[Path], priority: list[int] | None,
+def _judged(ctx: _Context, paths: list[Route], priority: list[int] | None,
             skip: float) -> tuple[float, float]:
     """``_makespan`` and the ``_tail`` of the finish times (the search's tie-break; infinite, as the
     makespan, for a plan that deadlocks)."""
@@ -330,10 +235,10 @@ def _accepts(score: float, tail: float, cur_score: float, cur_tail: float) -> bo
     return score < cur_score or (score == cur_score and tail <= cur_tail)
 
 
-def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float, rng: random.Random,
+def improve_paths(ctx: _Context, paths: list[Route], skip: float, deadline: float, rng: random.Random,
                   allow_swaps: bool = True, priority: list[int] | None = None,
                   max_evals: int | None = None,
-                  on_best: Callable[[float], None] | None = None) -> tuple[list[Path], list[int], float, int]:
+                  on_best: Callable[[float], None] | None = None) -> tuple[list[Route], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
     stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the
@@ -362,11 +267,11 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
                 continue
             nodes = list(p.nodes)
             nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
-            cand[mb] = Path(p.origin, tuple(nodes), p.stages)
+            cand[mb] = Route(p.origin, tuple(nodes), p.stages)
         elif move < 0.5:
             if len(zeros) < 2:
                 continue
-            cand[mb] = Path(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
+            cand[mb] = Route(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
         elif move < 0.75:
             skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
             if not skipped:
@@ -387,7 +292,7 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
             stages_seq = tuple(alloc[n] for n in nodes)
             if inversions(stages_seq) > MAX_SWAPS:
                 continue
-            cand[mb] = Path(p.origin, tuple(nodes), stages_seq)
+            cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
         else:
             cand_prio = list(prio)
             i, j = rng.randrange(n_mb), rng.randrange(n_mb)
@@ -403,7 +308,7 @@ def improve_paths(ctx: _Context, paths: list[Path], skip: float, deadline: float
     return best, best_prio, best_score, evals
 
 
-def _exchange(ctx: _Context, p: Path, s_out: int, s_in: int, rng: random.Random) -> Path:
+def _exchange(ctx: _Context, p: Route, s_out: int, s_in: int, rng: random.Random) -> Route:
     """``p`` with stage ``s_out`` replaced by ``s_in`` (re-sorted, so any swaps are dropped)."""
     kept = {s: n for n, s in zip(p.nodes, p.stages) if s != s_out}
     order = sorted([*kept, s_in])
@@ -411,7 +316,7 @@ def _exchange(ctx: _Context, p: Path, s_out: int, s_in: int, rng: random.Random)
     before = kept[order[i - 1]] if i > 0 else p.origin
     after = kept[order[i + 1]] if i + 1 < len(order) else p.origin
     kept[s_in] = ctx.best_replica(s_in, before, after, rng if rng.random() < 0.3 else None)
-    return Path(p.origin, tuple(kept[s] for s in order), tuple(order))
+    return Route(p.origin, tuple(kept[s] for s in order), tuple(order))
 
 
 def _check_inputs(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int) -> int:
@@ -584,7 +489,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     return result
 
 
-def _repair_paths(ctx: _Context, paths: Sequence[Path]) -> list[Path]:
+def _repair_paths(ctx: _Context, paths: Sequence[Route]) -> list[Route]:
     """``paths`` with every node that no longer holds its stage replaced, each stage set kept.
 
     Orphaned microbatches go to the live origin that would finish its share soonest: the origins are
@@ -635,11 +540,11 @@ def _repair_paths(ctx: _Context, paths: Sequence[Path]) -> list[Path]:
                 after = next((n for n in nodes[i + 1:] if n), origin)
                 nodes[i] = pick_replica(s, before, after)
                 use[nodes[i]] += 1
-        out.append(Path(origin, tuple(nodes), p.stages))
+        out.append(Route(origin, tuple(nodes), p.stages))
     return out
 
 
-def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Path],
+def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Route],
                 can: dict[str, frozenset[int]] | None = None) -> dict[str, int]:
     """``alloc`` with nodes moved from stages above their wanted replica count to stages below it; from
     a donor stage the node carrying the fewest microbatches moves (only to a stage its memory can hold,
@@ -784,7 +689,7 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
     evals = 0
     if len(held) == 1:  # only stage 0 is left: every microbatch stays at its origin
         zeros = sorted(allocation)
-        paths = [Path(zeros[i % len(zeros)], (), ()) for i in range(microbatches)]
+        paths = [Route(zeros[i % len(zeros)], (), ()) for i in range(microbatches)]
     else:
         ctx = _Context(network, model, {n: virtual[s] for n, s in allocation.items()}, len(held))
         visits = visits_per_microbatch(len(held), skip)
@@ -793,7 +698,7 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
             vpaths = build_paths(ctx, microbatches, visits, allow_swaps=False)
         vpaths, prio, _, evals = improve_paths(ctx, vpaths, skip, t0 + budget_s, rng, priority=None,
                                                max_evals=max_evals)
-        paths = [Path(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
+        paths = [Route(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
     result = Plan(stages, skip, dict(allocation), paths, prio, math.nan,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
                    "held_stages": held, "missing_stages": [s for s in range(stages) if s not in virtual]})
@@ -820,7 +725,7 @@ def full_pipeline(network: Network, model: ModelSpec, stages: int, microbatches:
                             max_evals=max_evals)
     chains = found.pipelines
     alloc = {n: pos for c in chains for pos, n in enumerate(c)}
-    paths = [Path(c[0], tuple(c[1:]), tuple(range(1, stages)))
+    paths = [Route(c[0], tuple(c[1:]), tuple(range(1, stages)))
              for c in (chains[m % len(chains)] for m in range(microbatches))]
     result = Plan(stages, 0.0, alloc, paths)
     result.predicted_s = simulate(network, model, result, record=False).makespan
@@ -849,7 +754,7 @@ def random_skip(network: Network, model: ModelSpec, allocation: dict[str, int], 
         for s in chosen:
             quotas[s] -= 1
         nodes = tuple(rng.choice(ctx.replicas[s]) for s in chosen)
-        paths.append(Path(zeros[mb % len(zeros)], nodes, tuple(chosen)))
+        paths.append(Route(zeros[mb % len(zeros)], nodes, tuple(chosen)))
     result = Plan(stages, skip, dict(allocation), paths)
     result.predicted_s = _makespan(ctx, paths, None, skip)
     return result

@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .plan import Route
+
 #: the ``sender`` of the coordinator's messages.
 COORDINATOR = "coordinator"
 
@@ -88,7 +90,7 @@ class Microbatch(RoundMessage):
     mb: int
     tokens: Any
     targets: Any
-    route: Any
+    route: Route
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,7 +166,7 @@ class Forward(RoundMessage):
     mb: int
     hop: int
     tensor: Any
-    route: Any
+    route: Route
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +177,7 @@ class Backward(RoundMessage):
     mb: int
     hop: int
     tensor: Any
-    route: Any
+    route: Route
 
 
 @dataclass(frozen=True, slots=True)

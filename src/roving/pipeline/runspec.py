@@ -20,7 +20,8 @@ from .data import Corpus, load_corpus
 from .model import Block, LlamaConfig, preset
 from .network import Network, build_network
 from .stage_process import pick_device
-from .paths import Plan, full_pipeline, plan
+from .paths import full_pipeline, plan
+from .plan import Plan
 from .simulate import simulate
 from .stages import Stage, layer_ranges, model_spec, stage_gradient_bytes
 

@@ -38,13 +38,10 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .costs import ModelSpec, StageCosts, stage_costs
 from .network import Network
-
-if TYPE_CHECKING:
-    from .paths import Plan
+from .plan import Plan
 
 FWD, LOSS, BWD = 0, 1, 2
 KIND_NAMES = {FWD: "compute-fwd", LOSS: "compute-loss", BWD: "compute-bwd"}
@@ -81,7 +78,7 @@ class SimResult:
     sync_end: dict[int, float] = field(default_factory=dict)
 
 
-def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: dict) -> list[list[tuple]]:
+def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict) -> list[list[tuple]]:
     """Each microbatch's tasks in order: (0, node, kind, seconds) for compute, (1, src, dst) for sends."""
     out = []
     for path in plan.paths:
@@ -115,7 +112,7 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: di
     return out
 
 
-def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True,
+def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
              shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> SimResult:
     """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
     deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).

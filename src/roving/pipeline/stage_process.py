@@ -30,6 +30,7 @@ import torch
 from . import protocol as m
 from .model import LlamaConfig
 from .network import Link
+from .plan import Route
 from .senders import Senders
 from .stages import Stage
 
@@ -324,7 +325,7 @@ class StageProcess:
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
 
-    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Any) -> None:
+    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route) -> None:
         """Send activations to the process at ``hop`` of the route (the origin when past the end)."""
         out = self._out(h)
         msg = m.Forward(rnd, self.name, mb, hop, out, route)
@@ -337,7 +338,7 @@ class StageProcess:
             dst = route.nodes[hop]
         self.peers.send(dst, msg, out)
 
-    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Any,
+    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
                      loss: float | None = None) -> None:
         if loss is not None:
             self._losses[rnd, mb] = loss
