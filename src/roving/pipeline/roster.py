@@ -7,6 +7,13 @@ their messages, and finds the dead: a process that exits, or whose heartbeats st
 seconds, is declared dead and killed (so that one that was only unreachable cannot come back with stale
 work), every live process is told to forget it, and ``recv`` raises ``NodesLost``. It reports the lost
 ones (``take_lost``) and never plans: what to do about them is the trainer's.
+
+Joining: ``request_join`` (and join request files in the trainer's ``control`` folder, see ``roving
+pipeline join``) starts a stage process on the run's backend; when it reports ready it is admitted at
+the next iteration boundary (``admit``): it gets every inbox, and every process gets its inbox. The
+trainer then places it (a re-plan with the node joined), and it receives its stage's weights and
+optimizer state from a live replica, or from the latest snapshot when none holds the stage
+(``weights``). Restarted processes (``restart``) join the same way.
 """
 
 from __future__ import annotations

@@ -34,7 +34,6 @@ refining, evaluation, the control folder).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -47,6 +46,7 @@ import torch
 
 from . import protocol as m
 from .background import BackgroundPlan
+from .control import serve_join_requests, write_status
 from .costs import PlanError
 from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
@@ -105,17 +105,9 @@ class Trainer:
     shorter, and nodes whose stage changes get its weights and optimizer state as after a re-plan. A
     refinement that a newer re-plan overtook is dropped. Recorded as a "refine" event either way.
 
-    Joining: ``request_join`` (and join request files in ``control``, see ``roving pipeline join``)
-    starts a node process on the run's backend; when it reports ready it is admitted at the next
-    iteration boundary: it gets every inbox, every node gets its inbox, the planner places it
-    (``replan`` with the node joined), and it receives its stage's weights and optimizer state from a
-    live replica (or the latest snapshot when none holds the stage). Restarted nodes (``restart``)
-    join the same way.
+    Joining: see ``roster`` (starting and admitting) and ``weights`` (the weights a joining node gets).
 
-    Snapshots: the weights and optimizer state of one replica per stage are copied to the coordinator
-    at the start and every ``snapshot_every`` iterations (and, with ``checkpoint``, written to disk
-    every ``checkpoint_every``, atomically, with the metrics and the position in the data, so that
-    ``resume`` continues a run whose coordinator died).
+    Snapshots and checkpoints: see ``weights``.
     """
 
     def __init__(self, prep: Prepared, progress: Callable[[dict], None] | None = None) -> None:
@@ -291,36 +283,9 @@ class Trainer:
         if joined:
             self._replan(joined=joined, why="joined")
 
-    def _control_requests(self) -> None:
-        """Join requests written by ``roving pipeline join`` into the control folder."""
-        folder = FilePath(self.c.control)
-        for req in sorted(folder.glob("join-*.json")):
-            answer: dict[str, Any]
-            try:
-                doc = json.loads(req.read_text())
-                names = [self.request_join(doc.get("name"), doc.get("region")) for _ in range(int(doc.get("count", 1)))]
-                answer = {"started": names}
-            except (PlanError, ValueError, TypeError) as exc:
-                answer = {"error": str(exc)}
-            tmp = req.with_suffix(".tmp")
-            tmp.write_text(json.dumps(answer))
-            tmp.replace(req.with_suffix(".done"))
-            req.unlink(missing_ok=True)
-
     def _write_status(self) -> None:
-        folder = FilePath(self.c.control)
-        last = self.metrics["iterations"][-1] if self.metrics["iterations"] else {}
-        status = {"iterations_done": len(self.metrics["iterations"]) and last["iteration"] + 1,
-                  "iterations": self.c.iterations, "nodes": dict(sorted(self.alloc.items())),
-                  "missing_stages": self.missing_stages,
-                  "starting": sorted(self.roster.starting | set(self.roster.ready)),
-                  "train_loss": last.get("train_loss"), "iteration_seconds": last.get("seconds"),
-                  "refining": self._refining is not None,
-                  "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") if k in e}
-                                    | {"nodes": e.get("nodes")} for e in self.metrics["events"][-5:]]}
-        tmp = folder / "status.tmp"
-        tmp.write_text(json.dumps(status, indent=1))
-        tmp.replace(folder / "status.json")
+        write_status(self.c.control, self.metrics, self.c.iterations, self.alloc, self.missing_stages,
+                     sorted(self.roster.starting | set(self.roster.ready)), self._refining is not None)
 
     # -- re-planning and moving weights ----------------------------------------------------------
     def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
@@ -452,7 +417,7 @@ class Trainer:
         if failed:
             self._replan(failed=failed, why="failure")
         if self.c.control:
-            self._control_requests()
+            serve_join_requests(self.c.control, self.request_join)
         self._admit()
         self._take_refined()
 

@@ -2,6 +2,12 @@
 processes (``stage_states``, the whole model), snapshots in memory, checkpoints on disk and the run
 resumed from one, and weights moved to processes whose stage changed.
 
+Snapshots: the weights and optimizer state of one replica per stage are copied to the coordinator at
+the start and every ``snapshot_every`` iterations (and, with ``checkpoint``, written to disk every
+``checkpoint_every``, atomically, with the metrics and the position in the data, so that ``resume``
+continues a run whose coordinator died). A stage that no process holds any more is taken over from its
+latest snapshot.
+
 ``Weights`` talks to the stage processes through a ``roster.Roster``; a process that dies while it is
 asked is left out (the trainer plans around it at the next iteration boundary).
 """
