@@ -82,18 +82,6 @@ def pick_device(want: str = "auto", index: int = 0) -> str:
     return want
 
 
-def pick_device(want: str = "auto", index: int = 0) -> str:
-    """``auto``: a CUDA device when there is one (process ``index`` takes device ``index`` modulo their
-    count, so processes sharing a machine spread over its GPUs), else the CPU."""
-    if want == "auto":
-        if not torch.cuda.is_available():
-            return "cpu"
-        return f"cuda:{index % torch.cuda.device_count()}"
-    if want.startswith("cuda") and not torch.cuda.is_available():
-        raise RuntimeError(f"device {want!r} asked for, but this machine has no CUDA device")
-    return want
-
-
 class StageProcess:
     """One stage process's state and loop (``run``); ``stage_main`` is the process's target."""
 
