@@ -313,16 +313,18 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
     """As a job that a busy cluster keeps pending: the node's process is stopped (SIGSTOP) right
     after it is started, so it is not ready in ``start_wait``; training starts without it, and it
     joins once it runs (SIGCONT), with its replicas' weights."""
-    late = {}
-    real_launch = Trainer._launch
+    from roving.pipeline.roster import Roster
 
-    def launch(self, name, stage, index):
-        real_launch(self, name, stage, index)
+    late = {}
+    real_launch = Roster.launch
+
+    def launch(self, name, stage, index, fresh=True):
+        real_launch(self, name, stage, index, fresh)
         if not late and stage != 0 and list(self.p.plan.allocation.values()).count(stage) >= 2:
             late[name] = stage
             os.kill(self.procs[name].pid, signal.SIGSTOP)
 
-    monkeypatch.setattr(Trainer, "_launch", launch)
+    monkeypatch.setattr(Roster, "launch", launch)
     cfg = dict(CFG, nodes=7, start_wait=1.0)
     prep = prepare(TrainConfig(**cfg))
     with Trainer(prep) as t:

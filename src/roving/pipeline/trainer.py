@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import math
 import os
-import statistics
 import time
 from pathlib import Path as FilePath
 from typing import Any, Callable
@@ -58,6 +57,7 @@ from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
+from .slowness import SlowNodes
 from .stage_process import pick_device
 from .weights import Weights, load_checkpoint
 
@@ -136,7 +136,7 @@ class Trainer:
             "shared_cores": self.shared_cores,
             "iterations": [], "evaluations": [],
             "events": []}
-        self._slow_counts: dict[str, int] = {}
+        self._slow = SlowNodes(self.c.slow_factor, self.c.slow_iterations)
         self._refining: BackgroundPlan | None = None  # the refinement of the latest re-plan, if any
         self.round = -1
         self._batches = train_batches(prep.corpus.train, self.c.samples, self.c.seq_len, self.c.seed)
@@ -573,24 +573,8 @@ class Trainer:
             self._planned_busy = dict.fromkeys(self.alloc, 0.0)
             for name, events in self._timeline(self.plan).items():
                 self._planned_busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
-        busy = self._planned_busy
-        top = max(busy.values(), default=0.0)
-        ratios = {n: stats[n]["compute_s"] / busy[n] for n in stats
-                  if n in busy and busy[n] >= 0.1 * top > 0}
-        if len(ratios) < 3:
-            return
-        typical = statistics.median(ratios.values())
-        slow = {}
-        for n, r in ratios.items():
-            if r > self.c.slow_factor * typical:
-                self._slow_counts[n] = self._slow_counts.get(n, 0) + 1
-                if self._slow_counts[n] >= self.c.slow_iterations:
-                    slow[n] = r / typical
-            else:
-                self._slow_counts.pop(n, None)
+        slow = self._slow.observe(self._planned_busy, {n: s["compute_s"] for n, s in stats.items()})
         if slow:
-            for n in slow:
-                self._slow_counts.pop(n, None)
             self._event("slow", nodes=sorted(slow), factor={n: round(f, 2) for n, f in slow.items()})
             self._replan(slowed=slow, why="slow")
 
