@@ -20,8 +20,8 @@ import itertools
 import math
 from collections import Counter
 
-from roving.pipeline import Route, Plan, build_network, model_preset, simulate
-from roving.pipeline.allocate import visits_per_microbatch
+from roving.pipeline import Plan, Route, build_network, model_preset, simulate
+from roving.pipeline.plan import visits_per_microbatch
 from roving.pipeline.costs import stage_costs, transfer_time
 from roving.pipeline.network import Node
 

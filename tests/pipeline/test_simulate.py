@@ -188,3 +188,55 @@ def test_gradient_bytes_of_the_cost_model_and_of_a_real_stage_split_agree():
         for r, m in zip(real, model):
             assert m == pytest.approx(r, rel=rel), (cfg.dim, r, m)
         assert gradient_bytes(model_spec(cfg, 4, 64), 6, bytes_per_value=2.0)[1] == model[1] / 2
+
+
+def _replicated_plan():
+    from roving.pipeline import model_preset, plan
+
+    network = build_network("gcp12", 9)
+    model = model_preset("llama-500m")
+    p = plan(network, model, 3, 0.0, 6, budget_s=60.0, max_evals=60, seed=2)
+    assert any(list(p.allocation.values()).count(s) > 1 for s in range(3))  # replicas to synchronise
+    return network, model, p
+
+
+def test_predict_gives_what_the_separate_simulations_give():
+    from roving.pipeline import predict
+
+    network, model, p = _replicated_plan()
+    sync = [2.0e8, 1.0e8, 1.0e8]
+    got = predict(p, network, model, shared_cores=2, sync_bytes=sync)
+    plain = simulate(network, model, p)
+    assert got.iteration_s == plain.makespan == simulate(network, model, p, record=False).makespan
+    assert got.here_s == simulate(network, model, p, record=False, shared_cores=2).makespan
+    assert got.with_sync_s == simulate(network, model, p, record=False, sync_bytes=sync).makespan
+    assert got.here_s > got.iteration_s  # 9 nodes on 2 cores are slower than 9 machines
+    assert got.with_sync_s > got.iteration_s  # the replicas' exchange comes on top
+    assert got.whole_s == got.with_sync_s and not got.deadlock
+    assert set(got.busy_s) == set(p.allocation)
+    for name, events in plain.timeline.items():
+        assert got.busy_s[name] == sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+    assert all(v > 0 for v in got.busy_s.values())
+
+
+def test_predict_without_shared_cores_or_sync_bytes_reports_the_microbatch_phase():
+    from roving.pipeline import predict
+
+    network, model, p = _replicated_plan()
+    got = predict(p, network, model)
+    assert got.here_s == got.iteration_s == got.whole_s
+    assert math.isnan(got.with_sync_s)
+    assert math.isnan(predict(p, network, model, sync_bytes=[]).with_sync_s)
+
+
+def test_predict_reports_a_deadlocked_plan_as_infinite():
+    from roving.pipeline import predict
+
+    doc = {"regions": ["A"], "links": []}
+    network = build_network(doc, [dict(name=n, region="A", speed=1.0, memory=m)
+                                  for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
+    model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
+    alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
+    plan = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("y", "x"), (2, 1))])
+    got = predict(plan, network, model)
+    assert got.deadlock and math.isinf(got.iteration_s) and math.isinf(got.whole_s)

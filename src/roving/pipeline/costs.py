@@ -35,6 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .errors import PlanError  # defined in errors; tests and user code also import it from here
+
 #: SkipPipe's assumed compute speed (several nodes sharing older GPUs), seconds per sample per layer.
 PAPER_SECONDS_PER_SAMPLE_LAYER = 0.055
 MIB = float(2**20)
@@ -43,10 +45,6 @@ BYTES_PER_PARAM_STATE = 16.0
 #: bytes a layer stores for backward per token per hidden unit (Korthikanti et al. 2022, 16-bit,
 #: no recomputation, attention scores not stored).
 ACTIVATION_FACTOR = 34.0
-
-
-class PlanError(ValueError):
-    """Input that no plan can be made from; the message says what is wrong and what to do."""
 
 
 @dataclass(frozen=True)

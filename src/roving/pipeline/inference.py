@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from . import checkpoint_file
-from .costs import PlanError
+from .errors import PipelineError, PlanError
 from .data import decode, encode, load_corpus, val_batches
 from .evaluate import kept_layers, layer_logits, perplexity, validation_loss
 from .model import Llama, LlamaConfig
@@ -33,7 +33,7 @@ CHECKPOINT_KEYS = ("model", "model_config", "config")
 CONFIG_KEYS = ("stages", "seq_len", "samples", "corpus", "val_fraction", "eval_batches")
 
 
-class InferenceError(PlanError):
+class InferenceError(PipelineError):
     """A checkpoint, drop choice or generation setting that cannot be used; the message says why."""
 
 
@@ -264,7 +264,7 @@ def run_eval(args: argparse.Namespace) -> int:
         drops = choose_drops(ckpt.stages, explicit=args.stages, fraction=args.drop, subsets=args.subsets,
                              seed=args.seed)
         result = evaluate_drops(ckpt, drops, validation_set(ckpt, args.corpus, args.batches))
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     full = result["full"]
@@ -292,7 +292,7 @@ def run_generate(args: argparse.Namespace) -> int:
         layers = kept_layers(ckpt.model, ckpt.stages, drops[0]) if drops else None
         new = generate(ckpt.model, args.prompt, layers, tokens=args.tokens, temperature=args.temperature,
                        top_k=args.top_k, seed=args.seed)
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if drops:

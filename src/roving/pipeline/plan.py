@@ -17,7 +17,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .costs import ModelSpec, PlanError
+from .costs import ModelSpec
+from .errors import PlanError
 from .network import Network
 
 #: the most inversions (swaps of neighbouring stages) a route's stage sequence may have.
@@ -55,7 +56,8 @@ class Route:
 @dataclass
 class Plan:
     """An allocation (node -> stage; nodes not in it stay idle) and one route per microbatch
-    (``paths``, the name the plan's JSON form keeps). ``priority`` lists microbatch ids from most to least urgent for the simulator's tie-breaks."""
+    (``paths``, the name the plan's JSON form keeps). ``priority`` lists microbatch ids from most to
+    least urgent for the simulator's tie-breaks."""
 
     stages: int
     skip: float
@@ -75,6 +77,16 @@ class Plan:
             for n in p.nodes:
                 out[n] = out.get(n, 0) + 1
         return out
+
+    def stage_visits(self) -> list[int]:
+        """Microbatches that pass each stage in one iteration: every microbatch passes stage 0 (at its
+        origin), and stage s > 0 once per route that visits it."""
+        counts = [0] * self.stages
+        for p in self.paths:
+            counts[0] += 1
+            for s in p.stages:
+                counts[s] += 1
+        return counts
 
     def to_dict(self) -> dict:
         """The plan as JSON-ready data (what ``pipeline plan --json`` and the run summary write)."""

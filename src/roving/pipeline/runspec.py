@@ -19,8 +19,9 @@ from .model import Block, LlamaConfig
 from .network import Network, build_network
 from .runconfig import TrainConfig
 from .stage_process import pick_device
-from .paths import full_pipeline, plan
+from .baselines import full_pipeline
 from .plan import Plan
+from .planner import plan
 from .simulate import simulate
 from .stages import Stage, layer_ranges, model_spec, stage_gradient_bytes
 

@@ -20,7 +20,7 @@ is followed by a fresh plan searched in the background, taken at an iteration bo
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
 (``calibrate``), so measured and predicted iteration times can be compared: ``predicted_seconds`` is
 the microbatch phase (what the planner optimises, as the SkipPipe paper's simulator),
-``predicted_with_sync_seconds`` adds the replicas' exchange of gradients (``simulate(sync_bytes=...)``).
+``predicted_with_sync_seconds`` adds the replicas' exchange of gradients (``simulate.predict``).
 With the local backend every node shares this machine's cores, and ``predicted_here_seconds`` is the
 simulator's figure for the phase on them.
 
@@ -51,12 +51,12 @@ from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Llama
 from .network import Network, slowed as slowed_network
-from .paths import plan_held, replan
+from .planner import place_joining, plan_held, replan
 from .plan import Plan
 from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
-from .simulate import simulate
+from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device
 from .weights import Weights, load_checkpoint
@@ -84,9 +84,9 @@ class Trainer:
     whose heartbeats stop for ``dead_after`` seconds, is declared dead and killed (so a node that was
     only unreachable cannot come back with stale work). The iteration's microbatch phase is aborted
     on every node and run again, with the same data, under a plan made from the current one without
-    the dead nodes (``paths.replan``): its stage's replica group shrinks, or, when it was the last
+    the dead nodes (``planner.replan``): its stage's replica group shrinks, or, when it was the last
     replica, a spare replica of another stage takes the stage over from the latest snapshot of it;
-    with no spare, paths skip the stage (``paths.plan_held``) until a node joins and takes it over.
+    with no spare, paths skip the stage (``planner.plan_held``) until a node joins and takes it over.
     Gradients of the aborted attempt are dropped, so no microbatch counts twice. A node that dies
     while the others step is simply not waited for. A node much slower than the plan expects (its
     busy time over the simulator's, against the median node, above ``slow_factor`` for
@@ -128,7 +128,7 @@ class Trainer:
         self.roster = Roster(prep, self._event)
         self.weights = Weights(prep, self.roster, self._event)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
-        self._use_plan(prep.plan, prep.predicted_s)
+        self._use_plan(prep.plan, self._predict(prep.plan))
         self.metrics: dict[str, Any] = {
             "config": dataclasses.asdict(self.c), "calibration": prep.calibration,
             "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s,
@@ -158,28 +158,21 @@ class Trainer:
     universe = property(lambda self: self.roster.universe, doc="every node ever known, by name")
     snapshot = property(lambda self: self.weights.snapshot, doc="the latest snapshot of every stage")
 
-    def _predict(self, plan: Plan, net: Network | None = None, **options: Any) -> float:
-        """The simulator's iteration time for ``plan`` on ``net`` (default: the network in use): every
-        prediction of the trainer goes through here."""
-        return simulate(net if net is not None else self.net, self.spec, plan, record=False, **options).makespan
+    def _predict(self, plan: Plan, net: Network | None = None) -> Prediction:
+        """``simulate.predict`` for ``plan`` on ``net`` (default: the network in use), on this run's
+        shared cores and with its replicas' gradient bytes: every prediction of the trainer."""
+        return predict(plan, net if net is not None else self.net, self.spec, shared_cores=self.shared_cores,
+                       sync_bytes=self.p.gradient_bytes)
 
-    def _use_plan(self, new_plan: Plan, predicted: float) -> None:
-        self.plan = new_plan
+    def _use_plan(self, new_plan: Plan, prediction: Prediction) -> None:
+        self.plan, self.prediction = new_plan, prediction
         self.alloc = dict(new_plan.allocation)
-        self.predicted_s = predicted
-        self.predicted_here_s = (self._predict(new_plan, shared_cores=self.shared_cores)
-                                 if self.shared_cores else predicted)
+        self.predicted_s = prediction.iteration_s
+        self.predicted_here_s = prediction.here_s
         # the whole iteration: the microbatches and the replicas' exchange of gradients
-        self.predicted_sync_s = (self._predict(new_plan, sync_bytes=self.p.gradient_bytes)
-                                 if self.p.gradient_bytes else math.nan)
-        self._planned_busy: dict[str, float] | None = None  # per node, for _watch_speed; made on first use
+        self.predicted_sync_s = prediction.with_sync_s
         self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
-        counts = [0] * self.c.stages
-        for path in new_plan.paths:
-            counts[0] += 1
-            for s in path.stages:
-                counts[s] += 1
-        self.stage_counts = counts
+        self.stage_counts = new_plan.stage_visits()
 
     @property
     def missing_stages(self) -> list[int]:
@@ -310,27 +303,21 @@ class Trainer:
         if new_plan is None:
             net = live_net.with_nodes(list(live_net.nodes) + joined_nodes) if joined_nodes else live_net
             alloc = {n: s for n, s in self.alloc.items() if n not in failed}
-            for name in joined:  # a stage no node holds first, else where replicas are busiest
-                held = [s for s in range(self.c.stages) if s in alloc.values()]
-                want = [s for s in range(self.c.stages) if s not in held
-                        and self.universe[name].can_hold(s, self.spec, self.c.stages)]
-                if not want:
-                    want = sorted(held, key=lambda s: -self.stage_counts[s] / max(1, list(alloc.values()).count(s)))
-                alloc[name] = want[0]
             try:
+                alloc = place_joining(self.plan, alloc, joined_nodes, self.spec)
                 new_plan = plan_held(net, self.spec, alloc, self.c.stages, self.p.plan.skip,
                                      len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed,
                                      max_evals=self.c.replan_evals or None)
             except PlanError as exc:
                 raise NodeFailed(f"training cannot go on: {exc}") from None
-        predicted = self._predict(new_plan, net)
+        prediction = self._predict(new_plan, net)
         self.net = net
-        self._use_plan(new_plan, predicted)
+        self._use_plan(new_plan, prediction)
         moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
         sources = self.weights.move(moved, self.alloc, self._limit)
         self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
                     moved=moved, weights_from=sources, missing_stages=self.missing_stages,
-                    predicted_s=predicted, planner_seconds=time.perf_counter() - t0,
+                    predicted_s=prediction.iteration_s, planner_seconds=time.perf_counter() - t0,
                     path_evaluations=new_plan.stats.get("path_evaluations"),
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
@@ -368,13 +355,15 @@ class Trainer:
             log.warning("refining the plan failed, the plan in use stays: %s", exc)
             self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
             return
-        now = self._predict(self.plan, sync_bytes=self.p.plan_sync_bytes)
-        refined = self._predict(new_plan, sync_bytes=self.p.plan_sync_bytes)
+        # judged as the planner judged it: the whole iteration (refining runs for skippipe, whose plan
+        # was searched with the replicas' gradient bytes)
+        candidate = self._predict(new_plan)
+        now, refined = self.prediction.whole_s, candidate.whole_s
         adopted = refined < now * (1.0 - REFINE_GAIN)
         moved: dict[str, int] = {}
         sources: dict[int, str] = {}
         if adopted:
-            self._use_plan(new_plan, self._predict(new_plan))
+            self._use_plan(new_plan, candidate)
             moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
             sources = self.weights.move(moved, self.alloc, self._limit)
         self._event("refine", adopted=adopted, iteration_s_before=now, iteration_s_refined=refined,
@@ -569,18 +558,10 @@ class Trainer:
         """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""
         if self.c.slow_factor <= 0 or self.missing_stages:
             return
-        if self._planned_busy is None:
-            self._planned_busy = dict.fromkeys(self.alloc, 0.0)
-            for name, events in self._timeline(self.plan).items():
-                self._planned_busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
-        slow = self._slow.observe(self._planned_busy, {n: s["compute_s"] for n, s in stats.items()})
+        slow = self._slow.observe(self.prediction.busy_s, {n: s["compute_s"] for n, s in stats.items()})
         if slow:
             self._event("slow", nodes=sorted(slow), factor={n: round(f, 2) for n, f in slow.items()})
             self._replan(slowed=slow, why="slow")
-
-    def _timeline(self, plan: Plan) -> dict[str, list]:
-        """Each node's simulated work under ``plan`` on the network in use (``simulate``'s timeline)."""
-        return simulate(self.net, self.spec, plan).timeline
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def stage_states(self, all_replicas: bool = False, grads: bool = False) -> dict[str, tuple[int, dict]]:
