@@ -115,7 +115,7 @@ def main() -> None:
     ctx = SearchContext(free, model, p.allocation, args.stages)
     paths = build_routes(ctx, args.microbatches, len(p.paths[0].stages))
     _, _, best, _ = improve_routes(ctx, paths, args.skip, math.inf, random.Random(args.seed),
-                                  max_evals=args.evals)
+                                   max_evals=args.evals)
     print(f"same allocation, memory unlimited, path search ({args.evals} evaluations): {best:.2f} s{ratio(best)}")
 
 

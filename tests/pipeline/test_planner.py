@@ -7,7 +7,8 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from roving.pipeline import ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, simulate, validate
+from roving.pipeline import (ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, simulate,
+                             validate)
 from roving.pipeline.costs import stage_memory
 from roving.pipeline.network import Node
 from roving.pipeline.plan import Plan, Route

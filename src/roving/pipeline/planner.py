@@ -197,7 +197,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
                 deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
                 count = None
             member[3], member[4], member[0], n = improve_routes(member[2], member[3], skip, deadline, rng,
-                                                               allow_swaps, priority=member[4], max_evals=count)
+                                                                allow_swaps, priority=member[4], max_evals=count)
             evals += n
         pool.sort(key=lambda m: (m[0], m[1]))
         log.debug("allocation race, round %d: %s", r, [round(m[0], 3) for m in pool])
@@ -205,8 +205,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
         pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
     _, _, ctx, paths, prio = pool[0]
     paths, prio, score, n = improve_routes(ctx, paths, skip, cap, rng, allow_swaps, priority=prio,
-                                          max_evals=max(1, max_evals - evals) if by_count else None,
-                                          on_best=lambda v: report("paths", v))
+                                           max_evals=max(1, max_evals - evals) if by_count else None,
+                                           on_best=lambda v: report("paths", v))
     evals += n
     if sync_bytes is not None:  # the search's score also weighs the phase: report the makespan itself
         score = simulate(network, model, Plan(stages, skip, ctx.allocation, paths, prio), record=False,
@@ -330,7 +330,7 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     _, _, ctx, paths, prio = min(candidates, key=lambda c: c[:2])
     alloc = ctx.allocation
     paths, prio, score, evals = improve_routes(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio,
-                                              max_evals=max_evals)
+                                               max_evals=max_evals)
     new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
                     {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
                      "capped": max_evals is not None and evals < max_evals})
@@ -374,7 +374,7 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
         if math.isinf(score_routes(ctx, vpaths, None, skip)):
             vpaths = build_routes(ctx, microbatches, visits, allow_swaps=False)
         vpaths, prio, _, evals = improve_routes(ctx, vpaths, skip, t0 + budget_s, rng, priority=None,
-                                               max_evals=max_evals)
+                                                max_evals=max_evals)
         paths = [Route(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
     result = Plan(stages, skip, dict(allocation), paths, prio, math.nan,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,

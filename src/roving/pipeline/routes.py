@@ -33,7 +33,9 @@ TAIL = 1.0
 
 
 class SearchContext:
-    """Precomputed costs for one network, model and allocation."""
+    """Precomputed costs for one network, model and allocation: each node's transfer costs
+    (``allocate.node_cost_matrix``) and compute per microbatch, and each stage's replicas. Raises
+    PlanError when a stage has no node, or a node given in MB cannot hold its stage."""
 
     def __init__(self, network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
                  cost: dict | None = None, sync_bytes: Sequence[float] | None = None) -> None:
@@ -66,7 +68,7 @@ class SearchContext:
 
 
 def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps: bool = True,
-                rng: random.Random | None = None, noise: float = 0.0) -> list[Route]:
+                 rng: random.Random | None = None, noise: float = 0.0) -> list[Route]:
     """Greedy, collision-aware construction: microbatch by microbatch, a dynamic program picks which
     stages to visit and on which replicas, minimising transfer time plus penalties that grow with the
     load already put on each node and link, under the per-stage quotas."""
@@ -208,9 +210,9 @@ def _accepts(score: float, tail: float, cur_score: float, cur_tail: float) -> bo
 
 
 def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline: float, rng: random.Random,
-                  allow_swaps: bool = True, priority: list[int] | None = None,
-                  max_evals: int | None = None,
-                  on_best: Callable[[float], None] | None = None) -> tuple[list[Route], list[int], float, int]:
+                   allow_swaps: bool = True, priority: list[int] | None = None,
+                   max_evals: int | None = None,
+                   on_best: Callable[[float], None] | None = None) -> tuple[list[Route], list[int], float, int]:
     """Anytime local search over paths with the simulator as judge: move a microbatch to another
     replica or origin, exchange a visited and a skipped stage between two microbatches (keeps the
     stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the

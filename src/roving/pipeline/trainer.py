@@ -51,8 +51,8 @@ from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Llama
 from .network import Network, slowed as slowed_network
-from .planner import place_joining, plan_held, replan
 from .plan import Plan
+from .planner import place_joining, plan_held, replan
 from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
