@@ -169,23 +169,9 @@ class Weights:
 
 
 def load_checkpoint(path: str, prep: Any) -> dict:
-    """A checkpoint to resume ``prep``'s run from; PlanError when it is missing or does not match."""
+    """A checkpoint to resume ``prep``'s run from (:func:`checkpoint_file.load_checkpoint`, the one
+    loader of checkpoints); PlanError (CheckpointFileError) when it is missing or does not match."""
     if not path:
         raise PlanError("resume needs checkpoint = the file the run wrote")
-    try:
-        ck = checkpoint_file.read(path)
-    except FileNotFoundError:
-        raise PlanError(f"cannot resume: checkpoint {path} does not exist") from None
-    except checkpoint_file.CheckpointFileError as exc:
-        raise PlanError(f"cannot resume: {exc}") from None
-    if not isinstance(ck, dict) or ck.get("format") != 2 or "stages" not in ck:
-        raise PlanError(f"cannot resume from {path}: it has no per-stage optimizer state (written by an older "
-                        "roving, or not by `roving pipeline train`)")
-    if ck["model_config"] != dataclasses.asdict(prep.model):
-        raise PlanError(f"cannot resume from {path}: it holds another model ({ck['model_config']})")
-    if ck["config"]["stages"] != prep.config.stages:
-        raise PlanError(f"cannot resume from {path}: it splits the model into {ck['config']['stages']} stages, "
-                        f"this run into {prep.config.stages}")
-    if ck["iteration"] >= prep.config.iterations:
-        raise PlanError(f"nothing to resume: {path} is at iteration {ck['iteration']} of {prep.config.iterations}")
-    return ck
+    into = checkpoint_file.ResumeInto(dataclasses.asdict(prep.model), prep.config.stages, prep.config.iterations)
+    return checkpoint_file.load_checkpoint(path, into=into)
