@@ -113,9 +113,11 @@ def test_pipeline_plan_tells_stderr_how_the_search_goes(tmp_path, capsys):
 def test_pipeline_plan_by_evaluation_count_prints_the_same_baselines_whatever_the_budget(tmp_path, capsys):
     """With --evals, DT-FM's allocation search (full_pipeline) is bounded by its evaluations, not by the
     clock: a budget eight times larger (what a loaded machine amounts to, the other way round) changes
-    no baseline figure."""
+    no baseline figure. The budgets are ceilings far above what 500 evaluations take (well under a second
+    on an idle machine), so that a loaded machine does not reach them either: at 2 s, a load of 50 on 2
+    cores cut the baselines' search after 193 evaluations."""
     docs, printed = [], []
-    for budget in ("2", "16"):
+    for budget in ("20", "160"):
         out = tmp_path / f"plan{budget}.json"
         rc = main(["pipeline", "plan", "--network", "gcp12", "--nodes", "20", "--stages", "6", "--skip", "0.33",
                    "--microbatches", "20", "--budget", budget, "--evals", "500", "--json", str(out)])
