@@ -123,6 +123,14 @@ class Config:
     #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
     #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
     pool_heartbeat_timeout: float = 30.0
+    #: Serve the live dashboard (roving.dashboard) from the main process: its URL, with a token, is
+    #: printed once. Children never serve one.
+    dashboard: bool = False
+    #: Address the dashboard listens on: loopback by default; another only on request (its token then
+    #: travels in clear over plain HTTP: tunnel it).
+    dashboard_host: str = "127.0.0.1"
+    #: Its port; 0: a free one.
+    dashboard_port: int = 0
     #: A pool whose workers fail to start this many times in a row, none connecting in between, gives
     #: up: its pending and later calls raise the error (a worker that connects resets the count).
     pool_start_failures: int = 5

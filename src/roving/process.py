@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from . import backends
 from . import config as _config
+from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .transport import node as _node
 from .transport import session as _session
@@ -155,6 +156,7 @@ class Process:
         del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
+        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id), want)
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
@@ -288,6 +290,7 @@ class Process:
             return
         self._unreached = code is not None and code > 0 and self._work_unfetched()
         self._exitcode = code
+        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
