@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1 \
         || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null || ! command -v tcpdump >/dev/null; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text iproute2 util-linux tcpdump
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text iproute2 util-linux tcpdump chromium chromium-driver
 fi
 export SETUP_APT_UPDATED=1
 bash scripts/install.sh
