@@ -147,3 +147,26 @@ def test_roving_dashboard_1_serves_from_the_main_process_only_and_prints_the_url
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "OK"
     assert out.stderr.count("roving: dashboard at http://127.0.0.1:") == 1, out.stderr
+
+
+def test_roving_run_dashboard_makes_the_program_serve_one(tmp_path):
+    program = tmp_path / "prog.py"
+    program.write_text(
+        "import roving, urllib.request\n"
+        "from roving import dashboard\n"
+        "s = dashboard.current()\n"
+        "assert s is not None, 'no dashboard'\n"
+        "body = urllib.request.urlopen(s.url.replace('/?', '/api/state?'), timeout=30).read().decode()\n"
+        "assert '\"runtime\"' in body\n"
+        "print('SERVED')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for var in ("ROVING_CHILD", "ROVING_DASHBOARD"):
+        env.pop(var, None)
+    out = subprocess.run([sys.executable, "-m", "roving", "run", "--backend", "local", "--dashboard", str(program)],
+                         env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "SERVED" in out.stdout
+    assert (out.stdout + out.stderr).count("roving: dashboard at http://127.0.0.1:") == 1, out.stderr
+    plain = subprocess.run([sys.executable, "-m", "roving", "run", "--backend", "local", str(program)],
+                           env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert plain.returncode != 0 and "no dashboard" in plain.stderr
