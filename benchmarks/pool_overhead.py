@@ -9,6 +9,13 @@ after the others, alone, since its daemons load the machine).
     python benchmarks/pool_overhead.py                       # every peer that is installed
     python benchmarks/pool_overhead.py --peers roving multiprocessing --repeat 5
     python benchmarks/pool_overhead.py --peers roving multiprocessing --encrypt off   # roving's option
+    python benchmarks/pool_overhead.py --peers roving --dashboard --repeat 5   # dashboard off vs on
+
+With ``--dashboard`` a second roving pool, "roving+dashboard", runs beside "roving": before each of its
+runs the dashboard (roving.dashboard) is served and a headless Chromium (selenium, Debian's chromium and
+chromium-driver) shows its Pools page, polling it every second; before each run of "roving" the browser
+leaves the page (about:blank) and the dashboard is stopped. Both are measured in the same process,
+interleaved, so that the machine's load hits them alike.
 """
 from __future__ import annotations
 
@@ -56,8 +63,41 @@ class _Loky:
         self._ex.shutdown(wait=True)
 
 
+class _Watched:
+    """``--dashboard``: the dashboard served and a browser watching it, or neither (see the docstring)."""
+
+    def __init__(self) -> None:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        opts = webdriver.ChromeOptions()
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                    "--window-size=1280,1000"):
+            opts.add_argument(arg)
+        self.driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+        self.on = False
+
+    def set(self, on: bool) -> None:
+        from roving import dashboard
+
+        if on and not self.on:
+            self.driver.get(dashboard.start(announce=False).url + "#pools")
+            time.sleep(1.5)  # the page loaded and polling
+        elif not on and self.on:
+            self.driver.get("about:blank")
+            dashboard.stop()
+        self.on = on
+
+    def close(self) -> None:
+        self.set(False)
+        self.driver.quit()
+
+
+_watched: Any = None
+
+
 def _make(peer: str) -> Any:
-    if peer == "roving":
+    if peer in ("roving", "roving+dashboard"):
         return roving.Pool(WORKERS)
     if peer == "multiprocessing":
         return multiprocessing.Pool(WORKERS)
@@ -74,7 +114,7 @@ def _make(peer: str) -> Any:
 
 
 def _installed(peer: str) -> bool:
-    if peer in ("roving", "multiprocessing"):
+    if peer in ("roving", "multiprocessing", "roving+dashboard"):
         return True
     try:
         __import__({"ray": "ray.util.multiprocessing"}.get(peer, peer))
@@ -136,6 +176,8 @@ def measure(peers: List[str], repeat: int) -> Dict[str, Dict[str, float]]:
         for name, test in TESTS.items():
             for _ in range(repeat):
                 for peer in peers:
+                    if _watched is not None:
+                        _watched.set(peer == "roving+dashboard")
                     runs[peer][name].append(test(pools[peer]))
         return {p: {name: statistics.median(v) for name, v in runs[p].items()} for p in peers}
     finally:
@@ -149,23 +191,38 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--encrypt", choices=["auto", "always", "off"], default="auto",
                         help="roving's encrypt option (auto: CURVE on ZeroMQ, plain loopback streams)")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="add the peer roving+dashboard: roving with the dashboard on and a browser watching")
     args = parser.parse_args(argv)
     roving.init(encrypt=args.encrypt)
+    global _watched
+    if args.dashboard:
+        _watched = _Watched()
+        if "roving+dashboard" not in args.peers:
+            args.peers.insert(args.peers.index("roving") + 1 if "roving" in args.peers else 0, "roving+dashboard")
     print(f"# roving encrypt={args.encrypt}", file=sys.stderr)
     present = [p for p in args.peers if _installed(p)]
     for peer in set(args.peers) - set(present):
         print(f"# {peer}: not installed", file=sys.stderr)
     # Ray runs alone, after the others: its own daemons would load the machine while they are measured.
-    figures = measure([p for p in present if p != "ray"], args.repeat)
+    try:
+        figures = measure([p for p in present if p != "ray"], args.repeat)
+    finally:
+        if _watched is not None:
+            _watched.close()
     if "ray" in present:
         figures.update(measure(["ray"], args.repeat))
     peers = list(figures)
-    print("| seconds (median of %d) | %s | roving / multiprocessing |" % (args.repeat, " | ".join(peers)))
+    base, with_dash = "multiprocessing", "roving+dashboard" in figures
+    if with_dash:
+        base = "roving"
+    print("| seconds (median of %d) | %s | %s / %s |" % (args.repeat, " | ".join(peers),
+                                                       "roving+dashboard" if with_dash else "roving", base))
     print("|---" * (len(peers) + 2) + "|")
     for name in TESTS:
         row = [f"{figures[p][name]:.3f}" for p in peers]
-        ratio = (f"{figures['roving'][name] / figures['multiprocessing'][name]:.2f}"
-                 if {"roving", "multiprocessing"} <= set(figures) else "")
+        top = "roving+dashboard" if with_dash else "roving"
+        ratio = (f"{figures[top][name] / figures[base][name]:.{3 if with_dash else 2}f}" if {top, base} <= set(figures) else "")
         print(f"| {name} | {' | '.join(row)} | {ratio} |")
 
 

@@ -111,6 +111,10 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]], plan: Optional[
             slow.difference_update(names)
         elif kind == "slow":
             slow.update(names)
+        elif kind == "replan":  # nodes that joined (again) are alive from then on
+            dead.difference_update(ev.get("joined") or [])
+            for name, stage in (ev.get("allocation") or {}).items():
+                stage_of.setdefault(name, stage)
     for name, node in (status.get("node_states") or {}).items():  # the trainer's own word, where it says
         stage_of.setdefault(name, node.get("stage"))
     out = []
