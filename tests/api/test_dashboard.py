@@ -170,3 +170,40 @@ def test_roving_run_dashboard_makes_the_program_serve_one(tmp_path):
     plain = subprocess.run([sys.executable, "-m", "roving", "run", "--backend", "local", str(program)],
                            env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert plain.returncode != 0 and "no dashboard" in plain.stderr
+
+
+def test_beyond_loopback_the_dashboard_speaks_https_with_the_certificate_it_printed(tmp_path):
+    import hashlib
+    import socket
+    import ssl
+
+    from roving.dashboard import Server, Views
+
+    assert Server(Views(), "127.0.0.1").fingerprint == ""  # loopback: plain HTTP unless asked
+    server = Server(Views(), "127.0.0.1", tls=True).start()
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # self-signed: checked by fingerprint below
+        with socket.create_connection((server.host, server.port), timeout=TIMEOUT) as raw:
+            with ctx.wrap_socket(raw) as tls_sock:
+                der = tls_sock.getpeercert(binary_form=True)
+        digest = hashlib.sha256(der).hexdigest().upper()
+        assert server.fingerprint.replace(":", "") == digest
+        base = server.url.split("?")[0].rstrip("/")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(base + "/metrics", timeout=TIMEOUT, context=ctx)
+        assert err.value.code == 403
+        with urllib.request.urlopen(server.url.replace("/?", "/metrics?"), timeout=TIMEOUT, context=ctx) as r:
+            assert r.status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):  # no plain HTTP there
+            urllib.request.urlopen(server.url.replace("https://", "http://"), timeout=TIMEOUT)
+    finally:
+        server.stop()
+
+
+def test_a_bad_dashboard_option_is_an_error_naming_it():
+    with pytest.raises(roving.ConfigError, match="dashboard_tls"):
+        roving.init(dashboard_tls="maybe")
+    with pytest.raises(roving.ConfigError, match="dashboard_port"):
+        roving.init(dashboard_port="eighty")

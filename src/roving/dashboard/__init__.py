@@ -31,12 +31,14 @@ def start(host: Optional[str] = None, port: Optional[int] = None, runtime: bool 
     with _lock:
         if _server is None:
             cfg = _config.current()
+            tls = {"auto": None, "on": True, "off": False}[cfg.dashboard_tls]
             server = Server(Views(runtime=runtime), cfg.dashboard_host if host is None else host,
-                            cfg.dashboard_port if port is None else port)
+                            cfg.dashboard_port if port is None else port, tls=tls)
             _server = server.start()
             if announce:
                 # said once, where the user looks (as Jupyter prints its URL)
-                print(f"roving: dashboard at {server.url}", file=sys.stderr, flush=True)
+                extra = f" (self-signed certificate, SHA-256 {server.fingerprint})" if server.fingerprint else ""
+                print(f"roving: dashboard at {server.url}{extra}", file=sys.stderr, flush=True)
         return _server
 
 

@@ -7,8 +7,10 @@ program's hot path and publishes nothing itself.
 Access: the URL printed once carries ``?token=...``; the first request with it gets a cookie (HttpOnly,
 SameSite=Strict), later ones may carry either (or ``Authorization: Bearer TOKEN``, for Prometheus).
 Every request without the right token gets 403, whatever the path. The token is compared in constant
-time. The server binds 127.0.0.1 unless the ``dashboard_host`` option says otherwise; it speaks plain
-HTTP, so off loopback the token travels in clear (use an SSH tunnel, or keep the default).
+time. The server binds 127.0.0.1 unless the ``dashboard_host`` option says otherwise. On loopback it
+speaks plain HTTP; beyond it (or with ``tls=True``) HTTPS with a self-signed certificate made at start
+(:mod:`roving.dashboard.tls`), whose fingerprint the printed line carries, so that the token never
+travels in clear (``tls=False`` turns that off, at the user's word: the ``dashboard_tls`` option).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class Server:
     """One dashboard: ``views`` says what it shows; :attr:`url` (with the token) once started."""
 
     def __init__(self, views: Views, host: str = "127.0.0.1", port: int = 0,
-                 token: Optional[str] = None) -> None:
+                 token: Optional[str] = None, tls: Optional[bool] = None) -> None:
         self.views = views
         self.token = token or secrets.token_urlsafe(24)
         handler = _handler(self)
@@ -54,8 +56,17 @@ class Server:
                           f"dashboard_port): {exc}") from None
         self.httpd.daemon_threads = True
         self.host, self.port = self.httpd.server_address[:2]
+        if tls is None:
+            tls = not _loopback(host)
+        #: The SHA-256 fingerprint of the HTTPS certificate ("" for plain HTTP).
+        self.fingerprint = ""
+        if tls:
+            from .tls import server_context
+
+            ctx, self.fingerprint = server_context(host)
+            self.httpd.socket = ctx.wrap_socket(self.httpd.socket, server_side=True)
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
-        self.url = f"http://{shown}:{self.port}/?token={self.token}"
+        self.url = f"{'https' if tls else 'http'}://{shown}:{self.port}/?token={self.token}"
         self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.25},
                                         name="roving-dashboard", daemon=True)
 
@@ -82,6 +93,17 @@ class Server:
             if name == _COOKIE:
                 return hmac.compare_digest(value.encode(), self.token.encode()), False
         return False, False
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _handler(server: Server) -> type:

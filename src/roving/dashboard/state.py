@@ -13,6 +13,8 @@ from .pipeline_view import PipelineWatch
 __all__ = ["Views"]
 
 _SAMPLES = 600  # throughput points per pool (10 minutes at one a second)
+_PAGE_EVENTS = 500
+_PAGE_LINES = 40
 
 
 class Views:
@@ -52,6 +54,10 @@ class Views:
         if self.runtime:
             snap = observe.snapshot()
             self._throughput(snap["pools"], now)
+            # what the page shows, no more: the latest events, the latest lines of each process
+            snap["events"] = snap["events"][-_PAGE_EVENTS:]
+            for proc in snap["processes"]:
+                proc["output"] = proc["output"][-_PAGE_LINES:]
             out["runtime"] = snap
         with self._lock:
             pipelines = list(self._pipelines)

@@ -131,12 +131,15 @@ function renderPipeline(run, i) {
 
 function render(s) {
   last = s;
-  const rt = s.runtime;
-  document.getElementById("pools").innerHTML = renderPools(rt);
-  document.getElementById("processes").innerHTML = renderProcesses(rt);
-  document.getElementById("pipelines").innerHTML = s.pipelines.length ? s.pipelines.map(renderPipeline).join("") : '<p class="empty">No pipeline training watched.</p>';
-  const evs = (rt ? rt.events : []).slice(-300).reverse();
-  document.getElementById("events").innerHTML = evs.map(eventItem).join("") || '<li class="empty">No event yet.</li>';
+  const rt = s.runtime, view = (document.querySelector("nav button.on") || {dataset: {}}).dataset.view;
+  // only the view in sight is drawn (the others when shown): less work for the browser
+  if (view === "pools") document.getElementById("pools").innerHTML = renderPools(rt);
+  if (view === "processes") document.getElementById("processes").innerHTML = renderProcesses(rt);
+  if (view === "pipeline") document.getElementById("pipelines").innerHTML = s.pipelines.length ? s.pipelines.map(renderPipeline).join("") : '<p class="empty">No pipeline training watched.</p>';
+  if (view === "events") {
+    const evs = (rt ? rt.events : []).slice(-300).reverse();
+    document.getElementById("events").innerHTML = evs.map(eventItem).join("") || '<li class="empty">No event yet.</li>';
+  }
   document.getElementById("clock").textContent = "updated " + clock(s.time);
   document.body.dataset.updated = String(s.time);
 }
@@ -145,6 +148,7 @@ function show(view) {
   document.querySelectorAll("nav button").forEach(b => b.classList.toggle("on", b.dataset.view === view));
   document.querySelectorAll(".view").forEach(v => v.classList.toggle("on", v.id === "view-" + view));
   history.replaceState(null, "", location.pathname + location.search + "#" + view);
+  if (last) render(last);
 }
 
 async function poll() {
