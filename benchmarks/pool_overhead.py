@@ -20,6 +20,7 @@ interleaved, so that the machine's load hits them alike.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
 import sys
@@ -76,6 +77,23 @@ class _Watched:
             opts.add_argument(arg)
         self.driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
         self.on = False
+
+    def request_cost(self) -> float:
+        """Median seconds this process spends on one answer of /api/state (what the page asks once a
+        second), measured over 50 answers while the pools exist."""
+        import urllib.request
+
+        from roving import dashboard
+
+        url = dashboard.start(announce=False).url.replace("/?", "/api/state?")
+        took = []
+        for _ in range(50):
+            t0 = time.thread_time()
+            # the work of the server thread for one answer (done here, to time it)
+            json.dumps(dashboard.current().views.state(), default=str)
+            took.append(time.thread_time() - t0)
+        urllib.request.urlopen(url, timeout=30).read()
+        return statistics.median(took)
 
     def set(self, on: bool) -> None:
         from roving import dashboard
@@ -172,6 +190,10 @@ def measure(peers: List[str], repeat: int) -> Dict[str, Dict[str, float]]:
             pools[peer] = _make(peer)
             pools[peer].map(noop, range(WORKERS * 4))
         time.sleep(1.0)
+        if _watched is not None:
+            cost = _watched.request_cost()
+            print(f"# dashboard: one /api/state answer costs {cost * 1000:.2f} ms of CPU in this process "
+                  f"(median of 50; once a second per browser: {cost * 100:.3f}% of one core)", file=sys.stderr)
         runs: Dict[str, Dict[str, List[float]]] = {p: {name: [] for name in TESTS} for p in peers}
         for name, test in TESTS.items():
             for _ in range(repeat):

@@ -10,13 +10,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from typing import Optional
 
 from .. import config as _config
 from .server import Server
 from .state import Views
 
-__all__ = ["start", "current", "stop", "watch_pipeline", "start_if_configured", "Server", "Views"]
+__all__ = ["start", "current", "stop", "watch_pipeline", "start_if_configured", "serve_pipeline", "Server",
+           "Views"]
 
 _lock = threading.Lock()
 _server: Optional[Server] = None
@@ -68,3 +70,27 @@ def start_if_configured() -> Optional[Server]:
     if os.environ.get("ROVING_CHILD") or not _config.current().dashboard:
         return None
     return start()
+
+
+def serve_pipeline(control: Optional[str], metrics: Optional[str], host: Optional[str] = None,
+                   port: Optional[int] = None) -> int:
+    """``roving pipeline dashboard``: serve only the pipeline view of the run whose control folder is
+    ``control`` (live) and/or metrics file ``metrics`` (finished), until interrupted. Returns the exit
+    status (2 with a message when neither exists)."""
+    for path, what in ((control, "control folder"), (metrics, "metrics file")):
+        if path and not os.path.exists(path):
+            print(f"roving: error: no {what} {path}", file=sys.stderr)
+            return 2
+    if not control and not metrics:
+        print("roving: error: give --control DIR (a run's control folder) or --metrics FILE (a finished run's)",
+              file=sys.stderr)
+        return 2
+    server = start(host, port, runtime=False)
+    server.views.watch_pipeline(control, metrics)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop()

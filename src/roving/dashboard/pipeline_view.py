@@ -90,6 +90,9 @@ class PipelineWatch:
                 self._from_status(status)
             if iterations is None:
                 iterations = [self._seen_iterations[k] for k in sorted(self._seen_iterations)]
+            else:  # a resumed run appends again the iterations after its checkpoint: the latest counts
+                latest = {r.get("iteration"): r for r in iterations}
+                iterations = [latest[k] for k in sorted(latest, key=lambda k: (k is None, k or 0))]
             if events is None:
                 events = list(self._seen_events)
         return {"control": self.control, "metrics": self.metrics, "status": status,
@@ -100,9 +103,9 @@ class PipelineWatch:
 
 
 def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]], plan: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Each node: its stage, host (where the status or plan says), and alive / slow / dead / joining."""
+    """Each node: its stage, region (where the status or plan says), and alive / slow / dead / joining."""
     alloc = status.get("nodes") or {}
-    hosts = (status.get("hosts") or (plan or {}).get("hosts") or {})
+    hosts = (status.get("regions") or (plan or {}).get("regions") or {})
     dead, slow, stage_of = set(), set(), dict(alloc)
     for ev in events:
         kind, names = ev.get("event"), ev.get("nodes") or []

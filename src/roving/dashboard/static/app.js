@@ -124,7 +124,7 @@ function renderPipeline(run, i) {
   const evs = (run.events || []).slice(-60).reverse().map(eventItem).join("");
   return `<div class="card pipeline" data-finished="${run.finished}"><h2>Training ${esc(run.control || run.metrics)} <small>${st.iterations_done != null ? `${st.iterations_done}/${st.iterations} iterations` : `${its.length} iterations`}${run.finished ? " (finished)" : ""}</small></h2>
     <div class="charts">${loss}${time}</div>
-    <div class="charts"><div style="min-width:320px"><h3>Nodes</h3><table><tr><th>node</th><th>stage</th><th>host</th><th>state</th></tr>${nodes}</table>
+    <div class="charts"><div style="min-width:320px"><h3>Nodes</h3><table><tr><th>node</th><th>stage</th><th>region</th><th>state</th></tr>${nodes}</table>
     ${st.missing_stages && st.missing_stages.length ? `<p>missing stages: ${esc(st.missing_stages)}</p>` : ""}</div>
     <div style="flex:1;min-width:320px"><h3>Events</h3><ol class="events pipeline-events">${evs || '<li class="empty">none</li>'}</ol></div></div>${plan}</div>`;
 }
