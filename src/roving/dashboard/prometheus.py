@@ -51,21 +51,26 @@ def text(state: Dict[str, Any]) -> str:
             kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
         _family(out, "roving_events", "gauge", "Events in the dashboard's timeline, by kind.",
                 [({"kind": k}, n) for k, n in sorted(kinds.items())])
+    families = {"roving_pipeline_iterations_done": ("Iterations done.", []),
+                "roving_pipeline_train_loss": ("Training loss of the last iteration.", []),
+                "roving_pipeline_iteration_seconds": ("Duration of the last iteration.", []),
+                "roving_pipeline_predicted_seconds": ("Predicted duration of an iteration.", []),
+                "roving_pipeline_nodes": ("Pipeline nodes by state.", [])}
     for i, run in enumerate(state.get("pipelines") or []):
         labels = {"run": run.get("control") or run.get("metrics") or i}
         its = run.get("iterations") or []
         last = its[-1] if its else {}
-        samples = [("roving_pipeline_iterations_done", "gauge", "Iterations done.", len(its)),
-                   ("roving_pipeline_train_loss", "gauge", "Training loss of the last iteration.", last.get("train_loss")),
-                   ("roving_pipeline_iteration_seconds", "gauge", "Duration of the last iteration.", last.get("seconds")),
-                   ("roving_pipeline_predicted_seconds", "gauge", "Predicted duration of an iteration.",
-                    last.get("predicted_seconds"))]
-        for name, kind, help_, value in samples:
+        for name, value in (("roving_pipeline_iterations_done", len(its)),
+                            ("roving_pipeline_train_loss", last.get("train_loss")),
+                            ("roving_pipeline_iteration_seconds", last.get("seconds")),
+                            ("roving_pipeline_predicted_seconds", last.get("predicted_seconds"))):
             if value is not None:
-                _family(out, name, kind, help_, [(labels, value)])
+                families[name][1].append((labels, value))
         nodes: Dict[str, int] = {}
         for n in run.get("nodes") or []:
             nodes[n["state"]] = nodes.get(n["state"], 0) + 1
-        _family(out, "roving_pipeline_nodes", "gauge", "Pipeline nodes by state.",
-                [({**labels, "state": s}, c) for s, c in sorted(nodes.items())])
+        families["roving_pipeline_nodes"][1].extend(({**labels, "state": s}, c) for s, c in sorted(nodes.items()))
+    if state.get("pipelines"):
+        for name, (help_, samples) in families.items():
+            _family(out, name, "gauge", help_, samples)
     return "\n".join(out) + "\n"
