@@ -46,9 +46,11 @@ def event(kind: str, source: str, text: str, **data: Any) -> None:
         _events.append(rec)
 
 
-def process_started(key: str, name: str, backend: str, job_id: str, resources: Dict[str, Any]) -> None:
-    """A process of this session was started as job ``job_id`` of ``backend`` (``key``: its uid)."""
-    rec = {"name": name, "backend": backend, "job": job_id, "resources": resources, "state": "running",
+def process_started(key: str, name: str, backend: str, job_id: str, resources: Dict[str, Any],
+                    host: str = "") -> None:
+    """A process of this session was started as job ``job_id`` of ``backend`` (``key``: its uid), on
+    ``host`` where that is known at once (the local backend: this machine)."""
+    rec = {"name": name, "backend": backend, "host": host, "job": job_id, "resources": resources, "state": "running",
            "started": time.time(), "ended": None, "exitcode": None, "cause": ""}
     with _lock:
         _processes[key] = rec

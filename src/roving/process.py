@@ -156,7 +156,8 @@ class Process:
         del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
-        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id), want)
+        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id), want,
+                                _this_host() if self._backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
@@ -485,6 +486,12 @@ def _reap_finished() -> None:
 def cpu_count() -> int:
     """CPUs the configured backend offers."""
     return backends.get(_config.current().backend).cpu_count()
+
+
+def _this_host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def _reaped(proc: Process) -> None:

@@ -97,11 +97,11 @@ function renderProcesses(rt) {
   const rows = rt.processes.slice().reverse().map(p => {
     const res = Object.entries(p.resources || {}).filter(([, v]) => v != null).map(([k, v]) => `${k}=${v}`).join(" ");
     const out = p.output.length ? details("out-" + p.name, `${p.output.length} line(s)`, `<pre>${esc(p.output.slice(-40).join("\n"))}</pre>`) : "";
-    return `<tr class="proc" data-name="${esc(p.name)}" data-state="${esc(p.state)}"><td>${esc(p.name)}</td><td>${esc(p.backend)}</td><td>${esc(p.job)}</td>
+    return `<tr class="proc" data-name="${esc(p.name)}" data-state="${esc(p.state)}"><td>${esc(p.name)}</td><td>${esc(p.backend)}</td><td>${esc(p.host)}</td><td>${esc(p.job)}</td>
       <td><span class="state s-${esc(p.state)}">${esc(p.state)}</span></td><td>${esc(res)}</td><td>${clock(p.started)}</td>
       <td>${p.exitcode == null ? "" : p.exitcode}</td><td>${esc(p.cause)}</td><td>${out}</td></tr>`;
   }).join("");
-  return `<div class="card"><table><tr><th>name</th><th>backend</th><th>job</th><th>state</th><th>resources</th><th>started</th><th>exit</th><th>cause</th><th>output</th></tr>${rows}</table></div>`;
+  return `<div class="card"><table><tr><th>name</th><th>backend</th><th>host</th><th>job</th><th>state</th><th>resources</th><th>started</th><th>exit</th><th>cause</th><th>output</th></tr>${rows}</table></div>`;
 }
 
 function renderPipeline(run, i) {
