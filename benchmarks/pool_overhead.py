@@ -77,6 +77,35 @@ class _Watched:
             opts.add_argument(arg)
         self.driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
         self.on = False
+        self.watched_s = self.browser_cpu_s = 0.0
+        self._since = (0.0, 0.0)
+
+    def _browser_cpu(self) -> float:
+        """CPU seconds used so far by the browser's processes (the driver's descendants), from /proc."""
+        import os
+
+        tick = os.sysconf("SC_CLK_TCK")
+        parents, total = {self.driver.service.process.pid}, 0.0
+        stats = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats.append((int(entry), int(fields[1]), int(fields[11]) + int(fields[12])))
+        grew = True
+        while grew:
+            grew = False
+            for pid, ppid, _ in stats:
+                if ppid in parents and pid not in parents:
+                    parents.add(pid)
+                    grew = True
+        for pid, _, ticks in stats:
+            if pid in parents:
+                total += ticks / tick
+        return total
 
     def request_cost(self) -> float:
         """Median seconds this process spends on one answer of /api/state (what the page asks once a
@@ -101,7 +130,10 @@ class _Watched:
         if on and not self.on:
             self.driver.get(dashboard.start(announce=False).url + "#pools")
             time.sleep(1.5)  # the page loaded and polling
+            self._since = (time.monotonic(), self._browser_cpu())
         elif not on and self.on:
+            self.watched_s += time.monotonic() - self._since[0]
+            self.browser_cpu_s += self._browser_cpu() - self._since[1]
             self.driver.get("about:blank")
             dashboard.stop()
         self.on = on
@@ -237,6 +269,9 @@ def main(argv: Any = None) -> None:
     finally:
         if _watched is not None:
             _watched.close()
+            print(f"# the browser watching used {_watched.browser_cpu_s:.2f} s of CPU in "
+                  f"{_watched.watched_s:.1f} s of runs with the dashboard on "
+                  f"({100 * _watched.browser_cpu_s / max(_watched.watched_s, 1e-9):.1f}% of one core)", file=sys.stderr)
     if "ray" in present:
         figures.update(measure(["ray"], args.repeat))
     peers = list(figures)
