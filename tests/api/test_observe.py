@@ -72,3 +72,15 @@ def test_metrics_text_is_prometheus_exposition_format():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or float(line.rsplit(" ", 1)[1]) >= 0
     types = [ln.split()[2] for ln in lines if ln.startswith("# TYPE ")]
     assert len(types) == len(set(types)), "one TYPE line per metric family"
+
+
+def test_resize_autoscale_and_worker_starts_are_events_of_their_pool():
+    last = (observe.events_since(0) or [{"seq": 0}])[-1]["seq"]
+    with roving.Pool((0, 2), idle_timeout=0.5) as pool:
+        assert pool.map(abs, [-1, -2, -3, -4]) == [1, 2, 3, 4]
+        pool.resize(1)
+        source = f"pool {pool._disp.pool_id}"
+    kinds = [(e["kind"], e["text"]) for e in observe.events_since(last) if e["source"] == source]
+    assert any(k == "autoscale" and "more worker(s)" in t for k, t in kinds), kinds
+    assert any(k == "worker-started" for k, _ in kinds), kinds
+    assert ("resize", "resized to 1 worker(s)") in kinds
