@@ -21,11 +21,13 @@ import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional
 
 __all__ = ["event", "process_started", "process_ended", "output_lines", "track_pool", "task_failed",
-           "snapshot", "events_since", "MAX_EVENTS", "MAX_LINES", "MAX_PROCESSES"]
+           "snapshot", "events_since", "MAX_EVENTS", "MAX_LINES", "MAX_PROCESSES", "MAX_TASK_FAILURES"]
 
 MAX_EVENTS = 2000
 MAX_LINES = 200
 MAX_PROCESSES = 2000
+#: A pool lists (with tracebacks) its first this many failed items; the rest are counted only.
+MAX_TASK_FAILURES = 100
 
 _lock = threading.Lock()
 _seq = itertools.count(1)
@@ -98,7 +100,8 @@ def track_pool(pool_id: int, owner: Any, snap: Callable[[], Dict[str, Any]]) -> 
 
 
 def task_failed(pool_id: int, func: str, index: int, exc: BaseException) -> None:
-    """A task of pool ``pool_id`` raised ``exc``: an event with its traceback (rare, so formatted here)."""
+    """A task of pool ``pool_id`` raised ``exc``: an event with its traceback (formatted here: the pool
+    calls this for its first :data:`MAX_TASK_FAILURES` failed items only)."""
     try:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         cause = exc.__cause__  # a worker's remote traceback travels as the cause (multiprocessing's way)

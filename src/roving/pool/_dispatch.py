@@ -376,7 +376,7 @@ class Dispatcher:
             self.done += count
         else:
             self.failed += count
-            if values[0] is not self._last_failure:
+            if values[0] is not self._last_failure and self.failed <= observe.MAX_TASK_FAILURES:
                 self._last_failure = values[0]
                 observe.task_failed(self.pool_id, job.name, chunk.base + first, values[0])
         try:
