@@ -121,6 +121,12 @@ def _handler(server: Server) -> type:
             log.debug("dashboard: " + fmt, *args)
 
         def _send(self, code: int, body: bytes, ctype: str, cookie: bool = False) -> None:
+            try:
+                self._answer(code, body, ctype, cookie)
+            except OSError:  # the browser went away mid-answer (a page left, a tab closed)
+                self.close_connection = True
+
+        def _answer(self, code: int, body: bytes, ctype: str, cookie: bool) -> None:
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
