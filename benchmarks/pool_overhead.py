@@ -129,7 +129,7 @@ class _Watched:
 
         if on and not self.on:
             self.driver.get(dashboard.start(announce=False).url + "#pools")
-            time.sleep(1.5)  # the page loaded and polling
+            time.sleep(3.0)  # the page loaded, drawn, and polling once a second: the steady state
             self._since = (time.monotonic(), self._browser_cpu())
         elif not on and self.on:
             self.watched_s += time.monotonic() - self._since[0]
