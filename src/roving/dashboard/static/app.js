@@ -42,6 +42,9 @@ function lineChart(id, series, opts) {
   return `<div><div class="legend">${legend}</div>${svg}</div>`;
 }
 
+// predicted (simulator) and measured (stage processes' trace) kinds of work
+const GANTT_COLORS = {"compute-fwd": "#2a7fd4", "fwd": "#2a7fd4", "compute-bwd": "#d9822b", "bwd": "#d9822b",
+  "compute-loss": "#3a9a4a", "mb": "#3a9a4a", "sync": "#8a5bd6", "send": "#ccc"};
 // A Gantt of one iteration: rows = [{name, bars: [[kind, label, start, end]]}], predicted and measured
 function gantt(id, rows) {
   const W = 920, RH = 14, L = 110, H = rows.length * (RH + 4) + 30;
@@ -54,7 +57,7 @@ function gantt(id, rows) {
     const y = 4 + i * (RH + 4);
     svg += `<text x="2" y="${y + 11}">${esc(r.name)}</text>`;
     r.bars.forEach(b => {
-      const c = b[0].startsWith("compute_b") || b[0] === "backward" ? "#d9822b" : b[0].startsWith("compute") || b[0] === "forward" ? "#2a7fd4" : "#aaa";
+      const c = GANTT_COLORS[b[0]] || "#aaa";
       svg += `<rect x="${sx(b[2]).toFixed(1)}" y="${y}" width="${Math.max(1, sx(b[3]) - sx(b[2])).toFixed(1)}" height="${RH}" fill="${c}" opacity="${r.predicted ? 0.45 : 0.95}"><title>${esc(b[0])} ${esc(b[1])}: ${num(b[2])}-${num(b[3])} s</title></rect>`;
     });
   });
@@ -119,7 +122,7 @@ function renderPipeline(run, i) {
       if (run.plan.predicted && run.plan.predicted[n]) rows.push({name: n + " plan", predicted: true, bars: run.plan.predicted[n]});
       if (run.plan.measured && run.plan.measured[n]) rows.push({name: n + " real", bars: run.plan.measured[n]});
     });
-    plan = `<h3>Plan of iteration ${run.plan.iteration == null ? "" : run.plan.iteration}: predicted (light) and measured (dark); forward blue, backward orange</h3>${gantt("gantt-" + i, rows)}`;
+    plan = `<h3>Plan of iteration ${run.plan.iteration == null ? "" : run.plan.iteration}: predicted (light) and measured (dark); forward blue, backward orange, first stage and loss green, replica sync violet</h3>${gantt("gantt-" + i, rows)}`;
   }
   const evs = (run.events || []).slice(-60).reverse().map(eventItem).join("");
   return `<div class="card pipeline" data-finished="${run.finished}"><h2>Training ${esc(run.control || run.metrics)} <small>${st.iterations_done != null ? `${st.iterations_done}/${st.iterations} iterations` : `${its.length} iterations`}${run.finished ? " (finished)" : ""}</small></h2>
