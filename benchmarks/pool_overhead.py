@@ -129,13 +129,16 @@ class _Watched:
 
         if on and not self.on:
             self.driver.get(dashboard.start(announce=False).url + "#pools")
-            time.sleep(3.0)  # the page loaded, drawn, and polling once a second: the steady state
-            self._since = (time.monotonic(), self._browser_cpu())
         elif not on and self.on:
             self.watched_s += time.monotonic() - self._since[0]
             self.browser_cpu_s += self._browser_cpu() - self._since[1]
             self.driver.get("about:blank")
             dashboard.stop()
+        # the page loaded, drawn and polling once a second (its steady state), or the browser quiet; the
+        # same wait either way, so that both pools come to each run after the same idle time
+        time.sleep(3.0)
+        if on and not self.on:
+            self._since = (time.monotonic(), self._browser_cpu())
         self.on = on
 
     def close(self) -> None:
