@@ -20,8 +20,8 @@ import itertools
 import math
 from collections import Counter
 
-from roving.pipeline import Path, Plan, build_network, model_preset, simulate
-from roving.pipeline.allocate import visits_per_microbatch
+from roving.pipeline import Plan, Route, build_network, model_preset, simulate
+from roving.pipeline.plan import visits_per_microbatch
 from roving.pipeline.costs import stage_costs, transfer_time
 from roving.pipeline.network import Node
 
@@ -57,7 +57,7 @@ def one_origin(net, model, stages: int, visits: int, n: int, memory: int, region
             names.append(f"m{i}s{j + 1}")
             nodes.append(Node(names[-1], r, speed, memory))
             alloc[names[-1]] = j + 1
-        paths.append(Path("o", tuple(names), tuple(range(1, visits + 1))))
+        paths.append(Route("o", tuple(names), tuple(range(1, visits + 1))))
     alone = net.with_nodes(nodes)
     return min(simulate(alone, model, Plan(stages, 0.0, alloc, paths, list(order)), record=False).makespan
                for order in itertools.permutations(range(n)))

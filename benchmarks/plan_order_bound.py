@@ -26,7 +26,7 @@ from dataclasses import replace
 
 from roving.pipeline import build_network, model_preset, plan, simulate
 from roving.pipeline.costs import transfer_time
-from roving.pipeline.paths import _Context, build_paths, improve_paths
+from roving.pipeline.routes import SearchContext, build_routes, improve_routes
 from roving.pipeline.simulate import microbatch_steps
 
 TICKS = 10_000  # solver time unit: 0.1 ms; durations are rounded down, so its bound stays a bound
@@ -112,10 +112,10 @@ def main() -> None:
     print(f"same paths, any service order and waits (CP-SAT {status}, {time.perf_counter() - t:.0f} s): "
           f"schedule {found:.2f} s{ratio(found)}, lower bound {bound:.2f} s{ratio(bound)}")
     free = net.with_nodes([replace(n, memory=10**6, memory_mb=None) for n in net.nodes])
-    ctx = _Context(free, model, p.allocation, args.stages)
-    paths = build_paths(ctx, args.microbatches, len(p.paths[0].stages))
-    _, _, best, _ = improve_paths(ctx, paths, args.skip, math.inf, random.Random(args.seed),
-                                  max_evals=args.evals)
+    ctx = SearchContext(free, model, p.allocation, args.stages)
+    paths = build_routes(ctx, args.microbatches, len(p.paths[0].stages))
+    _, _, best, _ = improve_routes(ctx, paths, args.skip, math.inf, random.Random(args.seed),
+                                   max_evals=args.evals)
     print(f"same allocation, memory unlimited, path search ({args.evals} evaluations): {best:.2f} s{ratio(best)}")
 
 

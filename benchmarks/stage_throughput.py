@@ -28,7 +28,7 @@ import torch
 import roving
 from roving.pipeline.model import preset
 from roving.pipeline.node import NodeSettings, node_main, pick_device
-from roving.pipeline.paths import Path
+from roving.pipeline.plan import Route
 from roving.pipeline.stages import Stage
 
 
@@ -66,7 +66,7 @@ def via_node(args, cfg, xs: list, gs: list) -> list[float]:
             raise RuntimeError(msg[2])
         inbox = msg[3]  # ("ready", name, incarnation, inbox)
         inbox.put(("peers", {"n1": inbox, "me": mine}))
-        path = Path("me", ("n1",), (1,))
+        path = Route("me", ("n1",), (1,))
         times = []
         for r in range(args.rounds + 1):
             t0 = time.perf_counter()

@@ -56,7 +56,8 @@ _output.set_line_observer(_observe.output_lines)
 
 
 def _dashboard_from_environment() -> None:
-    """``ROVING_DASHBOARD=1`` (or the file layer) turns the dashboard on without an init() call."""
+    """``ROVING_DASHBOARD=1`` turns the dashboard on without an init() call (``dashboard = true`` in
+    roving.toml or ``[tool.roving]`` takes effect at ``roving.init()``: the file is not read at import)."""
     import os
 
     if os.environ.get("ROVING_CHILD") or not os.environ.get("ROVING_DASHBOARD", "").strip():
@@ -69,6 +70,15 @@ def _dashboard_from_environment() -> None:
         from . import dashboard
 
         dashboard.start_if_configured()
+
+
+def __getattr__(name: str):
+    # roving.futures and roving.joblib load on first use: joblib is heavy, and only its users need it
+    if name in ("futures", "joblib"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def freeze_support() -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import config as _config
 from .transport import session as _session
 from .transport import timeouts

@@ -13,7 +13,7 @@ import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import config as _config
 from .transport import session as _session
 from .transport import timeouts
@@ -171,7 +171,7 @@ def _rebuild_proxy(cls: type, token: Token, authkey: Optional[bytes], exposed: A
 
 def _decref(address: str, authkey: bytes, oid: int) -> None:
     try:
-        if address not in _rpc._dead:
+        if not _rpc.is_dead(address):
             _async_caller(address, authkey).tell(dumps(("decref", oid)))
     except Exception:  # the server or this process is going away
         pass

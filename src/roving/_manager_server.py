@@ -15,7 +15,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import process as _process
 from ._manager_proxy import OP, PROXY, BaseProxy, RemoteError
 from .transport import node as _node

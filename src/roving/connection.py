@@ -22,7 +22,7 @@ import time
 import weakref
 from typing import Any, Deque, List, Optional, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import config as _config
 from . import process as _process
 from .queues import raise_error
@@ -62,13 +62,9 @@ class Connection:
         return self
 
     def _setup(self) -> None:
-        self._closed = False
         self._endpoint = _session.current().endpoint(self._address)
-        self._lock = threading.RLock()
-        self._link: Optional[_link.Link] = None
-        # None: not used here yet; "claimed"; "shared" (claimed, but another process writes to it
-        # too: never on a stream); "given" (went away)
-        self._claim: Optional[str] = None
+        # What this end's direct stream sees of it (its stream, claim and closed state, under its lock).
+        self._end = _link.End(self._address, self._endpoint, self._inbox, self._outbox)
         self._stash: Deque[Tuple[bytes, List[Any]]] = collections.deque()  # read, not yet returned
         _open.add(self)
 
@@ -98,12 +94,12 @@ class Connection:
             self._release(holder)
 
     def __repr__(self) -> str:
-        return f"<Connection {self._address}#{self._inbox}/{self._outbox}{' closed' if self._closed else ''}>"
+        return f"<Connection {self._address}#{self._inbox}/{self._outbox}{' closed' if self._end.closed else ''}>"
 
     # -- state -------------------------------------------------------------------------------
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._end.closed
 
     @property
     def readable(self) -> bool:
@@ -114,7 +110,7 @@ class Connection:
         return self._outbox is not None
 
     def _check_closed(self) -> None:
-        if self._closed:
+        if self._end.closed:
             raise OSError("handle is closed")
 
     def _check_readable(self) -> None:
@@ -129,8 +125,8 @@ class Connection:
 
     def close(self) -> None:
         """Close this end in this process. The peer sees EOFError once no process holds it."""
-        if not self._closed:
-            self._closed = True
+        if not self._end.closed:
+            self._end.closed = True
             try:
                 self._let_go()
             except Exception as exc:  # the pipe's owner or the peer may be gone already
@@ -143,25 +139,27 @@ class Connection:
     # -- direct streams ----------------------------------------------------------------------
     def _use(self) -> Optional[_link.Link]:
         """This end's stream, claiming the end on its first use in this process."""
-        if self._claim is None:
-            self._claim = "claimed"
+        end = self._end
+        if end.claim is None:
+            end.claim = "claimed"
             try:
                 _session.current().node().service("pipe-revoke", _RevokeServer)
-                holder = _link.claim(self)
+                holder = _link.claim(end)
                 if holder is not None:
                     _revoke_at(holder, self)
             except Exception as exc:  # the mailboxes work regardless
                 log.debug("roving: pipe end stays on its mailbox: %s", exc)
-        return self._link
+        return end.link
 
     def _let_go(self) -> None:
         """This process stops using this end (pickled away or closed): leave its stream, give back what
         was read and not returned, and let another process claim it."""
-        with self._lock:
-            link, self._link = self._link, None
-            claimed = self._claim in ("claimed", "shared")
+        end = self._end
+        with end.lock:
+            link, end.link = end.link, None
+            claimed = end.claim in ("claimed", "shared")
             if claimed:
-                self._claim = "given"
+                end.claim = "given"
             stash, self._stash = list(self._stash), collections.deque()
         if link is not None:
             link.unlink(stash)
@@ -169,7 +167,7 @@ class Connection:
             for kind, frames in reversed(stash):
                 self._endpoint.tell(_node.PUT_FRONT, self._inbox, _link.as_item(kind, frames))
         if claimed:
-            _link.unclaim(self)
+            _link.unclaim(end)
         elif stash:
             self._endpoint.ping(30.0)
 
@@ -230,7 +228,7 @@ class Connection:
             status, frames = self._endpoint.call(_node.GET, self._inbox, -1 if left is None else left)
             if status == _node.OK:
                 if _link.is_switch(frames):
-                    link = self._link  # (opened while this call waited, maybe: it is set before)
+                    link = self._end.link  # (opened while this call waited, maybe: it is set before)
                     if link is not None:
                         link.switch_in(frames)
                     continue  # a stream's switch item: not a message

@@ -38,7 +38,7 @@ import weakref
 from multiprocessing import ProcessError
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import config as _config
 from . import process as _process
 # The proxies, MakeProxyType and public_methods are importable from here, as from multiprocessing.managers.
@@ -273,7 +273,7 @@ _running: List[weakref.finalize] = []
 def _stop_server(process: "_process.Process", address: str, authkey: bytes, timeout: float) -> None:
     """Ask the server at ``address`` to stop, wait up to ``timeout`` + 5 s, then terminate it."""
     try:
-        if process._exitcode is None and address not in _rpc._dead:
+        if process._exitcode is None and not _rpc.is_dead(address):
             request(address, authkey, "shutdown")
     except (ConnectionError, OSError):
         pass

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import _posixshmem
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import config as _config
 from .transport import session as _session
 from .transport.serialize import dumps, loads

@@ -20,7 +20,7 @@ import ctypes
 from multiprocessing.sharedctypes import typecode_to_type
 from typing import Any, Optional, Sequence, Tuple, Union
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import synchronize as _sync
 from ._homed import Answer, Home, Homed, State, Waiter, register_kind
 

@@ -12,7 +12,7 @@ connections. This module holds both halves of each primitive: its state at the h
 * waiters are served in the order they started waiting (FIFO), and every timeout is kept by the home,
   so a waiter that gave up is never handed the lock afterwards;
 * a primitive lives as long as its home process; when that process has ended, every operation raises
-  :class:`~roving._rpc.ServerGone` (a ``ConnectionError``) within a few seconds instead of hanging.
+  :class:`~roving.transport.rpc.ServerGone` (a ``ConnectionError``) within a few seconds instead of hanging.
 
 Owner semantics follow multiprocessing: a lock's owner is (process, thread); ``RLock.release`` by a
 non-owner raises ``AssertionError``; releasing an unlocked ``Lock`` or a ``BoundedSemaphore`` past its
@@ -28,7 +28,7 @@ from collections import deque
 from threading import BrokenBarrierError
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
-from . import _rpc
+from .transport import rpc as _rpc
 from . import process as _process
 from ._homed import OP  # noqa: F401  (the homes' operation, importable here as before)
 from ._homed import Answer, Home, Homed, State, Waiter, caller, home, picklable_error, register_kind, who

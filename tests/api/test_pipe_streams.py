@@ -12,7 +12,7 @@ import pytest
 import helpers_pipes as hp
 import roving
 from helpers_core import TIMEOUT, start
-from roving.transport import auth, stream
+from roving.transport import auth, framing, stream
 
 
 def recv(conn):
@@ -32,7 +32,7 @@ def test_a_pipe_between_two_processes_moves_to_a_stream_and_keeps_every_message_
     here.send(None)
     assert got == list(range(600))
     assert recv(here) == ("linked", True)
-    assert here._link is not None, "the parent's end never moved to a direct stream"
+    assert here._end.link is not None, "the parent's end never moved to a direct stream"
     child.join(TIMEOUT)
     assert child.exitcode == 0
 
@@ -89,7 +89,7 @@ def test_send_bytes_and_recv_bytes_over_a_stream():
     a.send_bytes(b"tiny")
     buf = bytearray(10)
     assert a.poll(TIMEOUT) and a.recv_bytes_into(buf, 3) == 4 and buf[3:7] == b"tiny"
-    assert a._link is not None
+    assert a._end.link is not None
     a.send_bytes(b"")
     echo.join(TIMEOUT)
     assert echo.exitcode == 0
@@ -125,9 +125,9 @@ def test_an_end_handed_on_before_its_reader_reached_the_stream_keeps_order():
         here.send(i)
     first = start(hp.read_some_then_pass_on, there, 20, handover, False)
     deadline = time.monotonic() + TIMEOUT
-    while here._link is None and time.monotonic() < deadline:  # the child's first read met this end
+    while here._end.link is None and time.monotonic() < deadline:  # the child's first read met this end
         time.sleep(0.01)
-    assert here._link is not None
+    assert here._end.link is not None
     for i in range(100, 300):  # over the stream
         here.send(i)
     here.send(None)
@@ -181,7 +181,7 @@ def test_eof_reaches_the_reader_when_the_writer_on_a_stream_is_killed():
     assert recv(here) == "x"
     here.send("y")
     assert recv(here) == "y"
-    assert here._link is not None
+    assert here._end.link is not None
     there.close()
     child.kill()
     child.join(TIMEOUT)
@@ -293,7 +293,7 @@ def test_a_recv_interrupted_by_a_signal_resumes_and_loses_nothing(listener):
     while not accepted and time.monotonic() < deadline:
         time.sleep(0.01)
     b = accepted[0]
-    wire = b"".join(bytes(part) for part in stream._wire(b"D", [b"head", bytes(range(256)) * 800]))
+    wire = b"".join(bytes(part) for part in framing.encode(b"D", [b"head", bytes(range(256)) * 800]))
     a.sock.sendall(wire[:100_000])  # the header and part of the large frame: recv blocks for the rest
 
     class Interrupted(Exception):

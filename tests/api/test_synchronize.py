@@ -8,7 +8,7 @@ import time
 import pytest
 
 import roving
-from roving import _rpc
+from roving.transport import rpc as _rpc
 from helpers_core import TIMEOUT, finish, start, wait_until
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from roving.pipeline import build_network, full_pipeline, model_preset, plan, replan
 from roving.pipeline.dtfm import _Costs, dtfm_allocation
-from roving.pipeline.paths import _count_candidates, _rebalanced
+from roving.pipeline.planner import _count_candidates, _rebalanced
 from helpers_pipeline import assert_paths_valid
 
 PAPER_MODEL = model_preset("llama-1.5b-skippipe")

@@ -83,3 +83,39 @@ def test_what_is_saved_is_plain_so_the_weights_only_loader_reads_it(tmp_path):
     assert got["betas"] == (0.9, pytest.approx(0.95)) and torch.equal(got["model"]["w"], torch.ones(2))
     with pytest.raises(TypeError, match="cannot hold a .*Payload"):
         checkpoint_file.save({"x": Payload(tmp_path / "m")}, path)
+
+
+def _written(tmp_path, **over):
+    """A checkpoint with what `pipeline train` writes (format 2), and ``over`` changed."""
+    state = {"format": 2, "model": {"w": torch.ones(1)}, "model_config": {"dim": 64},
+             "config": {"stages": 2, "seq_len": 32, "samples": 4, "corpus": [], "val_fraction": 0.1,
+                        "eval_batches": 2},
+             "iteration": 3, "stages": {0: {}, 1: {}}, **over}
+    path = tmp_path / "ck.pt"
+    checkpoint_file.save(state, path)
+    return path
+
+
+def test_one_loader_checks_a_checkpoint_for_use_and_for_resuming(tmp_path):
+    """checkpoint_file.load_checkpoint is what evaluation, generation and --resume read with: the same
+    file-level checks, and with ``into`` those a resumed run needs, every refusal naming the file."""
+    into = checkpoint_file.ResumeInto({"dim": 64}, stages=2, iterations=8)
+    path = _written(tmp_path)
+    assert checkpoint_file.load_checkpoint(path)["iteration"] == 3
+    assert checkpoint_file.load_checkpoint(path, into=into)["stages"].keys() == {0, 1}
+    for over, error in (({"model_config": {"dim": 32}}, "another model"),
+                        ({"config": {**checkpoint_file.read(path)["config"], "stages": 3}}, "into 3 stages"),
+                        ({"iteration": 8}, "nothing to resume: .* iteration 8 of 8"),
+                        ({"format": 1}, "cannot resume: .* no per-stage optimizer state")):
+        bad = _written(tmp_path, **over)
+        checkpoint_file.load_checkpoint(bad)  # usable for evaluation all the same
+        with pytest.raises(PlanError, match=error):
+            checkpoint_file.load_checkpoint(bad, into=into)
+    with pytest.raises(checkpoint_file.CheckpointFileError, match=r"cannot resume: checkpoint .*nope\.pt does not exist"):
+        checkpoint_file.load_checkpoint(tmp_path / "nope.pt", into=into)
+    with pytest.raises(checkpoint_file.CheckpointFileError, match=r"checkpoint .* is a folder"):
+        checkpoint_file.load_checkpoint(tmp_path)
+    planted, marker = malicious(tmp_path)
+    with pytest.raises(PlanError, match=rf"cannot resume: {planted} holds a io\.open.*refused without running it"):
+        checkpoint_file.load_checkpoint(planted, into=into)
+    assert not marker.exists()

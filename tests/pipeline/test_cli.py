@@ -67,12 +67,12 @@ def test_gantt_rows_name_each_nodes_stage_and_tasks_their_microbatch(tmp_path, m
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    from roving.pipeline import Path, Plan, build_network, model_preset, simulate
+    from roving.pipeline import Plan, Route, build_network, model_preset, simulate
     from roving.pipeline.cli import draw_gantt
     net = build_network("gcp12", 3)
     names = net.names
     p = Plan(3, 0.0, {names[0]: 0, names[1]: 1, names[2]: 2},
-             [Path(names[0], (names[1], names[2]), (1, 2)) for _ in range(2)])
+             [Route(names[0], (names[1], names[2]), (1, 2)) for _ in range(2)])
     result = simulate(net, model_preset("llama-1.5b-skippipe"), p)
     seen = {}
 

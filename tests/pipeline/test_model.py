@@ -71,3 +71,64 @@ def test_a_few_adam_steps_fit_a_repeated_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.5 * first
+
+
+def test_forward_runs_any_subset_of_layers_in_the_order_given():
+    cfg = preset("tiny")
+    model = Llama(cfg, seed=2)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 10))
+    h = model.tok_embeddings(tokens)
+    for i in (2, 0):
+        h = model.layers[i](h, model.rope_cos, model.rope_sin)
+    want = model.output(model.norm(h))
+    got, loss = model(tokens, tokens, layers=[2, 0])
+    assert torch.equal(got, want)
+    assert torch.equal(loss, torch.nn.functional.cross_entropy(want.flatten(0, 1), tokens.flatten()))
+    assert torch.equal(model(tokens, layers=range(cfg.n_layers))[0], model(tokens)[0])
+    assert not torch.equal(model(tokens, layers=[0, 2])[0], got)  # the order matters
+
+
+def test_a_part_built_alone_has_the_whole_models_weights_and_names():
+    cfg = preset("tiny", n_layers=5)
+    whole = Llama(cfg, seed=4).state_dict()
+    part = Llama(cfg, seed=4, layers=[3, 1], ends=False)
+    sd = part.state_dict()
+    assert set(sd) == {k for k in whole if k.startswith(("layers.1.", "layers.3."))}
+    for k, v in sd.items():
+        assert torch.equal(v, whole[k]), k
+    assert part.layer_ids == [1, 3] and not part.ends and part.tok_embeddings is None
+    ends = Llama(cfg, seed=4, layers=[], ends=True)
+    assert set(ends.state_dict()) == {"tok_embeddings.weight", "norm.weight", "output.weight"}
+    assert all(torch.equal(v, whole[k]) for k, v in ends.state_dict().items())
+
+
+def test_on_the_meta_device_nothing_is_materialised():
+    with torch.device("meta"):
+        model = Llama(PRESETS["1b"], layers=[0, 1])
+    assert all(p.is_meta for p in model.parameters())
+    assert model.num_params() == 2 * sum(p.numel() for p in Block(PRESETS["1b"]).parameters()) + \
+        2 * 32000 * 2048 + 2048
+
+
+def test_a_part_names_only_layers_of_the_model():
+    with pytest.raises(ValueError, match="not distinct layers of a 4-layer model"):
+        Llama(preset("tiny"), layers=[1, 4])
+    with pytest.raises(ValueError, match="not distinct layers"):
+        Llama(preset("tiny"), layers=[1, 1])
+
+
+def test_training_and_planning_presets_come_from_one_table():
+    from roving.pipeline.costs import MODEL_PRESETS
+    from roving.pipeline.presets import ARCHITECTURES, PLANNING, TRAINING
+
+    assert list(PRESETS) == list(TRAINING)
+    for name, cfg in PRESETS.items():
+        assert cfg == LlamaConfig(**ARCHITECTURES[name])
+    for name, (size, settings) in PLANNING.items():
+        spec, arch = MODEL_PRESETS[name], ARCHITECTURES[size]
+        assert (spec.layers, spec.hidden, spec.vocab) == (arch["n_layers"], arch["dim"], arch["vocab_size"]), name
+        assert spec.seq_len == settings.get("seq_len", arch["max_seq_len"]) and spec.name == name
+    # the size both train and plan: the same numbers under both names
+    big, spec = PRESETS["500m"], MODEL_PRESETS["llama-500m"]
+    assert (big.n_layers, big.dim, big.vocab_size, big.max_seq_len) == (spec.layers, spec.hidden, spec.vocab,
+                                                                        spec.seq_len)

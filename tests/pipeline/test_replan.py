@@ -96,7 +96,7 @@ def test_a_stage_that_lost_its_only_node_takes_a_node_the_plan_left_idle():
 
 
 def test_a_replan_by_evaluation_count_is_the_same_whatever_its_budget():
-    from roving.pipeline.paths import plan_held
+    from roving.pipeline.planner import plan_held
 
     net = build_network("gcp12", 12)
     m = model_preset("llama-1.5b")

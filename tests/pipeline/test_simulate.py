@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from roving.pipeline import ModelSpec, Path, Plan, build_network, simulate
+from roving.pipeline import ModelSpec, Plan, Route, build_network, simulate
 from roving.pipeline.network import Node
 
 # 1 MiB per transfer; 2 layers over 2 stages, 1 layer each; no head cost; backward = 2 x forward.
@@ -20,7 +20,7 @@ def net(nodes):
 
 def test_one_microbatch_over_two_nodes_matches_hand_computed_makespan():
     network = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 4)])
-    plan = Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))])
+    plan = Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))])
     res = simulate(network, MODEL, plan)
     # F(a) 0-1, send 1 s + 10 ms, F(b) 2.01-3.01, send -> 4.02, loss 0 s, send -> 5.03,
     # B(b) 2 s -> 7.03, send -> 8.04, B(a) 2 s -> 10.04
@@ -35,8 +35,8 @@ def test_one_microbatch_over_two_nodes_matches_hand_computed_makespan():
 def test_two_overlapping_transfers_on_one_link_share_its_bandwidth():
     # a's compute is negligible, so both microbatches start sending a->b at about t=0
     network = net([("a", "A", 1e-9, 4), ("b", "B", 1.0, 4)])
-    one = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))]))
-    two = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))] * 2))
+    one = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))]))
+    two = simulate(network, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))] * 2))
     first_send = lambda r: sorted(e.end for e in r.timeline["a"] if e.kind == "send")[:2]
     assert first_send(one)[0] == pytest.approx(1.01, abs=1e-6)
     # each gets half the bandwidth: 2 s for the bytes, latency added once
@@ -44,7 +44,7 @@ def test_two_overlapping_transfers_on_one_link_share_its_bandwidth():
 
 
 def test_memory_of_one_serialises_two_microbatches_on_a_node():
-    paths = [Path("a", ("b",), (1,))] * 2
+    paths = [Route("a", ("b",), (1,))] * 2
     roomy = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 2)])
     tight = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 1)])
     r2 = simulate(roomy, MODEL, Plan(2, 0.0, {"a": 0, "b": 1}, paths))
@@ -60,7 +60,7 @@ def test_memory_of_one_serialises_two_microbatches_on_a_node():
 def test_backward_work_is_served_before_waiting_forward_work():
     network = net([("a", "A", 1.0, 8), ("b", "B", 1.0, 8)])
     model = ModelSpec(layers=2, hidden=512, seq_len=1024, samples_per_microbatch=1, head_layers=1.0)
-    res = simulate(network, model, Plan(2, 0.0, {"a": 0, "b": 1}, [Path("a", ("b",), (1,))] * 6))
+    res = simulate(network, model, Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))] * 6))
     # forwards at a take 1.5 s each, so microbatch 0 returns for its loss (at 1.5+1.01+1+1.01 = 4.52 s)
     # while forwards of later microbatches still wait; the loss must run next, at 6.0 s, before them
     a = [e for e in res.timeline["a"] if e.kind.startswith("compute")]
@@ -77,11 +77,11 @@ def test_opposite_swapped_paths_with_memory_one_deadlock_and_are_reported():
                                   for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
     model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
     alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
-    plan = Plan(3, 0.0, alloc, [Path("o1", ("x", "y"), (1, 2)), Path("o2", ("y", "x"), (2, 1))])
+    plan = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("y", "x"), (2, 1))])
     res = simulate(network, model, plan)
     assert res.deadlock and math.isinf(res.makespan)
     # without the swap the same plan finishes
-    ok = Plan(3, 0.0, alloc, [Path("o1", ("x", "y"), (1, 2)), Path("o2", ("x", "y"), (1, 2))])
+    ok = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("x", "y"), (1, 2))])
     assert not simulate(network, model, ok).deadlock
 
 
@@ -99,7 +99,7 @@ def test_nodes_sharing_one_machine_share_its_cores():
     # two origins a1, a2 (region A) each run one microbatch through b1 / b2 (region B); both start at 0
     network = net([("a1", "A", 1.0, 4), ("a2", "A", 1.0, 4), ("b1", "B", 1.0, 4), ("b2", "B", 1.0, 4)])
     plan = Plan(2, 0.0, {"a1": 0, "a2": 0, "b1": 1, "b2": 1},
-                [Path("a1", ("b1",), (1,)), Path("a2", ("b2",), (1,))])
+                [Route("a1", ("b1",), (1,)), Route("a2", ("b2",), (1,))])
     own = simulate(network, MODEL, plan)
     two = simulate(network, MODEL, plan, shared_cores=2)
     one = simulate(network, MODEL, plan, shared_cores=1)
@@ -116,7 +116,7 @@ def test_a_task_alone_on_a_shared_core_runs_at_full_speed_after_the_other_ends()
     # a1's microbatch visits b1 (1 s forward); a2's stays at stage 0 with a fast origin: on one
     # core the two first forwards overlap only while both run
     network = net([("a1", "A", 1.0, 4), ("a2", "A", 0.25, 4), ("b1", "B", 1.0, 4)])
-    plan = Plan(2, 0.0, {"a1": 0, "a2": 0, "b1": 1}, [Path("a1", ("b1",), (1,)), Path("a2", ("b1",), (1,))])
+    plan = Plan(2, 0.0, {"a1": 0, "a2": 0, "b1": 1}, [Route("a1", ("b1",), (1,)), Route("a2", ("b1",), (1,))])
     res = simulate(network, MODEL, plan, shared_cores=1)
     f1 = next(e for e in res.timeline["a1"] if e.kind == "compute-fwd")
     f2 = next(e for e in res.timeline["a2"] if e.kind == "compute-fwd")
@@ -134,7 +134,7 @@ def sync_case():
     network = build_network(SYNC_LINKS, [dict(name="a", region="A", speed=1.0, memory=4),
                                          dict(name="b", region="B", speed=1.0, memory=4),
                                          dict(name="c", region="C", speed=1.0, memory=4)])
-    plan = Plan(2, 0.0, {"a": 0, "b": 1, "c": 1}, [Path("a", ("b",), (1,)), Path("a", ("c",), (1,))])
+    plan = Plan(2, 0.0, {"a": 0, "b": 1, "c": 1}, [Route("a", ("b",), (1,)), Route("a", ("c",), (1,))])
     return network, plan
 
 
@@ -188,3 +188,55 @@ def test_gradient_bytes_of_the_cost_model_and_of_a_real_stage_split_agree():
         for r, m in zip(real, model):
             assert m == pytest.approx(r, rel=rel), (cfg.dim, r, m)
         assert gradient_bytes(model_spec(cfg, 4, 64), 6, bytes_per_value=2.0)[1] == model[1] / 2
+
+
+def _replicated_plan():
+    from roving.pipeline import model_preset, plan
+
+    network = build_network("gcp12", 9)
+    model = model_preset("llama-500m")
+    p = plan(network, model, 3, 0.0, 6, budget_s=60.0, max_evals=60, seed=2)
+    assert any(list(p.allocation.values()).count(s) > 1 for s in range(3))  # replicas to synchronise
+    return network, model, p
+
+
+def test_predict_gives_what_the_separate_simulations_give():
+    from roving.pipeline import predict
+
+    network, model, p = _replicated_plan()
+    sync = [2.0e8, 1.0e8, 1.0e8]
+    got = predict(p, network, model, shared_cores=2, sync_bytes=sync)
+    plain = simulate(network, model, p)
+    assert got.iteration_s == plain.makespan == simulate(network, model, p, record=False).makespan
+    assert got.here_s == simulate(network, model, p, record=False, shared_cores=2).makespan
+    assert got.with_sync_s == simulate(network, model, p, record=False, sync_bytes=sync).makespan
+    assert got.here_s > got.iteration_s  # 9 nodes on 2 cores are slower than 9 machines
+    assert got.with_sync_s > got.iteration_s  # the replicas' exchange comes on top
+    assert got.whole_s == got.with_sync_s and not got.deadlock
+    assert set(got.busy_s) == set(p.allocation)
+    for name, events in plain.timeline.items():
+        assert got.busy_s[name] == sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+    assert all(v > 0 for v in got.busy_s.values())
+
+
+def test_predict_without_shared_cores_or_sync_bytes_reports_the_microbatch_phase():
+    from roving.pipeline import predict
+
+    network, model, p = _replicated_plan()
+    got = predict(p, network, model)
+    assert got.here_s == got.iteration_s == got.whole_s
+    assert math.isnan(got.with_sync_s)
+    assert math.isnan(predict(p, network, model, sync_bytes=[]).with_sync_s)
+
+
+def test_predict_reports_a_deadlocked_plan_as_infinite():
+    from roving.pipeline import predict
+
+    doc = {"regions": ["A"], "links": []}
+    network = build_network(doc, [dict(name=n, region="A", speed=1.0, memory=m)
+                                  for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
+    model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
+    alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
+    plan = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("y", "x"), (2, 1))])
+    got = predict(plan, network, model)
+    assert got.deadlock and math.isinf(got.iteration_s) and math.isinf(got.whole_s)

@@ -81,3 +81,19 @@ def test_dropping_stages_runs_the_kept_layers_as_a_path_would():
     assert abs(validation_loss(whole, [(tokens, targets)]) - whole(tokens, targets)[1].item()) < 1e-5
     with pytest.raises(ValueError, match="stage 0"):
         kept_layers(whole, 6, [0])
+
+
+def test_a_stage_is_the_model_cut_to_its_part_with_its_parameters_in_checkpoint_order():
+    """A checkpoint matches each stage's optimizer state to its parameters by position: a stage lists
+    its layers first, then (stage 0) the embedding, final norm and head, as checkpoints have them."""
+    cfg = preset("tiny")
+    first = Stage(cfg, 0, 2, seed=3)
+    names = [n for n, _ in first.named_parameters()]
+    assert names[-3:] == ["tok_embeddings.weight", "norm.weight", "output.weight"]
+    assert all(n.startswith(("layers.0.", "layers.1.")) for n in names[:-3]) and len(names) == 3 + 2 * 9
+    later = Stage(cfg, 1, 2, seed=3)
+    assert isinstance(later, Llama) and not later.ends and later.layer_ids == [2, 3]
+    assert all(n.startswith(("layers.2.", "layers.3.")) for n, _ in later.named_parameters())
+    h = torch.randn(2, 8, cfg.dim)
+    whole = Llama(cfg, seed=3)
+    assert torch.equal(later(h), whole.run_layers(h, [2, 3]))

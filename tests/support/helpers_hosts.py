@@ -38,9 +38,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import pytest
 
-from helpers_core import SUPPORT_DIR, TIMEOUT, ROOT
+from helpers_core import SUPPORT_DIR, TIMEOUT, ROOT as REPO  # ROOT below is the root host
 
-SCRIPTS = ROOT / "scripts" / "cluster"
+SCRIPTS = REPO / "scripts" / "cluster"
 HOSTS_SH = SCRIPTS / "hosts.sh"
 ENV_FILE = SCRIPTS / "hosts.env"
 FIX = "run `bash scripts/cluster/hosts.sh` as root (scripts/test.sh does)"
@@ -194,7 +194,7 @@ def program_env(**extra: str) -> Dict[str, str]:
     Slurm's own variables, the multi-node cluster's SLURM_CONF, tests/ and src/ on PYTHONPATH, ``extra``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ROVING_", "SLURM_"))}
     env["SLURM_CONF"] = SLURM_CONF
-    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT_DIR), str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT_DIR), str(REPO / "src"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
 
@@ -204,7 +204,7 @@ class Program:
     comes: :meth:`wait_for` a line it prints, :meth:`result` its ``RESULT <json>`` line at the end."""
 
     def __init__(self, h: HostLike, argv: Sequence[str], env: Dict[str, str], stdin: bool = False) -> None:
-        self.proc = run_on(h, argv, env=env, cwd=str(ROOT), text=True, stdout=subprocess.PIPE,
+        self.proc = run_on(h, argv, env=env, cwd=str(REPO), text=True, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
         self.name = " ".join(Path(a).name for a in argv[1:3])
         self.output: List[str] = []

@@ -1,4 +1,4 @@
-"""Independent checks of the SkipPipe path rules, written apart from roving.pipeline.paths.validate."""
+"""Independent checks of the SkipPipe path rules, written apart from roving.pipeline.plan.validate."""
 
 from __future__ import annotations
 

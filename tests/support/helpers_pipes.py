@@ -18,7 +18,7 @@ def echo_until_none(conn):
         if msg is None:
             break
         conn.send(msg)
-    link = conn._link
+    link = conn._end.link
     conn.send(("linked", link is not None and link.in_ == 1 and link.out == 1))
 
 
@@ -93,6 +93,6 @@ def ping_then_report(conn, count, out):
     for i in range(count):
         conn.send(i)
         got.append(_recv(conn))
-    linked = conn._link is not None
+    linked = conn._end.link is not None
     conn.send(None)
     out.put((got, linked, _recv(conn)))

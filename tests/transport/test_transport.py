@@ -20,6 +20,7 @@ from roving.transport import crypto
 from roving.transport import auth
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
+from roving.transport import served as _served
 from roving.transport import session as _session
 from roving.transport import stream as _stream
 from roving.transport.serialize import dumps
@@ -86,7 +87,7 @@ def test_client_without_the_secret_is_ignored_and_its_pickle_is_never_unpickled(
         sock.send_multipart([_node.PING, HEADER.pack(0, 3, 0.0)])
         # no answer to anything: only, once, the node's fixed word that this connection has not
         # authenticated (what a client whose connection was re-made after a network drop needs to hear)
-        assert recv_or_none(sock, TIMEOUT) == [_node._REAUTH]
+        assert recv_or_none(sock, TIMEOUT) == [auth.REAUTH]
         assert recv_or_none(sock, 1.0) is None
     finally:
         sock.close(0)
@@ -114,7 +115,7 @@ def test_client_with_a_wrong_secret_is_denied_and_what_it_sends_after_is_dropped
         assert recv_or_none(sock, TIMEOUT) == [b"denied"]
         sock.send_multipart([_node.PUT_NOREPLY, HEADER.pack(q._box, 1, 0.0), *evil_frames(marker)])
         sock.send_multipart([_node.PING, HEADER.pack(0, 2, 0.0)])
-        assert recv_or_none(sock, TIMEOUT) == [_node._REAUTH]  # the fixed word only, as above
+        assert recv_or_none(sock, TIMEOUT) == [auth.REAUTH]  # the fixed word only, as above
         assert recv_or_none(sock, 1.0) is None
     finally:
         sock.close(0)
@@ -326,15 +327,15 @@ def test_a_stream_that_cannot_be_served_is_dropped_and_the_others_are_served(mon
         bad = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
         assert bad.ping(TIMEOUT)
         (bad_fd,) = set(node._peers) - served_before  # the stream the node took on for ``bad``
-        real_pump = _node._stream.ServedStream.pump
+        real_pump = _served.ServedStream.pump
 
         def pump(self):
             if self.fd == bad_fd:
                 raise RuntimeError("injected fault")
             return real_pump(self)
 
-        monkeypatch.setattr(_node._stream.ServedStream, "pump", pump)
-        with pytest.raises(_node.TransportError):
+        monkeypatch.setattr(_served.ServedStream, "pump", pump)
+        with pytest.raises(_endpoint.TransportError):
             bad.call(_node.SIZE, box, 0, [], TIMEOUT)  # the node drops it: this side sees the end
         assert bad_fd not in node._peers and node._thread.is_alive()
         assert any("could not be served" in r.getMessage() for r in caplog.records)

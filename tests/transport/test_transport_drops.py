@@ -14,12 +14,13 @@ import zmq
 import roving
 from helpers_core import TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import CuttingProxy
-from roving import _rpc
-from roving.transport import crypto
+from roving.transport import rpc as _rpc
+from roving.transport import auth, crypto
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import session as _session
 from roving.transport import stream as _stream
+from roving.transport import wire as _wire
 from roving.transport.serialize import dumps, loads
 
 
@@ -125,9 +126,9 @@ def test_a_stranger_is_told_once_that_it_has_not_authenticated_and_nothing_it_se
     sock.connect(q._address)
     try:
         for i in range(3):
-            sock.send_multipart([_node.PUT_NOREPLY, _node._HEADER.pack(q._box, i, 0.0), dumps("junk")[0]])
+            sock.send_multipart([_node.PUT_NOREPLY, _wire.HEADER.pack(q._box, i, 0.0), dumps("junk")[0]])
         assert sock.poll(TIMEOUT * 1000)
-        assert sock.recv_multipart() == [_node._REAUTH]
+        assert sock.recv_multipart() == [auth.REAUTH]
         assert not sock.poll(500)  # once, not once per message
     finally:
         sock.close(0)
@@ -152,7 +153,7 @@ def test_the_node_forgets_the_connections_that_close():
 
 
 def test_an_rpc_caller_fails_the_call_in_flight_and_reconnects_after_a_drop():
-    """Locks, managers and shared data talk over _rpc: a drop fails the call whose answer it lost
+    """Locks, managers and shared data talk over transport.rpc: a drop fails the call whose answer it lost
     (it may have taken effect) and later calls work over a new connection."""
     secret = _session.current().secret
     node = _node.Node(secret)

@@ -25,6 +25,7 @@ from roving.transport import auth, crypto, zap
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import stream as _stream
+from roving.transport import wire as _wire
 
 HEADER = struct.Struct("<QQd")
 
@@ -203,9 +204,9 @@ def test_a_peer_reusing_the_routing_id_of_a_connection_that_left_gets_no_answer(
                 break
             thief.close(0)
         answers = [first, _ping(thief, 3)]
-        assert answers == [[_node._REAUTH], None], answers  # told once that it is not known, no answer
+        assert answers == [[auth.REAUTH], None], answers  # told once that it is not known, no answer
         # libzmq did give the thief the old routing id: roving refused it anyway
-        assert any(key[0] == ident for key in node._told) and ident not in node._authenticated
+        assert any(key[0] == ident for key in node._door.told) and ident not in node._authenticated
         thief.close(0)
     finally:
         node.close()
@@ -225,7 +226,7 @@ def test_a_stranger_with_its_own_curve_keys_never_completes_the_zeromq_handshake
         sock.send_multipart([b"hello", auth.new_nonce()])
         assert not sock.poll(2000)
         assert zap.refusals().count > before
-        assert not node._authenticated and not node._handshakes
+        assert not node._authenticated and not node._door.handshakes
     finally:
         sock.close(0)
         node.close()
@@ -286,7 +287,7 @@ def test_a_large_message_of_an_authenticated_peer_still_arrives_in_pieces():
     node.register_handler(b"big", lambda ident, frames: got.append([bytes(f) for f in frames]))
     chan = _endpoint.Channel(node.address, secret, TIMEOUT)
     try:
-        data = os.urandom(3 * _node.MAX_FRAME + 7)
+        data = os.urandom(3 * _wire.MAX_FRAME + 7)
         chan.send([b"big", b"head", data])
         assert wait_until(lambda: got, TIMEOUT)
         assert got[0] == [b"head", data]
@@ -388,8 +389,8 @@ _SILENT_TARGET = r"""
 import os, resource, sys, time
 resource.setrlimit(resource.RLIMIT_NOFILE, (160, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 import roving
-from roving.transport import node as _node, session as _session
-_node.HANDSHAKE_IVL_MS = 1000
+from roving.transport import session as _session, wire as _wire
+_wire.HANDSHAKE_IVL_MS = 1000
 q = roving.Queue()
 print(_session.current().node().address, _session.current().secret.hex(), flush=True)
 sys.stdin.readline()  # the test has flooded the node with silent connections

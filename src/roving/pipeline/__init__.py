@@ -1,8 +1,10 @@
 """SkipPipe planning: which node holds which stage, and which stages each microbatch visits.
 
-Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Path), ``plan()`` and
-``replan()``, the memory model (``stage_memory``, ``microbatches_in_flight``), the simulator that judges every plan (``simulate()``), and the baselines
-(``full_pipeline``, ``full_pipeline_planned``, ``random_skip``). Imports only the standard library
+Public surface: the plain data (Network, Node, Link, ModelSpec, Plan, Route), ``plan()`` and
+``replan()``, the memory model (``stage_memory``, ``microbatches_in_flight``), the simulator that
+judges every plan (``simulate()``; ``predict()`` for what a running training keeps), the baselines
+(``full_pipeline``, ``full_pipeline_planned``, ``random_skip``) and the errors (``PipelineError``, its
+``PlanError``). Imports only the standard library
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
 
 Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (model.py), ``Stage``
@@ -11,16 +13,13 @@ Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (mode
 
 from __future__ import annotations
 
-from .costs import MODEL_PRESETS, ModelSpec, PlanError, microbatches_in_flight, model_preset, stage_memory
+from .baselines import full_pipeline, full_pipeline_planned, random_skip
+from .costs import MODEL_PRESETS, ModelSpec, microbatches_in_flight, model_preset, stage_memory
+from .errors import PipelineError, PlanError
 from .network import Link, Network, Node, build_network
-from .paths import Path, Plan, full_pipeline, plan, random_skip, replan, validate
-from .simulate import SimResult, simulate
-
-
-def full_pipeline_planned(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
-                          budget_s: float = 10.0, seed: int = 0) -> Plan:
-    """Baseline: this planner with no stage skipped (k = 0)."""
-    return plan(network, model, stages, 0.0, microbatches, budget_s=budget_s, seed=seed)
+from .plan import Plan, Route, validate
+from .planner import plan, replan
+from .simulate import Prediction, SimResult, predict, simulate
 
 
 _TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "TrainConfig": "runspec",
@@ -28,7 +27,10 @@ _TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "Train
 
 
 def __getattr__(name: str):
-    """The training names, imported on first use so that planning never needs PyTorch."""
+    """The training names, imported on first use so that planning never needs PyTorch; ``Path``, the
+    former name of ``Route``, for code written against it (left out of ``__all__``: it shadows pathlib)."""
+    if name == "Path":
+        return Route
     if name in _TRAINING:
         import importlib
 
@@ -38,7 +40,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "Path", "Plan", "PlanError", "SimResult",
-    "build_network", "full_pipeline", "full_pipeline_planned", "microbatches_in_flight", "model_preset", "plan",
-    "random_skip", "replan", "simulate", "stage_memory", "validate",
+    "Link", "MODEL_PRESETS", "ModelSpec", "Network", "Node", "PipelineError", "Plan", "PlanError", "Prediction",
+    "Route", "SimResult", "build_network", "full_pipeline", "full_pipeline_planned", "microbatches_in_flight",
+    "model_preset", "plan", "predict", "random_skip", "replan", "simulate", "stage_memory", "validate",
 ]

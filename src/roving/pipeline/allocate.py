@@ -20,26 +20,14 @@ import random
 import time
 from typing import Callable, Sequence
 
-from .costs import ModelSpec, PlanError, stage_layers, stage_memory, transfer_time
+from .costs import ModelSpec, stage_layers, stage_memory, transfer_time
+from .errors import PlanError
 from .network import Network
-
-
-def visits_per_microbatch(stages: int, skip: float) -> int:
-    """How many of the stages besides stage 0 a microbatch visits when it skips a fraction ``skip``."""
-    if not 0.0 <= skip < 1.0:
-        raise PlanError(f"skip fraction must be in [0, 1), got {skip}")
-    if stages < 2:
-        raise PlanError(f"need at least 2 stages, got {stages}")
-    visits = math.floor((1.0 - skip) * (stages - 1) + 0.5)
-    if visits < 1:
-        raise PlanError(
-            f"skip {skip} with {stages} stages leaves no stage besides stage 0 to visit; "
-            f"use a skip below {1 - 0.5 / (stages - 1):.2f} or more stages"
-        )
-    return visits
+from .plan import visits_per_microbatch
 
 
 def check_sizes(network: Network, stages: int) -> None:
+    """PlanError unless the network has a node for every stage."""
     if len(network.nodes) < stages:
         raise PlanError(
             f"{len(network.nodes)} nodes cannot hold {stages} stages; use at least {stages} nodes "
@@ -64,7 +52,7 @@ def _need(model: ModelSpec, stages: int, s: int) -> str:
             f"{m.per_microbatch_bytes / 2**20:.0f} MB of activations for one microbatch")
 
 
-def _stage_matching(can: dict[str, frozenset[int]], stages: int) -> tuple[dict[int, str], list[int], list[str]]:
+def stage_matching(can: dict[str, frozenset[int]], stages: int) -> tuple[dict[int, str], list[int], list[str]]:
     """A distinct node for every stage it can (Kuhn's augmenting paths). Returns (stage -> node, and
     when some stage is left out: a set of stages and the only nodes that can hold any of them, fewer
     than the stages; else two empty lists)."""
@@ -114,7 +102,7 @@ def check_memory(network: Network, model: ModelSpec, stages: int) -> dict[str, f
                 f"(the smallest needs {least.needs_mb(1):.0f} MB for weights and one microbatch): give it "
                 "more memory, use more stages, or leave it out")
     # (fewer nodes than stages is reported by the callers, whatever the memory)
-    _, short_stages, only = _stage_matching(can, stages) if len(can) >= stages else (None, [], [])
+    _, short_stages, only = stage_matching(can, stages) if len(can) >= stages else (None, [], [])
     if short_stages:
         raise PlanError(
             f"memory too small to place every stage: stages {', '.join(map(str, short_stages))} of {name} "
@@ -159,7 +147,7 @@ def memory_fallback(order: Sequence[str], counts: Sequence[int], can: dict[str, 
     """A feasible allocation near ``counts`` when none with those counts exists: one node per stage
     (a matching), then every other node, in ``order``, to the stage it can hold that is furthest below
     its count. Returns (labels, slots). Assumes ``check_memory`` passed."""
-    owner, short, _ = _stage_matching(can, stages)
+    owner, short, _ = stage_matching(can, stages)
     assert not short
     have = [1] * stages
     alloc = {n: s for s, n in owner.items()}
@@ -251,7 +239,8 @@ def swap_search(
 ) -> tuple[list[str], float]:
     """Hill climbing over swaps of two slots with different roles, accepting ties (to cross plateaus);
     stops at ``deadline`` (time.perf_counter) or after ``max_evals``. ``ok(node, role)`` (if given)
-    rejects swaps that put a node on a role it cannot take (memory). Returns the best slots found."""
+    rejects swaps that put a node on a role it cannot take (memory). Returns the best slots found and
+    their score; ``judge`` is called once for ``slots`` and once per evaluated swap."""
     best = list(slots)
     best_score = current_score = judge(best)
     current = list(best)

@@ -2,7 +2,7 @@
 
 The planner is pure Python: in a thread of the training coordinator it would hold the interpreter lock
 in turns with the coordinator, whose every message would then wait for it. So ``BackgroundPlan`` runs
-``paths.plan`` in a child interpreter (``python -m roving.pipeline.background IN OUT``), at a lower
+``planner.plan`` in a child interpreter (``python -m roving.pipeline.background IN OUT``), at a lower
 scheduling priority (nice 10) so that on a machine shared with nodes the nodes come first. The
 arguments go in, and the plan or the error comes back, through files in a private temporary folder (a
 plan can be larger than a pipe holds, and nobody reads the pipe while the child plans). Only the child
@@ -20,12 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .costs import PlanError
-from .paths import Plan, plan
+from .errors import PlanError
+from .plan import Plan
+from .planner import plan
 
 
 class BackgroundPlan:
-    """``paths.plan(*args, **kwargs)`` in a child process. ``done()`` never blocks; ``result()`` (once
+    """``planner.plan(*args, **kwargs)`` in a child process. ``done()`` never blocks; ``result()`` (once
     done) returns the plan or raises what the planner raised (PlanError keeps its message; anything
     else, a child that died, or a result that cannot be read, is a RuntimeError naming the cause);
     ``cancel()`` kills the child.

@@ -6,23 +6,104 @@ metric, say) into those, and :func:`read` loads with ``torch.load(weights_only=T
 every other type instead of importing and calling it. So a file someone else put in a checkpoint's
 place cannot run code in `pipeline train --resume`, `eval` or `generate`; it is refused with a
 CheckpointFileError naming the file and the type.
+
+:func:`load_checkpoint` is the one way in for a checkpoint `roving pipeline train` wrote: it reads
+it so and checks what evaluation, generation and `--resume` rely on before any of them uses it.
 """
 from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["CheckpointFileError", "read", "save", "plain"]
+from .costs import PlanError
+
+__all__ = ["CheckpointFileError", "ResumeInto", "load_checkpoint", "read", "save", "plain"]
 
 _REFUSED = re.compile(r"GLOBAL ([\w.]+)")
 
 
-class CheckpointFileError(ValueError):
-    """A checkpoint file that cannot be read, or that holds a type a checkpoint may not hold."""
+class CheckpointFileError(PlanError):
+    """A checkpoint file that cannot be read, that holds a type a checkpoint may not hold, or that is
+    not a checkpoint the caller can use (a PlanError, so the commands print it as bad input)."""
+
+
+#: what every checkpoint `roving pipeline train` writes holds, and what of its training config
+#: evaluation needs.
+CHECKPOINT_KEYS = ("model", "model_config", "config")
+CONFIG_KEYS = ("stages", "seq_len", "samples", "corpus", "val_fraction", "eval_batches")
+
+
+@dataclass(frozen=True)
+class ResumeInto:
+    """The run a checkpoint is to be resumed into: its model (``LlamaConfig``'s fields), its number of
+    stages and of iterations."""
+
+    model_config: dict
+    stages: int
+    iterations: int
+
+
+def load_checkpoint(path: str | Path, map_location: str = "cpu", *, into: ResumeInto | None = None) -> dict:
+    """The contents of the checkpoint `roving pipeline train --checkpoint` wrote at ``path``, read
+    with :func:`read` and checked: a file (not a folder) that is a dict holding the whole model's
+    weights, its model config and the training config (with the fields evaluation needs). With
+    ``into``, also that the run can be resumed from it: it holds each stage's weights and optimizer
+    state (format 2), the same model split into as many stages, and fewer iterations than the run's.
+
+    Raises CheckpointFileError naming the file and what is wrong (with ``into``, the message says it
+    cannot be resumed). Nothing in a refused file is run.
+    """
+    path = Path(path)
+    try:
+        state = _contents(path, map_location, per_stage=into is not None)
+    except CheckpointFileError as exc:
+        if into is None:
+            raise
+        raise CheckpointFileError(f"cannot resume: {exc}") from None
+    if into is not None:
+        if state["model_config"] != into.model_config:
+            raise CheckpointFileError(f"cannot resume from {path}: it holds another model "
+                                      f"({state['model_config']})")
+        stages = state["config"]["stages"]
+        if stages != into.stages:
+            raise CheckpointFileError(f"cannot resume from {path}: it splits the model into {stages} stages, "
+                                      f"this run into {into.stages}")
+        if state["iteration"] >= into.iterations:
+            raise CheckpointFileError(f"nothing to resume: {path} is at iteration {state['iteration']} of "
+                                      f"{into.iterations}")
+    return state
+
+
+def _contents(path: Path, map_location: str, per_stage: bool) -> dict:
+    """The checkpoint at ``path`` if it is one `pipeline train` wrote (``per_stage``: with each stage's
+    weights and optimizer state)."""
+    if path.is_dir():
+        raise CheckpointFileError(f"checkpoint {path} is a folder: give the checkpoint file `roving pipeline "
+                                  "train --checkpoint PATH` wrote")
+    try:
+        state = read(path, map_location=map_location)
+    except FileNotFoundError:
+        raise CheckpointFileError(f"checkpoint {path} does not exist (write one with `roving pipeline train "
+                                  "--checkpoint PATH`)") from None
+    if not isinstance(state, dict):
+        raise CheckpointFileError(f"{path} is not a roving checkpoint: it holds a {type(state).__name__}, "
+                                  "not a dict")
+    if per_stage and (state.get("format") != 2 or "stages" not in state or "iteration" not in state):
+        raise CheckpointFileError(f"{path} has no per-stage optimizer state (written by an older roving, or "
+                                  "not by `roving pipeline train`)")
+    missing = [k for k in CHECKPOINT_KEYS if k not in state]
+    if missing:
+        raise CheckpointFileError(f"{path} lacks key(s) {', '.join(missing)}: not a checkpoint written by "
+                                  "`roving pipeline train`")
+    lacking = [k for k in CONFIG_KEYS if not isinstance(state["config"], dict) or k not in state["config"]]
+    if lacking:
+        raise CheckpointFileError(f"{path}: its training config lacks {', '.join(lacking)}")
+    return state
 
 
 def read(path: str | Path, map_location: str = "cpu") -> Any:

@@ -8,14 +8,16 @@ import sys
 import time
 from pathlib import Path as FilePath
 
-from .costs import DEFAULT_MODEL, MODEL_PRESETS, PlanError, model_preset
+from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
+from .errors import PipelineError, PlanError
 from .network import build_network
 from .outputs import check_output
 
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
 DEFAULT_MEMORY_MB = 24576
-from .paths import _check_inputs as check_inputs, full_pipeline, plan, random_skip, replan
+from .baselines import full_pipeline, random_skip
+from .planner import check_inputs, plan, replan
 from .simulate import SimResult, simulate
 
 
@@ -242,7 +244,7 @@ def run_train(args: argparse.Namespace) -> int:
             check_output(cfg.control, "--control", make_parents=True, folder=True)
         _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except NodeFailed as exc:
@@ -356,7 +358,7 @@ def run_plan(args: argparse.Namespace) -> int:
             out["replan"] = {"failed": failed, **new.to_dict(), "iteration_time_s": new.predicted_s,
                              "planner_seconds": new.stats["planner_seconds"]}
             shown, shown_net = new, new_net
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     FilePath(args.json_out).write_text(json.dumps(out, indent=1))

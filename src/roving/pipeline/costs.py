@@ -35,6 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from .errors import PlanError  # defined in errors; tests and user code also import it from here
+from .presets import ARCHITECTURES, DEFAULT_PLANNING, PLANNING
+
 #: SkipPipe's assumed compute speed (several nodes sharing older GPUs), seconds per sample per layer.
 PAPER_SECONDS_PER_SAMPLE_LAYER = 0.055
 MIB = float(2**20)
@@ -43,10 +46,6 @@ BYTES_PER_PARAM_STATE = 16.0
 #: bytes a layer stores for backward per token per hidden unit (Korthikanti et al. 2022, 16-bit,
 #: no recomputation, attention scores not stored).
 ACTIVATION_FACTOR = 34.0
-
-
-class PlanError(ValueError):
-    """Input that no plan can be made from; the message says what is wrong and what to do."""
 
 
 @dataclass(frozen=True)
@@ -95,19 +94,17 @@ class ModelSpec:
         return float(self.samples_per_microbatch * self.seq_len * self.hidden * self.bytes_per_activation)
 
 
-#: LLaMA-style sizes close to the ones the paper trains (500M to 8B); sequence length 1024, bf16.
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    "llama-500m": ModelSpec(layers=24, hidden=1280, seq_len=1024, name="llama-500m"),
-    "llama-1.5b": ModelSpec(layers=24, hidden=2048, seq_len=1024, name="llama-1.5b"),
-    "llama-3b": ModelSpec(layers=26, hidden=3200, seq_len=1024, name="llama-3b"),
-    "llama-8b": ModelSpec(layers=32, hidden=4096, seq_len=1024, name="llama-8b"),
-    # The paper's own LLaMA-1.5B runs (released code, trainer.py and create_schedule.py): hidden 2048,
-    # 24 layers, sequence 4096, one sample per microbatch (16 MiB of activations), and its simulator's
-    # backward of 1.5x the forward.
-    "llama-1.5b-skippipe": ModelSpec(layers=24, hidden=2048, seq_len=4096, samples_per_microbatch=1,
-                                     backward_ratio=1.5, name="llama-1.5b-skippipe"),
-}
-DEFAULT_MODEL = "llama-1.5b"
+def _planner_preset(name: str) -> ModelSpec:
+    size, settings = PLANNING[name]
+    arch = ARCHITECTURES[size]
+    shape = {"layers": arch["n_layers"], "hidden": arch["dim"], "seq_len": arch["max_seq_len"],
+             "vocab": arch["vocab_size"]}
+    return ModelSpec(**{**shape, **settings}, name=name)
+
+
+#: the planner's model presets, made from the one table of sizes (``presets.py``).
+MODEL_PRESETS: dict[str, ModelSpec] = {name: _planner_preset(name) for name in PLANNING}
+DEFAULT_MODEL = DEFAULT_PLANNING
 
 
 def model_preset(name: str) -> ModelSpec:

@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .costs import PlanError
+from .errors import PipelineError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ LICENSES = Path("/usr/share/common-licenses")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", "")
 
 
-class DataError(PlanError):
+class DataError(PipelineError):
     """A corpus that cannot feed the training run; the message says what to do."""
 
 

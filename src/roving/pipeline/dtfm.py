@@ -25,7 +25,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from .allocate import _stage_matching
+from .allocate import stage_matching
 from .costs import ModelSpec, stage_layers
 from .network import Network
 
@@ -112,7 +112,7 @@ def bottleneck_matching(cost: list[list[float]]) -> tuple[float, tuple[int, ...]
     """For a square cost matrix: (b, perm) where b is the least possible largest ``cost[i][perm[i]]``
     over perfect matchings, and perm, among the matchings whose entries are all at most b, one of least
     total cost. The bottleneck is a binary search over the sorted distinct costs, each step a perfect
-    matching check (Kuhn's augmenting paths, ``allocate._stage_matching``) on the entries at or below
+    matching check (Kuhn's augmenting paths, ``allocate.stage_matching``) on the entries at or below
     the threshold; the tie-break is a min-sum assignment (Hungarian method) restricted to those entries."""
     n = len(cost)
     if n == 0:
@@ -122,7 +122,7 @@ def bottleneck_matching(cost: list[list[float]]) -> tuple[float, tuple[int, ...]
     def perfect(t: float) -> bool:
         # rows are the "stages" to place, columns the "nodes" that can take them
         can = {j: frozenset(i for i in range(n) if cost[i][j] <= t) for j in range(n)}
-        return not _stage_matching(can, n)[1]
+        return not stage_matching(can, n)[1]
 
     lo, hi = 0, len(values) - 1  # values[hi] always admits a perfect matching (every entry allowed)
     while lo < hi:

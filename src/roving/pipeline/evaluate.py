@@ -38,18 +38,9 @@ def validation_loss(model: Llama, batches: Sequence[tuple[torch.Tensor, torch.Te
     for tokens, targets in batches:
         tokens, targets = tokens.to(device), targets.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = layer_logits(model, tokens, layers)
+            logits, _ = model(tokens, layers=layers)
         total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).item()
     return total / len(batches)
-
-
-def layer_logits(model: Llama, tokens: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
-    """Logits (batch, seq, vocab) of ``tokens`` through the embedding, ``layers`` (all when None) in
-    order, the final norm and the head."""
-    h = model.tok_embeddings(tokens)
-    for i in range(model.cfg.n_layers) if layers is None else layers:
-        h = model.layers[i](h, model.rope_cos, model.rope_sin)
-    return model.output(model.norm(h))
 
 
 def perplexity(loss: float) -> float:

@@ -22,18 +22,17 @@ from typing import Sequence
 import torch
 
 from . import checkpoint_file
-from .costs import PlanError
+from .errors import PipelineError, PlanError
 from .data import decode, encode, load_corpus, val_batches
-from .evaluate import kept_layers, layer_logits, perplexity, validation_loss
+from .evaluate import kept_layers, perplexity, validation_loss
 from .model import Llama, LlamaConfig
 from .stages import layer_ranges
 
 #: what a checkpoint must hold, and what of its training config evaluation needs.
-CHECKPOINT_KEYS = ("model", "model_config", "config")
-CONFIG_KEYS = ("stages", "seq_len", "samples", "corpus", "val_fraction", "eval_batches")
+CHECKPOINT_KEYS, CONFIG_KEYS = checkpoint_file.CHECKPOINT_KEYS, checkpoint_file.CONFIG_KEYS
 
 
-class InferenceError(PlanError):
+class InferenceError(PipelineError):
     """A checkpoint, drop choice or generation setting that cannot be used; the message says why."""
 
 
@@ -51,30 +50,14 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, device: str = "cpu") -> Checkpoint:
-    """The model and training config saved by `roving pipeline train --checkpoint`, in eval mode.
-    Raises InferenceError naming the file when it is missing, not a checkpoint, or lacks keys."""
-    path = Path(path)
-    if path.is_dir():
-        raise InferenceError(f"checkpoint {path} is a folder: give the checkpoint file `roving pipeline train "
-                             "--checkpoint PATH` wrote")
-    if not path.is_file():
-        raise InferenceError(f"checkpoint {path} does not exist (write one with `roving pipeline train "
-                             "--checkpoint PATH`)")
+    """The model and training config saved by `roving pipeline train --checkpoint`, in eval mode
+    (read and checked by ``checkpoint_file.load_checkpoint``). Raises InferenceError naming the file
+    when it is missing, not a checkpoint, lacks keys, or its weights do not fit its model."""
     try:
-        state = checkpoint_file.read(path, map_location=device)
+        state = checkpoint_file.load_checkpoint(path, map_location=device)
     except checkpoint_file.CheckpointFileError as exc:
         raise InferenceError(str(exc)) from None
-    if not isinstance(state, dict):
-        raise InferenceError(f"{path} is not a roving checkpoint: it holds a {type(state).__name__}, "
-                             "not a dict")
-    missing = [k for k in CHECKPOINT_KEYS if k not in state]
-    if missing:
-        raise InferenceError(f"{path} lacks key(s) {', '.join(missing)}: not a checkpoint written by "
-                             "`roving pipeline train`")
     config = state["config"]
-    lacking = [k for k in CONFIG_KEYS if not isinstance(config, dict) or k not in config]
-    if lacking:
-        raise InferenceError(f"{path}: its training config lacks {', '.join(lacking)}")
     try:
         model = Llama(LlamaConfig(**state["model_config"]))
         model.load_state_dict(state["model"])
@@ -215,7 +198,8 @@ def generate(model: Llama, prompt: str, layers: Sequence[int] | None = None, *, 
     new: list[int] = []
     for _ in range(tokens):
         window = torch.tensor([seq[-model.cfg.max_seq_len:]], device=device)
-        tok = next_token(layer_logits(model, window, layers)[0, -1].cpu(), temperature, top_k, gen)
+        logits, _ = model(window, layers=layers)
+        tok = next_token(logits[0, -1].cpu(), temperature, top_k, gen)
         seq.append(tok)
         new.append(tok)
     return new
@@ -264,7 +248,7 @@ def run_eval(args: argparse.Namespace) -> int:
         drops = choose_drops(ckpt.stages, explicit=args.stages, fraction=args.drop, subsets=args.subsets,
                              seed=args.seed)
         result = evaluate_drops(ckpt, drops, validation_set(ckpt, args.corpus, args.batches))
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     full = result["full"]
@@ -292,7 +276,7 @@ def run_generate(args: argparse.Namespace) -> int:
         layers = kept_layers(ckpt.model, ckpt.stages, drops[0]) if drops else None
         new = generate(ckpt.model, args.prompt, layers, tokens=args.tokens, temperature=args.temperature,
                        top_k=args.top_k, seed=args.seed)
-    except PlanError as exc:
+    except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if drops:

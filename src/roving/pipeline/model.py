@@ -1,20 +1,28 @@
 """A LLaMA-style decoder in plain PyTorch: RMSNorm, rotary position embeddings, SwiGLU feed-forward and
 causal attention through ``scaled_dot_product_attention``; untied input embedding and output head.
 
-Nothing here knows about pipelines: how the layers are split into stages, and how stages are run on
-nodes, lives in ``stages.py`` and ``node.py``. Weights are initialised part by part from ``(seed,
-part)`` (see ``init_part``), so a node that builds only its own layers gets exactly the weights the
-whole model would have.
+One forward serves every use: ``Llama.forward`` runs the embedding, any subset of the layers in any
+order (``layers``; all by default), the final norm and the head. A model may also hold only part of
+itself (``Llama(cfg, layers=..., ends=False)``): it is declared whole on the meta device, cut to that
+part, and only the part is materialised. That is what a pipeline stage is (``stages.py``); nothing
+here knows about pipelines beyond that.
+
+Weights are initialised part by part from ``(seed, part)`` (``init_part``), so a part built alone gets
+exactly the weights the whole model would give it, and parameter names are the whole model's
+(``layers.5.attention.wq.weight``, ...) whatever part is held.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .presets import ARCHITECTURES, TRAINING
 
 
 @dataclass(frozen=True)
@@ -46,14 +54,8 @@ class LlamaConfig:
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
 
-#: tiny runs the tests on 2 CPU cores; 500m and 1b are the sizes SkipPipe trains (with LLaMA's
-#: 32000-token vocabulary the embedding and head add 82M and 131M parameters).
-PRESETS: dict[str, LlamaConfig] = {
-    "tiny": LlamaConfig(dim=64, n_layers=4, n_heads=4, max_seq_len=64),
-    "small": LlamaConfig(dim=128, n_layers=8, n_heads=4, max_seq_len=128),
-    "500m": LlamaConfig(vocab_size=32000, dim=1280, n_layers=24, n_heads=20, multiple_of=256, max_seq_len=1024),
-    "1b": LlamaConfig(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, multiple_of=256, max_seq_len=1024),
-}
+#: the sizes training builds, from the one table of sizes (``presets.py``).
+PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**ARCHITECTURES[name]) for name in TRAINING}
 
 
 def preset(name: str, **overrides) -> LlamaConfig:
@@ -132,6 +134,20 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class Layers(nn.ModuleDict):
+    """The blocks a model holds, keyed by their index in the whole model (so a part's parameter names
+    are the whole model's); indexed by that number, iterated in order."""
+
+    def __getitem__(self, i: int | str) -> Block:
+        return super().__getitem__(str(i))
+
+    def __iter__(self) -> Iterator[Block]:
+        return iter(self.values())
+
+    def __contains__(self, i: object) -> bool:
+        return super().__contains__(str(i))
+
+
 def init_part(module: nn.Module, cfg: LlamaConfig, seed: int, part: int) -> None:
     """Initialise one part of the model from ``(seed, part)`` alone: part i >= 0 is layer i, -1 the
     embedding, -2 the final norm and head. Linear and embedding weights ~ N(0, 0.02); the projections
@@ -143,44 +159,82 @@ def init_part(module: nn.Module, cfg: LlamaConfig, seed: int, part: int) -> None
                 p.fill_(1.0)
                 continue
             std = 0.02 / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
+            p.copy_(torch.randn(p.shape, generator=gen, device="cpu") * std)
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, seed: int = 0) -> None:
+    """The decoder, or a part of it: ``layers`` (indices into the whole model, default all) and, with
+    ``ends``, the embedding, final norm and head. Built on the meta device, cut to the part, then
+    materialised on the current default device and initialised part by part (``init_part``): a part
+    gets the weights the whole model would give it. Under ``torch.device("meta")`` nothing is
+    materialised (to count parameters)."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0, *, layers: Iterable[int] | None = None,
+                 ends: bool = True) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        cos, sin = rope_tables(cfg)
+        held = list(range(cfg.n_layers)) if layers is None else list(layers)
+        if any(not 0 <= i < cfg.n_layers for i in held) or len(set(held)) != len(held):
+            raise ValueError(f"layers {held} are not distinct layers of a {cfg.n_layers}-layer model")
+        device = torch.empty(0).device  # the default device, before the meta one is entered
+        with torch.device("meta"):
+            # Layers first: a part's parameters keep the order they had in checkpoints, where the
+            # optimizer state is matched to them by position.
+            self.layers = Layers({str(i): Block(cfg) for i in range(cfg.n_layers)})
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        for i in set(range(cfg.n_layers)) - set(held):
+            del self.layers[str(i)]
+        if not ends:
+            self.tok_embeddings = self.norm = self.output = None
+        self.layer_ids = sorted(held)
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights(seed)
+        cos, sin = rope_tables(cfg, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        init_part(self.tok_embeddings, cfg, seed, -1)
-        for i, layer in enumerate(self.layers):
-            init_part(layer, cfg, seed, i)
-        init_part(self.norm, cfg, seed, -2)
-        init_part(self.output, cfg, seed, -2)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (batch, seq, vocab) and, given targets, the mean cross-entropy over all tokens."""
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
-        logits = self.output(self.norm(h))
+    @property
+    def ends(self) -> bool:
+        """Whether this model holds the embedding, the final norm and the head."""
+        return self.tok_embeddings is not None
+
+    def init_weights(self, seed: int) -> None:
+        """Every part held, initialised from ``(seed, part)``."""
+        for i in self.layer_ids:
+            init_part(self.layers[i], self.cfg, seed, i)
+        if self.ends:
+            init_part(self.tok_embeddings, self.cfg, seed, -1)
+            init_part(self.norm, self.cfg, seed, -2)
+            init_part(self.output, self.cfg, seed, -2)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tok_embeddings(tokens)
+
+    def run_layers(self, h: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
+        """``h`` (batch, seq, dim) through ``layers`` in the order given (default: every layer held, in
+        order); each must be held."""
+        for i in self.layer_ids if layers is None else layers:
+            h = self.layers[i](h, self.rope_cos, self.rope_sin)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and head: (batch, seq, vocab)."""
+        return self.output(self.norm(h))
+
+    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, head and the mean cross-entropy over all tokens (in fp32)."""
+        return F.cross_entropy(self.logits(h).flatten(0, 1).float(), targets.flatten())
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                layers: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (batch, seq, vocab) of ``tokens`` through the embedding, ``layers`` (all by default)
+        in order, the final norm and the head; given targets, also the mean cross-entropy."""
+        logits = self.logits(self.run_layers(self.embed(tokens), layers))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         return logits, loss
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    @torch.no_grad()
-    def generate(self, tokens: torch.Tensor, new_tokens: int, temperature: float = 1.0) -> torch.Tensor:
-        """Sample ``new_tokens`` after ``tokens`` (batch, seq); the context is cut to max_seq_len."""
-        for _ in range(new_tokens):
-            logits, _ = self(tokens[:, -self.cfg.max_seq_len:])
-            probs = F.softmax(logits[:, -1].float() / max(temperature, 1e-6), dim=-1)
-            tokens = torch.cat((tokens, torch.multinomial(probs, 1)), dim=1)
-        return tokens

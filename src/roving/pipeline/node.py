@@ -68,7 +68,7 @@ import torch
 
 from .model import LlamaConfig
 from .network import Link
-from .paths import Path
+from .plan import Route
 from .stages import Stage
 
 log = logging.getLogger(__name__)
@@ -453,7 +453,7 @@ class StageNode:
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
 
-    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, path: Path) -> None:
+    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, path: Route) -> None:
         """Send activations to the node at ``hop`` of the path (the origin when past the end)."""
         out = self._out(h)
         if hop == len(path.nodes):
@@ -465,7 +465,7 @@ class StageNode:
             dst = path.nodes[hop]
         self.peers.send(dst, ("fwd", rnd, mb, hop, out, path), out)
 
-    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, path: Path,
+    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, path: Route,
                      loss: float | None = None) -> None:
         if loss is not None:
             self._losses[rnd, mb] = loss

@@ -19,8 +19,10 @@ from .costs import ModelSpec, PlanError
 from .data import Corpus, load_corpus
 from .model import Block, LlamaConfig, preset
 from .network import Network, build_network
+from .baselines import full_pipeline
 from .node import pick_device
-from .paths import Plan, full_pipeline, plan
+from .plan import Plan
+from .planner import plan
 from .simulate import simulate
 from .stages import Stage, layer_ranges, model_spec, stage_gradient_bytes
 

@@ -38,13 +38,10 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from .costs import ModelSpec, StageCosts, stage_costs
 from .network import Network
-
-if TYPE_CHECKING:
-    from .paths import Plan
+from .plan import Plan
 
 FWD, LOSS, BWD = 0, 1, 2
 KIND_NAMES = {FWD: "compute-fwd", LOSS: "compute-loss", BWD: "compute-bwd"}
@@ -81,7 +78,7 @@ class SimResult:
     sync_end: dict[int, float] = field(default_factory=dict)
 
 
-def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: dict) -> list[list[tuple]]:
+def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict) -> list[list[tuple]]:
     """Each microbatch's tasks in order: (0, node, kind, seconds) for compute, (1, src, dst) for sends."""
     out = []
     for path in plan.paths:
@@ -115,7 +112,7 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: "Plan", cache: di
     return out
 
 
-def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool = True,
+def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
              shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> SimResult:
     """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
     deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).
@@ -334,3 +331,44 @@ def simulate(network: Network, model: ModelSpec, plan: "Plan", *, record: bool =
             events.extend(idle)
             events.sort(key=lambda e: (e.start, e.end))
     return SimResult(makespan, deadlock, timeline, finish, peak, sync_end)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for one iteration of a plan, as a running training keeps it."""
+
+    #: the microbatch phase, each node on a processor of its own (``simulate(...).makespan``); infinite
+    #: when the plan deadlocks.
+    iteration_s: float
+    #: the same with every node sharing ``shared_cores`` cores of one machine; ``iteration_s`` without.
+    here_s: float
+    #: the whole iteration, the replicas' exchange of gradients included; NaN without ``sync_bytes``.
+    with_sync_s: float
+    #: per node of the plan's allocation, the compute seconds the plan gives it (0.0 for a node no
+    #: route uses), from the ``iteration_s`` simulation.
+    busy_s: dict[str, float]
+    deadlock: bool
+
+    @property
+    def whole_s(self) -> float:
+        """The iteration as judged with the replicas' exchange when it was asked for, else the
+        microbatch phase (what the planner's ``sync_bytes`` choice compares plans by)."""
+        return self.iteration_s if math.isnan(self.with_sync_s) else self.with_sync_s
+
+
+def predict(plan: Plan, network: Network, model: ModelSpec, *, shared_cores: int = 0,
+            sync_bytes: Sequence[float] | None = None) -> Prediction:
+    """The predictions a training run keeps for the plan it runs: one simulation of the microbatch
+    phase (which also gives each node's planned compute), one more with ``shared_cores`` > 0 (every
+    node on one machine with that many cores), one more with ``sync_bytes`` (each stage's gradient
+    bytes, when given and not empty). Pure and deterministic, like ``simulate``; never raises on a
+    deadlocked plan."""
+    res = simulate(network, model, plan)
+    busy = dict.fromkeys(plan.allocation, 0.0)
+    for name, events in res.timeline.items():
+        busy[name] = sum(e.end - e.start for e in events if e.kind.startswith("compute"))
+    here = (simulate(network, model, plan, record=False, shared_cores=shared_cores).makespan
+            if shared_cores else res.makespan)
+    with_sync = (simulate(network, model, plan, record=False, sync_bytes=sync_bytes).makespan
+                 if sync_bytes else math.nan)
+    return Prediction(res.makespan, here, with_sync, busy, res.deadlock)

@@ -4,8 +4,9 @@ Stage 0 holds the embedding, its own layers, the final norm, the head and the lo
 and ends there (SkipPipe). Any other stage holds only layers. The split is the cost model's
 (``costs.stage_layers``), so what the planner and simulator assume is what the nodes hold.
 
-A stage's parameters are named as in the whole model (``layers.5.attention.wq.weight``, ...), so the
-state dicts of one replica of each stage merge into the whole model's state dict.
+A stage is the model cut to its part (``model.Llama``'s ``layers`` and ``ends``), so its parameters
+are named as in the whole model (``layers.5.attention.wq.weight``, ...) and the state dicts of one
+replica of each stage merge into the whole model's state dict.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from .costs import ModelSpec, PlanError, stage_layers
-from .model import Block, LlamaConfig, RMSNorm, init_part, rope_tables
+from .model import Llama, LlamaConfig
 
 
 def layer_ranges(cfg: LlamaConfig, stages: int) -> list[range]:
@@ -50,42 +49,19 @@ def stage_gradient_bytes(cfg: LlamaConfig, stages: int) -> list[float]:
         return [4.0 * sum(p.numel() for p in Stage(cfg, s, stages).parameters()) for s in range(stages)]
 
 
-class Stage(nn.Module):
-    """The layers of one stage (and at stage 0 the embedding, final norm and head), initialised exactly
-    as the whole model initialises them from the same seed."""
+class Stage(Llama):
+    """One stage: the model cut to the stage's layers and, at stage 0, the embedding, final norm and
+    head (``Llama(layers=..., ends=...)``); its weights are the ones the whole model gets from the same
+    seed. Called, it runs its layers on hidden states (batch, seq, dim); ``embed`` and ``loss`` are
+    the model's (stage 0 only)."""
 
     def __init__(self, cfg: LlamaConfig, stage: int, stages: int, seed: int = 0) -> None:
-        super().__init__()
-        self.cfg, self.stage = cfg, stage
-        self.layer_ids = layer_ranges(cfg, stages)[stage]
-        # a ModuleDict keyed by the global layer index keeps the whole model's parameter names
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in self.layer_ids})
-        for i in self.layer_ids:
-            init_part(self.layers[str(i)], cfg, seed, i)
-        if stage == 0:
-            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-            init_part(self.tok_embeddings, cfg, seed, -1)
-            init_part(self.norm, cfg, seed, -2)
-            init_part(self.output, cfg, seed, -2)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        super().__init__(cfg, seed, layers=layer_ranges(cfg, stages)[stage], ends=stage == 0)
+        self.stage = stage
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.tok_embeddings(tokens)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """This stage's layers, in order."""
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        return h
-
-    def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Final norm, head and mean cross-entropy (stage 0 only)."""
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return self.run_layers(h)
 
 
 def run_path(stages: Sequence[Stage], path: Sequence[int], tokens: torch.Tensor,

@@ -49,7 +49,8 @@ from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_lo
 from .model import Llama
 from .network import slowed as slowed_network
 from .node import NodeSettings, Peers, node_main, pick_device
-from .paths import Plan, plan_held, replan
+from .plan import Plan
+from .planner import plan_held, replan
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import simulate
 from .stages import merge_state_dicts
@@ -91,9 +92,9 @@ class Trainer:
     whose heartbeats stop for ``dead_after`` seconds, is declared dead and killed (so a node that was
     only unreachable cannot come back with stale work). The iteration's microbatch phase is aborted
     on every node and run again, with the same data, under a plan made from the current one without
-    the dead nodes (``paths.replan``): its stage's replica group shrinks, or, when it was the last
+    the dead nodes (``planner.replan``): its stage's replica group shrinks, or, when it was the last
     replica, a spare replica of another stage takes the stage over from the latest snapshot of it;
-    with no spare, paths skip the stage (``paths.plan_held``) until a node joins and takes it over.
+    with no spare, paths skip the stage (``planner.plan_held``) until a node joins and takes it over.
     Gradients of the aborted attempt are dropped, so no microbatch counts twice. A node that dies
     while the others step is simply not waited for. A node much slower than the plan expects (its
     busy time over the simulator's, against the median node, above ``slow_factor`` for

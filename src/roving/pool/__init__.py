@@ -62,7 +62,7 @@ from ._shape import meta, meta_of
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError", "PoolStartError", "meta"]
+           "WorkerLostError", "PoolStartError", "meta", "Progress"]
 
 _pool_ids = itertools.count(1)
 

@@ -1,18 +1,44 @@
-"""Mutual HMAC challenge-response between a roving peer and a roving endpoint.
+"""Who may talk to us: the mutual HMAC challenge-response every roving connection runs first.
 
 Both sides prove knowledge of the session secret without sending it: the client sends a random nonce,
-the server answers with its own nonce and a MAC over both, and the client answers with a MAC in the other
-direction. Only after that does either side read a frame it would unpickle. The secret never crosses the
-wire; replayed answers fail because every connection uses fresh nonces.
+the server answers with its own nonce and a MAC over both, and the client answers with a MAC in the
+other direction. Only after that does either side read a frame it would unpickle. The secret never
+crosses the wire; replayed answers fail because every connection uses fresh nonces.
+
+The same exchange runs over ZeroMQ (a node's ROUTER socket: :class:`Door` on the node's side,
+:func:`prove` on the client's) and over streams (:mod:`.stream` moves the bytes of
+:class:`ClientHandshake` and :class:`ServerHandshake`). Encryption (CURVE, TLS) is :mod:`.crypto`'s
+and comes underneath; it does not replace this proof.
+
+Guarantees of :class:`Door`: a node knows a peer by the user id that its ZAP handler gave the
+connection (:mod:`.zap`), never by the routing id alone, which a peer may choose; a connection that has
+not authenticated gets nothing read of what it sends, and is told so once, with the fixed word
+:data:`REAUTH`; at most :data:`MAX_PENDING` handshakes are remembered half-way (the oldest are dropped).
 """
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import multiprocessing
 import os
+from typing import Any, Callable, Dict, List, Tuple
 
 NONCE_BYTES = 32
+#: The size of a proof (an HMAC-SHA256).
+PROOF_BYTES = 32
+
+# The handshake's words over ZeroMQ: the client's hello (with its nonce), the node's challenge (its
+# nonce and proof), the client's proof, and the node's verdict.
+HELLO, CHALLENGE, PROOF, WELCOME, DENIED = b"hello", b"challenge", b"proof", b"welcome", b"denied"
+#: A client closing its ZeroMQ connection says so: the node forgets the connection's identity. A node
+#: answers anything else from a connection that has not authenticated with REAUTH (and reads nothing of
+#: it): a client whose connection ZeroMQ re-made after a network drop (a new connection, so a new
+#: identity at the node) learns that what it sent since was dropped, instead of waiting for answers
+#: that cannot come.
+BYE, REAUTH = b"bye", b"reauth"
+#: Connections a node remembers half-way through the handshake, or as told REAUTH.
+MAX_PENDING = 1024
 
 
 class AuthenticationError(multiprocessing.AuthenticationError, ConnectionError):
@@ -39,3 +65,120 @@ def client_proof(secret: bytes, client_nonce: bytes, server_nonce: bytes) -> byt
 def verify(expected: bytes, received: bytes) -> bool:
     """Constant-time comparison of two proofs."""
     return hmac.compare_digest(expected, received)
+
+
+class ClientHandshake:
+    """The opening side of one handshake: send :attr:`hello`, then answer the server's challenge
+    with :meth:`answer` (which checks the server's proof first)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+        #: The client's nonce: its first message.
+        self.hello = new_nonce()
+
+    def answer(self, server_nonce: bytes, proof: bytes, who: str) -> bytes:
+        """The client's proof; AuthenticationError (naming ``who``) when the server's proof is wrong."""
+        if not verify(server_proof(self._secret, self.hello, server_nonce), proof):
+            raise AuthenticationError(f"{who} failed to authenticate")
+        return client_proof(self._secret, self.hello, server_nonce)
+
+
+class ServerHandshake:
+    """The listening side of one handshake, made from the client's hello: send :attr:`challenge`,
+    then check the client's proof with :meth:`accepts`."""
+
+    def __init__(self, secret: bytes, client_nonce: bytes) -> None:
+        self._secret, self._client_nonce = secret, client_nonce
+        self.nonce = new_nonce()
+        #: The server's nonce and proof, as sent.
+        self.proof = server_proof(secret, client_nonce, self.nonce)
+
+    @property
+    def challenge(self) -> bytes:
+        return self.nonce + self.proof
+
+    def accepts(self, proof: bytes) -> bool:
+        return verify(client_proof(self._secret, self._client_nonce, self.nonce), proof)
+
+
+def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]], secret: bytes,
+          address: str) -> None:
+    """The client's side of the handshake over a ZeroMQ connection to the node at ``address``:
+    ``send(frames)`` sends a message, ``recv(what)`` returns the next one (bytes frames) or raises
+    when ``what`` does not come in time. AuthenticationError when either side fails to prove."""
+    handshake = ClientHandshake(secret)
+    send([HELLO, handshake.hello])
+    frames = recv("authentication challenge")
+    if len(frames) != 3 or frames[0] != CHALLENGE:
+        raise AuthenticationError(f"the roving node at {address} failed to authenticate")
+    send([PROOF, handshake.answer(frames[1], frames[2], f"the roving node at {address}")])
+    frames = recv("authentication result")
+    if frames[:1] != [WELCOME]:
+        raise AuthenticationError(f"the roving node at {address} refused this process's "
+                                  "secret: is it part of the same roving session?")
+
+
+def is_reauth(frames: List[Any]) -> bool:
+    """Whether a message is the node's "this connection has not authenticated" (:data:`REAUTH`)."""
+    return len(frames) == 1 and len(frames[0]) == len(REAUTH) and bytes(frames[0]) == REAUTH
+
+
+class Door:
+    """Which ZeroMQ connections may talk to a node, and the handshakes that let them in.
+
+    ``send(frames)`` sends ``[routing id, *frames]`` from the node's socket (its I/O thread);
+    ``refusals`` logs each refusal (throttled, :class:`.guard.Refusals`). Every method runs on the
+    node's I/O thread.
+    """
+
+    def __init__(self, secret: bytes, send: Callable[[List[Any]], None], refusals: Any) -> None:
+        self._secret, self._send, self._refusals = secret, send, refusals
+        #: Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
+        #: The node reads it on its hot path: a peer is known when ``authenticated.get(ident)`` is
+        #: the user id of the message's connection.
+        self.authenticated: Dict[bytes, str] = {}
+        # Connections (routing id, user id) told REAUTH, and those half-way through the handshake.
+        self.told: "collections.OrderedDict[Tuple[bytes, str], None]" = collections.OrderedDict()
+        self.handshakes: "collections.OrderedDict[Tuple[bytes, str], ServerHandshake]" = \
+            collections.OrderedDict()
+
+    def forget(self, ident: bytes) -> None:
+        """The connection with this routing id has gone (or said BYE)."""
+        self.authenticated.pop(ident, None)
+
+    def knock(self, ident: bytes, frames: List[Any]) -> None:
+        """A message (zmq.Frames, routing id off) from a connection that has not authenticated: a
+        step of its handshake, or something that is dropped unread (the connection is told REAUTH)."""
+        if not frames:
+            return
+        if ident in self.authenticated:  # a new connection under the routing id of one that has gone
+            del self.authenticated[ident]
+        user = frames[0].get("User-Id")
+        key = (ident, user)  # a handshake belongs to its connection, as its outcome does
+        kind = frames[0].bytes if len(frames[0]) <= 16 else b""
+        if kind == HELLO and len(frames) == 2 and len(frames[1]) == NONCE_BYTES:
+            handshake = self.handshakes[key] = ServerHandshake(self._secret, frames[1].bytes)
+            while len(self.handshakes) > MAX_PENDING:
+                self.handshakes.popitem(last=False)
+            self._send([ident, CHALLENGE, handshake.nonce, handshake.proof])
+            return
+        if kind == PROOF and len(frames) == 2 and key in self.handshakes:
+            if self.handshakes.pop(key).accepts(frames[1].bytes):
+                self.authenticated[ident] = user
+                self._send([ident, WELCOME])
+                return
+            self._refusals.refuse(frames[0].get("Peer-Address"), "it failed to prove the session secret")
+            self._send([ident, DENIED])
+            return
+        if kind in (BYE, HELLO, PROOF):  # a late goodbye, or a handshake message out of turn
+            return
+        # Once per connection: its peer re-connects (a new, authenticated connection) or gives up.
+        if key not in self.told:
+            self.told[key] = None
+            while len(self.told) > MAX_PENDING:
+                self.told.popitem(last=False)
+            self._refusals.refuse(frames[0].get("Peer-Address"),
+                                  f"dropped {len(frames)} frame(s) from a connection that has not "
+                                  "authenticated (a client re-connected after a network drop, or a "
+                                  "stranger); it is told so")
+            self._send([ident, REAUTH])

@@ -31,16 +31,19 @@ from . import crypto
 from . import node as _node
 from . import stream as _stream
 from . import timeouts
+from . import wire
+from .framing import is_bytes
 from .mailbox import ERROR, OK
-from .node import (GET, NO_REPLY, PING, PUT_FRONT, STREAMS, TransportError, _BYE, _CHALLENGE, _COPY_BELOW,
-                   _HEADER, _HELLO, _LINGER_MS, _PROOF, _REAUTH, _REPLY, _REQUEST, _WELCOME, Frames, Node,
-                   _context, _nbytes, send_frames, split_frames)
+from .node import Node
+from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames, nbytes,
+                   send_frames, split_frames)
 
 __all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections",
            "flush_sent"]
 
 log = logging.getLogger(__name__)
 
+_LINGER_MS = 10_000  # how long a closing ZeroMQ connection keeps trying to deliver what it queued
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
 _STREAM_OPEN_TIMEOUT = 10.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -51,15 +54,14 @@ _HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVEN
 _PROBE_S = 5.0
 
 
+class TransportError(OSError):
+    """A node could not be reached or answered with an error."""
+
+
 class ConnectionLost(TransportError):
     """The connection to a node broke while the node may still be there (a network drop): an answer
     awaited on it will not come, and what was sent without an answer may not have arrived. The next
     call over the same :class:`Endpoint` opens a new authenticated connection."""
-
-
-def _is_reauth(frames: List[Any]) -> bool:
-    """Whether a message is the node's "this connection has not authenticated" (see node._REAUTH)."""
-    return len(frames) == 1 and len(frames[0]) == len(_REAUTH) and bytes(frames[0]) == _REAUTH
 
 
 def _lost(address: str) -> ConnectionLost:
@@ -101,7 +103,7 @@ class _Connection:
             unconfirmed = _unconfirmed()
             if self not in unconfirmed:
                 unconfirmed.append(self)
-        self._transmit([op, _HEADER.pack(box_id, req_id, timeout), *payload])
+        self._transmit([op, HEADER.pack(box_id, req_id, timeout), *payload])
         return req_id
 
     def call(self, op: bytes, box_id: int, timeout: float, payload: Frames,
@@ -111,7 +113,7 @@ class _Connection:
         self.pending = (req_id, op, box_id)
         while True:
             frames = self._recv(guard, "answer")
-            got, status = _REPLY.unpack(frames[0])
+            got, status = REPLY.unpack(frames[0])
             if got == req_id:
                 self.pending = None
                 self.unacked = False  # the node handles a connection's messages in order
@@ -131,7 +133,7 @@ class _Connection:
                 frames = self._recv(left, "answer")
             except TransportError:
                 return False
-            got, status = _REPLY.unpack(frames[0])
+            got, status = REPLY.unpack(frames[0])
             if got == req_id:
                 self.unacked = False
                 return True
@@ -153,7 +155,7 @@ class _Connection:
                 frames = self._recv(0, "answer")
             except TransportError:
                 return
-            got, status = _REPLY.unpack(frames[0])
+            got, status = REPLY.unpack(frames[0])
             self._stale(got, status, frames[1:])
 
     def closes_safely(self) -> bool:
@@ -179,10 +181,10 @@ class _ZmqConnection(_Connection):
     def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
         super().__init__()
         self.address = address
-        self.sock = _context().socket(zmq.DEALER)
+        self.sock = wire.context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self.sock.setsockopt(zmq.HANDSHAKE_IVL, _node.HANDSHAKE_IVL_MS)
-        _node.keep_alive(self.sock)
+        self.sock.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
+        wire.keep_alive(self.sock)
         monitor = None
         if crypto.zmq_encrypted(crypto.mode(), address.partition("://")[2].rpartition(":")[0]):
             crypto.curve_client(self.sock, secret)
@@ -223,17 +225,8 @@ class _ZmqConnection(_Connection):
             monitor.close(0)
 
     def _authenticate(self, secret: bytes, timeout: float) -> None:
-        client_nonce = auth.new_nonce()
-        self.sock.send_multipart([_HELLO, client_nonce])
-        frames = self._recv(timeout, "authentication challenge", copy=True)
-        if len(frames) != 3 or frames[0] != _CHALLENGE or not auth.verify(
-                auth.server_proof(secret, client_nonce, frames[1]), frames[2]):
-            raise auth.AuthenticationError(f"the roving node at {self.address} failed to authenticate")
-        self.sock.send_multipart([_PROOF, auth.client_proof(secret, client_nonce, frames[1])])
-        frames = self._recv(timeout, "authentication result", copy=True)
-        if frames[:1] != [_WELCOME]:
-            raise auth.AuthenticationError(f"the roving node at {self.address} refused this process's "
-                                           "secret: is it part of the same roving session?")
+        auth.prove(self.sock.send_multipart, lambda what: self._recv(timeout, what, copy=True), secret,
+                   self.address)
 
     def _recv(self, timeout: Optional[float], what: str, copy: bool = False) -> List[Any]:
         if timeout is None:
@@ -246,13 +239,13 @@ class _ZmqConnection(_Connection):
             raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
                                  "(has the process that owns it exited?)")
         frames = self.sock.recv_multipart(copy=copy)
-        if _is_reauth(frames):
+        if auth.is_reauth(frames):
             self.broken = True
             raise _lost(self.address)
         return frames
 
     def _transmit(self, frames: Frames) -> None:
-        if any(_nbytes(f) >= _COPY_BELOW for f in frames):
+        if any(nbytes(f) >= COPY_BELOW for f in frames):
             tracker = self.sock.send_multipart(split_frames(frames), copy=False, track=True)
             # The caller may reuse its buffers once send() returns: wait until ZeroMQ is done with them.
             tracker.wait()
@@ -267,7 +260,7 @@ class _ZmqConnection(_Connection):
 def _say_bye(sock: zmq.Socket) -> None:
     """Tell the node this connection ends (it forgets the connection's identity); after all sent before."""
     try:
-        sock.send(_BYE, zmq.NOBLOCK)
+        sock.send(auth.BYE, zmq.NOBLOCK)
     except zmq.ZMQError:
         pass
 
@@ -282,7 +275,7 @@ class _StreamConnection(_Connection):
 
     def _transmit(self, frames: Frames) -> None:
         try:
-            self.stream.send(_REQUEST, frames)
+            self.stream.send(REQUEST, frames)
         except OSError as exc:
             self.broken = True
             raise ConnectionLost(f"the connection to the roving node at {self.address} broke: {exc}") from exc
@@ -336,7 +329,7 @@ class Channel:
         if timeout is not None and not self._sock.poll(max(0.0, timeout) * 1000):
             return None
         frames = self._sock.recv_multipart(copy=False)
-        if _is_reauth(frames):
+        if auth.is_reauth(frames):
             raise _lost(self.address)
         return frames
 
@@ -458,7 +451,7 @@ def _own(payload: Frames) -> Frames:
     The memory of a bytes object cannot change: it is kept as it is."""
     if len(payload) < 2:
         return payload
-    return [payload[0], *(frame if _stream._is_bytes(frame) else bytearray(frame) for frame in payload[1:])]
+    return [payload[0], *(frame if is_bytes(frame) else bytearray(frame) for frame in payload[1:])]
 
 
 _open_connections: List[_Connection] = []

@@ -3,7 +3,8 @@ stream of their own (:mod:`roving.transport.stream`) instead of through the pipe
 
 The mailboxes at the pipe's owner stay the authority; a stream is an optimisation that comes and goes:
 
-* **Claims.** The first time a process uses an end, it claims it at the owner (:meth:`Node._claim`).
+* **Claims.** The first time a process uses an end, it claims it at the owner (the CLAIM
+  operation, :class:`.boxes.Boxes`).
   When the other end is claimed by another process, the owner names it and the claimant opens a stream
   to it. An end that two processes use at once is never linked: both keep to the mailbox.
 * **Switching over.** Each direction moves to the stream on its writer's first send after the stream
@@ -29,10 +30,12 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import node as _node
 from . import session as _session
 from . import stream as _stream
-from .mailbox import SWITCH
+from .endpoint import Endpoint
+from .mailbox import OK, SWITCH
+from .node import Node
+from .wire import CLAIM, GATE, INSERT, PUT, PUT_FRONT, UNCLAIM, UNGATE
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ BOX, OPEN, DONE = 0, 1, 2  # a direction: still on the mailbox / on the stream /
 
 _UNLINK = b"unlink"
 _LOCK_WAIT = 5.0  # seconds to wait for a stream another thread of this process is using
-_ends: "weakref.WeakValueDictionary[Tuple[str, int, int], Any]" = weakref.WeakValueDictionary()
+_ends: "weakref.WeakValueDictionary[Tuple[str, int, int], End]" = weakref.WeakValueDictionary()
 _links: Dict[str, "Link"] = {}
 _relays: List[threading.Thread] = []
 _lock = threading.Lock()
@@ -61,10 +64,58 @@ def is_switch(frames: List[Any]) -> bool:
     return len(frames) == 2 and len(frames[0]) == len(SWITCH) and bytes(frames[0]) == SWITCH
 
 
+class End:
+    """A pipe end as its stream sees it: the interface between a :class:`roving.connection.Connection`,
+    which holds one, and its :class:`Link`.
+
+    ``owner`` is the node address of the pipe's mailboxes, reached through ``endpoint``; ``inbox`` and
+    ``outbox`` are the mailboxes this end reads and writes (0: none). :attr:`lock` guards the rest:
+    :attr:`link`, the stream this end uses now (None: the mailboxes), :attr:`claim` (None: not used in
+    this process yet; "claimed"; "shared": claimed, but another process writes to it too, so never on a
+    stream; "given": it went away) and :attr:`closed`.
+    """
+
+    def __init__(self, owner: str, endpoint: Endpoint, inbox: Optional[int], outbox: Optional[int]) -> None:
+        self.owner, self.endpoint = owner, endpoint
+        self.inbox, self.outbox = inbox or 0, outbox or 0
+        self.lock = threading.RLock()
+        self.link: Optional[Link] = None
+        self.claim: Optional[str] = None
+        self.closed = False
+
+    @property
+    def readable(self) -> bool:
+        return bool(self.inbox)
+
+    @property
+    def writable(self) -> bool:
+        return bool(self.outbox)
+
+    @property
+    def key(self) -> Tuple[str, int, int]:
+        """Which end of which pipe: (owner, inbox, outbox), the same in every process."""
+        return self.owner, self.inbox, self.outbox
+
+    def attach(self, link: "Link") -> bool:
+        """Install ``link`` (lock held by the caller, or taken here) unless the end was closed, has a
+        stream already, or may not be linked; whether it was installed."""
+        with self.lock:
+            if self.closed or self.link is not None or self.claim != "claimed":
+                return False
+            self.link = link
+            return True
+
+    def detach(self, link: "Link") -> None:
+        """Forget ``link`` if it is this end's stream."""
+        with self.lock:
+            if self.link is link:
+                self.link = None
+
+
 class Link:
     """The open stream of one pipe end in this process, and where each of its directions stands."""
 
-    def __init__(self, stream: _stream.Stream, token: str, peer_node: str, end: Any) -> None:
+    def __init__(self, stream: _stream.Stream, token: str, peer_node: str, end: End) -> None:
         self.stream, self.token, self.peer_node, self.end = stream, token, peer_node, end
         self.out = BOX if end.writable else DONE  # BOX: the switch item is not put yet
         self.in_ = BOX if end.readable else DONE
@@ -77,7 +128,7 @@ class Link:
             if self.out == BOX:
                 # Confirmed, not told: once a writer of another process is told this end stopped
                 # writing here (revoke), the switch item is surely in the mailbox before its messages.
-                self.end._endpoint.call(_node.PUT, self.end._outbox, 0, [SWITCH, self.token.encode()])
+                self.end.endpoint.call(PUT, self.end.outbox, 0, [SWITCH, self.token.encode()])
                 self.out = OPEN
             if self.out != OPEN:
                 return False
@@ -127,10 +178,7 @@ class Link:
     def _forget(self) -> None:
         with _lock:
             _links.pop(self.token, None)
-        end = self.end
-        with end._lock:
-            if end._link is self:
-                end._link = None
+        self.end.detach(self)
 
     # -- the peer asked this end to stop writing (its node's handler) -------------------------
     def stop_writing(self) -> None:
@@ -175,11 +223,11 @@ class Link:
         if relay:
             self.relayed = True
             uid = _session.current().uid
-            end._endpoint.call(_node.GATE, end._inbox, 0, [token, uid.encode(), b"1" if reading == OPEN else b"0"])
+            end.endpoint.call(GATE, end.inbox, 0, [token, uid.encode(), b"1" if reading == OPEN else b"0"])
         for kind, frames in reversed(stash):
-            end._endpoint.tell(_node.PUT_FRONT, end._inbox, as_item(kind, frames))
+            end.endpoint.tell(PUT_FRONT, end.inbox, as_item(kind, frames))
         if stash:
-            end._endpoint.ping(30.0)
+            end.endpoint.ping(30.0)
         if not relay:
             self.stream.close()
             return
@@ -204,10 +252,10 @@ class Link:
                     break
                 if kind == BACK:
                     break
-                end._endpoint.tell(_node.INSERT, end._inbox, [token, *as_item(kind, frames)])
+                end.endpoint.tell(INSERT, end.inbox, [token, *as_item(kind, frames)])
                 moved += 1
-            end._endpoint.tell(_node.UNGATE, end._inbox, [token])
-            end._endpoint.ping(30.0)
+            end.endpoint.tell(UNGATE, end.inbox, [token])
+            end.endpoint.ping(30.0)
         except Exception:
             log.exception("roving pipe stream %s: moving %d message(s) back to the pipe failed",
                           self.token, moved)
@@ -220,7 +268,7 @@ class Link:
 def _listener() -> _stream.Listener:
     node = _session.current().node()
 
-    def setup(node: _node.Node) -> bool:
+    def setup(node: Node) -> bool:
         node.register_handler(_UNLINK, _on_unlink)
         node.register_notice(_UNLINK, lambda payload: _on_unlink(b"", payload))
         node.register_stream_purpose("pipe", _on_open)
@@ -230,7 +278,7 @@ def _listener() -> _stream.Listener:
     return node.streams()
 
 
-def claim(end: Any) -> Optional[str]:
+def claim(end: End) -> Optional[str]:
     """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed.
 
     Returns the node address of another process that holds the claim (the end is used by two
@@ -240,13 +288,11 @@ def claim(end: Any) -> Optional[str]:
         return None
     session = _session.current()
     listener = _listener()
-    key = (end._address, end._inbox or 0, end._outbox or 0)
-    _ends[key] = end
-    request = {"end": [end._inbox or 0, end._outbox or 0], "uid": session.uid,
+    _ends[end.key] = end
+    request = {"end": [end.inbox, end.outbox], "uid": session.uid,
                "stream": listener.address, "node": session.node().address}
-    status, frames = end._endpoint.call(_node.CLAIM, end._inbox or end._outbox, 0,
-                                        [json.dumps(request).encode()])
-    if status != _node.OK:
+    status, frames = end.endpoint.call(CLAIM, end.inbox or end.outbox, 0, [json.dumps(request).encode()])
+    if status != OK:
         return None
     answer = json.loads(bytes(frames[0]))
     if answer.get("answer") == "no":
@@ -254,7 +300,7 @@ def claim(end: Any) -> Optional[str]:
     if answer.get("answer") != "go":
         return None
     token = _stream.new_token()
-    opening = {"purpose": "pipe", "token": token, "owner": end._address, "end": [end._outbox or 0, end._inbox or 0],
+    opening = {"purpose": "pipe", "token": token, "owner": end.owner, "end": [end.outbox, end.inbox],
                "node": session.node().address}
     try:
         stream = _stream.connect(answer["stream"], session.secret, opening, timeout=10.0)
@@ -262,11 +308,9 @@ def claim(end: Any) -> Optional[str]:
         log.debug("roving: pipe end stays on its mailbox: %s", exc)
         return None
     link = Link(stream, token, answer["node"], end)
-    with end._lock:
-        if end._closed or end._link is not None or end._claim != "claimed":
-            stream.close()
-            return None
-        end._link = link
+    if not end.attach(link):
+        stream.close()
+        return None
     with _lock:
         _links[token] = link
     return None
@@ -280,18 +324,18 @@ def revoke(owner: str, inbox: int, outbox: int) -> None:
     end = _ends.get((owner, inbox, outbox))
     if end is None:
         return
-    with end._lock:
-        if end._claim == "claimed":
-            end._claim = "shared"  # claim() installs no stream for it from now on
-        link = end._link
+    with end.lock:
+        if end.claim == "claimed":
+            end.claim = "shared"  # claim() installs no stream for it from now on
+        link = end.link
     if link is not None:
         link.stop_writing()
 
 
-def unclaim(end: Any) -> None:
+def unclaim(end: End) -> None:
     session = _session.current()
-    request = {"end": [end._inbox or 0, end._outbox or 0], "uid": session.uid}
-    end._endpoint.call(_node.UNCLAIM, end._inbox or end._outbox, 0, [json.dumps(request).encode()])
+    request = {"end": [end.inbox, end.outbox], "uid": session.uid}
+    end.endpoint.call(UNCLAIM, end.inbox or end.outbox, 0, [json.dumps(request).encode()])
 
 
 def _on_open(request: dict, stream: _stream.Stream) -> bool:
@@ -301,19 +345,18 @@ def _on_open(request: dict, stream: _stream.Stream) -> bool:
     if end is None:
         return False
     link = Link(stream, str(request["token"]), str(request["node"]), end)
-    with end._lock:
-        if end._closed or end._link is not None or end._claim != "claimed":
-            return False
+    with end.lock:
         # Installed before the opener hears yes (the switch item it then puts must find it), and its
         # writes wait until the yes is out (the opener reads it first).
         with stream.write_lock:
-            end._link = link
+            if not end.attach(link):
+                return False
             with _lock:
                 _links[link.token] = link
             try:
                 _stream.accept(stream)
             except OSError:
-                end._link = None
+                end.link = None
                 with _lock:
                     _links.pop(link.token, None)
                 return False

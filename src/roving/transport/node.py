@@ -4,7 +4,8 @@ Every roving process that creates a queue or a pipe runs one :class:`Node`: a Ze
 to the backend's address (loopback for the local backend), served by one I/O thread. The mailboxes of the
 queues and pipes created in that process live there; other processes reach them with requests over
 authenticated connections (:mod:`roving.transport.endpoint`). Inside the owning process the same
-operations run directly on the mailboxes, without sockets.
+operations run directly on the mailboxes, without sockets: the mailboxes and their operations are
+:class:`.boxes.Boxes`, which a Node is; what travels, and how, is :mod:`.wire`'s.
 
 A client first asks the node over ZeroMQ where its stream listener is (STREAMS), then sends its requests
 over a stream of its own (:mod:`roving.transport.stream`), which the same I/O thread serves: same
@@ -13,16 +14,17 @@ managers') and for nodes that offer no streams.
 
 Guarantees:
 
-* A connection is mutually authenticated (:mod:`roving.transport.auth`) before the node reads any frame
-  it would store for unpickling; frames from a peer that has not authenticated are dropped and logged
+* A connection is mutually authenticated (:class:`roving.transport.auth.Door` decides who may talk to
+  the node) before the node reads any frame it would store for unpickling; frames from a peer that has not authenticated are dropped and logged
   (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
   may choose.
 * Before authentication, bounds: ZeroMQ runs CURVE with the session's keys (:mod:`.crypto`, unless
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
-  that has not completed it within :data:`HANDSHAKE_IVL_MS`; no frame larger than :data:`MAX_FRAME`
-  is taken from anyone (larger ones are sent in pieces, :func:`split_frames`, and joined here).
+  that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
+  :data:`.wire.MAX_FRAME` is taken from anyone (larger ones are sent in pieces,
+  :func:`.wire.split_frames`, and joined here).
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
@@ -34,15 +36,12 @@ Guarantees:
 """
 from __future__ import annotations
 
-import array
 import collections
 import functools
 import heapq
 import itertools
-import json
 import logging
 import os
-import struct
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -51,118 +50,25 @@ import zmq
 from zmq.utils import monitor as zmq_monitor
 
 from . import addressing, auth
+from .auth import BYE
+from .boxes import TIMEOUT_STATUS, Boxes
 from . import crypto
 from . import stream as _stream
+from .served import ServedStream
 from . import timeouts
+from . import wire
 from . import zap
 from .guard import Refusals
-from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter  # noqa: F401 (EOF: for callers)
+from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL: for callers)
+
+# The operations are the wire format's (roving.transport.wire); they are also names of this module for
+# the layers that call a node's operations (node.PUT, node.GET...), as the statuses are (node.OK...).
+from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN,  # noqa: F401
+                   NO_REPLY, PIECES, PING, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
+                   REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames, send_frames)
 
 log = logging.getLogger(__name__)
 
-Frames = List[Any]
-
-# Operations. One byte each; the header is (box id, request id, timeout in seconds, -1 = forever).
-PUT, PUT_NOREPLY, GET, POLL, SIZE, TASK_DONE, JOIN, HOLD, RELEASE, PUT_FRONT, PING = (
-    bytes([c]) for c in b"PpGLSTJHRFI"
-)
-# Pipe ends that talk over a direct stream (roving.transport.link): who uses which end, and the gate
-# that keeps a direction's readers in order while a stream is taken down.
-CLAIM, UNCLAIM, GATE, INSERT, UNGATE = (bytes([c]) for c in b"CUgiu")
-# Asks a node where its stream listener is (roving.transport.stream): requests then go over a stream.
-STREAMS = b"W"
-_REQUEST, _ANSWER = b"Q", b"A"  # stream message kinds
-_HEADER = struct.Struct("<QQd")
-_REPLY = struct.Struct("<Qb")
-# Operations sent without waiting for an answer.
-NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
-# Statuses a timed-out wait is answered with.
-_TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
-
-_HELLO, _CHALLENGE, _PROOF, _WELCOME, _DENIED = b"hello", b"challenge", b"proof", b"welcome", b"denied"
-# A client closing its connection says so (the node forgets it); a node answers anything else from a
-# connection that has not authenticated with REAUTH (and reads nothing of it): a client whose connection
-# ZeroMQ re-made after a network drop (a new connection, so a new identity here) learns that what it sent
-# since was dropped, instead of waiting for answers that cannot come.
-_BYE, _REAUTH = b"bye", b"reauth"
-_MAX_PENDING_HANDSHAKES = 1024
-_LINGER_MS = 10_000
-#: The largest frame a node's ZeroMQ socket takes from any peer (libzmq disconnects a peer that declares
-#: a larger one, before buffering it); larger frames travel in pieces (split_frames).
-MAX_FRAME = 1 << 20
-_PIECE = MAX_FRAME - 4096  # CURVE adds its box and command header to each frame on the wire
-#: A connection that has not completed ZeroMQ's handshake (CURVE included) within this is closed.
-HANDSHAKE_IVL_MS = 10_000
-# First frame of a message whose large frames were cut into pieces; then the layout (pieces per frame).
-_PIECES = b"\x00pieces"
-_LAYOUT = "Q"
-
-
-_COPY_BELOW = 65536  # frames smaller than this are copied into ZeroMQ: cheaper than tracking them
-
-
-def send_frames(sock: zmq.Socket, frames: Frames) -> None:
-    """Send a multipart message: small frames copied, large ones and received Frames without a copy.
-
-    Several times cheaper than ``send_multipart`` for small messages, which matters on the hot path.
-    The caller must not change a large frame's buffer until ZeroMQ has sent it (see ``_Connection.send``).
-    """
-    last = len(frames) - 1
-    for i, frame in enumerate(frames):
-        flags = zmq.SNDMORE if i < last else 0
-        if type(frame) is bytes:
-            sock.send(frame, flags)
-        else:
-            sock.send(frame, flags, copy=_nbytes(frame) < _COPY_BELOW)
-
-
-def split_frames(frames: Frames) -> Frames:
-    """``frames`` as a node's socket takes them: unchanged when every frame fits in :data:`MAX_FRAME`,
-    else ``[_PIECES, layout, *pieces]`` (pieces share memory with the frames; the node joins them)."""
-    if all(_nbytes(f) <= _PIECE for f in frames):
-        return frames
-    counts, pieces = [], []
-    for frame in frames:
-        size = _nbytes(frame)
-        if size <= _PIECE:
-            counts.append(1)
-            pieces.append(frame)
-            continue
-        view = memoryview(frame).cast("B") if type(frame) is not memoryview else frame.cast("B")
-        counts.append((size + _PIECE - 1) // _PIECE)
-        pieces.extend(view[at:at + _PIECE] for at in range(0, size, _PIECE))
-    return [_PIECES, array.array(_LAYOUT, counts).tobytes(), *pieces]
-
-
-def _join_pieces(frames: List[Any]) -> List[Any]:
-    """The frames of a message made by :func:`split_frames` (``frames`` from its layout on)."""
-    counts = array.array(_LAYOUT)
-    counts.frombytes(frames[0].bytes)
-    pieces, out, at = frames[1:], [], 0
-    if sum(counts) != len(pieces) or any(c < 1 for c in counts):
-        raise ValueError("a message in pieces does not match its layout")
-    for count in counts:
-        if count == 1:
-            out.append(pieces[at])
-        else:
-            whole = bytearray(sum(len(p) for p in pieces[at:at + count]))
-            pos = 0
-            for piece in pieces[at:at + count]:
-                whole[pos:pos + len(piece)] = piece.buffer
-                pos += len(piece)
-            out.append(whole)
-        at += count
-    return out
-
-
-def _nbytes(frame: Any) -> int:
-    if type(frame) is memoryview:
-        return frame.nbytes
-    return len(frame)  # bytes, bytearray, zmq.Frame
-
-
-class TransportError(OSError):
-    """A node could not be reached or answered with an error."""
 
 
 def _bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int]]) -> int:
@@ -185,18 +91,6 @@ def _bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, in
         raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
 
 
-def _context() -> zmq.Context:
-    return zmq.Context.instance()
-
-
-def keep_alive(sock: zmq.Socket) -> None:
-    """TCP keepalive on a ZeroMQ socket's connections, with the streams' timings (stream.keep_alive)."""
-    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, _stream.KEEPALIVE_IDLE_S)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, _stream.KEEPALIVE_INTERVAL_S)
-    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, _stream.KEEPALIVE_COUNT)
-
-
 Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
 
 
@@ -215,11 +109,11 @@ class _RemoteWaiter(Waiter):
         undeliverable = None
         if status == OK and frames:
             # An item handed to a reader whose process has gone goes back to the front of its mailbox.
-            undeliverable = functools.partial(self.node._put_back, self.box_id, frames)
-        self.answer([_REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
+            undeliverable = functools.partial(self.node.put_back, self.box_id, frames)
+        self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
-class Node:
+class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
     def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
@@ -229,11 +123,9 @@ class Node:
         self.secret = secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
-        self.lock = threading.Lock()
-        self.boxes: Dict[int, Mailbox] = {}
-        self._ids = itertools.count(1)
+        super().__init__()
         self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
-        ctx = _context()
+        ctx = wire.context()
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 0)
@@ -241,9 +133,9 @@ class Node:
         # no high-water mark, so that the I/O thread never blocks on a slow peer (requests bound the load).
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.SNDHWM, 0)
-        keep_alive(self._router)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
-        self._router.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        wire.keep_alive(self._router)
+        self._router.setsockopt(zmq.MAXMSGSIZE, wire.MAX_FRAME)
+        self._router.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
         curve = crypto.zmq_encrypted(self.encrypt, host)
         if curve:
             crypto.curve_server(self._router, secret)
@@ -256,8 +148,6 @@ class Node:
         self.host, self.advertise, self.port_range = host, advertise, port_range
         #: How this address was chosen, in words (for errors that name it).
         self.why = f"host={host}" + (f", advertise={advertise}" if advertise else "")
-        # Pipe ends claimed for a direct stream: (inbox or 0, outbox or 0) -> the claim (a dict).
-        self.claims: Dict[Tuple[int, int], dict] = {}
         # Other threads wake the I/O thread through a pipe: one system call, no ZeroMQ socket per thread.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -265,12 +155,9 @@ class Node:
         self._outbox: "collections.deque[Frames]" = collections.deque()
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
-        # Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
-        self._authenticated: Dict[bytes, str] = {}
-        # Connections (routing id, user id) told REAUTH, and those half-way through the handshake.
-        self._told: "collections.OrderedDict[Tuple[bytes, str], None]" = collections.OrderedDict()
-        self._handshakes: "collections.OrderedDict[Tuple[bytes, str], Tuple[bytes, bytes]]" = \
-            collections.OrderedDict()
+        # Who may talk to this node over ZeroMQ (roving.transport.auth); its peers read inline on the hot path.
+        self._door = auth.Door(secret, self._send, self._refusals)
+        self._authenticated = self._door.authenticated
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
@@ -285,9 +172,9 @@ class Node:
         # port listens, is no refusal)
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._poller.register(self._monitor, zmq.POLLIN)
-        self._peers: Dict[int, _stream.ServedStream] = {}
+        self._peers: Dict[int, ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
-        self._writable: "collections.deque[_stream.ServedStream]" = collections.deque()
+        self._writable: "collections.deque[ServedStream]" = collections.deque()
         self._purposes: Dict[str, Callable[[dict, _stream.Stream], bool]] = {}
         self._notices: Dict[bytes, Callable[[Frames], None]] = {}
         self._running = True
@@ -304,23 +191,6 @@ class Node:
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
-
-    # -- mailboxes ---------------------------------------------------------------------------
-    def new_box(self, maxsize: int = 0, track_writers: bool = False) -> int:
-        with self.lock:
-            box_id = next(self._ids)
-            self.boxes[box_id] = Mailbox(maxsize, track_writers)
-            return box_id
-
-    def items_in(self, box_id: int) -> int:
-        """How many items a mailbox holds now (0 when there is no such mailbox)."""
-        with self.lock:
-            box = self.boxes.get(box_id)
-            return len(box.items) if box is not None else 0
-
-    def drop_box(self, box_id: int) -> None:
-        with self.lock:
-            self.boxes.pop(box_id, None)
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -362,7 +232,7 @@ class Node:
         handler = self._purposes.get(str(purpose))
         return handler is not None and handler(request, stream)
 
-    def _want_write(self, peer: _stream.ServedStream) -> None:
+    def _want_write(self, peer: ServedStream) -> None:
         self._writable.append(peer)
         self._wake()
 
@@ -385,110 +255,6 @@ class Node:
         exit skips atexit handlers). Used by roving.shared to let go of shared memory."""
         self._at_close.append(fn)
 
-    def release_everywhere(self, key: Any) -> None:
-        """Forget every pipe end that ``key`` (a process that ended) held, claimed or gated here."""
-        uid = key.decode() if isinstance(key, bytes) else key
-        with self.lock:
-            for end in [e for e, c in self.claims.items() if c.get("uid") == uid]:
-                del self.claims[end]
-            for box in self.boxes.values():
-                if box.gates:
-                    box.open_gates_of(uid)
-                if box.track_writers and key in box.writers:
-                    box.release(key, all_holds=True)
-
-    def _claim(self, request: dict) -> dict:
-        """A process is about to use a pipe end (``request["end"]``: its inbox and outbox, 0 for none).
-
-        The first process to claim an end has it until it unclaims it; another one is told "no" (two
-        processes using one end at once keep to the mailboxes). When the other end is claimed by
-        another process, the answer names it ("go"): the claimant opens a stream to it.
-        """
-        inbox, outbox = (int(x) for x in request["end"])
-        uid = str(request["uid"])
-        held = self.claims.get((inbox, outbox))
-        if held is not None and held["uid"] != uid:
-            # Its holder must stop writing to its stream before this claimant writes to the mailbox.
-            return {"answer": "no", "holder": held.get("node")}
-        self.claims[(inbox, outbox)] = {"uid": uid, "stream": request.get("stream"),
-                                         "node": request.get("node")}
-        peer = self.claims.get((outbox, inbox))
-        if peer is not None and peer["uid"] != uid and peer.get("stream"):
-            return {"answer": "go", "stream": peer["stream"], "node": peer["node"]}
-        return {"answer": "wait"}
-
-    # -- operations, shared by local callers and the I/O thread (lock held) --------------------
-    def dispatch(self, op: bytes, box_id: int, timeout: float, payload: Frames,
-                 waiter: Waiter) -> Tuple[int, Optional[Frames]]:
-        """Run one operation. Returns (status, frames), or (-1, None) when ``waiter`` now waits."""
-        box = self.boxes.get(box_id)
-        if box is None:
-            return ERROR, [b"no such queue or pipe here: the process that created it has closed it"]
-        blocking = timeout != 0
-        if op == GET:
-            return box.get(waiter if blocking else None)
-        if op in (PUT, PUT_NOREPLY):
-            if op == PUT_NOREPLY and box.full():
-                # Only unbounded mailboxes are written without a reply; keep the item regardless.
-                box.items.append(payload)
-                box.unfinished += 1
-                return OK, None
-            return box.put(payload, waiter if blocking else None), None
-        if op == POLL:
-            return box.poll(waiter if blocking else None), None
-        if op == SIZE:
-            return OK, [struct.pack("<QQ", len(box.items) + len(box.putters), box.unfinished)]
-        if op == TASK_DONE:
-            status = box.task_done()
-            return status, [b"task_done() called too many times"] if status == ERROR else None
-        if op == JOIN:
-            return box.join(waiter if blocking else None), None
-        if op == PUT_FRONT:
-            box.put_front(payload)
-            return OK, None
-        if op == HOLD:
-            box.hold(bytes(payload[0]))
-            return OK, None
-        if op == CLAIM:
-            return OK, [json.dumps(self._claim(json.loads(bytes(payload[0])))).encode()]
-        if op == UNCLAIM:
-            request = json.loads(bytes(payload[0]))
-            end = tuple(int(x) for x in request["end"])
-            if self.claims.get(end, {}).get("uid") == request["uid"]:
-                del self.claims[end]
-            return OK, None
-        if op == GATE:
-            box.close_gate(bytes(payload[0]), bytes(payload[1]).decode(), bytes(payload[2]) == b"1")
-            return OK, None
-        if op == INSERT:
-            box.insert_at_gate(bytes(payload[0]), list(payload[1:]))
-            return OK, None
-        if op == UNGATE:
-            box.open_gate(bytes(payload[0]))
-            return OK, None
-        if op == RELEASE:
-            box.release(bytes(payload[0]))
-            return OK, None
-        return ERROR, [b"unknown operation"]
-
-    def call_local(self, op: bytes, box_id: int, timeout: float,
-                   payload: Frames = ()) -> Tuple[int, Optional[Frames]]:
-        """Run an operation from a thread of this process, waiting up to ``timeout`` (-1: forever)."""
-        timeout = timeouts.from_wire(timeout)
-        waiter = LocalWaiter()
-        with self.lock:
-            status, frames = self.dispatch(op, box_id, timeout, list(payload), waiter)
-        if status != -1:
-            return status, frames
-        if not waiter.wait(timeout):
-            with self.lock:
-                box = self.boxes.get(box_id)
-                if box is not None:
-                    box.cancel(waiter, _TIMEOUT_STATUS.get(op, EMPTY))
-                elif not waiter.done:
-                    waiter.fulfil(ERROR, [b"closed while waiting"])
-        return waiter.status, waiter.frames
-
     # -- I/O thread --------------------------------------------------------------------------
     def _post(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
         """Send ``frames`` (thread-safe); see :meth:`send_to` for ``undeliverable``."""
@@ -504,7 +270,7 @@ class Node:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
                 log.debug("roving node: a peer left before its answer")
-                self._authenticated.pop(frames[0], None)  # its connection is gone: so is its identity
+                self._door.forget(frames[0])  # its connection is gone: so is its identity
             elif not self._running:
                 return
             else:
@@ -513,12 +279,6 @@ class Node:
             if undeliverable is not None:
                 # Run later, on this thread and outside every lock: the sender may hold its own.
                 self._undeliverable.append(undeliverable)
-
-    def _put_back(self, box_id: int, frames: Frames) -> None:
-        with self.lock:
-            box = self.boxes.get(box_id)
-            if box is not None:
-                box.put_front(frames)
 
     def _run_undeliverable(self) -> None:
         while self._undeliverable:
@@ -581,7 +341,7 @@ class Node:
         while self._adopted:
             stream = self._adopted.popleft()
             try:
-                peer = _stream.ServedStream(stream, self._want_write)
+                peer = ServedStream(stream, self._want_write)
             except OSError as exc:  # it ended before it could be served
                 log.debug("roving node: a stream ended before it was served: %s", exc)
                 stream.close()
@@ -635,7 +395,7 @@ class Node:
                 self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
                                       "(a stranger, or a peer with another session's key)")
 
-    def _drop_peer(self, peer: _stream.ServedStream) -> None:
+    def _drop_peer(self, peer: ServedStream) -> None:
         """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
         if self._peers.get(peer.fd) is peer:
             del self._peers[peer.fd]
@@ -645,7 +405,7 @@ class Node:
                 pass
         self._undeliverable.extend(peer.drop())
 
-    def _serve_peer(self, peer: _stream.ServedStream, events: int) -> None:
+    def _serve_peer(self, peer: ServedStream, events: int) -> None:
         if events & zmq.POLLOUT:
             peer.flush()
             if not peer.pending:
@@ -655,10 +415,10 @@ class Node:
         messages, ended = peer.pump()
         for kind, frames in messages:
             try:
-                if kind != _REQUEST or len(frames) < 2:
+                if kind != REQUEST or len(frames) < 2:
                     raise ValueError(f"unexpected stream message {kind!r}")
                 self._request(bytes(frames[0]), frames[1], frames[2:],
-                              lambda out, undeliverable: peer.write(_ANSWER, out, undeliverable)
+                              lambda out, undeliverable: peer.write(ANSWER, out, undeliverable)
                               or (undeliverable is not None and self._defer(undeliverable)))
             except ValueError as exc:
                 log.warning("roving node: dropped a malformed stream message: %s", exc)
@@ -680,20 +440,18 @@ class Node:
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
-            if known is not None:  # a new connection under the routing id of one that has gone
-                del self._authenticated[ident]
-            self._handshake(ident, frames[1:])
+            self._door.knock(ident, frames[1:])
             return
         op = frames[1].bytes
-        if op == _PIECES:
-            frames = [frames[0], *_join_pieces(frames[2:])]
+        if op == PIECES:
+            frames = [frames[0], *wire.join_pieces(frames[2:])]
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:
             handler(ident, frames[2:])
             return
-        if op == _BYE:
-            self._authenticated.pop(ident, None)
+        if op == BYE:
+            self._door.forget(ident)
             return
         if len(frames) < 3:
             log.warning("roving node: malformed request from an authenticated peer dropped")
@@ -704,17 +462,17 @@ class Node:
     def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
         """Serve one request of an authenticated peer, over ZeroMQ or a stream alike: ``answer`` (any
         thread) sends a reply back the way the request came."""
-        if len(header) != _HEADER.size:
+        if len(header) != HEADER.size:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
-        box_id, req_id, timeout = _HEADER.unpack(header)
+        box_id, req_id, timeout = HEADER.unpack(header)
         timeout = timeouts.from_wire(timeout)  # inf or NaN from a peer must not reach the deadlines
         if op == PING:
-            answer([_REPLY.pack(req_id, OK)], None)
+            answer([REPLY.pack(req_id, OK)], None)
             return
         if op == STREAMS:
             address = self.streams().address if streams_enabled else ""
-            answer([_REPLY.pack(req_id, OK), address.encode()], None)
+            answer([REPLY.pack(req_id, OK), address.encode()], None)
             return
         notice = self._notices.get(op)
         if notice is not None:
@@ -726,51 +484,15 @@ class Node:
             if status == -1:
                 if timeout > 0:
                     heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), box_id,
-                                                     waiter, _TIMEOUT_STATUS.get(op, EMPTY)))
+                                                     waiter, TIMEOUT_STATUS.get(op, EMPTY)))
                 return
         if op not in NO_REPLY:
             item = None
             if op == GET and status == OK and out:
-                item = functools.partial(self._put_back, box_id, out)
-            answer([_REPLY.pack(req_id, status), *(out or ())], item)
+                item = functools.partial(self.put_back, box_id, out)
+            answer([REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
             log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
-
-    def _handshake(self, ident: bytes, frames: List[zmq.Frame]) -> None:
-        if not frames:
-            return
-        user = frames[0].get("User-Id")
-        key = (ident, user)  # a handshake belongs to its connection, as its outcome does
-        kind = frames[0].bytes if len(frames[0]) <= 16 else b""
-        if kind == _HELLO and len(frames) == 2 and len(frames[1]) == auth.NONCE_BYTES:
-            client_nonce, server_nonce = frames[1].bytes, auth.new_nonce()
-            self._handshakes[key] = (client_nonce, server_nonce)
-            while len(self._handshakes) > _MAX_PENDING_HANDSHAKES:
-                self._handshakes.popitem(last=False)
-            proof = auth.server_proof(self.secret, client_nonce, server_nonce)
-            self._send([ident, _CHALLENGE, server_nonce, proof])
-            return
-        if kind == _PROOF and len(frames) == 2 and key in self._handshakes:
-            client_nonce, server_nonce = self._handshakes.pop(key)
-            if auth.verify(auth.client_proof(self.secret, client_nonce, server_nonce), frames[1].bytes):
-                self._authenticated[ident] = user
-                self._send([ident, _WELCOME])
-                return
-            self._refusals.refuse(frames[0].get("Peer-Address"), "it failed to prove the session secret")
-            self._send([ident, _DENIED])
-            return
-        if kind in (_BYE, _HELLO, _PROOF):  # a late goodbye, or a handshake message out of turn
-            return
-        # Once per connection: its peer re-connects (a new, authenticated connection) or gives up.
-        if key not in self._told:
-            self._told[key] = None
-            while len(self._told) > _MAX_PENDING_HANDSHAKES:
-                self._told.popitem(last=False)
-            self._refusals.refuse(frames[0].get("Peer-Address"),
-                                  f"dropped {len(frames)} frame(s) from a connection that has not "
-                                  "authenticated (a client re-connected after a network drop, or a "
-                                  "stranger); it is told so")
-            self._send([ident, _REAUTH])
 
     def close(self) -> None:
         """Stop serving. Waiting local callers are answered with an error."""

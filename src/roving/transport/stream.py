@@ -6,7 +6,7 @@ connection whose bytes are read and written by the threads that need them:
 
 * a thread that makes requests of another process's node (queue puts and gets, pipe operations) has a
   stream to that node: it writes its requests and reads its answers itself, and the node's I/O thread
-  serves the node's side without ever blocking (:class:`ServedStream`);
+  serves the node's side without ever blocking (:class:`.served.ServedStream`);
 * the two ends of a pipe used by two processes talk over a stream of their own, with no I/O thread on
   either side (:mod:`roving.transport.link` decides when).
 
@@ -28,11 +28,14 @@ Guarantees:
   uses as its memory (numpy arrays, tensors, bytearrays).
 * Messages arrive whole and in the order written, or the stream reports its end: :meth:`Stream.recv`
   raises EOFError when the peer closed or died (a message cut short by that is dropped, never returned).
+
+This module opens streams (:func:`connect`, :class:`Listener`) and reads and writes them with blocking
+calls (:class:`Stream`); how messages are laid out in bytes is :mod:`.framing`'s, the TLS socket that
+two threads share is :mod:`.tls`'s, and the I/O thread's side of a stream is :mod:`.served`'s.
 """
 from __future__ import annotations
 
 import collections
-import ctypes
 import json
 import logging
 import os
@@ -43,258 +46,24 @@ import ssl
 import struct
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import addressing, auth
 from . import crypto
+from . import tls
+from .framing import Reader, advance, encode
 from .guard import Admission, Refusals
 
 log = logging.getLogger(__name__)
 
 _GREETING = b"roving-stream/1\n"  # a plain-text stream follows
 _GREETING_TLS = b"roving-stream/T\n"  # a TLS handshake follows, then the stream
-_HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
 _LENGTH = struct.Struct("<Q")
 _MAX_REQUEST = 16384
-_BUFFER = 256 * 1024
-_OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
 #: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
 HANDSHAKE_TIMEOUT = 10.0
 _MAX_HANDSHAKES = 128  # connections authenticating at once; more are dropped
 _MAX_HANDSHAKES_PER_SOURCE = 16  # of them from one address
-_JOIN = 64 * 1024  # over TLS, buffers smaller than this are joined into one write (one record)
-
-
-def _fresh_buffers():
-    """Makers of uninitialised bytes and bytearray objects, filled by the reader before anyone sees
-    them (the C API's documented way to build one), so that a large frame is written once, by the
-    kernel, instead of being zeroed first and, for bytes, copied again."""
-    try:
-        api = ctypes.pythonapi
-        new_bytes, as_string = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
-        new_bytearray = api.PyByteArray_FromStringAndSize
-    except AttributeError:  # not CPython
-        return (lambda n: None), bytearray
-    new_bytes.restype = new_bytearray.restype = ctypes.py_object
-    new_bytes.argtypes = new_bytearray.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-    as_string.restype, as_string.argtypes = ctypes.c_void_p, [ctypes.py_object]
-
-    def bytes_to_fill(n: int) -> Tuple[bytes, memoryview]:
-        obj = new_bytes(None, n)
-        return obj, memoryview((ctypes.c_char * n).from_address(as_string(obj))).cast("B")
-
-    return bytes_to_fill, (lambda n: new_bytearray(None, n))
-
-
-_bytes_to_fill, _bytearray = _fresh_buffers()
-
-
-def _is_bytes(frame: Any) -> bool:
-    """Whether a frame is (the memory of) a bytes object: it is rebuilt as one on the other side."""
-    return type(frame) is bytes or type(frame) is memoryview and type(frame.obj) is bytes
-
-
-def _wire(kind: bytes, frames: Sequence[Any]) -> List[Any]:
-    """A message as the buffers to write: its header, then its frames (not copied)."""
-    views = [f if type(f) is bytes else memoryview(f).cast("B") for f in frames]
-    marks = [len(v) << 1 | _is_bytes(f) for v, f in zip(views, frames)]
-    # (empty frames are in the header only: a zero-length buffer would never count as written)
-    return [_HEAD.pack(kind, len(views)) + struct.pack(f"<{len(views)}Q", *marks), *(v for v in views if len(v))]
-
-
-def _advance(todo: Deque[Any], sent: int) -> None:
-    """Drop ``sent`` bytes from the front of a list of buffers."""
-    while sent:
-        first = len(todo[0])
-        if sent >= first:
-            sent -= first
-            todo.popleft()
-        else:
-            todo[0] = memoryview(todo[0])[sent:]
-            sent = 0
-
-
-class _TlsSocket:
-    """A TLS connection that two threads may read and write at once (a stream's reader and writer):
-    OpenSSL's object is used by one thread at a time, the socket is non-blocking underneath, and a
-    blocking call waits outside the lock. ``blocking=False`` makes calls raise BlockingIOError instead
-    of waiting (an I/O thread's stream)."""
-
-    def __init__(self, ssock: ssl.SSLSocket) -> None:
-        ssock.setblocking(False)
-        self.ssock = ssock
-        self.blocking = True
-        self._lock = threading.Lock()
-        self._fd = ssock.fileno()
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def _call(self, fn: Callable[[], int], want: int) -> int:
-        while True:
-            with self._lock:
-                try:
-                    return fn()
-                except ssl.SSLWantReadError:
-                    want = select.POLLIN
-                except ssl.SSLWantWriteError:
-                    want = select.POLLOUT
-            if not self.blocking:
-                raise BlockingIOError("the TLS stream has nothing to give or take now")
-            poller = select.poll()
-            poller.register(self._fd, want)
-            poller.poll()
-
-    def recv_into(self, view: Any) -> int:
-        return self._call(lambda: self.ssock.recv_into(view), select.POLLIN)
-
-    def send(self, data: Any) -> int:
-        return self._call(lambda: self.ssock.send(data), select.POLLOUT)
-
-    def sendall(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            view = view[self.send(view):]
-
-    def pending(self) -> int:
-        with self._lock:
-            return self.ssock.pending()
-
-    def setblocking(self, flag: bool) -> None:
-        self.blocking = flag
-
-    def settimeout(self, value: Optional[float]) -> None:
-        self.blocking = value != 0
-
-    def setsockopt(self, *args: Any) -> None:
-        self.ssock.setsockopt(*args)
-
-    def shutdown(self, how: int) -> None:
-        socket.socket.shutdown(self.ssock, how)  # the TCP connection: a thread waiting on it returns
-
-    def close(self) -> None:
-        self.ssock.close()
-
-
-def _tls_write(sock: _TlsSocket, todo: Deque[Any], retry: bool) -> int:
-    """Write the front of ``todo`` to a TLS stream; the bytes written. Small buffers at the front are
-    joined first, in place (unless this is the retry of a write that could not finish: OpenSSL wants
-    the same bytes again), so that a small message is one record."""
-    if not retry and len(todo) > 1 and len(todo[0]) < _JOIN:
-        size = count = 0
-        for buf in todo:
-            if size + len(buf) > _JOIN and count:
-                break
-            size += len(buf)
-            count += 1
-        if count > 1:
-            joined = b"".join([todo.popleft() for _ in range(count)])
-            todo.appendleft(joined)
-    return sock.send(todo[0])
-
-
-class _Reader:
-    """Assembles the messages of a stream from its bytes. All its state lives here, so a read that is
-    interrupted (a signal, or nothing yet on a non-blocking socket) resumes where it stopped."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.ready: Deque[Tuple[bytes, List[Any]]] = collections.deque()
-        self.ended = False
-        self._buf = bytearray(_BUFFER)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-        self._msg: Optional[Tuple[bytes, Tuple[int, ...], List[Any]]] = None
-        self._big: Optional[List[Any]] = None  # [frame, view, bytes in]: a large frame being read
-
-    def buffered(self) -> bool:
-        return bool(self.ready) or self._end > self._start
-
-    def step(self) -> None:
-        """Parse what is buffered; if that completes no message, read once from the socket (blocking,
-        or BlockingIOError on a non-blocking socket with nothing to read) and parse again."""
-        while self._parse():
-            pass
-        if self.ready:
-            return
-        if self._big is not None:
-            frame, view, have = self._big
-            got = self.sock.recv_into(view[have:])
-            if got:
-                self._big[2] = have + got
-                if have + got == len(view):
-                    view.release()
-                    self._big = None
-                    self._msg[2].append(frame)
-        else:
-            if self._start == self._end:
-                self._start = self._end = 0
-            elif self._end == len(self._buf):
-                self._compact()
-            got = self.sock.recv_into(self._view[self._end:])
-            self._end += got
-        if not got:
-            self.ended = True
-            return
-        while self._parse():
-            pass
-
-    def _compact(self) -> None:
-        left = self._end - self._start
-        if self._start:
-            self._view[:left] = self._view[self._start:self._end]
-            self._start, self._end = 0, left
-        if self._end == len(self._buf):  # a header larger than the buffer: grow it
-            self._view.release()
-            self._buf.extend(bytes(len(self._buf)))
-            self._view = memoryview(self._buf)
-
-    def _parse(self) -> bool:
-        """Take what the buffer holds of the current message; True when that completed one."""
-        if self._big is not None:
-            return False
-        avail = self._end - self._start
-        if self._msg is None:
-            if avail < _HEAD.size:
-                return False
-            kind, count = _HEAD.unpack_from(self._view, self._start)
-            if avail < _HEAD.size + 8 * count:
-                if self._start + _HEAD.size + 8 * count > len(self._buf):
-                    self._compact()
-                return False
-            marks = struct.unpack_from(f"<{count}Q", self._view, self._start + _HEAD.size)
-            self._start += _HEAD.size + 8 * count
-            self._msg = (kind, marks, [])
-        kind, marks, frames = self._msg
-        while len(frames) < len(marks):
-            mark = marks[len(frames)]
-            length, avail = mark >> 1, self._end - self._start
-            if length >= _OWN_BUFFER:
-                made = _bytes_to_fill(length) if mark & 1 else None
-                if made is None:
-                    frame = _bytearray(length)
-                    view = memoryview(frame)
-                else:
-                    frame, view = made
-                have = min(length, avail)
-                view[:have] = self._view[self._start:self._start + have]
-                self._start += have
-                if have < length:
-                    self._big = [frame, view, have]
-                    return False
-                view.release()
-                frames.append(frame)
-            elif avail >= length:
-                chunk = self._view[self._start:self._start + length]
-                frames.append(bytes(chunk) if mark & 1 else bytearray(chunk))
-                self._start += length
-            else:
-                if self._start + length > len(self._buf):
-                    self._compact()
-                return False
-        self.ready.append((kind, frames))
-        self._msg = None
-        return True
 
 
 #: TCP keepalive of every connection: a peer whose machine vanished without closing (power lost, a
@@ -330,10 +99,10 @@ class Stream:
         keep_alive(sock)
         self.sock = sock
         #: Whether the stream is TLS (roving.transport.crypto).
-        self.encrypted = type(sock) is _TlsSocket
+        self.encrypted = type(sock) is tls.TlsSocket
         self.write_lock = threading.Lock()
         self.read_lock = threading.Lock()
-        self._reader = _Reader(sock)
+        self._reader = Reader(sock)
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
         self.closed = False
@@ -343,20 +112,20 @@ class Stream:
         """Write one message; returns once all of it is in the kernel. OSError if the peer has gone."""
         if self.closed:
             raise BrokenPipeError("the stream is closed")
-        todo = collections.deque(_wire(kind, frames))
+        todo = collections.deque(encode(kind, frames))
         total = sum(len(v) for v in todo)
         sent = 0
         try:
             if self.encrypted:
                 while todo:
-                    n = _tls_write(self.sock, todo, False)
+                    n = tls.write(self.sock, todo, False)
                     sent += n
-                    _advance(todo, n)
+                    advance(todo, n)
                 return
             while todo:
                 n = self.sock.sendmsg(list(itertools.islice(todo, 512)) if len(todo) > 512 else todo)
                 sent += n
-                _advance(todo, n)
+                advance(todo, n)
         except BaseException:
             if 0 < sent < total:  # the peer would read the rest of a message as the next one
                 self.close()
@@ -399,137 +168,6 @@ class Stream:
                 pass
 
 
-class ServedStream:
-    """A stream that an I/O thread serves: never blocks. ``pump`` returns the messages that have come
-    in whole so far; ``write`` (from any thread) sends what the socket takes now and queues the rest,
-    which the I/O thread writes as the socket drains (:meth:`flush` when it polls writable).
-
-    Guarantees: messages are written whole and in the order of ``write`` calls; a message that cannot
-    be written in full because the stream ended has its ``undeliverable`` callback returned by
-    :meth:`drop` (a message that did reach the kernel is considered delivered).
-    """
-
-    _IOV = 512
-
-    def __init__(self, stream: Stream, want_write: Callable[["ServedStream"], None]) -> None:
-        self.sock = stream.sock
-        self.sock.setblocking(False)
-        self.fd = self.sock.fileno()
-        self._want_write = want_write
-        self._lock = threading.Lock()
-        self._out: Deque[Any] = collections.deque()  # buffers still to write
-        self._ends: Deque[Tuple[int, Optional[Callable[[], None]]]] = collections.deque()
-        self._queued = 0  # bytes in _out; _ends holds (bytes left until a message's end, callback)
-        self.closed = False
-        self._reader = _Reader(self.sock)
-        self._tls = stream.encrypted
-        self._retry = False  # a TLS write could not finish: the same bytes go first again
-
-    def _write_some(self, todo: Deque[Any]) -> int:
-        """Write what the socket takes now from the front of ``todo`` and drop it from there; the bytes
-        written. BlockingIOError when it takes nothing."""
-        if not self._tls:
-            sent = self.sock.sendmsg(list(itertools.islice(todo, self._IOV)))
-            _advance(todo, sent)
-            return sent
-        sent = 0
-        while todo:
-            try:
-                n = _tls_write(self.sock, todo, self._retry)
-            except BlockingIOError:
-                self._retry = True
-                if sent:
-                    return sent
-                raise
-            self._retry = False
-            sent += n
-            _advance(todo, n)
-        return sent
-
-    @property
-    def pending(self) -> bool:
-        return bool(self._out)
-
-    # -- writing -----------------------------------------------------------------------------
-    def write(self, kind: bytes, frames: Sequence[Any],
-              undeliverable: Optional[Callable[[], None]] = None) -> bool:
-        """Send or queue one message; False (nothing sent) when the stream has ended."""
-        todo = _wire(kind, frames)
-        size = sum(len(v) for v in todo)
-        notify = False
-        with self._lock:
-            if self.closed:
-                return False
-            if not self._out:
-                try:
-                    if self._tls:
-                        todo = collections.deque(todo)
-                        sent = self._write_some(todo)  # takes what it wrote off todo
-                    else:
-                        sent = self.sock.sendmsg(todo[:self._IOV])
-                except BlockingIOError:
-                    sent = 0
-                except OSError:
-                    self.closed = True
-                    return False
-                if sent == size:
-                    return True
-                if not self._tls:
-                    todo = collections.deque(todo)
-                    _advance(todo, sent)
-                size -= sent
-                notify = True
-            self._out.extend(todo)
-            self._queued += size
-            self._ends.append((self._queued, undeliverable))
-        if notify:
-            self._want_write(self)
-        return True
-
-    def flush(self) -> None:
-        """Write what the socket takes now of the queued messages (the I/O thread, when writable)."""
-        with self._lock:
-            while self._out and not self.closed:
-                try:
-                    sent = self._write_some(self._out)
-                except BlockingIOError:
-                    return
-                except OSError:
-                    self.closed = True
-                    return
-                self._queued -= sent
-                self._ends = collections.deque((end - sent, fn) for end, fn in self._ends if end - sent > 0)
-
-    # -- reading -----------------------------------------------------------------------------
-    def pump(self) -> Tuple[List[Tuple[bytes, List[Any]]], bool]:
-        """Read what has come: (whole messages, whether the stream has ended)."""
-        reader = self._reader
-        messages: List[Tuple[bytes, List[Any]]] = []
-        while not reader.ended:
-            try:
-                reader.step()
-            except BlockingIOError:
-                break
-            except OSError:
-                reader.ended = True
-            messages.extend(reader.ready)
-            reader.ready.clear()
-        return messages, reader.ended
-
-    def drop(self) -> List[Callable[[], None]]:
-        """Close; returns the callbacks of messages that were not written in full."""
-        with self._lock:
-            self.closed = True
-            callbacks = [fn for _, fn in self._ends if fn is not None]
-            self._out.clear()
-            self._ends.clear()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        return callbacks
-
-
 # -- opening streams ---------------------------------------------------------------------------
 
 def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
@@ -547,7 +185,7 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: float) -> _TlsSocket:
+def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: float) -> tls.TlsSocket:
     """Run the TLS 1.3 handshake over ``sock`` before ``deadline``; the TLS stream, or OSError."""
     server_ctx, client_ctx = crypto.tls_contexts(secret)
     ctx = server_ctx if server else client_ctx
@@ -566,7 +204,7 @@ def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: f
         poller.register(ssock.fileno(), want)
         if left <= 0 or not poller.poll(left * 1000):
             raise StreamError("the TLS handshake did not finish in time")
-    return _TlsSocket(ssock)
+    return tls.TlsSocket(ssock)
 
 
 class _Timed:
@@ -576,11 +214,11 @@ class _Timed:
         self.sock, self.deadline = sock, deadline
 
     def settimeout(self, left: float) -> None:
-        if type(self.sock) is not _TlsSocket:
+        if type(self.sock) is not tls.TlsSocket:
             self.sock.settimeout(left)
 
     def recv(self, size: int) -> bytes:
-        if type(self.sock) is not _TlsSocket:
+        if type(self.sock) is not tls.TlsSocket:
             return self.sock.recv(size)
         buf = bytearray(size)
         while True:  # a record may come in parts: wait again, until the deadline
@@ -599,14 +237,14 @@ class _Timed:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise StreamError("the handshake did not finish in time")
-        if type(self.sock) is _TlsSocket:
+        if type(self.sock) is tls.TlsSocket:
             self.sock.sendall(data)  # small: the kernel takes it at once
         else:
             self.sock.settimeout(left)
             self.sock.sendall(data)
 
 
-def _wait(sock: _TlsSocket, want: int, deadline: float) -> bool:
+def _wait(sock: tls.TlsSocket, want: int, deadline: float) -> bool:
     if want == select.POLLIN and sock.pending():
         return True
     left = deadline - time.monotonic()
@@ -635,7 +273,7 @@ def connect(address: str, secret: bytes, request: dict, timeout: float,
         raise StreamError(f"cannot reach the roving stream listener at {address}: {exc}") from exc
     link: Any = sock
     try:
-        client_nonce = auth.new_nonce()
+        handshake = auth.ClientHandshake(secret)
         if tls:
             sock.sendall(_GREETING_TLS)
             try:
@@ -645,24 +283,22 @@ def connect(address: str, secret: bytes, request: dict, timeout: float,
                     f"the roving stream listener at {address} failed the TLS handshake (not of this "
                     f"session?): {exc}") from exc
             wire = _Timed(link, deadline)
-            wire.sendall(client_nonce)
+            wire.sendall(handshake.hello)
         else:
             wire = _Timed(link, deadline)
-            wire.sendall(_GREETING + client_nonce)
+            wire.sendall(_GREETING + handshake.hello)
         try:
-            answer = _recv_exact(wire, 2 * auth.NONCE_BYTES, deadline)
+            answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES, deadline)
         except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
             if not tls or "in time" in str(exc):
                 raise
             raise auth.AuthenticationError(
                 f"the roving stream listener at {address} ended the TLS stream after its handshake: it "
                 f"refused this process's certificate (another session's?) ({exc})") from exc
-        server_nonce, proof = answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:]
-        if not auth.verify(auth.server_proof(secret, client_nonce, server_nonce), proof):
-            raise auth.AuthenticationError(f"the roving stream listener at {address} failed to "
-                                           "authenticate")
+        proof = handshake.answer(answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:],
+                                 f"the roving stream listener at {address}")
         body = json.dumps(request).encode()
-        wire.sendall(auth.client_proof(secret, client_nonce, server_nonce) + _LENGTH.pack(len(body)) + body)
+        wire.sendall(proof + _LENGTH.pack(len(body)) + body)
         verdict = _recv_exact(wire, 1, deadline)
     except OSError as exc:
         link.close()
@@ -762,10 +398,9 @@ class Listener:
                 raise StreamError("plain text refused: streams from this address must be encrypted "
                                   f"(encrypt={self._encrypt!r})")
             wire = _Timed(link, deadline)
-            client_nonce, server_nonce = _recv_exact(wire, auth.NONCE_BYTES, deadline), auth.new_nonce()
-            wire.sendall(server_nonce + auth.server_proof(self._secret, client_nonce, server_nonce))
-            proof = _recv_exact(wire, 32, deadline)
-            if not auth.verify(auth.client_proof(self._secret, client_nonce, server_nonce), proof):
+            handshake = auth.ServerHandshake(self._secret, _recv_exact(wire, auth.NONCE_BYTES, deadline))
+            wire.sendall(handshake.challenge)
+            if not handshake.accepts(_recv_exact(wire, auth.PROOF_BYTES, deadline)):
                 raise auth.AuthenticationError("it failed to prove the session secret")
             (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))
             if size > _MAX_REQUEST:

@@ -1,11 +1,18 @@
-"""Every path rule holds on generated plans, over random networks (property-based)."""
+"""The planner: every route rule holds on generated plans over random networks (property-based), plans
+are deterministic by evaluation count, judged with replica synchronisation, report their progress; and
+its public helpers beside ``plan``/``replan`` (the input checks, the stage a joining node takes)."""
 
 import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from roving.pipeline import ModelSpec, PlanError, full_pipeline, plan, random_skip, simulate, validate
+from roving.pipeline import (ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, simulate,
+                             validate)
+from roving.pipeline.costs import stage_memory
+from roving.pipeline.network import Node
+from roving.pipeline.plan import Plan, Route
+from roving.pipeline.planner import check_inputs, place_joining
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
@@ -70,81 +77,6 @@ def test_planner_beats_random_paths_and_respects_budget_on_gcp12():
     r = random_skip(net, m, p.allocation, 4, 0.34, 16, seed=1)
     assert p.predicted_s < r.predicted_s
     assert simulate(net, m, p).makespan == pytest.approx(p.predicted_s)
-
-
-def test_planner_is_deterministic_for_a_seed_and_evaluation_count():
-    """The seeded path search, stopped by an evaluation count (not the clock), gives the same result
-    twice; another seed searches differently."""
-    import random
-    from roving.pipeline.paths import _Context, build_paths, improve_paths
-    net = small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 9)
-    ctx = _Context(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
-    start = build_paths(ctx, 10, 1)
-    assert start == build_paths(ctx, 10, 1)
-
-    def search(seed):
-        return improve_paths(ctx, start, 0.5, math.inf, random.Random(seed), max_evals=150)
-
-    a, b = search(7), search(7)
-    assert a[3] == 150  # stopped by the count, so a slower or faster machine gives the same result
-    assert a == b
-    trails = {tuple(search(seed)[0]) for seed in range(4)}
-    assert len(trails) > 1, "the seed must steer the search"
-
-
-def _hand_plan(stages=5, skip=0.0):
-    """One node per stage on one region; every microbatch visits the stages after 0 in order."""
-    from roving.pipeline import Plan
-    from roving.pipeline.paths import Path
-    net = small_network(1, [1], [1.0], stages)
-    names = net.names
-    alloc = {n: i for i, n in enumerate(names)}
-    return net, names, alloc, Plan, Path
-
-
-def test_validate_accepts_a_hand_made_valid_plan():
-    net, n, alloc, Plan, Path = _hand_plan()
-    p = Plan(5, 0.0, alloc, [Path(n[0], tuple(n[1:]), (1, 2, 3, 4))] * 2)
-    assert validate(p, net) == [] and validate(p, net, model=MODEL) == []
-
-
-def test_validate_reports_a_revisited_stage():
-    net, n, alloc, Plan, Path = _hand_plan()
-    p = Plan(5, 0.0, alloc, [Path(n[0], (n[1], n[2], n[2], n[4]), (1, 2, 2, 4))])
-    assert any("visits a stage twice" in msg for msg in validate(p, net))
-
-
-def test_validate_reports_three_inversions():
-    net, n, alloc, Plan, Path = _hand_plan()
-    p = Plan(5, 0.0, alloc, [Path(n[0], (n[2], n[3], n[4], n[1]), (2, 3, 4, 1))])  # 3 inversions
-    assert any("3 swaps, at most 2 allowed" in msg for msg in validate(p, net))
-    ok = Plan(5, 0.0, alloc, [Path(n[0], (n[2], n[3], n[1], n[4]), (2, 3, 1, 4))])  # 2 inversions
-    assert validate(ok, net) == []
-
-
-def test_validate_reports_unbalanced_stage_loads():
-    net, n, alloc, Plan, Path = _hand_plan(stages=4, skip=0.34)  # each microbatch visits 2 of 3 stages
-    both_skip_3 = [Path(n[0], (n[1], n[2]), (1, 2))] * 2  # loads [2, 2, 0]
-    problems = validate(Plan(4, 0.34, alloc, both_skip_3), net)
-    assert any("stage loads [2, 2, 0] differ by more than one" in msg for msg in problems)
-    spread = [Path(n[0], (n[1], n[2]), (1, 2)), Path(n[0], (n[1], n[3]), (1, 3))]  # loads [2, 1, 1]
-    assert validate(Plan(4, 0.34, alloc, spread), net) == []
-
-
-def test_validate_reports_an_origin_that_is_not_a_stage_0_node():
-    net, n, alloc, Plan, Path = _hand_plan()
-    p = Plan(5, 0.0, alloc, [Path(n[1], tuple(n[1:]), (1, 2, 3, 4))])
-    assert any(f"origin {n[1]} is not a live stage-0 node" in msg for msg in validate(p, net))
-
-
-def test_validate_reports_a_node_holding_a_stage_it_cannot_hold_in_memory():
-    from roving.pipeline.network import Node
-    net, n, alloc, Plan, Path = _hand_plan()
-    net = net.with_nodes([Node(x.name, x.region, x.speed, memory_mb=1.0 if x.name == n[2] else None)
-                          for x in net.nodes])
-    p = Plan(5, 0.0, alloc, [Path(n[0], tuple(n[1:]), (1, 2, 3, 4))])
-    assert validate(p, net) == []  # without the model, memory is not checked
-    assert any(f"node {n[2]} cannot hold stage 2" in msg for msg in validate(p, net, model=MODEL))
 
 
 def test_plan_rejects_impossible_settings_with_clear_errors():
@@ -223,20 +155,6 @@ def test_when_memory_binds_a_split_with_more_stage0_nodes_races_too():
     assert len(roomy.stats["splits"]) == 1
 
 
-def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_mean_finish():
-    """``_accepts``, the rule each move of ``improve_paths`` passes: on a plateau of the makespan the
-    microbatches' mean finish decides (a move that lets the other late ones end sooner is taken, one
-    that makes them later is not); a deadlocked candidate never replaces a plan that runs."""
-    from roving.pipeline.paths import _accepts
-    inf = math.inf
-    assert _accepts(9.0, 8.0, 10.0, 5.0), "a lower makespan is taken even with later finishes"
-    assert _accepts(10.0, 4.0, 10.0, 5.0) and _accepts(10.0, 5.0, 10.0, 5.0)
-    assert not _accepts(10.0, 6.0, 10.0, 5.0), "same makespan, later mean finish: not taken"
-    assert not _accepts(10.5, 1.0, 10.0, 5.0)
-    assert not _accepts(inf, inf, 10.0, 5.0), "a deadlock never replaces a plan that runs"
-    assert _accepts(10.0, 5.0, inf, inf) and _accepts(inf, inf, inf, inf)
-
-
 def test_plan_progress_reports_each_phase_and_leaves_the_search_as_it_was():
     from roving.pipeline import build_network, model_preset
 
@@ -255,3 +173,75 @@ def test_plan_progress_reports_each_phase_and_leaves_the_search_as_it_was():
     assert events[-1]["best_s"] == seen.predicted_s and events[-1]["evaluations"] == seen.stats["path_evaluations"]
     better = [e["best_s"] for e in events if e["phase"] == "paths"]
     assert better == sorted(better, reverse=True) and all(b >= seen.predicted_s for b in better)
+
+
+# ---- the input checks and the joining rule ----
+
+M8 = ModelSpec(layers=8, hidden=256, seq_len=64, samples_per_microbatch=2, vocab=8000, name="m8")
+
+
+def _plan(stages: int, stage_sets: list[tuple[int, ...]]) -> Plan:
+    """A plan whose routes visit the given stage sets (nodes do not matter to the joining rule)."""
+    return Plan(stages, 0.0, {}, [Route("o", tuple(f"n{s}" for s in ss), ss) for ss in stage_sets])
+
+
+def test_stage_visits_counts_every_microbatch_at_stage_0_and_each_visit_elsewhere():
+    assert _plan(4, [(1, 2), (2, 3), (1, 3), (3,)]).stage_visits() == [4, 2, 2, 3]
+    assert _plan(3, []).stage_visits() == [0, 0, 0]
+
+
+def test_check_inputs_returns_the_visits_and_names_what_is_wrong():
+    net = build_network("gcp12", 6)
+    assert check_inputs(net, M8, 4, 0.34, 8) == 2
+    with pytest.raises(PlanError, match="6 nodes cannot hold 7 stages"):
+        check_inputs(net, M8, 7, 0.0, 8)
+    with pytest.raises(PlanError, match="need at least one microbatch, got 0"):
+        check_inputs(net, M8, 4, 0.34, 0)
+    with pytest.raises(PlanError, match="leaves no stage besides stage 0"):
+        check_inputs(net, M8, 3, 0.9, 8)
+    tiny = build_network("gcp12", 6, memory_mb=1.0)
+    with pytest.raises(PlanError, match="cannot hold stage 0 of m8 in 4 stages"):
+        check_inputs(tiny, M8, 4, 0.34, 8)
+
+
+def test_a_joining_node_takes_the_lowest_stage_no_node_holds():
+    current = _plan(4, [(1, 2, 3)] * 4)
+    alloc = {"a": 0, "b": 2}
+    got = place_joining(current, alloc, [Node("j", "r")], M8)
+    assert got == {"a": 0, "b": 2, "j": 1}
+    assert alloc == {"a": 0, "b": 2}  # the caller's allocation is not changed
+
+
+def test_a_joining_node_skips_a_missing_stage_its_memory_cannot_hold():
+    stages = 3
+    needs = [stage_memory(M8, stages)[s].needs_mb(1) for s in range(stages)]
+    assert needs[0] > max(needs[1:])  # stage 0 holds the embedding and the head
+    small = Node("j", "r", memory_mb=(needs[0] + max(needs[1:])) / 2)
+    current = _plan(stages, [(1, 2)] * 2)
+    assert place_joining(current, {"b": 2}, [small], M8)["j"] == 1  # 0 is missing but too big
+    # when every missing stage is too big, it goes where the work per replica is highest
+    got = place_joining(current, {"b": 1, "c": 2, "d": 2}, [small], M8)
+    assert got["j"] == 1  # stage 1: 2 visits on 1 replica; stage 2: 2 visits on 2
+
+
+def test_with_every_stage_held_a_joining_node_goes_where_the_visits_per_replica_are_highest():
+    current = _plan(4, [(1, 2), (2, 3), (2, 3), (1, 2)])  # visits [4, 2, 4, 2]
+    alloc = {"z0": 0, "z1": 0, "s1": 1, "s2": 2, "s3": 3}  # per replica: 2, 2, 4, 2
+    assert place_joining(current, alloc, [Node("j", "r")], M8)["j"] == 2
+    tie = {"z0": 0, "z1": 0, "s1": 1, "s2": 2, "t2": 2, "s3": 3}  # per replica: 2, 2, 2, 2
+    assert place_joining(current, tie, [Node("j", "r")], M8)["j"] == 0  # the lowest on a tie
+
+
+def test_joining_nodes_are_placed_in_order_each_counting_for_the_next():
+    current = _plan(4, [(1, 2), (2, 3), (2, 3), (1, 2)])  # visits [4, 2, 4, 2]
+    alloc = {"z0": 0, "s1": 1, "s2": 2}  # stage 3 missing
+    got = place_joining(current, alloc, [Node("j1", "r"), Node("j2", "r"), Node("j3", "r")], M8)
+    assert got["j1"] == 3  # the missing stage first
+    assert got["j2"] == 0  # then per replica 4, 2, 4, 2: the lowest of the busiest
+    assert got["j3"] == 2  # stage 0 now has two replicas (2 each), stage 2 still 4
+
+
+def test_a_joining_node_that_can_hold_nothing_with_nothing_held_is_a_plan_error():
+    tiny = Node("j", "r", memory_mb=0.5)
+    with pytest.raises(PlanError, match="joining node j cannot hold any stage and no node holds one"):
+        place_joining(_plan(3, [(1, 2)]), {}, [tiny], M8)

@@ -27,9 +27,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .transport import node as _node
-from .transport.endpoint import Channel, ConnectionLost, TransportError, flush_sent
-from .transport import timeouts
+from . import node as _node
+from . import timeouts
+from .endpoint import Channel, ConnectionLost, TransportError, flush_sent
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,11 @@ class ServerGone(ConnectionError):
 
 def mark_dead(address: str) -> None:
     _dead.add(address)
+
+
+def is_dead(address: str) -> bool:
+    """Whether the server at ``address`` was found gone (every call to it now raises at once)."""
+    return address in _dead
 
 
 class Caller:

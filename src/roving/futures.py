@@ -1,0 +1,411 @@
+"""concurrent.futures on roving: :class:`Executor`, a ``ProcessPoolExecutor`` whose workers are roving
+processes on the configured backend, and which survives them.
+
+    from roving.futures import Executor          # instead of concurrent.futures.ProcessPoolExecutor
+    with Executor(max_workers=8) as ex: ...
+
+It is built on :class:`roving.Pool` (its workers, retries and resources) and hands out real
+:class:`concurrent.futures.Future` objects, so ``concurrent.futures.wait``, ``as_completed``, done
+callbacks and ``cancel()`` work unchanged.
+
+Guarantees:
+
+* A call that raises sets that exception on its future, with the remote traceback as ``__cause__``; it is
+  not retried.
+* A worker that dies (killed, out of memory, its job lost) costs only the calls whose results had not
+  reached this process: they run again on other workers, and each future gets its outcome exactly once. A
+  call that was running on ``max_task_retries`` workers that died fails with :class:`roving.WorkerLostError`,
+  on its own future only. The executor stays usable: there is no ``BrokenProcessPool`` for a lost worker.
+* An ``initializer`` that raises in a worker breaks the executor, as the standard library's does: the
+  futures not yet done and every later ``submit`` raise :class:`BrokenProcessPool` (the standard library's
+  class), whose ``__cause__`` is the initializer's exception with its remote traceback. So does a pool
+  whose workers cannot start at all (:class:`roving.PoolStartError` as the cause).
+* At most ``max_workers * QUEUED_PER_WORKER`` calls are handed to the pool at a time; the others wait here,
+  PENDING, and ``cancel()`` (or ``shutdown(cancel_futures=True)``) takes them back. A call handed to the
+  pool is RUNNING, as one in the standard library's call queue is, and cannot be cancelled.
+* ``map`` submits every call at once (as the standard library does) and yields results in input order;
+  ``timeout`` counts from the call to ``map``; a result not there in time raises ``TimeoutError`` and the
+  calls not yet started are cancelled, as are those after an exception.
+* Done callbacks run on the pool's callback thread, never in the caller's.
+* At interpreter exit the calls submitted are finished first (as the standard library does), then the
+  workers are stopped.
+"""
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import multiprocessing.context
+import queue
+import threading
+import time
+import weakref
+from concurrent.futures import Executor as _StdExecutor
+from concurrent.futures import Future
+from concurrent.futures.process import BrokenProcessPool
+from multiprocessing.pool import ExceptionWithTraceback, RemoteTraceback
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
+
+from .context import Context
+from .pool import Pool, PoolStartError, Progress, WorkerLostError
+from .process import cpu_count
+from .transport import timeouts
+
+__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
+
+log = logging.getLogger(__name__)
+
+#: Calls handed to the pool per worker, at most; the rest wait in the executor, cancellable. Enough to
+#: keep each worker's prefetch busy on short calls.
+QUEUED_PER_WORKER = 16
+
+_live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
+_exiting = False
+
+
+def _init_worker(report: Any, initializer: Callable[..., Any], initargs: Tuple[Any, ...]) -> None:
+    """Run the user's initializer in a worker; if it raises, tell the executor why (then the worker exits,
+    as a standard library worker does)."""
+    try:
+        initializer(*initargs)
+    except BaseException as exc:
+        try:
+            report.put(ExceptionWithTraceback(exc, exc.__traceback__))
+        except Exception:  # the exception cannot be pickled: its text must do
+            report.put(RuntimeError(f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+def _run_chunk(fn: Callable[..., Any], chunk: List[Tuple[Any, ...]]) -> List[Any]:
+    return [fn(*args) for args in chunk]
+
+
+class _Call:
+    """One submitted call: its future, what to hand the pool, and what the pool calls back with."""
+
+    __slots__ = ("ex", "future", "fn", "args", "kwargs")
+
+    def __init__(self, ex: "Executor", future: Future, fn: Callable[..., Any], args: Tuple[Any, ...],
+                 kwargs: dict) -> None:
+        self.ex, self.future, self.fn, self.args, self.kwargs = ex, future, fn, args, kwargs
+
+    # Once done, a call lets go of its executor and future: the pool may hold a finished result (and so
+    # this call) a while longer, and that must not keep an executor nobody uses from being collected.
+    def ok(self, value: Any) -> None:
+        ex, future, self.ex, self.future = self.ex, self.future, None, None
+        future.set_result(value)
+        ex._finished()
+
+    def failed(self, exc: BaseException) -> None:
+        ex, future, self.ex, self.future = self.ex, self.future, None, None
+        if isinstance(exc, PoolStartError):
+            ex._break(exc)
+        if ex._broken is not None and not isinstance(exc.__cause__, RemoteTraceback):
+            exc = ex._broken_error()  # not the call's own exception: the pool stopped for the executor
+        future.set_exception(exc)
+        ex._finished()
+
+
+class Executor(_StdExecutor):
+    """:class:`concurrent.futures.ProcessPoolExecutor` on roving processes; see the module docstring.
+
+    ``max_workers`` defaults to the CPUs the backend offers. ``mp_context`` may be a roving or a
+    multiprocessing context (every roving process starts as a fresh interpreter whatever its start
+    method). ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
+    ``max_task_retries``: how many dead workers one call may cost before it fails with WorkerLostError.
+    ``resources``: what each worker's job asks the backend for (``{"cpu": .., "memory": .., "gpu": ..}``),
+    as for :class:`roving.Pool`. Workers start at the first ``submit``.
+    """
+
+    def __init__(self, max_workers: Optional[int] = None, *, mp_context: Any = None,
+                 initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
+                 max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
+                 resources: Any = None) -> None:
+        if max_workers is None:
+            max_workers = cpu_count() or 1
+        elif not isinstance(max_workers, int) or isinstance(max_workers, bool):
+            raise TypeError(f"max_workers must be an int or None, not {type(max_workers).__name__}")
+        elif max_workers <= 0:
+            raise ValueError("max_workers must be greater than 0")
+        if mp_context is not None and not isinstance(mp_context, (Context, multiprocessing.context.BaseContext)):
+            raise TypeError(f"mp_context must be a roving or multiprocessing context, not {mp_context!r}")
+        if initializer is not None and not callable(initializer):
+            raise TypeError("initializer must be a callable")
+        if max_tasks_per_child is not None:
+            if not isinstance(max_tasks_per_child, int):
+                raise TypeError("max_tasks_per_child must be an integer")
+            if max_tasks_per_child <= 0:
+                raise ValueError("max_tasks_per_child must be >= 1")
+        if not isinstance(max_task_retries, int) or max_task_retries < 1:
+            raise ValueError(f"max_task_retries must be an int of at least 1, not {max_task_retries!r}")
+        self._max_workers = max_workers
+        self._initializer, self._initargs = initializer, tuple(initargs)
+        self._max_tasks_per_child = max_tasks_per_child
+        self._max_task_retries = max_task_retries
+        self._resources = resources  # checked by the Pool, at the first submit
+        self._window = max_workers * QUEUED_PER_WORKER
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when nothing is outstanding
+        self._pool: Optional[Pool] = None
+        self._report: Any = None  # the roving Queue an initializer that fails reports on
+        self._pending: Deque[_Call] = collections.deque()
+        self._running = 0  # calls handed to the pool, not yet done
+        self._shutdown = False
+        self._broken: Optional[BrokenProcessPool] = None
+        _live.add(self)
+
+    # -- the concurrent.futures API --------------------------------------------------------------
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Schedule ``fn(*args, **kwargs)`` on a worker; returns its Future. RuntimeError after shutdown,
+        BrokenProcessPool once the executor is broken (see the module docstring)."""
+        return self._submit(fn, args, kwargs, 1)
+
+    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: Optional[float] = None,
+            chunksize: int = 1, progress: bool = False) -> Iterator[Any]:
+        """``fn(*args)`` for the items of ``iterables`` taken together, results in input order (see the
+        module docstring). ``chunksize`` calls travel as one piece of work; ``progress=True`` draws a
+        progress bar on stderr (items done of the total, rate, time left), as :meth:`roving.Pool.map`."""
+        if chunksize < 1:
+            raise ValueError("chunksize must be >= 1.")
+        end = None if timeout is None else timeouts.limit(timeout) + time.monotonic()
+        calls = zip(*iterables)
+        if chunksize == 1:
+            futures = [self._submit(fn, args, {}, 1) for args in calls]
+        else:
+            futures = []
+            while True:
+                chunk = list(itertools.islice(calls, chunksize))
+                if not chunk:
+                    break
+                futures.append(self._submit(_run_chunk, (fn, chunk), {}, len(chunk)))
+        if progress:
+            total = len(futures) if chunksize == 1 else sum(f._roving_size for f in futures)
+            bar = Progress(total, getattr(fn, "__qualname__", None) or type(fn).__qualname__)
+            if total == 0:
+                bar.finish()
+            for f in futures:
+                f.add_done_callback(lambda f, bar=bar: bar.update(f._roving_size))
+        return _results(futures, end, chunksize > 1)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
+                 timeout: Optional[float] = None) -> None:
+        """Accept no more calls. ``cancel_futures=True`` cancels those not yet handed to the pool; the
+        rest run. ``wait=True`` returns once they are done and the workers have left (waiting at most
+        ``timeout`` seconds, roving's addition; the default waits as long as it takes, as the standard
+        library does); ``wait=False`` returns at once and the workers leave when the work is done."""
+        with self._lock:
+            self._shutdown = True
+            cancelled: List[_Call] = []
+            if cancel_futures:
+                cancelled, self._pending = list(self._pending), collections.deque()
+            pool = self._pool
+            idle = not self._pending and self._running == 0
+            if idle:
+                self._idle.notify_all()
+        for call in cancelled:  # outside the lock: done callbacks run here
+            call.future.cancel()
+            call.future.set_running_or_notify_cancel()
+        if pool is None:
+            return
+        if idle:
+            pool.close()
+        if not wait:
+            return
+        deadline = timeouts.deadline(timeout)
+        if self._wait_idle(deadline):
+            pool.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _wait_idle(self, deadline: Optional[float]) -> bool:
+        """Wait until no call is pending or running (until ``deadline`` at most); whether it came."""
+        with self._lock:
+            while self._pending or self._running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._idle.wait(left)
+        return True
+
+    @property
+    def usable(self) -> bool:
+        """Whether ``submit`` would accept a call: not shut down and not broken (roving's addition)."""
+        return not self._shutdown and self._broken is None and not _exiting
+
+    def __repr__(self) -> str:
+        state = "broken" if self._broken else "shutdown" if self._shutdown else "running"
+        return f"<roving.futures.Executor {state} max_workers={self._max_workers}>"
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an Executor cannot be pickled or passed to another process")
+
+    # -- submitting ----------------------------------------------------------------------------
+    def _submit(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict, size: int) -> Future:
+        future = Future()
+        future._roving_size = size  # items it stands for (map's progress bar)
+        call = _Call(self, future, fn, args, kwargs)
+        with self._lock:
+            if self._broken is not None:
+                raise BrokenProcessPool(self._broken.args[0]) from self._broken.__cause__
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            if _exiting:
+                raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+            if self._pending or self._running >= self._window:
+                self._pending.append(call)
+                return future
+            self._running += 1
+            try:
+                pool = self._pool if self._pool is not None else self._start()
+            except BaseException:  # the pool could not start (bad resources, ...): the error is the caller's
+                self._running -= 1
+                raise
+        if not self._hand(pool, call):
+            self._finished()
+        return future
+
+    def _start(self) -> Pool:
+        """The pool, started at the first call (under the lock)."""
+        initializer, initargs = self._initializer, self._initargs
+        if initializer is not None:
+            from .queues import Queue
+
+            self._report = Queue()
+            initializer, initargs = _init_worker, (self._report, initializer, initargs)
+            threading.Thread(target=_watch_init, args=(weakref.ref(self), self._report),
+                             name="roving-executor-init", daemon=True).start()
+        self._pool = Pool(self._max_workers, initializer, initargs, self._max_tasks_per_child,
+                          max_task_retries=self._max_task_retries, resources=self._resources)
+        # an executor dropped without shutdown() lets its workers go once their work is done (it cannot be
+        # collected before: every call not yet done holds it), as the standard library's does
+        weakref.finalize(self, self._pool.close).atexit = False
+        return self._pool
+
+    def _hand(self, pool: Pool, call: _Call) -> bool:
+        """Give one call (counted in ``_running``) to the pool; False when it is done already (it was
+        cancelled meanwhile, or the pool refused it), so that the caller counts it finished."""
+        future = call.future
+        if not future.set_running_or_notify_cancel():
+            return False
+        fn, args, kwargs = call.fn, call.args, call.kwargs
+        call.fn = call.args = call.kwargs = None
+        try:
+            pool.apply_async(fn, args, kwargs, callback=call.ok, error_callback=call.failed)
+        except PoolStartError as exc:
+            self._break(exc)
+            future.set_exception(self._broken_error())
+            return False
+        except BaseException as exc:  # the pool refused it (a roving.meta the workers cannot meet)
+            future.set_exception(exc)
+            return False
+        return True
+
+    def _finished(self) -> None:
+        """A call handed to the pool is done: hand it the next ones waiting; close the pool once the
+        executor is shut down and nothing is left. (A loop, not recursion: thousands of cancelled calls
+        may come one after another.)"""
+        done = 1
+        while done:
+            take: List[_Call] = []
+            with self._lock:
+                self._running -= done
+                while self._pending and self._running < self._window:
+                    take.append(self._pending.popleft())
+                    self._running += 1
+                pool = self._pool
+                idle = not self._pending and self._running == 0
+                if idle:
+                    self._idle.notify_all()
+            done = sum(1 for call in take if not self._hand(pool, call))
+            if idle and self._shutdown and pool is not None:
+                pool.close()
+
+    # -- broken --------------------------------------------------------------------------------
+    def _broken_error(self) -> BrokenProcessPool:
+        broken = self._broken
+        err = BrokenProcessPool(broken.args[0])
+        err.__cause__ = broken.__cause__
+        return err
+
+    def _break(self, cause: BaseException) -> None:
+        """The executor cannot run calls any more (an initializer failed, workers cannot start)."""
+        with self._lock:
+            if self._broken is not None:
+                return
+            if isinstance(cause, PoolStartError):
+                what = "the workers of this executor cannot start"
+            else:
+                what = f"the initializer failed in a worker ({type(cause).__name__}: {cause})"
+            broken = BrokenProcessPool(f"{what}; the executor is not usable any more")
+            broken.__cause__ = cause
+            self._broken = broken
+            pending = list(self._pending)
+            self._pending.clear()
+            pool = self._pool
+        log.error("roving executor: %s", broken)
+        for call in pending:
+            if call.future.set_running_or_notify_cancel():
+                call.future.set_exception(self._broken_error())
+        with self._lock:
+            if self._running == 0:
+                self._idle.notify_all()
+        if pool is not None:
+            pool.terminate()  # what was handed to it fails; failed() turns that into BrokenProcessPool
+
+
+def _watch_init(ref: "weakref.ref[Executor]", report: Any) -> None:
+    """Wait for word of an initializer that failed, and break the executor when it comes; ends when the
+    executor is gone or shut down with nothing left to run."""
+    while True:
+        try:
+            got = report.get(timeout=1.0)
+        except queue.Empty:
+            ex = ref()
+            if ex is None or ex._shutdown and not ex._pending and not ex._running:
+                return
+            ex = None
+            continue
+        except (OSError, EOFError, ValueError):  # the session ends
+            return
+        ex = ref()
+        if ex is not None:
+            ex._break(got)
+        return
+
+
+def _results(futures: List[Future], end: Optional[float], chunked: bool) -> Iterator[Any]:
+    """map's iterator: each future's result in order, each waited for until ``end`` at most; those left
+    are cancelled when the iterator stops early (an exception, a timeout, or it is closed)."""
+    futures.reverse()
+    try:
+        while futures:
+            fut = futures.pop()
+            try:
+                value = fut.result(None if end is None else end - time.monotonic())
+            finally:
+                fut.cancel()
+            if chunked:
+                yield from value
+            else:
+                yield value
+            del fut, value
+    finally:
+        for fut in futures:
+            fut.cancel()
+
+
+def _at_exit() -> None:
+    """Finish what was submitted to executors still alive (as the standard library does), then let their
+    workers go (waiting 10 s at most for each executor's workers to leave)."""
+    global _exiting
+    _exiting = True
+    for ex in list(_live):
+        try:
+            ex.shutdown(wait=False)
+            ex._wait_idle(None)
+            if ex._pool is not None:
+                ex._pool.join(10.0)
+        except Exception:
+            log.exception("roving executor: shutting down at exit failed")
+
+
+atexit.register(_at_exit)

@@ -1,0 +1,39 @@
+"""Every named model size, in one table: the architecture (``LlamaConfig``'s fields, model.py) of each.
+Training builds the sizes in ``TRAINING`` (``model.PRESETS``); the planner offers the sizes in
+``PLANNING`` as the cost model sees them (``costs.MODEL_PRESETS``), each with the run shape the
+cost model assumes for it. Both tables are made from this one, so a size is written down once.
+
+Plain data and the standard library only: planning never needs PyTorch.
+"""
+
+from __future__ import annotations
+
+#: name -> LlamaConfig's fields. tiny runs the tests on 2 CPU cores; 500m and 1b are the sizes SkipPipe
+#: trains (with LLaMA's 32000-token vocabulary the embedding and head add 82M and 131M parameters); the
+#: llama-* sizes are close to the ones the paper plans for (500M to 8B, sequence length 1024).
+ARCHITECTURES: dict[str, dict] = {
+    "tiny": dict(vocab_size=256, dim=64, n_layers=4, n_heads=4, multiple_of=32, max_seq_len=64),
+    "small": dict(vocab_size=256, dim=128, n_layers=8, n_heads=4, multiple_of=32, max_seq_len=128),
+    "500m": dict(vocab_size=32000, dim=1280, n_layers=24, n_heads=20, multiple_of=256, max_seq_len=1024),
+    "1b": dict(vocab_size=32000, dim=2048, n_layers=18, n_heads=16, multiple_of=256, max_seq_len=1024),
+    "llama-1.5b": dict(vocab_size=32000, dim=2048, n_layers=24, n_heads=16, multiple_of=256, max_seq_len=1024),
+    "llama-3b": dict(vocab_size=32000, dim=3200, n_layers=26, n_heads=32, multiple_of=256, max_seq_len=1024),
+    "llama-8b": dict(vocab_size=32000, dim=4096, n_layers=32, n_heads=32, multiple_of=256, max_seq_len=1024),
+}
+
+#: the sizes ``roving pipeline train`` builds (``--model``).
+TRAINING: tuple[str, ...] = ("tiny", "small", "500m", "1b")
+
+#: the planner's presets (``roving pipeline plan --model``): name -> (size, the cost model's settings
+#: that differ from ``ModelSpec``'s defaults; the sequence length is the size's max_seq_len unless
+#: given). llama-1.5b-skippipe is the paper's own LLaMA-1.5B run (its released trainer.py and
+#: create_schedule.py): sequence 4096, one sample per microbatch (16 MiB of activations), and its
+#: simulator's backward of 1.5x the forward.
+PLANNING: dict[str, tuple[str, dict]] = {
+    "llama-500m": ("500m", {}),
+    "llama-1.5b": ("llama-1.5b", {}),
+    "llama-3b": ("llama-3b", {}),
+    "llama-8b": ("llama-8b", {}),
+    "llama-1.5b-skippipe": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=1, backward_ratio=1.5)),
+}
+DEFAULT_PLANNING = "llama-1.5b"

@@ -1,0 +1,130 @@
+"""The wire format of the transport: what a node (:mod:`.node`) and the processes that call it
+(:mod:`.endpoint`) send each other, over ZeroMQ and over streams alike.
+
+A request is ``[op, HEADER(box id, request id, timeout), *payload]``: ``op`` is one byte (the
+operations below), the timeout is in seconds (-1: wait as long as it takes, 0: not at all). An answer
+is ``[REPLY(request id, status), *frames]``, with a status of :mod:`.mailbox` (OK, EMPTY, FULL, EOF,
+ERROR). Over ZeroMQ a message is its frames; over a stream it is one stream message of kind
+:data:`REQUEST` or :data:`ANSWER` (:mod:`.stream` frames it). The authentication handshake that comes
+before any of this is :mod:`.auth`'s.
+
+Guarantees: no frame larger than :data:`MAX_FRAME` reaches a node's ZeroMQ socket (libzmq drops a
+peer that declares one); :func:`split_frames` cuts larger frames into pieces and :func:`join_pieces`
+gives them back whole, sharing memory with the caller's buffers on the sending side.
+"""
+from __future__ import annotations
+
+import array
+import struct
+from typing import Any, List
+
+import zmq
+
+from .stream import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
+
+Frames = List[Any]
+
+# Operations on mailboxes. One byte each.
+PUT, PUT_NOREPLY, GET, POLL, SIZE, TASK_DONE, JOIN, HOLD, RELEASE, PUT_FRONT, PING = (
+    bytes([c]) for c in b"PpGLSTJHRFI"
+)
+# Pipe ends that talk over a direct stream (roving.transport.link): who uses which end, and the gate
+# that keeps a direction's readers in order while a stream is taken down.
+CLAIM, UNCLAIM, GATE, INSERT, UNGATE = (bytes([c]) for c in b"CUgiu")
+#: Asks a node where its stream listener is (roving.transport.stream): requests then go over a stream.
+STREAMS = b"W"
+#: Operations sent without waiting for an answer.
+NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
+#: Stream message kinds: a request to a node, a node's answer.
+REQUEST, ANSWER = b"Q", b"A"
+#: A request's header: box id, request id, timeout in seconds (-1: forever).
+HEADER = struct.Struct("<QQd")
+#: An answer's header: request id, status.
+REPLY = struct.Struct("<Qb")
+
+#: The largest frame a node's ZeroMQ socket takes from any peer (libzmq disconnects a peer that declares
+#: a larger one, before buffering it); larger frames travel in pieces (split_frames).
+MAX_FRAME = 1 << 20
+_PIECE = MAX_FRAME - 4096  # CURVE adds its box and command header to each frame on the wire
+#: First frame of a message whose large frames were cut into pieces; then the layout (pieces per frame).
+PIECES = b"\x00pieces"
+_LAYOUT = "Q"
+#: A ZeroMQ connection that has not completed ZeroMQ's handshake (CURVE included) within this is closed.
+HANDSHAKE_IVL_MS = 10_000
+#: Frames smaller than this are copied into ZeroMQ: cheaper than tracking them.
+COPY_BELOW = 65536
+
+
+def nbytes(frame: Any) -> int:
+    """The size of a frame in bytes (bytes, bytearray, memoryview, zmq.Frame)."""
+    if type(frame) is memoryview:
+        return frame.nbytes
+    return len(frame)
+
+
+def send_frames(sock: zmq.Socket, frames: Frames) -> None:
+    """Send a multipart message: small frames copied, large ones and received Frames without a copy.
+
+    Several times cheaper than ``send_multipart`` for small messages, which matters on the hot path.
+    The caller must not change a large frame's buffer until ZeroMQ has sent it.
+    """
+    last = len(frames) - 1
+    for i, frame in enumerate(frames):
+        flags = zmq.SNDMORE if i < last else 0
+        if type(frame) is bytes:
+            sock.send(frame, flags)
+        else:
+            sock.send(frame, flags, copy=nbytes(frame) < COPY_BELOW)
+
+
+def split_frames(frames: Frames) -> Frames:
+    """``frames`` as a node's socket takes them: unchanged when every frame fits in :data:`MAX_FRAME`,
+    else ``[PIECES, layout, *pieces]`` (pieces share memory with the frames; the node joins them)."""
+    if all(nbytes(f) <= _PIECE for f in frames):
+        return frames
+    counts, pieces = [], []
+    for frame in frames:
+        size = nbytes(frame)
+        if size <= _PIECE:
+            counts.append(1)
+            pieces.append(frame)
+            continue
+        view = memoryview(frame).cast("B") if type(frame) is not memoryview else frame.cast("B")
+        counts.append((size + _PIECE - 1) // _PIECE)
+        pieces.extend(view[at:at + _PIECE] for at in range(0, size, _PIECE))
+    return [PIECES, array.array(_LAYOUT, counts).tobytes(), *pieces]
+
+
+def join_pieces(frames: List[Any]) -> List[Any]:
+    """The frames of a message made by :func:`split_frames` (``frames`` from its layout on, as
+    zmq.Frames); ValueError when the pieces do not match the layout."""
+    counts = array.array(_LAYOUT)
+    counts.frombytes(frames[0].bytes)
+    pieces, out, at = frames[1:], [], 0
+    if sum(counts) != len(pieces) or any(c < 1 for c in counts):
+        raise ValueError("a message in pieces does not match its layout")
+    for count in counts:
+        if count == 1:
+            out.append(pieces[at])
+        else:
+            whole = bytearray(sum(len(p) for p in pieces[at:at + count]))
+            pos = 0
+            for piece in pieces[at:at + count]:
+                whole[pos:pos + len(piece)] = piece.buffer
+                pos += len(piece)
+            out.append(whole)
+        at += count
+    return out
+
+
+def context() -> zmq.Context:
+    """The ZeroMQ context of this process."""
+    return zmq.Context.instance()
+
+
+def keep_alive(sock: zmq.Socket) -> None:
+    """TCP keepalive on a ZeroMQ socket's connections, with the streams' timings (stream.keep_alive)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_COUNT)

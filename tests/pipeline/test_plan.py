@@ -1,0 +1,69 @@
+"""The plan's plain data: ``validate`` on hand-made plans, and the route type's names."""
+
+from roving.pipeline import ModelSpec, validate
+from helpers_pipeline import small_network
+
+MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+
+
+def _hand_plan(stages=5, skip=0.0):
+    """One node per stage on one region; every microbatch visits the stages after 0 in order."""
+    from roving.pipeline import Plan
+    from roving.pipeline.plan import Route
+    net = small_network(1, [1], [1.0], stages)
+    names = net.names
+    alloc = {n: i for i, n in enumerate(names)}
+    return net, names, alloc, Plan, Route
+
+
+def test_validate_accepts_a_hand_made_valid_plan():
+    net, n, alloc, Plan, Route = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Route(n[0], tuple(n[1:]), (1, 2, 3, 4))] * 2)
+    assert validate(p, net) == [] and validate(p, net, model=MODEL) == []
+
+
+def test_validate_reports_a_revisited_stage():
+    net, n, alloc, Plan, Route = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Route(n[0], (n[1], n[2], n[2], n[4]), (1, 2, 2, 4))])
+    assert any("visits a stage twice" in msg for msg in validate(p, net))
+
+
+def test_validate_reports_three_inversions():
+    net, n, alloc, Plan, Route = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[4], n[1]), (2, 3, 4, 1))])  # 3 inversions
+    assert any("3 swaps, at most 2 allowed" in msg for msg in validate(p, net))
+    ok = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[1], n[4]), (2, 3, 1, 4))])  # 2 inversions
+    assert validate(ok, net) == []
+
+
+def test_validate_reports_unbalanced_stage_loads():
+    net, n, alloc, Plan, Route = _hand_plan(stages=4, skip=0.34)  # each microbatch visits 2 of 3 stages
+    both_skip_3 = [Route(n[0], (n[1], n[2]), (1, 2))] * 2  # loads [2, 2, 0]
+    problems = validate(Plan(4, 0.34, alloc, both_skip_3), net)
+    assert any("stage loads [2, 2, 0] differ by more than one" in msg for msg in problems)
+    spread = [Route(n[0], (n[1], n[2]), (1, 2)), Route(n[0], (n[1], n[3]), (1, 3))]  # loads [2, 1, 1]
+    assert validate(Plan(4, 0.34, alloc, spread), net) == []
+
+
+def test_validate_reports_an_origin_that_is_not_a_stage_0_node():
+    net, n, alloc, Plan, Route = _hand_plan()
+    p = Plan(5, 0.0, alloc, [Route(n[1], tuple(n[1:]), (1, 2, 3, 4))])
+    assert any(f"origin {n[1]} is not a live stage-0 node" in msg for msg in validate(p, net))
+
+
+def test_validate_reports_a_node_holding_a_stage_it_cannot_hold_in_memory():
+    from roving.pipeline.network import Node
+    net, n, alloc, Plan, Route = _hand_plan()
+    net = net.with_nodes([Node(x.name, x.region, x.speed, memory_mb=1.0 if x.name == n[2] else None)
+                          for x in net.nodes])
+    p = Plan(5, 0.0, alloc, [Route(n[0], tuple(n[1:]), (1, 2, 3, 4))])
+    assert validate(p, net) == []  # without the model, memory is not checked
+    assert any(f"node {n[2]} cannot hold stage 2" in msg for msg in validate(p, net, model=MODEL))
+
+
+def test_route_keeps_its_former_name_path_importable():
+    import roving.pipeline as pipeline
+    from roving.pipeline.plan import Route
+
+    assert pipeline.Path is Route and pipeline.Route is Route
+    assert "Path" not in pipeline.__all__  # it would shadow pathlib.Path under a star import
