@@ -2,7 +2,7 @@
 "use strict";
 const COLORS = ["#2a7fd4", "#d9822b", "#3a9a4a", "#c33", "#8a5bd6", "#888"];
 const opened = new Set();  // <details> the user opened, kept open across redraws
-let last = null;
+let last = null, lastText = "";
 
 function esc(s) {
   return String(s == null ? "" : s).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
@@ -157,8 +157,11 @@ function show(view) {
 async function poll() {
   try {
     const r = await fetch("/api/state" + location.search, {credentials: "same-origin", cache: "no-store"});
-    if (r.ok) render(await r.json());
-    else document.getElementById("clock").textContent = "error " + r.status;
+    if (r.ok) {
+      const text = await r.text(), same = text.replace(/"time": [0-9.e+]+/g, "");
+      if (same !== lastText) { lastText = same; render(JSON.parse(text)); }  // nothing new: nothing drawn
+      else document.getElementById("clock").textContent = "updated " + clock(Date.now() / 1000);
+    } else document.getElementById("clock").textContent = "error " + r.status;
   } catch (e) {
     document.getElementById("clock").textContent = "program not reachable (ended?)";
   }
