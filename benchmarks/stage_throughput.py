@@ -8,7 +8,7 @@
 --stages 2 --samples 8`` gives a 24-layer stage of width 1024 on 8 x 1024 tokens, the shape of the
 issue's reference figure for plain eager PyTorch on an H200 (about 98k tokens/s forward and backward).
 
-The node is a real roving process running ``node.StageNode`` for stage 1; this process plays the nodes
+The node is a real roving process running ``stage_process.StageProcess`` for stage 1; this process plays the nodes
 before and after it: it sends every microbatch's activations (forward), takes the outputs back, then
 sends the gradients (backward) and takes the input gradients back, over roving's transport. Each
 round is timed from the first send to the last answer, so the node's figure includes receiving,
@@ -27,7 +27,8 @@ import torch
 
 import roving
 from roving.pipeline.model import preset
-from roving.pipeline.node import NodeSettings, node_main, pick_device
+from roving.pipeline import protocol as m
+from roving.pipeline.stage_process import StageSettings, pick_device, stage_main
 from roving.pipeline.plan import Route
 from roving.pipeline.stages import Stage
 
@@ -56,31 +57,31 @@ def plain(stage: Stage, device: str, bf16: bool, xs: list, gs: list, rounds: int
 
 def via_node(args, cfg, xs: list, gs: list) -> list[float]:
     control, release, mine = roving.Queue(), roving.Queue(), roving.Queue()
-    s = NodeSettings("n1", 1, args.stages, cfg, 0, in_flight=len(xs), device=args.device, bf16=args.bf16,
-                     threads=args.threads)
-    proc = roving.Process(target=node_main, args=(s, control, release), name="stage1-n1", daemon=True)
+    s = StageSettings("n1", 1, args.stages, cfg, 0, in_flight=len(xs), device=args.device, bf16=args.bf16,
+                      threads=args.threads)
+    proc = roving.Process(target=stage_main, args=(s, control, release), name="stage1-n1", daemon=True)
     proc.start()
     try:
         msg = control.get(timeout=300)
-        if msg[0] == "error":
-            raise RuntimeError(msg[2])
-        inbox = msg[3]  # ("ready", name, incarnation, inbox)
-        inbox.put(("peers", {"n1": inbox, "me": mine}))
+        if isinstance(msg, m.Failed):
+            raise RuntimeError(msg.traceback)
+        inbox = msg.inbox  # Ready
+        inbox.put(m.Peers({"n1": inbox, "me": mine}))
         path = Route("me", ("n1",), (1,))
         times = []
         for r in range(args.rounds + 1):
             t0 = time.perf_counter()
             for mb, x in enumerate(xs):
-                inbox.put(("fwd", r, mb, 0, x, path))
+                inbox.put(m.Forward(r, "me", mb, 0, x, path))
             for _ in xs:
                 mine.get(timeout=300)
             for mb, g in enumerate(gs):
-                inbox.put(("bwd", r, mb, 0, g, path))
+                inbox.put(m.Backward(r, "me", mb, 0, g, path))
             for _ in gs:
                 mine.get(timeout=300)
             if r:
                 times.append(time.perf_counter() - t0)
-        inbox.put(("stop",))
+        inbox.put(m.Stop())
         control.get(timeout=60)
         inbox.qsize()
         release.put(None)

@@ -34,7 +34,7 @@ from roving.pipeline.network import build_network
 from roving.pipeline.simulate import simulate
 from roving.pipeline.stages import layer_ranges
 from roving.pipeline.data import VOCAB_SIZE
-from roving.pipeline.node import pick_device
+from roving.pipeline.stage_process import pick_device
 from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, plot_losses, prepare
 
 BASE = dict(model="tiny", layers=12, dim=64, seq_len=64, samples=4, network="gcp12", nodes=12, stages=6,

@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .transport import rpc as _rpc
 from . import config as _config
+from . import process as _process
 from .transport import session as _session
 from .transport import timeouts
 from .transport.serialize import dumps, loads
@@ -66,7 +67,7 @@ def _alive_check(address: str) -> Optional[Callable[[], bool]]:
     proc = _started.get(address)
     if proc is None:
         return None
-    return lambda: proc._exitcode is None
+    return lambda: not _process.ended(proc)
 
 
 def _caller(address: str, authkey: bytes) -> _rpc.Caller:

@@ -156,6 +156,8 @@ class Config:
     slurm_time: Optional[str] = None
     #: Further sbatch/srun options, as one shell-quoted string ("--qos=high --constraint=a100").
     slurm_options: str = ""
+    #: Start a pool's workers as one Slurm job array (``sbatch --array``) rather than one job each.
+    slurm_array: bool = True
 
     # -- docker and kubernetes ------------------------------------------------------------------
     #: The container image jobs run in (docker and kubernetes). `roving run --build` makes one.

@@ -273,7 +273,7 @@ _running: List[weakref.finalize] = []
 def _stop_server(process: "_process.Process", address: str, authkey: bytes, timeout: float) -> None:
     """Ask the server at ``address`` to stop, wait up to ``timeout`` + 5 s, then terminate it."""
     try:
-        if process._exitcode is None and not _rpc.is_dead(address):
+        if not _process.ended(process) and not _rpc.is_dead(address):
             request(address, authkey, "shutdown")
     except (ConnectionError, OSError):
         pass

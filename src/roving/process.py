@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from . import backends
 from . import config as _config
@@ -112,6 +112,17 @@ class Process:
         AssertionError when started twice (as multiprocessing does), ValueError when closed, OSError
         when the backend refuses.
         """
+        spec = self._prepare()
+        try:
+            self._backend = backends.get(self._config.backend)
+            job = self._backend.create_job(spec)
+        except BaseException:
+            self._unprepare()
+            raise
+        self._started(job)
+
+    def _prepare(self) -> backends.JobSpec:
+        """Everything of start() before the backend is asked: the payload left in a mailbox, the spec."""
         self._check_closed()
         assert self._job is None, "cannot start a process twice"
         assert self._parent_pid == os.getpid(), "can only start a process object created by current process"
@@ -123,6 +134,7 @@ class Process:
         payload = self._pickle_self()
         box = node.new_box()
         node.call_local(_node.PUT, box, 0, payload)
+        self._payload_box = box
         cfg = self._config
         env = dict(os.environ)
         env.update(session.child_env({
@@ -135,17 +147,20 @@ class Process:
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
-        spec = backends.JobSpec(
+        return backends.JobSpec(
             name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
-        try:
-            self._backend = backends.get(cfg.backend)
-            self._job = self._backend.create_job(spec)
-        except BaseException:
-            node.drop_box(box)
-            raise
-        self._payload_box = box
+
+    def _unprepare(self) -> None:
+        """The backend refused: the payload is dropped, the process can be started again."""
+        _session.current().node().drop_box(self._payload_box)
+        del self._payload_box
+        self._backend = None
+
+    def _started(self, job: backends.Job) -> None:
+        """The backend accepted ``job``: watch it, and let go of the target and arguments."""
+        self._job = job
         self._sentinel = self._backend.sentinel(self._job)
         # a Process freed without close() still gives its sentinel back (the finalizer holds no reference)
         self._sentinel_finalizer = weakref.finalize(self, _sentinel_watcher().close_fd, self._sentinel)
@@ -156,7 +171,9 @@ class Process:
         del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
-        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id), want,
+        cfg = self._config
+        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id),
+                                {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources},
                                 _this_host() if self._backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
@@ -422,6 +439,64 @@ class _ParentProcess:
 _main_process = _MainProcess()
 _current: Process = _main_process
 _parent: Optional[_ParentProcess] = None
+
+
+def reap(proc: Process, timeout: Optional[float]) -> None:
+    """Wait up to ``timeout`` for ``proc`` to end, as :meth:`Process.join` does but without raising its
+    errors: for roving's own joins of processes it started (a pool's upkeep, a manager's shutdown)."""
+    proc._wait(timeout)
+
+
+def release(proc: Process) -> None:
+    """Free the sentinel and the backend's handle of an ended process; its exitcode stays readable. A pool
+    does this for workers it replaced, so that a long-lived pool holds no descriptor per worker it ever had."""
+    proc._release()
+
+
+def ended(proc: Process) -> bool:
+    """Whether ``proc`` is known to have ended (its exit code is in), without asking its backend."""
+    return proc._exitcode is not None
+
+
+def start_many(procs: Sequence[Process]) -> List[Optional[Exception]]:
+    """Start several processes as one submission to their backend (:meth:`Backend.submit_many`): on Slurm
+    one job array, on Docker and Kubernetes several creations at once. One entry per process, in order:
+    None when it started, else the exception (OSError when refused) that kept it from starting; such a
+    process can be started again. SerializationError (as from :meth:`Process.start`) is raised before
+    anything is submitted. All of ``procs`` must be of the same configured backend."""
+    if not procs:
+        return []
+    names = {p._config.backend for p in procs}
+    if len(names) > 1:
+        raise ValueError(f"start_many: the processes are of several backends ({sorted(names)}); start them apart")
+    specs: List[backends.JobSpec] = []
+    try:
+        for p in procs:
+            specs.append(p._prepare())
+    except BaseException:
+        for p in procs[:len(specs)]:
+            p._unprepare()
+        raise
+    backend = backends.get(procs[0]._config.backend)
+    for p in procs:
+        p._backend = backend
+    try:
+        jobs = backend.submit_many(specs)
+    except BaseException:
+        for p in procs:
+            p._unprepare()
+        raise
+    if len(jobs) != len(procs):
+        raise RuntimeError(f"backend {backend.name}: submit_many returned {len(jobs)} results for {len(procs)} jobs")
+    out: List[Optional[Exception]] = []
+    for p, job in zip(procs, jobs):
+        if isinstance(job, Exception):
+            p._unprepare()
+            out.append(job)
+        else:
+            p._started(job)
+            out.append(None)
+    return out
 
 
 def _become(proc: Process, parent: _ParentProcess) -> None:

@@ -14,7 +14,7 @@ import pytest
 
 import helpers_backends as hb
 import helpers_hosts as hh
-from helpers_core import PROGRAMS, ROOT
+from helpers_core import PROGRAMS
 from helpers_hosts import hosts  # noqa: F401  (fixture)
 
 ADDRESSES = """

@@ -9,7 +9,7 @@ plan's routes.
 * ``skippipe`` (skip > 0): each microbatch runs the route the plan gave it (stage 0's layers, the layers
   of its stages in its order, the final norm and head); each stage's gradient is the sum over the
   microbatches that visited it divided by how many did (stage 0: every microbatch) -- the rule
-  ``trainer.py`` and ``node.py`` document.
+  ``trainer.py`` and ``stage_process.py`` document.
 
 Tolerance: the runtime adds the microbatches' gradients in the order their backward passes happen to
 run and then across replicas; the reference adds them in microbatch order. Float32 addition is not
@@ -48,7 +48,7 @@ BASE = dict(model="tiny", nodes=6, microbatches=6, samples=2, seq_len=32, iterat
 LOSS_RTOL = 1e-6
 NORM_RTOL = 1e-4
 WEIGHT_ATOL = 2e-5
-BETAS = (0.9, 0.95)  # the trainer's AdamW betas (NodeSettings' default)
+BETAS = (0.9, 0.95)  # the trainer's AdamW betas (StageSettings' default)
 
 
 # -- the reference: a LLaMA-style decoder in a few plain functions ----------------------------------

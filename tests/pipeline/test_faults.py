@@ -16,6 +16,7 @@ import torch
 
 torch.set_num_threads(1)
 
+from roving.pipeline.protocol import Done, Export, Exported, Load, Microbatch, Stepped
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 from helpers_core import wait_until
 
@@ -33,7 +34,7 @@ def kill_mid_iteration(t: Trainer, victims: list[str], kill=None) -> dict:
 
     def hooked(kind, *args, **kwargs):
         msg = real(kind, *args, **kwargs)
-        if msg[0] == "done":
+        if isinstance(msg, Done):
             seen["done"] += 1
             if seen["done"] == 1:
                 seen["killed_during"] = len(t.plan.paths) - 1  # microbatches not done yet
@@ -105,8 +106,8 @@ def killed_and_rejoined():
         out["alloc_joined"] = dict(t.alloc)
         out["joined_stage"] = t.alloc[victim]
         out["equal_at_join"] = replicas_equal(t, t.alloc[victim])
-        ex = t._ask(("export",), "exported", out["equal_at_join"])
-        out["opt_states"] = {n: msg[4] for n, msg in ex.items()}
+        ex = t.weights.ask(Export(), Exported, out["equal_at_join"])
+        out["opt_states"] = {n: msg.optimizer for n, msg in ex.items()}
         for it in range(5, 8):
             t.iteration(it)
         out["equal_later"] = replicas_equal(t, t.alloc[victim])
@@ -312,16 +313,18 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
     """As a job that a busy cluster keeps pending: the node's process is stopped (SIGSTOP) right
     after it is started, so it is not ready in ``start_wait``; training starts without it, and it
     joins once it runs (SIGCONT), with its replicas' weights."""
-    late = {}
-    real_launch = Trainer._launch
+    from roving.pipeline.roster import Roster
 
-    def launch(self, name, stage, index):
-        real_launch(self, name, stage, index)
+    late = {}
+    real_launch = Roster.launch
+
+    def launch(self, name, stage, index, fresh=True):
+        real_launch(self, name, stage, index, fresh)
         if not late and stage != 0 and list(self.p.plan.allocation.values()).count(stage) >= 2:
             late[name] = stage
             os.kill(self.procs[name].pid, signal.SIGSTOP)
 
-    monkeypatch.setattr(Trainer, "_launch", launch)
+    monkeypatch.setattr(Roster, "launch", launch)
     cfg = dict(CFG, nodes=7, start_wait=1.0)
     prep = prepare(TrainConfig(**cfg))
     with Trainer(prep) as t:
@@ -472,7 +475,7 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
 
         def hooked(kind, *args, **kwargs):
             msg = real(kind, *args, **kwargs)
-            if kind == "stepped":
+            if kind is Stepped:
                 seen["stepped"] += 1
                 if seen["stepped"] == 1:
                     t.kill([first])  # the step messages are out: the others step all the same
@@ -512,8 +515,8 @@ def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
         dropped = []
 
         def lossy(name, msg):
-            if msg[0] == "mb" and not dropped:
-                dropped.append(msg[2])  # the first microbatch's order never arrives
+            if isinstance(msg, Microbatch) and not dropped:
+                dropped.append(msg.mb)  # the first microbatch's order never arrives
                 return
             real(name, msg)
 
@@ -541,24 +544,25 @@ def test_stall_after_must_be_seconds_at_least_zero():
 
 
 def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_the_predicted_iteration():
-    from roving.pipeline.trainer import _Stalled, _Timeout
+    from roving.pipeline.roster import NoMessage
+    from roving.pipeline.trainer import _Stalled
 
     t = Trainer.__new__(Trainer)  # the rule alone: no nodes
     asked = []
 
     def recv(kind, timeout=None, rnd=None):
         asked.append(timeout)
-        raise _Timeout(f"no {kind!r} message from the nodes within {timeout} s")
+        raise NoMessage(f"no {kind!r} message from the nodes within {timeout} s")
 
     t._recv = recv
     for stall_after, predicted, expect in ((3.0, 1.0, 3.0), (3.0, 10.0, 20.0), (3.0, math.nan, 3.0)):
         t.c, t.predicted_here_s = TrainConfig(**CFG, stall_after=stall_after), predicted
         with pytest.raises(_Stalled, match="within"):
-            t._round_recv("done", 1)
+            t._round_recv(Done, 1)
         assert asked[-1] == expect
     t.c = TrainConfig(**CFG, stall_after=0)  # off: the plain timeout, and its error
-    with pytest.raises(_Timeout):
-        t._round_recv("done", 1)
+    with pytest.raises(NoMessage):
+        t._round_recv(Done, 1)
     assert asked[-1] is None
 
 
@@ -571,22 +575,23 @@ def test_loading_weights_leaves_out_a_node_that_dies_meanwhile():
         t.iteration(0)
         a, b = sorted(t.alloc)[:2]
         stage = t.alloc[a]
-        _, _, _, params, opt = t._ask(("export",), "exported", [a])[a]
-        real_put = t._put
+        ex = t.weights.ask(Export(), Exported, [a])[a]
+        params, opt = ex.params, ex.optimizer
+        real_put = t.roster.put
 
         def put(name, msg):
             real_put(name, msg)
-            if name == b and msg[0] == "load":  # b dies before it can answer
+            if name == b and isinstance(msg, Load):  # b dies before it can answer
                 t.procs[b].kill()
                 assert wait_until(lambda: not t.procs[b].is_alive(), 30)
 
-        t._put = put
+        t.roster.put = put
         started = time.monotonic()
         try:
             t._load_stages({stage: {"params": params, "optimizer": opt}}, {a: stage, b: stage})
         finally:
-            t._put = real_put
+            t.roster.put = real_put
         assert time.monotonic() - started < 25, "the load waited for the dead node's answer"
-        assert t.holding[a] == stage and b in t._pending_failures and b not in t.inboxes
+        assert t.holding[a] == stage and b in t.roster.lost and b not in t.inboxes
         rec = t.iteration(1)  # the next attempt plans around it
         assert b not in t.alloc and math.isfinite(rec["train_loss"])

@@ -170,7 +170,9 @@ def test_a_stage_averages_while_other_stages_still_work():
     (before, every stage waited for the whole microbatch phase). The update stays exact (checked by
     test_one_iteration_equals_the_same_update_computed_in_one_process, which runs the same path)."""
     prep = prepare(TrainConfig(**CFG))
-    seen: list[tuple] = []
+    from roving.pipeline.protocol import Done, Norm
+
+    seen: list = []
     with Trainer(prep) as t:
         for name, stage in t.alloc.items():
             if stage == 0:
@@ -179,15 +181,15 @@ def test_a_stage_averages_while_other_stages_still_work():
 
         def hooked(kind, *args, **kwargs):
             msg = real(kind, *args, **kwargs)
-            seen.append(msg[:4])
+            seen.append(msg)
             return msg
 
         t._recv = hooked
         t.iteration(0)
-    last_done = max(i for i, m in enumerate(seen) if m[0] == "done")
-    early = {m[3] for m in seen[:last_done] if m[0] == "norm"}
+    last_done = max(i for i, m in enumerate(seen) if isinstance(m, Done))
+    early = {m.stage for m in seen[:last_done] if isinstance(m, Norm)}
     assert early and 0 not in early, seen  # stages other than 0 averaged during the phase
-    norms = [m for m in seen if m[0] == "norm"]
+    norms = [m for m in seen if isinstance(m, Norm)]
     assert len(norms) == len(prep.plan.allocation)  # every node reported once
 
 
@@ -195,6 +197,7 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
     """``__exit__`` does not run when ``__enter__`` raises: the nodes already started must still be
     stopped. The failure is injected in the coordinator after the first node reported ready (as when
     another node reports an error, or the ready timeout passes)."""
+    from roving.pipeline.protocol import Ready
     from roving.pipeline.trainer import NodeFailed
 
     prep = prepare(TrainConfig(**{**CFG, "iterations": 1}))
@@ -202,7 +205,7 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
     seen = {"ready": 0}
 
     def failing(self, kind, *args, **kwargs):
-        if kind == "ready":
+        if kind is Ready:
             seen["ready"] += 1
             if seen["ready"] == 2:
                 raise NodeFailed("injected: a node failed at start-up")

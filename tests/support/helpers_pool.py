@@ -92,3 +92,9 @@ def square_needing_three_cpus(x):
 def sleep_square_1(x):
     time.sleep(0.3 if x else 0.0)
     return x * x
+
+
+def slurm_array_task(seconds=0.0):
+    """The Slurm job array and task this worker runs as (None outside an array), after a pause."""
+    time.sleep(seconds)
+    return os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")

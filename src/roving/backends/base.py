@@ -14,7 +14,7 @@ import os
 import pwd
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 
 class UnknownJobError(LookupError):
@@ -130,6 +130,19 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_job(self, spec: JobSpec) -> Job:
         """Submit the job; returns at once (it may still be pending). Raises OSError if refused."""
+
+    def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
+        """Submit several jobs at once (a pool's workers); one entry per spec, in order: its Job, or the
+        exception (OSError when refused) that kept it from starting. Returns once every job was accepted
+        or refused. This default submits them one after another; a backend that can do better overrides
+        it (Slurm: one job array; Docker and Kubernetes: several creations in flight at once)."""
+        out: List[Union[Job, Exception]] = []
+        for spec in specs:
+            try:
+                out.append(self.create_job(spec))
+            except Exception as exc:
+                out.append(exc)
+        return out
 
     @abc.abstractmethod
     def job_status(self, job: Job) -> JobStatus:

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
+from . import throttle
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
                    user_name)
 from .output import LineSplitter, open_private
@@ -33,6 +35,9 @@ from .reaper import Reaper
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
 _SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder holding the session secret
+
+
+_TRANSIENT = re.compile(r"timeout|timed out|too many|temporarily|try again|overloaded|busy", re.I)
 
 
 class DockerError(OSError):
@@ -198,12 +203,12 @@ class DockerBackend(Backend):
             volumes[secret_dir] = {"bind": _SECRET_MOUNT, "mode": "ro"}
             env[spec.session.secret_file_env] = f"{_SECRET_MOUNT}/secret"
         try:
-            container = client.containers.create(
+            container = self._when_not_busy(f"creating a container for {spec.name}", lambda: client.containers.create(
                 cfg.image, command=spec.command, environment=env, working_dir=spec.cwd, volumes=volumes,
                 network_mode=cfg.docker_network, init=True, nano_cpus=int(res.cpu * 1e9),
                 mem_limit=res.memory or None, device_requests=device_requests, detach=True,
                 labels={"roving.session": tag, "roving.name": spec.name, "roving.user": user_name()},
-                name=f"roving-{tag}-{spec.name.replace(':', '-')}-{os.urandom(3).hex()}")
+                name=f"roving-{tag}-{spec.name.replace(':', '-')}-{os.urandom(3).hex()}"))
         except BaseException as exc:
             if secret_dir:
                 shutil.rmtree(secret_dir, ignore_errors=True)
@@ -220,7 +225,7 @@ class DockerBackend(Backend):
             self._jobs[container.id] = job_state
         self._reaper.add(container.id)
         try:
-            container.start()
+            self._when_not_busy(f"starting the container of {spec.name}", container.start)
         except docker.errors.APIError as exc:
             self._remove(container.id)
             self._reaper.done(container.id)
@@ -231,6 +236,35 @@ class DockerBackend(Backend):
             threading.Thread(target=self._follow_output, args=(container.id, job_state),
                              name=f"roving-docker-output-{spec.name}", daemon=True).start()
         return Job(self, container.id)
+
+    def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
+        """Containers created and started concurrently, at most :data:`throttle.CONCURRENCY` at a time."""
+        if len(specs) > 1:
+            try:  # once, before the threads: the client, the engine's size, the session's event stream
+                self.client()
+                self._info()
+                self._start_events(specs[0].session.tag)
+            except Exception as exc:
+                return [exc] * len(specs)
+        return throttle.concurrently(self.create_job, specs)
+
+    @staticmethod
+    def _when_not_busy(what: str, call):
+        """``call()``, retried with back-off while the engine answers 429 or 5xx (busy, overloaded)."""
+        docker = _sdk()
+
+        def busy(exc: Exception) -> Optional[str]:
+            code = getattr(getattr(exc, "response", None), "status_code", None)
+            if not isinstance(exc, docker.errors.APIError) or code is None:
+                return None
+            words = str(exc.explanation or exc)
+            # a 500 is also how the engine reports a bad request it found late (a mount): only retried
+            # when its words say it is passing
+            if code in (429, 502, 503, 504) or (code == 500 and _TRANSIENT.search(words)):
+                return f"HTTP {code}: {words}"
+            return None
+
+        return throttle.retry_busy(call, busy, what)
 
     def _info(self) -> dict:
         if not hasattr(self, "_info_cache"):

@@ -27,10 +27,11 @@ import os
 import re
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
+from . import throttle
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
                    user_name)
 from .output import LineSplitter, open_private
@@ -102,6 +103,7 @@ class KubernetesBackend(Backend):
                     kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"),
                                                        client_configuration=configuration)
                 configuration.retries = 0  # an unreachable server is an error at once, not after retries
+                configuration.connection_pool_maxsize = throttle.CONCURRENCY  # pods created concurrently
                 client = kubernetes.client.ApiClient(configuration)
                 kubernetes.client.VersionApi(client).get_code(_request_timeout=_TIMEOUT)
             except Exception as exc:
@@ -194,7 +196,8 @@ class KubernetesBackend(Backend):
                 "env": [{"name": k, "value": v} for k, v in env.items()] + from_refs,
                 "resources": {"requests": amounts, "limits": dict(amounts)}}]}}
         try:
-            api.create_namespaced_pod(self.namespace, body, _request_timeout=_TIMEOUT)
+            throttle.retry_busy(lambda: api.create_namespaced_pod(self.namespace, body, _request_timeout=_TIMEOUT),
+                                _busy, f"creating the pod of {spec.name}")
         except ApiException as exc:
             raise KubernetesError(f"Kubernetes refused the pod for {spec.name}: {_short(exc)}") from None
         except Exception as exc:
@@ -207,6 +210,16 @@ class KubernetesBackend(Backend):
             threading.Thread(target=self._follow, args=(pod,), name=f"roving-k8s-output-{name}",
                              daemon=True).start()
         return Job(self, name)
+
+    def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
+        """Pods created concurrently, at most :data:`throttle.CONCURRENCY` requests at a time."""
+        if len(specs) > 1:
+            try:  # once, before the threads: the client, this process's own pod
+                self.api()
+                self._owner_reference()
+            except Exception as exc:
+                return [exc] * len(specs)
+        return throttle.concurrently(self.create_job, specs)
 
     def _session_secret(self, tag: str, secret: str) -> str:
         """The name of the Secret that holds the ``secret`` (hex) of session ``tag``, made on first use
@@ -442,6 +455,18 @@ def _status_of(item) -> JobStatus:
         if cs.state and cs.state.waiting and cs.state.waiting.reason:
             reasons.append(f"{cs.state.waiting.reason}: {cs.state.waiting.message or ''}".strip())
     return JobStatus(JobState.PENDING, reason="; ".join(reasons) or (phase or "Pending"))
+
+
+def _busy(exc: Exception) -> Optional[str]:
+    """The API server's words when it refused for now: 429 (rate limit), 5xx but 501, or a quota
+    conflict (403/409 "exceeded quota", which frees up as pods end); else None."""
+    code = getattr(exc, "status", None)
+    if not isinstance(code, int) or not code:
+        return None
+    words = _short(exc)
+    if code == 429 or (code >= 500 and code != 501) or (code in (403, 409) and "quota" in words.lower()):
+        return f"HTTP {code}: {words}"
+    return None
 
 
 def _short(exc: Exception) -> str:

@@ -4,7 +4,15 @@
   the parent's environment (and so its session), ``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` from
   the process resources, partition, account, time limit and extra options from the configuration.
   Its job name is ``roving-<session>`` and its comment the process name, so ``squeue`` shows both.
-* Inside an allocation (SLURM_JOB_ID set) a process is an ``srun --overlap`` step of that allocation.
+* A pool's workers (:meth:`SlurmBackend.submit_many`) are one job array: ``sbatch --array=0-N``, the
+  same job name, the comment ``<first name>..<last name>``; each task's own variables are chosen in the
+  batch script by its index (:mod:`roving.backends.slurm_array`). A task's id is ``<array>_<index>``,
+  used as any job id here (state, cancel, output, the Reaper, `roving ps/logs/cancel`). Arrays are cut at
+  the cluster's MaxArraySize; more jobs than its MaxJobCount are refused at once, naming it.
+  ``slurm_array = False`` submits one job each. sbatch is retried with back-off while Slurm says it is
+  busy (:mod:`roving.backends.throttle`), its words logged.
+* Inside an allocation (SLURM_JOB_ID set) a process is an ``srun --overlap`` step of that allocation
+  (a pool's workers too: one step each, started without waiting for each other).
 * State comes from one ``squeue`` call for all of this process's jobs (at most every 0.2 s), exit codes
   from the job's exit status: a job killed by signal N is ``-N`` as in multiprocessing.
 * ``terminate_job`` sends SIGTERM (``scancel --signal=TERM --full``), ``force`` SIGKILL.
@@ -25,9 +33,10 @@ import shlex
 import subprocess
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import config as _config
+from . import slurm_array, throttle
 from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
 from .output import LineSplitter, open_private, private_dir
 from .reaper import Reaper
@@ -120,6 +129,8 @@ class SlurmBackend(Backend):
         self._reaper = Reaper(self.name)
         self._step_counter = 0
         self._towards: Optional[Tuple[str, str]] = None
+        self._settings: Optional[Dict[str, str]] = None
+        self._task_of_raw: Dict[str, str] = {}  # an array task's own job id (slurmstepd's) -> its task id
 
     # -- submission ------------------------------------------------------------------------------
     def _check_controller(self) -> None:
@@ -174,23 +185,115 @@ class SlurmBackend(Backend):
                 f"--output={output}", f"--error={error}", *self._resource_options(spec, cfg),
                 "--wrap", f"umask {_umask():04o}; exec " + shlex.join(spec.command)]
         env.pop("SLURM_UMASK", None)  # it would win over sbatch's own umask
-        result = _slurm(args, env=env, check=False, umask=0o077)
-        if result.returncode != 0:
-            raise SlurmError(f"Slurm refused to start {spec.name}: "
-                             f"{(result.stderr or result.stdout).strip()}")
-        job_id = result.stdout.strip().split(";")[0]
-        output, error = output.replace("%j", job_id), error.replace("%j", job_id)
+        job_id = self._sbatch(args, env, spec.name)
+        return self._register(job_id, spec.name, output.replace("%j", job_id), error.replace("%j", job_id),
+                              spec.output)
+
+    def _sbatch(self, args: List[str], env: Dict[str, str], what: str, tasks: int = 0) -> str:
+        """Run sbatch, retried while Slurm says it is busy (:func:`throttle.retry_busy`); the job id.
+        SlurmError with Slurm's words (and the limit met, for an array of ``tasks``) when refused."""
+        def attempt() -> str:
+            result = _slurm(args, env=env, check=False, umask=0o077)
+            if result.returncode != 0:
+                words = (result.stderr or result.stdout).strip()
+                if tasks:
+                    raise SlurmError(f"{what}: " + slurm_array.refusal(words, tasks, self._cluster_settings()))
+                raise SlurmError(f"Slurm refused to start {what}: {words}")
+            return result.stdout.strip().split(";")[0]
+
+        return throttle.retry_busy(attempt, lambda exc: slurm_array.busy_words(str(exc))
+                                   if isinstance(exc, SlurmError) else None, f"sbatch of {what}")
+
+    def _register(self, job_id: str, name: str, output: str, error: str, mode: str) -> Job:
+        """Bookkeeping of a job (or array task) just submitted; its output followed in "prefix" mode."""
         job = Job(self, job_id)
         with self._lock:
             self._own[job_id] = "" if output == "/dev/null" else output
-            self._names[job_id] = spec.name
+            self._names[job_id] = name
             self._status[job_id] = JobStatus(JobState.PENDING)
             self._pending_since[job_id] = time.monotonic()
         self._reaper.add(job_id)
-        if spec.output == "prefix":
-            threading.Thread(target=self._follow, args=(job, [(output, False), (error, True)], f"[{spec.name}] "),
+        if mode == "prefix":
+            threading.Thread(target=self._follow, args=(job, [(output, False), (error, True)], f"[{name}] "),
                              name=f"roving-slurm-output-{job_id}", daemon=True).start()
         return job
+
+    def _cluster_settings(self) -> Dict[str, str]:
+        """`scontrol show config` as a dict (read once; {} when it cannot be read)."""
+        if self._settings is None:
+            result = _slurm(["scontrol", "show", "config"], timeout=10, check=False)
+            self._settings = {k.strip(): v.strip() for k, _, v in
+                              (line.partition("=") for line in result.stdout.splitlines() if "=" in line)}
+        return self._settings
+
+    def _limit(self, name: str, default: int) -> int:
+        try:
+            return int(self._cluster_settings().get(name, "").split()[0])
+        except (ValueError, IndexError):
+            return default
+
+    # -- many at once: job arrays ----------------------------------------------------------------
+    def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
+        """A pool's workers as one job array (``sbatch --array=0-N``) per group of equal specs, each array
+        at most MaxArraySize tasks; one job each with ``slurm_array = False``, for a single spec, and
+        inside an allocation (job steps). Task ids are ``<array>_<index>``. More specs than the cluster's
+        MaxJobCount are refused at once, naming it."""
+        cfg = _config.current()
+        if len(specs) < 2 or not cfg.slurm_array or os.environ.get("SLURM_JOB_ID"):
+            return super().submit_many(specs)
+        try:
+            self._check_controller()
+            max_jobs = self._limit("MaxJobCount", 10000)
+            if len(specs) > max_jobs:
+                raise SlurmError(f"{len(specs)} jobs at once are more than this Slurm cluster holds "
+                                 f"(MaxJobCount = {max_jobs} in `scontrol show config`); use fewer workers")
+        except SlurmError as exc:
+            return [exc] * len(specs)
+        out: List[Union[Job, Exception]] = [SlurmError("not submitted")] * len(specs)
+        size = max(1, self._limit("MaxArraySize", 1001))  # indexes 0 .. MaxArraySize-1
+        for group in slurm_array.groups(specs):
+            for chunk in slurm_array.chunks(group, size):
+                try:
+                    jobs: List[Union[Job, Exception]] = list(self._submit_array([specs[i] for i in chunk], cfg))
+                except Exception as exc:
+                    jobs = [exc] * len(chunk)
+                for i, job in zip(chunk, jobs):
+                    out[i] = job
+        return out
+
+    def _submit_array(self, specs: List[JobSpec], cfg: _config.Config) -> List[Job]:
+        first = specs[0]
+        tag, mode = first.session.tag, first.output
+        log_files = None
+        if mode == "prefix":
+            output = os.path.join(os.path.expanduser("~/.roving/slurm"), tag, "array-%A_%a.out")
+            error = output[:-len(".out")] + ".err"
+            private_dir(os.path.dirname(output))
+        else:  # "off", or "files": each task appends to its own log file (the script redirects)
+            output = error = "/dev/null"
+            if mode == "files":
+                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
+                for path in {os.path.dirname(p) for p in log_files}:
+                    private_dir(path)
+        common, per_task = slurm_array.split_env(specs)
+        common.setdefault("PYTHONUNBUFFERED", "1")
+        common.pop("SLURM_UMASK", None)  # it would win over sbatch's own umask
+        what = f"an array of {len(specs)} ({slurm_array.label(specs)})"
+        args = ["sbatch", "--parsable", f"--array=0-{len(specs) - 1}", f"--job-name=roving-{tag}",
+                f"--comment={slurm_array.label(specs)}", "--export=ALL", f"--chdir={first.cwd}", "--ntasks=1",
+                "--open-mode=append", "--no-requeue", f"--output={output}", f"--error={error}",
+                *self._resource_options(first, cfg),
+                "--wrap", slurm_array.task_script(specs, per_task, _umask(), log_files)]
+        array_id = self._sbatch(args, common, what, tasks=len(specs))
+        log.info("roving: Slurm job array %s: %s", array_id, what)
+        jobs = []
+        for i, spec in enumerate(specs):
+            task_id = f"{array_id}_{i}"
+            out_i, err_i = (p.replace("%A", array_id).replace("%a", str(i)) for p in (output, error))
+            if log_files is not None:
+                out_i = log_files[i]
+            jobs.append(self._register(task_id, spec.name, out_i, err_i, mode))
+        return jobs
 
     def _create_step(self, spec: JobSpec, cfg: _config.Config, env: Dict[str, str]) -> Job:
         with self._lock:
@@ -255,7 +358,8 @@ class SlurmBackend(Backend):
         """False for slurmstepd's CANCELLED line of a job this process ended itself: that end is roving's
         normal way of stopping a worker, not the child's output (an operator's scancel still shows)."""
         match = _CANCELLED_LINE.match(line)
-        if match is None or match.group(1).decode() not in self._cancelled:
+        raw = match.group(1).decode() if match is not None else ""
+        if match is None or self._task_of_raw.get(raw, raw) not in self._cancelled:
             return True
         log.debug("roving: not shown (this process cancelled Slurm job %s): %s", match.group(1).decode(),
                   line.decode(errors="replace"))
@@ -269,8 +373,10 @@ class SlurmBackend(Backend):
             with self._lock:
                 ids = {i for i, s in self._status.items() if s.state is not JobState.EXITED}
             ids.add(wanted)
-            result = _slurm(["squeue", "-h", "-t", "all", "-j", ",".join(sorted(ids)),
-                             "-O", "JobID:|,State:|,Reason:|,exit_code:|"], check=False)
+            # one line per array task (-r), named by its task id; an array task is asked for by its array
+            bases = sorted({slurm_array.base_id(i) for i in ids})
+            result = _slurm(["squeue", "-h", "-r", "-t", "all", "-j", ",".join(bases),
+                             "-O", "JobArrayID:|,State:|,Reason:|,exit_code:|,JobID:|"], check=False)
             now = time.monotonic()
             seen = set()
             for line in result.stdout.splitlines():
@@ -279,6 +385,9 @@ class SlurmBackend(Backend):
                     continue
                 job_id, state, reason, raw = parts[:4]
                 seen.add(job_id)
+                if len(parts) > 4 and parts[4] != job_id and state not in _PENDING:
+                    # a pending array's tasks all show the array's id; a started task has its own
+                    self._task_of_raw[parts[4]] = job_id
                 if state in _PENDING:
                     status = JobStatus(JobState.PENDING, reason=reason)
                 elif state in _RUNNING:
@@ -302,10 +411,13 @@ class SlurmBackend(Backend):
             self._checked_at[job_id] = now
             if status.state is JobState.PENDING:
                 since = self._pending_since.setdefault(job_id, now)
-                if now - since > _config.current().pending_warning and job_id not in self._warned:
-                    self._warned.add(job_id)
-                    log.warning("roving: Slurm job %s (%s) has been pending for %.0f s; Slurm's reason: %s",
-                                job_id, self._names.get(job_id, "?"), now - since, status.reason)
+                # an array's tasks pend together: one warning for the array, not one per task
+                key = slurm_array.base_id(job_id)
+                if now - since > _config.current().pending_warning and key not in self._warned:
+                    self._warned.add(key)
+                    log.warning("roving: Slurm job %s (%s) has been pending for %.0f s; Slurm's reason: %s%s",
+                                job_id, self._names.get(job_id, "?"), now - since, status.reason,
+                                " (other pending tasks of this array are not logged)" if key != job_id else "")
             else:
                 self._pending_since.pop(job_id, None)
         if status.state is JobState.EXITED and job_id in self._own:
@@ -430,7 +542,7 @@ class SlurmBackend(Backend):
         return self._towards
 
     def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
-        result = _slurm(["squeue", "-h", "-O", "JobID:|,Name:|,State:|,Reason:|,Comment:|,UserName:|",
+        result = _slurm(["squeue", "-h", "-r", "-O", "JobArrayID:|,Name:|,State:|,Reason:|,Comment:|,UserName:|",
                          *([f"--user={user}"] if user is not None else [])], timeout=10)
         jobs = []
         for line in result.stdout.splitlines():
@@ -440,6 +552,13 @@ class SlurmBackend(Backend):
                                     state=parts[2], reason=parts[3] if parts[3] != "None" else "",
                                     user=parts[5]))
         return jobs
+
+    def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
+        """As :meth:`Backend.unknown_ids`; an array's own id (``1234`` of ``1234_5``) is known too."""
+        known = set()
+        for j in self.list_jobs():
+            known.update((j.id, slurm_array.base_id(j.id)))
+        return [i for i in job_ids if i not in known]
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         ids = [i for i in job_ids if i]

@@ -63,7 +63,10 @@ def add_pipeline_parser(subparsers) -> None:
 def add_train_parser(sub) -> None:
     """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields."""
     t = sub.add_parser("train", help="train a LLaMA-style model by skip-pipelining across roving processes")
-    t.add_argument("--config", default=None, help="TOML file of TrainConfig fields (top-level keys)")
+    t.add_argument("--config", default=None,
+                   help="TOML run file: [model], [data], [plan], [optim], [faults], [checkpoint] and [run] tables "
+                        "of TrainConfig fields, or the fields as top-level keys (examples/configs/*.toml); "
+                        "flags override it")
     t.add_argument("--model", help="model preset (tiny, small, 500m, 1b)")
     t.add_argument("--network", help="preset (gcp12, aws10) or a network JSON file")
     t.add_argument("--nodes", help="number of nodes or a JSON file of nodes")

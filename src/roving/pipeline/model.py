@@ -4,8 +4,8 @@ causal attention through ``scaled_dot_product_attention``; untied input embeddin
 One forward serves every use: ``Llama.forward`` runs the embedding, any subset of the layers in any
 order (``layers``; all by default), the final norm and the head. A model may also hold only part of
 itself (``Llama(cfg, layers=..., ends=False)``): it is declared whole on the meta device, cut to that
-part, and only the part is materialised. That is what a pipeline stage is (``stages.py``); nothing
-here knows about pipelines beyond that.
+part, and only the part is materialised. That is what a pipeline stage is (``stages.py``, run by
+``stage_process.py``); nothing here knows about pipelines beyond that.
 
 Weights are initialised part by part from ``(seed, part)`` (``init_part``), so a part built alone gets
 exactly the weights the whole model would give it, and parameter names are the whole model's

@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from .. import observe
-from ..process import Process
+from .. import process as _process
+from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
 from ._dispatch import Dispatcher, WorkerState
@@ -173,24 +174,48 @@ class Upkeep:
         disp = self.disp
         node = disp.node
         cfg = _config.current()
+        batch: List[WorkerState] = []
         for _ in range(want):
             worker_id = next(self._worker_ids)
             proc = Process(target=_worker.serve, name=f"PoolWorker-{disp.pool_id}-{worker_id}",
                            args=(node.address, disp.pool_id, worker_id, self._initializer,
                                  self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
                            resources=self.shape)
-            w = WorkerState(worker_id, proc)
-            try:
-                proc.start()
-            except SerializationError:
-                raise
-            except Exception as exc:
-                self._failed_start(f"could not start a worker: {exc}")
-                return
-            with self.lock:
-                self._members[worker_id] = proc
+            batch.append(WorkerState(worker_id, proc))
+        # Known to the dispatcher before any of their jobs exists: a worker that starts early (the first
+        # of 64 sbatch calls, say) says HELLO at once, and a HELLO from an unknown worker is ignored.
+        for w in batch:
             disp.add_worker(w)
-            observe.event("worker-started", f"pool {disp.pool_id}", f"worker {worker_id} started ({proc.name})")
+        # one submission for all of them (a Slurm job array, concurrent container creation)
+        try:
+            if len(batch) == 1:
+                batch[0].proc.start()
+                errors: List[Optional[Exception]] = [None]
+            else:
+                errors = start_many([w.proc for w in batch])
+        except SerializationError:
+            for w in batch:
+                disp.worker_lost(w, None)
+            raise
+        except Exception as exc:
+            errors = [exc] * len(batch)
+        except BaseException:
+            for w in batch:
+                disp.worker_lost(w, None)
+            raise
+        failed = None
+        for w, error in zip(batch, errors):
+            if error is not None:
+                failed = failed or error
+                disp.worker_lost(w, None)  # it never started: nothing of it is left
+                continue
+            with self.lock:
+                self._members[w.id] = w.proc
+            observe.event("worker-started", f"pool {disp.pool_id}", f"worker {w.id} started ({w.proc.name})")
+        if failed is not None:  # one submission, one failure (an array refused is not 32 failures)
+            lost = sum(e is not None for e in errors)
+            self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
+                               f"could not start {lost} of {len(batch)} workers: {failed}")
 
     def _failed_start(self, why: str) -> None:
         self._failures += 1
@@ -279,7 +304,7 @@ class Upkeep:
             ended = [p for p in self._abandoned if not p.is_alive()]
             for p in ended:
                 self._abandoned.remove(p)
-                p._release()
+                _process.release(p)
         for w in workers:
             if w.proc.is_alive():
                 silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
@@ -304,11 +329,11 @@ class Upkeep:
                 elif w.ident is not None:
                     self._failures = 0
             self.disp.worker_lost(w, code)
-            w.proc._release()  # its sentinel and job handle; a long-lived pool recycles many workers
+            _process.release(w.proc)  # its sentinel and job handle; a long-lived pool recycles many workers
         if state == TERMINATE:
             workers = self.disp.workers_now()
             for w in workers:
-                w.proc._wait(1.0)
+                _process.reap(w.proc, 1.0)
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)

@@ -6,7 +6,8 @@ images), so the tests talk to this instead, through the official kubernetes clie
 127.0.0.1 only:
 
 * ``GET /version``; ``GET /api/v1/nodes`` (one node with the capacity given);
-* ``POST /api/v1/namespaces/NS/pods``: the pod is scheduled if its requests fit what is left on the node
+* ``POST /api/v1/namespaces/NS/pods`` (each taking ``create_delay`` seconds, recorded in ``creations``; the
+  next ``refuse_pods`` refused with 429): the pod is scheduled if its requests fit what is left on the node
   (else it stays ``Pending`` with condition ``PodScheduled=False, reason Unschedulable`` and a message as
   the scheduler's), then its first container's command runs as a local process with the pod's env and
   working directory; phase ``Running``, then ``Succeeded`` or ``Failed`` with
@@ -132,6 +133,12 @@ class FakeKubernetes:
         self.lock = threading.RLock()
         self.log_dir = tempfile.mkdtemp(prefix="fake-k8s-")
         self.requests: list = []  # (method, path) of every request, for tests to check
+        #: Seconds each pod creation takes (outside the server's lock, so creations can overlap), and
+        #: the (start, end) of each, time.monotonic(): tests see whether a client created pods concurrently.
+        self.create_delay = 0.0
+        self.creations: list = []
+        #: The next this many pod creations are refused with 429 Too Many Requests (a rate limit).
+        self.refuse_pods = 0
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -270,6 +277,15 @@ class FakeKubernetes:
         if not m:
             return h._send(404, _status(404, "NotFound", f"the fake serves no {url.path}"))
         namespace, name, log = m.groups()
+        if method == "POST" and name is None:
+            t0 = time.monotonic()
+            time.sleep(self.create_delay)
+            with self.lock:
+                self.creations.append((t0, time.monotonic()))
+                refuse, self.refuse_pods = self.refuse_pods > 0, max(0, self.refuse_pods - 1)
+            if refuse:
+                return h._send(429, _status(429, "TooManyRequests", "the fake's rate limit: too many requests, "
+                                                                    "please try again later"))
         with self.lock:
             if method == "POST" and name is None:
                 body = h._body()

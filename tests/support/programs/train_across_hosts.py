@@ -14,6 +14,7 @@ import torch
 
 torch.set_num_threads(1)
 
+from roving.pipeline.protocol import Done  # noqa: E402
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare  # noqa: E402
 
 CFG = dict(model="tiny", nodes=6, stages=3, skip=0.33, microbatches=6, samples=4, seq_len=32,
@@ -44,7 +45,7 @@ def main() -> dict:
 
         def hooked(kind, *args, **kwargs):
             msg = real(kind, *args, **kwargs)
-            if msg[0] == "done":
+            if isinstance(msg, Done):
                 seen["done"] += 1
                 if seen["done"] == 1:
                     print("CUT " + json.dumps(victim), flush=True)

@@ -1,0 +1,285 @@
+"""The messages between the training coordinator and its stage processes, and between stage processes.
+
+Each message is a small frozen dataclass (``__slots__``: it pickles as its class and its field values,
+so tensors in it travel as the transport's out-of-band frames, without copies). Every message that a
+stage process sends names its ``sender``; every message that belongs to one attempt at an iteration's
+microbatch phase carries its ``round`` (a number that grows with every attempt: when a stage process
+fails, the coordinator aborts the round and runs the iteration again under a new plan in a new round).
+Both ends dispatch on the message's type; a message of a type a receiver does not handle is a
+``ProtocolError`` naming the type and the receiver.
+
+The messages travel over roving queues: each stage process reads its own inbox (a Queue it creates, so
+that peers' puts go straight to it), and answers the coordinator on its ``control`` queue; heartbeats
+go on ``beats`` from a thread of their own.
+
+coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
+``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``Stop``.
+stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
+stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
+``Stopped`` ``Failed``; on ``beats``: ``Beat``.
+
+Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
+than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
+way): the old round's work and gradients are dropped first. Messages of older rounds, and of a round
+aborted, are dropped (a message can arrive after the abort of its round), so a re-run never mixes with
+what was left of the aborted attempt, whatever order messages from different senders arrive in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from .plan import Route
+
+#: the ``sender`` of the coordinator's messages.
+COORDINATOR = "coordinator"
+
+
+class ProtocolError(RuntimeError):
+    """A message that its receiver does not handle (a wrong type, or not a protocol message at all)."""
+
+
+def unexpected(msg: Any, receiver: str, waiting_for: str = "") -> ProtocolError:
+    """The error for ``msg`` arriving at ``receiver`` (optionally: while it waited for something)."""
+    kind = type(msg).__name__ if isinstance(msg, Message) else f"{type(msg).__name__} (not a protocol message)"
+    return ProtocolError(f"{receiver}: unexpected message {kind}"
+                         + (f" while waiting for {waiting_for}" if waiting_for else ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """The base of every message."""
+
+    def __reduce__(self) -> tuple:
+        # pickled as the class and its field values in order (cheaper than the slots' state dict)
+        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))
+
+
+@functools.cache
+def _field_names(kind: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(kind))
+
+
+@dataclass(frozen=True, slots=True)
+class RoundMessage(Message):
+    """A message that belongs to one round (an attempt at an iteration's microbatch phase)."""
+
+    round: int
+
+
+# -- coordinator -> stage process --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Peers(Message):
+    """Every admitted stage process's inbox (after all are ready; to a joining one on admission)."""
+
+    inboxes: dict
+
+
+@dataclass(frozen=True, slots=True)
+class PeerJoined(Message):
+    """A stage process joined: its inbox, and the emulated link to it (None: send at once)."""
+
+    name: str
+    inbox: Any
+    link: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Forget(Message):
+    """These stage processes were declared dead: stop sending to them."""
+
+    names: list
+
+
+@dataclass(frozen=True, slots=True)
+class Microbatch(RoundMessage):
+    """A microbatch, to its origin (a stage-0 process), with the route it travels."""
+
+    mb: int
+    tokens: Any
+    targets: Any
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
+class SyncOrder(RoundMessage):
+    """Average gradients with ``replicas`` (sorted names of this stage's processes) over ``count``
+    microbatches, as soon as this process has run ``expect`` backward passes in the round (sent with
+    the round's microbatches, so a stage's replicas average while other stages still work; None: at
+    once)."""
+
+    replicas: list
+    count: int
+    expect: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Step(RoundMessage):
+    """Scale the gradients by ``clip_coef`` and take an AdamW step with learning rate ``lr``."""
+
+    clip_coef: float
+    lr: float
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(RoundMessage):
+    """Drop all work of the round and its gradients."""
+
+
+@dataclass(frozen=True, slots=True)
+class Export(Message):
+    """Send this stage's weights and optimizer state (answered by ``Exported``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Load(Message):
+    """Hold ``stage`` from now on with these weights and optimizer state (None: a fresh optimizer),
+    at most ``in_flight`` microbatches at a time (answered by ``Loaded``)."""
+
+    stage: int
+    in_flight: int
+    params: dict
+    optimizer: dict | None
+
+
+@dataclass(frozen=True, slots=True)
+class StateRequest(Message):
+    """Send this stage's weights, or with ``grads`` its gradients as they are now (answered by
+    ``State``)."""
+
+    grads: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Throttle(Message):
+    """Fault injection: compute ``factor`` times slower."""
+
+    factor: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Message):
+    """Confirm every send to the ``live`` processes, answer ``Stopped``, exit when released."""
+
+    live: list | None = None
+
+
+# -- stage process -> stage process ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Forward(RoundMessage):
+    """Activations of microbatch ``mb``; ``hop`` is the receiver's index in ``route.nodes``, or
+    ``len(route.nodes)`` when they return to the origin for the loss."""
+
+    sender: str
+    mb: int
+    hop: int
+    tensor: Any
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
+class Backward(RoundMessage):
+    """Gradients of microbatch ``mb``'s activations; ``hop`` = -1 when they reach the origin."""
+
+    sender: str
+    mb: int
+    hop: int
+    tensor: Any
+    route: Route
+
+
+@dataclass(frozen=True, slots=True)
+class Gradients(RoundMessage):
+    """A replica's summed gradients of the round, flattened."""
+
+    sender: str
+    flat: Any
+
+
+# -- stage process -> coordinator --------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Ready(Message):
+    """A stage process started (incarnation ``incarnation`` of its name) and reads ``inbox``."""
+
+    sender: str
+    incarnation: int
+    inbox: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Beat(Message):
+    """A heartbeat, every ``heartbeat`` seconds from a thread of its own."""
+
+    sender: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done(RoundMessage):
+    """Microbatch ``mb`` is done (its backward reached the origin ``sender``); its loss."""
+
+    sender: str
+    mb: int
+    loss: float
+
+
+@dataclass(frozen=True, slots=True)
+class Norm(RoundMessage):
+    """``sender``'s replicas of ``stage`` averaged: the squared norm of the averaged gradients."""
+
+    sender: str
+    stage: int
+    sq_norm: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stepped(RoundMessage):
+    """``sender`` stepped; its statistics since the previous step."""
+
+    sender: str
+    stats: dict
+
+
+@dataclass(frozen=True, slots=True)
+class State(Message):
+    """The answer to ``StateRequest``: ``sender``'s stage and its tensors by parameter name."""
+
+    sender: str
+    stage: int
+    tensors: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Exported(Message):
+    """The answer to ``Export``: ``sender``'s stage, weights and optimizer state (on the CPU)."""
+
+    sender: str
+    stage: int
+    params: dict
+    optimizer: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded(Message):
+    """The answer to ``Load``: ``sender`` holds ``stage`` now."""
+
+    sender: str
+    stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stopped(Message):
+    """The answer to ``Stop``: every send of ``sender`` to a live process has arrived."""
+
+    sender: str
+
+
+@dataclass(frozen=True, slots=True)
+class Failed(Message):
+    """``sender`` raised: its traceback."""
+
+    sender: str
+    traceback: str

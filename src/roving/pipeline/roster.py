@@ -1,0 +1,342 @@
+"""The training run's membership: the stage processes, their inboxes, their heartbeats, joining and
+admission, and the coordinator's receiving end of the protocol.
+
+``Roster`` starts stage processes on the run's backend, keeps what it knows of each (its process, its
+inbox once admitted, its incarnation, its last heartbeat, the stage whose weights it holds), receives
+their messages, and finds the dead: a process that exits, or whose heartbeats stop for ``dead_after``
+seconds, is declared dead and killed (so that one that was only unreachable cannot come back with stale
+work), every live process is told to forget it, and ``recv`` raises ``NodesLost``. It reports the lost
+ones (``take_lost``) and never plans: what to do about them is the trainer's.
+
+Joining: ``request_join`` (and join request files in the trainer's ``control`` folder, see ``roving
+pipeline join``) starts a stage process on the run's backend; when it reports ready it is admitted at
+the next iteration boundary (``admit``): it gets every inbox, and every process gets its inbox. The
+trainer then places it (a re-plan with the node joined), and it receives its stage's weights and
+optimizer state from a live replica, or from the latest snapshot when none holds the stage
+(``weights``). Restarted processes (``restart``) join the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue as _queue
+import threading
+import time
+from typing import Any, Callable
+
+from . import protocol as m
+from .costs import PlanError
+from .senders import Senders
+from .stage_process import StageSettings, stage_main
+
+log = logging.getLogger(__name__)
+
+
+class NodeFailed(RuntimeError):
+    """Training cannot go on: a stage process raised (the message carries its traceback), or failures
+    left no process to hold stage 0, or an iteration failed ``max_retries`` times."""
+
+
+class NoMessage(NodeFailed):
+    """Nothing came from the stage processes in time."""
+
+
+class NodesLost(Exception):
+    """Stage processes were declared dead (their process exited, or their heartbeats stopped)."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        super().__init__(", ".join(f"{n} ({why})" for n, why in sorted(names.items())))
+        self.names = names
+
+
+class Roster:
+    """The stage processes of one run (``prep``: a ``runspec.Prepared``). ``event(kind, **fields)``
+    records what happened to them ("dead", "join-requested", "join-failed").
+
+    Names: ``universe`` is every node ever known (the network's and those that joined), ``procs`` every
+    process started (by name, the latest incarnation), ``inboxes`` the admitted live ones, ``starting``
+    those started and not ready yet, ``ready`` those ready and not admitted yet, ``holding`` the stage
+    whose weights each holds now (None: nothing useful yet)."""
+
+    def __init__(self, prep: Any, event: Callable[..., None]) -> None:
+        import roving
+
+        self.p, self.c, self.spec, self._event = prep, prep.config, prep.spec, event
+        self.control = roving.Queue()
+        self.release = roving.Queue()
+        self.beats = roving.Queue()
+        self.universe = {n.name: n for n in prep.network.nodes}
+        self.procs: dict[str, Any] = {}
+        self.inboxes: dict[str, Any] = {}
+        self.incarnation: dict[str, int] = {}
+        self.last_beat: dict[str, float] = {}
+        self.starting: set[str] = set()
+        self.ready: dict[str, tuple[int, Any]] = {}
+        self.holding: dict[str, int | None] = {}
+        #: declared dead since the trainer last took them (``take_lost``), with why.
+        self.lost: dict[str, str] = {}
+        self._out: Senders | None = None
+        self._monitor: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._checked = 0.0
+
+    # -- starting --------------------------------------------------------------------------------
+    def launch(self, name: str, stage: int, index: int, fresh: bool = True) -> None:
+        """Start the stage process ``name`` holding ``stage`` (``index``: its place among the run's,
+        which picks its GPU). ``fresh``: its initial weights are the run's (not on a resume)."""
+        import roving
+
+        everyone = self.p.network.with_nodes(list(self.universe.values()))
+        emulate = ({o: everyone.link(name, o) for o in self.universe if o != name}
+                   if self.c.emulate_network else None)
+        limit = max(1, self.universe[name].in_flight(stage, self.spec, self.c.stages))
+        inc = self.incarnation[name] = self.incarnation.get(name, -1) + 1
+        s = StageSettings(name, stage, self.c.stages, self.p.model, self.c.seed, limit,
+                          lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
+                          bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate,
+                          incarnation=inc, heartbeat=self.c.heartbeat)
+        label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
+        proc = roving.Process(target=stage_main, args=(s, self.control, self.release, self.beats),
+                              name=label, daemon=True)
+        proc.start()
+        self.procs[name] = proc
+        self.starting.add(name)
+        self.holding[name] = stage if inc == 0 and fresh else None
+
+    def open(self) -> list[str]:
+        """After the start: admit the ready processes (every one gets every inbox) and start watching
+        heartbeats. Returns the processes still starting (they join when ready; their initial weights
+        will be stale then)."""
+        late = sorted(self.starting)
+        for name in late:
+            self.holding[name] = None
+        self._out = Senders(m.COORDINATOR, {}, None)
+        for name in sorted(self.ready):
+            inc, inbox = self.ready.pop(name)
+            self.inboxes[name] = inbox
+            self._out.add(name, inbox)
+            self.last_beat[name] = time.monotonic()
+        for name in self.inboxes:
+            self.put(name, m.Peers(self.inboxes))
+        self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
+        self._monitor.start()
+        return late
+
+    def stop(self) -> None:
+        """Stop the processes in two phases (see ``StageProcess._shut_down``); kills any that do not
+        stop. After a start that failed part-way (some never reported ready, so there is no inbox to
+        tell them to stop, and none has its peers), the started processes are killed at once."""
+        self._stopping.set()
+        live = sorted(self.inboxes)
+        for name, proc in self.procs.items():  # started processes that were never admitted: kill them
+            if (self._out is None or name not in self.inboxes) and proc.is_alive():
+                proc.kill()
+        if self._out is not None:
+            try:
+                for name in live:
+                    self.put(name, m.Stop(live))
+                waiting = set(live)
+                deadline = time.monotonic() + 30.0
+                while waiting and time.monotonic() < deadline:
+                    try:
+                        msg = self.control.get(timeout=0.5)
+                    except _queue.Empty:
+                        waiting = {n for n in waiting if self.procs[n].is_alive()}
+                        continue
+                    if isinstance(msg, m.Stopped):
+                        waiting.discard(msg.sender)
+                self._out.confirm(live, timeout=10.0)
+                for _ in live:
+                    self.release.put(None)
+            except Exception as exc:  # a process that failed is killed below
+                log.warning("stage processes did not stop cleanly: %s", exc)
+        for proc in self.procs.values():
+            proc.join(timeout=20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        # no thread of ours may be inside the transport when the interpreter exits
+        if self._out is not None:
+            self._out.close()
+        if self._monitor is not None:
+            self._monitor.join(timeout=2)
+
+    def put(self, name: str, msg: m.Message) -> None:
+        """To a process's inbox, from a sender thread per process: one that died never blocks us."""
+        self._out.put(name, msg)
+
+    def kill(self, names: list[str]) -> None:
+        """kill -9 the processes of ``names``."""
+        for n in names:
+            self.procs[n].kill()
+
+    # -- failure detection -----------------------------------------------------------------------
+    def _watch_beats(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                beat = self.beats.get(timeout=0.5)
+            except _queue.Empty:
+                continue
+            except Exception:  # the queue closes as the coordinator exits
+                return
+            if isinstance(beat, m.Beat) and self.incarnation.get(beat.sender) == beat.incarnation:
+                self.last_beat[beat.sender] = time.monotonic()
+
+    def _dead(self) -> dict[str, str]:
+        """Admitted processes that are dead now, with why; forgets started ones whose process exited."""
+        now = time.monotonic()
+        dead = {}
+        for name in self.inboxes:
+            proc = self.procs[name]
+            quiet = now - self.last_beat.get(name, now)
+            if not proc.is_alive():
+                dead[name] = f"its process exited with code {proc.exitcode}"
+            elif self.c.dead_after > 0 and quiet > self.c.dead_after:
+                dead[name] = f"no heartbeat for {quiet:.1f} s"
+        for name in sorted(self.starting | set(self.ready)):
+            proc = self.procs[name]
+            if not proc.is_alive():
+                log.warning("node %s exited before it joined (exit code %s)", name, proc.exitcode)
+                self._event("join-failed", nodes=[name], why=f"exit code {proc.exitcode}")
+                self.starting.discard(name)
+                self.ready.pop(name, None)
+        return dead
+
+    def check(self, force: bool = False) -> None:
+        """Raise NodesLost (after fencing them off) if admitted processes died; at most every 0.1 s."""
+        now = time.monotonic()
+        if not force and now - self._checked < 0.1:
+            return
+        self._checked = now
+        dead = self._dead()
+        if dead:
+            self._drop(dead)
+            raise NodesLost(dead)
+
+    def _drop(self, dead: dict[str, str]) -> None:
+        """Fence dead processes off: kill what is left of them, stop sending to them, tell the others."""
+        for name, why in dead.items():
+            log.warning("node %s declared dead: %s", name, why)
+            proc = self.procs.get(name)
+            if proc is not None and proc.is_alive():
+                proc.kill()
+            self.inboxes.pop(name, None)
+            self.last_beat.pop(name, None)
+        self._out.forget(list(dead))
+        for name in self.inboxes:
+            self.put(name, m.Forget(list(dead)))
+        self._event("dead", nodes=sorted(dead), why=dead)
+        self.lost.update(dead)
+        if self.c.restart:
+            for name in dead:
+                self.request_join(name)
+
+    def take_lost(self) -> dict[str, str]:
+        """The processes declared dead since the last call, with why."""
+        lost, self.lost = self.lost, {}
+        return lost
+
+    def recv(self, kind: type | tuple[type, ...], timeout: float | None = None, rnd: int | None = None,
+             names: set[str] | None = None, check: bool = True) -> m.Message:
+        """The next message of type ``kind`` (or one of the types) from the stage processes (of round
+        ``rnd``, from one of ``names``).
+        Raises NodesLost when an admitted process dies meanwhile (with ``check``), NodeFailed when one
+        raised or another message came, NoMessage when nothing came within ``timeout``. Other
+        processes' ``Ready`` messages are kept for joining; round messages of other rounds or not
+        asked for (left from an aborted round), and messages of processes declared dead, are dropped."""
+        timeout = self.c.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        what = " or ".join(k.__name__ for k in kinds)
+        while True:
+            if check:
+                self.check()
+            try:
+                msg = self.control.get(timeout=0.1)
+            except _queue.Empty:
+                if not check:
+                    dead = [n for n in self.starting if not self.procs[n].is_alive()]
+                    if dead:
+                        raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
+                                         f"for {what}")
+                if time.monotonic() > deadline:
+                    raise NoMessage(f"no {what} message from the nodes within {timeout:g} s")
+                continue
+            if isinstance(msg, m.Failed):
+                raise NodeFailed(f"node {msg.sender} failed:\n{msg.traceback}")
+            if isinstance(msg, m.Ready):
+                if self.incarnation.get(msg.sender) == msg.incarnation and msg.sender in self.starting:
+                    self.starting.discard(msg.sender)
+                    self.ready[msg.sender] = (msg.incarnation, msg.inbox)
+                if m.Ready in kinds:
+                    return msg
+                continue
+            if isinstance(msg, m.RoundMessage) and (not isinstance(msg, kinds) or
+                                                    (rnd is not None and msg.round != rnd)):
+                continue  # left from an aborted round
+            sender = getattr(msg, "sender", None)
+            if sender is not None and sender not in self.inboxes:
+                continue  # from a process declared dead
+            if not isinstance(msg, kinds) or (names is not None and sender not in names):
+                raise NodeFailed(str(m.unexpected(msg, "the coordinator", what)))
+            return msg
+
+    # -- joining -----------------------------------------------------------------------------------
+    def request_join(self, name: str | None = None, region: str | None = None) -> str:
+        """Start a stage process that joins the run when it is ready. A ``name`` the run knew (one
+        that died) restarts it; a new name (or none: one is made up) adds a node in ``region``
+        (default: the regions in turn), with the run's compute speed and memory. Returns its name.
+        Raises PlanError for a live name or an unknown region."""
+        if name is not None and (name in self.inboxes or (name in self.procs and self.procs[name].is_alive())):
+            raise PlanError(f"node {name} is already running")
+        if name is None or name not in self.universe:
+            regions = sorted({r for pair in self.p.network.links for r in pair} |
+                             {n.region for n in self.universe.values()})
+            if region is None:
+                region = regions[len(self.universe) % len(regions)]
+            elif region not in regions:
+                raise PlanError(f"unknown region {region!r}; the network has {', '.join(regions)}")
+            if name is None:
+                k = len(self.universe)
+                while f"n{k:02d}" in self.universe:
+                    k += 1
+                name = f"n{k:02d}"
+            template = next(iter(self.universe.values()))
+            self.universe[name] = dataclasses.replace(template, name=name, region=region)
+        index = sorted(self.universe).index(name)
+        self.launch(name, 0, index)
+        self.holding[name] = None
+        self._event("join-requested", nodes=[name])
+        return name
+
+    def wait_ready(self, names: list[str], timeout: float) -> None:
+        """Wait until the processes ``names`` are ready (not admitted yet). NodeFailed if one is not
+        within ``timeout`` seconds, or exits first."""
+        deadline = time.monotonic() + timeout
+        while any(n not in self.ready for n in names):
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"node(s) {', '.join(n for n in names if n not in self.ready)} not ready "
+                                 f"within {timeout:g} s")
+            try:
+                self.recv(m.Ready, timeout=max(0.1, deadline - time.monotonic()), check=False)
+            except NodeFailed:
+                gone = [n for n in names if n not in self.ready and not self.procs[n].is_alive()]
+                if gone:
+                    raise NodeFailed(f"joining node(s) {', '.join(gone)} exited before they were ready") from None
+
+    def admit(self) -> list[str]:
+        """Admit the processes that reported ready: peers both ways (the emulated link to each, when
+        the network is emulated). Returns their names (sorted); placing them is the caller's."""
+        joined = sorted(self.ready)
+        for name in joined:
+            _, inbox = self.ready.pop(name)
+            everyone = self.p.network.with_nodes(list(self.universe.values()))
+            for other in self.inboxes:
+                link = everyone.link(other, name) if self.c.emulate_network else None
+                self.put(other, m.PeerJoined(name, inbox, link))
+            self.inboxes[name] = inbox
+            self._out.add(name, inbox)
+            self.last_beat[name] = time.monotonic()
+            self.put(name, m.Peers(self.inboxes))
+        return joined

@@ -1,0 +1,414 @@
+"""A stage process: a roving process that holds one stage of the model and serves microbatches along
+their routes, driven by the coordinator's messages (``protocol``: what each message means, and how
+rounds are read).
+
+Each stage process reads its own ``inbox`` (a Queue it creates, so peers' puts go straight to it over
+the transport and tensors travel as out-of-band frames, without copies), answers the coordinator on
+``control`` and sends heartbeats on ``beats`` from a thread of its own (``Beat`` every ``heartbeat``
+seconds, so that a process that stops answering is found even while it computes). Sends to peers go
+through one sender thread per destination (``senders.Senders``).
+
+Serving policy, as the simulator's: backward work (backward and loss) before forward work, then the
+task that arrived first (the coordinator hands microbatches to their origins in the plan's priority
+order, so microbatches ready together are served in that order). At most ``in_flight`` microbatches
+are held (from the start of their forward here to the end of their backward here); a forward that would
+exceed it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import protocol as m
+from .model import LlamaConfig
+from .network import Link
+from .plan import Route
+from .senders import Senders
+from .stages import Stage
+
+log = logging.getLogger(__name__)
+
+#: serving classes: backward work (a backward, or the loss that starts one) before forward work.
+BACKWARD_WORK, FORWARD_WORK = 0, 1
+#: messages that belong to the round's work (an aborted round's are dropped).
+_WORK = (m.Microbatch, m.Forward, m.Backward, m.Gradients, m.SyncOrder, m.Step)
+#: how the trace of a process's work names each kind of task.
+_TRACE_KIND = {m.Microbatch: "mb", m.Forward: "fwd", m.Backward: "bwd"}
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What a stage process needs besides its stage: plain values, pickled into the process."""
+
+    name: str
+    stage: int
+    stages: int
+    model: LlamaConfig
+    seed: int
+    in_flight: int
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    device: str = "cpu"
+    bf16: bool = False
+    threads: int = 1
+    #: this process's position among the run's (picks its GPU when several share a machine).
+    index: int = 0
+    #: destination -> link, when the network is emulated (None: send at once).
+    emulate: dict[str, Link] | None = None
+    #: how many times a process of this name was started before (a restarted one is a new incarnation).
+    incarnation: int = 0
+    #: seconds between heartbeats (0: none).
+    heartbeat: float = 0.5
+
+
+def pick_device(want: str = "auto", index: int = 0) -> str:
+    """``auto``: a CUDA device when there is one (node ``index`` takes device ``index`` modulo their
+    count, so nodes sharing a machine spread over its GPUs), else the CPU."""
+    if want == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{index % torch.cuda.device_count()}"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {want!r} asked for, but this node has no CUDA device")
+    return want
+
+
+class StageProcess:
+    """One stage process's state and loop (``run``); ``stage_main`` is the process's target."""
+
+    def __init__(self, s: StageSettings, inbox: Any, control: Any, release: Any, beats: Any = None) -> None:
+        self.s, self.inbox, self.control, self.release, self.beats = s, inbox, control, release, beats
+        self.name = s.name
+        self.device = torch.device(pick_device(s.device, s.index))
+        torch.manual_seed(s.seed)
+        self.peers: Senders | None = None
+        self.round = -1
+        self.aborted = -1  # the latest round given up: its messages are dropped
+        self.throttle = 1.0
+        self._hold(s.stage, s.in_flight)
+        self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
+        self._handlers = {
+            m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
+            m.Abort: self._on_abort, m.SyncOrder: self._on_sync_order, m.Gradients: self._on_gradients,
+            m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
+            m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle}
+
+    def _hold(self, stage: int, in_flight: int) -> None:
+        """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
+        self.stage_index, self.in_flight = stage, in_flight
+        self.stage = Stage(self.s.model, stage, self.s.stages, seed=self.s.seed).to(self.device)
+        self.params = [p for p in self.stage.parameters()]
+        fused = {"fused": True} if self.device.type == "cuda" else {}
+        self.opt = torch.optim.AdamW(self.params, lr=self.s.lr, weight_decay=self.s.weight_decay,
+                                     betas=self.s.betas, **fused)
+        self._clear_round()
+
+    def _clear_round(self) -> None:
+        self.pending: list[tuple] = []  # (class, arrival, message)
+        self.arrivals = 0
+        self.stash: dict[tuple[int, int], tuple] = {}
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.sync_order: dict[int, tuple[list[str], int, int | None]] = {}
+        self.backwards = 0  # backward passes run in the current round
+        self._losses: dict[tuple[int, int], float] = {}
+        self.opt.zero_grad(set_to_none=True)
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.s.bf16)
+
+    def _in(self, t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        return t.requires_grad_(True) if grad else t
+
+    @staticmethod
+    def _out(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu").contiguous()
+
+    def _beat(self) -> None:
+        while not self._leaving.is_set():
+            self.beats.put(m.Beat(self.name, self.s.incarnation))
+            self._leaving.wait(self.s.heartbeat)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until ``Stop``; raises ProtocolError for a message this process does not handle."""
+        self._leaving = threading.Event()
+        beating = None
+        if self.beats is not None and self.s.heartbeat > 0:
+            beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
+            beating.start()
+        self.control.put(m.Ready(self.name, self.s.incarnation, self.inbox))
+        while True:
+            task = self._next_task()
+            if task is None:
+                msg = self.inbox.get()
+                if isinstance(msg, m.Stop):
+                    break
+                self._accept(msg)
+                continue
+            t0 = time.perf_counter()
+            self._serve(task)
+            t1 = time.perf_counter()
+            if self.throttle > 1.0:  # fault injection: a process slowed down by other work
+                time.sleep((t1 - t0) * (self.throttle - 1.0))
+                t1 = time.perf_counter()
+            self.stats["compute_s"] += t1 - t0
+            # wall-clock spans of the work done (one clock for every process on a machine)
+            self.stats["trace"].append((_TRACE_KIND[type(task)], task.mb, time.time() - (t1 - t0), time.time()))
+        self._leaving.set()
+        if beating is not None:
+            beating.join(timeout=5)
+        self._shut_down(msg.live)
+
+    def _shut_down(self, live: list[str] | None) -> None:
+        """Leave without stranding anyone: every send to a live peer is confirmed (a round trip to each
+        inbox) while all processes are still up, and the process exits only when the coordinator
+        releases it, so no exiting process waits on a peer that has gone."""
+        if self.peers is not None:
+            self.peers.confirm([n for n in (live if live is not None else self.peers.senders) if n != self.name])
+        self.control.put(m.Stopped(self.name))
+        self.release.get(timeout=60)
+
+    def _current(self, rnd: int) -> bool:
+        """Whether a message of round ``rnd`` is to be handled (``protocol``, Rounds)."""
+        if rnd < self.round or rnd <= self.aborted:
+            return False
+        if rnd > self.round:
+            if self.stash or self.pending or self.grads or self.sync_order:
+                self._clear_round()
+            self.round = rnd
+            self.backwards = 0
+        return True
+
+    def _accept(self, msg: Any) -> None:
+        if isinstance(msg, _WORK) and not self._current(msg.round):
+            return
+        if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
+            if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
+                cls = FORWARD_WORK
+            else:  # a backward, or activations back at the origin for the loss
+                cls = BACKWARD_WORK
+            self.arrivals += 1
+            self.pending.append((cls, self.arrivals, msg))
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise m.unexpected(msg, f"stage process {self.name}")
+        handler(msg)
+
+    # -- control messages ----------------------------------------------------------------------
+    def _on_peers(self, msg: m.Peers) -> None:
+        if self.peers is None:
+            self.peers = Senders(self.name, msg.inboxes, self.s.emulate)
+        else:
+            for name, q in msg.inboxes.items():
+                self.peers.add(name, q)
+
+    def _on_peer_joined(self, msg: m.PeerJoined) -> None:
+        self.peers.add(msg.name, msg.inbox, msg.link)
+
+    def _on_forget(self, msg: m.Forget) -> None:
+        self.peers.forget(msg.names)
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        if msg.round >= self.round:
+            self._clear_round()
+            self.round = msg.round
+        self.aborted = max(self.aborted, msg.round)
+
+    def _on_sync_order(self, msg: m.SyncOrder) -> None:
+        self.sync_order[msg.round] = (msg.replicas, msg.count, msg.expect)
+        self._try_sync(msg.round)
+
+    def _on_gradients(self, msg: m.Gradients) -> None:
+        self.grads.setdefault(msg.round, {})[msg.sender] = msg.flat
+        self._try_sync(msg.round)
+
+    def _on_step(self, msg: m.Step) -> None:
+        self._step(msg.round, msg.clip_coef, msg.lr)
+
+    def _on_export(self, msg: m.Export) -> None:
+        params = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+        self.control.put(m.Exported(self.name, self.stage_index, params, _to_cpu(self.opt.state_dict())))
+
+    def _on_load(self, msg: m.Load) -> None:
+        if msg.stage != self.stage_index:
+            self._hold(msg.stage, msg.in_flight)
+        self.in_flight = msg.in_flight
+        self.stage.load_state_dict(msg.params)
+        if msg.optimizer is not None:
+            self.opt.load_state_dict(msg.optimizer)
+        self._clear_round()
+        self.control.put(m.Loaded(self.name, msg.stage))
+
+    def _on_state_request(self, msg: m.StateRequest) -> None:
+        if msg.grads:  # for checks: the gradients as they are now
+            sd = {n: p.grad.detach().to("cpu") for n, p in self.stage.named_parameters() if p.grad is not None}
+        else:
+            sd = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+        self.control.put(m.State(self.name, self.stage_index, sd))
+
+    def _on_throttle(self, msg: m.Throttle) -> None:
+        self.throttle = float(msg.factor)
+
+    # -- microbatch work -----------------------------------------------------------------------
+    def _next_task(self) -> Any:
+        best = None
+        room = len(self.stash) < self.in_flight
+        for i, item in enumerate(self.pending):
+            # a new forward here needs room; a forward at the origin that returns for the loss does not
+            if item[0] == FORWARD_WORK and not room:
+                continue
+            if best is None or item[:2] < self.pending[best][:2]:
+                best = i
+        if best is None:
+            return None
+        return self.pending.pop(best)[2]
+
+    def _serve(self, msg: Any) -> None:
+        rnd, mb, route = msg.round, msg.mb, msg.route
+        if isinstance(msg, m.Microbatch):
+            with self._autocast():
+                h = self.stage(self.stage.embed(self._in(msg.tokens)))
+            self.stash[rnd, mb] = (None, h, self._in(msg.targets))
+            self._track()
+            self._forward_on(rnd, mb, 0, h, route)
+        elif isinstance(msg, m.Forward):
+            hop = msg.hop
+            if hop == len(route.nodes):  # back at the origin: final norm, head and loss
+                x = self._in(msg.tensor, grad=True)
+                _, _, targets = self.stash[rnd, mb]
+                with self._autocast():
+                    loss = self.stage.loss(x, targets)
+                loss.backward()
+                self._backward_on(rnd, mb, hop - 1, x.grad, route, loss=float(loss.detach()))
+                return
+            x = self._in(msg.tensor, grad=True)
+            with self._autocast():
+                y = self.stage(x)
+            self.stash[rnd, mb] = (x, y, None)
+            self._track()
+            self._forward_on(rnd, mb, hop + 1, y, route)
+        else:  # Backward
+            x, y, _ = self.stash.pop((rnd, mb))
+            y.backward(self._in(msg.tensor))
+            self.stats["processed"] += 1
+            self.backwards += 1
+            if msg.hop == -1:
+                self.control.put(m.Done(rnd, self.name, mb, self._losses.pop((rnd, mb))))
+            else:
+                self._backward_on(rnd, mb, msg.hop - 1, x.grad, route)
+            self._try_sync(rnd)  # after the send: the next process's work does not wait for the averaging
+
+    def _track(self) -> None:
+        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
+
+    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route) -> None:
+        """Send activations to the process at ``hop`` of the route (the origin when past the end)."""
+        out = self._out(h)
+        msg = m.Forward(rnd, self.name, mb, hop, out, route)
+        if hop == len(route.nodes):
+            if not route.nodes:  # a route that visits no other stage: the loss runs here at once
+                self._accept(msg)
+                return
+            dst = route.origin
+        else:
+            dst = route.nodes[hop]
+        self.peers.send(dst, msg, out)
+
+    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
+                     loss: float | None = None) -> None:
+        if loss is not None:
+            self._losses[rnd, mb] = loss
+        out = self._out(g)
+        msg = m.Backward(rnd, self.name, mb, hop, out, route)
+        if hop == -1 and not route.nodes:
+            self._accept(msg)
+            return
+        dst = route.origin if hop == -1 else route.nodes[hop]
+        self.peers.send(dst, msg, out)
+
+    # -- replica averaging and the optimizer step ----------------------------------------------
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                          for p in self.params])
+
+    def _try_sync(self, rnd: int) -> None:
+        """Send this replica's gradients to the other replicas once its backward passes of the round
+        are all done; average once every replica's have arrived (then report the squared norm)."""
+        if rnd not in self.sync_order:
+            return
+        replicas, count, expect = self.sync_order[rnd]
+        got = self.grads.setdefault(rnd, {})
+        if self.name not in got:
+            if expect is not None and self.backwards < expect:
+                return
+            mine = self._flat_grads()
+            got[self.name] = mine
+            out = self._out(mine)
+            for r in replicas:
+                if r != self.name:
+                    self.peers.send(r, m.Gradients(rnd, self.name, out), out)
+        if any(r not in got for r in replicas):
+            return
+        # Every replica adds the same tensors in the same order: the results are bitwise equal.
+        total = torch.zeros_like(got[self.name])
+        for r in replicas:
+            total += got[r].to(self.device)
+        total /= max(count, 1)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+        del self.grads[rnd], self.sync_order[rnd]
+        self.control.put(m.Norm(rnd, self.name, self.stage_index, float(total.pow(2).sum())))
+
+    def _step(self, rnd: int, coef: float, lr: float) -> None:
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        stats = dict(self.stats)
+        self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
+        self.control.put(m.Stepped(rnd, self.name, stats))
+
+
+def _to_cpu(obj: Any) -> Any:
+    """An optimizer state dict with its tensors on the CPU (to travel and to be saved)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def stage_main(settings: StageSettings, control: Any, release: Any, beats: Any = None) -> None:
+    """The target of a stage's roving Process."""
+    import roving
+
+    torch.set_num_threads(settings.threads)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    try:
+        inbox = roving.Queue()
+        StageProcess(settings, inbox, control, release, beats).run()
+    except BaseException:
+        control.put(m.Failed(settings.name, traceback.format_exc()))
+        raise

@@ -1,0 +1,177 @@
+"""The stages' weights and optimizer state as the coordinator handles them: gathered from the stage
+processes (``stage_states``, the whole model), snapshots in memory, checkpoints on disk and the run
+resumed from one, and weights moved to processes whose stage changed.
+
+Snapshots: the weights and optimizer state of one replica per stage are copied to the coordinator at
+the start and every ``snapshot_every`` iterations (and, with ``checkpoint``, written to disk every
+``checkpoint_every``, atomically, with the metrics and the position in the data, so that ``resume``
+continues a run whose coordinator died). A stage that no process holds any more is taken over from its
+latest snapshot.
+
+``Weights`` talks to the stage processes through a ``roster.Roster``; a process that dies while it is
+asked is left out (the trainer plans around it at the next iteration boundary).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from . import checkpoint_file
+from . import protocol as m
+from .costs import PlanError
+from .model import Llama
+from .roster import NodesLost, Roster
+from .stages import merge_state_dicts
+
+
+class Weights:
+    """The weights of a run's stages (``prep``: a ``runspec.Prepared``). ``snapshot`` is the latest
+    snapshot: {"iteration": i, "stages": {stage: {"params", "optimizer", "iteration"}}} (None before
+    the first). ``event(kind, **fields)`` records a stage taken over from a snapshot ("takeover")."""
+
+    def __init__(self, prep: Any, roster: Roster, event: Callable[..., None]) -> None:
+        self.p, self.c, self.roster, self._event = prep, prep.config, roster, event
+        self.snapshot: dict | None = None
+
+    # -- asking the stage processes ---------------------------------------------------------------
+    def ask(self, request: m.Message, kind: type, names: list[str]) -> dict[str, m.Message]:
+        """Send ``request`` to ``names`` and collect their ``kind`` answers by sender; processes that
+        die meanwhile are left out."""
+        roster = self.roster
+        waiting = {n for n in names if n in roster.inboxes}
+        for n in sorted(waiting):
+            roster.put(n, request)
+        out: dict[str, m.Message] = {}
+        while waiting:
+            try:
+                msg = roster.recv(kind, names=waiting)
+            except NodesLost as exc:
+                waiting -= set(exc.names)
+                continue
+            out[msg.sender] = msg
+            waiting.discard(msg.sender)
+        return out
+
+    def ask_each_stage(self, request: m.Message, kind: type) -> dict[str, m.Message]:
+        """``request`` to one live process holding each stage; another replica when one dies."""
+        out: dict[str, m.Message] = {}
+        covered: set[int] = set()
+        while True:
+            holders: dict[int, str] = {}
+            for n in sorted(self.roster.inboxes):
+                st = self.roster.holding.get(n)
+                if st is not None and st not in covered and st not in holders:
+                    holders[st] = n
+            if not holders:
+                return out
+            got = self.ask(request, kind, list(holders.values()))
+            out.update(got)
+            covered |= {st for st, n in holders.items() if n in got}
+
+    def stage_states(self, alloc: dict[str, int], all_replicas: bool = False,
+                     grads: bool = False) -> dict[str, tuple[int, dict]]:
+        """Weights (or, with ``grads``, gradients) of one replica per held stage, or of every process
+        of ``alloc``: name -> (stage, {parameter name: tensor})."""
+        request = m.StateRequest(grads=grads)
+        if all_replicas:
+            got = self.ask(request, m.State, sorted(alloc))
+        else:
+            got = self.ask_each_stage(request, m.State)
+        return {name: (msg.stage, msg.tensors) for name, msg in got.items()}
+
+    def full_model(self, alloc: dict[str, int]) -> Llama:
+        """The whole model: one replica of each held stage; a stage no process holds from its snapshot."""
+        states = self.stage_states(alloc)
+        parts = [sd for _, sd in states.values()]
+        held = {stage for stage, _ in states.values()}
+        for s in range(self.c.stages):
+            if s not in held:
+                parts.append(self.snapshot["stages"][s]["params"])
+        model = Llama(self.p.model)
+        model.load_state_dict(merge_state_dicts(parts))
+        return model
+
+    # -- snapshots and checkpoints -------------------------------------------------------------------
+    def take_snapshot(self, it: int) -> dict:
+        """Weights and optimizer state of one replica of each held stage (stages no process holds keep
+        their last snapshot); becomes ``snapshot`` and is returned."""
+        got = self.ask_each_stage(m.Export(), m.Exported)
+        stages = dict(self.snapshot["stages"]) if self.snapshot else {}
+        for msg in got.values():
+            stages[msg.stage] = {"params": msg.params, "optimizer": msg.optimizer, "iteration": it}
+        self.snapshot = {"iteration": it, "stages": stages}
+        return self.snapshot
+
+    def checkpoint(self, it: int, metrics: dict) -> None:
+        """A snapshot, written to ``checkpoint`` atomically: the whole model, each stage's weights and
+        optimizer state, ``metrics`` (enough for ``resume``)."""
+        self.take_snapshot(it)
+        parts = [st["params"] for st in self.snapshot["stages"].values()]
+        checkpoint_file.save({"format": 2, "model": merge_state_dicts(parts),
+                              "model_config": dataclasses.asdict(self.p.model), "config": dataclasses.asdict(self.c),
+                              "iteration": it, "stages": self.snapshot["stages"], "metrics": metrics},
+                             self.c.checkpoint)
+
+    def resume_from(self, ck: dict) -> None:
+        """The snapshot of a checkpoint being resumed (``load_checkpoint``)."""
+        self.snapshot = {"iteration": ck["iteration"], "stages": ck["stages"]}
+
+    # -- moving weights -----------------------------------------------------------------------------
+    def move(self, moved: dict[str, int], alloc: dict[str, int],
+             limit: Callable[[str, int], int]) -> dict[int, str]:
+        """Load each moved process's new stage from a live process that held it (one that keeps the
+        stage in ``alloc`` first; else from the latest snapshot); ``limit(name, stage)`` is the
+        microbatches it may hold in flight. Returns where each stage's weights came from."""
+        if not moved:
+            return {}
+        states: dict[int, tuple] = {}
+        sources: dict[int, str] = {}
+        roster = self.roster
+        # Every export happens before any load, so a process that moves away from a stage can still be
+        # the source of that stage's weights (a replica that keeps the stage is preferred).
+        for stage in sorted(set(moved.values())):
+            keepers = sorted((n for n, s in roster.holding.items() if s == stage and n in roster.inboxes),
+                             key=lambda n: (alloc.get(n) != stage, n))
+            for keeper in keepers:  # the next one if it dies before it answers
+                got = self.ask(m.Export(), m.Exported, [keeper])
+                if keeper in got:
+                    states[stage], sources[stage] = (got[keeper].params, got[keeper].optimizer), keeper
+                    break
+            else:
+                snap = self.snapshot["stages"][stage]
+                states[stage] = (snap["params"], snap["optimizer"])
+                sources[stage] = f"snapshot of iteration {snap['iteration']}"
+                self._event("takeover", stage=stage, nodes=sorted(n for n, s in moved.items() if s == stage),
+                            snapshot_iteration=snap["iteration"])
+        self.load({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, limit)
+        return sources
+
+    def load(self, stages: dict[int, dict], targets: dict[str, int], limit: Callable[[str, int], int]) -> None:
+        """Each target process loads its stage's weights and optimizer state; ``roster.holding``
+        follows. A target that is dead already, or dies meanwhile, is left out: it is re-planned around
+        at the next attempt's boundary (two processes of one lost machine are often declared dead one
+        after the other, the second while the first one's re-plan moves weights)."""
+        roster = self.roster
+        waiting = {name for name in targets if name in roster.inboxes}
+        for name in sorted(waiting):
+            stage = targets[name]
+            st = stages[stage]
+            roster.put(name, m.Load(stage, limit(name, stage), st["params"], st["optimizer"]))
+        while waiting:
+            try:
+                msg = roster.recv(m.Loaded, names=waiting)
+            except NodesLost as exc:
+                waiting -= set(exc.names)
+                continue
+            waiting.discard(msg.sender)
+            roster.holding[msg.sender] = msg.stage
+
+
+def load_checkpoint(path: str, prep: Any) -> dict:
+    """A checkpoint to resume ``prep``'s run from (:func:`checkpoint_file.load_checkpoint`, the one
+    loader of checkpoints); PlanError (CheckpointFileError) when it is missing or does not match."""
+    if not path:
+        raise PlanError("resume needs checkpoint = the file the run wrote")
+    into = checkpoint_file.ResumeInto(dataclasses.asdict(prep.model), prep.config.stages, prep.config.iterations)
+    return checkpoint_file.load_checkpoint(path, into=into)

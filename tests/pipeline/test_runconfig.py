@@ -1,0 +1,122 @@
+"""The run configuration: TrainConfig's sections, the TOML run file that mirrors them, the shipped
+example run files, and the errors for bad run files (each naming the file and the key)."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from roving.cli import main
+from roving.pipeline.costs import PlanError
+from roving.pipeline.network import build_network
+from roving.pipeline.runconfig import SECTION_OF, SECTIONS, TrainConfig, flatten
+from roving.pipeline.stages import layer_ranges
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.toml"))
+
+
+def test_every_field_is_in_exactly_one_section_and_the_defaults_are_the_sections():
+    fields = [f.name for f in dataclasses.fields(TrainConfig)]
+    in_sections = [f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
+    assert sorted(fields) == sorted(in_sections) and len(set(in_sections)) == len(in_sections)
+    assert set(SECTIONS) == {"model", "data", "plan", "optim", "faults", "checkpoint", "run"}
+    cfg = TrainConfig()
+    for name, kind in SECTIONS.items():
+        assert cfg.section(name) == kind()
+    assert SECTION_OF["lr"] == "optim" and SECTION_OF["dead_after"] == "faults"
+    with pytest.raises(KeyError, match="no section 'optimizer'"):
+        cfg.section("optimizer")
+
+
+def test_flat_keyword_arguments_and_attributes_still_work():
+    cfg = TrainConfig(lr=1e-3, stages=4, restart=True)
+    assert (cfg.lr, cfg.stages, cfg.restart) == (1e-3, 4, True)
+    assert cfg.section("optim").lr == 1e-3 and cfg.section("faults").restart is True
+    assert dataclasses.asdict(cfg)["lr"] == 1e-3, "a checkpoint's config stays flat"
+
+
+def test_a_run_file_in_sections_equals_the_same_keys_at_the_top_level(tmp_path):
+    sectioned = tmp_path / "s.toml"
+    sectioned.write_text('[model]\nmodel = "tiny"\n[plan]\nnodes = 4\nstages = 2\nskip = 0.0\n'
+                         '[optim]\nlr = 1e-3\n[checkpoint]\ncheckpoint = "c.pt"\nresume = true\n')
+    flat = tmp_path / "f.toml"
+    flat.write_text('model = "tiny"\nnodes = 4\nstages = 2\nskip = 0.0\nlr = 1e-3\ncheckpoint = "c.pt"\nresume = true\n')
+    a, b = TrainConfig.from_toml(str(sectioned)), TrainConfig.from_toml(str(flat))
+    assert a == b and a.lr == 1e-3 and a.nodes == 4 and a.checkpoint == "c.pt" and a.resume
+    assert a != TrainConfig()
+
+
+def test_as_sections_round_trips():
+    cfg = TrainConfig(lr=2e-3, nodes="nodes.json", corpus=["a.txt"], emulate_network=True)
+    doc = cfg.as_sections()
+    assert set(doc) == set(SECTIONS) and doc["optim"]["lr"] == 2e-3 and doc["plan"]["nodes"] == "nodes.json"
+    assert TrainConfig.from_dict(doc) == cfg
+
+
+def test_flags_override_the_run_file(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text("[optim]\nlr = 1e-3\niterations = 7\n")
+    cfg = TrainConfig.from_toml(str(f), lr=5e-3, iterations=None)
+    assert cfg.lr == 5e-3 and cfg.iterations == 7
+
+
+@pytest.mark.parametrize("text, words", [
+    ("[optimizer]\nlr = 1e-3\n", "unknown section [optimizer]; the sections are [model], [data]"),
+    ("[optim]\nlearning_rate = 1e-3\n", "unknown key(s) [optim] learning_rate; [optim] has iterations, lr"),
+    ("learning_rate = 1e-3\n", "unknown key(s) learning_rate"),
+    ("[plan]\nlr = 1e-3\n", "lr belongs in [optim], not in [plan]"),
+    ("lr = 1e-3\n[optim]\nlr = 2e-3\n", "lr is given twice (lr and [optim] lr)"),
+    ('[optim]\nlr = "fast"\n', "[optim] lr must be a number, got 'fast' (str)"),
+    ("[plan]\nstages = 2.5\n", "[plan] stages must be an integer, got 2.5 (float)"),
+    ("[plan]\nstages = true\n", "[plan] stages must be an integer, got True (bool)"),
+    ('[faults]\nrestart = "yes"\n', "[faults] restart must be true or false, got 'yes' (str)"),
+    ("[data]\ncorpus = [1, 2]\n", "[data] corpus must be a list of strings, got [1, 2] (list)"),
+    ("[plan]\nnodes = 1.5\n", "[plan] nodes must be an integer, a string (a file) or a list of node tables"),
+    ("optim = 3\n", "[optim] is a section: give it as a table of keys, got 3"),
+    ("[plan\n", "not valid TOML"),
+])
+def test_bad_run_files_are_clear_errors_naming_the_file_and_the_key(tmp_path, text, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(PlanError) as err:
+        TrainConfig.from_toml(str(f))
+    assert str(err.value).startswith(f"{f}: ") and words in str(err.value), str(err.value)
+
+
+def test_a_missing_run_file_is_a_clear_error(tmp_path):
+    with pytest.raises(PlanError, match="config file .*nope.toml does not exist"):
+        TrainConfig.from_toml(str(tmp_path / "nope.toml"))
+    with pytest.raises(PlanError, match="a run file is a table of sections"):
+        flatten([1, 2], "x.toml")
+
+
+def test_the_train_command_reports_a_bad_run_file_and_starts_nothing(tmp_path, capsys):
+    f = tmp_path / "bad.toml"
+    f.write_text("[plan]\nlr = 1e-3\n")
+    assert main(["pipeline", "train", "--config", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{f}: lr belongs in [optim], not in [plan]" in err
+
+
+def test_examples_are_shipped():
+    assert {p.name for p in EXAMPLES} >= {"skippipe.toml", "dtfm.toml", "faults.toml", "benchmark.toml"}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_each_shipped_run_file_loads_and_validates(path):
+    cfg = TrainConfig.from_toml(str(path))
+    doc = __import__("tomllib").loads(path.read_text())
+    assert set(doc) <= set(SECTIONS) and all(isinstance(v, dict) for v in doc.values()), "written in sections"
+    for name, table in doc.items():
+        for key, value in table.items():
+            assert getattr(cfg, key) == value, (name, key)
+    layer_ranges(cfg.model_config(), cfg.stages)  # the model fits the stages
+    net = build_network(cfg.network, cfg.nodes, memory=cfg.in_flight)
+    assert len(net.nodes) >= cfg.stages
+
+
+def test_the_default_run_file_is_the_default_run():
+    """skippipe.toml writes out the run `roving pipeline train` makes with no arguments (its outputs
+    aside)."""
+    cfg = TrainConfig.from_toml(str(next(p for p in EXAMPLES if p.name == "skippipe.toml")))
+    assert dataclasses.replace(cfg, metrics="", plot="") == TrainConfig()

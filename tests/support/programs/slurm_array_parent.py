@@ -1,0 +1,22 @@
+"""A roving parent whose Pool(N) on Slurm is one job array: writes its pid and the tasks' ids once every
+worker has connected, then sleeps (a test kills it with SIGKILL).
+
+usage: slurm_array_parent.py OUTFILE N
+"""
+import os
+import sys
+import time
+
+import roving
+
+if __name__ == "__main__":
+    outfile, n = sys.argv[1], int(sys.argv[2])
+    roving.init(backend="slurm", cpu=1, memory="100M", child_output="off")
+    pool = roving.Pool(n)
+    deadline = time.monotonic() + 120
+    while sum(1 for w in pool._workers.values() if w.ident is not None) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(outfile + ".tmp", "w") as f:
+        f.write("\n".join([str(os.getpid()), *(p.job.id for p in pool._pool)]) + "\n")
+    os.replace(outfile + ".tmp", outfile)
+    time.sleep(300)
