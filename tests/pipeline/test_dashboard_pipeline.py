@@ -82,3 +82,48 @@ def test_pipeline_view_shows_a_killed_node_dead_the_replan_and_the_loss_curve_mo
         if train.poll() is None:
             train.kill()
         train.communicate(timeout=60)
+
+
+def test_a_finished_run_is_shown_from_its_files_with_the_plan_as_a_gantt(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROVING_")}
+    control, metrics = tmp_path / "control", tmp_path / "m.json"
+    train = subprocess.run(
+        [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
+         "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
+         "--iterations", "6", "--eval-every", "3", "--control", str(control), "--metrics", str(metrics),
+         "--dashboard"], env=env, capture_output=True, text=True, timeout=300)
+    assert train.returncode == 0, train.stderr[-3000:]
+    assert train.stderr.count("roving: dashboard at http://127.0.0.1:") == 1, train.stderr[-3000:]
+    for name in ("iterations.jsonl", "evaluations.jsonl", "plan.json"):  # no event in a run without faults
+        assert (control / name).is_file(), name
+    assert len((control / "iterations.jsonl").read_text().splitlines()) == 6
+    board = subprocess.Popen([sys.executable, "-m", "roving.cli", "pipeline", "dashboard", "--control", str(control),
+                              "--metrics", str(metrics)], env=env, stderr=subprocess.PIPE, text=True)
+    driver = hb.chromium()
+    try:
+        line = board.stderr.readline()
+        assert line.startswith("roving: dashboard at http://127.0.0.1:"), line
+        driver.get(line.split(" at ", 1)[1].strip() + "#pipeline")
+        hb.wait_for(driver, "the six iterations", lambda: _points(driver, "loss-0") >= 6, TIMEOUT,
+                    tmp_path / "no-loss.png")
+        # training loss at 6 iterations + validation loss at 0, 3 and 6
+        assert _points(driver, "loss-0") == 6 + 3
+        assert driver.execute_script("return document.querySelector('.pipeline').dataset.finished") == "true"
+        rows = int(driver.execute_script("return +document.querySelector('#gantt-0').dataset.rows"))
+        assert rows == 8, "each of the 4 nodes: its predicted and its measured row"
+        regions = driver.execute_script("return [...document.querySelectorAll('tr.node td:nth-child(3)')]"
+                                        ".map(e => e.textContent)")
+        assert len(regions) == 4 and all(regions), regions
+        driver.save_screenshot(str(tmp_path / "finished.png"))
+    finally:
+        driver.quit()
+        board.send_signal(signal.SIGINT)
+        try:
+            board.wait(30)
+        finally:
+            if board.poll() is None:
+                board.kill()
+    assert board.returncode == 0
+    missing = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "dashboard", "--control",
+                              str(tmp_path / "none")], env=env, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "no control folder" in missing.stderr

@@ -18,7 +18,6 @@ import hmac
 import http.server
 import json
 import logging
-import os
 import secrets
 import threading
 import urllib.parse
