@@ -72,7 +72,7 @@ function details(key, summary, body) {
 function eventItem(e) {
   const kind = e.kind || e.event, t = e.time ? clock(e.time) : (e.iteration != null ? "it " + e.iteration : "");
   let text = e.text || Object.entries(e).filter(([k, v]) => v != null && !["event", "iteration", "time_s", "kind"].includes(k))
-    .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`).join(" ");
+    .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : typeof v === "number" && !Number.isInteger(v) ? +v.toPrecision(4) : v}`).join(" ");
   let tb = e.traceback ? details("tb" + e.seq, "traceback", `<pre>${esc(e.traceback)}</pre>`) : "";
   return `<li class="ev-${esc(kind)}" data-kind="${esc(kind)}"><span class="t">${esc(t)}</span><span class="k">${esc(kind)}</span>${esc(e.source ? e.source + ": " : "")}${esc(text)}${tb}</li>`;
 }
