@@ -91,10 +91,10 @@ def test_a_finished_run_is_shown_from_its_files_with_the_plan_as_a_gantt(tmp_pat
         [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
          "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
          "--iterations", "6", "--eval-every", "3", "--control", str(control), "--metrics", str(metrics),
-         "--dashboard"], env=env, capture_output=True, text=True, timeout=300)
+         "--checkpoint", str(tmp_path / "ck.pt"), "--checkpoint-every", "3", "--dashboard"], env=env, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
     assert train.stderr.count("roving: dashboard at http://127.0.0.1:") == 1, train.stderr[-3000:]
-    for name in ("iterations.jsonl", "evaluations.jsonl", "plan.json"):  # no event in a run without faults
+    for name in ("iterations.jsonl", "evaluations.jsonl", "events.jsonl", "plan.json"):
         assert (control / name).is_file(), name
     assert len((control / "iterations.jsonl").read_text().splitlines()) == 6
     board = subprocess.Popen([sys.executable, "-m", "roving.cli", "pipeline", "dashboard", "--control", str(control),
@@ -114,6 +114,9 @@ def test_a_finished_run_is_shown_from_its_files_with_the_plan_as_a_gantt(tmp_pat
         regions = driver.execute_script("return [...document.querySelectorAll('tr.node td:nth-child(3)')]"
                                         ".map(e => e.textContent)")
         assert len(regions) == 4 and all(regions), regions
+        kinds = driver.execute_script("return [...document.querySelectorAll('.pipeline-events li')]"
+                                      ".map(e => e.dataset.kind + ' ' + e.textContent)")
+        assert sum(k.startswith("checkpoint ") for k in kinds) == 2, kinds  # after iterations 3 and 6
         driver.save_screenshot(str(tmp_path / "finished.png"))
     finally:
         driver.quit()

@@ -603,6 +603,9 @@ class Trainer:
         metrics = {k: self.metrics[k] for k in ("iterations", "evaluations", "events")}
         metrics["train_seconds_total"] = self._train_s
         self.weights.checkpoint(it, metrics)
+        if self.c.control:  # for the dashboard's timeline only (not an event of the metrics)
+            append_record(self.c.control, "events.jsonl", {"event": "checkpoint", "iteration": it,
+                                                           "time_s": time.perf_counter() - self._t0, "path": self.c.checkpoint})
 
     def train(self) -> dict:
         """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at
