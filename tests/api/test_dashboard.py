@@ -207,3 +207,23 @@ def test_a_bad_dashboard_option_is_an_error_naming_it():
         roving.init(dashboard_tls="maybe")
     with pytest.raises(roving.ConfigError, match="dashboard_port"):
         roving.init(dashboard_port="eighty")
+
+
+def test_a_process_is_shown_with_its_recent_output_and_as_finished(board, browser, tmp_path):
+    import helpers_targets as h
+
+    name = "Talker-dashboard"
+    p = roving.Process(target=h.print_lines, args=(["first line", "second line"], ["an error line"]), name=name)
+    p.start()
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    browser.get(board.url + "#processes")
+    row = f"tr.proc[data-name='{name}']"
+    hb.wait_for(browser, "the finished process with its output", lambda: browser.execute_script(
+        f"const r = document.querySelector(\"{row}\"); return r && r.dataset.state === 'finished' "
+        "&& r.textContent.includes('3 line(s)') && r.textContent.includes('exited normally')"),
+        TIMEOUT, tmp_path / "no-output.png")
+    browser.execute_script(f"document.querySelector(\"{row} details\").open = true")
+    text = hb.text_of(browser, f"{row} pre")
+    assert "first line" in text and "second line" in text and "an error line" in text
+    browser.save_screenshot(str(tmp_path / "output.png"))
