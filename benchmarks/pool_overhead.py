@@ -9,10 +9,18 @@ after the others, alone, since its daemons load the machine).
     python benchmarks/pool_overhead.py                       # every peer that is installed
     python benchmarks/pool_overhead.py --peers roving multiprocessing --repeat 5
     python benchmarks/pool_overhead.py --peers roving multiprocessing --encrypt off   # roving's option
+    python benchmarks/pool_overhead.py --peers roving --dashboard --repeat 5   # dashboard off vs on
+
+With ``--dashboard`` a second roving pool, "roving+dashboard", runs beside "roving": before each of its
+runs the dashboard (roving.dashboard) is served and a headless Chromium (selenium, Debian's chromium and
+chromium-driver) shows its Pools page, polling it every second; before each run of "roving" the browser
+leaves the page (about:blank) and the dashboard is stopped. Both are measured in the same process,
+interleaved, so that the machine's load hits them alike.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import statistics
 import sys
@@ -56,8 +64,94 @@ class _Loky:
         self._ex.shutdown(wait=True)
 
 
+class _Watched:
+    """``--dashboard``: the dashboard served and a browser watching it, or neither (see the docstring)."""
+
+    def __init__(self) -> None:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        opts = webdriver.ChromeOptions()
+        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
+                    "--window-size=1280,1000"):
+            opts.add_argument(arg)
+        self.driver = webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=opts)
+        self.on = False
+        self.watched_s = self.browser_cpu_s = 0.0
+        self._since = (0.0, 0.0)
+
+    def _browser_cpu(self) -> float:
+        """CPU seconds used so far by the browser's processes (the driver's descendants), from /proc."""
+        import os
+
+        tick = os.sysconf("SC_CLK_TCK")
+        parents, total = {self.driver.service.process.pid}, 0.0
+        stats = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                stats.append((int(entry), int(fields[1]), int(fields[11]) + int(fields[12])))
+        grew = True
+        while grew:
+            grew = False
+            for pid, ppid, _ in stats:
+                if ppid in parents and pid not in parents:
+                    parents.add(pid)
+                    grew = True
+        for pid, _, ticks in stats:
+            if pid in parents:
+                total += ticks / tick
+        return total
+
+    def request_cost(self) -> float:
+        """Median seconds this process spends on one answer of /api/state (what the page asks once a
+        second), measured over 50 answers while the pools exist."""
+        import urllib.request
+
+        from roving import dashboard
+
+        url = dashboard.start(announce=False).url.replace("/?", "/api/state?")
+        took = []
+        for _ in range(50):
+            t0 = time.thread_time()
+            # the work of the server thread for one answer (done here, to time it)
+            json.dumps(dashboard.current().views.state(), default=str)
+            took.append(time.thread_time() - t0)
+        urllib.request.urlopen(url, timeout=30).read()
+        return statistics.median(took)
+
+    def set(self, on: bool) -> None:
+        from roving import dashboard
+
+        if on and not self.on:
+            self.driver.get(dashboard.start(announce=False).url + "#pools")
+        elif not on and self.on:
+            self.watched_s += time.monotonic() - self._since[0]
+            self.browser_cpu_s += self._browser_cpu() - self._since[1]
+            self.driver.get("about:blank")
+            dashboard.stop()
+        # the page loaded, drawn and polling once a second (its steady state), or the browser quiet; the
+        # same wait either way, so that both pools come to each run after the same idle time
+        time.sleep(3.0)
+        if on and not self.on:
+            self._since = (time.monotonic(), self._browser_cpu())
+        self.on = on
+
+    def close(self) -> None:
+        self.set(False)
+        self.driver.quit()
+
+
+_watched: Any = None
+_stat = "median"
+
+
 def _make(peer: str) -> Any:
-    if peer == "roving":
+    if peer in ("roving", "roving+dashboard"):
         return roving.Pool(WORKERS)
     if peer == "multiprocessing":
         return multiprocessing.Pool(WORKERS)
@@ -74,7 +168,7 @@ def _make(peer: str) -> Any:
 
 
 def _installed(peer: str) -> bool:
-    if peer in ("roving", "multiprocessing"):
+    if peer in ("roving", "multiprocessing", "roving+dashboard"):
         return True
     try:
         __import__({"ray": "ray.util.multiprocessing"}.get(peer, peer))
@@ -132,12 +226,19 @@ def measure(peers: List[str], repeat: int) -> Dict[str, Dict[str, float]]:
             pools[peer] = _make(peer)
             pools[peer].map(noop, range(WORKERS * 4))
         time.sleep(1.0)
+        if _watched is not None:
+            cost = _watched.request_cost()
+            print(f"# dashboard: one /api/state answer costs {cost * 1000:.2f} ms of CPU in this process "
+                  f"(median of 50; once a second per browser: {cost * 100:.3f}% of one core)", file=sys.stderr)
         runs: Dict[str, Dict[str, List[float]]] = {p: {name: [] for name in TESTS} for p in peers}
         for name, test in TESTS.items():
             for _ in range(repeat):
                 for peer in peers:
+                    if _watched is not None:
+                        _watched.set(peer == "roving+dashboard")
                     runs[peer][name].append(test(pools[peer]))
-        return {p: {name: statistics.median(v) for name, v in runs[p].items()} for p in peers}
+        pick = min if _stat == "min" else statistics.median
+        return {p: {name: pick(v) for name, v in runs[p].items()} for p in peers}
     finally:
         for peer, pool in pools.items():
             _close(peer, pool)
@@ -149,23 +250,44 @@ def main(argv: Any = None) -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--encrypt", choices=["auto", "always", "off"], default="auto",
                         help="roving's encrypt option (auto: CURVE on ZeroMQ, plain loopback streams)")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="add the peer roving+dashboard: roving with the dashboard on and a browser watching")
+    parser.add_argument("--stat", choices=["median", "min"], default="median",
+                        help="each figure: the median of the runs, or the fastest (less sensitive to a loaded machine)")
     args = parser.parse_args(argv)
     roving.init(encrypt=args.encrypt)
+    global _watched, _stat
+    _stat = args.stat
+    if args.dashboard:
+        _watched = _Watched()
+        if "roving+dashboard" not in args.peers:
+            args.peers.insert(args.peers.index("roving") + 1 if "roving" in args.peers else 0, "roving+dashboard")
     print(f"# roving encrypt={args.encrypt}", file=sys.stderr)
     present = [p for p in args.peers if _installed(p)]
     for peer in set(args.peers) - set(present):
         print(f"# {peer}: not installed", file=sys.stderr)
     # Ray runs alone, after the others: its own daemons would load the machine while they are measured.
-    figures = measure([p for p in present if p != "ray"], args.repeat)
+    try:
+        figures = measure([p for p in present if p != "ray"], args.repeat)
+    finally:
+        if _watched is not None:
+            _watched.close()
+            print(f"# the browser watching used {_watched.browser_cpu_s:.2f} s of CPU in "
+                  f"{_watched.watched_s:.1f} s of runs with the dashboard on "
+                  f"({100 * _watched.browser_cpu_s / max(_watched.watched_s, 1e-9):.1f}% of one core)", file=sys.stderr)
     if "ray" in present:
         figures.update(measure(["ray"], args.repeat))
     peers = list(figures)
-    print("| seconds (median of %d) | %s | roving / multiprocessing |" % (args.repeat, " | ".join(peers)))
+    base, with_dash = "multiprocessing", "roving+dashboard" in figures
+    if with_dash:
+        base = "roving"
+    print("| seconds (%s of %d) | %s | %s / %s |" % (args.stat, args.repeat, " | ".join(peers),
+                                                       "roving+dashboard" if with_dash else "roving", base))
     print("|---" * (len(peers) + 2) + "|")
     for name in TESTS:
         row = [f"{figures[p][name]:.3f}" for p in peers]
-        ratio = (f"{figures['roving'][name] / figures['multiprocessing'][name]:.2f}"
-                 if {"roving", "multiprocessing"} <= set(figures) else "")
+        top = "roving+dashboard" if with_dash else "roving"
+        ratio = (f"{figures[top][name] / figures[base][name]:.{3 if with_dash else 2}f}" if {top, base} <= set(figures) else "")
         print(f"| {name} | {' | '.join(row)} | {ratio} |")
 
 

@@ -5,9 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # jargon-text: the Jargon File, public-domain English prose for the SkipPipe training tests' corpus
 if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1 \
-        || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null || ! command -v tcpdump >/dev/null; then
+        || ! command -v ip >/dev/null || ! command -v nsenter >/dev/null || ! command -v tcpdump >/dev/null \
+        || ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
     apt-get update -q
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text iproute2 util-linux tcpdump
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurm-wlm munge docker.io jargon-text iproute2 util-linux tcpdump chromium chromium-driver
 fi
 export SETUP_APT_UPDATED=1
 bash scripts/install.sh

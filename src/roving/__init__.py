@@ -5,9 +5,14 @@ runs as a job of the configured backend (see :func:`init` and :mod:`roving.confi
 """
 from __future__ import annotations
 
+from typing import Any
+
 from multiprocessing import AuthenticationError, BufferTooShort, ProcessError, TimeoutError
 
-from .config import Config, ConfigError, init
+from . import config as _config
+from . import observe as _observe
+from .backends import output as _output
+from .config import Config, ConfigError
 from .connection import Connection, Pipe
 from .context import (Context, get_all_start_methods, get_context, get_start_method,
                       set_start_method)
@@ -35,6 +40,38 @@ __all__ = [
 ]
 
 
+def init(**options: Any) -> Config:
+    """Set roving options for this process and the processes it starts from now on (see
+    :func:`roving.config.init`); with ``dashboard=True`` the main process also serves the dashboard."""
+    cfg = _config.init(**options)
+    if cfg.dashboard:
+        from . import dashboard
+
+        dashboard.start_if_configured()
+    return cfg
+
+
+# children's printed output lines are kept (bounded) for the dashboard
+_output.set_line_observer(_observe.output_lines)
+
+
+def _dashboard_from_environment() -> None:
+    """``ROVING_DASHBOARD=1`` turns the dashboard on without an init() call (``dashboard = true`` in
+    roving.toml or ``[tool.roving]`` takes effect at ``roving.init()``: the file is not read at import)."""
+    import os
+
+    if os.environ.get("ROVING_CHILD") or not os.environ.get("ROVING_DASHBOARD", "").strip():
+        return
+    try:
+        on = _config.current().dashboard
+    except ConfigError:
+        return  # said at the first use of the configuration
+    if on:
+        from . import dashboard
+
+        dashboard.start_if_configured()
+
+
 def __getattr__(name: str):
     # roving.futures and roving.joblib load on first use: joblib is heavy, and only its users need it
     if name in ("futures", "joblib"):
@@ -46,3 +83,6 @@ def __getattr__(name: str):
 
 def freeze_support() -> None:
     """Accepted for compatibility; roving never needs it."""
+
+
+_dashboard_from_environment()

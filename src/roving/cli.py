@@ -1,6 +1,6 @@
 """The `roving` command: run a program as a cluster job, list, read and cancel jobs, and show the backend.
 
-    roving run [--backend B] [--cpu N --memory M --gpu G] [--build] script.py args...
+    roving run [--backend B] [--cpu N --memory M --gpu G] [--build] [--dashboard] script.py args...
     roving ps | roving logs JOB | roving cancel JOB... | roving cancel --all | roving info
     roving pipeline plan ...
 """
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--build", action="store_true",
                    help="first build the image from ./Dockerfile with the working directory in it "
                         "(and push it when the `registry` option is set)")
+    p.add_argument("--dashboard", action="store_true",
+                   help="the program serves the live dashboard (the `dashboard` option); it prints its URL")
     p.add_argument("script", help="the program")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=_run)
@@ -127,6 +129,8 @@ def _run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.pop("ROVING_CHILD", None)
     env["ROVING_BACKEND"] = cfg.backend
+    if args.dashboard:
+        env["ROVING_DASHBOARD"] = "1"
     if cfg.image:
         env["ROVING_IMAGE"] = cfg.image
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)

@@ -25,6 +25,7 @@ _CHOICES = {
     "backend": ("auto", "local", "slurm", "docker", "kubernetes"),
     "child_output": ("prefix", "off", "files"),
     "encrypt": ("auto", "always", "off"),
+    "dashboard_tls": ("auto", "on", "off"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -123,6 +124,17 @@ class Config:
     #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
     #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
     pool_heartbeat_timeout: float = 30.0
+    #: Serve the live dashboard (roving.dashboard) from the main process: its URL, with a token, is
+    #: printed once. Children never serve one.
+    dashboard: bool = False
+    #: Address the dashboard listens on: loopback by default; another only on request (then over HTTPS,
+    #: see ``dashboard_tls``).
+    dashboard_host: str = "127.0.0.1"
+    #: Its port; 0: a free one.
+    dashboard_port: int = 0
+    #: HTTPS for the dashboard: "auto" (when ``dashboard_host`` is not loopback, with a self-signed
+    #: certificate made at start, its fingerprint printed with the URL), "on" or "off".
+    dashboard_tls: str = "auto"
     #: A pool whose workers fail to start this many times in a row, none connecting in between, gives
     #: up: its pending and later calls raise the error (a worker that connects resets the count).
     pool_start_failures: int = 5

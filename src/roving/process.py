@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from . import backends
 from . import config as _config
+from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .transport import node as _node
 from .transport import session as _session
@@ -170,6 +171,10 @@ class Process:
         del self._target, self._args, self._kwargs
         with _children_lock:
             _children.add(self)
+        cfg = self._config
+        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id),
+                                {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources},
+                                _this_host() if self._backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
@@ -303,6 +308,7 @@ class Process:
             return
         self._unreached = code is not None and code > 0 and self._work_unfetched()
         self._exitcode = code
+        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -555,6 +561,12 @@ def _reap_finished() -> None:
 def cpu_count() -> int:
     """CPUs the configured backend offers."""
     return backends.get(_config.current().backend).cpu_count()
+
+
+def _this_host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def _reaped(proc: Process) -> None:

@@ -17,16 +17,32 @@ from typing import IO, Callable, Iterable, List, Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["write_prefixed", "LineSplitter", "OutputPump", "private_dir", "open_private"]
+__all__ = ["write_prefixed", "LineSplitter", "OutputPump", "private_dir", "open_private", "set_line_observer"]
+
+#: Called with (process name, lines) for every child's output printed here (roving.observe installs it
+#: when roving is imported: the backends import nothing above the configuration).
+_observer: Optional[Callable[[str, List[str]], None]] = None
+
+
+def set_line_observer(observer: Optional[Callable[[str, List[str]], None]]) -> None:
+    """Install the function that also sees each child's printed output lines (None: none)."""
+    global _observer
+    _observer = observer
 
 
 def write_prefixed(prefix: str, lines: Iterable[bytes], to_stderr: bool = False) -> None:
     """Write a child's output lines to this process's terminal, ``prefix`` before each. Never raises
     for a closed stream (the interpreter is shutting down): the lines are dropped."""
     out = sys.stderr if to_stderr else sys.stdout
-    text = "".join(f"{prefix}{line.decode(errors='replace')}\n" for line in lines)
-    if not text:
+    decoded = [line.decode(errors="replace") for line in lines]
+    if not decoded:
         return
+    text = "".join(f"{prefix}{line}\n" for line in decoded)
+    if _observer is not None:
+        try:
+            _observer(prefix.strip().strip("[]:").strip(), decoded)
+        except Exception:  # publishing never stops the output
+            pass
     try:
         out.write(text)
         out.flush()

@@ -109,7 +109,17 @@ def add_train_parser(sub) -> None:
                    help="start dead nodes again at once; they rejoin when ready")
     t.add_argument("--control", help="folder watched for join requests (`roving pipeline join`); "
                                      "status.json is written there every iteration")
+    t.add_argument("--dashboard", action="store_true",
+                   help="serve the live dashboard (roving's `dashboard` option) with this run's pipeline view; "
+                        "without --control a fresh temporary control folder is used")
     t.set_defaults(handler=run_train)
+    d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
+                                         "elsewhere (live), or of a finished run's --metrics file")
+    d.add_argument("--control", default=None, help="the run's --control folder")
+    d.add_argument("--metrics", default=None, help="a finished run's metrics file (--metrics of `pipeline train`)")
+    d.add_argument("--host", default=None, help="address to listen on (default: the dashboard_host option, 127.0.0.1)")
+    d.add_argument("--port", type=int, default=None, help="port (default: the dashboard_port option, 0: a free one)")
+    d.set_defaults(handler=run_dashboard)
     j = sub.add_parser("join", help="add nodes to a running `pipeline train` (started with --control)")
     j.add_argument("--control", required=True, help="the run's --control folder")
     j.add_argument("--name", default=None, help="restart this node (one that died) or name the new node")
@@ -122,6 +132,27 @@ def add_train_parser(sub) -> None:
     st.add_argument("--control", required=True, help="the run's --control folder")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
     st.set_defaults(handler=run_status)
+
+
+def run_dashboard(args: argparse.Namespace) -> int:
+    from roving import dashboard
+
+    return dashboard.serve_pipeline(args.control, args.metrics, args.host, args.port)
+
+
+def _start_dashboard(cfg):
+    """`pipeline train --dashboard`: the dashboard of this process, watching the run's control folder
+    (a temporary one when none was given); the configuration with that folder."""
+    import dataclasses
+    import tempfile
+
+    from roving import dashboard
+
+    if not cfg.control:
+        cfg = dataclasses.replace(cfg, control=tempfile.mkdtemp(prefix="roving-control-"))
+    dashboard.start()
+    dashboard.watch_pipeline(cfg.control, cfg.metrics)
+    return cfg
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -245,6 +276,8 @@ def run_train(args: argparse.Namespace) -> int:
             check_output(cfg.checkpoint, "--checkpoint", make_parents=True)
         if cfg.control:
             check_output(cfg.control, "--control", make_parents=True, folder=True)
+        if args.dashboard:
+            cfg = _start_dashboard(cfg)
         _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
     except PipelineError as exc:

@@ -1,15 +1,20 @@
 """A training run's control folder (``pipeline train --control DIR``): join requests come in as
 ``join-*.json`` files (written by ``roving pipeline join``), each answered by a ``.done`` file, and the
 run's status goes out as ``status.json`` (read by ``roving pipeline status``). Files are replaced
-atomically, so a reader never sees half of one."""
+atomically, so a reader never sees half of one. For the dashboard (``roving pipeline dashboard``) the run
+also appends each iteration, evaluation and event as one JSON line to ``iterations.jsonl``,
+``evaluations.jsonl`` and ``events.jsonl`` (a reader skips a line being written), and replaces
+``plan.json``: the plan's predicted timeline beside the last iteration's measured one."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .costs import PlanError
+from .simulate import simulate
 
 
 def serve_join_requests(folder: str, request_join: Callable[[str | None, str | None], str]) -> None:
@@ -28,6 +33,43 @@ def serve_join_requests(folder: str, request_join: Callable[[str | None, str | N
         tmp.write_text(json.dumps(answer))
         tmp.replace(req.with_suffix(".done"))
         req.unlink(missing_ok=True)
+
+
+def append_record(folder: str, name: str, rec: dict) -> None:
+    """Append ``rec`` to ``folder/name`` as one JSON line (values JSON cannot hold as text)."""
+    Path(folder).mkdir(parents=True, exist_ok=True)  # an event may come before the run's first status
+    with open(Path(folder) / name, "a") as f:
+        f.write(json.dumps(rec, default=str) + "\n")
+
+
+class PlanWriter:
+    """``plan.json`` in ``folder``, for the dashboard: for each node, the simulator's timeline of the plan
+    in use on the run's cores (``predicted``, computed once per plan) beside the last iteration's
+    measured one (``measured``), each entry [kind, microbatch, start s, end s] from the iteration's
+    start; the nodes' regions. Written at most once a second."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._written = 0.0
+        self._plan: Any = None
+        self._predicted: dict = {}
+
+    def write(self, iteration: int, plan: Any, net: Any, spec: Any, shared_cores: int, trace: dict) -> None:
+        now = time.monotonic()
+        if now - self._written < 1.0:
+            return
+        self._written = now
+        if self._plan is not plan:
+            timeline = simulate(net, spec, plan, shared_cores=shared_cores).timeline
+            self._predicted = {n: [[e.kind, e.microbatch, round(e.start, 5), round(e.end, 5)] for e in events
+                                   if e.kind != "idle"] for n, events in timeline.items()}
+            self._plan = plan
+        doc = {"iteration": iteration, "predicted": self._predicted,
+               "measured": {n: [[k, mb, round(a, 5), round(b, 5)] for k, mb, a, b in t] for n, t in trace.items()},
+               "regions": {n: net.node(n).region for n in plan.allocation if n in net.names}}
+        tmp = Path(self.folder) / "plan.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(Path(self.folder) / "plan.json")
 
 
 def write_status(folder: str, metrics: dict, iterations: int, alloc: dict[str, int], missing_stages: list[int],

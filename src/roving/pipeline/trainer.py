@@ -45,7 +45,7 @@ import torch
 
 from . import protocol as m
 from .background import BackgroundPlan
-from .control import serve_join_requests, write_status
+from .control import PlanWriter, append_record, serve_join_requests, write_status
 from .costs import PlanError
 from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
@@ -223,6 +223,7 @@ class Trainer:
         if self.c.control:
             FilePath(self.c.control).mkdir(parents=True, exist_ok=True)
             self._write_status()
+            self._plan_out = PlanWriter(self.c.control)
         self._t0 = time.perf_counter()
 
     def stop(self) -> None:
@@ -382,6 +383,8 @@ class Trainer:
     def _event(self, kind: str, **fields: Any) -> None:
         rec = {"event": kind, "iteration": self.iteration_no, "time_s": time.perf_counter() - self._t0, **fields}
         self.metrics["events"].append(rec)
+        if self.c.control:
+            append_record(self.c.control, "events.jsonl", rec)
         self.progress({**rec, "event": "fault", "kind": kind})
 
     # -- one iteration -----------------------------------------------------------------------
@@ -464,6 +467,9 @@ class Trainer:
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
+        if self.c.control:
+            append_record(self.c.control, "iterations.jsonl", rec)
+            self._plan_out.write(it, self.plan, self.net, self.spec, self.shared_cores, self.last_trace)
         done, c = it + 1, self.c
         if c.checkpoint and ((c.checkpoint_every and done % c.checkpoint_every == 0) or done == c.iterations):
             self.checkpoint(done)
@@ -587,6 +593,8 @@ class Trainer:
                "val_loss_half_stages_dropped": dropped, "dropped_stages": drop,
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
+        if self.c.control:
+            append_record(self.c.control, "evaluations.jsonl", rec)
         return rec
 
     def checkpoint(self, it: int) -> None:
@@ -595,6 +603,9 @@ class Trainer:
         metrics = {k: self.metrics[k] for k in ("iterations", "evaluations", "events")}
         metrics["train_seconds_total"] = self._train_s
         self.weights.checkpoint(it, metrics)
+        if self.c.control:  # for the dashboard's timeline only (not an event of the metrics)
+            append_record(self.c.control, "events.jsonl", {"event": "checkpoint", "iteration": it,
+                                                           "time_s": time.perf_counter() - self._t0, "path": self.c.checkpoint})
 
     def train(self) -> dict:
         """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at

@@ -32,6 +32,7 @@ from array import array
 from multiprocessing.pool import MaybeEncodingError
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
+from .. import observe
 from ..transport import session as _session
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
@@ -144,6 +145,9 @@ class Dispatcher:
         self._funcs: Dict[Any, _Func] = {}  # (function, mode) -> its pickle, for plain functions
         self._batch: Dict[WorkerState, List[Any]] = {}  # frames for each worker, sent at the end of _dispatch
         self._router: Optional[Router] = None
+        # items delivered ok / as a failure, sent again after a worker died (observe.py)
+        self.done = self.failed = self.retried = 0
+        self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
 
     def attach(self) -> None:
         """Receive this pool's messages from workers: join the node's pool service."""
@@ -256,6 +260,18 @@ class Dispatcher:
                        and not w.retiring)
             return len(self.pending) + len(self.suspects), free
 
+    def figures(self) -> Dict[str, Any]:
+        """This pool's figures now, for :mod:`roving.observe`: items queued (waiting for a worker), out
+        at workers, done, failed, retried; each worker's state (starting, idle, busy, retiring)."""
+        with self.lock:
+            queued = sum(len(u.offsets) if u.offsets is not None else u.chunk.n
+                         for q in (self.pending, self.suspects) for u in q)
+            workers = [{"id": w.id, "name": w.proc.name, "items": sum(u.left for u in w.units.values()),
+                        "state": "retiring" if w.retiring else "starting" if w.ident is None
+                        else "busy" if w.units else "idle"} for w in self.workers.values()]
+            return {"queued": queued, "running": sum(w["items"] for w in workers), "done": self.done,
+                    "failed": self.failed, "retried": self.retried, "workers": workers}
+
     def busy(self) -> bool:
         with self.lock:
             return bool(self.jobs)
@@ -356,6 +372,13 @@ class Dispatcher:
         if chunk.left == 0:
             del self.chunks[chunk.id]
         job = chunk.job
+        if ok:
+            self.done += count
+        else:
+            self.failed += count
+            if values[0] is not self._last_failure and self.failed <= observe.MAX_TASK_FAILURES:
+                self._last_failure = values[0]
+                observe.task_failed(self.pool_id, job.name, chunk.base + first, values[0])
         try:
             _results.deliver(job.result, chunk.base + first, ok, values)
         except Exception:
@@ -489,6 +512,7 @@ class Dispatcher:
             units, w.units = list(w.units.values()), {}
             again: List[_Unit] = []
             blamed = False
+            again_n = 0  # items sent again (observe.py)
             for unit in units:
                 chunk = unit.chunk
                 offsets = _unfinished(unit)
@@ -507,10 +531,15 @@ class Dispatcher:
                             f"it is not tried again (max_task_retries={self.max_task_retries})")])
                     else:
                         self.suspects.append(_Unit(chunk, [first]))
+                        again_n += 1
                 if offsets:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
+            again_n += sum(len(u.offsets) for u in again)
             if units:
+                self.retried += again_n
+                observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} (exit code "
+                              f"{exitcode}) sent again to other workers", pool=self.pool_id, items=again_n)
                 log.warning("roving pool: worker %s ended (exit code %s) holding work; its unfinished "
                             "items go to other workers", w.id, exitcode)
             self._dispatch()

@@ -23,6 +23,7 @@ import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import config as _config
+from .. import observe
 from .. import process as _process
 from ..process import Process, start_many
 from ..transport.serialize import SerializationError
@@ -75,10 +76,12 @@ class Upkeep:
         self._next_start = 0.0
         self._hold: List[Any] = []  # the pool, once closed or terminated
         self._thread: Optional[threading.Thread] = None
+        self.lost = 0  # workers that ended unasked (observe.py)
 
     # -- called by the pool ----------------------------------------------------------------------
     def start(self, pool: Any) -> None:
         """Start the upkeep thread, holding ``pool`` weakly."""
+        observe.track_pool(self.disp.pool_id, pool, self.figures)
         self._thread = threading.Thread(target=self._run, args=(weakref.ref(pool),), name="roving-pool",
                                         daemon=True)
         self._thread.start()
@@ -93,8 +96,16 @@ class Upkeep:
         with self.lock:
             return [self._members[wid] for wid in sorted(self._members)]
 
+    def figures(self) -> Dict[str, Any]:
+        """The pool's figures for :mod:`roving.observe` (the dispatcher's, and state, size, lost)."""
+        with self.lock:
+            mine = {"state": self.state, "size": self.size, "min": self.min, "max": self.max, "lost": self.lost,
+                    "start_failures": len(self.start_failures)}
+        return {**self.disp.figures(), **mine}
+
     def resize(self, processes: int) -> None:
         """Keep ``processes`` workers from now on; shrinking retires idle workers first, then busy ones."""
+        observe.event("resize", f"pool {self.disp.pool_id}", f"resized to {processes} worker(s)")
         with self.lock:
             self.min = self.max = processes
             self.size = processes
@@ -200,6 +211,7 @@ class Upkeep:
                 continue
             with self.lock:
                 self._members[w.id] = w.proc
+            observe.event("worker-started", f"pool {disp.pool_id}", f"worker {w.id} started ({w.proc.name})")
         if failed is not None:  # one submission, one failure (an array refused is not 32 failures)
             lost = sum(e is not None for e in errors)
             self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
@@ -207,6 +219,7 @@ class Upkeep:
 
     def _failed_start(self, why: str) -> None:
         self._failures += 1
+        observe.event("start-failed", f"pool {self.disp.pool_id}", why)
         self.start_failures.append((time.time(), why))
         del self.start_failures[:-100]
         limit = _config.current().pool_start_failures
@@ -237,6 +250,8 @@ class Upkeep:
                 grow = min(self.max - self.size, max(0, waiting - starting))
                 if grow:
                     log.info("roving pool: %d unit(s) of work waiting; %d more worker(s)", waiting, grow)
+                    observe.event("autoscale", f"pool {self.disp.pool_id}", f"{waiting} unit(s) waiting: "
+                                  f"{grow} more worker(s), {self.size + grow} in all")
                     self.size += grow
                 return
             for w in live:
@@ -253,6 +268,8 @@ class Upkeep:
                     self._idle_since.pop(wid, None)
                     self.disp.retire(w)
                     self.size -= 1
+                    observe.event("autoscale", f"pool {self.disp.pool_id}", f"worker {wid} idle: retired, "
+                                  f"{self.size} left")
 
     def _ended(self, w: WorkerState) -> None:
         """Forget ``w`` here (the dispatcher forgets it at worker_lost)."""
@@ -261,11 +278,17 @@ class Upkeep:
             if self.state == RUN:
                 self._members.pop(w.id, None)
 
+    def _lost(self, w: WorkerState, why: str) -> None:
+        self.lost += 1
+        observe.event("worker-lost", f"pool {self.disp.pool_id}", f"worker {w.id} ({w.proc.name}) lost: {why}",
+                      pool=self.disp.pool_id, worker=w.id)
+
     def _abandon(self, w: WorkerState) -> None:
         """Kill ``w`` and count it as lost at once, without waiting for its job to end: a job on a machine
         cut off from the cluster may not end for minutes (or until the machine is back), and its work must
         not wait that long. A late word from it is ignored (it is gone); its job is reaped when it ends."""
         w.unreachable = 0.0
+        self._lost(w, "killed: no heartbeat, or cut off")
         w.proc.kill()
         self._ended(w)
         self.disp.worker_lost(w, None)
@@ -297,6 +320,8 @@ class Upkeep:
                     self._abandon(w)
                 continue
             code = w.proc.exitcode
+            if code != 0 and state != TERMINATE:
+                self._lost(w, f"exit code {code}")
             self._ended(w)
             if state != TERMINATE:
                 if w.ident is None and code != 0:
