@@ -249,6 +249,11 @@ class Dispatcher:
         with self.lock:
             return self.workers.get(worker_id)
 
+    def remembered(self) -> Tuple[int, int]:
+        """(workers in the table, connection identities mapped to workers): both only of live workers."""
+        with self.lock:
+            return len(self.workers), len(self.by_ident)
+
     def backlog(self) -> Tuple[int, int]:
         """(units of work waiting for a worker, connected workers holding none)."""
         with self.lock:
@@ -486,6 +491,8 @@ class Dispatcher:
             w.gone = True
             self._retire(w)
             self.workers.pop(w.id, None)
+            if w.ident is not None and self.by_ident.get(w.ident) is w:
+                del self.by_ident[w.ident]  # a worker that is gone is forgotten
             units, w.units = list(w.units.values()), {}
             again: List[_Unit] = []
             blamed = False

@@ -170,7 +170,9 @@ class Node(Boxes):
         # hello made with another key, a protocol error): logged, throttled, like every refusal
         # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
         # port listens, is no refusal)
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten.
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                                        | zmq.EVENT_DISCONNECTED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
@@ -191,6 +193,11 @@ class Node(Boxes):
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
+
+    def known_peers(self) -> int:
+        """How many ZeroMQ peers this node remembers as authenticated now (connected ones: a peer whose
+        connection ended, with or without a goodbye, is forgotten)."""
+        return self._door.known_peers()
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -390,7 +397,9 @@ class Node(Boxes):
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._door.disconnected(int(event["value"]))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
                 self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
                                       "(a stranger, or a peer with another session's key)")
