@@ -333,7 +333,7 @@ def _start_clients(procs: List[_ClientProc]) -> List[Optional[Exception]]:
 
 
 def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, seconds: float,
-            idle_s: float) -> List[Dict[str, Any]]:
+            idle_s: float, max_tasks: int) -> List[Dict[str, Any]]:
     import roving
     from roving.pool import _upkeep
     from roving.transport import session as _session
@@ -368,7 +368,7 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
         task_s = ms / 1000
         if hosts is not None:
             hosts.all(f"task {task_s}")
-        n = max(workers, int(seconds * workers / task_s))
+        n = max(workers, min(max_tasks, int(seconds * workers / task_s)))
         pool.map(sleep_task, [task_s] * workers, chunksize=1)  # warm: every worker holds the function
         h0 = hosts.cpu() if hosts else 0.0
         c0, t0 = _cpu(), time.monotonic()
@@ -404,13 +404,14 @@ def main() -> None:
     ap.add_argument("--hosts", type=int, default=4, help="client-host processes (with --clients)")
     ap.add_argument("--seconds", type=float, default=8.0, help="ideal wall time of each measured map")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of the idle baseline")
+    ap.add_argument("--max-tasks", type=int, default=200_000, help="at most this many tasks per map")
     args = ap.parse_args()
     if args.clients:
         import zmq
 
         zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
     for w in args.workers:
-        run_one(w, args.task_ms, args.clients, args.hosts, args.seconds, args.idle)
+        run_one(w, args.task_ms, args.clients, args.hosts, args.seconds, args.idle, args.max_tasks)
 
 
 if __name__ == "__main__":
