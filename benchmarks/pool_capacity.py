@@ -358,6 +358,7 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
             raise SystemExit(f"only {sum(1 for w in disp.workers_now() if w.ident is not None)} of {workers} "
                              "workers connected within 600 s")
         time.sleep(0.2)
+    print(f"# {workers} workers connected", file=sys.stderr, flush=True)
     time.sleep(2.0)
     rss1 = _rss()
     c0, t0 = _cpu(), time.monotonic()

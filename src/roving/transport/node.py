@@ -449,6 +449,9 @@ class Node(Boxes):
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
+            # Ends of connections first: one that ended before this connection was made may have had
+            # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
+            self._note_failed_handshakes()
             self._door.knock(ident, frames[1:])
             return
         op = frames[1].bytes
