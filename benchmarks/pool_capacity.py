@@ -11,7 +11,8 @@ session's HMAC handshake as configured). This machine cannot hold thousands of i
 * driven by the real pool protocol of ``roving.pool._protocol`` (HELLO, READY with credit and key,
   TASKS parsed unit by unit, RESULTS with runs and pickled values asking for more, BYE/ACK, HEARTBEAT
   every ``heartbeat_interval`` seconds on the heartbeat channel), sending what ``_worker._Loop`` sends
-  for the same units: each unit's results as soon as it is done, then a READY when it holds nothing; asking
+  for the same units: each unit's results as soon as it is done, with the ask for more work when it then
+  holds nothing (before commit "worker: results carry the ask", a RESULTS then a READY); asking
   ahead (a READY as a unit starts) once units proved shorter than 50 ms (depth 2);
 * "running" a unit by a timer of (items x task seconds) in its host's single-threaded poll loop instead
   of calling the function in a thread: the value sent back is the task's argument, pickled as a real
@@ -127,15 +128,17 @@ def _host(address: str, secret: bytes) -> None:
             send(c, P.READY, n, c.key if c.depth > 1 else 0)
 
     def finish(c: _Client, now: float) -> None:
-        # as _worker._Loop: the results leave at once (the flush interval has passed), then, holding
-        # nothing, the worker asks again (a READY of its own)
+        # as _worker._Loop: the unit's results leave at once (the flush interval has passed), with the
+        # ask for more work when the worker then holds nothing (one message)
         cid, count, task_s, key, _ = c.running
         c.running = None
         c.depth = 2 if count * task_s < 0.05 else 1
+        n = want(c) if not c.units and c.asked == 0 else 0
+        if n > 0:
+            c.asked += n
         keys = array("q", [cid, 0, count, 1]).tobytes()
-        c.chan.send([P.OP, P.TO_PARENT.pack(pool_id, P.RESULTS, 0, 0), keys, *dumps([task_s] * count)])
-        if not c.units and c.asked == 0:
-            ask(c)
+        c.chan.send([P.OP, P.TO_PARENT.pack(pool_id, P.RESULTS, n, key if n and c.depth > 1 else 0), keys,
+                     *dumps([task_s] * count)])
         start_next(c, now)
 
     def take(c: _Client, frames: List[Any], now: float) -> None:
