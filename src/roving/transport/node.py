@@ -113,6 +113,17 @@ class _RemoteWaiter(Waiter):
         self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
+def _recv_message(sock: zmq.Socket) -> List[zmq.Frame]:
+    """The next message's frames without waiting (zmq.Again if none): as ``recv_multipart(copy=False)``,
+    reading each frame's "more" flag instead of asking the socket for it (a system call less per frame)."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
+
+
 class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
@@ -361,7 +372,7 @@ class Node(Boxes):
         if router in ready:
             for _ in range(256):
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = _recv_message(router)
                 except zmq.Again:
                     break
                 try:
