@@ -243,8 +243,8 @@ class Dispatcher:
         except AttributeError:
             ident = type(func)
         key = self._keys.get(ident)
-        if key is None:
-            key = self._keys[ident] = next(self._job_ids)
+        if key is None:  # called outside the lock: setdefault keeps one key per function across threads
+            key = self._keys.setdefault(ident, next(self._job_ids))
         return key
 
     def workers_now(self) -> List[WorkerState]:
