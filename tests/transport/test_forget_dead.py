@@ -5,13 +5,18 @@ count of remembered peers stays bounded by those alive; a live peer that reconne
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
 
+import zmq
+
 from helpers_core import TIMEOUT, wait_until
+from roving.transport import auth
 from roving.transport import node as _node
+from roving.transport.guard import Refusals
 from roving.transport.endpoint import Channel
 
 PER_PROCESS = 20
@@ -66,3 +71,49 @@ def test_identities_of_killed_peers_are_forgotten_and_live_ones_kept():
         assert wait_until(lambda: node.known_peers() == 0, TIMEOUT), node.known_peers()
     finally:
         node.close()
+
+
+class _Frame:
+    """A stand-in for a zmq.Frame as the Door reads it: bytes, User-Id and the connection's descriptor."""
+
+    def __init__(self, data: bytes, user: str, fd: int) -> None:
+        self.bytes, self._props = data, {"User-Id": user, "Peer-Address": "127.0.0.1", zmq.SRCFD: fd}
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+    def get(self, name):
+        return self._props[name]
+
+
+def _let_in(door, ident: bytes, user: str, fd: int, sent: list, secret: bytes) -> None:
+    client = auth.ClientHandshake(secret)
+    door.knock(ident, [_Frame(auth.HELLO, user, fd), _Frame(client.hello, user, fd)])
+    _, _, nonce, proof = sent[-1]
+    door.knock(ident, [_Frame(auth.PROOF, user, fd), _Frame(client.answer(nonce, proof, "door"), user, fd)])
+    assert sent[-1] == [ident, auth.WELCOME]
+
+
+def test_the_door_forgets_the_peer_of_an_ended_connection_and_only_that_one():
+    secret = os.urandom(32)
+    sent: list = []
+    door = auth.Door(secret, sent.append, Refusals(logging.getLogger("test-door"), "the test door"))
+    _let_in(door, b"a", "ua", 7, sent, secret)
+    _let_in(door, b"b", "ub", 8, sent, secret)
+    assert door.known_peers() == 2
+    door.disconnected(7)
+    assert door.authenticated == {b"b": "ub"}
+    door.disconnected(7)  # told twice, or of a descriptor nobody authenticated on: nothing more goes
+    door.disconnected(99)
+    assert door.authenticated == {b"b": "ub"}
+    # descriptor 7 reused by a new connection: its end forgets the new peer, not b
+    _let_in(door, b"c", "uc", 7, sent, secret)
+    door.disconnected(7)
+    assert door.authenticated == {b"b": "ub"}
+    # routing id b taken over by a new connection (on descriptor 9) after b's left unnoticed: the end of
+    # descriptor 8 no longer names b
+    _let_in(door, b"b", "ub2", 9, sent, secret)
+    door.disconnected(8)
+    assert door.authenticated == {b"b": "ub2"}
+    door.disconnected(9)
+    assert door.known_peers() == 0

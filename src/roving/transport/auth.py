@@ -185,7 +185,7 @@ class Door:
         if not frames:
             return
         if ident in self.authenticated:  # a new connection under the routing id of one that has gone
-            del self.authenticated[ident]
+            self.forget(ident)
         user = frames[0].get("User-Id")
         key = (ident, user)  # a handshake belongs to its connection, as its outcome does
         kind = frames[0].bytes if len(frames[0]) <= 16 else b""
