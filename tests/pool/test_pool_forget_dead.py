@@ -19,11 +19,13 @@ def _pid(_: int) -> int:
 
 def test_killed_workers_are_forgotten_by_dispatcher_and_node():
     node = _session.current().node()
+    before = node.known_peers()  # whatever else talks to this process
     with roving.Pool(2) as pool:
         assert pool.map(_pid, range(4))
         disp = pool._disp
         assert wait_until(lambda: disp.remembered() == (2, 2), TIMEOUT), disp.remembered()
-        base = node.known_peers()  # the workers' two connections each, and whatever else talks to us
+        base = before + 2 * 2  # each worker: its work connection and its heartbeat connection
+        assert wait_until(lambda: node.known_peers() == base, TIMEOUT), (node.known_peers(), base)
         seen = set()
         for _ in range(KILLS):
             pid = pool.apply(_pid, (0,))
