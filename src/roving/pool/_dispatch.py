@@ -138,7 +138,12 @@ class Dispatcher:
         self.suspects: Deque[_Unit] = collections.deque()  # blamed items, each to run alone
         self.workers: Dict[int, WorkerState] = {}
         self.by_ident: Dict[bytes, WorkerState] = {}
-        self.ready: List[WorkerState] = []  # workers with credit, in the order they asked
+        # Workers with credit, in the order they asked: a dict used as an ordered set (membership and
+        # removal cost the same at 4,000 workers as at 4).
+        self.ready: Dict[WorkerState, None] = {}
+        # Workers given a second unit while they ran one: the only ones an idle worker may take a unit
+        # from (_steal), so that finding none costs nothing per connected worker.
+        self._deep: Dict[WorkerState, None] = {}
         self._job_ids = itertools.count(1)
         self._chunk_ids = itertools.count(1)
         self._keys: Dict[Any, int] = {}
@@ -173,17 +178,19 @@ class Dispatcher:
         else:
             pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
         name = getattr(func, "__qualname__", None) or repr(func)
+        if not items:
+            return
+        # The chunks are made outside the lock (ids from counters, atomic), so that the workers' messages
+        # are not held up while a long map is queued.
+        job_id = next(self._job_ids)
+        key = self._apply_key(func) if inline else job_id
+        job = _Job(job_id, key, result, name, pickled, inline, len(items))
+        n = len(items)
+        chunks = [_Chunk(next(self._chunk_ids), job, base, min(chunksize, n - base), args) for base, args in pieces]
         with self.lock:
-            job_id = next(self._job_ids)
-            key = self._apply_key(func) if inline else job_id
-            job = _Job(job_id, key, result, name, pickled, inline, len(items))
-            if not items:
-                return
             self.jobs[job.id] = job
-            for base, args in pieces:
-                chunk = _Chunk(next(self._chunk_ids), job, base, min(chunksize, len(items) - base), args)
-                self.chunks[chunk.id] = chunk
-                self.pending.append(_Unit(chunk))
+            self.chunks.update((chunk.id, chunk) for chunk in chunks)
+            self.pending.extend(_Unit(chunk) for chunk in chunks)
             self._dispatch()
 
     def open_job(self, result: Any, func: Callable[..., Any], mode: int) -> _Job:
@@ -240,8 +247,8 @@ class Dispatcher:
         except AttributeError:
             ident = type(func)
         key = self._keys.get(ident)
-        if key is None:
-            key = self._keys[ident] = next(self._job_ids)
+        if key is None:  # called outside the lock: setdefault keeps one key per function across threads
+            key = self._keys.setdefault(ident, next(self._job_ids))
         return key
 
     def workers_now(self) -> List[WorkerState]:
@@ -252,6 +259,11 @@ class Dispatcher:
     def worker(self, worker_id: int) -> Optional[WorkerState]:
         with self.lock:
             return self.workers.get(worker_id)
+
+    def remembered(self) -> Tuple[int, int]:
+        """(workers in the table, connection identities mapped to workers): both only of live workers."""
+        with self.lock:
+            return len(self.workers), len(self.by_ident)
 
     def backlog(self) -> Tuple[int, int]:
         """(units of work waiting for a worker, connected workers holding none)."""
@@ -332,8 +344,7 @@ class Dispatcher:
             return
         w.credit += n
         w.credit_key = key
-        if w not in self.ready:
-            self.ready.append(w)
+        self.ready[w] = None
         self._dispatch()
 
     def _results(self, w: Optional[WorkerState], runs: "array[int]", values: List[Any]) -> None:
@@ -421,12 +432,16 @@ class Dispatcher:
             self._batch.clear()
 
     def _steal(self) -> None:
-        """Idle workers and nothing waiting: ask busy workers for units they have not started."""
+        """Idle workers and nothing waiting: ask busy workers for units they have not started (only those
+        that were given a second unit while running one can have such units)."""
+        if not self._deep:
+            return
         idle = sum(1 for w in self.ready if not w.units)
-        for w in self.workers.values():
+        for w in list(self._deep):
             if idle <= 0:
                 return
             if w.retiring or w.gone or len(w.units) < 2:
+                del self._deep[w]
                 continue
             for unit in list(w.units.values())[:0:-1]:  # newest first; the first one is running
                 if idle <= 0:
@@ -459,9 +474,11 @@ class Dispatcher:
         self._batch.setdefault(w, []).extend((header, forget, offs, *func_frames, *chunk.args))
         unit.left = chunk.n if offsets is None else len(offsets)
         w.units[chunk.id] = unit
+        if len(w.units) > 1:
+            self._deep[w] = None
         w.credit -= 1
         if w.credit <= 0:
-            self.ready.remove(w)
+            del self.ready[w]
         return True
 
     def _send(self, w: WorkerState, kind: int) -> None:
@@ -471,8 +488,7 @@ class Dispatcher:
     def _retire(self, w: WorkerState) -> None:
         w.retiring = True
         w.credit = 0
-        if w in self.ready:
-            self.ready.remove(w)
+        self.ready.pop(w, None)
 
     # -- worker upkeep (pool thread) -----------------------------------------------------------
     def add_worker(self, w: WorkerState) -> None:
@@ -497,8 +513,7 @@ class Dispatcher:
         # A worker running a blamed item alone held only that one: it stays with the blamed ones.
         (self.suspects if w.alone else self.pending).extendleft(reversed(again))
         w.known, w.forget, w.credit, w.credit_key, w.alone, w.unreachable = set(), [], 0, 0, False, 0.0
-        if w in self.ready:
-            self.ready.remove(w)
+        self.ready.pop(w, None)
         log.warning("roving pool: worker %s reconnected after its connection broke; %d unit(s) it held go "
                     "back in line", w.id, len(again))
         self._dispatch()
@@ -509,6 +524,9 @@ class Dispatcher:
             w.gone = True
             self._retire(w)
             self.workers.pop(w.id, None)
+            self._deep.pop(w, None)
+            if w.ident is not None and self.by_ident.get(w.ident) is w:
+                del self.by_ident[w.ident]  # a worker that is gone is forgotten
             units, w.units = list(w.units.values()), {}
             again: List[_Unit] = []
             blamed = False

@@ -290,14 +290,16 @@ class _Loop:
         if self.depth > 1:
             self._ask()  # the next units arrive while this one runs
         started = time.monotonic()
-        self._run_unit(*unit[:5])
+        due = self._run_unit(*unit[:5])
         took = time.monotonic() - started
         self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
         self.done += 1
         if self.maxtasks is not None and self.done >= self.maxtasks:
             self._leave()
         if not self.units and self.asked == 0:
-            self._ask()
+            self._ask()  # the results due go with the ask: one message to the parent, not two
+        if due and self.results.values:
+            self._flush()
         return False
 
     def _poll(self) -> None:
@@ -332,7 +334,9 @@ class _Loop:
         return got
 
     def _run_unit(self, cid: int, fid: int, func_frames: List[Any], arg_frames: List[Any],
-                  offsets: Any) -> None:
+                  offsets: Any) -> bool:
+        """Run the unit's items, sending results as they fall due except the last ones: True when those
+        are due (the caller sends them, with its ask for more work if it makes one)."""
         results = self.results
         try:
             func, mode = self._function(fid, func_frames)
@@ -342,7 +346,7 @@ class _Loop:
             for off in offsets:
                 if results.add(cid, off, False, err):
                     self._flush()
-            return
+            return False
         # Items run in blocks, without a call per item into the bookkeeping: a block grows (doubling) while
         # its items prove short and shrinks to one for long ones, so that the result of a long task still
         # leaves as soon as it is done (see _Results.add) and those of tiny ones cost almost nothing.
@@ -372,6 +376,9 @@ class _Loop:
             if failed is not None:
                 due = results.add(cid, offs[i], False, ExceptionWithTraceback(failed, failed.__traceback__))
                 i += 1
-            if due:
+            if due and i < n:
                 self._flush()
+            elif due:
+                return True
             block = min(MAX_BLOCK, block * 2) if took < BLOCK_S else max(1, block // 2)
+        return False

@@ -1,0 +1,422 @@
+"""One parent's capacity (issue 22): a real roving Pool at 1,000-4,000 connected workers.
+
+The parent is a real ``roving.Pool`` (its dispatcher, upkeep thread, node and I/O thread, CURVE and the
+session's HMAC handshake as configured). This machine cannot hold thousands of interpreters, so with
+``--clients`` the pool's workers are *lightweight clients*: a few client-host processes
+(``--hosts``, each a subprocess of this script) each hold many workers. Each such worker is
+
+* two real ``roving.transport.endpoint.Channel`` connections of its own (the work channel and the
+  heartbeat channel, as a real worker has), each a ZeroMQ DEALER that did the real CURVE handshake and
+  roving's mutual HMAC proof, so the parent's node knows it as its own authenticated identity;
+* driven by the real pool protocol of ``roving.pool._protocol`` (HELLO, READY with credit and key,
+  TASKS parsed unit by unit, RESULTS with runs and pickled values asking for more, BYE/ACK, HEARTBEAT
+  every ``heartbeat_interval`` seconds on the heartbeat channel), sending what ``_worker._Loop`` sends
+  for the same units: each unit's results as soon as it is done, with the ask for more work when it then
+  holds nothing (before commit "worker: results carry the ask", a RESULTS then a READY); asking
+  ahead (a READY as a unit starts) once units proved shorter than 50 ms (depth 2);
+* "running" a unit by a timer of (items x task seconds) in its host's single-threaded poll loop instead
+  of calling the function in a thread: the value sent back is the task's argument, pickled as a real
+  worker pickles it.
+
+The pool learns of these workers through its upkeep as usual; only the object that would have been a
+``roving.Process`` is replaced (``roving.pool._upkeep.Process`` and ``start_many`` are patched by this
+script): its ``start()`` asks a client host to open the worker, ``kill()`` to drop it. Without
+``--clients`` the workers are real pool worker processes on the local backend (the cross-check).
+
+Figures: utilisation = busy worker-seconds (tasks x task seconds) / (workers x wall), wall from the
+submit to the last result; dispatched tasks/s = tasks / wall; the parent's CPU per task = process CPU
+(getrusage, all threads of the parent: caller, node I/O, upkeep, ZeroMQ's I/O threads) over the run
+divided by tasks, both raw and less the idle baseline (the CPU the parent spends per second with all
+workers connected and idle, measured before, times the run's wall); memory per connected worker = the
+parent's RSS once all are connected and idle less its RSS with the pool made but no worker started,
+divided by workers. The clients' CPU (all client hosts, from /proc) over the run is reported too: they
+share this machine's cores with the parent.
+
+    python benchmarks/pool_capacity.py --clients --workers 1000 2000 4000 --task-ms 100 10
+    python benchmarks/pool_capacity.py --clients --workers 32 --task-ms 100 10     # cross-check ...
+    python benchmarks/pool_capacity.py --workers 32 --task-ms 100 10               # ... real workers
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from array import array
+from typing import Any, Dict, List, Optional
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def sleep_task(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+# --------------------------------------------------------------------------------------------------
+# client host (a subprocess): many lightweight workers in one poll loop
+# --------------------------------------------------------------------------------------------------
+class _Client:
+    __slots__ = ("wid", "chan", "beat", "units", "asked", "depth", "key", "running", "leaving", "acked")
+
+    def __init__(self, wid: int) -> None:
+        self.wid = wid
+        self.chan: Any = None
+        self.beat: Any = None
+        self.units: List[Any] = []
+        self.asked = 0
+        self.depth = 1
+        self.key = 0
+        self.running: Optional[Any] = None
+        self.leaving = False
+        self.acked = False
+
+
+def _host(address: str, secret: bytes) -> None:
+    import zmq
+
+    zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
+    from roving import config as _config
+    from roving.pool import _protocol as P
+    from roving.transport.endpoint import Channel
+    from roving.transport.serialize import dumps
+
+    interval = _config.current().heartbeat_interval
+    poller = zmq.Poller()
+    stdin = sys.stdin.fileno()
+    os.set_blocking(stdin, False)
+    poller.register(stdin, zmq.POLLIN)
+    by_sock: Dict[Any, _Client] = {}
+    clients: Dict[int, _Client] = {}
+    timers: List[Any] = []  # (when, seq, kind, client)
+    seq = 0
+    pool_id = 0
+    buf = b""
+
+    def send(c: _Client, kind: int, arg: int, key: int = 0) -> None:
+        c.chan.send([P.OP, P.TO_PARENT.pack(pool_id, kind, arg, key)])
+
+    def want(c: _Client) -> int:
+        if c.leaving:
+            return 0
+        held = len(c.units) + c.asked + (1 if c.running else 0)
+        if held > c.depth // 2:
+            return 0
+        return c.depth - held
+
+    def start_next(c: _Client, now: float) -> None:
+        nonlocal seq
+        if c.running is not None or not c.units:
+            return
+        unit = c.units.pop(0)
+        if unit[3] != c.key:
+            c.key, c.depth = unit[3], 1
+        c.running = unit
+        seq += 1
+        heapq.heappush(timers, (now + unit[1] * unit[2], seq, 1, c))
+        if c.depth > 1:
+            ask(c)
+
+    def ask(c: _Client) -> None:
+        n = want(c)
+        if n > 0:
+            c.asked += n
+            send(c, P.READY, n, c.key if c.depth > 1 else 0)
+
+    def finish(c: _Client, now: float) -> None:
+        # as _worker._Loop: the unit's results leave at once (the flush interval has passed), with the
+        # ask for more work when the worker then holds nothing (one message)
+        cid, count, task_s, key, _ = c.running
+        c.running = None
+        c.depth = 2 if count * task_s < 0.05 else 1
+        n = want(c) if not c.units and c.asked == 0 else 0
+        if n > 0:
+            c.asked += n
+        keys = array("q", [cid, 0, count, 1]).tobytes()
+        c.chan.send([P.OP, P.TO_PARENT.pack(pool_id, P.RESULTS, n, key if n and c.depth > 1 else 0), keys,
+                     *dumps([task_s] * count)])
+        start_next(c, now)
+
+    def take(c: _Client, frames: List[Any], now: float) -> None:
+        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
+        if kind == P.ACK:
+            c.acked = True
+            c.chan.close(1.0)
+            c.beat.close(0)
+            poller.unregister(c.chan._sock)
+            by_sock.pop(c.chan._sock, None)
+            clients.pop(c.wid, None)
+            return
+        if kind == P.STOP:
+            c.leaving = True
+            send(c, P.BYE, 0)
+            return
+        if kind == P.REVOKE:
+            for unit in c.units:
+                if unit[0] == cid:
+                    c.units.remove(unit)
+                    send(c, P.RETURNED, cid)
+                    break
+            return
+        at = 0
+        while True:
+            c.asked = max(0, c.asked - 1)
+            # the benchmark's task takes its argument's seconds; the clients are told it on stdin
+            c.units.append((cid, count, task_seconds, key, 1))
+            at += 3 + nfunc + nargs
+            if at >= len(frames):
+                break
+            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at].bytes)
+        start_next(c, now)
+
+    task_seconds = 0.1
+    while True:
+        now = time.monotonic()
+        wait = None if not timers else max(0.0, (timers[0][0] - now) * 1000)
+        for sock, _ in poller.poll(wait):
+            if sock == stdin:
+                try:
+                    chunk = os.read(stdin, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    return
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    cmd, _, arg = line.decode().partition(" ")
+                    if cmd == "start":
+                        pool_id, *wids = map(int, arg.split())
+                        for wid in wids:
+                            c = _Client(wid)
+                            c.chan = Channel(address, secret, 60.0)
+                            c.beat = Channel(address, secret, 60.0)
+                            clients[wid] = c
+                            by_sock[c.chan._sock] = c
+                            poller.register(c.chan._sock, zmq.POLLIN)
+                            send(c, P.HELLO, wid)
+                            ask(c)
+                            seq += 1
+                            heapq.heappush(timers, (time.monotonic() + interval, seq, 0, c))
+                    elif cmd == "task":
+                        task_seconds = float(arg)
+                    elif cmd == "kill":
+                        for wid in map(int, arg.split()):
+                            c = clients.pop(wid, None)
+                            if c is not None:
+                                poller.unregister(c.chan._sock)
+                                by_sock.pop(c.chan._sock, None)
+                                c.chan._sock.close(0)  # no goodbye: as a killed process
+                                c.beat._sock.close(0)
+                continue
+            c = by_sock.get(sock)
+            if c is None:
+                continue
+            while True:
+                frames = c.chan.recv(0)
+                if frames is None:
+                    break
+                take(c, frames, time.monotonic())
+                if c.acked:
+                    break
+        now = time.monotonic()
+        while timers and timers[0][0] <= now:
+            _, _, kind, c = heapq.heappop(timers)
+            if c.wid not in clients:
+                continue
+            if kind == 0:
+                c.beat.send([P.OP, P.TO_PARENT.pack(pool_id, P.HEARTBEAT, c.wid, 0)])
+                seq += 1
+                heapq.heappush(timers, (now + interval, seq, 0, c))
+            else:
+                finish(c, now)
+
+
+# --------------------------------------------------------------------------------------------------
+# the parent
+# --------------------------------------------------------------------------------------------------
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _proc_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class _Hosts:
+    def __init__(self, n: int, address: str, secret: bytes) -> None:
+        env = dict(os.environ)
+        self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", address,
+                                        secret.hex()], stdin=subprocess.PIPE, env=env)
+                      for _ in range(n)]
+        self.next = 0
+
+    def tell(self, i: int, line: str) -> None:
+        self.procs[i].stdin.write((line + "\n").encode())
+        self.procs[i].stdin.flush()
+
+    def all(self, line: str) -> None:
+        for i in range(len(self.procs)):
+            self.tell(i, line)
+
+    def cpu(self) -> float:
+        return sum(_proc_cpu(p.pid) for p in self.procs)
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.close()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+class _ClientProc:
+    """Stands where a roving.Process would: a worker held by a client host."""
+
+    hosts: Optional[_Hosts] = None
+
+    def __init__(self, target: Any = None, name: str = "", args: tuple = (), daemon: bool = True,
+                 resources: Any = None) -> None:
+        self.pool_id, self.wid = args[1], args[2]
+        self.alive = False
+        self.exitcode: Optional[int] = None
+        self.host = 0
+
+    def start(self) -> None:
+        _start_clients([self])
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def kill(self) -> None:
+        if self.alive:
+            self.alive, self.exitcode = False, -9
+            self.hosts.tell(self.host, f"kill {self.wid}")
+
+    terminate = kill
+
+    def _release(self) -> None:
+        pass
+
+    def _wait(self, timeout: float) -> None:
+        pass
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        pass
+
+
+def _start_clients(procs: List[_ClientProc]) -> List[Optional[Exception]]:
+    hosts = _ClientProc.hosts
+    per: Dict[int, List[int]] = {}
+    for p in procs:
+        p.host = hosts.next % len(hosts.procs)
+        hosts.next += 1
+        p.alive = True
+        per.setdefault(p.host, []).append(p.wid)
+    for i, wids in per.items():
+        hosts.tell(i, f"start {procs[0].pool_id} " + " ".join(map(str, wids)))
+    return [None] * len(procs)
+
+
+def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, seconds: float,
+            idle_s: float, max_tasks: int) -> List[Dict[str, Any]]:
+    import roving
+    from roving.pool import _upkeep
+    from roving.transport import session as _session
+
+    hosts = None
+    if clients:
+        node = _session.current().node()
+        secret = _session.current().secret
+        _upkeep.Process = _ClientProc  # type: ignore[attr-defined]
+        _upkeep.start_many = _start_clients  # type: ignore[attr-defined]
+    rss0 = _rss()
+    pool = roving.Pool(workers) if not clients else None
+    if clients:
+        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret)
+        time.sleep(1.0)
+        rss0 = _rss()
+        pool = roving.Pool(workers)
+    disp = pool._disp
+    deadline = time.monotonic() + 600
+    while sum(1 for w in disp.workers_now() if w.ident is not None) < workers:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"only {sum(1 for w in disp.workers_now() if w.ident is not None)} of {workers} "
+                             "workers connected within 600 s")
+        time.sleep(0.2)
+    print(f"# {workers} workers connected", file=sys.stderr, flush=True)
+    time.sleep(2.0)
+    rss1 = _rss()
+    c0, t0 = _cpu(), time.monotonic()
+    time.sleep(idle_s)
+    idle_per_s = (_cpu() - c0) / (time.monotonic() - t0)
+    rows = []
+    for ms in task_ms:
+        task_s = ms / 1000
+        if hosts is not None:
+            hosts.all(f"task {task_s}")
+        n = max(workers, min(max_tasks, int(seconds * workers / task_s)))
+        pool.map(sleep_task, [task_s] * workers, chunksize=1)  # warm: every worker holds the function
+        h0 = hosts.cpu() if hosts else 0.0
+        c0, t0 = _cpu(), time.monotonic()
+        out = pool.map(sleep_task, [task_s] * n, chunksize=1)
+        wall = time.monotonic() - t0
+        cpu = _cpu() - c0
+        h1 = hosts.cpu() if hosts else 0.0
+        assert len(out) == n and out[0] == task_s
+        rows.append({
+            "workers": workers, "kind": "clients" if clients else "real", "task_ms": ms, "tasks": n,
+            "wall_s": round(wall, 2), "util": round(n * task_s / (workers * wall), 3),
+            "tasks_per_s": round(n / wall), "parent_cpu_us_per_task": round(cpu / n * 1e6, 1),
+            "parent_cpu_us_per_task_less_idle": round((cpu - idle_per_s * wall) / n * 1e6, 1),
+            "parent_cpu_share": round(cpu / wall, 2), "idle_parent_cpu_share": round(idle_per_s, 3),
+            "clients_cpu_share": round((h1 - h0) / wall, 2),
+            "rss_kb_per_worker": round((rss1 - rss0) / workers / 1024, 1),
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    pool.terminate()
+    if hosts is not None:
+        hosts.close()
+    return rows
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--host":
+        _host(sys.argv[2], bytes.fromhex(sys.argv[3]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", type=int, nargs="+", default=[1000, 2000, 4000])
+    ap.add_argument("--task-ms", type=int, nargs="+", default=[100, 10])
+    ap.add_argument("--clients", action="store_true", help="lightweight clients instead of real workers")
+    ap.add_argument("--hosts", type=int, default=4, help="client-host processes (with --clients)")
+    ap.add_argument("--seconds", type=float, default=8.0, help="ideal wall time of each measured map")
+    ap.add_argument("--idle", type=float, default=3.0, help="seconds of the idle baseline")
+    ap.add_argument("--max-tasks", type=int, default=200_000, help="at most this many tasks per map")
+    args = ap.parse_args()
+    if args.clients:
+        import zmq
+
+        zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
+    for w in args.workers:
+        run_one(w, args.task_ms, args.clients, args.hosts, args.seconds, args.idle, args.max_tasks)
+
+
+if __name__ == "__main__":
+    main()
