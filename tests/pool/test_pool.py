@@ -343,7 +343,7 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
     results(b"w2", 2, [4, 9, 16, 25])  # a worker that redid 2 anyway: that duplicate is dropped
     assert sorted(i for i, _, _ in rec.got) == list(range(6))  # each item exactly once
     assert sorted(rec.got) == [(i, True, i * i) for i in range(6)]
-    assert not disp.jobs and not disp.chunks
+    assert not disp.calls and not disp.chunks
 
 
 def test_worker_that_stops_heartbeating_is_replaced_and_its_work_redone(monkeypatch):

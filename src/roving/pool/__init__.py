@@ -323,12 +323,12 @@ class Pool:
             self._submit(result, func, P.MAP, iterable, chunksize)
             return result
         result = kind(None, pool=self, progress=self._progress_bar(func, None) if progress else None)
-        job = self._disp.open_job(result, func, P.MAP)
-        threading.Thread(target=self._feed, args=(job, iter(iterable), chunksize),
+        call = self._disp.open_call(result, func, P.MAP)
+        threading.Thread(target=self._feed, args=(call, iter(iterable), chunksize),
                          name="roving-pool-feeder", daemon=True).start()
         return result
 
-    def _feed(self, job: Any, items: Iterator[Any], chunksize: int) -> None:
+    def _feed(self, call: Any, items: Iterator[Any], chunksize: int) -> None:
         """Read an imap's iterator in chunks and queue them; the iterator's length is known at its end."""
         count = 0
         error: Optional[BaseException] = None
@@ -337,9 +337,9 @@ class Pool:
                 chunk = list(itertools.islice(items, chunksize))
                 if not chunk:
                     break
-                self._disp.add_items(job, count, chunk)
+                self._disp.add_items(call, count, chunk)
                 count += len(chunk)
         except Exception as exc:  # the iterable raised, or an item cannot be pickled
             error = exc
         finally:
-            self._disp.close_job(job, count, error)
+            self._disp.close_call(call, count, error)

@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 
 #: Plain functions are pickled once per pool and kept by the workers under an id; this many at most
-#: (further ones are pickled with each job).
+#: (further ones are pickled with each call).
 MAX_CACHED_FUNCTIONS = 1024
 
 
@@ -56,22 +56,25 @@ class _Func:
         self.id, self.frames, self.cached = fid, frames, cached
 
 
-class _Job:
+class _Call:
+    """One call a caller submitted (an ``apply_async``, a ``map``, an ``imap``): its result object and the
+    items of it still to finish (not a backend's job: the pool's workers are those)."""
+
     __slots__ = ("id", "key", "result", "name", "func", "inline", "left")
 
-    def __init__(self, job_id: int, key: int, result: Any, name: str, func: _Func, inline: bool,
+    def __init__(self, call_id: int, key: int, result: Any, name: str, func: _Func, inline: bool,
                  left: int) -> None:
-        self.id, self.key, self.result, self.name = job_id, key, result, name
+        self.id, self.key, self.result, self.name = call_id, key, result, name
         self.func, self.inline, self.left = func, inline, left
 
 
 class _Chunk:
-    """Items of one job that travel as one message; results are tracked per item."""
+    """Items of one call that travel as one message; results are tracked per item."""
 
-    __slots__ = ("id", "job", "base", "n", "args", "done", "left", "deaths")
+    __slots__ = ("id", "call", "base", "n", "args", "done", "left", "deaths")
 
-    def __init__(self, chunk_id: int, job: _Job, base: int, n: int, args: List[Any]) -> None:
-        self.id, self.job, self.base, self.n, self.args = chunk_id, job, base, n, args
+    def __init__(self, chunk_id: int, call: _Call, base: int, n: int, args: List[Any]) -> None:
+        self.id, self.call, self.base, self.n, self.args = chunk_id, call, base, n, args
         self.done = bytearray(n)
         self.left = n
         self.deaths: Optional[Dict[int, int]] = None
@@ -132,7 +135,7 @@ class Dispatcher:
         self.max_task_retries = max_task_retries
         self.lock = threading.Lock()
         self.node = _session.current().node()
-        self.jobs: Dict[int, _Job] = {}
+        self.calls: Dict[int, _Call] = {}
         self.chunks: Dict[int, _Chunk] = {}
         self.pending: Deque[_Unit] = collections.deque()
         self.suspects: Deque[_Unit] = collections.deque()  # blamed items, each to run alone
@@ -144,7 +147,7 @@ class Dispatcher:
         # Workers given a second unit while they ran one: the only ones an idle worker may take a unit
         # from (_steal), so that finding none costs nothing per connected worker.
         self._deep: Dict[WorkerState, None] = {}
-        self._job_ids = itertools.count(1)
+        self._call_ids = itertools.count(1)
         self._chunk_ids = itertools.count(1)
         self._keys: Dict[Any, int] = {}
         self._funcs: Dict[Any, _Func] = {}  # (function, mode) -> its pickle, for plain functions
@@ -182,53 +185,53 @@ class Dispatcher:
             return
         # The chunks are made outside the lock (ids from counters, atomic), so that the workers' messages
         # are not held up while a long map is queued.
-        job_id = next(self._job_ids)
-        key = self._apply_key(func) if inline else job_id
-        job = _Job(job_id, key, result, name, pickled, inline, len(items))
+        call_id = next(self._call_ids)
+        key = self._apply_key(func) if inline else call_id
+        call = _Call(call_id, key, result, name, pickled, inline, len(items))
         n = len(items)
-        chunks = [_Chunk(next(self._chunk_ids), job, base, min(chunksize, n - base), args) for base, args in pieces]
+        chunks = [_Chunk(next(self._chunk_ids), call, base, min(chunksize, n - base), args) for base, args in pieces]
         with self.lock:
-            self.jobs[job.id] = job
+            self.calls[call.id] = call
             self.chunks.update((chunk.id, chunk) for chunk in chunks)
             self.pending.extend(_Unit(chunk) for chunk in chunks)
             self._dispatch()
 
-    def open_job(self, result: Any, func: Callable[..., Any], mode: int) -> _Job:
-        """A job whose items come later (:meth:`add_items`), for imap over an iterator."""
+    def open_call(self, result: Any, func: Callable[..., Any], mode: int) -> _Call:
+        """A call whose items come later (:meth:`add_items`), for imap over an iterator."""
         pickled = self._function(func, mode, False)
         name = getattr(func, "__qualname__", None) or repr(func)
         with self.lock:
-            job_id = next(self._job_ids)
-            job = _Job(job_id, job_id, result, name, pickled, False, 1)  # 1: held open
-            self.jobs[job.id] = job
-            return job
+            call_id = next(self._call_ids)
+            call = _Call(call_id, call_id, result, name, pickled, False, 1)  # 1: held open
+            self.calls[call.id] = call
+            return call
 
-    def add_items(self, job: _Job, base: int, items: List[Any]) -> None:
-        """Items ``base``, ``base + 1``, ... of an open job, as one chunk. SerializationError if unpicklable."""
+    def add_items(self, call: _Call, base: int, items: List[Any]) -> None:
+        """Items ``base``, ``base + 1``, ... of an open call, as one chunk. SerializationError if unpicklable."""
         args = dumps(items)
         with self.lock:
-            chunk = _Chunk(next(self._chunk_ids), job, base, len(items), args)
-            job.left += len(items)
+            chunk = _Chunk(next(self._chunk_ids), call, base, len(items), args)
+            call.left += len(items)
             self.chunks[chunk.id] = chunk
             self.pending.append(_Unit(chunk))
             self._dispatch()
 
-    def close_job(self, job: _Job, length: int, error: Optional[BaseException] = None) -> None:
-        """No more items for ``job``: its iterator gave ``length`` items, then (``error``) raised, or held
+    def close_call(self, call: _Call, length: int, error: Optional[BaseException] = None) -> None:
+        """No more items for ``call``: its iterator gave ``length`` items, then (``error``) raised, or held
         an item that cannot be pickled; that error is then the outcome of item ``length``."""
         with self.lock:
             if error is not None:
-                _results.deliver(job.result, length, False, [error])
+                _results.deliver(call.result, length, False, [error])
                 length += 1
-            _results.set_length(job.result, length)
-            job.left -= 1
-            if job.left == 0:
-                self._job_done(job)
+            _results.set_length(call.result, length)
+            call.left -= 1
+            if call.left == 0:
+                self._call_done(call)
 
     def _function(self, func: Callable[..., Any], mode: int, inline: bool) -> _Func:
         """The pickled function: a plain function is pickled once and kept by workers under its id, so
         that later jobs send only the id; any other callable (whose state may change) is pickled anew,
-        kept by workers for the length of its job (map) or not at all (apply). SerializationError."""
+        kept by workers for the length of its call (map) or not at all (apply). SerializationError."""
         cacheable = isinstance(func, (types.FunctionType, types.BuiltinFunctionType))
         if cacheable:
             hit = self._funcs.get((func, mode))
@@ -237,8 +240,8 @@ class Dispatcher:
         frames = dumps((func, mode))
         with self.lock:
             if cacheable and len(self._funcs) < MAX_CACHED_FUNCTIONS:
-                return self._funcs.setdefault((func, mode), _Func(next(self._job_ids), frames, True))
-            return _Func(0 if inline else next(self._job_ids), frames, False)
+                return self._funcs.setdefault((func, mode), _Func(next(self._call_ids), frames, True))
+            return _Func(0 if inline else next(self._call_ids), frames, False)
 
     def _apply_key(self, func: Callable[..., Any]) -> int:
         """One key per function called with apply: workers learn how long its calls take."""
@@ -248,7 +251,7 @@ class Dispatcher:
             ident = type(func)
         key = self._keys.get(ident)
         if key is None:  # called outside the lock: setdefault keeps one key per function across threads
-            key = self._keys.setdefault(ident, next(self._job_ids))
+            key = self._keys.setdefault(ident, next(self._call_ids))
         return key
 
     def workers_now(self) -> List[WorkerState]:
@@ -286,7 +289,7 @@ class Dispatcher:
 
     def busy(self) -> bool:
         with self.lock:
-            return bool(self.jobs)
+            return bool(self.calls)
 
     # -- worker messages (node I/O thread) -----------------------------------------------------
     def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
@@ -382,26 +385,26 @@ class Dispatcher:
         chunk.left -= count
         if chunk.left == 0:
             del self.chunks[chunk.id]
-        job = chunk.job
+        call = chunk.call
         if ok:
             self.done += count
         else:
             self.failed += count
             if values[0] is not self._last_failure and self.failed <= observe.MAX_TASK_FAILURES:
                 self._last_failure = values[0]
-                observe.task_failed(self.pool_id, job.name, chunk.base + first, values[0])
+                observe.task_failed(self.pool_id, call.name, chunk.base + first, values[0])
         try:
-            _results.deliver(job.result, chunk.base + first, ok, values)
+            _results.deliver(call.result, chunk.base + first, ok, values)
         except Exception:
             log.exception("roving pool: could not deliver a result")
-        job.left -= count
-        if job.left == 0:
-            self._job_done(job)
+        call.left -= count
+        if call.left == 0:
+            self._call_done(call)
 
-    def _job_done(self, job: _Job) -> None:
-        del self.jobs[job.id]
-        fid = job.func.id
-        if fid and not job.func.cached:
+    def _call_done(self, call: _Call) -> None:
+        del self.calls[call.id]
+        fid = call.func.id
+        if fid and not call.func.cached:
             for w in self.workers.values():
                 if fid in w.known:
                     w.known.discard(fid)
@@ -418,7 +421,7 @@ class Dispatcher:
         while self.pending and self.ready:
             w = next((w for w in self.ready if not w.units), None)
             if w is None:  # all busy: only to one that asked in advance for this kind of work
-                key = self.pending[0].chunk.job.key
+                key = self.pending[0].chunk.call.key
                 w = next((w for w in self.ready if not w.alone and w.credit_key in (0, key)), None)
                 if w is None:
                     break
@@ -453,20 +456,20 @@ class Dispatcher:
                                       w.undeliverable)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
-        chunk, job = unit.chunk, unit.chunk.job
+        chunk, call = unit.chunk, unit.chunk.call
         offsets = unit.offsets
         if offsets is not None:
             offsets = [o for o in offsets if not chunk.done[o]]
             if not offsets:
                 return False
-        func = job.func
+        func = call.func
         if func.id in w.known:
             func_frames = []
         else:
             func_frames = func.frames
             if func.id:
                 w.known.add(func.id)
-        header = P.TO_WORKER.pack(P.TASKS, chunk.id, func.id, job.key, len(func_frames), len(chunk.args),
+        header = P.TO_WORKER.pack(P.TASKS, chunk.id, func.id, call.key, len(func_frames), len(chunk.args),
                                   chunk.n)
         forget = array("q", w.forget).tobytes() if w.forget else b""
         w.forget = []
@@ -544,7 +547,7 @@ class Dispatcher:
                     deaths[first] = deaths.get(first, 0) + 1
                     if deaths[first] >= self.max_task_retries:
                         self._deliver_run(chunk, first, False, [WorkerLostError(
-                            f"item {chunk.base + first} of {chunk.job.name} was running on "
+                            f"item {chunk.base + first} of {chunk.call.name} was running on "
                             f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
                             f"it is not tried again (max_task_retries={self.max_task_retries})")])
                     else:
