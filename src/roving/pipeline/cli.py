@@ -160,8 +160,24 @@ def run_status(args: argparse.Namespace) -> int:
         what = ", ".join(e.get("nodes") or [])
         if e["event"] == "refine":
             what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
+        elif e["event"] == "recovery":
+            what = _recovery_line(e)
         print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
+
+
+def _recovery_line(e: dict) -> str:
+    """A "recovery" event of status.json in words: the stage, the policy's choice and its inputs."""
+    text = f"stage {e.get('stage')} by {e.get('chosen')} (stage_recovery = {e.get('policy')}"
+    if e.get("snapshot_age") is not None:
+        text += f", snapshot {e['snapshot_age']} iterations old"
+    if e.get("neighbours"):
+        norms = e.get("grad_norms") or {}
+        text += ", neighbours " + ", ".join(f"{s} (gradient norm {norms.get(s, norms.get(str(s), float('nan'))):.4g})"
+                                            for s in e["neighbours"])
+    if e.get("why"):
+        text += f"; {e['why']}"
+    return text + ")" + (f", nodes {', '.join(e['nodes'])}" if e.get("nodes") else "")
 
 
 _STATUS_KEYS = {"iterations_done": int, "iterations": int, "nodes": dict, "missing_stages": list,
