@@ -109,6 +109,22 @@ def add_train_parser(sub) -> None:
                    help="start dead nodes again at once; they rejoin when ready")
     t.add_argument("--control", help="folder watched for join requests (`roving pipeline join`); "
                                      "status.json is written there every iteration")
+    t.add_argument("--stage-recovery", choices=("snapshot", "skip", "neighbours", "auto"),
+                   help="where a stage with no live node gets its weights: its snapshot (default), skip it for "
+                        "good, CheckFree's average of its neighbours, or auto (neighbours when the snapshot is "
+                        "older than --auto-snapshot-age)")
+    t.add_argument("--recovery-lr-factor", type=float,
+                   help="learning-rate factor of a stage rebuilt from its neighbours (default 1.1)")
+    t.add_argument("--auto-snapshot-age", type=int,
+                   help="with --stage-recovery auto: the oldest snapshot, in iterations, still used (default 10)")
+    t.add_argument("--fail-rate", type=float,
+                   help="failure injection: failures of each stage (every node of it killed) per "
+                        "--fail-hour-iterations iterations (0.1: 10%% of the stages per hour), at random from "
+                        "--seed (stage 0 spared; default 0)")
+    t.add_argument("--fail-hour-iterations", type=int,
+                   help="iterations that count as an hour for --fail-rate (default 100)")
+    t.add_argument("--fail-at", help='failure injection, scripted: "10:2,30:1" kills every node of stage 2 at the '
+                                     "start of iteration 10, and of stage 1 at 30")
     t.set_defaults(handler=run_train)
     j = sub.add_parser("join", help="add nodes to a running `pipeline train` (started with --control)")
     j.add_argument("--control", required=True, help="the run's --control folder")
@@ -247,7 +263,8 @@ def run_train(args: argparse.Namespace) -> int:
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "stall_after", "refine_budget", "restart", "control")
+              "dead_after", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
+              "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

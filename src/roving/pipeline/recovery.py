@@ -31,10 +31,11 @@ takes it over:
 
 Failure injection (``[faults] fail_rate`` / ``fail_at``): ``FailureSchedule`` says which stages lose
 every replica at the start of which iteration: scripted ("10:2,30:1": at iteration 10 stage 2, at 30
-stage 1) and/or at random, ``fail_rate`` stages' worth of failures per ``fail_hour_iterations``
-iterations (a scaled hour): each stage after 0 fails at each iteration with probability
-``fail_rate / fail_hour_iterations``, drawn from the run's seed, the iteration and the stage alone
-(the same schedule on every run with that seed, whatever else happens). Random failures spare stage 0.
+stage 1) and/or at random, ``fail_rate`` failures per stage per ``fail_hour_iterations`` iterations
+(a scaled hour; 0.1: 10% of the stages fail per hour): each stage after 0 fails at each iteration with
+probability ``fail_rate / fail_hour_iterations``, drawn from the run's seed, the iteration and the
+stage alone (the same schedule on every run with that seed, whatever else happens). Random failures
+spare stage 0.
 """
 
 from __future__ import annotations

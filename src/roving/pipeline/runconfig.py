@@ -136,8 +136,9 @@ class FaultsSection:
     recovery_lr_factor: float = 1.1
     #: with stage_recovery = "auto": the oldest snapshot (in iterations) still taken over.
     auto_snapshot_age: int = 10
-    #: failure injection: stages killed whole (every replica) per ``fail_hour_iterations`` iterations
-    #: (a scaled hour), at random from the seed (stage 0 spared); 0: none.
+    #: failure injection: failures of each stage (every replica killed) per ``fail_hour_iterations``
+    #: iterations (a scaled hour; 0.1: 10% of the stages per hour), at random from the seed (stage 0
+    #: spared; ``recovery.FailureSchedule``); 0: none.
     fail_rate: float = 0.0
     fail_hour_iterations: int = 100
     #: failure injection, scripted: "10:2,30:1" kills every replica of stage 2 at the start of
@@ -269,7 +270,7 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
                 raise PlanError(f"{name} must be an integer >= {least} (iterations), got {v!r}")
         r = self.fail_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 <= r <= self.fail_hour_iterations):
-            raise PlanError(f"fail_rate must be a number of stage failures per fail_hour_iterations "
+            raise PlanError(f"fail_rate must be the failures of each stage per fail_hour_iterations "
                             f"({self.fail_hour_iterations}) iterations, from 0 to that, got {r!r}")
         if not isinstance(self.fail_at, str):
             raise PlanError(f"fail_at must be a string like \"10:2,30:1\", got {self.fail_at!r}")
