@@ -142,7 +142,9 @@ def one_run(policy: str, rate: float, seed: int, iterations: int, hour: int, pla
             if done % cfg.eval_every == 0 or done == iterations:
                 ev = t.evaluate(done)
                 curve.append({"iteration": done, "modelled_s": model.seconds, "val_loss": ev["val_loss"]})
-    return {"policy": policy, "rate": rate, "seed": seed, "curve": curve, "failures": failures,
+        events = [{k: v for k, v in e.items() if k in ("event", "iteration", "time_s", "why", "chosen", "stage",
+                                                        "seconds_lost", "nodes")} for e in t.metrics["events"]]
+    return {"policy": policy, "rate": rate, "seed": seed, "curve": curve, "failures": failures, "events": events,
             "modelled_iteration_s": per_iteration,
             "wall_s": time.perf_counter() - t0}
 
@@ -219,7 +221,7 @@ def plot(runs: list[dict], rates: list[float], out_png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=30)
+    ap.add_argument("--iterations", type=int, default=24)
     ap.add_argument("--hour", type=int, default=6, help="iterations per scaled hour")
     ap.add_argument("--rates", default="0.05,0.1,0.33")
     ap.add_argument("--seeds", default="0,1,2")

@@ -27,7 +27,9 @@ simulator's figure for the phase on them.
 The objects: ``roster.Roster`` (the stage processes, their inboxes and heartbeats, joining; it reports
 the lost and never plans), ``weights.Weights`` (snapshots, checkpoints, resuming, moving weights),
 ``protocol`` (the messages), and ``Trainer`` here: the iteration loop and its policy (re-planning,
-refining, evaluation, the control folder).
+refining, evaluation, the control folder). Longer than 600 lines: the loop and its failure policy are
+one concept, and splitting them would pass the trainer's state back and forth; recovering a lost stage
+(``recovery``) and everything that is not the loop's policy live in their own modules.
 """
 
 
@@ -53,14 +55,13 @@ from .model import Llama
 from .network import Network, slowed as slowed_network
 from .plan import Plan
 from .planner import place_joining, plan_held, replan
-from .recovery import FailureSchedule, choose, neighbour_weights, neighbours_of
+from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device
-from .stages import layer_ranges
 from .weights import Weights, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -154,10 +155,11 @@ class Trainer:
         self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
         self._norm_from: set[str] = set()
         self._resume_from: dict | None = None
-        self.stage_grad_norms: dict[int, float] = {}  # stage -> norm of its latest gradient (Stepped)
-        self.lr_factor: dict[int, float] = {}  # stage -> learning-rate factor (rebuilt from neighbours)
-        self.dropped: set[int] = set()  # stages skipped for good (stage_recovery = "skip")
-        self.weights.recover = self._recover
+        self.recovery = StageRecovery(self.c, self.p.model, self.weights, self._event, self._done)
+        # what the recovery keeps, read through the trainer (the same objects)
+        self.stage_grad_norms, self.lr_factor, self.dropped = (self.recovery.grad_norms, self.recovery.lr_factor,
+                                                               self.recovery.dropped)
+        self.weights.recover = self.recovery.rebuild
         self.failures = FailureSchedule(self.c.stages, self.c.seed, self.c.fail_rate, self.c.fail_hour_iterations,
                                         self.c.fail_at)
         if self.c.resume:
@@ -306,14 +308,9 @@ class Trainer:
         joined_nodes = [self.universe[n] for n in joined]
         new_plan = None
         lost = [s for s, r in self.replicas.items() if r and all(n in failed for n in r)]
-        if lost and self.c.stage_recovery == "skip":
-            if 0 in lost:
-                raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
-                                 "(it holds the embedding, head and loss)")
-            for stage in lost:
-                self.dropped.add(stage)
-                self._event("recovery", stage=stage, policy="skip", chosen="skip",
-                            nodes=sorted(self.replicas[stage]))
+        if lost and not self.recovery.skip_lost(lost, self.replicas):
+            raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
+                             "(it holds the embedding, head and loss)")
         if not self.missing_stages and not self.dropped:
             try:
                 new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
@@ -344,34 +341,10 @@ class Trainer:
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
 
-    def _recover(self, stage: int, nodes: list[str]) -> tuple[dict, dict | None, str] | None:
-        """The weights for ``stage``, which no live process holds, as ``stage_recovery`` says (see
-        ``recovery``); None: from the snapshot (``Weights.move``). Recorded as a "recovery" event."""
-        snap = (self.weights.snapshot or {}).get("stages", {}).get(stage)
-        done = self.metrics["iterations"][-1]["iteration"] + 1 if self.metrics["iterations"] else 0
-        age = None if snap is None else done - snap["iteration"]  # in iterations done since it
-        policy = self.c.stage_recovery
-        chosen = choose(policy, age, self.c.auto_snapshot_age)
-        info = dict(stage=stage, policy=policy, nodes=nodes, snapshot_iteration=None if snap is None else snap["iteration"],
-                    snapshot_age=age, auto_snapshot_age=self.c.auto_snapshot_age)
-        if chosen != "neighbours":  # skip never gets here: a skipped stage is given to no node
-            self._event("recovery", chosen="snapshot", **info)
-            return None
-        near = neighbours_of(stage, self.c.stages)
-        states = self.weights.held_states(near)
-        norms = {s: self.stage_grad_norms.get(s, math.nan) for s in near}
-        if not states:
-            self._event("recovery", chosen="snapshot", why="no live neighbour", neighbours=near,
-                        grad_norms=norms, **info)
-            return None
-        layers, share = neighbour_weights(layer_ranges(self.p.model, self.c.stages)[stage], states, norms)
-        params = dict(layers)
-        if stage == 0:  # the embedding, final norm and head have no neighbour: from the snapshot
-            params.update({k: v for k, v in snap["params"].items() if not k.startswith("layers.")})
-        self.lr_factor[stage] = self.c.recovery_lr_factor
-        self._event("recovery", chosen="neighbours", neighbours=sorted(states), grad_norms=norms,
-                    shares=share, lr_factor=self.c.recovery_lr_factor, **info)
-        return params, None, "neighbours " + "+".join(str(s) for s in sorted(states))
+    def _done(self) -> int:
+        """Iterations done (recorded) so far."""
+        its = self.metrics["iterations"]
+        return its[-1]["iteration"] + 1 if its else 0
 
     def kill_stage(self, stage: int, timeout: float = 30.0) -> list[str]:
         """Fault injection: kill -9 every process of ``stage``, wait until they are declared dead, and
@@ -620,14 +593,13 @@ class Trainer:
         node that dies now is not waited for (the others step all the same); the plan is remade at
         the next boundary."""
         for name in self.inboxes:
-            self._put(name, m.Step(rnd, coef, lr * self.lr_factor.get(self.holding.get(name), 1.0)))
+            self._put(name, m.Step(rnd, coef, self.recovery.lr(self.holding.get(name), lr)))
         stats: dict[str, dict] = {}
         while set(self.inboxes) - set(stats):
             try:
                 msg = self._recv(m.Stepped, rnd=rnd)
                 stats[msg.sender] = msg.stats
-                if math.isfinite(msg.grad_norm) and msg.sender in self.holding:
-                    self.stage_grad_norms[self.holding[msg.sender]] = msg.grad_norm
+                self.recovery.observe(self.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
         return stats
