@@ -6,8 +6,8 @@ Each run trains the tiny model (6 layers of width 64, 3 stages on 3 nodes: no re
 setting, so a failed node is a lost stage) on the corpus that ships with roving, on local processes. Failures come from ``[faults] fail_rate`` with
 ``fail_hour_iterations`` iterations as the scaled hour: at an iteration's start every replica of the
 stage is killed with -9 (``Trainer.kill_stage``), the killed node is started again and joins at once
-(``Trainer.join``), and takes the stage over as the policy says (under ``skip`` it becomes a second
-replica of another stage instead). The seed gives the model's initial weights, the data order and
+(``Trainer.join``), and takes the stage over as the policy says (under ``skip`` the stage is gone for
+good and the node does not come back). The seed gives the model's initial weights, the data order and
 the failures: the same for every policy at one seed, and the failures at a lower rate are a subset of
 those at a higher one (one uniform draw per stage and iteration).
 
@@ -17,7 +17,8 @@ with the paper's LLaMA-1.5B setting (``llama-1.5b-skippipe``: 24 layers of width
 0.055 s per sample per layer) on the run's network (gcp12), replica averaging included; on top:
 
 - snapshot: every 10 iterations each stage's weights and AdamW moments (12 bytes a parameter, at the
-  1.5B size) go from one replica to the coordinator's node (n00) over the network description's link,
+  1.5B size) go from one replica to the coordinator's machine (in n00's region, not n00 itself) over the
+  network description's link,
   all stages at once (the slowest link counts); a recovery brings the stage's snapshot back to each
   node that takes it over;
 - neighbours: a recovery brings each neighbour's weights (4 bytes a parameter) from one of its
@@ -55,6 +56,7 @@ POLICIES = {"no failures": dict(snapshot_every=0), "skip": dict(stage_recovery="
             "snapshot": dict(stage_recovery="snapshot", snapshot_every=10),
             "neighbours": dict(stage_recovery="neighbours", snapshot_every=0)}
 PAPER = MODEL_PRESETS["llama-1.5b-skippipe"]
+STORE = "coordinator"  # where snapshots are kept: the coordinator's machine, in n00's region
 STATE_BYTES, WEIGHT_BYTES = 12.0, 4.0  # per parameter: fp32 weights + two AdamW moments; fp32 weights
 
 
@@ -74,11 +76,13 @@ class Modelled:
                                                for n in net.nodes])
 
     def _transfer(self, src: str, dst: str, nbytes: float) -> float:
+        """Seconds for ``nbytes`` from node ``src`` to ``dst`` (STORE: the coordinator's machine, in
+        n00's region but not n00) over the run's network description (every node it started with)."""
         if src == dst:
             return 0.0
-        net = self._net()
-        names = set(net.names)
-        link = net.link(src, dst) if src in names and dst in names else net.intra
+        net = self.t.p.network
+        a, b = (n if n != STORE else "n00" for n in (src, dst))
+        link = net.intra if a == b else net.link(a, b)
         return link.latency_s + nbytes / link.bandwidth_bps
 
     def iteration(self) -> float:
@@ -89,8 +93,7 @@ class Modelled:
         return self._cache[key]
 
     def snapshot(self) -> float:
-        store = "n00"
-        cost = max((self._transfer(nodes[0], store, self.params[s] * STATE_BYTES)
+        cost = max((self._transfer(nodes[0], STORE, self.params[s] * STATE_BYTES)
                     for s, nodes in self.t.replicas.items() if nodes), default=0.0)
         self.seconds += cost
         return cost
@@ -99,7 +102,7 @@ class Modelled:
         stage, new = event["stage"], event.get("nodes") or []
         cost = self.t.c.dead_after
         if event["chosen"] == "snapshot":
-            cost += max((self._transfer("n00", n, self.params[stage] * STATE_BYTES) for n in new), default=0.0)
+            cost += max((self._transfer(STORE, n, self.params[stage] * STATE_BYTES) for n in new), default=0.0)
         elif event["chosen"] == "neighbours":
             sources = {s: sorted(self.t.replicas.get(s, [])) for s in event["neighbours"]}
             cost += max((self._transfer(src[0], n, self.params[s] * WEIGHT_BYTES)
@@ -126,7 +129,8 @@ def one_run(policy: str, rate: float, seed: int, iterations: int, hour: int, pla
                     continue
                 n_events = len(t.metrics["events"])
                 killed = t.kill_stage(stage)
-                t.join(killed)  # the recovery of a stage that no node holds happens as the node joins
+                if policy != "skip":  # the stage is taken over as the killed node joins again
+                    t.join(killed)
                 new = t.metrics["events"][n_events:]
                 rec = [e for e in new if e["event"] == "recovery"]
                 replan = [e for e in new if e["event"] == "replan"]

@@ -204,12 +204,14 @@ class StageRecovery:
         info = dict(stage=stage, policy=policy, nodes=nodes, snapshot_iteration=None if snap is None else snap["iteration"],
                     snapshot_age=age, auto_snapshot_age=self.c.auto_snapshot_age)
         if chosen != "neighbours":  # skip never gets here: a skipped stage is given to no node
+            self.lr_factor.pop(stage, None)  # the snapshot's optimizer state, the schedule's learning rate
             self._event("recovery", chosen="snapshot", **info)
             return None
         near = neighbours_of(stage, self.c.stages)
         states = self.weights.held_states(near)
         norms = {s: self.grad_norms.get(s, math.nan) for s in near}
         if not states or (stage == 0 and snap is None):
+            self.lr_factor.pop(stage, None)
             self._event("recovery", chosen="snapshot", why="no live neighbour" if not states else "no snapshot "
                         "of the embedding and head", neighbours=near, grad_norms=norms, **info)
             return None
