@@ -225,8 +225,8 @@ def plot(runs: list[dict], rates: list[float], out_png: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iterations", type=int, default=24)
-    ap.add_argument("--hour", type=int, default=6, help="iterations per scaled hour")
+    ap.add_argument("--iterations", type=int, default=32)
+    ap.add_argument("--hour", type=int, default=4, help="iterations per scaled hour")
     ap.add_argument("--rates", default="0.05,0.1,0.33")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", default="benchmarks/results")
