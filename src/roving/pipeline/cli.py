@@ -112,6 +112,22 @@ def add_train_parser(sub) -> None:
     t.add_argument("--dashboard", action="store_true",
                    help="serve the live dashboard (roving's `dashboard` option) with this run's pipeline view; "
                         "without --control a fresh temporary control folder is used")
+    t.add_argument("--stage-recovery", choices=("snapshot", "skip", "neighbours", "auto"),
+                   help="where a stage with no live node gets its weights: its snapshot (default), skip it for "
+                        "good, CheckFree's average of its neighbours, or auto (neighbours when the snapshot is "
+                        "older than --auto-snapshot-age)")
+    t.add_argument("--recovery-lr-factor", type=float,
+                   help="learning-rate factor of a stage rebuilt from its neighbours (default 1.1)")
+    t.add_argument("--auto-snapshot-age", type=int,
+                   help="with --stage-recovery auto: the oldest snapshot, in iterations, still used (default 10)")
+    t.add_argument("--fail-rate", type=float,
+                   help="failure injection: failures of each stage (every node of it killed) per "
+                        "--fail-hour-iterations iterations (0.1: 10%% of the stages per hour), at random from "
+                        "--seed (stage 0 spared; default 0)")
+    t.add_argument("--fail-hour-iterations", type=int,
+                   help="iterations that count as an hour for --fail-rate (default 100)")
+    t.add_argument("--fail-at", help='failure injection, scripted: "10:2,30:1" kills every node of stage 2 at the '
+                                     "start of iteration 10, and of stage 1 at 30")
     t.set_defaults(handler=run_train)
     d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
                                          "elsewhere (live), or of a finished run's --metrics file")
@@ -191,8 +207,24 @@ def run_status(args: argparse.Namespace) -> int:
         what = ", ".join(e.get("nodes") or [])
         if e["event"] == "refine":
             what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
+        elif e["event"] == "recovery":
+            what = _recovery_line(e)
         print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
+
+
+def _recovery_line(e: dict) -> str:
+    """A "recovery" event of status.json in words: the stage, the policy's choice and its inputs."""
+    text = f"stage {e.get('stage')} by {e.get('chosen')} (stage_recovery = {e.get('policy')}"
+    if e.get("snapshot_age") is not None:
+        text += f", snapshot {e['snapshot_age']} iterations old"
+    if e.get("neighbours"):
+        norms = e.get("grad_norms") or {}
+        text += ", neighbours " + ", ".join(f"{s} (gradient norm {norms.get(s, norms.get(str(s), float('nan'))):.4g})"
+                                            for s in e["neighbours"])
+    if e.get("why"):
+        text += f"; {e['why']}"
+    return text + ")" + (f", nodes {', '.join(e['nodes'])}" if e.get("nodes") else "")
 
 
 _STATUS_KEYS = {"iterations_done": int, "iterations": int, "nodes": dict, "missing_stages": list,
@@ -262,7 +294,8 @@ def run_train(args: argparse.Namespace) -> int:
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "stall_after", "refine_budget", "restart", "control")
+              "dead_after", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
+              "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

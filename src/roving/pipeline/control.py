@@ -72,18 +72,24 @@ class PlanWriter:
         tmp.replace(Path(self.folder) / "plan.json")
 
 
+#: what a "recovery" event (``trainer.Trainer._recover``) shows in status.json besides its kind.
+_RECOVERY = ("stage", "policy", "chosen", "why", "neighbours", "grad_norms", "shares", "snapshot_iteration",
+             "snapshot_age", "lr_factor")
+
+
 def write_status(folder: str, metrics: dict, iterations: int, alloc: dict[str, int], missing_stages: list[int],
                  starting: list[str], refining: bool) -> None:
     """``status.json`` in ``folder``: iterations done (of ``iterations``), the nodes and their stages,
     stages no node holds, nodes starting, the last iteration's loss and seconds, whether a fresh plan
-    is being searched, the five latest events (from ``metrics``)."""
+    is being searched, the five latest events (from ``metrics``; a "recovery" event with its choice and
+    inputs, ``_RECOVERY``)."""
     last = metrics["iterations"][-1] if metrics["iterations"] else {}
     status = {"iterations_done": len(metrics["iterations"]) and last["iteration"] + 1,
               "iterations": iterations, "nodes": dict(sorted(alloc.items())),
               "missing_stages": missing_stages, "starting": starting,
               "train_loss": last.get("train_loss"), "iteration_seconds": last.get("seconds"),
               "refining": refining,
-              "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") if k in e}
+              "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") + _RECOVERY if k in e}
                                 | {"nodes": e.get("nodes")} for e in metrics["events"][-5:]]}
     tmp = Path(folder) / "status.tmp"
     tmp.write_text(json.dumps(status, indent=1))

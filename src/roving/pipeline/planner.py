@@ -384,19 +384,21 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
 
 
 def place_joining(current: Plan, allocation: dict[str, int], joining: Sequence[Node],
-                  model: ModelSpec) -> dict[str, int]:
+                  model: ModelSpec, exclude: Iterable[int] = ()) -> dict[str, int]:
     """``allocation`` with each of ``joining`` given a stage, in order (each placement counts for the
     next): a stage no node of the allocation holds, the lowest such stage that the node's memory can
     hold; else the held stage with the most microbatches per replica in ``current``
     (``Plan.stage_visits``), the lowest on a tie. This is the rule for nodes that join while
-    ``plan_held`` plans around missing stages (``replan`` places joined nodes itself). Pure: the
-    given ``allocation`` is not changed."""
+    ``plan_held`` plans around missing stages (``replan`` places joined nodes itself). Stages in
+    ``exclude`` (dropped for good) are never given. Pure: the given ``allocation`` is not changed."""
     stages = current.stages
+    exclude = set(exclude)
     visits = current.stage_visits()
     alloc = dict(allocation)
     for node in joining:
         held = [s for s in range(stages) if s in alloc.values()]
-        want = [s for s in range(stages) if s not in held and node.can_hold(s, model, stages)]
+        want = [s for s in range(stages)
+                if s not in held and s not in exclude and node.can_hold(s, model, stages)]
         if not want:
             want = sorted(held, key=lambda s: -visits[s] / max(1, list(alloc.values()).count(s)))
         if not want:

@@ -237,10 +237,13 @@ class Norm(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class Stepped(RoundMessage):
-    """``sender`` stepped; its statistics since the previous step."""
+    """``sender`` stepped; its statistics since the previous step, and ``grad_norm``: the L2 norm of its
+    stage's latest gradient (averaged over the replicas, before clipping; NaN when it had none), the
+    input of CheckFree's recovery rule (``recovery``)."""
 
     sender: str
     stats: dict
+    grad_norm: float = float("nan")
 
 
 @dataclass(frozen=True, slots=True)

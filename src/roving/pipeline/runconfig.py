@@ -22,6 +22,7 @@ file.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
@@ -29,6 +30,7 @@ from typing import Any
 
 from .costs import PlanError
 from .model import LlamaConfig, preset
+from .recovery import POLICIES, parse_fail_at
 
 
 @dataclass
@@ -125,6 +127,23 @@ class FaultsSection:
     start_wait: float = 60.0
     #: attempts at one iteration (each after a failure) before giving up.
     max_retries: int = 5
+    #: where a stage that no live process holds gets its weights (``recovery``): "snapshot" (its latest
+    #: snapshot), "skip" (dropped for good: paths skip it), "neighbours" (CheckFree's gradient-norm
+    #: weighted average of the adjacent stages) or "auto" (neighbours when the snapshot is older than
+    #: ``auto_snapshot_age`` iterations, else the snapshot).
+    stage_recovery: str = "snapshot"
+    #: a stage rebuilt from its neighbours trains with its learning rate times this from then on.
+    recovery_lr_factor: float = 1.1
+    #: with stage_recovery = "auto": the oldest snapshot (in iterations) still taken over.
+    auto_snapshot_age: int = 10
+    #: failure injection: failures of each stage (every replica killed) per ``fail_hour_iterations``
+    #: iterations (a scaled hour; 0.1: 10% of the stages per hour), at random from the seed (stage 0
+    #: spared; ``recovery.FailureSchedule``); 0: none.
+    fail_rate: float = 0.0
+    fail_hour_iterations: int = 100
+    #: failure injection, scripted: "10:2,30:1" kills every replica of stage 2 at the start of
+    #: iteration 10, and of stage 1 at 30 ("": none).
+    fail_at: str = ""
 
 
 @dataclass
@@ -235,8 +254,30 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
         for name in ("snapshot_every", "checkpoint_every", "max_retries"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
+        self._check_recovery()
         if isinstance(self.corpus, str):
             self.corpus = [self.corpus]
+
+    def _check_recovery(self) -> None:
+        if self.stage_recovery not in POLICIES:
+            raise PlanError(f"stage_recovery must be one of {', '.join(POLICIES)}, got {self.stage_recovery!r}")
+        f = self.recovery_lr_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not (0 < f < math.inf):
+            raise PlanError(f"recovery_lr_factor must be a positive number (CheckFree uses 1.1-1.2), got {f!r}")
+        for name in ("auto_snapshot_age", "fail_hour_iterations"):
+            v, least = getattr(self, name), 0 if name == "auto_snapshot_age" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise PlanError(f"{name} must be an integer >= {least} (iterations), got {v!r}")
+        r = self.fail_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0 <= r <= self.fail_hour_iterations):
+            raise PlanError(f"fail_rate must be the failures of each stage per fail_hour_iterations "
+                            f"({self.fail_hour_iterations}) iterations, from 0 to that, got {r!r}")
+        if not isinstance(self.fail_at, str):
+            raise PlanError(f"fail_at must be a string like \"10:2,30:1\", got {self.fail_at!r}")
+        scripted = parse_fail_at(self.fail_at, self.stages)
+        if self.stage_recovery == "skip" and any(0 in st for st in scripted.values()):
+            raise PlanError("fail_at kills stage 0, which stage_recovery = \"skip\" cannot skip (it holds the "
+                            "embedding, head and loss): use another policy or another stage")
 
     def model_config(self) -> LlamaConfig:
         try:

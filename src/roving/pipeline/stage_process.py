@@ -18,6 +18,7 @@ exceed it waits.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import traceback
@@ -105,6 +106,7 @@ class StageProcess:
     def _hold(self, stage: int, in_flight: int) -> None:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
         self.stage_index, self.in_flight = stage, in_flight
+        self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
         self.stage = Stage(self.s.model, stage, self.s.stages, seed=self.s.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]
         fused = {"fused": True} if self.device.type == "cuda" else {}
@@ -242,7 +244,7 @@ class StageProcess:
         self.control.put(m.Exported(self.name, self.stage_index, params, _to_cpu(self.opt.state_dict())))
 
     def _on_load(self, msg: m.Load) -> None:
-        if msg.stage != self.stage_index:
+        if msg.stage != self.stage_index or msg.optimizer is None:  # None: a fresh optimizer state
             self._hold(msg.stage, msg.in_flight)
         self.in_flight = msg.in_flight
         self.stage.load_state_dict(msg.params)
@@ -372,7 +374,8 @@ class StageProcess:
             p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         del self.grads[rnd], self.sync_order[rnd]
-        self.control.put(m.Norm(rnd, self.name, self.stage_index, float(total.pow(2).sum())))
+        self.last_sq_norm = float(total.pow(2).sum())
+        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm))
 
     def _step(self, rnd: int, coef: float, lr: float) -> None:
         if coef < 1.0:
@@ -385,7 +388,8 @@ class StageProcess:
         self.opt.zero_grad(set_to_none=True)
         stats = dict(self.stats)
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
-        self.control.put(m.Stepped(rnd, self.name, stats))
+        norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
+        self.control.put(m.Stepped(rnd, self.name, stats, norm))
 
 
 def _to_cpu(obj: Any) -> Any:

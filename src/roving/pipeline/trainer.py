@@ -27,7 +27,9 @@ simulator's figure for the phase on them.
 The objects: ``roster.Roster`` (the stage processes, their inboxes and heartbeats, joining; it reports
 the lost and never plans), ``weights.Weights`` (snapshots, checkpoints, resuming, moving weights),
 ``protocol`` (the messages), and ``Trainer`` here: the iteration loop and its policy (re-planning,
-refining, evaluation, the control folder).
+refining, evaluation, the control folder). Longer than 600 lines: the loop and its failure policy are
+one concept, and splitting them would pass the trainer's state back and forth; recovering a lost stage
+(``recovery``) and everything that is not the loop's policy live in their own modules.
 """
 
 
@@ -53,6 +55,7 @@ from .model import Llama
 from .network import Network, slowed as slowed_network
 from .plan import Plan
 from .planner import place_joining, plan_held, replan
+from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
@@ -108,6 +111,11 @@ class Trainer:
     Joining: see ``roster`` (starting and admitting) and ``weights`` (the weights a joining node gets).
 
     Snapshots and checkpoints: see ``weights``.
+
+    A stage that no live process holds any more is recovered by the policy ``stage_recovery``
+    (``recovery``: snapshot, skip for good, CheckFree's neighbour average, or auto), recorded as a
+    "recovery" event with its inputs; ``fail_rate`` / ``fail_at`` kill stages whole at iteration
+    starts (``kill_stage``) to test it.
     """
 
     def __init__(self, prep: Prepared, progress: Callable[[dict], None] | None = None) -> None:
@@ -147,6 +155,13 @@ class Trainer:
         self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
         self._norm_from: set[str] = set()
         self._resume_from: dict | None = None
+        self.recovery = StageRecovery(self.c, self.p.model, self.weights, self._event, self._done)
+        # what the recovery keeps, read through the trainer (the same objects)
+        self.stage_grad_norms, self.lr_factor, self.dropped = (self.recovery.grad_norms, self.recovery.lr_factor,
+                                                               self.recovery.dropped)
+        self.weights.recover = self.recovery.rebuild
+        self.failures = FailureSchedule(self.c.stages, self.c.seed, self.c.fail_rate, self.c.fail_hour_iterations,
+                                        self.c.fail_at)
         if self.c.resume:
             self._resume_from = load_checkpoint(self.c.checkpoint, prep)
 
@@ -293,7 +308,11 @@ class Trainer:
             live_net = slowed_network(live_net, slowed)
         joined_nodes = [self.universe[n] for n in joined]
         new_plan = None
-        if not self.missing_stages:
+        lost = [s for s, r in self.replicas.items() if r and all(n in failed for n in r)]
+        if lost and not self.recovery.skip_lost(lost, self.replicas):
+            raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
+                             "(it holds the embedding, head and loss)")
+        if not self.missing_stages and not self.dropped:
             try:
                 new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
                                        slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
@@ -305,7 +324,7 @@ class Trainer:
             net = live_net.with_nodes(list(live_net.nodes) + joined_nodes) if joined_nodes else live_net
             alloc = {n: s for n, s in self.alloc.items() if n not in failed}
             try:
-                alloc = place_joining(self.plan, alloc, joined_nodes, self.spec)
+                alloc = place_joining(self.plan, alloc, joined_nodes, self.spec, exclude=self.dropped)
                 new_plan = plan_held(net, self.spec, alloc, self.c.stages, self.p.plan.skip,
                                      len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed,
                                      max_evals=self.c.replan_evals or None)
@@ -322,6 +341,32 @@ class Trainer:
                     path_evaluations=new_plan.stats.get("path_evaluations"),
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
+
+    def _done(self) -> int:
+        """Iterations done (recorded) so far."""
+        its = self.metrics["iterations"]
+        return its[-1]["iteration"] + 1 if its else 0
+
+    def kill_stage(self, stage: int, timeout: float = 30.0) -> list[str]:
+        """Fault injection: kill -9 every process of ``stage``, wait until they are declared dead, and
+        re-plan at once (an iteration boundary: the stage is recovered as ``stage_recovery`` says).
+        Returns the names killed."""
+        names = sorted(n for n in self.replicas.get(stage, []) if n in self.inboxes)
+        self._event("injected", stage=stage, nodes=names)
+        if not names:
+            return names
+        self.kill(names)
+        deadline = time.monotonic() + timeout
+        while any(n in self.inboxes for n in names):
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"killed stage {stage} ({', '.join(names)}) but not declared dead in {timeout:g} s")
+            try:
+                self.roster.check(force=True)
+            except NodesLost:
+                pass
+            time.sleep(0.05)
+        self._replan(failed=self.roster.take_lost(), why="failure")
+        return names
 
     def _start_refining(self) -> None:
         """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
@@ -417,6 +462,9 @@ class Trainer:
         """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW;
         through failures (see the class doc)."""
         self.iteration_no = it
+        for stage in self.failures.at(it):
+            if stage not in self.dropped:
+                self.kill_stage(stage)
         t_start = time.perf_counter()
         self._wall0 = time.time()
         batches = [next(self._batches) for _ in self.plan.paths]
@@ -461,6 +509,7 @@ class Trainer:
                "grad_norm": norm, "lr": lr,
                "train_seconds_total": self._train_s, "nodes": len(self.alloc),
                "missing_stages": self.missing_stages,
+               "stage_grad_norms": dict(sorted(self.stage_grad_norms.items())),
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
                "processed": {n: s["processed"] for n, s in sorted(stats.items())},
                "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
@@ -550,12 +599,13 @@ class Trainer:
         node that dies now is not waited for (the others step all the same); the plan is remade at
         the next boundary."""
         for name in self.inboxes:
-            self._put(name, m.Step(rnd, coef, lr))
+            self._put(name, m.Step(rnd, coef, self.recovery.lr(self.holding.get(name), lr)))
         stats: dict[str, dict] = {}
         while set(self.inboxes) - set(stats):
             try:
                 msg = self._recv(m.Stepped, rnd=rnd)
                 stats[msg.sender] = msg.stats
+                self.recovery.observe(self.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
         return stats
@@ -586,7 +636,9 @@ class Trainer:
         (``evaluate.half_of_the_stages``)."""
         device = torch.device(pick_device(self.c.device))
         model = self.full_model().to(device).eval()
-        val = validation_loss(model, self._val, bf16=self.c.bf16)
+        # stages skipped for good are left out of the model evaluated, as the paths leave them out
+        val = validation_loss(model, self._val, kept_layers(model, self.c.stages, self.dropped) if self.dropped
+                              else None, bf16=self.c.bf16)
         drop = half_of_the_stages(self.c.stages)
         dropped = validation_loss(model, self._val, kept_layers(model, self.c.stages, drop), bf16=self.c.bf16)
         rec = {"iteration": it, "val_loss": val, "perplexity": perplexity(val),

@@ -33,6 +33,8 @@ class Weights:
     def __init__(self, prep: Any, roster: Roster, event: Callable[..., None]) -> None:
         self.p, self.c, self.roster, self._event = prep, prep.config, roster, event
         self.snapshot: dict | None = None
+        #: the recovery policy of a stage no live process holds (``Weights.move``), or None (snapshot).
+        self.recover: Callable[[int, list[str]], tuple[dict, dict | None, str] | None] | None = None
 
     # -- asking the stage processes ---------------------------------------------------------------
     def ask(self, request: m.Message, kind: type, names: list[str]) -> dict[str, m.Message]:
@@ -80,6 +82,19 @@ class Weights:
             got = self.ask_each_stage(request, m.State)
         return {name: (msg.stage, msg.tensors) for name, msg in got.items()}
 
+    def held_states(self, stages: list[int]) -> dict[int, dict]:
+        """The current weights of ``stages`` from one live process holding each (a stage that no live
+        process holds is left out): stage -> {parameter name: tensor}."""
+        out: dict[int, dict] = {}
+        for stage in stages:
+            holders = sorted(n for n, s in self.roster.holding.items() if s == stage and n in self.roster.inboxes)
+            for name in holders:  # the next one if it dies before it answers
+                got = self.ask(m.StateRequest(), m.State, [name])
+                if name in got:
+                    out[stage] = got[name].tensors
+                    break
+        return out
+
     def full_model(self, alloc: dict[str, int]) -> Llama:
         """The whole model: one replica of each held stage; a stage no process holds from its snapshot."""
         states = self.stage_states(alloc)
@@ -121,8 +136,10 @@ class Weights:
     def move(self, moved: dict[str, int], alloc: dict[str, int],
              limit: Callable[[str, int], int]) -> dict[int, str]:
         """Load each moved process's new stage from a live process that held it (one that keeps the
-        stage in ``alloc`` first; else from the latest snapshot); ``limit(name, stage)`` is the
-        microbatches it may hold in flight. Returns where each stage's weights came from."""
+        stage in ``alloc`` first; else ``recover(stage, nodes)`` when set and it answers (weights,
+        optimizer state or None, where they came from), else the latest snapshot); ``limit(name,
+        stage)`` is the microbatches it may hold in flight. Returns where each stage's weights came
+        from."""
         if not moved:
             return {}
         states: dict[int, tuple] = {}
@@ -139,11 +156,16 @@ class Weights:
                     states[stage], sources[stage] = (got[keeper].params, got[keeper].optimizer), keeper
                     break
             else:
+                nodes = sorted(n for n, s in moved.items() if s == stage)
+                rebuilt = self.recover(stage, nodes) if self.recover is not None else None
+                if rebuilt is not None:  # the recovery policy built it (``recovery``)
+                    params, optimizer, sources[stage] = rebuilt
+                    states[stage] = (params, optimizer)
+                    continue
                 snap = self.snapshot["stages"][stage]
                 states[stage] = (snap["params"], snap["optimizer"])
                 sources[stage] = f"snapshot of iteration {snap['iteration']}"
-                self._event("takeover", stage=stage, nodes=sorted(n for n, s in moved.items() if s == stage),
-                            snapshot_iteration=snap["iteration"])
+                self._event("takeover", stage=stage, nodes=nodes, snapshot_iteration=snap["iteration"])
         self.load({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, limit)
         return sources
 
