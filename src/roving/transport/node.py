@@ -113,17 +113,6 @@ class _RemoteWaiter(Waiter):
         self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
-def _recv_message(sock: zmq.Socket) -> List[zmq.Frame]:
-    """The next message's frames without waiting (zmq.Again if none): as ``recv_multipart(copy=False)``,
-    reading each frame's "more" flag instead of asking the socket for it (a system call less per frame)."""
-    frame = sock.recv(zmq.NOBLOCK, copy=False)
-    frames = [frame]
-    while frame.more:
-        frame = sock.recv(copy=False)
-        frames.append(frame)
-    return frames
-
-
 class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
@@ -181,9 +170,7 @@ class Node(Boxes):
         # hello made with another key, a protocol error): logged, throttled, like every refusal
         # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
         # port listens, is no refusal)
-        # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten.
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                                        | zmq.EVENT_DISCONNECTED)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
@@ -204,11 +191,6 @@ class Node(Boxes):
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
-
-    def known_peers(self) -> int:
-        """How many ZeroMQ peers this node remembers as authenticated now (connected ones: a peer whose
-        connection ended, with or without a goodbye, is forgotten)."""
-        return self._door.known_peers()
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -372,7 +354,7 @@ class Node(Boxes):
         if router in ready:
             for _ in range(256):
                 try:
-                    frames = _recv_message(router)
+                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 try:
@@ -408,9 +390,7 @@ class Node(Boxes):
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
-                self._door.disconnected(int(event["value"]))
-            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
                 self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
                                       "(a stranger, or a peer with another session's key)")
@@ -460,9 +440,6 @@ class Node(Boxes):
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
-            # Ends of connections first: one that ended before this connection was made may have had
-            # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
-            self._note_failed_handshakes()
             self._door.knock(ident, frames[1:])
             return
         op = frames[1].bytes
