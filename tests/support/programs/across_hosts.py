@@ -285,12 +285,19 @@ def host_of_worker(_):
 _said = []
 
 
+def _slurm_job() -> str:
+    """This worker's job as roving (and squeue) name it: ``<array>_<task>`` for a task of a pool's job
+    array, else the job id."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
 def job_of_worker(_):
     time.sleep(0.05)
     if not _said:  # once per worker: what `roving logs JOB` shows of it
-        print(f"worker of job {os.environ.get('SLURM_JOB_ID')} on {socket.gethostname()}", flush=True)
+        print(f"worker of job {_slurm_job()} on {socket.gethostname()}", flush=True)
         _said.append(True)
-    return socket.gethostname(), os.environ.get("SLURM_JOB_ID")
+    return socket.gethostname(), _slurm_job()
 
 
 def job_of_worker_met(barrier, x):
