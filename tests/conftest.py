@@ -71,3 +71,18 @@ def log_dir(tmp_path):
     return path
 
 
+@pytest.fixture
+def specs(monkeypatch):
+    """The JobSpecs the local backend receives, recorded on their way in."""
+    from roving import backends
+
+    backend = backends.get("local")
+    got = []
+    real = backend.create_job
+
+    def create_job(spec):
+        got.append(spec)
+        return real(spec)
+
+    monkeypatch.setattr(backend, "create_job", create_job)
+    return got

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 import helpers_targets as h
 import roving
@@ -66,21 +65,6 @@ def test_auto_is_resolved_by_the_backends_detection():
         [sys.executable, "-c", "import roving; print(roving.config.load({'backend': 'auto'}).backend)"],
         env={**os.environ, "SLURM_JOB_ID": "4242"}, capture_output=True, text=True, timeout=T)
     assert in_slurm.stdout.strip() == "slurm", in_slurm.stderr
-
-
-@pytest.fixture
-def specs(monkeypatch):
-    """The JobSpecs the local backend receives, recorded on their way in."""
-    backend = backends.get("local")
-    got = []
-    real = backend.create_job
-
-    def create_job(spec):
-        got.append(spec)
-        return real(spec)
-
-    monkeypatch.setattr(backend, "create_job", create_job)
-    return got
 
 
 def test_a_child_gets_the_secret_in_the_sessions_variable_and_its_bootstrap_holds_none(specs):

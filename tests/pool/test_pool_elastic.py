@@ -58,21 +58,6 @@ def test_worker_that_fails_to_start_is_retried_with_backoff_and_reported(monkeyp
     assert time.monotonic() - start < 30
 
 
-@pytest.fixture
-def specs(monkeypatch):
-    """The JobSpecs the local backend receives, recorded on their way in."""
-    backend = backends.get("local")
-    got = []
-    real = backend.create_job
-
-    def create_job(spec):
-        got.append(spec)
-        return real(spec)
-
-    monkeypatch.setattr(backend, "create_job", create_job)
-    return got
-
-
 def _pool_specs(specs):
     return [s for s in specs if s.name.startswith("PoolWorker-")]
 
