@@ -82,7 +82,7 @@ def _host(address: str, secret: bytes) -> None:
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
     from roving import config as _config
     from roving.pool import _protocol as P
-    from roving.transport.endpoint import Channel
+    from roving.transport.channel import Channel
     from roving.transport.serialize import dumps
 
     interval = _config.current().heartbeat_interval

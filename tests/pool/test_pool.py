@@ -297,11 +297,6 @@ def test_context_manager_terminates_on_exit():
         p.apply(h.square, (1,))
 
 
-class _Frame:
-    def __init__(self, data):
-        self.bytes = data
-
-
 def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_them():
     """Deterministic: a worker dies after sending results that arrive after its work was requeued."""
     from array import array
@@ -332,7 +327,7 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
 
     def results(ident, first, values):
         runs = array("q", [cid, first, len(values), 1]).tobytes()
-        disp.on_message(ident, P.RESULTS, 0, 0, [None, _Frame(runs), *dumps(values)])
+        disp.on_message(ident, P.RESULTS, 0, 0, [None, runs, *dumps(values)])
 
     results(b"w1", 0, [0])  # item 0 arrives; then w1 dies holding items 1..5
     disp.worker_lost(w1, -9)

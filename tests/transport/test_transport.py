@@ -383,7 +383,7 @@ def test_a_stream_listener_that_does_not_take_the_stream_soon_is_left_for_zeromq
     try:
         silent.bind(("127.0.0.1", 0))
         silent.listen(8)  # the kernel completes connections; nobody ever accepts them
-        monkeypatch.setattr(_endpoint, "_STREAM_OPEN_TIMEOUT", 1.0)
+        monkeypatch.setattr(_endpoint, "STREAM_OPEN_TIMEOUT", 1.0)
         endpoint = _endpoint.Endpoint(node.address, node.secret, None, TIMEOUT)
         endpoint._streams = "127.0.0.1:%d" % silent.getsockname()[1]
         started = time.monotonic()

@@ -16,6 +16,7 @@ from helpers_core import TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import CuttingProxy
 from roving.transport import rpc as _rpc
 from roving.transport import auth, crypto
+from roving.transport import channel as _channel
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import session as _session
@@ -144,7 +145,7 @@ def test_the_node_forgets_the_connections_that_close():
         for conn in conns:
             conn.close()
         assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT), node._authenticated
-        chan = _endpoint.Channel(node.address, secret, TIMEOUT)
+        chan = _channel.Channel(node.address, secret, TIMEOUT)
         assert wait_until(lambda: len(node._authenticated) == 1, TIMEOUT)
         chan.close()
         assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT)

@@ -22,6 +22,7 @@ import roving
 from helpers_core import SUPPORT_DIR, TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import tcp_payloads
 from roving.transport import auth, crypto, zap
+from roving.transport import channel as _channel
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
 from roving.transport import stream as _stream
@@ -285,7 +286,7 @@ def test_a_large_message_of_an_authenticated_peer_still_arrives_in_pieces():
     node = _node.Node(secret)
     got = []
     node.register_handler(b"big", lambda ident, frames: got.append([bytes(f) for f in frames]))
-    chan = _endpoint.Channel(node.address, secret, TIMEOUT)
+    chan = _channel.Channel(node.address, secret, TIMEOUT)
     try:
         data = os.urandom(3 * _wire.MAX_FRAME + 7)
         chan.send([b"big", b"head", data])

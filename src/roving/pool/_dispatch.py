@@ -294,7 +294,7 @@ class Dispatcher:
     # -- worker messages (node I/O thread) -----------------------------------------------------
     def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
         if kind == P.RESULTS:
-            runs = array("q", frames[1].bytes)
+            runs = P.ints("q", frames[1])
             try:
                 values = loads(frames[2:])
             except Exception as exc:  # e.g. the result's class cannot be imported here
@@ -599,7 +599,7 @@ class Router:
             self._pools.pop(disp.pool_id, None)
 
     def _route(self, ident: bytes, frames: List[Any]) -> None:
-        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0].bytes)
+        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0])
         disp = self._pools.get(pool_id)
         if disp is not None:
             disp.on_message(ident, kind, arg, key, frames)

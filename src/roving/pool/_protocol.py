@@ -18,10 +18,15 @@ of argument frames, items in the chunk). The function frames come only the first
 that function id; it keeps the function under that id (0: do not keep). ``forget`` lists function ids the
 worker may drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP are a header alone;
 REVOKE(chunk id) asks for a unit back if it has not started (an idle worker wants it).
+
+The messages travel over a :class:`roving.transport.channel.Channel` per worker (a stream where the
+parent's node has a listener, else ZeroMQ), so their frames are any bytes-like object.
 """
 from __future__ import annotations
 
 import struct
+from array import array
+from typing import Any
 
 OP = b"pool"
 TO_PARENT = struct.Struct("<QBqq")
@@ -32,3 +37,10 @@ TASKS, ACK, STOP, REVOKE = 1, 2, 3, 4
 
 # How a job's function is called with one item.
 APPLY, MAP, STAR = 0, 1, 2
+
+
+def ints(code: str, frame: Any) -> "array[int]":
+    """The integers of a frame (any bytes-like: a ZeroMQ frame, or bytes off a stream) as an array."""
+    out = array(code)
+    out.frombytes(frame)
+    return out

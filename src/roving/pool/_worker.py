@@ -19,7 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
-from ..transport.endpoint import Channel, ConnectionLost, TransportError
+from ..transport.channel import Channel, ConnectionLost, TransportError
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
 
@@ -114,7 +114,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     secret = _session.current().secret
 
     def connect() -> Channel:
-        return Channel(address, secret, connect_timeout)
+        return Channel(address, secret, connect_timeout, stream=True)
 
     stop = threading.Event()
     beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop),
@@ -153,7 +153,10 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
             except (OSError, ConnectionError) as exc:
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
-        chan.send([P.OP, header])
+        try:
+            chan.send([P.OP, header])
+        except ConnectionLost:  # the stream ended: the next recv finds that and connects again
+            pass
         stop.wait(interval)
     chan.close(1.0)
 
@@ -214,7 +217,7 @@ class _Loop:
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:
-        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
+        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0])
         if kind == P.ACK:
             self.acked = True
             return
@@ -232,16 +235,16 @@ class _Loop:
         at = 0
         while True:
             self.asked = max(0, self.asked - 1)
-            for gone in array("q", frames[at + 1].bytes):
+            for gone in P.ints("q", frames[at + 1]):
                 self.funcs.pop(gone, None)
-            offsets = array("I", frames[at + 2].bytes)
+            offsets = P.ints("I", frames[at + 2])
             func_frames = frames[at + 3:at + 3 + nfunc]
             arg_frames = frames[at + 3 + nfunc:at + 3 + nfunc + nargs]
             self.units.append((cid, fid, func_frames, arg_frames, offsets or range(count), key))
             at += 3 + nfunc + nargs
             if at >= len(frames):
                 return
-            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at].bytes)
+            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at])
 
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)

@@ -2,8 +2,9 @@
 
 :class:`Endpoint` is the way to one node's mailboxes, local or remote alike: each thread gets its own
 authenticated connection — a stream when the node offers one (:class:`_StreamConnection`, read and
-written by the calling thread), else ZeroMQ (:class:`_ZmqConnection`). :class:`Channel` is a ZeroMQ
-connection for a protocol of one's own (the pool's). :func:`close_connections` makes sure at exit that
+written by the calling thread), else ZeroMQ (:class:`_ZmqConnection`). :class:`.channel.Channel`, a
+connection for a protocol of one's own (the pool's), is built on :func:`zmq_socket` and
+:func:`stream_listener`. :func:`close_connections` makes sure at exit that
 what was sent without an answer has arrived.
 
 Broken connections. A connection can break while both processes live on (a network drop): a stream
@@ -38,14 +39,14 @@ from .node import Node
 from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames, nbytes,
                    send_frames, split_frames)
 
-__all__ = ["Endpoint", "Channel", "ConnectionLost", "TransportError", "abandon", "close_connections",
-           "flush_sent"]
+__all__ = ["Endpoint", "ConnectionLost", "TransportError", "abandon", "close_connections", "flush_sent",
+           "stream_listener", "zmq_socket"]
 
 log = logging.getLogger(__name__)
 
 _LINGER_MS = 10_000  # how long a closing ZeroMQ connection keeps trying to deliver what it queued
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
-_STREAM_OPEN_TIMEOUT = 10.0
+STREAM_OPEN_TIMEOUT = 10.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
@@ -253,11 +254,11 @@ class _ZmqConnection(_Connection):
             send_frames(self.sock, frames)
 
     def close(self) -> None:
-        _say_bye(self.sock)
+        say_bye(self.sock)
         self.sock.close()
 
 
-def _say_bye(sock: zmq.Socket) -> None:
+def say_bye(sock: zmq.Socket) -> None:  # public for roving.transport.channel
     """Tell the node this connection ends (it forgets the connection's identity); after all sent before."""
     try:
         sock.send(auth.BYE, zmq.NOBLOCK)
@@ -301,42 +302,36 @@ class _StreamConnection(_Connection):
         self.stream.close()
 
 
-class Channel:
-    """An authenticated DEALER connection to a node, for a protocol of one's own (the pool uses it).
+def zmq_socket(address: str, secret: bytes, connect_timeout: float) -> zmq.Socket:
+    """An authenticated ZeroMQ DEALER to the node at ``address`` (what :class:`.channel.Channel` runs
+    over when there is no stream); TransportError or AuthenticationError within ``connect_timeout``."""
+    return _ZmqConnection(address, secret, connect_timeout).sock
 
-    ``send([op, *frames])`` reaches the handler the node registered for ``op``
-    (:meth:`Node.register_handler`); what that handler sends back with :meth:`Node.send_to` is what
-    :meth:`recv` returns. Messages each way arrive in the order sent. Not thread-safe: one thread, one
-    channel. Raises :class:`TransportError` or ``AuthenticationError`` when it cannot connect within
-    ``connect_timeout`` seconds.
-    """
 
-    def __init__(self, address: str, secret: bytes, connect_timeout: float = 30.0) -> None:
-        self.address = address
-        self._sock = _ZmqConnection(address, secret, connect_timeout).sock
+#: Node address -> its stream listener's address ("": none), learnt once per process (a node's listener
+#: lives as long as the node).
+_listeners: dict = {}
+_listeners_lock = threading.Lock()
 
-    def send(self, frames: Frames) -> None:
-        """Queue a message; the frames' buffers must not change until the channel is closed."""
-        send_frames(self._sock, split_frames(frames))
 
-    def recv(self, timeout: Optional[float]) -> Optional[Frames]:
-        """The next message (a list of zmq.Frame), or None when none comes within ``timeout`` s.
-
-        Raises :class:`ConnectionLost` when the node says it no longer knows this connection (ZeroMQ
-        re-made it after a network drop): messages sent since were dropped, and no answer to what was
-        sent before will come. The channel is then of no further use: open a new one.
-        """
-        if timeout is not None and not self._sock.poll(max(0.0, timeout) * 1000):
-            return None
-        frames = self._sock.recv_multipart(copy=False)
-        if auth.is_reauth(frames):
-            raise _lost(self.address)
-        return frames
-
-    def close(self, linger: float = 10.0) -> None:
-        """Close, waiting up to ``linger`` seconds for queued messages to leave."""
-        _say_bye(self._sock)
-        self._sock.close(int(linger * 1000))
+def stream_listener(address: str, secret: bytes, timeout: float) -> str:
+    """The address of the stream listener of the node at ``address`` ("" when it has none), asked over
+    ZeroMQ once per process; TransportError or AuthenticationError when the node cannot be reached."""
+    with _listeners_lock:
+        known = _listeners.get(address)
+    if known is not None:
+        return known
+    zconn = _ZmqConnection(address, secret, timeout)
+    try:
+        status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
+        found = bytes(frames[0]).decode() if status == OK and frames else ""
+    except TransportError:
+        found = ""
+    finally:
+        zconn.close()
+    with _listeners_lock:
+        _listeners[address] = found
+    return found
 
 
 class Endpoint:
@@ -405,7 +400,7 @@ class Endpoint:
                 # ZeroMQ is there to fall back on: a listener that does not take the stream soon is
                 # not waited for as long as a node that may still be starting.
                 return _StreamConnection(self.address, self._streams, self._secret,
-                                         min(timeout, _STREAM_OPEN_TIMEOUT))
+                                         min(timeout, STREAM_OPEN_TIMEOUT))
             except (OSError, ConnectionError) as exc:
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
                 self._streams = ""

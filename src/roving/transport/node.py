@@ -9,8 +9,12 @@ operations run directly on the mailboxes, without sockets: the mailboxes and the
 
 A client first asks the node over ZeroMQ where its stream listener is (STREAMS), then sends its requests
 over a stream of its own (:mod:`roving.transport.stream`), which the same I/O thread serves: same
-requests, same answers, fewer thread hand-offs. ZeroMQ stays for other protocols (the pool's, locks',
-managers') and for nodes that offer no streams.
+requests, same answers, fewer thread hand-offs. A protocol of one's own (the pool's) can run over such a
+stream too (:class:`roving.transport.endpoint.Channel` with ``stream=True``): its messages reach the
+handler registered for their operation as they would over ZeroMQ, under an identity the node gives the
+stream, and :meth:`Node.send_to` that identity writes to the stream from the sending thread itself. The
+node forgets that identity when the stream ends. ZeroMQ stays for other protocols (locks', managers')
+and for nodes that offer no streams.
 
 Guarantees:
 
@@ -63,7 +67,7 @@ from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F
 
 # The operations are the wire format's (roving.transport.wire); they are also names of this module for
 # the layers that call a node's operations (node.PUT, node.GET...), as the statuses are (node.OK...).
-from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN,  # noqa: F401
+from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN, MESSAGE,  # noqa: F401
                    NO_REPLY, PIECES, PING, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
                    REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames, send_frames)
 
@@ -173,6 +177,11 @@ class Node(Boxes):
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
+        # Streams that carry handlers' messages (MESSAGE), by the identity the node gave each; read by
+        # send_to on any thread, changed on the I/O thread only.
+        self._channels: Dict[bytes, ServedStream] = {}
+        self._channel_of: Dict[int, bytes] = {}  # stream fd -> its identity
+        self._channel_ids = itertools.count(1)
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
         self._writable: "collections.deque[ServedStream]" = collections.deque()
         self._purposes: Dict[str, Callable[[dict, _stream.Stream], bool]] = {}
@@ -204,8 +213,19 @@ class Node(Boxes):
         """Send ``frames`` to an authenticated peer; thread-safe.
 
         If the peer has gone, ``undeliverable()`` runs on the I/O thread, outside every lock, so that
-        what the message handed over (an item, a lock) can be taken back.
+        what the message handed over (an item, a lock) can be taken back. To a peer on a stream the
+        message is written by the calling thread (what the socket does not take at once, by the I/O
+        thread later), in the order of the calls.
         """
+        peer = self._channels.get(ident)
+        if peer is not None:
+            if not peer.write(MESSAGE, frames, undeliverable) and undeliverable is not None:
+                self._defer(undeliverable)
+            return
+        if ident[:1] == _CHANNEL_MARK:  # a stream that has ended: never a ZeroMQ peer's identity
+            if undeliverable is not None:
+                self._defer(undeliverable)
+            return
         self._post([ident, *frames], undeliverable)
 
     def register_notice(self, op: bytes, handler: Callable[[Frames], None]) -> None:
@@ -396,9 +416,13 @@ class Node(Boxes):
                                       "(a stranger, or a peer with another session's key)")
 
     def _drop_peer(self, peer: ServedStream) -> None:
-        """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks."""
+        """Stop serving a stream: what it had not yet written goes to its ``undeliverable`` callbacks,
+        and the identity it had as a channel is forgotten."""
         if self._peers.get(peer.fd) is peer:
             del self._peers[peer.fd]
+            ident = self._channel_of.pop(peer.fd, None)
+            if ident is not None:
+                self._channels.pop(ident, None)
             try:
                 self._poller.unregister(peer.fd)
             except KeyError:
@@ -415,6 +439,9 @@ class Node(Boxes):
         messages, ended = peer.pump()
         for kind, frames in messages:
             try:
+                if kind == MESSAGE:
+                    self._channel_message(peer, frames)
+                    continue
                 if kind != REQUEST or len(frames) < 2:
                     raise ValueError(f"unexpected stream message {kind!r}")
                 self._request(bytes(frames[0]), frames[1], frames[2:],
@@ -426,6 +453,23 @@ class Node(Boxes):
                 log.exception("roving node: dropped a stream message that could not be handled")
         if ended or peer.closed:
             self._drop_peer(peer)
+
+    def _channel_message(self, peer: ServedStream, frames: List[Any]) -> None:
+        """A handler's message over a stream: to the handler of its operation, as from ZeroMQ, under the
+        identity this stream has (given at its first message)."""
+        handler = self._handlers.get(bytes(frames[0])) if frames else None
+        if handler is None:
+            raise ValueError("a channel message for no handler of this node")
+        ident = self._channel_of.get(peer.fd)
+        if ident is None:
+            ident = _CHANNEL_MARK + next(self._channel_ids).to_bytes(8, "little")
+            self._channel_of[peer.fd] = ident
+            self._channels[ident] = peer
+        handler(ident, frames[1:])
+
+    def known_channels(self) -> int:
+        """Streams that carry handlers' messages now (those of peers that are gone are not counted)."""
+        return len(self._channels)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -525,6 +569,11 @@ class Node(Boxes):
             os.close(self._wake_r)
             os.close(self._wake_w)
 
+
+#: First byte of the identities the node gives streams that carry handlers' messages (ZeroMQ's own
+#: routing ids begin with a zero byte; a peer's chosen id is never taken for a stream's: send_to looks
+#: streams up first, and never passes an identity with this mark to ZeroMQ).
+_CHANNEL_MARK = b"\xfe"
 
 #: Set to False (before anything else is set up) to serve and send every request over ZeroMQ: other
 #: processes of the session then do too (benchmarks compare both ways).

@@ -3,7 +3,7 @@
 Shared by the synchronization primitives (:mod:`roving.synchronize`), shared ctypes
 (:mod:`roving.sharedctypes`), managers (:mod:`roving.managers`) and shared data (:mod:`roving.shared`).
 Each of these registers a handler for its own operation on a :class:`~roving.transport.node.Node`
-(:meth:`Node.register_handler`) and talks to it over :class:`~roving.transport.endpoint.Channel`\\ s.
+(:meth:`Node.register_handler`) and talks to it over :class:`~roving.transport.channel.Channel`\\ s.
 
 Wire format. Request: ``[op, header(req_id, kind), *payload]``; answer: ``[header(req_id, status),
 *frames]``. ``kind`` PING is answered by the server's I/O thread at once, whatever else it is doing: that
@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from . import node as _node
 from . import timeouts
-from .endpoint import Channel, ConnectionLost, TransportError, flush_sent
+from .channel import Channel
+from .endpoint import ConnectionLost, TransportError, flush_sent
 
 log = logging.getLogger(__name__)
 

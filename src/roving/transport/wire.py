@@ -35,8 +35,9 @@ CLAIM, UNCLAIM, GATE, INSERT, UNGATE = (bytes([c]) for c in b"CUgiu")
 STREAMS = b"W"
 #: Operations sent without waiting for an answer.
 NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
-#: Stream message kinds: a request to a node, a node's answer.
-REQUEST, ANSWER = b"Q", b"A"
+#: Stream message kinds: a request to a node, a node's answer, and a message of a protocol of one's own
+#: (``[op, *frames]`` to the node's handler for ``op``; from the node, what that handler sent back).
+REQUEST, ANSWER, MESSAGE = b"Q", b"A", b"M"
 #: A request's header: box id, request id, timeout in seconds (-1: forever).
 HEADER = struct.Struct("<QQd")
 #: An answer's header: request id, status.
