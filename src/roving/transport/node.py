@@ -46,6 +46,7 @@ import heapq
 import itertools
 import logging
 import os
+import selectors
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -177,6 +178,11 @@ class Node(Boxes):
         self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
+        # The streams are watched by a selector of their own (epoll here), which the poller watches as
+        # one descriptor: a turn costs the same with 4,000 streams open as with 4 (zmq's poller scans
+        # every descriptor it is given on every call: 0.8 ms a turn at 4,000 here).
+        self._selector = selectors.DefaultSelector()
+        self._poller.register(self._selector.fileno(), zmq.POLLIN)
         # Streams that carry handlers' messages (MESSAGE), by the identity the node gave each; read by
         # send_to on any thread, changed on the I/O thread only.
         self._channels: Dict[bytes, ServedStream] = {}
@@ -367,7 +373,7 @@ class Node(Boxes):
                 stream.close()
                 continue
             self._peers[peer.fd] = peer
-            poller.register(peer.fd, zmq.POLLIN)
+            self._selector.register(peer.fd, selectors.EVENT_READ)
         self._flush_outbox()
         if self._monitor in ready:
             self._note_failed_handshakes()
@@ -382,19 +388,21 @@ class Node(Boxes):
                 except Exception:  # a bad message must never stop the node
                     log.exception("roving node: dropped a message that could not be handled")
             self._flush_outbox()
-        for fd, events in ready.items():
-            peer = self._peers.get(fd) if type(fd) is int else None
-            if peer is not None:
-                try:
-                    self._serve_peer(peer, events)
-                except Exception:
-                    log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
-                    self._drop_peer(peer)
+        if self._selector.fileno() in ready:
+            for key, events in self._selector.select(0):
+                peer = self._peers.get(key.fd)
+                if peer is not None:
+                    try:
+                        self._serve_peer(peer, events)
+                    except Exception:
+                        log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
+                        self._drop_peer(peer)
         while self._writable:
             peer = self._writable.popleft()
             if self._peers.get(peer.fd) is peer:
                 try:
-                    poller.modify(peer.fd, zmq.POLLIN | (zmq.POLLOUT if peer.pending else 0))
+                    self._selector.modify(peer.fd, selectors.EVENT_READ
+                                          | (selectors.EVENT_WRITE if peer.pending else 0))
                 except Exception:
                     log.exception("roving node %s: a stream could not be watched; it is dropped", self.address)
                     self._drop_peer(peer)
@@ -424,17 +432,19 @@ class Node(Boxes):
             if ident is not None:
                 self._channels.pop(ident, None)
             try:
-                self._poller.unregister(peer.fd)
-            except KeyError:
+                self._selector.unregister(peer.fd)
+            except (KeyError, ValueError):
                 pass
         self._undeliverable.extend(peer.drop())
 
     def _serve_peer(self, peer: ServedStream, events: int) -> None:
-        if events & zmq.POLLOUT:
+        """Serve one stream the selector found ready (``events``: selectors.EVENT_READ/EVENT_WRITE; an
+        error or hang-up is both)."""
+        if events & selectors.EVENT_WRITE:
             peer.flush()
             if not peer.pending:
-                self._poller.modify(peer.fd, zmq.POLLIN)
-        if not events & (zmq.POLLIN | zmq.POLLERR):
+                self._selector.modify(peer.fd, selectors.EVENT_READ)
+        if not events & selectors.EVENT_READ:
             return
         messages, ended = peer.pump()
         for kind, frames in messages:
@@ -564,6 +574,7 @@ class Node(Boxes):
             for peer in list(self._peers.values()):
                 peer.drop()
             self._peers.clear()
+            self._selector.close()
             self._monitor.close(0)
             self._router.close(0)
             os.close(self._wake_r)
