@@ -61,7 +61,7 @@ def sleep_task(seconds: float) -> float:
 # client host (a subprocess): many lightweight workers in one poll loop
 # --------------------------------------------------------------------------------------------------
 class _Client:
-    __slots__ = ("wid", "chan", "beat", "units", "asked", "depth", "key", "running", "leaving", "acked")
+    __slots__ = ("wid", "chan", "beat", "units", "asked", "depth", "key", "running", "leaving", "acked", "quiet")
 
     def __init__(self, wid: int) -> None:
         self.wid = wid
@@ -74,9 +74,10 @@ class _Client:
         self.running: Optional[Any] = None
         self.leaving = False
         self.acked = False
+        self.quiet = 0.0  # since when nothing arrived on its work channel (or its last word on it)
 
 
-def _host(address: str, secret: bytes) -> None:
+def _host(address: str, secret: bytes, one_connection: bool) -> None:
     import zmq
 
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
@@ -142,11 +143,13 @@ def _host(address: str, secret: bytes) -> None:
         start_next(c, now)
 
     def take(c: _Client, frames: List[Any], now: float) -> None:
+        c.quiet = now
         kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
         if kind == P.ACK:
             c.acked = True
             c.chan.close(1.0)
-            c.beat.close(0)
+            if c.beat is not c.chan:
+                c.beat.close(0)
             poller.unregister(c.chan._sock)
             by_sock.pop(c.chan._sock, None)
             clients.pop(c.wid, None)
@@ -194,7 +197,8 @@ def _host(address: str, secret: bytes) -> None:
                         for wid in wids:
                             c = _Client(wid)
                             c.chan = Channel(address, secret, 60.0)
-                            c.beat = Channel(address, secret, 60.0)
+                            c.beat = c.chan if one_connection else Channel(address, secret, 60.0)
+                            c.quiet = time.monotonic()
                             clients[wid] = c
                             by_sock[c.chan._sock] = c
                             poller.register(c.chan._sock, zmq.POLLIN)
@@ -211,7 +215,8 @@ def _host(address: str, secret: bytes) -> None:
                                 poller.unregister(c.chan._sock)
                                 by_sock.pop(c.chan._sock, None)
                                 c.chan._sock.close(0)  # no goodbye: as a killed process
-                                c.beat._sock.close(0)
+                                if c.beat is not c.chan:
+                                    c.beat._sock.close(0)
                 continue
             c = by_sock.get(sock)
             if c is None:
@@ -230,6 +235,11 @@ def _host(address: str, secret: bytes) -> None:
                 continue
             if kind == 0:
                 c.beat.send([P.OP, P.TO_PARENT.pack(pool_id, P.HEARTBEAT, c.wid, 0)])
+                if (c.beat is not c.chan and c.running is None and not c.units
+                        and now - c.quiet >= interval):
+                    # as _worker._Loop: an idle worker also says a word on its work channel a second
+                    c.chan.send([P.OP, P.TO_PARENT.pack(pool_id, P.HEARTBEAT, c.wid, 0)])
+                    c.quiet = now
                 seq += 1
                 heapq.heappush(timers, (now + interval, seq, 0, c))
             else:
@@ -256,10 +266,11 @@ def _proc_cpu(pid: int) -> float:
 
 
 class _Hosts:
-    def __init__(self, n: int, address: str, secret: bytes) -> None:
+    def __init__(self, n: int, address: str, secret: bytes, one_connection: bool = False) -> None:
         env = dict(os.environ)
         self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", address,
-                                        secret.hex()], stdin=subprocess.PIPE, env=env)
+                                        secret.hex()] + (["one"] if one_connection else []),
+                                       stdin=subprocess.PIPE, env=env)
                       for _ in range(n)]
         self.next = 0
 
@@ -295,6 +306,7 @@ class _ClientProc:
     def __init__(self, target: Any = None, name: str = "", args: tuple = (), daemon: bool = True,
                  resources: Any = None) -> None:
         self.pool_id, self.wid = args[1], args[2]
+        self.name = name
         self.alive = False
         self.exitcode: Optional[int] = None
         self.host = 0
@@ -335,8 +347,24 @@ def _start_clients(procs: List[_ClientProc]) -> List[Optional[Exception]]:
     return [None] * len(procs)
 
 
+def _malloc_in_use() -> int:
+    """Bytes the C allocator has handed out and not had back (glibc mallinfo2: arena + mmapped)."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                          "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                          "keepcost")]
+
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Info
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
 def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, seconds: float,
-            idle_s: float, max_tasks: int) -> List[Dict[str, Any]]:
+            idle_s: float, max_tasks: int, trace: bool = False,
+            one_connection: bool = False) -> List[Dict[str, Any]]:
     import roving
     from roving.pool import _upkeep
     from roving.transport import session as _session
@@ -347,13 +375,33 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
         secret = _session.current().secret
         _upkeep.Process = _ClientProc  # type: ignore[attr-defined]
         _upkeep.start_many = _start_clients  # type: ignore[attr-defined]
+    # the upkeep thread's own CPU (thread_time inside each round): the idle CPU less this is what the
+    # heartbeats (and ZeroMQ's keepalives) cost
+    upkeep_cpu = [0.0]
+    once = _upkeep.Upkeep.once
+
+    def timed_once(self: Any) -> bool:
+        t = time.thread_time()
+        try:
+            return once(self)
+        finally:
+            upkeep_cpu[0] += time.thread_time() - t
+
+    _upkeep.Upkeep.once = timed_once  # type: ignore[method-assign]
+    if trace:
+        import tracemalloc
+
+        tracemalloc.start()
     rss0 = _rss()
     pool = roving.Pool(workers) if not clients else None
     if clients:
-        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret)
+        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret, one_connection)
         time.sleep(1.0)
         rss0 = _rss()
         pool = roving.Pool(workers)
+    malloc0 = _malloc_in_use()
+    snap0 = tracemalloc.take_snapshot() if trace else None
+    traced0 = tracemalloc.get_traced_memory()[0] if trace else 0
     disp = pool._disp
     deadline = time.monotonic() + 600
     while sum(1 for w in disp.workers_now() if w.ident is not None) < workers:
@@ -364,9 +412,40 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
     print(f"# {workers} workers connected", file=sys.stderr, flush=True)
     time.sleep(2.0)
     rss1 = _rss()
-    c0, t0 = _cpu(), time.monotonic()
+    malloc1 = _malloc_in_use()
+    memory = {"workers": workers, "rss_kb_per_worker": round((rss1 - rss0) / workers / 1024, 1),
+              "malloc_kb_per_worker": round((malloc1 - malloc0) / workers / 1024, 1)}
+    if os.environ.get("POOL_CAPACITY_TRIM"):  # diagnosis: how much of the RSS is memory malloc holds free
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+        memory["rss_kb_per_worker_after_malloc_trim"] = round((_rss() - rss0) / workers / 1024, 1)
+    if trace:
+        snap1 = tracemalloc.take_snapshot()
+        traced1 = tracemalloc.get_traced_memory()[0]
+        memory["traced_kb_per_worker"] = round((traced1 - traced0) / workers / 1024, 1)
+        memory["tracemalloc_overhead_kb"] = round(tracemalloc.get_tracemalloc_memory() / 1024)
+        tracemalloc.stop()
+        print(json.dumps(memory), flush=True)
+        for group in ("filename", "lineno"):
+            print(f"# Python memory per connected worker by {group} (bytes, count per worker):")
+            for stat in snap1.compare_to(snap0, group)[:15]:
+                frame = stat.traceback[0]
+                where = frame.filename if group == "filename" else f"{frame.filename}:{frame.lineno}"
+                print(f"#   {stat.size_diff / workers:9.0f}  {stat.count_diff / workers:6.2f}  {where}")
+        del snap0, snap1
+    else:
+        print(json.dumps(memory), flush=True)
+    c0, t0, u0 = _cpu(), time.monotonic(), upkeep_cpu[0]
     time.sleep(idle_s)
-    idle_per_s = (_cpu() - c0) / (time.monotonic() - t0)
+    idle_wall = time.monotonic() - t0
+    idle_per_s = (_cpu() - c0) / idle_wall
+    idle_upkeep_per_s = (upkeep_cpu[0] - u0) / idle_wall
+    print(json.dumps({"workers": workers, "idle_parent_cpu_share": round(idle_per_s, 4),
+                      "idle_upkeep_cpu_share": round(idle_upkeep_per_s, 4),
+                      "idle_rest_cpu_share": round(idle_per_s - idle_upkeep_per_s, 4),
+                      "idle_us_per_worker_s": round(idle_per_s / workers * 1e6, 1),
+                      "idle_upkeep_us_per_worker_s": round(idle_upkeep_per_s / workers * 1e6, 1)}), flush=True)
     rows = []
     for ms in task_ms:
         task_s = ms / 1000
@@ -388,10 +467,17 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
             "parent_cpu_us_per_task_less_idle": round((cpu - idle_per_s * wall) / n * 1e6, 1),
             "parent_cpu_share": round(cpu / wall, 2), "idle_parent_cpu_share": round(idle_per_s, 3),
             "clients_cpu_share": round((h1 - h0) / wall, 2),
-            "rss_kb_per_worker": round((rss1 - rss0) / workers / 1024, 1),
+            "rss_kb_per_worker": memory["rss_kb_per_worker"],
+            "idle_upkeep_cpu_share": round(idle_upkeep_per_s, 4),
         })
         print(json.dumps(rows[-1]), flush=True)
+    if rows:  # after the maps every connection has carried traffic: its ZeroMQ queues have grown
+        after = round((_rss() - rss0) / workers / 1024, 1)
+        for row in rows:
+            row["rss_kb_per_worker_after_maps"] = after
+        print(json.dumps({"workers": workers, "rss_kb_per_worker_after_maps": after}), flush=True)
     pool.terminate()
+    pool.join()  # the upkeep's last kills reach the client hosts before they are closed
     if hosts is not None:
         hosts.close()
     return rows
@@ -399,7 +485,7 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--host":
-        _host(sys.argv[2], bytes.fromhex(sys.argv[3]))
+        _host(sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4:] == ["one"])
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[1000, 2000, 4000])
@@ -409,13 +495,20 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0, help="ideal wall time of each measured map")
     ap.add_argument("--idle", type=float, default=3.0, help="seconds of the idle baseline")
     ap.add_argument("--max-tasks", type=int, default=200_000, help="at most this many tasks per map")
+    ap.add_argument("--idle-only", action="store_true", help="memory and idle CPU only, no maps")
+    ap.add_argument("--trace-memory", action="store_true",
+                    help="tracemalloc: the parent's Python memory per worker by file and line (slows start-up)")
+    ap.add_argument("--one-connection", action="store_true",
+                    help="clients send their heartbeats on the work connection and open no heartbeat "
+                         "connection (not what a real worker does: to measure what the second costs)")
     args = ap.parse_args()
     if args.clients:
         import zmq
 
         zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
     for w in args.workers:
-        run_one(w, args.task_ms, args.clients, args.hosts, args.seconds, args.idle, args.max_tasks)
+        run_one(w, [] if args.idle_only else args.task_ms, args.clients, args.hosts, args.seconds, args.idle,
+                args.max_tasks, args.trace_memory, args.one_connection)
 
 
 if __name__ == "__main__":
