@@ -259,6 +259,26 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _threads_cpu() -> Dict[str, float]:
+    """CPU seconds of each thread of this process, by name (Python's names, else the kernel's: ZeroMQ's
+    I/O thread is ZMQbg/IO/0)."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: Dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
 def _proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
@@ -307,6 +327,9 @@ class _ClientProc:
                  resources: Any = None) -> None:
         self.pool_id, self.wid = args[1], args[2]
         self.name = name
+        # readable once the worker is dropped, as a job's sentinel once the job ends: the upkeep learns of
+        # the end through it (an eventfd: one descriptor)
+        self.sentinel = os.eventfd(0, os.EFD_CLOEXEC)
         self.alive = False
         self.exitcode: Optional[int] = None
         self.host = 0
@@ -321,11 +344,14 @@ class _ClientProc:
         if self.alive:
             self.alive, self.exitcode = False, -9
             self.hosts.tell(self.host, f"kill {self.wid}")
+            os.eventfd_write(self.sentinel, 1)
 
     terminate = kill
 
     def _release(self) -> None:
-        pass
+        if self.sentinel is not None:
+            os.close(self.sentinel)
+            self.sentinel = None
 
     def _wait(self, timeout: float) -> None:
         pass
@@ -436,16 +462,20 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
         del snap0, snap1
     else:
         print(json.dumps(memory), flush=True)
-    c0, t0, u0 = _cpu(), time.monotonic(), upkeep_cpu[0]
+    c0, t0, u0, th0 = _cpu(), time.monotonic(), upkeep_cpu[0], _threads_cpu()
     time.sleep(idle_s)
     idle_wall = time.monotonic() - t0
+    th1 = _threads_cpu()
+    by_thread = {name: round((th1[name] - th0.get(name, 0.0)) / idle_wall, 4) for name in th1
+                 if th1[name] - th0.get(name, 0.0) > 0}
     idle_per_s = (_cpu() - c0) / idle_wall
     idle_upkeep_per_s = (upkeep_cpu[0] - u0) / idle_wall
     print(json.dumps({"workers": workers, "idle_parent_cpu_share": round(idle_per_s, 4),
                       "idle_upkeep_cpu_share": round(idle_upkeep_per_s, 4),
                       "idle_rest_cpu_share": round(idle_per_s - idle_upkeep_per_s, 4),
                       "idle_us_per_worker_s": round(idle_per_s / workers * 1e6, 1),
-                      "idle_upkeep_us_per_worker_s": round(idle_upkeep_per_s / workers * 1e6, 1)}), flush=True)
+                      "idle_upkeep_us_per_worker_s": round(idle_upkeep_per_s / workers * 1e6, 1),
+                      "idle_cpu_share_by_thread": by_thread}), flush=True)
     rows = []
     for ms in task_ms:
         task_s = ms / 1000
