@@ -279,6 +279,34 @@ def _threads_cpu() -> Dict[str, float]:
     return out
 
 
+def _wakeups(thread_name: str) -> int:
+    """Voluntary context switches of this process's thread ``thread_name`` (Python's name): how often
+    it went to sleep waiting (for the node's I/O thread: once per poll that found nothing yet)."""
+    import threading
+
+    tid = next((t.native_id for t in threading.enumerate() if t.name == thread_name), None)
+    if tid is None:
+        return 0
+    with open(f"/proc/self/task/{tid}/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _count_messages(disp: Any) -> Dict[int, int]:
+    """Count the pool messages the dispatcher receives, by kind (the instance's on_message wrapped)."""
+    counts: Dict[int, int] = {}
+    handle = disp.on_message
+
+    def counted(ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
+        counts[kind] = counts.get(kind, 0) + 1
+        handle(ident, kind, arg, key, frames)
+
+    disp.on_message = counted
+    return counts
+
+
 def _proc_cpu(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rpartition(")")[2].split()
@@ -462,9 +490,16 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
         del snap0, snap1
     else:
         print(json.dumps(memory), flush=True)
+    from roving.pool import _protocol as P
+
+    names = {getattr(P, k): k for k in ("HELLO", "READY", "RESULTS", "HEARTBEAT", "BYE", "RETURNED")}
+    counts = _count_messages(disp)
+    m0, wk0 = dict(counts), _wakeups("roving-node")
     c0, t0, u0, th0 = _cpu(), time.monotonic(), upkeep_cpu[0], _threads_cpu()
     time.sleep(idle_s)
     idle_wall = time.monotonic() - t0
+    idle_msgs = sum(counts.values()) - sum(m0.values())
+    idle_wakeups = _wakeups("roving-node") - wk0
     th1 = _threads_cpu()
     by_thread = {name: round((th1[name] - th0.get(name, 0.0)) / idle_wall, 4) for name in th1
                  if th1[name] - th0.get(name, 0.0) > 0}
@@ -475,7 +510,9 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
                       "idle_rest_cpu_share": round(idle_per_s - idle_upkeep_per_s, 4),
                       "idle_us_per_worker_s": round(idle_per_s / workers * 1e6, 1),
                       "idle_upkeep_us_per_worker_s": round(idle_upkeep_per_s / workers * 1e6, 1),
-                      "idle_cpu_share_by_thread": by_thread}), flush=True)
+                      "idle_cpu_share_by_thread": by_thread,
+                      "idle_messages_per_worker_s": round(idle_msgs / idle_wall / workers, 2),
+                      "idle_node_wakeups_per_message": round(idle_wakeups / max(1, idle_msgs), 2)}), flush=True)
     rows = []
     for ms in task_ms:
         task_s = ms / 1000
@@ -484,10 +521,14 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
         n = max(workers, min(max_tasks, int(seconds * workers / task_s)))
         pool.map(sleep_task, [task_s] * workers, chunksize=1)  # warm: every worker holds the function
         h0 = hosts.cpu() if hosts else 0.0
-        c0, t0 = _cpu(), time.monotonic()
+        m0, wk0 = dict(counts), _wakeups("roving-node")
+        c0, t0, th0 = _cpu(), time.monotonic(), _threads_cpu()
         out = pool.map(sleep_task, [task_s] * n, chunksize=1)
         wall = time.monotonic() - t0
         cpu = _cpu() - c0
+        th1 = _threads_cpu()
+        wakeups = _wakeups("roving-node") - wk0
+        msgs = {names.get(k, str(k)): v - m0.get(k, 0) for k, v in counts.items() if v - m0.get(k, 0)}
         h1 = hosts.cpu() if hosts else 0.0
         assert len(out) == n and out[0] == task_s
         rows.append({
@@ -499,13 +540,25 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
             "clients_cpu_share": round((h1 - h0) / wall, 2),
             "rss_kb_per_worker": memory["rss_kb_per_worker"],
             "idle_upkeep_cpu_share": round(idle_upkeep_per_s, 4),
+            "messages_per_task": {k: round(v / n, 3) for k, v in msgs.items()},
+            "node_wakeups_per_message": round(wakeups / max(1, sum(msgs.values())), 3),
+            "us_per_task_by_thread": {name: round((th1[name] - th0.get(name, 0.0)) / n * 1e6, 1) for name in th1
+                                      if th1[name] - th0.get(name, 0.0) > 0},
         })
         print(json.dumps(rows[-1]), flush=True)
     if rows:  # after the maps every connection has carried traffic: its ZeroMQ queues have grown
+        del out
         after = round((_rss() - rss0) / workers / 1024, 1)
         for row in rows:
             row["rss_kb_per_worker_after_maps"] = after
-        print(json.dumps({"workers": workers, "rss_kb_per_worker_after_maps": after}), flush=True)
+        note = {"workers": workers, "rss_kb_per_worker_after_maps": after,
+                "malloc_kb_per_worker_after_maps": round((_malloc_in_use() - malloc0) / workers / 1024, 1)}
+        if os.environ.get("POOL_CAPACITY_TRIM"):
+            import ctypes
+
+            ctypes.CDLL(None).malloc_trim(0)
+            note["rss_kb_per_worker_after_maps_and_malloc_trim"] = round((_rss() - rss0) / workers / 1024, 1)
+        print(json.dumps(note), flush=True)
     pool.terminate()
     pool.join()  # the upkeep's last kills reach the client hosts before they are closed
     if hosts is not None:
