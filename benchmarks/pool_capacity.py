@@ -35,6 +35,11 @@ share this machine's cores with the parent.
     python benchmarks/pool_capacity.py --clients --workers 1000 2000 4000 --task-ms 100 10
     python benchmarks/pool_capacity.py --clients --workers 32 --task-ms 100 10     # cross-check ...
     python benchmarks/pool_capacity.py --workers 32 --task-ms 100 10               # ... real workers
+    python benchmarks/pool_capacity.py --clients --workers 1000 --idle-only --trace-memory  # where memory goes
+
+Also printed: malloc in use (glibc mallinfo2) beside the RSS, the RSS after the maps, the idle CPU split
+into the upkeep's rounds (thread_time inside them) and the rest, CPU by thread, messages per task by kind
+and the node thread's wake-ups per message (its voluntary context switches).
 """
 from __future__ import annotations
 

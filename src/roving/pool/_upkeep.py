@@ -8,6 +8,10 @@ lock guards the rest of the pool's state: RUN, CLOSE or TERMINATE; how many work
 max); their shape; multiprocessing's list of member processes. Lock order: this one, then the
 dispatcher's (never the other way round).
 
+Liveness costs per event, not per worker and round: a round looks at a worker when its job ended (its
+sentinel fired), when its heartbeat deadline came, or, for a process without a sentinel, every round; an
+idle pool's rounds look at none (``Upkeep.checks`` counts the looks).
+
 The upkeep thread holds the pool only weakly: a running pool nobody references any more is collected,
 warned about (``Pool.__del__``) and its workers killed here, never in the thread that dropped the last
 reference (which may be the transport's own, inside the dispatcher's lock). A pool that was closed or
