@@ -102,3 +102,18 @@ def test_silent_worker_is_found_at_its_heartbeat_deadline(monkeypatch):
             except ProcessLookupError:
                 pass
         assert pool.apply(abs, (-3,)) == 3
+
+
+def test_live_counts_the_workers_not_retiring_without_a_scan():
+    with roving.Pool(WORKERS) as pool:
+        assert wait_until(lambda: _connected(pool), TIMEOUT)
+        disp = pool._disp
+        assert disp.live() == WORKERS
+        pool.resize(2)  # retires 4 at once; they leave once idle
+        assert disp.live() == 2 == sum(1 for w in disp.workers_now() if not w.retiring)
+        assert wait_until(lambda: len(disp.workers_now()) == 2, TIMEOUT)
+        assert disp.live() == 2
+        pool.resize(3)  # and one more is started, not five
+        assert wait_until(lambda: sum(1 for w in disp.workers_now() if w.ident is not None) == 3, TIMEOUT)
+        assert disp.live() == 3 == len(disp.workers_now())
+        assert pool.map(abs, range(-9, 0)) == list(range(9, 0, -1))
