@@ -66,7 +66,8 @@ def sleep_task(seconds: float) -> float:
 # client host (a subprocess): many lightweight workers in one poll loop
 # --------------------------------------------------------------------------------------------------
 class _Client:
-    __slots__ = ("wid", "chan", "beat", "units", "asked", "depth", "key", "running", "leaving", "acked", "quiet")
+    __slots__ = ("wid", "chan", "beat", "units", "asked", "depth", "key", "running", "leaving", "acked", "quiet",
+                 "streams")
 
     def __init__(self, wid: int) -> None:
         self.wid = wid
@@ -80,16 +81,22 @@ class _Client:
         self.leaving = False
         self.acked = False
         self.quiet = 0.0  # since when nothing arrived on its work channel (or its last word on it)
+        self.streams: List[Any] = []  # with --streams: as a real worker process's streams to the parent
 
 
-def _host(address: str, secret: bytes, one_connection: bool) -> None:
+def _host(address: str, secret: bytes, one_connection: bool, n_streams: int, stream_address: str,
+          jitter: float) -> None:
+    import random
+
     import zmq
 
     zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
     from roving import config as _config
     from roving.pool import _protocol as P
+    from roving.transport import stream as _stream
     from roving.transport.endpoint import Channel
     from roving.transport.serialize import dumps
+    from roving.transport.wire import HEADER, PING, REQUEST
 
     interval = _config.current().heartbeat_interval
     poller = zmq.Poller()
@@ -97,6 +104,17 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
     os.set_blocking(stdin, False)
     poller.register(stdin, zmq.POLLIN)
     by_sock: Dict[Any, _Client] = {}
+    by_fd: Dict[int, Any] = {}  # a stream's descriptor -> (client, stream)
+
+    def drop_streams(c: _Client) -> None:
+        for st in c.streams:
+            by_fd.pop(st.sock.fileno(), None)
+            try:
+                poller.unregister(st.sock.fileno())
+            except KeyError:
+                pass
+            st.close()
+        c.streams = []
     clients: Dict[int, _Client] = {}
     timers: List[Any] = []  # (when, seq, kind, client)
     seq = 0
@@ -123,7 +141,8 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
             c.key, c.depth = unit[3], 1
         c.running = unit
         seq += 1
-        heapq.heappush(timers, (now + unit[1] * unit[2], seq, 1, c))
+        took = unit[1] * unit[2] * (1.0 + jitter * random.random()) if jitter else unit[1] * unit[2]
+        heapq.heappush(timers, (now + took, seq, 1, c))
         if c.depth > 1:
             ask(c)
 
@@ -152,6 +171,7 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
         kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0].bytes)
         if kind == P.ACK:
             c.acked = True
+            drop_streams(c)
             c.chan.close(1.0)
             if c.beat is not c.chan:
                 c.beat.close(0)
@@ -204,6 +224,11 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
                             c.chan = Channel(address, secret, 60.0)
                             c.beat = c.chan if one_connection else Channel(address, secret, 60.0)
                             c.quiet = time.monotonic()
+                            for _ in range(n_streams):
+                                st = _stream.connect(stream_address, secret, {"purpose": "node"}, 60.0)
+                                c.streams.append(st)
+                                by_fd[st.sock.fileno()] = (c, st)
+                                poller.register(st.sock.fileno(), zmq.POLLIN)
                             clients[wid] = c
                             by_sock[c.chan._sock] = c
                             poller.register(c.chan._sock, zmq.POLLIN)
@@ -219,9 +244,19 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
                             if c is not None:
                                 poller.unregister(c.chan._sock)
                                 by_sock.pop(c.chan._sock, None)
+                                drop_streams(c)
                                 c.chan._sock.close(0)  # no goodbye: as a killed process
                                 if c.beat is not c.chan:
                                     c.beat._sock.close(0)
+                continue
+            if sock in by_fd:  # the answer to a stream's ping
+                _, st = by_fd[sock]
+                try:
+                    while st.readable(0):
+                        st.recv()
+                except (EOFError, OSError):
+                    by_fd.pop(sock, None)
+                    poller.unregister(sock)
                 continue
             c = by_sock.get(sock)
             if c is None:
@@ -240,6 +275,9 @@ def _host(address: str, secret: bytes, one_connection: bool) -> None:
                 continue
             if kind == 0:
                 c.beat.send([P.OP, P.TO_PARENT.pack(pool_id, P.HEARTBEAT, c.wid, 0)])
+                if c.streams:  # as _child._watch_parent: a ping of the parent a second, on its own stream
+                    seq += 1
+                    c.streams[-1].send(REQUEST, [PING, HEADER.pack(0, seq, 0)])
                 if (c.beat is not c.chan and c.running is None and not c.units
                         and now - c.quiet >= interval):
                     # as _worker._Loop: an idle worker also says a word on its work channel a second
@@ -319,10 +357,12 @@ def _proc_cpu(pid: int) -> float:
 
 
 class _Hosts:
-    def __init__(self, n: int, address: str, secret: bytes, one_connection: bool = False) -> None:
+    def __init__(self, n: int, address: str, secret: bytes, one_connection: bool = False, streams: int = 0,
+                 stream_address: str = "", jitter: float = 0.0) -> None:
         env = dict(os.environ)
         self.procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--host", address,
-                                        secret.hex()] + (["one"] if one_connection else []),
+                                        secret.hex(), "one" if one_connection else "two", str(streams),
+                                        stream_address or "-", str(jitter)],
                                        stdin=subprocess.PIPE, env=env)
                       for _ in range(n)]
         self.next = 0
@@ -423,7 +463,7 @@ def _malloc_in_use() -> int:
 
 def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, seconds: float,
             idle_s: float, max_tasks: int, trace: bool = False,
-            one_connection: bool = False) -> List[Dict[str, Any]]:
+            one_connection: bool = False, streams: int = 0, jitter: float = 0.0) -> List[Dict[str, Any]]:
     import roving
     from roving.pool import _upkeep
     from roving.transport import session as _session
@@ -454,7 +494,8 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
     rss0 = _rss()
     pool = roving.Pool(workers) if not clients else None
     if clients:
-        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret, one_connection)
+        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret, one_connection, streams,
+                                           node.streams().address if streams else "", jitter)
         time.sleep(1.0)
         rss0 = _rss()
         pool = roving.Pool(workers)
@@ -573,7 +614,8 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--host":
-        _host(sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4:] == ["one"])
+        _host(sys.argv[2], bytes.fromhex(sys.argv[3]), sys.argv[4] == "one", int(sys.argv[5]), sys.argv[6],
+              float(sys.argv[7]))
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, nargs="+", default=[1000, 2000, 4000])
@@ -589,6 +631,14 @@ def main() -> None:
     ap.add_argument("--one-connection", action="store_true",
                     help="clients send their heartbeats on the work connection and open no heartbeat "
                          "connection (not what a real worker does: to measure what the second costs)")
+    ap.add_argument("--streams", type=int, default=0,
+                    help="with --clients: each worker also holds this many roving streams to the parent's node, "
+                         "pinging it a second on the last, as a real worker process does (2: its payload "
+                         "fetch's and its parent-watch thread's)")
+    ap.add_argument("--jitter", type=float, default=0.0,
+                    help="with --clients: a unit takes its time x (1 + jitter x a random number in [0, 1)), so "
+                         "that the workers of one client host do not finish together (utilisation is then "
+                         "counted against the nominal time)")
     args = ap.parse_args()
     if args.clients:
         import zmq
@@ -596,7 +646,8 @@ def main() -> None:
         zmq.Context.instance().set(zmq.MAX_SOCKETS, 30000)
     for w in args.workers:
         run_one(w, [] if args.idle_only else args.task_ms, args.clients, args.hosts, args.seconds, args.idle,
-                args.max_tasks, args.trace_memory, args.one_connection)
+                args.max_tasks, args.trace_memory, args.one_connection, args.streams,
+                args.jitter)
 
 
 if __name__ == "__main__":
