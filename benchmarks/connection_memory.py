@@ -77,9 +77,7 @@ def _connector(kind: str, address: str, key: str, n: int, messages: int) -> None
 
 def measure(kind: str, n: int, messages: int) -> dict:
     """Open ``n`` connections of ``kind`` to this process; its memory per connection."""
-    def got_all() -> None:  # the zmq kinds read the messages (below)
-        pass
-
+    router = None  # the zmq kinds read the connections' messages
     if kind.startswith("zmq"):
         import zmq
 
@@ -102,12 +100,6 @@ def measure(kind: str, n: int, messages: int) -> dict:
         if kind == "zmq-curve-zap":
             router.zap_domain = b"bench"
         address, key = f"tcp://127.0.0.1:{router.bind_to_random_port('tcp://127.0.0.1')}", public.decode()
-
-        def got_all() -> None:  # noqa: F811
-            for _ in range(n * messages):
-                if not router.poll(60_000):
-                    raise SystemExit("the connections' messages did not all arrive within 60 s")
-                router.recv_multipart()
     else:
         from roving.transport import session as _session
 
@@ -122,7 +114,10 @@ def measure(kind: str, n: int, messages: int) -> dict:
     try:
         if other.stdout.readline() != b"open\n":
             raise SystemExit("the connecting process failed")
-        got_all()
+        for _ in range(n * messages if router is not None else 0):
+            if not router.poll(60_000):
+                raise SystemExit("the connections' messages did not all arrive within 60 s")
+            router.recv_multipart()
         time.sleep(2.0)
         return {"kind": kind, "connections": n, "messages": messages if kind.startswith("zmq") else 0,
                 "rss_kb_per_connection": round((_rss() - rss0) / n / 1024, 1),
