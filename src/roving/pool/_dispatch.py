@@ -144,6 +144,7 @@ class Dispatcher:
         # Workers with credit, in the order they asked: a dict used as an ordered set (membership and
         # removal cost the same at 4,000 workers as at 4).
         self.ready: Dict[WorkerState, None] = {}
+        self._retiring = 0  # workers in the table that are retiring (live() without a scan)
         # Workers given a second unit while they ran one: the only ones an idle worker may take a unit
         # from (_steal), so that finding none costs nothing per connected worker.
         self._deep: Dict[WorkerState, None] = {}
@@ -258,6 +259,11 @@ class Dispatcher:
         """The pool's workers now: started and not yet ended (a snapshot)."""
         with self.lock:
             return list(self.workers.values())
+
+    def live(self) -> int:
+        """How many of the pool's workers are not retiring (without looking at each)."""
+        with self.lock:
+            return len(self.workers) - self._retiring
 
     def worker(self, worker_id: int) -> Optional[WorkerState]:
         with self.lock:
@@ -489,6 +495,8 @@ class Dispatcher:
             self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.undeliverable)
 
     def _retire(self, w: WorkerState) -> None:
+        if not w.retiring and self.workers.get(w.id) is w:
+            self._retiring += 1
         w.retiring = True
         w.credit = 0
         self.ready.pop(w, None)
@@ -526,7 +534,8 @@ class Dispatcher:
         with self.lock:
             w.gone = True
             self._retire(w)
-            self.workers.pop(w.id, None)
+            if self.workers.pop(w.id, None) is not None:
+                self._retiring -= 1
             self._deep.pop(w, None)
             if w.ident is not None and self.by_ident.get(w.ident) is w:
                 del self.by_ident[w.ident]  # a worker that is gone is forgotten

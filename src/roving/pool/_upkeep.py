@@ -8,6 +8,10 @@ lock guards the rest of the pool's state: RUN, CLOSE or TERMINATE; how many work
 max); their shape; multiprocessing's list of member processes. Lock order: this one, then the
 dispatcher's (never the other way round).
 
+Liveness costs per event, not per worker and round: a round looks at a worker when its job ended (its
+sentinel fired), when its heartbeat deadline came, or, for a process without a sentinel, every round; an
+idle pool's rounds look at none (``Upkeep.checks`` counts the looks).
+
 The upkeep thread holds the pool only weakly: a running pool nobody references any more is collected,
 warned about (``Pool.__del__``) and its workers killed here, never in the thread that dropped the last
 reference (which may be the transport's own, inside the dispatcher's lock). A pool that was closed or
@@ -15,13 +19,18 @@ terminated is held (:meth:`Upkeep.keep`) until its work is done.
 """
 from __future__ import annotations
 
+import collections
+import functools
+import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
+from .. import _sentinels
 from .. import config as _config
 from .. import observe
 from .. import process as _process
@@ -77,6 +86,17 @@ class Upkeep:
         self._hold: List[Any] = []  # the pool, once closed or terminated
         self._thread: Optional[threading.Thread] = None
         self.lost = 0  # workers that ended unasked (observe.py)
+        # Liveness per event, not per round: a round looks only at the workers whose job ended (their
+        # sentinel fired: _ended_ids), whose heartbeat deadline came (_deadlines: one entry per worker,
+        # due when it would be silent for the heartbeat timeout if nothing more came), and those whose
+        # process offers no sentinel (_polled, asked each round).
+        self._ended_ids: Deque[int] = collections.deque()
+        self._sentinels: Dict[int, int] = {}  # worker id -> this upkeep's own copy of its sentinel
+        self._deadlines: List[Tuple[float, int]] = []
+        self._polled: Dict[int, WorkerState] = {}
+        #: Workers looked at one by one in rounds (a job asked whether it lives, a heartbeat deadline
+        #: checked): grows with events, not with rounds times workers.
+        self.checks = 0
 
     # -- called by the pool ----------------------------------------------------------------------
     def start(self, pool: Any) -> None:
@@ -166,8 +186,7 @@ class Upkeep:
         if self.broken is not None:
             return
         with self.lock:
-            live = sum(1 for w in self.disp.workers_now() if not w.retiring)
-            want = self.size - live
+            want = self.size - self.disp.live()
         now = time.monotonic()
         if want <= 0 or now < self._next_start:
             return
@@ -211,6 +230,7 @@ class Upkeep:
                 continue
             with self.lock:
                 self._members[w.id] = w.proc
+            self._watch(w, now)
             observe.event("worker-started", f"pool {disp.pool_id}", f"worker {w.id} started ({w.proc.name})")
         if failed is not None:  # one submission, one failure (an array refused is not 32 failures)
             lost = sum(e is not None for e in errors)
@@ -277,6 +297,61 @@ class Upkeep:
             self._idle_since.pop(w.id, None)
             if self.state == RUN:
                 self._members.pop(w.id, None)
+        self._unwatch(w.id)
+
+    # -- liveness, per event -----------------------------------------------------------------------
+    def _watch(self, w: WorkerState, now: float) -> None:
+        """Learn of ``w``'s end through its sentinel (a copy of our own, watched by roving's sentinel
+        thread), and check its heartbeats once they could be late."""
+        heapq.heappush(self._deadlines, (now + self._heartbeat_timeout, w.id))
+        try:
+            fd = os.dup(w.proc.sentinel)
+        except (AttributeError, ValueError, OSError):  # no sentinel: asked each round instead
+            self._polled[w.id] = w
+            return
+        self._sentinels[w.id] = fd
+        _sentinels.watcher().watch(fd, w.proc, functools.partial(_job_ended, weakref.ref(self), w.id))
+
+    def _unwatch(self, worker_id: int) -> None:
+        self._polled.pop(worker_id, None)
+        fd = self._sentinels.pop(worker_id, None)
+        if fd is not None:
+            _sentinels.watcher().close_fd(fd)
+
+    def job_ended(self, worker_id: int) -> None:
+        """A worker's sentinel fired (roving's sentinel thread): a round looks at it now."""
+        self._ended_ids.append(worker_id)
+        self.wake.set()
+
+    def _due(self, now: float) -> List[WorkerState]:
+        """The workers to look at in this round: each whose job ended, whose heartbeat deadline came, or
+        that has no sentinel. A worker whose deadline came but that was heard from meanwhile gets its
+        next deadline: silent for the timeout since it was last heard from, or cut off for the timeout
+        since its connection broke, whichever comes first."""
+        while self._ended_ids:
+            wid = self._ended_ids.popleft()
+            w = self.disp.worker(wid)
+            if w is not None:  # asked each round until its end is known (then _ended forgets it)
+                self._polled[wid] = w
+        due: Dict[int, WorkerState] = dict(self._polled)
+        timeout = self._heartbeat_timeout
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, wid = heapq.heappop(self._deadlines)
+            w = self.disp.worker(wid)
+            if w is None:  # ended meanwhile
+                continue
+            self.checks += 1
+            silent = w.ident is not None and now - w.seen > timeout
+            cut_off = w.unreachable and now - w.unreachable > timeout
+            if silent or cut_off:
+                due[wid] = w
+                continue
+            nxt = w.seen + timeout if w.ident is not None else now + timeout
+            if w.unreachable:
+                nxt = min(nxt, w.unreachable + timeout)
+            heapq.heappush(self._deadlines, (max(nxt, now + 0.01), wid))
+        self.checks += len(due)
+        return list(due.values())
 
     def _lost(self, w: WorkerState, why: str) -> None:
         self.lost += 1
@@ -295,8 +370,8 @@ class Upkeep:
         self._abandoned.append(w.proc)
 
     def once(self) -> bool:
-        """One round of upkeep; False once the pool is finished."""
-        workers = self.disp.workers_now()
+        """One round of upkeep; False once the pool is finished. Costs nothing per worker when no worker
+        ended, none is due a heartbeat check and nothing changed (see _due)."""
         with self.lock:
             state = self.state
         now = time.monotonic()
@@ -305,7 +380,7 @@ class Upkeep:
             for p in ended:
                 self._abandoned.remove(p)
                 _process.release(p)
-        for w in workers:
+        for w in self._due(now):
             if w.proc.is_alive():
                 silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
                 cut_off = w.unreachable and now - w.unreachable > self._heartbeat_timeout
@@ -337,11 +412,11 @@ class Upkeep:
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)
-        if self._failures and any(w.ident is not None and not w.retiring for w in workers):
+        if self._failures and any(w.ident is not None and not w.retiring for w in self.disp.workers_now()):
             self._failures = 0  # a worker connected: the next failure starts the backoff afresh
         busy = self.disp.busy()
         if (state == RUN or busy) and self.min != self.max:  # also after close(), while work is left
-            self._autoscale(workers, now)
+            self._autoscale(self.disp.workers_now(), now)
         if state == RUN or busy:
             self.start_workers()
         elif state == CLOSE:
@@ -368,6 +443,8 @@ class Upkeep:
             # nobody would deliver results any more: fail what is pending rather than hang get()
             self.disp.fail_all(f"the pool's upkeep thread failed: {exc!r}")
         finally:
+            for wid in list(self._sentinels):
+                self._unwatch(wid)
             self.disp.detach()
             self.runner.stop(5.0)
 
@@ -380,3 +457,10 @@ class Upkeep:
             except Exception:
                 pass
         self.disp.fail_all("the pool was garbage-collected before this task finished")
+
+
+def _job_ended(ref: "weakref.ref[Upkeep]", worker_id: int, proc: Any) -> None:
+    """The sentinel thread's call (holding neither the upkeep nor the process)."""
+    upkeep = ref()
+    if upkeep is not None:
+        upkeep.job_ended(worker_id)

@@ -58,6 +58,13 @@ class Channel:
         """Whether this channel is a stream (else ZeroMQ)."""
         return self._stream is not None
 
+    @property
+    def pollable(self) -> Any:
+        """What a ``zmq.Poller`` can watch for this channel's messages: its ZeroMQ socket, or its
+        stream's socket. A stream may hold whole messages read already: call ``recv(0)`` until None
+        after each wake-up."""
+        return self._stream.sock if self._stream is not None else self._sock
+
     def send(self, frames: Frames) -> None:
         """Queue (ZeroMQ) or write (a stream) a message; the frames' buffers must not change until the
         channel is closed (ZeroMQ) or ``send`` returns (a stream)."""

@@ -16,7 +16,8 @@ import struct
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 _HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
-_BUFFER = 256 * 1024
+_BUFFER = 256 * 1024  # the most a reader's buffer grows to
+_FIRST_BUFFER = 4096  # what it starts at: a stream that carries little (a heartbeat's) costs little
 _OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
 
 
@@ -78,7 +79,9 @@ class Reader:
         self.sock = sock
         self.ready: Deque[Tuple[bytes, List[Any]]] = collections.deque()
         self.ended = False
-        self._buf = bytearray(_BUFFER)
+        # Grows (doubling, up to _BUFFER) each time a read fills it: a busy stream is read in large
+        # pieces, an idle one holds 4 KiB (thousands of pool workers each keep two streams open).
+        self._buf = bytearray(_FIRST_BUFFER)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._msg: Optional[Tuple[bytes, Tuple[int, ...], List[Any]]] = None
@@ -108,13 +111,21 @@ class Reader:
                 self._start = self._end = 0
             elif self._end == len(self._buf):
                 self._compact()
+            room = len(self._buf) - self._end
             got = self.sock.recv_into(self._view[self._end:])
             self._end += got
+            if got == room and len(self._buf) < _BUFFER:
+                self._grow()
         if not got:
             self.ended = True
             return
         while self._parse():
             pass
+
+    def _grow(self) -> None:
+        self._view.release()
+        self._buf.extend(bytes(len(self._buf)))
+        self._view = memoryview(self._buf)
 
     def _compact(self) -> None:
         left = self._end - self._start
@@ -122,9 +133,7 @@ class Reader:
             self._view[:left] = self._view[self._start:self._end]
             self._start, self._end = 0, left
         if self._end == len(self._buf):  # a header larger than the buffer: grow it
-            self._view.release()
-            self._buf.extend(bytes(len(self._buf)))
-            self._view = memoryview(self._buf)
+            self._grow()
 
     def _parse(self) -> bool:
         """Take what the buffer holds of the current message; True when that completed one."""
