@@ -60,10 +60,10 @@ class Channel:
 
     @property
     def pollable(self) -> Any:
-        """What a ``zmq.Poller`` can watch for this channel's messages: its ZeroMQ socket, or its
-        stream's socket. A stream may hold whole messages read already: call ``recv(0)`` until None
-        after each wake-up."""
-        return self._stream.sock if self._stream is not None else self._sock
+        """What a ``zmq.Poller`` can watch for this channel's messages (and names in what it returns):
+        its ZeroMQ socket, or its stream's file descriptor. A stream may hold whole messages read
+        already: call ``recv(0)`` until None after each wake-up."""
+        return self._stream.sock.fileno() if self._stream is not None else self._sock
 
     def send(self, frames: Frames) -> None:
         """Queue (ZeroMQ) or write (a stream) a message; the frames' buffers must not change until the
