@@ -1,0 +1,341 @@
+"""Many processes as one Slurm job step inside the allocation this program runs in: ``srun --ntasks=N``,
+each task one process, told apart by ``$SLURM_PROCID`` (the slurm backend's jobs inside an allocation).
+
+What a :class:`Step` guarantees:
+
+* One ``srun`` for the N processes: ``squeue --steps`` shows one step of N tasks named ``roving-<session>``.
+  srun runs with ``--overlap`` (the step shares the allocation's CPUs with the batch script and with
+  roving's other steps: a step's CPUs are only given back when the whole step ends, so without it a
+  replacement for one lost task could never start), ``--kill-on-bad-exit=0`` and ``--wait=0`` (a task
+  that dies or leaves does not end the others, whatever the cluster's KillOnBadExit and WaitTime say).
+* Each task runs a small sh script (:func:`task_script`): it exports its process's own variables, then
+  writes to srun's stdout a line with its host and the pid of its process before that process starts, and
+  one with the exit status after it ended. The lines carry a random token of the step (a process cannot
+  forge them). So each task has a state of its own (pending, running, exited with its code) although
+  Slurm keeps none per task, and one task can be signalled alone (its pid, on its host).
+* With ``child_output = "prefix"`` srun labels every line with its task (``--label``); each line is
+  printed with its process's name. srun's own words are logged, not printed.
+* Every call that waits has a timeout; a task whose step ended without its exit line counts as killed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import secrets
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from typing import Callable, Dict, IO, List, Optional, Sequence
+
+from .base import JobState, JobStatus
+from .output import write_prefixed
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Step", "task_script", "allocation_cpus", "fit_error", "step_chunks"]
+
+_LABEL = re.compile(rb"^\s*(\d+): ?(.*)$")
+# srun's words about a task that ended (logged, not printed: the pool's own kills end tasks)
+_TASK_END = re.compile(r"srun: error: \S+: tasks? [\d,\-]+: (?:Exited with exit code \d+|[A-Z][a-z].*)$")
+_KILL_TIMEOUT = 30
+# an argument (the script) must stay under the kernel's MAX_ARG_STRLEN (128 KiB)
+MAX_SCRIPT = 100_000
+
+
+def allocation_cpus(value: str) -> List[int]:
+    """The CPUs of each node of an allocation from ``SLURM_JOB_CPUS_PER_NODE`` (``"4(x2),2"`` -> [4, 4, 2]).
+    ValueError naming the value when it is not of that form."""
+    out: List[int] = []
+    for part in value.split(","):
+        m = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if m is None:
+            raise ValueError(f"SLURM_JOB_CPUS_PER_NODE={value!r} is not of Slurm's form (like '4(x2),2')")
+        out += [int(m.group(1))] * int(m.group(2) or 1)
+    return out
+
+
+def fit_error(job_id: str, nodes: List[int], cpus_per_task: int, asked: int, in_use: int) -> Optional[str]:
+    """Why ``asked`` more tasks of ``cpus_per_task`` CPUs each do not fit allocation ``job_id`` (its
+    ``nodes``' CPUs) next to ``in_use`` CPUs its running roving tasks hold, or None when they fit."""
+    total = sum(nodes)
+    slots = sum(n // cpus_per_task for n in nodes)
+    where = f"allocation {job_id} ({total} CPU(s) on {len(nodes)} node(s), SLURM_JOB_CPUS_PER_NODE)"
+    if slots == 0:
+        return (f"a process asks for {cpus_per_task} CPU(s), more than any node of {where} has (at most "
+                f"{max(nodes)}); ask for fewer CPUs per process, or for bigger nodes in sbatch/salloc")
+    free = max(0, min(slots, (total - in_use) // cpus_per_task))
+    if asked <= free:
+        return None
+    return (f"{asked} process(es) of {cpus_per_task} CPU(s) each do not fit {where}: it has room for {slots} "
+            f"such task(s), {in_use} CPU(s) are held by this program's running roving processes, so "
+            f"{free} more fit; use fewer workers, or ask sbatch/salloc for more (--ntasks, --cpus-per-task)")
+
+
+def task_script(token: str, per_task: Sequence[Dict[str, str]], umask: int,
+                log_files: Optional[Sequence[str]], mode: str) -> str:
+    """The sh script each task of a step runs, with the process's command as its arguments ("$@"): task i
+    exports ``per_task[i]``; its output goes to srun (``mode`` "prefix"), /dev/null ("off") or appends to
+    ``log_files[i]`` ("files"). Before the process starts it writes ``<token> start <step> <host> <pid>``
+    to srun's stdout, after it ended ``<token> end <status>`` (sh's: 128+N for signal N)."""
+    lines = ["umask 0077", "exec 3>&1", 'case "$SLURM_PROCID" in']
+    for i, extra in enumerate(per_task):
+        body = [f"export {k}={shlex.quote(v)}" for k, v in sorted(extra.items())]
+        if mode == "files" and log_files is not None:
+            body.append(f"exec >>{shlex.quote(log_files[i])} 2>&1")
+        lines.append(f"{i}) " + "; ".join(body or [":"]) + " ;;")
+    lines.append('*) echo "roving: no task $SLURM_PROCID in this step" >&2; exit 70 ;;')
+    lines.append("esac")
+    if mode == "off":
+        lines.append("exec >/dev/null 2>&1")
+    lines.append(f"umask {umask:04o}")
+    # the inner sh says its own pid, which exec gives to the process: the line is out before the
+    # process writes anything
+    lines.append(f"sh -c 'echo \"{token} start $SLURM_JOB_ID.$SLURM_STEP_ID $(uname -n) $$\" >&3; "
+                 "exec 3>&-; exec \"$@\"' sh \"$@\" &")
+    lines.append("wait $! 2>/dev/null; rc=$?")  # without sh's own "Killed" line
+    lines.append(f'echo "{token} end $rc" >&3')
+    lines.append("exit $rc")
+    return "\n".join(lines) + "\n"
+
+
+def step_chunks(n: int, script_size: Callable[[int, int], int]) -> List[range]:
+    """``range(n)`` cut into runs whose script (``script_size(start, stop)`` characters) stays under
+    :data:`MAX_SCRIPT`, halving a run until it does (a run of one is kept whatever its size)."""
+    out: List[range] = []
+    start = 0
+    while start < n:
+        stop = n
+        while stop - start > 1 and script_size(start, stop) > MAX_SCRIPT:
+            stop = start + (stop - start) // 2
+        out.append(range(start, stop))
+        start = stop
+    return out
+
+
+class _Task:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.host: Optional[str] = None
+        self.pid: Optional[int] = None
+        self.code: Optional[int] = None
+        self.signalled: Optional[str] = None  # "TERM" or "KILL", when this program asked it to stop
+        self.ended = threading.Event()
+
+
+class Step:
+    """One srun job step of ``len(names)`` tasks, started at once (:meth:`start`); task i is process
+    ``names[i]``. Thread-safe."""
+
+    def __init__(self, names: Sequence[str], step_name: str) -> None:
+        self.token = "@roving-step-" + secrets.token_hex(8) + "@"
+        self.step_name = step_name
+        self.tasks = [_Task(n) for n in names]
+        self.step_id = ""  # <job>.<step>, once a task said it
+        self.proc: Optional[subprocess.Popen] = None
+        self.words: List[str] = []  # srun's own last lines
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._readers = 0
+        self._over = False  # srun ended and its output was read to the end
+        self._prefix = False
+
+    # -- starting --------------------------------------------------------------------------------
+    def start(self, args: List[str], env: Dict[str, str], cwd: str, prefix: bool) -> None:
+        """Run srun (``args``); OSError when it cannot be run."""
+        self._prefix = prefix
+        self.proc = subprocess.Popen(args, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, close_fds=True)
+        self._readers = 2
+        for stream, to_stderr in ((self.proc.stdout, False), (self.proc.stderr, True)):
+            threading.Thread(target=self._read, args=(stream, to_stderr), daemon=True,
+                             name=f"roving-srun-{self.step_name}").start()
+
+    def wait_launched(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until a task has started or srun has ended; True when a task started."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not self._over and not any(t.pid for t in self.tasks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            return any(t.pid for t in self.tasks)
+
+    def failure(self) -> str:
+        """srun's own words (its last lines), for an error message."""
+        with self._lock:
+            return " / ".join(self.words[-4:]) or f"srun exited with code {self.proc.poll() if self.proc else '?'}"
+
+    # -- srun's output ---------------------------------------------------------------------------
+    def _read(self, stream: IO[bytes], to_stderr: bool) -> None:
+        token = self.token.encode()
+        partial = b""
+        try:
+            for chunk in iter(lambda: stream.read1(65536), b""):
+                lines = (partial + chunk).split(b"\n")
+                partial = lines.pop()
+                for line in lines:
+                    self._line(line, token, to_stderr)
+            if partial:
+                self._line(partial, token, to_stderr)
+        finally:
+            stream.close()
+            if self.proc is not None:
+                try:
+                    self.proc.wait(_KILL_TIMEOUT)
+                except subprocess.TimeoutExpired:  # its pipes closed but srun lingers: stop it
+                    self.proc.kill()
+                    self.proc.wait(_KILL_TIMEOUT)
+            with self._changed:
+                self._readers -= 1
+                if self._readers == 0:
+                    self._ended_all()
+                self._changed.notify_all()
+
+    def _line(self, line: bytes, token: bytes, to_stderr: bool) -> None:
+        m = _LABEL.match(line)
+        index = int(m.group(1)) if m is not None else -1
+        if not 0 <= index < len(self.tasks):
+            self._srun_said(line.decode(errors="replace"))
+            return
+        text = m.group(2)
+        at = text.find(token)
+        if at >= 0 and not to_stderr:
+            if at:  # the process's last line had no newline
+                self._output(index, [text[:at]], to_stderr)
+            self._marker(index, text[at + len(token):].decode(errors="replace").split())
+            return
+        self._output(index, [text], to_stderr)
+
+    def _output(self, index: int, lines: List[bytes], to_stderr: bool) -> None:
+        if self._prefix:
+            write_prefixed(f"[{self.tasks[index].name}] ", lines, to_stderr)
+
+    def _srun_said(self, text: str) -> None:
+        text = text.strip()
+        if not text:
+            return
+        with self._lock:
+            self.words.append(text)
+            del self.words[:-20]
+        if "error" in text and not _TASK_END.match(text) and "CANCELLED" not in text:
+            log.warning("roving: srun (step %s of %s): %s", self.step_id or "?", self.step_name, text)
+        else:
+            log.debug("roving: srun (step %s of %s): %s", self.step_id or "?", self.step_name, text)
+
+    def _marker(self, index: int, words: List[str]) -> None:
+        task = self.tasks[index]
+        signal_now = None
+        with self._changed:
+            if words[:1] == ["start"] and len(words) == 4:
+                self.step_id = self.step_id or words[1]
+                task.host, task.pid = words[2], int(words[3])
+                signal_now = task.signalled
+            elif words[:1] == ["end"] and len(words) == 2 and task.code is None:
+                rc = int(words[1])
+                task.code = -(rc - 128) if 128 < rc < 160 else rc
+                task.ended.set()
+            self._changed.notify_all()
+        if signal_now:  # asked to stop before it had started
+            self._deliver(task, signal_now)
+
+    def _ended_all(self) -> None:
+        """srun is gone (called with the lock held): a task that said no end was ended with the step."""
+        self._over = True
+        code = self.proc.poll() if self.proc is not None else None
+        for task in self.tasks:
+            if task.code is None:
+                if task.signalled:
+                    task.code = -9 if task.signalled == "KILL" else -15
+                elif task.pid is None:
+                    task.code = code if code else -15  # never started: srun's own failure
+                else:
+                    task.code = -9  # ended with its step (scancel of the step, a node lost)
+                task.ended.set()
+
+    # -- the state of a task ---------------------------------------------------------------------
+    def status(self, index: int) -> JobStatus:
+        task = self.tasks[index]
+        with self._lock:
+            if task.code is not None:
+                reason = "" if not self.words or task.pid is not None else self.words[-1]
+                return JobStatus(JobState.EXITED, task.code, reason)
+            if task.pid is None:
+                return JobStatus(JobState.PENDING, reason=self.words[-1] if self.words else "step starting")
+            return JobStatus(JobState.RUNNING)
+
+    def wait(self, index: int, timeout: Optional[float]) -> Optional[int]:
+        task = self.tasks[index]
+        return task.code if task.ended.wait(timeout) else None
+
+    def pid(self, index: int) -> Optional[int]:
+        """The task's process id when it runs on this machine."""
+        task = self.tasks[index]
+        return task.pid if task.host == socket.gethostname() else None
+
+    def holds(self, index: int) -> bool:
+        """Whether task ``index`` still counts against the allocation: not ended, not told to stop."""
+        task = self.tasks[index]
+        return task.code is None and task.signalled is None
+
+    # -- stopping --------------------------------------------------------------------------------
+    def signal(self, index: int, name: str) -> None:
+        """Send SIGTERM or SIGKILL (``name`` "TERM"/"KILL") to task ``index``'s process alone; a task not
+        started yet gets it when it starts, and when no task of the step is left running srun is stopped."""
+        task = self.tasks[index]
+        with self._lock:
+            if task.code is not None:
+                return
+            if task.signalled != "KILL":
+                task.signalled = name
+            started = task.pid is not None
+            nobody_left = all(t.code is not None or (t.signalled and t.pid is None) for t in self.tasks)
+        if started:
+            self._deliver(task, name)
+        elif nobody_left:
+            self.stop(name == "KILL")
+
+    def _deliver(self, task: _Task, name: str) -> None:
+        if task.host == socket.gethostname():
+            try:
+                os.kill(task.pid, getattr(signal, f"SIG{name}"))
+            except ProcessLookupError:
+                pass
+            return
+        # on another node of the allocation: a one-task step there signals it
+        job = self.step_id.split(".")[0] or os.environ.get("SLURM_JOB_ID", "")
+        args = ["srun", "--overlap", f"--jobid={job}", f"--nodelist={task.host}", "--nodes=1", "--ntasks=1",
+                "--quiet", "kill", f"-{name}", str(task.pid)]
+        try:
+            subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=_KILL_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("roving: could not signal %s (pid %s on %s) with `%s`: %s", task.name, task.pid,
+                        task.host, shlex.join(args), exc)
+
+    def stop(self, force: bool) -> None:
+        """End the whole step: ``scancel`` of it once its id is known, and srun itself."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with self._lock:
+            for task in self.tasks:
+                if task.code is None and task.signalled != "KILL":
+                    task.signalled = "KILL" if force else "TERM"
+        if self.step_id:
+            try:
+                subprocess.run(["scancel", f"--signal={'KILL' if force else 'TERM'}", self.step_id],
+                               stdin=subprocess.DEVNULL, capture_output=True, timeout=_KILL_TIMEOUT)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                log.warning("roving: `scancel %s` failed: %s", self.step_id, exc)
+        if force:
+            self.proc.kill()
+        else:
+            self.proc.terminate()
+
+    def over(self) -> bool:
+        """Whether srun has ended and every task's state is final."""
+        with self._lock:
+            return self._over
