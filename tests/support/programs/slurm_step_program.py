@@ -1,0 +1,93 @@
+"""A roving program run inside a Slurm allocation (sbatch) by tests/backends/test_slurm_step.py: its Pool on
+the slurm backend starts as srun job steps. Writes what it saw as JSON to OUTFILE.
+
+usage: slurm_step_program.py OUTFILE map|kill|resize|toobig N [RUNS_DIR]
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import helpers_pool as hp
+import roving
+from roving.pool import PoolStartError
+
+T = 120
+
+
+def step_task(x):
+    """x squared, with the step and task this worker runs as; prints a line (prefixed by its process)."""
+    print(f"item {x} on task {os.environ.get('SLURM_PROCID')}")
+    time.sleep(0.05)
+    return x * x, os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"), os.environ.get("SLURM_PROCID")
+
+
+def steps() -> list:
+    """squeue's steps of this allocation: [step id, name, tasks]."""
+    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-O", "StepId:|,StepName:|,NumTasks:|"],
+                         capture_output=True, text=True, timeout=30).stdout
+    rows = [[p.strip() for p in line.split("|")][:3] for line in out.splitlines()]
+    return [r for r in rows if len(r) == 3 and not r[0].endswith((".batch", ".extern"))]
+
+
+def live(pool) -> list:
+    return [w for w in pool._workers.values() if not w.retiring and w.ident is not None]
+
+
+def wait_for(cond, timeout=T) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def main() -> None:
+    outfile, mode, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    roving.init(backend="slurm", cpu=1, memory="100M", pool_start_failures=1 if mode == "toobig" else 5)
+    got = {"job": os.environ["SLURM_JOB_ID"]}
+    if mode == "toobig":
+        got["error"] = None
+        try:
+            with roving.Pool(n) as p:
+                p.map(hp.square, range(4), chunksize=1)
+        except PoolStartError as exc:
+            got["error"] = str(exc)
+    elif mode == "map":
+        with roving.Pool(n) as p:
+            got["connected"] = wait_for(lambda: len(live(p)) == n)
+            got["steps"] = steps()
+            got["ids"] = [proc.job.id for proc in p._pool]
+            got["results"] = p.map(step_task, range(4 * n), chunksize=1)
+    elif mode == "kill":
+        runs = sys.argv[4]
+        with roving.Pool(n) as p:
+            got["connected"] = wait_for(lambda: len(live(p)) == n)
+            got["steps_before"] = steps()
+            r = p.starmap_async(hp.slow_square_counting, [(x, 0.3, runs) for x in range(10 * n)], chunksize=1)
+            wait_for(lambda: any(w.units for w in live(p)))
+            victim = next(w for w in live(p) if w.units)
+            got["victim"] = victim.proc.job.id
+            os.kill(victim.proc.pid, signal.SIGKILL)  # the task's process, on this node
+            got["results"] = r.get(T)
+            got["replaced"] = wait_for(lambda: len(live(p)) == n)
+            got["exitcode"] = victim.proc.exitcode
+            got["steps_after"] = steps()
+            got["ids_after"] = [proc.job.id for proc in p._pool]
+    elif mode == "resize":
+        with roving.Pool(2) as p:
+            wait_for(lambda: len(live(p)) == 2)
+            p.resize(n)
+            got["connected"] = wait_for(lambda: len(live(p)) == n)
+            got["steps"] = steps()
+            got["results"] = p.map(hp.square, range(30))
+    with open(outfile + ".tmp", "w") as f:
+        json.dump(got, f)
+    os.replace(outfile + ".tmp", outfile)
+
+
+if __name__ == "__main__":
+    main()
