@@ -11,8 +11,10 @@
   the cluster's MaxArraySize; more jobs than its MaxJobCount are refused at once, naming it.
   ``slurm_array = False`` submits one job each. sbatch is retried with back-off while Slurm says it is
   busy (:mod:`roving.backends.throttle`), its words logged.
-* Inside an allocation (SLURM_JOB_ID set) a process is an ``srun --overlap`` step of that allocation
-  (a pool's workers too: one step each, started without waiting for each other).
+* Inside an allocation (SLURM_JOB_ID set) a process is a task of an ``srun`` job step of that allocation
+  (:mod:`roving.backends.slurm_step`): a pool's workers are one step of N tasks, a lone process (a
+  replacement for a lost worker) a step of one; a pool larger than the allocation's CPUs is refused,
+  naming both.
 * State comes from one ``squeue`` call for all of this process's jobs (at most every 0.2 s), exit codes
   from the job's exit status: a job killed by signal N is ``-N`` as in multiprocessing.
 * ``terminate_job`` sends SIGTERM (``scancel --signal=TERM --full``), ``force`` SIGKILL.
@@ -53,12 +55,6 @@ _REFRESH_S = 0.2
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
 _CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ CANCELLED AT .*\*\*\*\s*$")
 _COMMAND_TIMEOUT = 30
-# how long starting a step waits for srun to launch it (or to refuse, in its words); a step still
-# waiting for resources then is pending
-_STEP_LAUNCH_S = 10
-# srun's input variables (from the batch script's own request) that would override a step's layout
-_STEP_LAYOUT_ENV = ("SLURM_NTASKS_PER_", "SLURM_MEM_PER_", "SLURM_GPUS_PER_", "SLURM_CPUS_PER_GPU",
-                    "SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK")
 
 
 class SlurmError(OSError):
@@ -121,14 +117,11 @@ class SlurmBackend(Backend):
         self._names: Dict[str, str] = {}
         self._forced: Set[str] = set()
         self._cancelled: Set[str] = set()  # jobs this process cancelled or signalled itself
-        self._step_tasks: Dict[str, Tuple[slurm_step.Step, int, int]] = {}  # job id -> (step, task, CPUs)
-        self._step_logs: Dict[str, str] = {}
-        self._step_lock = threading.Lock()
         self._pending_since: Dict[str, float] = {}
         self._warned: Set[str] = set()
         self._controller_ok = False
         self._reaper = Reaper(self.name)
-        self._step_counter = 0
+        self._steps = slurm_step.Steps(self._watch_step)
         self._towards: Optional[Tuple[str, str]] = None
         self._settings: Optional[Dict[str, str]] = None
         self._task_of_raw: Dict[str, str] = {}  # an array task's own job id (slurmstepd's) -> its task id
@@ -301,104 +294,17 @@ class SlurmBackend(Backend):
             jobs.append(self._register(task_id, spec.name, out_i, err_i, mode))
         return jobs
 
-    # -- inside an allocation: job steps ---------------------------------------------------------
+    # -- inside an allocation: job steps (roving.backends.slurm_step) ----------------------------
     def _start_steps(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
-        """``specs`` as srun job steps of the allocation this process runs in: one step of many tasks per
-        group of equal specs (cut where its script would grow too long for one argument)."""
-        cfg = _config.current()
-        out: List[Union[Job, Exception]] = [SlurmError("not started")] * len(specs)
-        for group in slurm_array.groups(specs):
-            try:
-                jobs: List[Union[Job, Exception]] = list(self._start_group([specs[i] for i in group], cfg))
-            except Exception as exc:
-                jobs = [exc] * len(group)
-            for i, job in zip(group, jobs):
-                out[i] = job
-        return out
+        jobs = self._steps.start(specs, self, _umask())
+        return [SlurmError(str(j)) if isinstance(j, slurm_step.StepError) else j for j in jobs]
 
-    def _start_group(self, specs: List[JobSpec], cfg: _config.Config) -> List[Job]:
-        alloc = os.environ["SLURM_JOB_ID"]
-        cpt = max(1, math.ceil(specs[0].resources.cpu))
-        with self._step_lock:  # the check and the start together: two pools do not both take the last slots
-            nodes = self._allocation_nodes()
-            if nodes:
-                in_use = sum(c for step, i, c in self._step_tasks.values() if step.holds(i))
-                why = slurm_step.fit_error(alloc, nodes, cpt, len(specs), in_use)
-                if why:
-                    raise SlurmError(why)
-            common, per_task = slurm_array.split_env(specs)
-            log_files = None
-            if specs[0].output == "files":
-                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
-                for path in {os.path.dirname(p) for p in log_files}:
-                    private_dir(path)
-            umask = _umask()
-            sizes = slurm_step.step_chunks(len(specs), lambda a, b: len(slurm_step.task_script(
-                "@roving-step-0000000000000000@", per_task[a:b], umask, None, "files")) + sum(
-                    len(p) + 12 for p in (log_files or [])[a:b]))
-            jobs: List[Job] = []
-            for part in sizes:
-                jobs += self._start_step(specs[part.start:part.stop], common, per_task[part.start:part.stop],
-                                         None if log_files is None else log_files[part.start:part.stop],
-                                         umask, cpt, len(nodes) or 1, cfg)
-            return jobs
-
-    def _allocation_nodes(self) -> List[int]:
-        """The CPUs of each node of this allocation; [] when Slurm did not say (no check then)."""
-        value = os.environ.get("SLURM_JOB_CPUS_PER_NODE", "")
-        if not value:
-            return []
-        try:
-            return slurm_step.allocation_cpus(value)
-        except ValueError as exc:
-            raise SlurmError(str(exc)) from None
-
-    @staticmethod
-    def _step_options(spec: JobSpec, cpt: int, cfg: _config.Config) -> List[str]:
-        """What each task of a step asks for: per task, as a step's --mem and --gres would be per node."""
-        res = spec.resources
-        opts = [f"--cpus-per-task={cpt}"]
-        if res.memory:
-            opts.append(f"--mem-per-cpu={max(1, math.ceil(res.memory / 2 ** 20 / cpt))}M")
-        if res.gpu:
-            opts.append(f"--gpus-per-task={res.gpu}")
-        if cfg.slurm_time:
-            opts.append(f"--time={cfg.slurm_time}")
-        return opts + shlex.split(cfg.slurm_options)
-
-    def _start_step(self, specs: List[JobSpec], common: Dict[str, str], per_task: List[Dict[str, str]],
-                    log_files: Optional[List[str]], umask: int, cpt: int, nnodes: int,
-                    cfg: _config.Config) -> List[Job]:
-        first, n = specs[0], len(specs)
-        tag, alloc = first.session.tag, os.environ["SLURM_JOB_ID"]
-        env = {k: v for k, v in common.items() if not k.startswith(_STEP_LAYOUT_ENV)}
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        with self._lock:
-            self._step_counter += 1
-            key = f"roving-{tag}-{os.getpid()}-{self._step_counter}"
-        step = slurm_step.Step([s.name for s in specs], f"roving-{tag}")
-        script = slurm_step.task_script(step.token, per_task, umask, log_files, first.output)
-        args = ["srun", "--overlap", f"--ntasks={n}", f"--nodes=1-{min(n, nnodes)}", "--kill-on-bad-exit=0",
-                "--wait=0", "--label", "--export=ALL", f"--job-name=roving-{tag}", f"--chdir={first.cwd}",
-                *self._step_options(first, cpt, cfg), "sh", "-c", script, "sh", *first.command]
-        what = f"a step of {n} ({slurm_array.label(specs)}) in allocation {alloc}"
-        try:
-            step.start(args, env, first.cwd, prefix=first.output == "prefix")
-        except FileNotFoundError:
-            raise SlurmError(f"Slurm's `srun` command is not on PATH inside allocation {alloc}") from None
-        if not step.wait_launched(_STEP_LAUNCH_S) and step.over():
-            raise SlurmError(f"srun could not start {what}: {step.failure()}")
-        log.info("roving: Slurm job step %s: %s", step.step_id or "(not started yet)", what)
-        jobs = []
-        with self._lock:
-            for i, spec in enumerate(specs):
-                job_id = f"{key}.{i}"
-                self._step_tasks[job_id] = (step, i, cpt)
-                self._names[job_id] = spec.name
-                if log_files is not None:
-                    self._step_logs[job_id] = log_files[i]
-                jobs.append(Job(self, job_id))
-        return jobs
+    def _watch_step(self, step_id: str, running: bool) -> None:
+        """A step's id is known (the Reaper cancels it if this process dies), or it has ended."""
+        if running:
+            self._reaper.add(step_id)
+        else:
+            self._reaper.done(step_id)
 
     def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
         """Print the job's output files as they grow, until the job has ended and they are read."""
@@ -494,9 +400,8 @@ class SlurmBackend(Backend):
             self._reaper.done(job_id)
 
     def job_status(self, job: Job) -> JobStatus:
-        task = self._step_tasks.get(job.id)
-        if task is not None:
-            return task[0].status(task[1])
+        if job.id in self._steps:
+            return self._steps.status(job.id)
         status = self._status.get(job.id)
         if status is not None and status.state is JobState.EXITED:
             return status
@@ -505,9 +410,8 @@ class SlurmBackend(Backend):
 
     def terminate_job(self, job: Job, force: bool = False) -> None:
         signal_name = "KILL" if force else "TERM"
-        task = self._step_tasks.get(job.id)
-        if task is not None:
-            task[0].signal(task[1], signal_name)
+        if job.id in self._steps:
+            self._steps.signal(job.id, signal_name)
             return
         status = self._status.get(job.id)
         if status is not None and status.state is JobState.EXITED:
@@ -528,16 +432,14 @@ class SlurmBackend(Backend):
             self._checked_at.pop(job.id, None)
 
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
-        task = self._step_tasks.get(job.id)
-        if task is not None:
-            return task[0].wait(task[1], timeout)
+        if job.id in self._steps:
+            return self._steps.wait(job.id, timeout)
         return super().wait(job, timeout)
 
     # -- information -----------------------------------------------------------------------------
     def logs(self, job: Job) -> str:
-        if job.id in self._step_tasks:  # a step's task: only its log file ("files") is kept
-            path = self._step_logs.get(job.id, "")
-            return open(path, errors="replace").read() if path and os.path.exists(path) else ""
+        if job.id in self._steps:
+            return self._steps.logs(job.id)
         path = self._own.get(job.id)
         if path is None:
             result = _slurm(["scontrol", "show", "job", "-o", job.id], check=False)
@@ -554,23 +456,18 @@ class SlurmBackend(Backend):
 
     def pid(self, job: Job) -> Optional[int]:
         """A step task's process id when it runs on this machine; None for a batch job."""
-        task = self._step_tasks.get(job.id)
-        return task[0].pid(task[1]) if task is not None else None
+        return self._steps.pid(job.id) if job.id in self._steps else None
 
     def forget(self, job: Job) -> None:
-        task = self._step_tasks.get(job.id)
-        if task is not None and task[0].status(task[1]).state is JobState.EXITED:
-            with self._lock:
-                self._step_tasks.pop(job.id, None)
-                self._step_logs.pop(job.id, None)
-                self._names.pop(job.id, None)
+        if job.id in self._steps:
+            self._steps.forget(job.id)
 
     def cpu_count(self) -> int:
         """Inside an allocation, its CPUs (all its nodes'); else the idle CPUs of the partition(s)."""
         if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
             try:
-                return max(1, sum(self._allocation_nodes()))
-            except SlurmError:
+                return max(1, sum(slurm_step.allocation_nodes()))
+            except slurm_step.StepError:
                 pass
         if os.environ.get("SLURM_CPUS_ON_NODE"):
             return int(os.environ["SLURM_CPUS_ON_NODE"])
@@ -643,10 +540,8 @@ class SlurmBackend(Backend):
         with self._lock:
             live = [i for i in self._own if self._status.get(i, JobStatus(JobState.PENDING)).state
                     is not JobState.EXITED]
-            steps = {id(step): step for step, _, _ in self._step_tasks.values()}.values()
         if live:
             self.cancel_ids(live)
             for job_id in live:
                 self._reaper.done(job_id)
-        for step in steps:
-            step.stop(force=True)
+        self._steps.stop_all()

@@ -29,14 +29,17 @@ import socket
 import subprocess
 import threading
 import time
-from typing import Callable, Dict, IO, List, Optional, Sequence
+import math
+from typing import Callable, Dict, IO, List, Optional, Sequence, Tuple, Union
 
-from .base import JobState, JobStatus
-from .output import write_prefixed
+from .. import config as _config
+from . import slurm_array
+from .base import Job, JobSpec, JobState, JobStatus
+from .output import private_dir, write_prefixed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Step", "task_script", "allocation_cpus", "fit_error", "step_chunks"]
+__all__ = ["Steps", "Step", "StepError", "task_script", "allocation_cpus", "fit_error", "step_chunks"]
 
 _LABEL = re.compile(rb"^\s*(\d+): ?(.*)$")
 # srun's words about a task that ended (logged, not printed: the pool's own kills end tasks)
@@ -44,6 +47,22 @@ _TASK_END = re.compile(r"srun: error: \S+: tasks? [\d,\-]+: (?:Exited with exit 
 _KILL_TIMEOUT = 30
 # an argument (the script) must stay under the kernel's MAX_ARG_STRLEN (128 KiB)
 MAX_SCRIPT = 100_000
+# how long starting a step waits for srun to launch it (or to refuse, in its words); a step still
+# waiting for resources then is pending
+LAUNCH_WAIT_S = 10
+# srun's input variables (the batch script's own request) that would override a step's layout
+_LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_",
+               "SLURM_GPUS_PER_", "SLURM_CPUS_PER_GPU")
+
+
+class StepError(OSError):
+    """A step cannot be started: it does not fit the allocation, or srun refused (its words)."""
+
+
+def srun_env(env: Dict[str, str]) -> Dict[str, str]:
+    """``env`` without the variables by which srun would take the batch script's own layout (ntasks,
+    memory per node...) over the options a step gives."""
+    return {k: v for k, v in env.items() if not k.startswith(_LAYOUT_ENV)}
 
 
 def allocation_cpus(value: str) -> List[int]:
@@ -130,7 +149,9 @@ class Step:
     """One srun job step of ``len(names)`` tasks, started at once (:meth:`start`); task i is process
     ``names[i]``. Thread-safe."""
 
-    def __init__(self, names: Sequence[str], step_name: str) -> None:
+    def __init__(self, names: Sequence[str], step_name: str,
+                 watch: Optional[Callable[[str, bool], None]] = None) -> None:
+        self._watch = watch
         self.token = "@roving-step-" + secrets.token_hex(8) + "@"
         self.step_name = step_name
         self.tasks = [_Task(n) for n in names]
@@ -192,9 +213,12 @@ class Step:
                     self.proc.wait(_KILL_TIMEOUT)
             with self._changed:
                 self._readers -= 1
-                if self._readers == 0:
+                over = self._readers == 0
+                if over:
                     self._ended_all()
                 self._changed.notify_all()
+            if over and self.step_id and self._watch is not None:
+                self._watch(self.step_id, False)
 
     def _line(self, line: bytes, token: bytes, to_stderr: bool) -> None:
         m = _LABEL.match(line)
@@ -230,16 +254,20 @@ class Step:
     def _marker(self, index: int, words: List[str]) -> None:
         task = self.tasks[index]
         signal_now = None
+        first = False
         with self._changed:
-            if words[:1] == ["start"] and len(words) == 4:
+            if words[:1] == ["start"] and len(words) == 4 and words[3].isdigit():
+                first = not self.step_id
                 self.step_id = self.step_id or words[1]
                 task.host, task.pid = words[2], int(words[3])
                 signal_now = task.signalled
-            elif words[:1] == ["end"] and len(words) == 2 and task.code is None:
+            elif words[:1] == ["end"] and len(words) == 2 and task.code is None and words[1].isdigit():
                 rc = int(words[1])
                 task.code = -(rc - 128) if 128 < rc < 160 else rc
                 task.ended.set()
             self._changed.notify_all()
+        if first and self._watch is not None:
+            self._watch(self.step_id, True)
         if signal_now:  # asked to stop before it had started
             self._deliver(task, signal_now)
 
@@ -311,7 +339,8 @@ class Step:
         args = ["srun", "--overlap", f"--jobid={job}", f"--nodelist={task.host}", "--nodes=1", "--ntasks=1",
                 "--quiet", "kill", f"-{name}", str(task.pid)]
         try:
-            subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, timeout=_KILL_TIMEOUT)
+            subprocess.run(args, env=srun_env(dict(os.environ)), stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=_KILL_TIMEOUT)
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("roving: could not signal %s (pid %s on %s) with `%s`: %s", task.name, task.pid,
                         task.host, shlex.join(args), exc)
@@ -339,3 +368,161 @@ class Step:
         """Whether srun has ended and every task's state is final."""
         with self._lock:
             return self._over
+
+
+class Steps:
+    """The job steps this process started inside its allocation (``$SLURM_JOB_ID``), and their tasks by
+    job id (``roving-<session>-<pid>-<n>.<task>``). ``watch(step_id, running)`` is told when a step's id
+    is known and when it ended (the Reaper's add and done)."""
+
+    def __init__(self, watch: Callable[[str, bool], None]) -> None:
+        self._lock = threading.Lock()  # the bookkeeping
+        self._start_lock = threading.Lock()  # the fit check and the start together: two pools do not
+        self._tasks: Dict[str, Tuple[Step, int, int]] = {}  # job id -> (step, task, CPUs)
+        self._logs: Dict[str, str] = {}
+        self._counter = 0
+        self._watch = watch
+
+    def __contains__(self, job_id: str) -> bool:
+        return job_id in self._tasks
+
+    def start(self, specs: Sequence[JobSpec], backend: object, umask: int) -> List[Union[Job, Exception]]:
+        """``specs`` as steps of the allocation: one step of many tasks per group of equal specs (cut where
+        its script would be too long for one argument). One entry per spec: its Job, or the exception
+        (StepError when it does not fit or srun refused) that kept it from starting."""
+        cfg = _config.current()
+        out: List[Union[Job, Exception]] = [StepError("not started")] * len(specs)
+        for group in slurm_array.groups(specs):
+            try:
+                jobs: List[Union[Job, Exception]] = list(self._start_group([specs[i] for i in group], backend,
+                                                                           umask, cfg))
+            except Exception as exc:
+                jobs = [exc] * len(group)
+            for i, job in zip(group, jobs):
+                out[i] = job
+        return out
+
+    def _start_group(self, specs: List[JobSpec], backend: object, umask: int, cfg: _config.Config) -> List[Job]:
+        alloc = os.environ["SLURM_JOB_ID"]
+        cpt = max(1, math.ceil(specs[0].resources.cpu))
+        with self._start_lock:
+            nodes = allocation_nodes()
+            if nodes:
+                with self._lock:
+                    in_use = sum(c for step, i, c in self._tasks.values() if step.holds(i))
+                why = fit_error(alloc, nodes, cpt, len(specs), in_use)
+                if why:
+                    raise StepError(why)
+            common, per_task = slurm_array.split_env(specs)
+            log_files = None
+            if specs[0].output == "files":
+                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
+                for path in {os.path.dirname(p) for p in log_files}:
+                    private_dir(path)
+            parts = step_chunks(len(specs), lambda a, b: len(task_script(
+                "@roving-step-0000000000000000@", per_task[a:b], umask, log_files and log_files[a:b], "files")))
+            jobs: List[Job] = []
+            for part in parts:
+                jobs += self._start_step(specs[part.start:part.stop], common, per_task[part.start:part.stop],
+                                         None if log_files is None else log_files[part.start:part.stop],
+                                         umask, cpt, len(nodes) or 1, backend, cfg)
+            return jobs
+
+    def _start_step(self, specs: List[JobSpec], common: Dict[str, str], per_task: List[Dict[str, str]],
+                    log_files: Optional[List[str]], umask: int, cpt: int, nnodes: int, backend: object,
+                    cfg: _config.Config) -> List[Job]:
+        first, n = specs[0], len(specs)
+        tag, alloc = first.session.tag, os.environ["SLURM_JOB_ID"]
+        env = srun_env(common)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        with self._lock:
+            self._counter += 1
+            key = f"roving-{tag}-{os.getpid()}-{self._counter}"
+        step = Step([s.name for s in specs], f"roving-{tag}", self._watch)
+        script = task_script(step.token, per_task, umask, log_files, first.output)
+        args = ["srun", "--overlap", f"--ntasks={n}", f"--nodes=1-{min(n, nnodes)}", "--kill-on-bad-exit=0",
+                "--wait=0", "--label", "--export=ALL", f"--job-name=roving-{tag}", f"--chdir={first.cwd}",
+                *step_options(first, cpt, cfg), "sh", "-c", script, "sh", *first.command]
+        what = f"a step of {n} ({slurm_array.label(specs)}) in allocation {alloc}"
+        try:
+            step.start(args, env, first.cwd, prefix=first.output == "prefix")
+        except FileNotFoundError:
+            raise StepError(f"Slurm's `srun` command is not on PATH inside allocation {alloc}") from None
+        if not step.wait_launched(LAUNCH_WAIT_S) and step.over():
+            raise StepError(f"srun could not start {what}: {step.failure()}")
+        log.info("roving: Slurm job step %s: %s", step.step_id or "(not started yet)", what)
+        jobs = []
+        with self._lock:
+            for i in range(n):
+                job_id = f"{key}.{i}"
+                self._tasks[job_id] = (step, i, cpt)
+                if log_files is not None:
+                    self._logs[job_id] = log_files[i]
+                jobs.append(Job(backend, job_id))
+        return jobs
+
+    # -- one task, by its job id -----------------------------------------------------------------
+    def status(self, job_id: str) -> JobStatus:
+        step, i, _ = self._tasks[job_id]
+        return step.status(i)
+
+    def wait(self, job_id: str, timeout: Optional[float]) -> Optional[int]:
+        step, i, _ = self._tasks[job_id]
+        return step.wait(i, timeout)
+
+    def signal(self, job_id: str, name: str) -> None:
+        step, i, _ = self._tasks[job_id]
+        step.signal(i, name)
+
+    def pid(self, job_id: str) -> Optional[int]:
+        step, i, _ = self._tasks[job_id]
+        return step.pid(i)
+
+    def logs(self, job_id: str) -> str:
+        """What the task wrote, where it was kept (its log file with ``child_output = "files"``)."""
+        path = self._logs.get(job_id, "")
+        if not path or not os.path.exists(path):
+            return ""
+        with open(path, errors="replace") as f:
+            return f.read()
+
+    def forget(self, job_id: str) -> None:
+        """Drop an ended task (its step goes once all of its tasks are forgotten)."""
+        with self._lock:
+            entry = self._tasks.get(job_id)
+            if entry is not None and entry[0].status(entry[1]).state is JobState.EXITED:
+                del self._tasks[job_id]
+                self._logs.pop(job_id, None)
+
+    def stop_all(self) -> None:
+        """At this process's exit: every step still running is cancelled."""
+        with self._lock:
+            steps = {id(step): step for step, _, _ in self._tasks.values()}.values()
+        for step in steps:
+            step.stop(force=True)
+
+
+def allocation_nodes() -> List[int]:
+    """The CPUs of each node of this process's allocation; [] when Slurm did not say (no fit check then).
+    StepError when ``SLURM_JOB_CPUS_PER_NODE`` cannot be read."""
+    value = os.environ.get("SLURM_JOB_CPUS_PER_NODE", "")
+    if not value:
+        return []
+    try:
+        return allocation_cpus(value)
+    except ValueError as exc:
+        raise StepError(str(exc)) from None
+
+
+def step_options(spec: JobSpec, cpt: int, cfg: _config.Config) -> List[str]:
+    """What each task of a step asks for: per task (a step's --mem and --gres would be per node); the
+    time limit and the further options of the configuration. Partition and account are the allocation's."""
+    res = spec.resources
+    opts = [f"--cpus-per-task={cpt}"]
+    if res.memory:
+        opts.append(f"--mem-per-cpu={max(1, math.ceil(res.memory / 2 ** 20 / cpt))}M")
+    if res.gpu:
+        opts.append(f"--gpus-per-task={res.gpu}")
+    if cfg.slurm_time:
+        opts.append(f"--time={cfg.slurm_time}")
+    return opts + shlex.split(cfg.slurm_options)
