@@ -25,8 +25,10 @@ from roving.backends import slurm_step
 T = 240  # bound on one program: its pool's interpreters start on 2 cores
 
 
-def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str):
-    """Run the program with ``sbatch --wait --ntasks=ntasks``; (what it wrote, its output, srun calls)."""
+def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str, then: str = ""):
+    """Run the program with ``sbatch --wait --ntasks=ntasks``; (what it wrote, its output, srun calls:
+    ``--ntasks=N`` of each, or ``kill`` for one that signals a task). With ``then`` (sh), the program runs
+    in the background as $prog, and the batch script goes on with ``then``."""
     hb.require("slurm")
     real = shutil.which("srun")
     assert real, "Slurm's srun is not on PATH"
@@ -36,7 +38,7 @@ def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str
     (bin_dir / "srun").write_text(
         "#!/bin/sh\n"
         "n=none\n"
-        'for a in "$@"; do case "$a" in --ntasks=*) n="$a";; esac; done\n'
+        'for a in "$@"; do case "$a" in --ntasks=*) n="$a";; kill) n=kill;; esac; done\n'
         f'echo "$n" >> {shlex.quote(str(calls))}\n'
         f'exec {shlex.quote(real)} "$@"\n')
     (bin_dir / "srun").chmod(0o755)
@@ -44,10 +46,11 @@ def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": os.pathsep.join([str(SUPPORT_DIR), *sys.path])}
     env.pop("SLURM_JOB_ID", None)
+    command = shlex.join([sys.executable, str(PROGRAMS / "slurm_step_program.py"), str(result), mode, str(n), *extra])
+    script = f"{command} & prog=$!\n{then}" if then else command
     done = subprocess.run(
         ["sbatch", "--wait", f"--ntasks={ntasks}", "--job-name=roving-step-test", f"--output={out}",
-         f"--chdir={tmp_path}", "--wrap",
-         shlex.join([sys.executable, str(PROGRAMS / "slurm_step_program.py"), str(result), mode, str(n), *extra])],
+         f"--chdir={tmp_path}", "--wrap", script],
         env=env, capture_output=True, text=True, timeout=T)
     text = out.read_text() if out.exists() else ""
     assert done.returncode == 0, f"sbatch: {done.stdout}{done.stderr}\n--- job output:\n{text}"
@@ -90,6 +93,33 @@ def test_a_killed_task_is_replaced_by_a_step_of_one_and_its_items_run_exactly_on
     assert after.get(first) == "4", after  # the other three tasks went on in their step
     assert sorted(after.values()) == ["1", "4"], after
     assert got["victim"] not in got["ids_after"]
+
+
+def test_a_task_on_another_host_is_signalled_through_srun_there_and_replaced(tmp_path):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    got, output, calls = _run_in_allocation(tmp_path, "killremote", 4, 8, str(runs))
+    assert got["replaced"] and got["exitcode"] == -9, output
+    assert got["results"] == [x * x for x in range(40)]
+    assert sorted(int(name.split(".")[0]) for name in os.listdir(runs)) == list(range(40))
+    assert [c for c in calls if c != "kill"] == ["--ntasks=4", "--ntasks=1"], calls
+    # the victim, then the pool's end: every task was signalled by a one-task srun on its host
+    assert calls[1] == "kill" and calls.count("kill") >= 5, calls
+
+
+def test_a_parent_killed_with_sigkill_leaves_no_step_of_its_pool_behind(tmp_path):
+    result = tmp_path / "result.json"
+    then = (f"for i in $(seq 1200); do [ -e {shlex.quote(str(result))} ] && break; sleep 0.1; done\n"
+            "kill -9 $prog\n"
+            "for i in $(seq 600); do\n"
+            "  squeue -h -s -j $SLURM_JOB_ID -o %j | grep -q '^roving-' || { echo steps-gone; exit 0; }\n"
+            "  sleep 0.1\n"
+            "done\n"
+            "echo steps-left; squeue -s -j $SLURM_JOB_ID; exit 1\n")
+    got, output, calls = _run_in_allocation(tmp_path, "hold", 3, 8, then=then)
+    assert got["connected"] and [s[2] for s in got["steps"]] == ["3"], got
+    assert "steps-gone" in output, output
+    assert calls == ["--ntasks=3"], calls
 
 
 def test_resize_up_inside_an_allocation_adds_a_step(tmp_path):

@@ -65,6 +65,11 @@ def srun_env(env: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith(_LAYOUT_ENV)}
 
 
+def this_host() -> str:
+    """This machine's name as a task's ``uname -n`` says it: a task of that host is signalled directly."""
+    return socket.gethostname()
+
+
 def allocation_cpus(value: str) -> List[int]:
     """The CPUs of each node of an allocation from ``SLURM_JOB_CPUS_PER_NODE`` (``"4(x2),2"`` -> [4, 4, 2]).
     ValueError naming the value when it is not of that form."""
@@ -303,7 +308,7 @@ class Step:
     def pid(self, index: int) -> Optional[int]:
         """The task's process id when it runs on this machine."""
         task = self.tasks[index]
-        return task.pid if task.host == socket.gethostname() else None
+        return task.pid if task.host == this_host() else None
 
     def holds(self, index: int) -> bool:
         """Whether task ``index`` still counts against the allocation: not ended, not told to stop."""
@@ -328,7 +333,7 @@ class Step:
             self.stop(name == "KILL")
 
     def _deliver(self, task: _Task, name: str) -> None:
-        if task.host == socket.gethostname():
+        if task.host == this_host():
             try:
                 os.kill(task.pid, getattr(signal, f"SIG{name}"))
             except ProcessLookupError:

@@ -1,7 +1,10 @@
 """A roving program run inside a Slurm allocation (sbatch) by tests/backends/test_slurm_step.py: its Pool on
 the slurm backend starts as srun job steps. Writes what it saw as JSON to OUTFILE.
 
-usage: slurm_step_program.py OUTFILE map|kill|resize|toobig N [RUNS_DIR]
+usage: slurm_step_program.py OUTFILE map|kill|killremote|resize|toobig|hold N [RUNS_DIR]
+
+killremote: as kill, but the tasks count as on another host, so that they are signalled through srun
+(as a task on another node of the allocation is). hold: writes the step ids once its pool is up, then sleeps.
 """
 import json
 import os
@@ -12,6 +15,7 @@ import time
 
 import helpers_pool as hp
 import roving
+from roving.backends import slurm_step
 from roving.pool import PoolStartError
 
 T = 120
@@ -62,8 +66,10 @@ def main() -> None:
             got["steps"] = steps()
             got["ids"] = [proc.job.id for proc in p._pool]
             got["results"] = p.map(step_task, range(4 * n), chunksize=1)
-    elif mode == "kill":
+    elif mode in ("kill", "killremote"):
         runs = sys.argv[4]
+        if mode == "killremote":
+            slurm_step.this_host = lambda: "not-the-tasks-host"
         with roving.Pool(n) as p:
             got["connected"] = wait_for(lambda: len(live(p)) == n)
             got["steps_before"] = steps()
@@ -71,7 +77,11 @@ def main() -> None:
             wait_for(lambda: any(w.units for w in live(p)))
             victim = next(w for w in live(p) if w.units)
             got["victim"] = victim.proc.job.id
-            os.kill(victim.proc.pid, signal.SIGKILL)  # the task's process, on this node
+            if mode == "kill":
+                os.kill(victim.proc.pid, signal.SIGKILL)  # the task's process, on this node
+            else:
+                assert victim.proc.pid is None  # not a process of this machine
+                victim.proc.kill()
             got["results"] = r.get(T)
             got["replaced"] = wait_for(lambda: len(live(p)) == n)
             got["exitcode"] = victim.proc.exitcode
@@ -84,6 +94,14 @@ def main() -> None:
             got["connected"] = wait_for(lambda: len(live(p)) == n)
             got["steps"] = steps()
             got["results"] = p.map(hp.square, range(30))
+    elif mode == "hold":
+        p = roving.Pool(n)
+        got["connected"] = wait_for(lambda: len(live(p)) == n)
+        got["steps"] = steps()
+        with open(outfile + ".tmp", "w") as f:
+            json.dump(got, f)
+        os.replace(outfile + ".tmp", outfile)
+        time.sleep(300)
     with open(outfile + ".tmp", "w") as f:
         json.dump(got, f)
     os.replace(outfile + ".tmp", outfile)
