@@ -139,6 +139,17 @@ def test_a_pool_larger_than_the_allocation_is_a_clear_error_naming_the_sizes(tmp
     assert calls == [], calls  # nothing was started
 
 
+def test_a_lone_process_is_a_step_of_one_with_its_own_exit_code_log_file_and_srun_refusals_in_srun_words(tmp_path):
+    got, output, calls = _run_in_allocation(tmp_path, "process", 3)
+    assert got["exitcode"] == 3
+    assert re.search(r"^\[lone\] said by the lone process$", output, re.M), output
+    assert got["logged_exitcode"] == 0 and got["logged"] == "said by the lone process\n"
+    refused = got["refused"]
+    assert refused and refused.startswith("SlurmError: srun could not start a step of 1 (refused) in allocation "), refused
+    assert "--no-such-srun-option" in refused, refused
+    assert calls == ["--ntasks=1"] * 3, calls
+
+
 def test_allocation_cpus_reads_slurms_form_and_names_a_bad_value():
     assert slurm_step.allocation_cpus("4(x2),2") == [4, 4, 2]
     assert slurm_step.allocation_cpus("8") == [8]

@@ -1,7 +1,7 @@
 """A roving program run inside a Slurm allocation (sbatch) by tests/backends/test_slurm_step.py: its Pool on
 the slurm backend starts as srun job steps. Writes what it saw as JSON to OUTFILE.
 
-usage: slurm_step_program.py OUTFILE map|kill|killremote|resize|toobig|hold N [RUNS_DIR]
+usage: slurm_step_program.py OUTFILE map|kill|killremote|resize|toobig|hold|process N [RUNS_DIR]
 
 killremote: as kill, but the tasks count as on another host, so that they are signalled through srun
 (as a task on another node of the allocation is). hold: writes the step ids once its pool is up, then sleeps.
@@ -26,6 +26,11 @@ def step_task(x):
     print(f"item {x} on task {os.environ.get('SLURM_PROCID')}")
     time.sleep(0.05)
     return x * x, os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID"), os.environ.get("SLURM_PROCID")
+
+
+def say_and_exit(code):
+    print("said by the lone process")
+    sys.exit(code)
 
 
 def steps() -> list:
@@ -94,6 +99,23 @@ def main() -> None:
             got["connected"] = wait_for(lambda: len(live(p)) == n)
             got["steps"] = steps()
             got["results"] = p.map(hp.square, range(30))
+    elif mode == "process":
+        p = roving.Process(target=say_and_exit, args=(n,), name="lone")
+        p.start()
+        p.join(T)
+        got["exitcode"] = p.exitcode
+        roving.init(child_output="files", log_dir="logs")
+        p = roving.Process(target=say_and_exit, args=(0,), name="logged")
+        p.start()
+        p.join(T)
+        got["logged_exitcode"] = p.exitcode
+        got["logged"] = open(os.path.join("logs", "logged.log")).read()
+        roving.init(slurm_options="--no-such-srun-option")
+        try:
+            roving.Process(target=say_and_exit, args=(0,), name="refused").start()
+            got["refused"] = None
+        except OSError as exc:
+            got["refused"] = f"{type(exc).__name__}: {exc}"
     elif mode == "hold":
         p = roving.Pool(n)
         got["connected"] = wait_for(lambda: len(live(p)) == n)
