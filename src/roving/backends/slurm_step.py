@@ -10,8 +10,8 @@ What a :class:`Step` guarantees:
   that dies or leaves does not end the others, whatever the cluster's KillOnBadExit and WaitTime say).
 * Each task runs a small sh script (:func:`task_script`): it exports its process's own variables, then
   writes to srun's stdout a line with its host and the pid of its process before that process starts, and
-  one with the exit status after it ended. The lines carry a random token of the step (a process cannot
-  forge them). So each task has a state of its own (pending, running, exited with its code) although
+  one with the exit status after it ended. The lines carry a random token of the step, so that a
+  process's own output is not taken for them. So each task has a state of its own (pending, running, exited with its code) although
   Slurm keeps none per task, and one task can be signalled alone (its pid, on its host).
 * With ``child_output = "prefix"`` srun labels every line with its task (``--label``); each line is
   printed with its process's name. srun's own words are logged, not printed.
@@ -34,7 +34,7 @@ from typing import Callable, Dict, IO, List, Optional, Sequence, Tuple, Union
 
 from .. import config as _config
 from . import slurm_array
-from .base import Job, JobSpec, JobState, JobStatus
+from .base import Backend, Job, JobSpec, JobState, JobStatus
 from .output import private_dir, write_prefixed
 
 log = logging.getLogger(__name__)
@@ -391,7 +391,7 @@ class Steps:
     def __contains__(self, job_id: str) -> bool:
         return job_id in self._tasks
 
-    def start(self, specs: Sequence[JobSpec], backend: object, umask: int) -> List[Union[Job, Exception]]:
+    def start(self, specs: Sequence[JobSpec], backend: Backend, umask: int) -> List[Union[Job, Exception]]:
         """``specs`` as steps of the allocation: one step of many tasks per group of equal specs (cut where
         its script would be too long for one argument). One entry per spec: its Job, or the exception
         (StepError when it does not fit or srun refused) that kept it from starting."""
@@ -407,7 +407,7 @@ class Steps:
                 out[i] = job
         return out
 
-    def _start_group(self, specs: List[JobSpec], backend: object, umask: int, cfg: _config.Config) -> List[Job]:
+    def _start_group(self, specs: List[JobSpec], backend: Backend, umask: int, cfg: _config.Config) -> List[Job]:
         alloc = os.environ["SLURM_JOB_ID"]
         cpt = max(1, math.ceil(specs[0].resources.cpu))
         with self._start_lock:
@@ -434,7 +434,7 @@ class Steps:
             return jobs
 
     def _start_step(self, specs: List[JobSpec], common: Dict[str, str], per_task: List[Dict[str, str]],
-                    log_files: Optional[List[str]], umask: int, cpt: int, nnodes: int, backend: object,
+                    log_files: Optional[List[str]], umask: int, cpt: int, nnodes: int, backend: Backend,
                     cfg: _config.Config) -> List[Job]:
         first, n = specs[0], len(specs)
         tag, alloc = first.session.tag, os.environ["SLURM_JOB_ID"]
