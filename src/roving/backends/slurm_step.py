@@ -7,7 +7,9 @@ What a :class:`Step` guarantees:
   srun runs with ``--overlap`` (the step shares the allocation's CPUs with the batch script and with
   roving's other steps: a step's CPUs are only given back when the whole step ends, so without it a
   replacement for one lost task could never start), ``--kill-on-bad-exit=0`` and ``--wait=0`` (a task
-  that dies or leaves does not end the others, whatever the cluster's KillOnBadExit and WaitTime say).
+  that dies or leaves does not end the others, whatever the cluster's KillOnBadExit and WaitTime say),
+  and ``--no-kill`` (in an allocation that survives a node's failure, sbatch --no-kill, the step's tasks
+  on the other nodes go on: the pool notices the lost ones by their heartbeats and replaces them).
 * Each task runs a small sh script (:func:`task_script`): it exports its process's own variables, then
   writes to srun's stdout a line with its host and the pid of its process before that process starts, and
   one with the exit status after it ended. The lines carry a random token of the step, so that a
@@ -446,8 +448,8 @@ class Steps:
         step = Step([s.name for s in specs], f"roving-{tag}", self._watch)
         script = task_script(step.token, per_task, umask, log_files, first.output)
         args = ["srun", "--overlap", f"--ntasks={n}", f"--nodes=1-{min(n, nnodes)}", "--kill-on-bad-exit=0",
-                "--wait=0", "--label", "--export=ALL", f"--job-name=roving-{tag}", f"--chdir={first.cwd}",
-                *step_options(first, cpt, cfg), "sh", "-c", script, "sh", *first.command]
+                "--wait=0", "--no-kill", "--label", "--export=ALL", f"--job-name=roving-{tag}",
+                f"--chdir={first.cwd}", *step_options(first, cpt, cfg), "sh", "-c", script, "sh", *first.command]
         what = f"a step of {n} ({slurm_array.label(specs)}) in allocation {alloc}"
         try:
             step.start(args, env, first.cwd, prefix=first.output == "prefix")
