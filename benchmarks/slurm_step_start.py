@@ -3,9 +3,9 @@
     salloc -n 32 python3 benchmarks/slurm_step_start.py --workers 32 --repeat 3
 
 Per repeat: "returns" is the time until ``Pool(N)`` returns (the first upkeep round started every worker),
-"steps" the job steps of this allocation ``squeue --steps`` listed while the pool started that
-were not there before it (not counting the batch, extern and interactive steps), "srun processes" the srun processes this program had running after
-all N connected, "connected" the time until all N workers have connected. Run it with the code to
+"steps" the job steps of this allocation ``squeue --steps`` listed while the pool started that were not
+there before it (not counting the batch, extern and interactive steps), "srun processes" the srun
+processes this program had running after all N connected, "connected" the time until all N workers have connected. Run it with the code to
 compare on PYTHONPATH (one step of N tasks since this benchmark was added; one srun per worker before).
 """
 from __future__ import annotations

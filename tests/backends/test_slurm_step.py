@@ -145,7 +145,8 @@ def test_a_lone_process_is_a_step_of_one_with_its_own_exit_code_log_file_and_sru
     assert re.search(r"^\[lone\] said by the lone process$", output, re.M), output
     assert got["logged_exitcode"] == 0 and got["logged"] == "said by the lone process\n"
     refused = got["refused"]
-    assert refused and refused.startswith("SlurmError: srun could not start a step of 1 (refused) in allocation "), refused
+    assert refused and refused.startswith(
+        "SlurmError: srun could not start a step of 1 (refused) in allocation "), refused
     assert "--no-such-srun-option" in refused, refused
     assert calls == ["--ntasks=1"] * 3, calls
 

@@ -13,8 +13,9 @@ What a :class:`Step` guarantees:
 * Each task runs a small sh script (:func:`task_script`): it exports its process's own variables, then
   writes to srun's stdout a line with its host and the pid of its process before that process starts, and
   one with the exit status after it ended. The lines carry a random token of the step, so that a
-  process's own output is not taken for them. So each task has a state of its own (pending, running, exited with its code) although
-  Slurm keeps none per task, and one task can be signalled alone (its pid, on its host).
+  process's own output is not taken for them. So each task has a state of its own (pending, running,
+  exited with its code) although Slurm keeps none per task, and one task can be signalled alone (its
+  pid, on its host).
 * With ``child_output = "prefix"`` srun labels every line with its task (``--label``); each line is
   printed with its process's name. srun's own words are logged, not printed.
 * Every call that waits has a timeout; a task whose step ended without its exit line counts as killed.

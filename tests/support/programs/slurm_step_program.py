@@ -35,7 +35,8 @@ def say_and_exit(code):
 
 def steps() -> list:
     """squeue's steps of this allocation: [step id, name, tasks]."""
-    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-O", "StepId:|,StepName:|,NumTasks:|"],
+    out = subprocess.run(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"],
+                          "-O", "StepId:|,StepName:|,NumTasks:|"],
                          capture_output=True, text=True, timeout=30).stdout
     rows = [[p.strip() for p in line.split("|")][:3] for line in out.splitlines()]
     return [r for r in rows if len(r) == 3 and not r[0].endswith((".batch", ".extern"))]
