@@ -48,6 +48,7 @@ _LABEL = re.compile(rb"^\s*(\d+): ?(.*)$")
 # srun's words about a task that ended (logged, not printed: the pool's own kills end tasks)
 _TASK_END = re.compile(r"srun: error: \S+: tasks? [\d,\-]+: (?:Exited with exit code \d+|[A-Z][a-z].*)$")
 _KILL_TIMEOUT = 30
+_BATCH_S = 0.05  # how long a signal for a task on another node waits for others to go with it
 # an argument (the script) must stay under the kernel's MAX_ARG_STRLEN (128 KiB)
 MAX_SCRIPT = 100_000
 # how long starting a step waits for srun to launch it (or to refuse, in its words); a step still
@@ -171,6 +172,8 @@ class Step:
         self._readers = 0
         self._over = False  # srun ended and its output was read to the end
         self._prefix = False
+        self._outbox: List[Tuple[_Task, str]] = []  # signals for tasks on other nodes, not sent yet
+        self._sender: Optional[threading.Thread] = None
 
     # -- starting --------------------------------------------------------------------------------
     def start(self, args: List[str], env: Dict[str, str], cwd: str, prefix: bool) -> None:
@@ -321,7 +324,9 @@ class Step:
     # -- stopping --------------------------------------------------------------------------------
     def signal(self, index: int, name: str) -> None:
         """Send SIGTERM or SIGKILL (``name`` "TERM"/"KILL") to task ``index``'s process alone; a task not
-        started yet gets it when it starts, and when no task of the step is left running srun is stopped."""
+        started yet gets it when it starts, and when no task of the step is left running srun is stopped.
+        Returns at once for a task on another node: its signal goes within a moment, with the others asked
+        for meanwhile (one ``scancel --signal`` of the step when all of its tasks were)."""
         task = self.tasks[index]
         with self._lock:
             if task.code is not None:
@@ -342,16 +347,45 @@ class Step:
             except ProcessLookupError:
                 pass
             return
-        # on another node of the allocation: a one-task step there signals it
+        # on another node: sent a moment later, together with the others asked for meanwhile (a pool that
+        # ends signals all of its workers one after another)
+        with self._lock:
+            self._outbox.append((task, name))
+            if self._sender is not None:
+                return
+            self._sender = threading.Thread(target=self._send_remote, daemon=True,
+                                            name=f"roving-srun-signal-{self.step_name}")
+        self._sender.start()
+
+    def _send_remote(self) -> None:
+        """Deliver the signals waiting for tasks on other nodes: one ``scancel --signal`` of the step when
+        every task still running was asked (with one signal), else one ``srun ... kill`` per host."""
+        time.sleep(_BATCH_S)
+        with self._lock:
+            batch, self._outbox, self._sender = self._outbox, [], None
+            names = {t.signalled for t in self.tasks if t.code is None}
+            whole = bool(self.step_id) and len(names) == 1 and None not in names
+        if whole:
+            self._run(["scancel", f"--signal={names.pop()}", self.step_id])
+            return
+        by_host: Dict[Tuple[str, str], List[str]] = {}
+        for task, name in batch:
+            by_host.setdefault((task.host or "", name), []).append(str(task.pid))
         job = self.step_id.split(".")[0] or os.environ.get("SLURM_JOB_ID", "")
-        args = ["srun", "--overlap", f"--jobid={job}", f"--nodelist={task.host}", "--nodes=1", "--ntasks=1",
-                "--quiet", "kill", f"-{name}", str(task.pid)]
+        for (host, name), pids in by_host.items():
+            self._run(["srun", "--overlap", f"--jobid={job}", f"--nodelist={host}", "--nodes=1", "--ntasks=1",
+                       "--quiet", "kill", f"-{name}", *pids])
+
+    @staticmethod
+    def _run(args: List[str]) -> None:
         try:
-            subprocess.run(args, env=srun_env(dict(os.environ)), stdin=subprocess.DEVNULL, capture_output=True,
-                           timeout=_KILL_TIMEOUT)
+            done = subprocess.run(args, env=srun_env(dict(os.environ)), stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=_KILL_TIMEOUT)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            log.warning("roving: could not signal %s (pid %s on %s) with `%s`: %s", task.name, task.pid,
-                        task.host, shlex.join(args), exc)
+            log.warning("roving: could not signal tasks with `%s`: %s", shlex.join(args), exc)
+            return
+        if done.returncode != 0 and "No such process" not in done.stderr:
+            log.debug("roving: `%s`: %s", shlex.join(args), done.stderr.strip())
 
     def stop(self, force: bool) -> None:
         """End the whole step: ``scancel`` of it once its id is known, and srun itself."""
@@ -362,11 +396,7 @@ class Step:
                 if task.code is None and task.signalled != "KILL":
                     task.signalled = "KILL" if force else "TERM"
         if self.step_id:
-            try:
-                subprocess.run(["scancel", f"--signal={'KILL' if force else 'TERM'}", self.step_id],
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=_KILL_TIMEOUT)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                log.warning("roving: `scancel %s` failed: %s", self.step_id, exc)
+            self._run(["scancel", f"--signal={'KILL' if force else 'TERM'}", self.step_id])
         if force:
             self.proc.kill()
         else:

@@ -93,6 +93,7 @@ def main() -> None:
             got["exitcode"] = victim.proc.exitcode
             got["steps_after"] = steps()
             got["ids_after"] = [proc.job.id for proc in p._pool]
+        got["steps_gone"] = wait_for(lambda: not steps(), 60)  # the pool's end stopped all of them
     elif mode == "resize":
         with roving.Pool(2) as p:
             wait_for(lambda: len(live(p)) == 2)
