@@ -62,10 +62,12 @@ class SlurmError(OSError):
 
 
 def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
-           check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
+           check: bool = True, umask: int = -1, script: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run a Slurm command; ``script`` goes to its standard input (sbatch reads its batch script there)."""
+    feed = {"input": script} if script is not None else {"stdin": subprocess.DEVNULL}
     try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
-                                stdin=subprocess.DEVNULL, umask=umask)
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, umask=umask,
+                                **feed)
     except FileNotFoundError:
         raise SlurmError(f"Slurm's `{args[0]}` command is not on PATH: is Slurm installed on this "
                          "machine? (or choose another roving backend)") from None
@@ -186,11 +188,13 @@ class SlurmBackend(Backend):
         return self._register(job_id, spec.name, output.replace("%j", job_id), error.replace("%j", job_id),
                               spec.output)
 
-    def _sbatch(self, args: List[str], env: Dict[str, str], what: str, tasks: int = 0) -> str:
+    def _sbatch(self, args: List[str], env: Dict[str, str], what: str, tasks: int = 0,
+                script: Optional[str] = None) -> str:
         """Run sbatch, retried while Slurm says it is busy (:func:`throttle.retry_busy`); the job id.
-        SlurmError with Slurm's words (and the limit met, for an array of ``tasks``) when refused."""
+        SlurmError with Slurm's words (and the limit met, for an array of ``tasks``) when refused.
+        ``script``: the batch script, given on sbatch's standard input."""
         def attempt() -> str:
-            result = _slurm(args, env=env, check=False, umask=0o077)
+            result = _slurm(args, env=env, check=False, umask=0o077, script=script)
             if result.returncode != 0:
                 words = (result.stderr or result.stdout).strip()
                 if tasks:
@@ -281,9 +285,11 @@ class SlurmBackend(Backend):
         args = ["sbatch", "--parsable", f"--array=0-{len(specs) - 1}", f"--job-name=roving-{tag}",
                 f"--comment={slurm_array.label(specs)}", "--export=ALL", f"--chdir={first.cwd}", "--ntasks=1",
                 "--open-mode=append", "--no-requeue", f"--output={output}", f"--error={error}",
-                *self._resource_options(first, cfg),
-                "--wrap", slurm_array.task_script(specs, per_task, _umask(), log_files)]
-        array_id = self._sbatch(args, common, what, tasks=len(specs))
+                *self._resource_options(first, cfg)]
+        # on standard input, not as --wrap's argument: an array's script grows with its tasks (about 300
+        # bytes each) past the 128 KiB the kernel allows one argument (E2BIG for a pool of ~450)
+        script = "#!/bin/sh\n" + slurm_array.task_script(specs, per_task, _umask(), log_files)
+        array_id = self._sbatch(args, common, what, tasks=len(specs), script=script)
         log.info("roving: Slurm job array %s: %s", array_id, what)
         jobs = []
         for i, spec in enumerate(specs):
