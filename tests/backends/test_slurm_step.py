@@ -61,6 +61,7 @@ def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str
 def test_a_pool_of_6_inside_an_allocation_is_one_srun_step_of_6_tasks_and_each_result_comes_once(tmp_path):
     got, output, calls = _run_in_allocation(tmp_path, "map", 6)
     assert calls == ["--ntasks=6"], calls  # one srun for the whole pool
+    assert got["cpu_count"] == 8  # the allocation's CPUs (sbatch --ntasks=8), not the node's 32
     assert got["connected"]
     ((step_id, name, tasks),) = got["steps"]  # one step of the allocation, of 6 tasks, under the session
     assert step_id.startswith(got["job"] + ".") and tasks == "6" and re.fullmatch(r"roving-[0-9a-f]+", name)

@@ -67,6 +67,7 @@ def main() -> None:
         except PoolStartError as exc:
             got["error"] = str(exc)
     elif mode == "map":
+        got["cpu_count"] = roving.cpu_count()
         with roving.Pool(n) as p:
             got["connected"] = wait_for(lambda: len(live(p)) == n)
             got["steps"] = steps()
