@@ -81,8 +81,9 @@ def main() -> None:
             got["connected"] = wait_for(lambda: len(live(p)) == n)
             got["steps_before"] = steps()
             r = p.starmap_async(hp.slow_square_counting, [(x, 0.3, runs) for x in range(10 * n)], chunksize=1)
-            wait_for(lambda: any(w.units for w in live(p)))
-            victim = next(w for w in live(p) if w.units)
+            found = []  # a worker holding work, as seen once
+            wait_for(lambda: found.append(next((w for w in live(p) if w.units), None)) or found[-1] is not None)
+            victim = found[-1]
             got["victim"] = victim.proc.job.id
             if mode == "kill":
                 os.kill(victim.proc.pid, signal.SIGKILL)  # the task's process, on this node
