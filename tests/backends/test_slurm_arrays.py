@@ -154,6 +154,27 @@ def test_a_pool_larger_than_max_array_size_is_cut_into_several_arrays(sbatch_cal
         assert p.map(hp.square, range(20)) == [x * x for x in range(20)]
 
 
+def test_an_array_whose_script_is_longer_than_one_argument_allows_is_still_one_sbatch(sbatch_calls):
+    """600 tasks with 300 bytes of their own each: a script of about 200 KiB, more than the kernel's 128 KiB
+    for one argument (sbatch --wrap failed with E2BIG); held (--hold), so nothing runs, then cancelled."""
+    _use_slurm(slurm_options="--hold")
+    backend = backends.get("slurm")
+    session = backends.JobSession(_session.current().tag, "ROVING_TEST_SECRET", "ROVING_TEST_SECRET_FILE")
+    specs = [backends.JobSpec(name=f"big-{i}", command=["/bin/true"], env={"PATH": os.environ["PATH"],
+                              "ROVING_TEST_OWN": f"{i:04d}" * 75}, cwd="/tmp", session=session, output="off")
+             for i in range(600)]
+    script = sum(len(f"ROVING_TEST_OWN={s.env['ROVING_TEST_OWN']}") for s in specs)
+    assert script > 128 * 1024
+    jobs = backend.submit_many(specs)
+    try:
+        assert not [j for j in jobs if isinstance(j, Exception)][:1]
+        array = jobs[0].id.split("_")[0]
+        assert [j.id for j in jobs] == [f"{array}_{i}" for i in range(600)]
+        assert sbatch_calls() == ["--array=0-599"]
+    finally:
+        backend.cancel_ids(sorted({j.id.split("_")[0] for j in jobs if not isinstance(j, Exception)}))
+
+
 def test_more_workers_than_max_job_count_is_a_clear_error_before_anything_is_submitted(sbatch_calls, monkeypatch):
     _use_slurm(pool_start_failures=1)
     backend = backends.get("slurm")

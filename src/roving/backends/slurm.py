@@ -11,8 +11,10 @@
   the cluster's MaxArraySize; more jobs than its MaxJobCount are refused at once, naming it.
   ``slurm_array = False`` submits one job each. sbatch is retried with back-off while Slurm says it is
   busy (:mod:`roving.backends.throttle`), its words logged.
-* Inside an allocation (SLURM_JOB_ID set) a process is an ``srun --overlap`` step of that allocation
-  (a pool's workers too: one step each, started without waiting for each other).
+* Inside an allocation (SLURM_JOB_ID set) a process is a task of an ``srun`` job step of that allocation
+  (:mod:`roving.backends.slurm_step`): a pool's workers are one step of N tasks, a lone process (a
+  replacement for a lost worker) a step of one; a pool larger than the allocation's CPUs is refused,
+  naming both.
 * State comes from one ``squeue`` call for all of this process's jobs (at most every 0.2 s), exit codes
   from the job's exit status: a job killed by signal N is ``-N`` as in multiprocessing.
 * ``terminate_job`` sends SIGTERM (``scancel --signal=TERM --full``), ``force`` SIGKILL.
@@ -36,9 +38,9 @@ import time
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import config as _config
-from . import slurm_array, throttle
+from . import slurm_array, slurm_step, throttle
 from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
-from .output import LineSplitter, open_private, private_dir
+from .output import LineSplitter, private_dir
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -60,10 +62,12 @@ class SlurmError(OSError):
 
 
 def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
-           check: bool = True, umask: int = -1) -> subprocess.CompletedProcess:
+           check: bool = True, umask: int = -1, script: Optional[str] = None) -> subprocess.CompletedProcess:
+    """Run a Slurm command; ``script`` goes to its standard input (sbatch reads its batch script there)."""
+    feed = {"input": script} if script is not None else {"stdin": subprocess.DEVNULL}
     try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env,
-                                stdin=subprocess.DEVNULL, umask=umask)
+        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, umask=umask,
+                                **feed)
     except FileNotFoundError:
         raise SlurmError(f"Slurm's `{args[0]}` command is not on PATH: is Slurm installed on this "
                          "machine? (or choose another roving backend)") from None
@@ -103,13 +107,6 @@ def _exitcode(raw: str, forced: bool, state: str) -> int:
     return code
 
 
-class _Step:
-    """A job step started with srun inside the allocation this process runs in."""
-
-    def __init__(self, proc: subprocess.Popen, step_name: str) -> None:
-        self.proc, self.step_name = proc, step_name
-
-
 class SlurmBackend(Backend):
     name = "slurm"
 
@@ -122,12 +119,11 @@ class SlurmBackend(Backend):
         self._names: Dict[str, str] = {}
         self._forced: Set[str] = set()
         self._cancelled: Set[str] = set()  # jobs this process cancelled or signalled itself
-        self._steps: Dict[str, _Step] = {}
         self._pending_since: Dict[str, float] = {}
         self._warned: Set[str] = set()
         self._controller_ok = False
         self._reaper = Reaper(self.name)
-        self._step_counter = 0
+        self._steps = slurm_step.Steps(self._watch_step)
         self._towards: Optional[Tuple[str, str]] = None
         self._settings: Optional[Dict[str, str]] = None
         self._task_of_raw: Dict[str, str] = {}  # an array task's own job id (slurmstepd's) -> its task id
@@ -160,11 +156,14 @@ class SlurmBackend(Backend):
         return opts + shlex.split(cfg.slurm_options)
 
     def create_job(self, spec: JobSpec) -> Job:
+        if os.environ.get("SLURM_JOB_ID"):
+            (job,) = self._start_steps([spec])
+            if isinstance(job, Exception):
+                raise job
+            return job
         cfg = _config.current()
         env = dict(spec.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        if os.environ.get("SLURM_JOB_ID"):
-            return self._create_step(spec, cfg, env)
         self._check_controller()
         tag = spec.session.tag
         if spec.output == "off":
@@ -189,11 +188,13 @@ class SlurmBackend(Backend):
         return self._register(job_id, spec.name, output.replace("%j", job_id), error.replace("%j", job_id),
                               spec.output)
 
-    def _sbatch(self, args: List[str], env: Dict[str, str], what: str, tasks: int = 0) -> str:
+    def _sbatch(self, args: List[str], env: Dict[str, str], what: str, tasks: int = 0,
+                script: Optional[str] = None) -> str:
         """Run sbatch, retried while Slurm says it is busy (:func:`throttle.retry_busy`); the job id.
-        SlurmError with Slurm's words (and the limit met, for an array of ``tasks``) when refused."""
+        SlurmError with Slurm's words (and the limit met, for an array of ``tasks``) when refused.
+        ``script``: the batch script, given on sbatch's standard input."""
         def attempt() -> str:
-            result = _slurm(args, env=env, check=False, umask=0o077)
+            result = _slurm(args, env=env, check=False, umask=0o077, script=script)
             if result.returncode != 0:
                 words = (result.stderr or result.stdout).strip()
                 if tasks:
@@ -238,8 +239,10 @@ class SlurmBackend(Backend):
         at most MaxArraySize tasks; one job each with ``slurm_array = False``, for a single spec, and
         inside an allocation (job steps). Task ids are ``<array>_<index>``. More specs than the cluster's
         MaxJobCount are refused at once, naming it."""
+        if os.environ.get("SLURM_JOB_ID"):
+            return self._start_steps(specs)
         cfg = _config.current()
-        if len(specs) < 2 or not cfg.slurm_array or os.environ.get("SLURM_JOB_ID"):
+        if len(specs) < 2 or not cfg.slurm_array:
             return super().submit_many(specs)
         try:
             self._check_controller()
@@ -282,9 +285,11 @@ class SlurmBackend(Backend):
         args = ["sbatch", "--parsable", f"--array=0-{len(specs) - 1}", f"--job-name=roving-{tag}",
                 f"--comment={slurm_array.label(specs)}", "--export=ALL", f"--chdir={first.cwd}", "--ntasks=1",
                 "--open-mode=append", "--no-requeue", f"--output={output}", f"--error={error}",
-                *self._resource_options(first, cfg),
-                "--wrap", slurm_array.task_script(specs, per_task, _umask(), log_files)]
-        array_id = self._sbatch(args, common, what, tasks=len(specs))
+                *self._resource_options(first, cfg)]
+        # on standard input, not as --wrap's argument: an array's script grows with its tasks (about 300
+        # bytes each) past the 128 KiB the kernel allows one argument (E2BIG for a pool of ~450)
+        script = "#!/bin/sh\n" + slurm_array.task_script(specs, per_task, _umask(), log_files)
+        array_id = self._sbatch(args, common, what, tasks=len(specs), script=script)
         log.info("roving: Slurm job array %s: %s", array_id, what)
         jobs = []
         for i, spec in enumerate(specs):
@@ -295,40 +300,17 @@ class SlurmBackend(Backend):
             jobs.append(self._register(task_id, spec.name, out_i, err_i, mode))
         return jobs
 
-    def _create_step(self, spec: JobSpec, cfg: _config.Config, env: Dict[str, str]) -> Job:
-        with self._lock:
-            self._step_counter += 1
-            step_name = f"roving-{spec.session.tag}-{os.getpid()}-{self._step_counter}"
-        args = ["srun", "--overlap", "--ntasks=1", "--nodes=1", "--export=ALL", f"--job-name={step_name}",
-                f"--chdir={spec.cwd}", "--quiet", *self._resource_options(spec, cfg), *spec.command]
-        out = {"prefix": subprocess.PIPE, "off": subprocess.DEVNULL}.get(spec.output)
-        log_file = None
-        if spec.output == "files":
-            log_file = out = open_private(spec.log_path)
-        try:
-            proc = subprocess.Popen(args, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT if log_file else out, close_fds=True)
-        except FileNotFoundError:
-            raise SlurmError("Slurm's `srun` command is not on PATH inside this allocation") from None
-        finally:
-            if log_file is not None:
-                log_file.close()
-        job = Job(self, step_name)
-        with self._lock:
-            self._steps[step_name] = _Step(proc, step_name)
-            self._names[step_name] = spec.name
-        if spec.output == "prefix":
-            for stream, to_stderr in ((proc.stdout, False), (proc.stderr, True)):
-                threading.Thread(target=self._pump, args=(stream, LineSplitter(f"[{spec.name}] ", to_stderr)),
-                                 daemon=True).start()
-        return job
+    # -- inside an allocation: job steps (roving.backends.slurm_step) ----------------------------
+    def _start_steps(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
+        jobs = self._steps.start(specs, self, _umask())
+        return [SlurmError(str(j)) if isinstance(j, slurm_step.StepError) else j for j in jobs]
 
-    @staticmethod
-    def _pump(stream, splitter: LineSplitter) -> None:
-        for chunk in iter(lambda: stream.read1(65536), b""):
-            splitter.feed(chunk)
-        splitter.close()
-        stream.close()
+    def _watch_step(self, step_id: str, running: bool) -> None:
+        """A step's id is known (the Reaper cancels it if this process dies), or it has ended."""
+        if running:
+            self._reaper.add(step_id)
+        else:
+            self._reaper.done(step_id)
 
     def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
         """Print the job's output files as they grow, until the job has ended and they are read."""
@@ -424,12 +406,8 @@ class SlurmBackend(Backend):
             self._reaper.done(job_id)
 
     def job_status(self, job: Job) -> JobStatus:
-        step = self._steps.get(job.id)
-        if step is not None:
-            code = step.proc.poll()
-            if code is None:
-                return JobStatus(JobState.RUNNING)
-            return JobStatus(JobState.EXITED, -(code - 128) if 128 < code < 160 else code)
+        if job.id in self._steps:
+            return self._steps.status(job.id)
         status = self._status.get(job.id)
         if status is not None and status.state is JobState.EXITED:
             return status
@@ -438,9 +416,8 @@ class SlurmBackend(Backend):
 
     def terminate_job(self, job: Job, force: bool = False) -> None:
         signal_name = "KILL" if force else "TERM"
-        step = self._steps.get(job.id)
-        if step is not None:
-            self._signal_step(step, signal_name)
+        if job.id in self._steps:
+            self._steps.signal(job.id, signal_name)
             return
         status = self._status.get(job.id)
         if status is not None and status.state is JobState.EXITED:
@@ -460,31 +437,15 @@ class SlurmBackend(Backend):
         with self._lock:
             self._checked_at.pop(job.id, None)
 
-    def _signal_step(self, step: _Step, signal_name: str) -> None:
-        if step.proc.poll() is not None:
-            return
-        if signal_name == "TERM":
-            step.proc.terminate()  # srun forwards SIGTERM to the task
-            return
-        result = _slurm(["squeue", "-h", "-s", "-j", os.environ["SLURM_JOB_ID"], "-o", "%i|%j"], check=False)
-        for line in result.stdout.splitlines():
-            step_id, _, name = line.partition("|")
-            if name.strip() == step.step_name:
-                _slurm(["scancel", "--signal=KILL", step_id.strip()], check=False)
-        step.proc.kill()
-
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
-        step = self._steps.get(job.id)
-        if step is not None:
-            try:
-                step.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                return None
-            return self.job_status(job).exitcode
+        if job.id in self._steps:
+            return self._steps.wait(job.id, timeout)
         return super().wait(job, timeout)
 
     # -- information -----------------------------------------------------------------------------
     def logs(self, job: Job) -> str:
+        if job.id in self._steps:
+            return self._steps.logs(job.id)
         path = self._own.get(job.id)
         if path is None:
             result = _slurm(["scontrol", "show", "job", "-o", job.id], check=False)
@@ -499,7 +460,21 @@ class SlurmBackend(Backend):
         with open(path, errors="replace") as f:
             return f.read()
 
+    def pid(self, job: Job) -> Optional[int]:
+        """A step task's process id when it runs on this machine; None for a batch job."""
+        return self._steps.pid(job.id) if job.id in self._steps else None
+
+    def forget(self, job: Job) -> None:
+        if job.id in self._steps:
+            self._steps.forget(job.id)
+
     def cpu_count(self) -> int:
+        """Inside an allocation, its CPUs (all its nodes'); else the idle CPUs of the partition(s)."""
+        if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
+            try:
+                return max(1, sum(slurm_step.allocation_nodes()))
+            except slurm_step.StepError:
+                pass
         if os.environ.get("SLURM_CPUS_ON_NODE"):
             return int(os.environ["SLURM_CPUS_ON_NODE"])
         cfg = _config.current()
@@ -571,10 +546,8 @@ class SlurmBackend(Backend):
         with self._lock:
             live = [i for i in self._own if self._status.get(i, JobStatus(JobState.PENDING)).state
                     is not JobState.EXITED]
-            steps = list(self._steps.values())
         if live:
             self.cancel_ids(live)
             for job_id in live:
                 self._reaper.done(job_id)
-        for step in steps:
-            self._signal_step(step, "KILL")
+        self._steps.stop_all()
