@@ -20,6 +20,12 @@ Guarantees:
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
   may choose.
+* Peers that are gone are forgotten: on BYE, when a message to them finds them gone, and when their
+  connection ends without a word (a killed process). ZeroMQ reports such an end on the router's monitor
+  (DISCONNECTED); the I/O thread reads those events without ever waiting for them, before each
+  handshake step and whenever they arrive, and forgets the peer once it has read everything that was
+  waiting on the router (so a message sent just before the end is still handled as the peer's).
+  The table of authenticated peers (:meth:`Node.known_peers`) stays bounded by the connected ones.
 * Before authentication, bounds: ZeroMQ runs CURVE with the session's keys (:mod:`.crypto`, unless
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
   that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
@@ -113,6 +119,38 @@ class _RemoteWaiter(Waiter):
         self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
+def _recv_message(sock: zmq.Socket) -> List[zmq.Frame]:
+    """The next message's frames without waiting (zmq.Again if none): as ``recv_multipart(copy=False)``,
+    reading each frame's "more" flag (which pyzmq set when it received the frame) instead of asking the
+    socket again for each frame."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
+
+
+_monitor_ids = itertools.count()
+
+
+def _watch(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket that receives ``sock``'s monitor ``events``, with no high-water mark.
+
+    libzmq sends monitor events from its own I/O thread with a blocking send: were the pipe to this
+    socket full, or this socket gone while the monitor runs, that thread would stop, and with it every
+    connection of the context (hellos unanswered, in every node of the process). Hence no limit here,
+    the reader connected before the monitor starts, and :meth:`Node.close` stopping the monitor before
+    it closes this socket."""
+    address = f"inproc://roving-node-monitor-{os.getpid()}-{next(_monitor_ids)}"
+    reader = sock.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(address)  # inproc allows connecting first: no event finds the monitor without a reader
+    sock.monitor(address, events)
+    return reader
+
+
 class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
@@ -170,7 +208,9 @@ class Node(Boxes):
         # hello made with another key, a protocol error): logged, throttled, like every refusal
         # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
         # port listens, is no refusal)
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten
+        # (auth.Door.disconnected). Read on this node's I/O thread, never waited for (_read_monitor).
+        self._monitor = _watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         self._adopted: "collections.deque[_stream.Stream]" = collections.deque()
@@ -191,6 +231,16 @@ class Node(Boxes):
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
+
+    def known_peers(self) -> int:
+        """How many ZeroMQ peers this node remembers as authenticated now (any thread; a snapshot).
+
+        A peer whose connection ended, with or without a goodbye (a killed process), is forgotten by
+        the node's I/O thread once it has read what that connection sent: the first time, after
+        ZeroMQ reported the end, that it finds no message waiting on its socket (at once on an idle
+        node; under a steady stream of messages, when the stream next pauses). So this counts the
+        connected peers, plus ended ones not yet caught up with; it does not grow with dead peers."""
+        return self._door.known_peers()
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -350,12 +400,14 @@ class Node(Boxes):
             poller.register(peer.fd, zmq.POLLIN)
         self._flush_outbox()
         if self._monitor in ready:
-            self._note_failed_handshakes()
-        if router in ready:
+            self._read_monitor()
+        if router in ready or self._door.ending:
             for _ in range(256):
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = _recv_message(router)
                 except zmq.Again:
+                    # Nothing waits: what ended connections sent before their end has all been read.
+                    self._door.forget_disconnected()
                     break
                 try:
                     self._handle(frames)
@@ -384,13 +436,16 @@ class Node(Boxes):
             self._run_undeliverable()
             self._flush_outbox()
 
-    def _note_failed_handshakes(self) -> None:
+    def _read_monitor(self) -> None:
+        """Take the router's monitor events that have arrived, without waiting (I/O thread only)."""
         while True:
             try:
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._door.disconnected(int(event["value"]))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
                 self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
                                       "(a stranger, or a peer with another session's key)")
@@ -440,6 +495,9 @@ class Node(Boxes):
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
+            # Ends of connections first: one that ended before this connection was made may have had
+            # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
+            self._read_monitor()
             self._door.knock(ident, frames[1:])
             return
         op = frames[1].bytes
@@ -520,6 +578,9 @@ class Node(Boxes):
             for peer in list(self._peers.values()):
                 peer.drop()
             self._peers.clear()
+            # The monitor stops before its reader closes (see _watch): else libzmq's I/O thread blocks
+            # for good on the events of the connections that closing the router ends.
+            self._router.disable_monitor()
             self._monitor.close(0)
             self._router.close(0)
             os.close(self._wake_r)
