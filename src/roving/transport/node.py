@@ -502,7 +502,12 @@ class Node(Boxes):
             return
         op = frames[1].bytes
         if op == PIECES:
-            frames = [frames[0], *wire.join_pieces(frames[2:])]
+            try:
+                frames = [frames[0], *wire.join_pieces(frames[2:])]
+            except wire.MalformedMessage as exc:
+                log.warning("roving node %s: dropped a malformed message from the peer at %s (routing id %s): "
+                            "%s", self.address, frames[1].get("Peer-Address"), ident.hex(), exc)
+                return
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:

@@ -10,7 +10,9 @@ before any of this is :mod:`.auth`'s.
 
 Guarantees: no frame larger than :data:`MAX_FRAME` reaches a node's ZeroMQ socket (libzmq drops a
 peer that declares one); :func:`split_frames` cuts larger frames into pieces and :func:`join_pieces`
-gives them back whole, sharing memory with the caller's buffers on the sending side.
+gives them back whole, sharing memory with the caller's buffers on the sending side. A message that
+does not follow this format, as far as this module reads it, raises :class:`MalformedMessage`, whose
+text is one line saying what was wrong (a node drops such a message with a one-line warning).
 """
 from __future__ import annotations
 
@@ -55,6 +57,11 @@ HANDSHAKE_IVL_MS = 10_000
 COPY_BELOW = 65536
 
 
+class MalformedMessage(ValueError):
+    """A message that does not follow the wire format; ``str()`` is a one-line reason, naming the part
+    that was wrong."""
+
+
 def nbytes(frame: Any) -> int:
     """The size of a frame in bytes (bytes, bytearray, memoryview, zmq.Frame)."""
     if type(frame) is memoryview:
@@ -97,12 +104,24 @@ def split_frames(frames: Frames) -> Frames:
 
 def join_pieces(frames: List[Any]) -> List[Any]:
     """The frames of a message made by :func:`split_frames` (``frames`` from its layout on, as
-    zmq.Frames); ValueError when the pieces do not match the layout."""
+    zmq.Frames). MalformedMessage, saying what was wrong, when the layout is missing, is not a whole
+    number of counts, names no frame or a frame of no pieces, or does not match the pieces that came."""
+    if not frames:
+        raise MalformedMessage("a message in pieces has no layout frame")
+    layout = frames[0].bytes
     counts = array.array(_LAYOUT)
-    counts.frombytes(frames[0].bytes)
+    if len(layout) % counts.itemsize:
+        raise MalformedMessage(f"the layout of a message in pieces is {len(layout)} bytes, not a multiple "
+                               f"of {counts.itemsize}")
+    counts.frombytes(layout)
     pieces, out, at = frames[1:], [], 0
-    if sum(counts) != len(pieces) or any(c < 1 for c in counts):
-        raise ValueError("a message in pieces does not match its layout")
+    if not counts:
+        raise MalformedMessage("the layout of a message in pieces names no frame")
+    if any(c < 1 for c in counts):
+        raise MalformedMessage("the layout of a message in pieces gives a frame no pieces")
+    if sum(counts) != len(pieces):
+        raise MalformedMessage(f"a message in pieces does not match its layout: {sum(counts)} pieces "
+                               f"announced, {len(pieces)} came")
     for count in counts:
         if count == 1:
             out.append(pieces[at])
