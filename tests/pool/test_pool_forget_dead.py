@@ -1,7 +1,6 @@
-"""A pool's parent forgets workers killed before their goodbye (issue 22): its dispatcher's tables stay
-bounded by the live workers while workers are killed and replaced. (The node's own table of
-authenticated peers does not forget them yet: a first version that did, from ZeroMQ's DISCONNECTED
-events, was taken out because the security fuzz test then hung; see the session note.)"""
+"""A pool's parent forgets workers killed before their goodbye (issue 22): its dispatcher's tables and
+its node's authenticated peers stay bounded by the live workers while workers are killed and replaced.
+(The node alone, over 200 kills: tests/transport/test_forget_dead.py.)"""
 from __future__ import annotations
 
 import os
@@ -9,6 +8,7 @@ import signal
 
 import roving
 from helpers_core import TIMEOUT, wait_until
+from roving.transport import session as _session
 
 KILLS = 12
 
@@ -17,18 +17,23 @@ def _pid(_: int) -> int:
     return os.getpid()
 
 
-def test_killed_workers_are_forgotten_by_the_dispatcher():
+def test_killed_workers_are_forgotten_by_dispatcher_and_node():
+    node = _session.current().node()
+    before = node.known_peers()  # whatever else talks to this process
     with roving.Pool(2) as pool:
         assert pool.map(_pid, range(4))
         disp = pool._disp
         assert wait_until(lambda: disp.remembered() == (2, 2), TIMEOUT), disp.remembered()
+        base = before + 2 * 2  # each worker: its work connection and its heartbeat connection
+        assert wait_until(lambda: node.known_peers() == base, TIMEOUT), (node.known_peers(), base)
         seen = set()
         for _ in range(KILLS):
             pid = pool.apply(_pid, (0,))
             seen.add(pid)
             os.kill(pid, signal.SIGKILL)
             # replaced, and the killed one forgotten: as many workers and identities as before
-            assert wait_until(lambda: pid not in pool.map(_pid, range(8)) and disp.remembered() == (2, 2),
-                              TIMEOUT), disp.remembered()
+            assert wait_until(lambda: pid not in pool.map(_pid, range(8)) and disp.remembered() == (2, 2)
+                              and node.known_peers() <= base, TIMEOUT), (disp.remembered(), node.known_peers(),
+                                                                         base)
         assert len(seen) == KILLS  # each kill hit a new worker
         assert sorted(pool.map(abs, range(-50, 0))) == list(range(1, 51))  # and the pool still works

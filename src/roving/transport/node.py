@@ -374,6 +374,8 @@ class Node(Boxes):
         timeout_ms = None
         if self._deadlines:
             timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
+        if self._door.ending:  # ends reported mid-turn: applied on the next look at the router, now
+            timeout_ms = 0
         try:
             ready = dict(poller.poll(timeout_ms))
         except zmq.ZMQError:
