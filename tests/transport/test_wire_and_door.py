@@ -41,6 +41,27 @@ def test_pieces_that_do_not_match_their_layout_are_refused():
         wire.join_pieces([zmq.Frame(bytes(f)) for f in cut[1:-1]])  # a piece missing
 
 
+def _layout(*counts: int) -> zmq.Frame:
+    return zmq.Frame(b"".join(c.to_bytes(8, "little") for c in counts))
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([], "has no layout frame"),
+    ([zmq.Frame(b"abc")], "is 3 bytes, not a multiple of 8"),
+    ([zmq.Frame(b"")], "names no frame"),
+    ([_layout(1, 0), zmq.Frame(b"x")], "gives a frame no pieces"),
+    ([_layout(2 ** 64 - 1), zmq.Frame(b"x")], f"{2 ** 64 - 1} pieces announced, 1 came"),
+    ([_layout(3), zmq.Frame(b"x")], "3 pieces announced, 1 came"),
+    ([_layout(1), zmq.Frame(b"x"), zmq.Frame(b"y")], "1 pieces announced, 2 came"),
+])
+def test_a_malformed_message_in_pieces_raises_the_wire_error_with_a_one_line_reason(frames, reason):
+    with pytest.raises(wire.MalformedMessage) as caught:
+        wire.join_pieces(frames)
+    assert isinstance(caught.value, ValueError)  # what callers that catch ValueError still see
+    text = str(caught.value)
+    assert reason in text and "\n" not in text, text
+
+
 def test_the_handshake_passes_with_one_secret_and_fails_either_way_with_another():
     secret, other = os.urandom(32), os.urandom(32)
     client = auth.ClientHandshake(secret)

@@ -14,6 +14,12 @@ Guarantees of :class:`Door`: a node knows a peer by the user id that its ZAP han
 connection (:mod:`.zap`), never by the routing id alone, which a peer may choose; a connection that has
 not authenticated gets nothing read of what it sends, and is told so once, with the fixed word
 :data:`REAUTH`; at most :data:`MAX_PENDING` handshakes are remembered half-way (the oldest are dropped).
+A peer is forgotten when its connection says BYE, when a message to it finds it gone, and when its
+connection ends without a word (a killed process): ZeroMQ's DISCONNECTED event names the connection's
+file descriptor (:meth:`Door.disconnected`), and once the node has read every message that was waiting
+on its socket (:meth:`Door.forget_disconnected`) the peer is gone from :attr:`Door.authenticated`. So
+the peers remembered are those connected, plus those whose end the node has not yet caught up with;
+what a peer sent before its end is still read as its own.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import hmac
 import multiprocessing
 import os
 from typing import Any, Callable, Dict, List, Tuple
+
+import zmq
 
 NONCE_BYTES = 32
 #: The size of a proof (an HMAC-SHA256).
@@ -118,6 +126,15 @@ def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]],
                                   "secret: is it part of the same roving session?")
 
 
+def _source_fd(frame: Any) -> Any:
+    """The file descriptor of the connection a ZeroMQ message came on (None if not known)."""
+    try:
+        fd = frame.get(zmq.SRCFD)
+    except Exception:  # not a ZeroMQ frame (a test's stand-in), or the property is not there
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
 def is_reauth(frames: List[Any]) -> bool:
     """Whether a message is the node's "this connection has not authenticated" (:data:`REAUTH`)."""
     return len(frames) == 1 and len(frames[0]) == len(REAUTH) and bytes(frames[0]) == REAUTH
@@ -137,22 +154,64 @@ class Door:
         #: The node reads it on its hot path: a peer is known when ``authenticated.get(ident)`` is
         #: the user id of the message's connection.
         self.authenticated: Dict[bytes, str] = {}
+        # The file descriptor (ZeroMQ's SRCFD) of each authenticated connection, both ways, so that
+        # the end of a connection (which ZeroMQ names by its descriptor) forgets its peer.
+        self._fd_of: Dict[bytes, int] = {}
+        self._ident_at: Dict[int, bytes] = {}
+        # Peers (routing id, user id) whose connection's end was reported, to forget (forget_disconnected).
+        self._ended: List[Tuple[bytes, Any]] = []
         # Connections (routing id, user id) told REAUTH, and those half-way through the handshake.
         self.told: "collections.OrderedDict[Tuple[bytes, str], None]" = collections.OrderedDict()
         self.handshakes: "collections.OrderedDict[Tuple[bytes, str], ServerHandshake]" = \
             collections.OrderedDict()
 
     def forget(self, ident: bytes) -> None:
-        """The connection with this routing id has gone (or said BYE)."""
+        """The connection with this routing id has gone (or said BYE): forgotten now."""
         self.authenticated.pop(ident, None)
+        fd = self._fd_of.pop(ident, None)
+        if fd is not None and self._ident_at.get(fd) == ident:
+            del self._ident_at[fd]
+
+    def disconnected(self, fd: int) -> None:
+        """ZeroMQ says that the connection on file descriptor ``fd`` ended (with or without a BYE).
+
+        The peer that authenticated on ``fd`` is looked up now and forgotten at the next
+        :meth:`forget_disconnected`, not at once: messages it sent before its end may still wait on the
+        node's socket, and they are read as its own. Looked up now, because libzmq reports the end
+        before it closes the descriptor, so before a new connection can get the same number; the node
+        reads these events before every handshake step (see :meth:`knock`'s caller), so a newer
+        connection on ``fd`` has not authenticated when this runs. Unknown descriptors are ignored."""
+        ident = self._ident_at.pop(fd, None)
+        if ident is not None:
+            self._fd_of.pop(ident, None)
+            self._ended.append((ident, self.authenticated.get(ident)))
+
+    def forget_disconnected(self) -> None:
+        """Forget the peers whose connections :meth:`disconnected` reported. The node calls it when it
+        has found its socket with no message waiting, so that everything they sent has been read. A
+        routing id that a new connection has authenticated under since is kept (it is that one's)."""
+        ended, self._ended = self._ended, []
+        for ident, user in ended:
+            if user is not None and self.authenticated.get(ident) == user:
+                del self.authenticated[ident]
+
+    @property
+    def ending(self) -> int:
+        """How many reported ends :meth:`forget_disconnected` has still to apply."""
+        return len(self._ended)
+
+    def known_peers(self) -> int:
+        """How many peers are remembered as authenticated now."""
+        return len(self.authenticated)
 
     def knock(self, ident: bytes, frames: List[Any]) -> None:
         """A message (zmq.Frames, routing id off) from a connection that has not authenticated: a
-        step of its handshake, or something that is dropped unread (the connection is told REAUTH)."""
+        step of its handshake, or something that is dropped unread (the connection is told REAUTH).
+        The caller reports the connection ends that ZeroMQ has announced (:meth:`disconnected`) first."""
         if not frames:
             return
         if ident in self.authenticated:  # a new connection under the routing id of one that has gone
-            del self.authenticated[ident]
+            self.forget(ident)
         user = frames[0].get("User-Id")
         key = (ident, user)  # a handshake belongs to its connection, as its outcome does
         kind = frames[0].bytes if len(frames[0]) <= 16 else b""
@@ -165,6 +224,12 @@ class Door:
         if kind == PROOF and len(frames) == 2 and key in self.handshakes:
             if self.handshakes.pop(key).accepts(frames[1].bytes):
                 self.authenticated[ident] = user
+                fd = _source_fd(frames[0])
+                if fd is not None:
+                    old = self._ident_at.get(fd)
+                    if old is not None and old != ident:  # its end was not reported: it is gone
+                        self.forget(old)
+                    self._fd_of[ident], self._ident_at[fd] = fd, ident
                 self._send([ident, WELCOME])
                 return
             self._refusals.refuse(frames[0].get("Peer-Address"), "it failed to prove the session secret")

@@ -24,6 +24,12 @@ Guarantees:
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
   may choose.
+* Peers that are gone are forgotten: on BYE, when a message to them finds them gone, and when their
+  connection ends without a word (a killed process). ZeroMQ reports such an end on the router's monitor
+  (DISCONNECTED); the I/O thread reads those events without ever waiting for them, before each
+  handshake step and whenever they arrive, and forgets the peer once it has read everything that was
+  waiting on the router (so a message sent just before the end is still handled as the peer's).
+  The table of authenticated peers (:meth:`Node.known_peers`) stays bounded by the connected ones.
 * Before authentication, bounds: ZeroMQ runs CURVE with the session's keys (:mod:`.crypto`, unless
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
   that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
@@ -73,27 +79,6 @@ from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN, MESSAGE
                    REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames, send_frames)
 
 log = logging.getLogger(__name__)
-
-
-
-def _bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int]]) -> int:
-    """Bind ``sock`` to ``host`` on a port of ``port_range`` (or any); the port."""
-    url = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
-    if ":" in host:
-        sock.setsockopt(zmq.IPV6, 1)
-
-    def bind(port: int) -> None:
-        try:
-            sock.bind(f"{url}:{port}")
-        except zmq.ZMQError as exc:
-            raise OSError(exc.errno, f"{exc}") from None
-
-    try:
-        if port_range is None:
-            return sock.bind_to_random_port(url)
-        return addressing.bind_in_range(bind, port_range, host)
-    except zmq.ZMQError as exc:
-        raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
 
 
 Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
@@ -146,7 +131,7 @@ class Node(Boxes):
             crypto.curve_server(self._router, secret)
         self._zap_domain = zap.register(ctx, crypto.curve_keys(secret).client_public if curve else None)
         self._router.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain)
-        port = _bind_router(self._router, host, port_range)
+        port = wire.bind_router(self._router, host, port_range)
         shown = advertise or host
         self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
         self._refusals = Refusals(log, f"node {self.address}")
@@ -175,7 +160,9 @@ class Node(Boxes):
         # hello made with another key, a protocol error): logged, throttled, like every refusal
         # (not NO_DETAIL: a connection closed during its handshake, such as a probe of whether the
         # port listens, is no refusal)
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+        # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten
+        # (auth.Door.disconnected). Read on this node's I/O thread, never waited for (_read_monitor).
+        self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         # The streams are watched by a selector of their own (epoll here), which the poller watches as
@@ -206,6 +193,16 @@ class Node(Boxes):
             raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
+
+    def known_peers(self) -> int:
+        """How many ZeroMQ peers this node remembers as authenticated now (any thread; a snapshot).
+
+        A peer whose connection ended, with or without a goodbye (a killed process), is forgotten by
+        the node's I/O thread once it has read what that connection sent: the first time, after
+        ZeroMQ reported the end, that it finds no message waiting on its socket (at once on an idle
+        node; under a steady stream of messages, when the stream next pauses). So this counts the
+        connected peers, plus ended ones not yet caught up with; it does not grow with dead peers."""
+        return self._door.known_peers()
 
     def register_handler(self, op: bytes, handler: Callable[[bytes, Frames], None]) -> None:
         """Route authenticated messages whose first frame is ``op`` to ``handler(ident, frames)``.
@@ -350,6 +347,8 @@ class Node(Boxes):
         timeout_ms = None
         if self._deadlines:
             timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
+        if self._door.ending:  # ends reported mid-turn: applied on the next look at the router, now
+            timeout_ms = 0
         try:
             ready = dict(poller.poll(timeout_ms))
         except zmq.ZMQError:
@@ -376,12 +375,14 @@ class Node(Boxes):
             self._selector.register(peer.fd, selectors.EVENT_READ)
         self._flush_outbox()
         if self._monitor in ready:
-            self._note_failed_handshakes()
-        if router in ready:
+            self._read_monitor()
+        if router in ready or self._door.ending:
             for _ in range(256):
                 try:
-                    frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+                    frames = wire.recv_message(router)
                 except zmq.Again:
+                    # Nothing waits: what ended connections sent before their end has all been read.
+                    self._door.forget_disconnected()
                     break
                 try:
                     self._handle(frames)
@@ -412,13 +413,16 @@ class Node(Boxes):
             self._run_undeliverable()
             self._flush_outbox()
 
-    def _note_failed_handshakes(self) -> None:
+    def _read_monitor(self) -> None:
+        """Take the router's monitor events that have arrived, without waiting (I/O thread only)."""
         while True:
             try:
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._door.disconnected(int(event["value"]))
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
                 self._refusals.refuse("a ZeroMQ peer", "its ZeroMQ handshake failed with a protocol error "
                                       "(a stranger, or a peer with another session's key)")
@@ -494,11 +498,19 @@ class Node(Boxes):
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
+            # Ends of connections first: one that ended before this connection was made may have had
+            # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
+            self._read_monitor()
             self._door.knock(ident, frames[1:])
             return
         op = frames[1].bytes
         if op == PIECES:
-            frames = [frames[0], *wire.join_pieces(frames[2:])]
+            try:
+                frames = [frames[0], *wire.join_pieces(frames[2:])]
+            except wire.MalformedMessage as exc:
+                log.warning("roving node %s: dropped a malformed message from the peer at %s (routing id %s): "
+                            "%s", self.address, frames[1].get("Peer-Address"), ident.hex(), exc)
+                return
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:
@@ -575,6 +587,9 @@ class Node(Boxes):
                 peer.drop()
             self._peers.clear()
             self._selector.close()
+            # The monitor stops before its reader closes (see _watch): else libzmq's I/O thread blocks
+            # for good on the events of the connections that closing the router ends.
+            self._router.disable_monitor()
             self._monitor.close(0)
             self._router.close(0)
             os.close(self._wake_r)

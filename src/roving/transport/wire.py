@@ -10,15 +10,21 @@ before any of this is :mod:`.auth`'s.
 
 Guarantees: no frame larger than :data:`MAX_FRAME` reaches a node's ZeroMQ socket (libzmq drops a
 peer that declares one); :func:`split_frames` cuts larger frames into pieces and :func:`join_pieces`
-gives them back whole, sharing memory with the caller's buffers on the sending side.
+gives them back whole, sharing memory with the caller's buffers on the sending side. A message that
+does not follow this format, as far as this module reads it, raises :class:`MalformedMessage`, whose
+text is one line saying what was wrong (a node drops such a message with a one-line warning).
 """
 from __future__ import annotations
 
 import array
+import itertools
+import os
 import struct
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import zmq
+
+from . import addressing
 
 from .stream import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
 
@@ -54,6 +60,11 @@ _LAYOUT = "Q"
 HANDSHAKE_IVL_MS = 10_000
 #: Frames smaller than this are copied into ZeroMQ: cheaper than tracking them.
 COPY_BELOW = 65536
+
+
+class MalformedMessage(ValueError):
+    """A message that does not follow the wire format; ``str()`` is a one-line reason, naming the part
+    that was wrong."""
 
 
 def nbytes(frame: Any) -> int:
@@ -98,12 +109,24 @@ def split_frames(frames: Frames) -> Frames:
 
 def join_pieces(frames: List[Any]) -> List[Any]:
     """The frames of a message made by :func:`split_frames` (``frames`` from its layout on, as
-    zmq.Frames); ValueError when the pieces do not match the layout."""
+    zmq.Frames). MalformedMessage, saying what was wrong, when the layout is missing, is not a whole
+    number of counts, names no frame or a frame of no pieces, or does not match the pieces that came."""
+    if not frames:
+        raise MalformedMessage("a message in pieces has no layout frame")
+    layout = frames[0].bytes
     counts = array.array(_LAYOUT)
-    counts.frombytes(frames[0].bytes)
+    if len(layout) % counts.itemsize:
+        raise MalformedMessage(f"the layout of a message in pieces is {len(layout)} bytes, not a multiple "
+                               f"of {counts.itemsize}")
+    counts.frombytes(layout)
     pieces, out, at = frames[1:], [], 0
-    if sum(counts) != len(pieces) or any(c < 1 for c in counts):
-        raise ValueError("a message in pieces does not match its layout")
+    if not counts:
+        raise MalformedMessage("the layout of a message in pieces names no frame")
+    if any(c < 1 for c in counts):
+        raise MalformedMessage("the layout of a message in pieces gives a frame no pieces")
+    if sum(counts) != len(pieces):
+        raise MalformedMessage(f"a message in pieces does not match its layout: {sum(counts)} pieces "
+                               f"announced, {len(pieces)} came")
     for count in counts:
         if count == 1:
             out.append(pieces[at])
@@ -129,3 +152,57 @@ def keep_alive(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTERVAL_S)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_COUNT)
+
+
+# -- ZeroMQ sockets of a node ---------------------------------------------------------------
+
+def bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int]]) -> int:
+    """Bind ``sock`` to ``host`` on a port of ``port_range`` (or any); the port."""
+    url = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+
+    def bind(port: int) -> None:
+        try:
+            sock.bind(f"{url}:{port}")
+        except zmq.ZMQError as exc:
+            raise OSError(exc.errno, f"{exc}") from None
+
+    try:
+        if port_range is None:
+            return sock.bind_to_random_port(url)
+        return addressing.bind_in_range(bind, port_range, host)
+    except zmq.ZMQError as exc:
+        raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
+
+
+def recv_message(sock: zmq.Socket) -> List[zmq.Frame]:
+    """The next message's frames without waiting (zmq.Again if none): as ``recv_multipart(copy=False)``,
+    reading each frame's "more" flag (which pyzmq set when it received the frame) instead of asking the
+    socket again for each frame."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(copy=False)
+        frames.append(frame)
+    return frames
+
+
+_monitor_ids = itertools.count()
+
+
+def watch(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A PAIR socket that receives ``sock``'s monitor ``events``, with no high-water mark.
+
+    libzmq sends monitor events from its own I/O thread with a blocking send: were the pipe to this
+    socket full, or this socket gone while the monitor runs, that thread would stop, and with it every
+    connection of the context (hellos unanswered, in every node of the process). Hence no limit here,
+    the reader connected before the monitor starts, and :meth:`.node.Node.close` stopping the monitor before
+    it closes this socket."""
+    address = f"inproc://roving-node-monitor-{os.getpid()}-{next(_monitor_ids)}"
+    reader = sock.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(address)  # inproc allows connecting first: no event finds the monitor without a reader
+    sock.monitor(address, events)
+    return reader
