@@ -6,7 +6,7 @@ connections open from another process, less before, per connection:
 * ``zmq``, ``zmq-curve``, ``zmq-curve-zap``: a bare ZeroMQ ROUTER (no roving), plain, with CURVE, and with
   CURVE and a ZAP handler that accepts everyone (as roving's node has one); each DEALER sends ``--messages``
   messages of 22 bytes first, which the ROUTER reads;
-* ``roving-channel``: a roving node, each connection a ``transport.endpoint.Channel`` (CURVE, ZAP and the
+* ``roving-channel``: a roving node, each connection a ``transport.channel.Channel`` (CURVE, ZAP and the
   HMAC handshake: what a pool worker's work or heartbeat connection is);
 * ``roving-stream``: a roving node, each connection a stream to its stream listener (what a roving child
   process opens to its parent for its payload and its parent-watch pings).
@@ -64,7 +64,7 @@ def _connector(kind: str, address: str, key: str, n: int, messages: int) -> None
                 sock.send_multipart([b"op", b"x" * 20])
     else:
         from roving.transport import stream as _stream
-        from roving.transport.endpoint import Channel
+        from roving.transport.channel import Channel
 
         for _ in range(n):
             if kind == "roving-stream":

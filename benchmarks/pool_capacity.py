@@ -5,7 +5,7 @@ session's HMAC handshake as configured). This machine cannot hold thousands of i
 ``--clients`` the pool's workers are *lightweight clients*: a few client-host processes
 (``--hosts``, each a subprocess running ``pool_capacity_clients.py``) each hold many workers. Each such worker is
 
-* two real ``roving.transport.endpoint.Channel`` connections of its own (the work channel and the
+* two real ``roving.transport.channel.Channel`` connections of its own (the work channel and the
   heartbeat channel, as a real worker has), each a ZeroMQ DEALER that did the real CURVE handshake and
   roving's mutual HMAC proof, so the parent's node knows it as its own authenticated identity;
 * driven by the real pool protocol of ``roving.pool._protocol`` (HELLO, READY with credit and key,

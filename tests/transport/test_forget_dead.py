@@ -19,15 +19,16 @@ import zmq
 from helpers_core import TIMEOUT, wait_until
 from roving.transport import auth, crypto
 from roving.transport import node as _node
+from roving.transport import wire as _wire
 from roving.transport.guard import Refusals
-from roving.transport.endpoint import Channel
+from roving.transport.channel import Channel
 
 PER_PROCESS = 20
 ROUNDS = 10  # 200 identities killed
 
 _CLIENT = """
 import os, sys, time
-from roving.transport.endpoint import Channel
+from roving.transport.channel import Channel
 chans = [Channel(sys.argv[1], bytes.fromhex(os.environ["FORGET_TEST_SECRET"]), 30.0) for _ in range(int(sys.argv[2]))]
 for c in chans:
     c.send([b"ping-test"])
@@ -213,7 +214,7 @@ def test_monitor_events_left_unread_never_stop_zeromq():
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    monitor = _node._watch(router, zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    monitor = _wire.watch(router, zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
     try:
         for i in range(1500):  # three events each, none read
             dealer = ctx.socket(zmq.DEALER)

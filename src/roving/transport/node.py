@@ -10,7 +10,7 @@ operations run directly on the mailboxes, without sockets: the mailboxes and the
 A client first asks the node over ZeroMQ where its stream listener is (STREAMS), then sends its requests
 over a stream of its own (:mod:`roving.transport.stream`), which the same I/O thread serves: same
 requests, same answers, fewer thread hand-offs. A protocol of one's own (the pool's) can run over such a
-stream too (:class:`roving.transport.endpoint.Channel` with ``stream=True``): its messages reach the
+stream too (:class:`roving.transport.channel.Channel` with ``stream=True``): its messages reach the
 handler registered for their operation as they would over ZeroMQ, under an identity the node gives the
 stream, and :meth:`Node.send_to` that identity writes to the stream from the sending thread itself. The
 node forgets that identity when the stream ends. ZeroMQ stays for other protocols (locks', managers')
