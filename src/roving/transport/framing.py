@@ -16,8 +16,8 @@ import struct
 from typing import Any, Deque, List, Optional, Sequence, Tuple
 
 _HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
-_BUFFER = 256 * 1024  # the most a reader's buffer grows to
-_FIRST_BUFFER = 4096  # what it starts at: a stream that carries little (a heartbeat's) costs little
+_FIRST_BUFFER = 4096  # a reader's buffer at first: an idle stream (a heartbeat's) costs little
+_BUFFER = 64 * 1024  # it doubles, up to this, each time a read fills it (a busy stream reads more at once)
 _OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
 
 
@@ -79,8 +79,9 @@ class Reader:
         self.sock = sock
         self.ready: Deque[Tuple[bytes, List[Any]]] = collections.deque()
         self.ended = False
-        # Grows (doubling, up to _BUFFER) each time a read fills it: a busy stream is read in large
-        # pieces, an idle one holds 4 KiB (thousands of pool workers each keep two streams open).
+        # Small at first, since a node serves thousands of streams (a pool worker keeps two open);
+        # frames of _OWN_BUFFER or more are read into buffers of their own, whatever its size. (It also
+        # grows beyond _BUFFER when a message's header or a smaller frame needs it.)
         self._buf = bytearray(_FIRST_BUFFER)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
