@@ -3,7 +3,7 @@ and the upkeep's view of the workers is the dispatcher's one registry."""
 from __future__ import annotations
 
 import roving
-from roving.pool._dispatch import SERVICE, Router
+from roving.pool._router import SERVICE, Router
 from roving.transport import session
 
 import helpers_pool as h

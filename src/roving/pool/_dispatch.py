@@ -7,8 +7,8 @@ The dispatcher's table of workers is the pool's one registry of them, under that
 (:mod:`roving.pool._upkeep`) reads it with :meth:`Dispatcher.workers_now`. Outcomes reach the caller's
 result objects only through :mod:`roving.pool._results`' writer functions, called from here.
 
-Workers' messages reach a pool's dispatcher through its node's ``pool`` service (:class:`Router`, made by
-``node.service``): one handler per node for the pool operation, routing by pool id.
+Workers' messages reach a pool's dispatcher through its node's ``pool`` service
+(:class:`roving.pool._router.Router`, made by ``node.service``): one handler per node for the pool operation, routing by pool id.
 
 Guarantees:
 
@@ -34,9 +34,9 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, 
 
 from .. import observe
 from ..transport import session as _session
-from ..transport.serialize import SerializationError, dumps, loads
+from ..transport.serialize import dumps, loads
 from . import _protocol as P
-from . import _results
+from . import _results, _router
 from ._results import WorkerLostError
 
 log = logging.getLogger(__name__)
@@ -153,14 +153,14 @@ class Dispatcher:
         self._keys: Dict[Any, int] = {}
         self._funcs: Dict[Any, _Func] = {}  # (function, mode) -> its pickle, for plain functions
         self._batch: Dict[WorkerState, List[Any]] = {}  # frames for each worker, sent at the end of _dispatch
-        self._router: Optional[Router] = None
+        self._router: Optional[_router.Router] = None
         # items delivered ok / as a failure, sent again after a worker died (observe.py)
         self.done = self.failed = self.retried = 0
         self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
 
     def attach(self) -> None:
         """Receive this pool's messages from workers: join the node's pool service."""
-        self._router = self.node.service(SERVICE, Router)
+        self._router = self.node.service(_router.SERVICE, _router.Router)
         self._router.add(self)
 
     def detach(self) -> None:
@@ -584,31 +584,3 @@ class Dispatcher:
                         self._deliver_run(chunk, off, False, [exc])
             self.pending.clear()
             self.suspects.clear()
-
-
-#: The key of the pool service of a node (``node.service``).
-SERVICE = "pool"
-
-
-class Router:
-    """The pools of one node: the handler of the pool operation, routing each worker's message to its
-    pool's dispatcher by pool id (on the node's I/O thread). One per node, made by ``node.service``."""
-
-    def __init__(self, node: Any) -> None:
-        self._pools: Dict[int, Dispatcher] = {}
-        self._lock = threading.Lock()
-        node.register_handler(P.OP, self._route)
-
-    def add(self, disp: Dispatcher) -> None:
-        with self._lock:
-            self._pools[disp.pool_id] = disp
-
-    def remove(self, disp: Dispatcher) -> None:
-        with self._lock:
-            self._pools.pop(disp.pool_id, None)
-
-    def _route(self, ident: bytes, frames: List[Any]) -> None:
-        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0])
-        disp = self._pools.get(pool_id)
-        if disp is not None:
-            disp.on_message(ident, kind, arg, key, frames)

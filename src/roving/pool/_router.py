@@ -1,0 +1,39 @@
+"""The pools of one node: the node's handler for the pool protocol's messages, which hands each to its
+pool's dispatcher (:mod:`roving.pool._dispatch`) by the pool id in its header, on the node's I/O thread."""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List
+
+from . import _protocol as P
+
+if TYPE_CHECKING:
+    from ._dispatch import Dispatcher
+
+
+#: The key of the pool service of a node (``node.service``).
+SERVICE = "pool"
+
+
+class Router:
+    """The pools of one node: the handler of the pool operation, routing each worker's message to its
+    pool's dispatcher by pool id (on the node's I/O thread). One per node, made by ``node.service``."""
+
+    def __init__(self, node: Any) -> None:
+        self._pools: Dict[int, Dispatcher] = {}
+        self._lock = threading.Lock()
+        node.register_handler(P.OP, self._route)
+
+    def add(self, disp: Dispatcher) -> None:
+        with self._lock:
+            self._pools[disp.pool_id] = disp
+
+    def remove(self, disp: Dispatcher) -> None:
+        with self._lock:
+            self._pools.pop(disp.pool_id, None)
+
+    def _route(self, ident: bytes, frames: List[Any]) -> None:
+        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0])
+        disp = self._pools.get(pool_id)
+        if disp is not None:
+            disp.on_message(ident, kind, arg, key, frames)
