@@ -3,12 +3,17 @@ pool's dispatcher (:mod:`roving.pool._dispatch`) by the pool id in its header, o
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List, Protocol
 
 from . import _protocol as P
 
-if TYPE_CHECKING:
-    from ._dispatch import Dispatcher
+
+class Dispatcher(Protocol):
+    """What the router needs of a pool's dispatcher."""
+
+    pool_id: int
+
+    def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None: ...
 
 
 #: The key of the pool service of a node (``node.service``).
