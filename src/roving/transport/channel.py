@@ -99,7 +99,10 @@ class Channel:
 
     def close(self, linger: float = 10.0) -> None:
         """Close, waiting up to ``linger`` seconds for queued messages to leave (a stream queues
-        nothing: what ``send`` wrote is in the kernel, which delivers it after the close)."""
+        nothing: what ``send`` wrote is in the kernel, which delivers it after the close, unless
+        messages came in that were never read: then the kernel resets the connection, and what was
+        still on its way may be lost. Close after the peer's last word, as the pool's workers do: after
+        the parent's ACK.)"""
         if self._stream is not None:
             self._stream.close()
             return
