@@ -98,8 +98,11 @@ def test_a_task_exception_is_shown_with_its_traceback(board, browser, tmp_path):
             "return [...document.querySelectorAll('#events .ev-task-failed')].some(e => "
             f"e.textContent.includes('pool {pool_id}') && e.textContent.includes('ZeroDivisionError'))"),
             TIMEOUT, tmp_path / "no-exception.png")
-        tb = browser.execute_script("const e = [...document.querySelectorAll('#events .ev-task-failed pre')]; "
-                                    "return e.length ? e[e.length - 1].textContent : ''")
+        # this pool's failure (the list is newest first, and may hold earlier tests' failures)
+        tb = browser.execute_script(
+            "const e = [...document.querySelectorAll('#events .ev-task-failed')].find(e => "
+            f"e.textContent.includes('pool {pool_id}') && e.textContent.includes('ZeroDivisionError')); "
+            "const pre = e && e.querySelector('pre'); return pre ? pre.textContent : ''")
         assert "Traceback" in tb and "ZeroDivisionError" in tb
         browser.save_screenshot(str(tmp_path / "events.png"))
 

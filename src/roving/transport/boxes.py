@@ -5,20 +5,21 @@
 :attr:`Boxes.lock`, so a mailbox behaves the same whoever uses it. The operations are
 :mod:`.wire`'s; the mailbox semantics (waiting readers and writers, gates, writers held) are
 :mod:`.mailbox`'s. This module also keeps the claims of pipe ends that talk over a direct stream
-(:mod:`.link`).
+(:mod:`.link`), and the waiter of another process's request (:class:`RemoteWaiter`).
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import struct
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from . import timeouts
 from .mailbox import EMPTY, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter
-from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, SIZE,
-                   TASK_DONE, UNCLAIM, UNGATE, Frames)
+from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
+                   SIZE, TASK_DONE, UNCLAIM, UNGATE, Frames)
 
 #: Statuses a timed-out wait is answered with.
 TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
@@ -159,3 +160,25 @@ class Boxes:
             if box is not None:
                 box.put_front(frames)
 
+
+#: How a request of another process is answered: ``answer(frames, undeliverable)`` (any thread).
+Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
+
+
+class RemoteWaiter(Waiter):
+    """A waiting request of another process: ``answer(frames, undeliverable)`` sends its reply back the
+    way the request came (ZeroMQ or a stream), from whichever thread fulfils it."""
+
+    __slots__ = ("node", "answer", "req_id", "box_id")
+
+    def __init__(self, node: "Boxes", answer: Answer, req_id: int, box_id: int) -> None:
+        super().__init__()
+        self.node, self.answer, self.req_id, self.box_id = node, answer, req_id, box_id
+
+    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
+        self.done = True
+        undeliverable = None
+        if status == OK and frames:
+            # An item handed to a reader whose process has gone goes back to the front of its mailbox.
+            undeliverable = functools.partial(self.node.put_back, self.box_id, frames)
+        self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)

@@ -62,7 +62,7 @@ from zmq.utils import monitor as zmq_monitor
 
 from . import addressing, auth
 from .auth import BYE
-from .boxes import TIMEOUT_STATUS, Boxes
+from .boxes import TIMEOUT_STATUS, Answer, Boxes, RemoteWaiter
 from . import crypto
 from . import stream as _stream
 from .served import ServedStream
@@ -79,28 +79,6 @@ from .wire import (ANSWER, CLAIM, GATE, GET, HEADER, HOLD, INSERT, JOIN, MESSAGE
                    REQUEST, SIZE, STREAMS, TASK_DONE, UNCLAIM, UNGATE, Frames, send_frames)
 
 log = logging.getLogger(__name__)
-
-
-Answer = Callable[[Frames, Optional[Callable[[], None]]], Any]
-
-
-class _RemoteWaiter(Waiter):
-    """A waiting request of another process: ``answer(frames, undeliverable)`` sends its reply back the
-    way the request came (ZeroMQ or a stream), from whichever thread fulfils it."""
-
-    __slots__ = ("node", "answer", "req_id", "box_id")
-
-    def __init__(self, node: "Node", answer: Answer, req_id: int, box_id: int) -> None:
-        super().__init__()
-        self.node, self.answer, self.req_id, self.box_id = node, answer, req_id, box_id
-
-    def fulfil(self, status: int, frames: Optional[Frames] = None) -> None:
-        self.done = True
-        undeliverable = None
-        if status == OK and frames:
-            # An item handed to a reader whose process has gone goes back to the front of its mailbox.
-            undeliverable = functools.partial(self.node.put_back, self.box_id, frames)
-        self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
 
 
 class Node(Boxes):
@@ -544,7 +522,7 @@ class Node(Boxes):
         if notice is not None:
             notice(payload)
             return
-        waiter = _RemoteWaiter(self, answer, req_id, box_id)
+        waiter = RemoteWaiter(self, answer, req_id, box_id)
         with self.lock:
             status, out = self.dispatch(op, box_id, timeout, payload, waiter)
             if status == -1:
