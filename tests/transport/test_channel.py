@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -211,3 +212,22 @@ def test_pool_workers_talk_to_their_parent_over_streams():
         node = _session.current().node()
         # each worker: its work channel and its heartbeat channel
         assert wait_for(lambda: node.known_channels() >= 6), node.known_channels()
+
+
+def test_a_listener_that_refuses_connections_is_left_for_zeromq_at_once(node, monkeypatch):
+    """Nothing listening at the stream listener's address (ECONNREFUSED) is not waited on with back-off."""
+    Echo(node)
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there now
+    monkeypatch.setitem(_endpoint._listeners, node.address, f"127.0.0.1:{port}")
+    started = time.monotonic()
+    chan = Channel(node.address, node.secret, TIMEOUT, stream=True)
+    try:
+        assert not chan.over_stream
+        assert time.monotonic() - started < _endpoint.STREAM_OPEN_TIMEOUT / 2  # not retried until it passes
+        chan.send([OP, b"over zeromq"])
+        assert [bytes(f) for f in chan.recv(TIMEOUT)] == [b"over zeromq"]
+    finally:
+        chan.close()

@@ -123,7 +123,9 @@ def _open_channel_stream(address: str, listener: str, secret: bytes,
         except auth.AuthenticationError:
             raise
         except (OSError, ConnectionError) as exc:
-            if time.monotonic() + pause >= deadline or "refused" in str(exc).lower():
+            # nothing listens there (the node has gone): no use waiting; else (a busy listener closed
+            # the connection during the handshake, a slow one) again until the deadline
+            if time.monotonic() + pause >= deadline or isinstance(exc.__cause__, ConnectionRefusedError):
                 log.warning("roving: no stream to the node at %s (listener %s: %s); using ZeroMQ",
                             address, listener, exc)
                 return None
