@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install what the tests need, start the cluster software they run against (a single-node Slurm, the test
 # hosts with a multi-node Slurm on them, and a Docker engine, all real), then run the whole test suite.
-set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/fail-loudly.sh"
 cd "$(dirname "$0")/.."
 # jargon-text: the Jargon File, public-domain English prose for the SkipPipe training tests' corpus
 if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpkg -s jargon-text >/dev/null 2>&1 \

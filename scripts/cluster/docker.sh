@@ -7,7 +7,7 @@
 # symlinks /bin, /lib, /lib64, /sbin into /usr, and /etc/passwd. The tests bind-mount the host's /usr and
 # Python installation read-only into each container (the `docker_volumes` option), so that a container
 # runs the very Python, roving and dependencies of the test run.
-set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/../fail-loudly.sh"
 IMAGE=${SETUP_TEST_IMAGE:-roving-test:latest}
 LOG=/var/log/roving-dockerd.log
 

@@ -25,8 +25,9 @@
 # The filesystem is one: /tmp, /run/munge and the working tree are the same in every host (as on a cluster
 # with a shared filesystem); /dev/shm is each compute host's own for its Slurm jobs (a tmpfs per slurmd).
 # `tc netem` does not work on these machines (the qdisc kind is unknown): links have no emulated delay.
-set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/../fail-loudly.sh"
 HERE=$(cd "$(dirname "$0")" && pwd)
+DOCKER_NETNS_DIR=${SETUP_DOCKER_NETNS:-/var/run/docker/netns}  # Docker's container namespaces (a check hides it)
 # shellcheck source=hosts.env
 . "$HERE/hosts.env"
 CONF=$HOSTS_SLURM_CONF
@@ -107,8 +108,13 @@ stop_orphans() {
     # A host's namespace deleted while processes held it lives on without a link: a slurmd or a job's
     # slurmstepd there can reach no one (its node stays "completing"). Such namespaces are those of Slurm
     # processes in no namespace known here (the root's, /run/netns/*, Docker's); everything in them goes.
-    local known p ns orphans=""
-    known=" $(stat -L -c %i /proc/$$/ns/net /run/netns/* /var/run/docker/netns/* 2>/dev/null | tr '\n' ' ') "
+    # (one stat per file, each allowed to fail: on a first run there is no Docker, and its netns glob
+    # matches nothing, which must not end the script under `set -e`)
+    local known=" " p ns f orphans=""
+    for f in /proc/$$/ns/net /run/netns/* "$DOCKER_NETNS_DIR"/*; do
+        [ -e "$f" ] || continue
+        ns=$(stat -L -c %i "$f" 2>/dev/null) && known="$known$ns "
+    done
     for p in /proc/[0-9]*; do
         case "$(cat "$p/comm" 2>/dev/null)" in slurmd|slurmstepd|slurmctld) ;; *) continue;; esac
         ns=$(stat -L -c %i "$p/ns/net" 2>/dev/null) || continue

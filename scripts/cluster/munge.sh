@@ -2,7 +2,7 @@
 # Start munged (Slurm's authentication) if it does not answer: a key, its folders, the daemon. Idempotent.
 # Used by slurm.sh and hosts.sh; munge and Slurm must already be installed. Its socket is a file in
 # /run/munge, so processes in the test hosts' network namespaces (hosts.sh) use the same daemon and key.
-set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/../fail-loudly.sh"
 if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then exit 0; fi
 if [ ! -s /etc/munge/munge.key ]; then
     dd if=/dev/urandom of=/etc/munge/munge.key bs=1024 count=1 status=none

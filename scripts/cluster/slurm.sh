@@ -4,7 +4,7 @@
 # No systemd, no cgroups: every daemon runs as root in the background, state under $STATE.
 # The node is oversubscribed (more CPUs configured than the machine has) so that tests can run more
 # one-CPU jobs at once than there are cores.
-set -euo pipefail
+. "$(dirname "${BASH_SOURCE[0]}")/../fail-loudly.sh"
 STATE=${SETUP_SLURM_STATE:-/var/lib/roving-slurm}
 CONF=/etc/slurm/slurm.conf
 CPUS=${SETUP_SLURM_CPUS:-32}
