@@ -16,9 +16,7 @@ import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-
-class UnknownJobError(LookupError):
-    """No job of that id is known to the backend (`roving logs`, `roving cancel`); the message names it."""
+from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,9 @@ from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env,
                    user_name)
+from .errors import DockerError, UnknownJobError
 from .output import LineSplitter, open_private
 from .reaper import Reaper
 
@@ -38,10 +39,6 @@ _SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder hold
 
 
 _TRANSIENT = re.compile(r"timeout|timed out|too many|temporarily|try again|overloaded|busy", re.I)
-
-
-class DockerError(OSError):
-    """The Docker engine refused or could not be reached; the message has the engine's words."""
 
 
 def _sdk():

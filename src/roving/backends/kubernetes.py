@@ -32,8 +32,9 @@ from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env,
                    user_name)
+from .errors import KubernetesError, UnknownJobError
 from .output import LineSplitter, open_private
 from .reaper import Reaper
 
@@ -41,10 +42,6 @@ log = logging.getLogger(__name__)
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _REFRESH_S = 0.2
 _TIMEOUT = 10
-
-
-class KubernetesError(OSError):
-    """The Kubernetes API refused or could not be reached; the message has its words."""
 
 
 def _dns_name(text: str) -> str:

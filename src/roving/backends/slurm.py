@@ -39,7 +39,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import config as _config
 from . import slurm_array, slurm_step, throttle
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus
+from .errors import SlurmError, StepError, UnknownJobError
 from .output import LineSplitter, private_dir
 from .reaper import Reaper
 
@@ -55,10 +56,6 @@ _REFRESH_S = 0.2
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
 _CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ CANCELLED AT .*\*\*\*\s*$")
 _COMMAND_TIMEOUT = 30
-
-
-class SlurmError(OSError):
-    """Slurm refused or could not be asked; the message has Slurm's own words."""
 
 
 def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
@@ -303,7 +300,7 @@ class SlurmBackend(Backend):
     # -- inside an allocation: job steps (roving.backends.slurm_step) ----------------------------
     def _start_steps(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
         jobs = self._steps.start(specs, self, _umask())
-        return [SlurmError(str(j)) if isinstance(j, slurm_step.StepError) else j for j in jobs]
+        return [SlurmError(str(j)) if isinstance(j, StepError) else j for j in jobs]
 
     def _watch_step(self, step_id: str, running: bool) -> None:
         """A step's id is known (the Reaper cancels it if this process dies), or it has ended."""
@@ -473,7 +470,7 @@ class SlurmBackend(Backend):
         if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
             try:
                 return max(1, sum(slurm_step.allocation_nodes()))
-            except slurm_step.StepError:
+            except StepError:
                 pass
         if os.environ.get("SLURM_CPUS_ON_NODE"):
             return int(os.environ["SLURM_CPUS_ON_NODE"])

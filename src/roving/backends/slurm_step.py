@@ -38,6 +38,7 @@ from typing import Callable, Dict, IO, List, Optional, Sequence, Tuple, Union
 from .. import config as _config
 from . import slurm_array
 from .base import Backend, Job, JobSpec, JobState, JobStatus
+from .errors import StepError
 from .output import private_dir, write_prefixed
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,6 @@ LAUNCH_WAIT_S = 10
 # srun's input variables (the batch script's own request) that would override a step's layout
 _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_",
                "SLURM_GPUS_PER_", "SLURM_CPUS_PER_GPU")
-
-
-class StepError(OSError):
-    """A step cannot be started: it does not fit the allocation, or srun refused (its words)."""
 
 
 def srun_env(env: Dict[str, str]) -> Dict[str, str]:

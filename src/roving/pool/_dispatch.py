@@ -37,7 +37,7 @@ from ..transport import session as _session
 from ..transport.serialize import dumps, loads
 from . import _protocol as P
 from . import _results, _router
-from ._results import WorkerLostError
+from .errors import WorkerLostError
 
 log = logging.getLogger(__name__)
 

@@ -38,8 +38,9 @@ from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
 from ._dispatch import Dispatcher, WorkerState
-from ._results import CallbackRunner, PoolStartError
+from ._results import CallbackRunner
 from ._shape import covers
+from .errors import PoolStartError
 
 __all__ = ["Upkeep", "RUN", "CLOSE", "TERMINATE"]
 
