@@ -182,7 +182,8 @@ class KubernetesBackend(Backend):
             from_refs.append({"name": spec.session.secret_env, "valueFrom": {"secretKeyRef": {
                 "name": self._session_secret(tag, secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
-                                              "roving.name": _dns_name(spec.name), "roving.user": _user_label(user_name())},
+                                              "roving.name": _dns_name(spec.name),
+                                              "roving.user": _user_label(user_name())},
                     "annotations": {"roving.process-name": spec.name}}
         owner = self._owner_reference()
         if owner:
@@ -238,7 +239,8 @@ class KubernetesBackend(Backend):
                 self.api().create_namespaced_secret(self.namespace, body, _request_timeout=_TIMEOUT)
             except ApiException as exc:
                 raise KubernetesError(f"Kubernetes refused the session's Secret {name} (the pods' key to "
-                                      f"authenticate; the role needs create/delete on secrets): {_short(exc)}") from None
+                                      f"authenticate; the role needs create/delete on secrets): "
+                                      f"{_short(exc)}") from None
             except Exception as exc:
                 raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
             self._reaper.add(f"{self.namespace}/secret:{name}")
@@ -402,7 +404,8 @@ class KubernetesBackend(Backend):
         out = []
         for item in items:
             status = _status_of(item)
-            out.append(JobInfo(id=item.metadata.name, name=(item.metadata.annotations or {}).get("roving.process-name", ""),
+            out.append(JobInfo(id=item.metadata.name,
+                               name=(item.metadata.annotations or {}).get("roving.process-name", ""),
                                session=(item.metadata.labels or {}).get("roving.session", ""),
                                state=item.status.phase, reason=status.reason,
                                user=(item.metadata.labels or {}).get("roving.user", "")))

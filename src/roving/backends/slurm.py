@@ -54,7 +54,8 @@ _RUNNING = {"RUNNING", "COMPLETING"}
 _REFRESH_S = 0.2
 # What slurmstepd writes into a job's error file when the job is cancelled:
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
-_CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ CANCELLED AT .*\*\*\*\s*$")
+_CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ "
+                             rb"CANCELLED AT .*\*\*\*\s*$")
 _COMMAND_TIMEOUT = 30
 
 
@@ -328,7 +329,7 @@ class SlurmBackend(Backend):
                 break
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
-        for path, f, splitter in followed:
+        for _path, f, splitter in followed:
             if f is not None:
                 f.close()
             splitter.close()
@@ -485,7 +486,8 @@ class SlurmBackend(Backend):
     def describe(self) -> Dict[str, str]:
         info: Dict[str, str] = {}
         ping = _slurm(["scontrol", "ping"], timeout=10, check=False)
-        info["controller"] = (ping.stdout + ping.stderr).strip().splitlines()[0] if (ping.stdout + ping.stderr).strip() else "?"
+        said = (ping.stdout + ping.stderr).strip()
+        info["controller"] = said.splitlines()[0] if said else "?"
         if os.environ.get("SLURM_JOB_ID"):
             info["allocation"] = f"job {os.environ['SLURM_JOB_ID']}: processes are job steps (srun)"
         parts = _slurm(["sinfo", "-h", "-o", "%P|%D|%C|%m|%G|%a"], timeout=10, check=False)
