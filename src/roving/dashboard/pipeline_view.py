@@ -102,7 +102,8 @@ class PipelineWatch:
                 or (not status and bool(iterations))}
 
 
-def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]], plan: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
+           plan: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Each node: its stage, region (where the status or plan says), and alive / slow / dead / joining."""
     alloc = status.get("nodes") or {}
     hosts = (status.get("regions") or (plan or {}).get("regions") or {})

@@ -8,7 +8,8 @@ The dispatcher's table of workers is the pool's one registry of them, under that
 result objects only through :mod:`roving.pool._results`' writer functions, called from here.
 
 Workers' messages reach a pool's dispatcher through its node's ``pool`` service
-(:class:`roving.pool._router.Router`, made by ``node.service``): one handler per node for the pool operation, routing by pool id.
+(:class:`roving.pool._router.Router`, made by ``node.service``): one handler per node for the pool operation,
+routing by pool id.
 
 Guarantees:
 
