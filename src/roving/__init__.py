@@ -29,7 +29,8 @@ from .transport.serialize import SerializationError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Connection",
+    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue",
+    "Pipe", "Connection",
     "current_process", "parent_process", "active_children", "cpu_count",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
     "init", "Config", "ConfigError", "SerializationError", "ConnectionLost", "ProcessStartError", "PoolStartError",

@@ -136,8 +136,9 @@ def _run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     spec = backends.JobSpec(
         name=os.path.basename(args.script), command=[sys.executable, args.script, *args.args], env=env,
-        cwd=os.getcwd(), session=session.current().job_session(), resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None,
-                                                      cfg.gpu), output="prefix")
+        cwd=os.getcwd(), session=session.current().job_session(),
+        resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None, cfg.gpu),
+        output="prefix")
     job = backend.create_job(spec)
     print(f"roving: {args.script} runs as {cfg.backend} job {job.id}", file=sys.stderr)
     try:

@@ -43,11 +43,11 @@ from . import config as _config
 from . import process as _process
 # The proxies, MakeProxyType and public_methods are importable from here, as from multiprocessing.managers.
 from ._manager_proxy import OP  # noqa: F401  (the managers' operation, importable here as before)
-from ._manager_proxy import (ArrayProxy, AcquirerProxy, AsyncProxy, AutoProxy, BarrierProxy, BaseListProxy,
-                             BasePoolProxy, BaseProxy, ConditionProxy, DictProxy, EventProxy, Handle,
-                             IteratorProxy, ListProxy, MakeProxyType, NamespaceProxy, PoolProxy, RemoteError,
-                             Token, ValueProxy, asynchronous, note_started, request,
-                             use_by_default)  # noqa: F401
+from ._manager_proxy import (ArrayProxy, AcquirerProxy, AsyncProxy, AutoProxy, BarrierProxy,  # noqa: F401
+                             BaseListProxy, BasePoolProxy, BaseProxy, ConditionProxy, DictProxy, EventProxy,
+                             Handle, IteratorProxy, ListProxy, MakeProxyType, NamespaceProxy, PoolProxy,
+                             RemoteError, Token, ValueProxy, asynchronous, note_started, request,
+                             use_by_default)
 from ._manager_server import public_methods, run_server  # noqa: F401
 from .transport import session as _session
 

@@ -2,7 +2,8 @@
 
 multiprocessing's are ctypes objects in shared memory, which processes on other machines cannot map.
 roving's keep the ctypes object in the process that created it (its home: a homed object of
-:mod:`roving._homed`, as the locks of :mod:`roving.synchronize` are) and every access is a round trip to it (about 0.1 ms on one machine): reading
+:mod:`roving._homed`, as the locks of :mod:`roving.synchronize` are) and every access is a round trip to it
+(about 0.1 ms on one machine): reading
 ``.value`` or ``a[i]`` asks the home, writing sends the new value there. So a ``Value`` works the same
 whether its users share a machine or not, at the price of a round trip per access: read a whole
 ``Array`` with ``a[:]`` (one round trip) rather than element by element. For large read-only data use
