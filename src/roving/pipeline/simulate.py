@@ -11,9 +11,9 @@ What it models, and the policy it follows:
   microbatch with the higher planned priority (lower index in ``plan.priority``, else microbatch id).
 * Memory: a node holds at most ``node.in_flight(stage)`` microbatches in flight (its ``memory`` count,
   or what its ``memory_mb`` leaves after the weights of the stage it holds, ``costs.stage_memory``),
-  counted from the start of a microbatch's forward there until its backward there ends. A forward that would exceed it waits; other
-  waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result says so and its
-  makespan is infinite.
+  counted from the start of a microbatch's forward there until its backward there ends. A forward that would
+  exceed it waits; other waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result
+  says so and its makespan is infinite.
 * Transfers go over the directed link between two nodes. Transfers on one directed link that overlap
   share its bandwidth equally (processor sharing: n transfers each get bandwidth/n); the latency is
   added once per transfer after its bytes have gone. Sending does not occupy the sender's compute, and
@@ -318,7 +318,7 @@ def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = T
     deadlock = any(math.isnan(f) for f in finish) or any(left > 0 for left in sync_left.values())
     makespan = math.inf if deadlock else max(max(finish, default=0.0), max(sync_end.values(), default=0.0))
     if record and not deadlock:
-        for node, events in timeline.items():
+        for events in timeline.values():
             events.sort(key=lambda e: (e.start, e.end))
             idle, last = [], 0.0
             for e in events:

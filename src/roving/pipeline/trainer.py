@@ -58,7 +58,7 @@ from .planner import place_joining, plan_held, replan
 from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
 from .roster import NodeFailed, NodesLost, NoMessage, Roster
-from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
+from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device
@@ -314,7 +314,8 @@ class Trainer:
                              "(it holds the embedding, head and loss)")
         if not self.missing_stages and not self.dropped:
             try:
-                new_plan, net = replan(self.plan, self.net, self.spec, failed=[n for n in failed if n in self.net.names],
+                new_plan, net = replan(self.plan, self.net, self.spec,
+                                       failed=[n for n in failed if n in self.net.names],
                                        slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
                                        seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes,
                                        max_evals=self.c.replan_evals or None)
@@ -656,8 +657,9 @@ class Trainer:
         metrics["train_seconds_total"] = self._train_s
         self.weights.checkpoint(it, metrics)
         if self.c.control:  # for the dashboard's timeline only (not an event of the metrics)
-            append_record(self.c.control, "events.jsonl", {"event": "checkpoint", "iteration": it,
-                                                           "time_s": time.perf_counter() - self._t0, "path": self.c.checkpoint})
+            append_record(self.c.control, "events.jsonl",
+                          {"event": "checkpoint", "iteration": it, "time_s": time.perf_counter() - self._t0,
+                           "path": self.c.checkpoint})
 
     def train(self) -> dict:
         """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at
