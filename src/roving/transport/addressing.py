@@ -129,7 +129,7 @@ def choose(host: str, advertise: Optional[str], parent: Optional[str] = None, cf
     explicit_host = host not in (None, "", AUTO)
     explicit_adv = advertise not in (None, "", AUTO)
     if explicit_host and host not in _WILDCARDS:
-        return Choice(host, advertise if explicit_adv else host,
+        return Choice(host, advertise if explicit_adv and advertise else host,
                       f"host={host} (set){'' if not explicit_adv else f', advertise={advertise} (set)'}", ports)
     try:
         if parent is not None:
@@ -150,8 +150,9 @@ def choose(host: str, advertise: Optional[str], parent: Optional[str] = None, cf
     if explicit_host:  # a wildcard: every interface, the chosen one advertised
         if towards is None:  # nothing to route to: this machine's address on its default route
             auto, why = _primary_address(), "this machine's address on its default route"
-        return Choice(host, advertise if explicit_adv else auto, f"host={host} (set); advertises {why}", ports)
-    if explicit_adv:
+        return Choice(host, advertise if explicit_adv and advertise else auto, f"host={host} (set); advertises {why}",
+                      ports)
+    if explicit_adv and advertise:
         return Choice(auto, advertise, f"binds {why}; advertise={advertise} (set)", ports)
     return Choice(auto, auto, f"host=auto: {why}", ports)
 

@@ -106,6 +106,7 @@ class Reader:
                 if have + got == len(view):
                     view.release()
                     self._big = None
+                    assert self._msg is not None  # a big frame is read only inside a message
                     self._msg[2].append(frame)
         else:
             if self._start == self._end:

@@ -56,7 +56,7 @@ def _error_type(kind: type) -> type:
 
 
 def _reduce_error(self: BaseException) -> Any:
-    return _rebuild_error, (type(self)._original_type, self.args)
+    return _rebuild_error, (getattr(type(self), "_original_type"), self.args)  # noqa: B009  (set by _error_type)
 
 
 def _rebuild_error(kind: type, args: tuple) -> BaseException:
@@ -111,7 +111,7 @@ class _Raw:
 
 def _rebuild_memoryview(buf: memoryview, fmt: str, shape: tuple) -> memoryview:
     view = memoryview(buf).cast("B")
-    return view.cast(fmt, shape) if shape else view.cast(fmt)
+    return view.cast(fmt, shape) if shape else view.cast(fmt)  # type: ignore[call-overload]  # any format
 
 
 def _rebuild_ndarray(buf: Any, dtype: str, shape: tuple) -> Any:
