@@ -48,6 +48,7 @@ def get(name: str) -> Backend:
     with _lock:
         backend = _instances.get(name)
         if backend is None:
+            cls: type[Backend]
             if name == "local":
                 from .local import LocalBackend as cls
             elif name == "slurm":
