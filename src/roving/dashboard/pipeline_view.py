@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set
 
 __all__ = ["PipelineWatch"]
 
@@ -107,7 +107,9 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
     """Each node: its stage, region (where the status or plan says), and alive / slow / dead / joining."""
     alloc = status.get("nodes") or {}
     hosts = (status.get("regions") or (plan or {}).get("regions") or {})
-    dead, slow, stage_of = set(), set(), dict(alloc)
+    dead: Set[str] = set()
+    slow: Set[str] = set()
+    stage_of = dict(alloc)
     for ev in events:
         kind, names = ev.get("event"), ev.get("nodes") or []
         if kind == "dead":
