@@ -73,7 +73,7 @@ def _dashboard_from_environment() -> None:
         dashboard.start_if_configured()
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # roving.futures and roving.joblib load on first use: joblib is heavy, and only its users need it
     if name in ("futures", "joblib"):
         import importlib

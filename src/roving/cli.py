@@ -12,6 +12,10 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the modules are imported when a command runs: `roving --help` stays quick
+    from .config import Config
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
@@ -19,7 +23,7 @@ def _backend_arg(p: argparse.ArgumentParser) -> None:
                    help="local, slurm, docker, kubernetes or auto (default: the `backend` option, else auto)")
 
 
-def _configure(args: argparse.Namespace, **extra) -> "object":
+def _configure(args: argparse.Namespace, **extra: Any) -> Config:
     from . import config
 
     options = {k: v for k, v in extra.items() if v is not None}
@@ -28,7 +32,7 @@ def _configure(args: argparse.Namespace, **extra) -> "object":
     return config.init(**options)
 
 
-def _chosen_why(cfg) -> str:
+def _chosen_why(cfg: Config) -> str:
     from . import backends, config
 
     if os.environ.get("ROVING_BACKEND"):
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _build_image(cfg) -> str:
+def _build_image(cfg: Config) -> str:
     """`roving run --build`: the image of the working directory, built (and pushed to the `registry`
     option's registry) on the Docker engine; its tag."""
     import re
@@ -106,7 +110,10 @@ def _build_image(cfg) -> str:
     # an image name allows only [a-z0-9._-], starting with a letter or digit
     name = re.sub(r"[^a-z0-9._-]+", "-", os.path.basename(os.getcwd()).lower()).lstrip("._-") or "app"
     tag = f"{cfg.registry.rstrip('/')}/roving-{name}:latest" if cfg.registry else f"roving-{name}:latest"
+    from .backends.docker import DockerBackend
+
     docker = backends.get("docker")
+    assert isinstance(docker, DockerBackend)
     print(f"roving: building {tag} from ./Dockerfile", file=sys.stderr)
     docker.build_image(tag, ".", buildargs={"WORKDIR": os.getcwd()})
     if cfg.registry:
@@ -152,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _overrides(args, **extra) -> dict:
+def _overrides(args: argparse.Namespace, **extra: Any) -> dict:
     options = {k: v for k, v in extra.items() if v is not None}
     if getattr(args, "backend", None):
         options["backend"] = args.backend

@@ -21,6 +21,7 @@ initial value raises ``ValueError``; ``Condition.wait``/``notify`` without holdi
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 import time
@@ -120,7 +121,7 @@ class _Sem(_Primitive):
         while self.queue and self._free():
             w = self.queue.popleft()
             self._take(w.who, w.count)
-            home.fulfil(w, _rpc.OK, w.result, undeliverable=lambda w=w: self._take_back(home, w))
+            home.fulfil(w, _rpc.OK, w.result, undeliverable=functools.partial(self._take_back, home, w))
 
     def _take_back(self, home: Home, w: Waiter) -> None:
         """The waiter's process left before the grant reached it: release in its name."""
@@ -547,6 +548,7 @@ class Barrier(Homed):
         status, index = self._call("wait", timeout=_timeout(True, timeout), raw=True)
         if status == _RUN_ACTION:
             try:
+                assert self._action is not None  # the home asks only a barrier that has one
                 self._action()
             except BaseException:
                 self._call("action_done", False)
