@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import backends
 from . import config as _config
@@ -76,7 +76,7 @@ class Process:
         if group is not None:
             raise ValueError("group argument must be None for now")
         parent = current_process()
-        self._identity = (*parent._identity, next(_counter))
+        self._identity: Tuple[int, ...] = (*parent._identity, next(_counter))
         self._config = _config.current()
         self._target = target
         self._args = tuple(args)
@@ -87,7 +87,7 @@ class Process:
         if unknown:
             raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
         self._resources = dict(resources or {})
-        self._parent_pid = os.getpid()
+        self._parent_pid: Optional[int] = os.getpid()
         self._parent_name = parent.name
         self._uid: Optional[str] = None
         self._job: Optional[backends.Job] = None
@@ -101,8 +101,9 @@ class Process:
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
         """The work of the process: calls the target. Override in a subclass, as with multiprocessing."""
-        if getattr(self, "_target", None):
-            self._target(*self._args, **self._kwargs)
+        target = getattr(self, "_target", None)
+        if target:
+            target(*self._args, **self._kwargs)
 
     # -- control from the parent -----------------------------------------------------------
     def start(self) -> None:
@@ -158,10 +159,16 @@ class Process:
         del self._payload_box
         self._backend = None
 
+    def _job_backend(self) -> backends.Backend:
+        """The backend of this process's job (set with the job, so there is one when there is a job)."""
+        assert self._backend is not None, "the process has no job"
+        return self._backend
+
     def _started(self, job: backends.Job) -> None:
         """The backend accepted ``job``: watch it, and let go of the target and arguments."""
         self._job = job
-        self._sentinel = self._backend.sentinel(self._job)
+        backend = self._job_backend()
+        self._sentinel = backend.sentinel(job)
         # a Process freed without close() still gives its sentinel back (the finalizer holds no reference)
         self._sentinel_finalizer = weakref.finalize(self, _sentinel_watcher().close_fd, self._sentinel)
         self._sentinel_finalizer.atexit = False
@@ -172,9 +179,10 @@ class Process:
         with _children_lock:
             _children.add(self)
         cfg = self._config
-        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id),
+        assert self._uid is not None  # given in start(), before the job was made
+        observe.process_started(self._uid, self._name, backend.name, str(job.id),
                                 {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources},
-                                _this_host() if self._backend.name == "local" else "")
+                                _this_host() if backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
@@ -231,7 +239,8 @@ class Process:
     def _wait(self, timeout: Optional[float]) -> None:
         """join() without its error: for roving's own joins (reaping, exit, a pool's upkeep)."""
         if self._exitcode is None:
-            code = self._backend.wait(self._job, timeouts.limit(timeout))
+            assert self._job is not None, "can only wait for a started process"
+            code = self._job_backend().wait(self._job, timeouts.limit(timeout))
             if code is not None:
                 self._finished(code)
 
@@ -241,7 +250,7 @@ class Process:
             return True
         if self._job is None or self._exitcode is not None:
             return False
-        status = self._backend.job_status(self._job)
+        status = self._job_backend().job_status(self._job)
         if status.state is backends.JobState.EXITED:
             self._finished(status.exitcode)
             return False
@@ -251,13 +260,13 @@ class Process:
         """Ask the process to stop (SIGTERM on the local backend)."""
         self._check_closed()
         if self._job is not None:
-            self._backend.terminate_job(self._job, force=False)
+            self._job_backend().terminate_job(self._job, force=False)
 
     def kill(self) -> None:
         """Stop the process at once (SIGKILL on the local backend)."""
         self._check_closed()
         if self._job is not None:
-            self._backend.terminate_job(self._job, force=True)
+            self._job_backend().terminate_job(self._job, force=True)
 
     def close(self) -> None:
         """Release the process's resources. ValueError if it is still running."""
@@ -279,7 +288,7 @@ class Process:
         if self._job is not None and self._exitcode is not None and not self._released:
             self._released = True
             self._drop_sentinel()
-            self._backend.forget(self._job)
+            self._job_backend().forget(self._job)
 
     def _drop_sentinel(self) -> None:
         """Stop watching the sentinel and close it (the watcher closes it, after unregistering)."""
@@ -296,7 +305,7 @@ class Process:
         box = getattr(self, "_payload_box", None)
         return box is not None and _session.current().node().items_in(box) > 0
 
-    def _unreached_message(self, code: int) -> str:
+    def _unreached_message(self, code: Optional[int]) -> str:
         node = _session.current().node()
         return (f"{self._name} exited with code {code} before it fetched its work from this process at "
                 f"{node.address} (chosen by {node.why}): it could not reach that address, or could not "
@@ -308,6 +317,7 @@ class Process:
             return
         self._unreached = code is not None and code > 0 and self._work_unfetched()
         self._exitcode = code
+        assert self._uid is not None  # given in start(); only a started process finishes
         observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
         with _children_lock:
             _children.discard(self)
@@ -337,7 +347,7 @@ class Process:
             return os.getpid()
         if self._job is None:
             return None
-        return self._backend.pid(self._job)
+        return self._job_backend().pid(self._job)
 
     ident = pid
 
@@ -353,7 +363,8 @@ class Process:
         if self is _current and self is not _main_process:
             import multiprocessing.process as mp_process
 
-            mp_process._current_process._name = value  # as _become(): the standard library's agrees
+            # as _become(): the standard library's agrees (a private name typeshed does not declare)
+            mp_process._current_process._name = value  # type: ignore[attr-defined]
 
     @property
     def daemon(self) -> bool:
@@ -407,7 +418,7 @@ class _MainProcess(Process):
         self._uid = None
         self._exitcode = None
         self._closed = False
-        self._config = None
+        self._config = None  # type: ignore[assignment]  # the main process makes no job to configure
 
     def close(self) -> None:
         pass
@@ -509,9 +520,10 @@ def _become(proc: Process, parent: _ParentProcess) -> None:
     _current, _parent = proc, parent
     import multiprocessing.process as mp_process
 
-    mp_process._current_process._name = proc.name
-    mp_process._current_process._identity = proc._identity
-    mp_process._parent_process = parent
+    # the standard library's private names (typeshed does not declare them), as its own children set them
+    mp_process._current_process._name = proc.name  # type: ignore[attr-defined]
+    mp_process._current_process._identity = proc._identity  # type: ignore[attr-defined]
+    mp_process._parent_process = parent  # type: ignore[attr-defined]
 
 
 _join_threads_at_end = True
