@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -63,6 +63,7 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 10
 
 def parse_memory(value: Any) -> int:
     """Bytes from an int or a string like ``512M``, ``2G``, ``1.5GiB`` (binary units). ValueError if bad."""
+    number: Union[int, float, str]
     if isinstance(value, int) and not isinstance(value, bool):
         number, unit = value, ""
     else:
