@@ -363,7 +363,9 @@ def _fetch_into(fd: int, owner: str, token: str) -> None:
                     pending.append((caller.submit([pickle.dumps((token, offset, n))]), offset))
                     offset += n
                 req_id, at = pending.pop(0)
-                status, frames = caller.collect(req_id)
+                answer = caller.collect(req_id)
+                assert answer is not None  # no timeout: an answer, or ConnectionLost
+                status, frames = answer
                 if status != _rpc.OK:
                     raise LookupError(bytes(frames[0]).decode())
                 chunk = frames[0].buffer

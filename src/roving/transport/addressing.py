@@ -26,7 +26,7 @@ import functools
 import ipaddress
 import random
 import socket
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..config import parse_port_range  # the option's own parser; named here too, as before
 
@@ -104,10 +104,10 @@ def route_to(host: str) -> str:
 #: ``(config) -> (host, why)`` of a machine on the cluster's side, or None when every job of the
 #: configured backend runs on this machine. Set by roving.transport.session (to roving.backends.towards);
 #: loopback until then.
-_cluster_route: Callable[[object], Optional[Tuple[str, str]]] = lambda cfg: None
+_cluster_route: Callable[[Any], Optional[Tuple[str, str]]] = lambda cfg: None
 
 
-def set_cluster_route(fn: Callable[[object], Optional[Tuple[str, str]]]) -> None:
+def set_cluster_route(fn: Callable[[Any], Optional[Tuple[str, str]]]) -> None:
     """Install the function that says towards which host the jobs of a configuration's backend run."""
     global _cluster_route
     _cluster_route = fn
