@@ -224,7 +224,7 @@ class BaseManager:
         cls._registry[typeid] = (callable, tuple(exposed) if exposed is not None else None,
                                  dict(method_to_typeid), proxytype)
         if create_method:
-            def temp(self, *args, **kwds):
+            def temp(self: BaseManager, *args: Any, **kwds: Any) -> Any:
                 return self._proxy(typeid, proxytype, *args, **kwds)
             temp.__name__ = typeid
             setattr(cls, typeid, temp)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from multiprocessing.sharedctypes import typecode_to_type
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 from .transport import rpc as _rpc
 from . import synchronize as _sync
@@ -136,7 +136,7 @@ class RawArray(_Raw):
     def __setitem__(self, key: Union[int, slice], value: Any) -> None:
         self._op("setitem", key, value)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self[:])
 
     # c_char arrays: .value and .raw as in ctypes
@@ -191,7 +191,7 @@ class SynchronizedArray(_Synchronized):
     def __setitem__(self, key: Union[int, slice], value: Any) -> None:
         self._obj[key] = value
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._obj[:])
 
     value = _wrapped("value")

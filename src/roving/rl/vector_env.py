@@ -136,7 +136,7 @@ class RovingVectorEnv(VectorEnv):
             infos = self._add_info(infos, info, i)
         return self._batch_obs([obs for obs, _ in results]), infos
 
-    def step(self, actions):
+    def step(self, actions: Any) -> Tuple[Any, Any, Any, Any, Dict[str, Any]]:
         self.step_async(actions)
         return self.step_wait()
 
@@ -175,7 +175,7 @@ class RovingVectorEnv(VectorEnv):
         self._send_all([("set_attr", (name, v)) for v in values])
         self._receive_all()
 
-    def render(self):
+    def render(self) -> Any:
         return self.call("render")
 
     def close_extras(self, timeout: Optional[float] = None, terminate: bool = False) -> None:
