@@ -56,6 +56,12 @@ class JobSpec:
     output: str = "prefix"
     log_path: Optional[str] = None
 
+    def log_file(self) -> str:
+        """The file ``output="files"`` appends to; ValueError naming the job when it has none."""
+        if not self.log_path:
+            raise ValueError(f"job {self.name}: output='files' needs a log_path")
+        return self.log_path
+
 
 class JobState(enum.Enum):
     PENDING = "pending"

@@ -27,6 +27,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ import shlex
 import subprocess
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import IO, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import config as _config
 from . import slurm_array, slurm_step, throttle
@@ -105,6 +106,15 @@ def _exitcode(raw: str, forced: bool, state: str) -> int:
     return code
 
 
+@dataclasses.dataclass
+class _Followed:
+    """One output file of a job being followed: its path, the file once it exists, its splitter."""
+
+    path: str
+    splitter: LineSplitter
+    file: Optional[IO[bytes]] = None
+
+
 class SlurmBackend(Backend):
     name = "slurm"
 
@@ -167,7 +177,7 @@ class SlurmBackend(Backend):
         if spec.output == "off":
             output = "/dev/null"
         elif spec.output == "files":
-            output = os.path.abspath(os.path.join(spec.cwd, spec.log_path))
+            output = os.path.abspath(os.path.join(spec.cwd, spec.log_file()))
         else:
             output = os.path.join(os.path.expanduser("~/.roving/slurm"), tag, f"{spec.name}-%j.out")
         if output != "/dev/null":
@@ -273,7 +283,7 @@ class SlurmBackend(Backend):
         else:  # "off", or "files": each task appends to its own log file (the script redirects)
             output = error = "/dev/null"
             if mode == "files":
-                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
+                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_file())) for s in specs]
                 for path in {os.path.dirname(p) for p in log_files}:
                     private_dir(path)
         common, per_task = slurm_array.split_env(specs)
@@ -312,27 +322,26 @@ class SlurmBackend(Backend):
 
     def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
         """Print the job's output files as they grow, until the job has ended and they are read."""
-        followed = [[path, None, LineSplitter(prefix, to_stderr, self._not_our_cancel)] for path, to_stderr in paths]
+        followed = [_Followed(path, LineSplitter(prefix, to_stderr, self._not_our_cancel)) for path, to_stderr in paths]
         delay = 0.05
         while True:
             ended = self.job_status(job).state is JobState.EXITED
             for entry in followed:
-                path, f, splitter = entry
-                if f is None and os.path.exists(path):
-                    f = entry[1] = open(path, "rb")
-                if f is not None:
-                    chunk = f.read()
+                if entry.file is None and os.path.exists(entry.path):
+                    entry.file = open(entry.path, "rb")  # kept open across rounds, closed below
+                if entry.file is not None:
+                    chunk = entry.file.read()
                     if chunk:
-                        splitter.feed(chunk)
+                        entry.splitter.feed(chunk)
                         delay = 0.05
             if ended:
                 break
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
-        for _path, f, splitter in followed:
-            if f is not None:
-                f.close()
-            splitter.close()
+        for entry in followed:
+            if entry.file is not None:
+                entry.file.close()
+            entry.splitter.close()
 
     def _not_our_cancel(self, line: bytes) -> bool:
         """False for slurmstepd's CANCELLED line of a job this process ended itself: that end is roving's
@@ -529,7 +538,7 @@ class SlurmBackend(Backend):
 
     def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
         """As :meth:`Backend.unknown_ids`; an array's own id (``1234`` of ``1234_5``) is known too."""
-        known = set()
+        known: Set[str] = set()
         for j in self.list_jobs():
             known.update((j.id, slurm_array.base_id(j.id)))
         return [i for i in job_ids if i not in known]
