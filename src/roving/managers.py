@@ -192,18 +192,23 @@ class BaseManager:
             raise RuntimeError("Unable to use a manager that is not started or connected" if self._state == "initial"
                                else "Manager has shut down")
 
-    def _create(self, typeid: str, *args: Any, **kwds: Any) -> Tuple[int, Tuple[str, ...]]:
+    def _server(self) -> str:
+        """The server's address, once started or connected (RuntimeError before, or after shutdown)."""
         self._check()
-        return request(self._address, self._key(), "create", typeid, args, kwds)
+        assert self._address is not None  # known from start() or connect() on
+        return self._address
+
+    def _create(self, typeid: str, *args: Any, **kwds: Any) -> Tuple[int, Tuple[str, ...]]:
+        return request(self._server(), self._key(), "create", typeid, args, kwds)
 
     def _number_of_objects(self) -> int:
         """How many shared objects the server holds now."""
-        return request(self._address, self._key(), "count")
+        return request(self._server(), self._key(), "count")
 
     def _proxy(self, typeid: str, proxytype: Optional[type], *args: Any, **kwds: Any) -> Any:
         oid, exposed = self._create(typeid, *args, **kwds)
         proxytype = proxytype or AutoProxy
-        return proxytype(Token(typeid, self._address, oid), manager=self, authkey=self._authkey,
+        return proxytype(Token(typeid, self._server(), oid), manager=self, authkey=self._authkey,
                          exposed=exposed, incref=False)
 
     @classmethod

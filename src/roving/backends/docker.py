@@ -22,7 +22,7 @@ import shutil
 import tempfile
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
@@ -41,7 +41,7 @@ _SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder hold
 _TRANSIENT = re.compile(r"timeout|timed out|too many|temporarily|try again|overloaded|busy", re.I)
 
 
-def _sdk():
+def _sdk() -> Any:
     try:
         import docker
     except ImportError:
@@ -84,7 +84,7 @@ class DockerBackend(Backend):
         self._reaper = Reaper(self.name)
 
     # -- the engine ------------------------------------------------------------------------------
-    def client(self):
+    def client(self) -> Any:
         """The SDK's client, connected and checked on first use; DockerError if the engine is not there."""
         if self._client is None:
             docker = _sdk()
@@ -114,7 +114,7 @@ class DockerBackend(Backend):
         threading.Thread(target=self._follow_events, args=(events,), name="roving-docker-events",
                          daemon=True).start()
 
-    def _follow_events(self, events) -> None:
+    def _follow_events(self, events: Iterable[Dict[str, Any]]) -> None:
         for event in events:
             cid = event.get("id") or event.get("Actor", {}).get("ID")
             code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", "-9"))
@@ -246,7 +246,7 @@ class DockerBackend(Backend):
         return throttle.concurrently(self.create_job, specs)
 
     @staticmethod
-    def _when_not_busy(what: str, call):
+    def _when_not_busy(what: str, call: Callable[[], Any]) -> Any:
         """``call()``, retried with back-off while the engine answers 429 or 5xx (busy, overloaded)."""
         docker = _sdk()
 

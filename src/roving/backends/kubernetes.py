@@ -27,7 +27,7 @@ import os
 import re
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
@@ -75,7 +75,7 @@ class KubernetesBackend(Backend):
     name = "kubernetes"
 
     def __init__(self) -> None:
-        self._api = None
+        self._api: Any = None  # the client's CoreV1Api, made on first use
         self._lock = threading.Lock()
         self._pods: Dict[str, _Pod] = {}
         self._checked_at = 0.0
@@ -85,7 +85,7 @@ class KubernetesBackend(Backend):
         self._secret: Optional[str] = None  # this session's Secret, once made
 
     # -- the API ---------------------------------------------------------------------------------
-    def api(self):
+    def api(self) -> Any:
         if self._api is None:
             try:
                 import kubernetes
@@ -228,7 +228,7 @@ class KubernetesBackend(Backend):
             if self._secret is not None:
                 return self._secret
             name = f"roving-{tag}"
-            metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
+            metadata: Dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
                                                  "roving.session": tag}}
             owner = self._owner_reference()
             if owner:
@@ -295,7 +295,7 @@ class KubernetesBackend(Backend):
             live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
         if not live:
             return
-        found = {}
+        found: Dict[str, Any] = {}  # pod name -> the API's pod
         for tag in {p.spec.session.tag for p in live}:  # one: a process has one session
             try:
                 items = self.api().list_namespaced_pod(self.namespace, label_selector=f"roving.session={tag}",
@@ -432,7 +432,7 @@ class KubernetesBackend(Backend):
             self._reaper.done(f"{self.namespace}/secret:{name}")
 
 
-def _status_of(item) -> JobStatus:
+def _status_of(item: Any) -> JobStatus:
     """A pod's phase as roving's state: exit codes from the container's termination, reasons from conditions."""
     phase = item.status.phase
     terminated = None
