@@ -26,6 +26,7 @@ _CHOICES = {
     "child_output": ("prefix", "off", "files"),
     "encrypt": ("auto", "always", "off"),
     "dashboard_tls": ("auto", "on", "off"),
+    "env_check": ("auto", "strict", "warn", "off"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -111,6 +112,15 @@ class Config:
     #: strangers out of its handshake), "always" (loopback streams too) or "off" (plain text; a warning
     #: is logged when traffic leaves loopback).
     encrypt: str = "auto"
+    #: How a child's environment (Python, platform, the versions of the distributions the parent imported)
+    #: is compared with its parent's when it starts, before it unpickles anything (roving.environment):
+    #: "auto" (another Python major.minor or roving is an error, anything else a warning), "strict" (every
+    #: difference is an error), "warn" (every difference a warning) or "off".
+    env_check: str = "auto"
+    #: The Python a child runs (a command on the child's machine: another node image or venv); none: this
+    #: process's own (``sys.executable``). With another one, only the program's own ``sys.path`` entries
+    #: (not this interpreter's standard library and site-packages) go with the child.
+    python: Optional[str] = None
     #: Where a child's stdout/stderr go: "prefix" (parent's terminal, each line prefixed with the
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"

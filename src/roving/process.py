@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 from . import backends
 from . import config as _config
+from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .transport import node as _node
@@ -97,6 +98,8 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._environment: Optional[_environment.Report] = None  # what the child said of its environment
+        self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
@@ -136,26 +139,36 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
-        env = dict(os.environ)
-        env.update(session.child_env({
+        info = {
             "uid": self._uid, "parent": node.address, "box": box,
             "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
             "connect_timeout": cfg.connect_timeout,
             "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        }))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        }
+        if cfg.env_check != "off":
+            # the child compares before it unpickles anything of ours, and leaves its report in env_box
+            self._env_box = node.new_box()
+            info.update(env=_environment.here().to_json(), env_check=cfg.env_check, env_box=self._env_box)
+        env = dict(os.environ)
+        env.update(session.child_env(info))
+        python = cfg.python or sys.executable
+        env["PYTHONPATH"] = os.pathsep.join(_paths_for(python))
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         return backends.JobSpec(
-            name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            name=self._name, command=[python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
 
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
-        _session.current().node().drop_box(self._payload_box)
+        node = _session.current().node()
+        node.drop_box(self._payload_box)
         del self._payload_box
+        env_box = self.__dict__.pop("_env_box", None)
+        if env_box is not None:
+            node.drop_box(env_box)
         self._backend = None
 
     def _started(self, job: backends.Job) -> None:
@@ -207,7 +220,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_env_box", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -224,6 +237,9 @@ class Process:
         assert self._parent_pid == os.getpid(), "can only join a child process"
         assert self._job is not None, "can only join a started process"
         self._wait(timeout)
+        if self._environment_error is not None:
+            error, self._environment_error = self._environment_error, None  # raised once
+            raise error
         if self._unreached:
             self._unreached = False  # said once, as a failed start would be
             raise ProcessStartError(self._unreached_message(self._exitcode))
@@ -306,7 +322,11 @@ class Process:
     def _finished(self, code: Optional[int]) -> None:
         if self._exitcode is not None:
             return
-        self._unreached = code is not None and code > 0 and self._work_unfetched()
+        report = self._environment_report()
+        if report is not None and any(d.fatal for d in report.differences):
+            self._environment_error = report.error(self._name)
+        self._unreached = (self._environment_error is None and code is not None and code > 0
+                           and self._work_unfetched())
         self._exitcode = code
         observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
         with _children_lock:
@@ -316,6 +336,29 @@ class Process:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
             node.release_everywhere(self._uid.encode())
             node.drop_box(self._payload_box)
+            env_box = self.__dict__.pop("_env_box", None)
+            if env_box is not None:
+                node.drop_box(env_box)
+
+    def _environment_report(self) -> Optional[_environment.Report]:
+        """The child's environment report, once it has left it (None before, or with env_check off)."""
+        if self._environment is None and getattr(self, "_env_box", None) is not None:
+            node = _session.current().started_node()
+            status, frames = node.call_local(_node.GET, self._env_box, 0) if node is not None else (None, None)
+            if status == _node.OK and frames:
+                try:
+                    self._environment = _environment.Report.from_bytes(bytes(frames[0]))
+                except ValueError as exc:
+                    log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
+        return self._environment
+
+    @property
+    def environment(self) -> Optional[_environment.Report]:
+        """What the child said of its environment when it started, against this process's (its fingerprint
+        and each difference, see roving.environment and the ``env_check`` option); None until it has, and
+        with ``env_check="off"``."""
+        self._check_closed()
+        return self._environment_report()
 
     def _check_closed(self) -> None:
         if self._closed:
@@ -561,6 +604,24 @@ def _reap_finished() -> None:
 def cpu_count() -> int:
     """CPUs the configured backend offers."""
     return backends.get(_config.current().backend).cpu_count()
+
+
+def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
+    """The error an ended ``proc`` left because its environment differs from this process's where
+    ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
+    return proc._environment_error
+
+
+def _paths_for(python: str) -> List[str]:
+    """The ``sys.path`` a child running ``python`` gets: all of ours for our own interpreter; for another,
+    only the entries outside our installation (the program's folders, roving's source in a checkout), so
+    that it never loads our standard library or compiled packages."""
+    paths = [p for p in sys.path if p]
+    if os.path.abspath(python) == os.path.abspath(sys.executable):  # (a venv's python may link to ours)
+        return paths
+    ours = {os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}}
+    return [p for p in paths if not any((os.path.realpath(p) + os.sep).startswith(o) for o in ours)
+            and not p.endswith(".zip")]
 
 
 def _this_host() -> str:
