@@ -31,6 +31,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from . import backends
+from . import boot as _boot
 from . import config as _config
 from . import environment as _environment
 from . import observe
@@ -98,6 +99,7 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
         self._environment: Optional[_environment.Report] = None  # what the child said of its environment
         self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
 
@@ -145,14 +147,17 @@ class Process:
             "connect_timeout": cfg.connect_timeout,
             "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
         }
-        if cfg.env_check != "off":
-            # the child compares before it unpickles anything of ours, and leaves its report in env_box
-            self._env_box = node.new_box()
-            info.update(env=_environment.here().to_json(), env_check=cfg.env_check, env_box=self._env_box)
+        backend = backends.get(cfg.backend)
+        try:  # the environment check and the program's code, done by the child before it unpickles
+            self._boot = _boot.prepare(node, cfg, backend.shares_filesystem())
+        except BaseException:
+            node.drop_box(box)
+            raise
+        info.update(self._boot.info)
         env = dict(os.environ)
         env.update(session.child_env(info))
-        python = cfg.python or sys.executable
-        env["PYTHONPATH"] = os.pathsep.join(_paths_for(python))
+        python = self._boot.python
+        env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
@@ -166,9 +171,7 @@ class Process:
         node = _session.current().node()
         node.drop_box(self._payload_box)
         del self._payload_box
-        env_box = self.__dict__.pop("_env_box", None)
-        if env_box is not None:
-            node.drop_box(env_box)
+        _boot.drop(node, self._boot)
         self._backend = None
 
     def _started(self, job: backends.Job) -> None:
@@ -220,7 +223,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_env_box", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -336,20 +339,16 @@ class Process:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
             node.release_everywhere(self._uid.encode())
             node.drop_box(self._payload_box)
-            env_box = self.__dict__.pop("_env_box", None)
-            if env_box is not None:
-                node.drop_box(env_box)
+            if self._boot is not None:
+                _boot.drop(node, self._boot)
 
     def _environment_report(self) -> Optional[_environment.Report]:
         """The child's environment report, once it has left it (None before, or with env_check off)."""
-        if self._environment is None and getattr(self, "_env_box", None) is not None:
-            node = _session.current().started_node()
-            status, frames = node.call_local(_node.GET, self._env_box, 0) if node is not None else (None, None)
-            if status == _node.OK and frames:
-                try:
-                    self._environment = _environment.Report.from_bytes(bytes(frames[0]))
-                except ValueError as exc:
-                    log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
+        if self._environment is None:
+            try:
+                self._environment = _boot.report(_session.current().started_node(), self._boot)
+            except ValueError as exc:
+                log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
         return self._environment
 
     @property
@@ -610,18 +609,6 @@ def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatc
     """The error an ended ``proc`` left because its environment differs from this process's where
     ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
     return proc._environment_error
-
-
-def _paths_for(python: str) -> List[str]:
-    """The ``sys.path`` a child running ``python`` gets: all of ours for our own interpreter; for another,
-    only the entries outside our installation (the program's folders, roving's source in a checkout), so
-    that it never loads our standard library or compiled packages."""
-    paths = [p for p in sys.path if p]
-    if os.path.abspath(python) == os.path.abspath(sys.executable):  # (a venv's python may link to ours)
-        return paths
-    ours = {os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}}
-    return [p for p in paths if not any((os.path.realpath(p) + os.sep).startswith(o) for o in ours)
-            and not p.endswith(".zip")]
 
 
 def _this_host() -> str:
