@@ -27,8 +27,8 @@ __all__ = ["Prepared", "prepare", "report", "drop", "before_work", "paths_for", 
 
 @dataclasses.dataclass
 class Prepared:
-    """What :func:`prepare` made for one child: its start-up information's extra entries, the Python it
-    runs with its ``sys.path``, and the mailboxes to drop once it has ended."""
+    """What :func:`prepare` made for one child: its start-up information (JSON, in its variables), the
+    Python it runs with its ``sys.path``, and the mailboxes to drop once it has ended."""
 
     info: Dict[str, Any]
     python: str
@@ -58,11 +58,17 @@ def paths_for(python: str) -> List[str]:
             and not p.endswith(".zip")]
 
 
-def prepare(node: _node.Node, cfg: _config.Config, shares_filesystem: bool) -> Prepared:
-    """The start-up entries and mailboxes for a child of ``node`` (see the module). CodeShipError when the
-    program's code is to be shipped and cannot be (over ``ship_code_limit``)."""
+def prepare(node: _node.Node, cfg: _config.Config, shares_filesystem: bool, uid: str, work_box: int) -> Prepared:
+    """The start-up information and mailboxes for the child ``uid`` of ``node``, whose work waits in
+    ``work_box`` (see the module). CodeShipError when the program's code is to be shipped and cannot be
+    (over ``ship_code_limit``)."""
     python = cfg.python or sys.executable
-    prepared = Prepared({}, python, paths_for(python))
+    prepared = Prepared({
+        "uid": uid, "parent": node.address, "box": work_box,
+        "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
+        "connect_timeout": cfg.connect_timeout,
+        "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
+    }, python, paths_for(python))
     try:
         if cfg.env_check != "off":
             prepared.env_box = node.new_box()

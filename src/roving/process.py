@@ -141,28 +141,19 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
-        info = {
-            "uid": self._uid, "parent": node.address, "box": box,
-            "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
-            "connect_timeout": cfg.connect_timeout,
-            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        }
-        backend = backends.get(cfg.backend)
-        try:  # the environment check and the program's code, done by the child before it unpickles
-            self._boot = _boot.prepare(node, cfg, backend.shares_filesystem())
+        try:  # its start-up information, with the checks it makes before it unpickles
+            self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
         except BaseException:
             node.drop_box(box)
             raise
-        info.update(self._boot.info)
         env = dict(os.environ)
-        env.update(session.child_env(info))
-        python = self._boot.python
+        env.update(session.child_env(self._boot.info))
         env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         return backends.JobSpec(
-            name=self._name, command=[python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            name=self._name, command=[self._boot.python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
 
