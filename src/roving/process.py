@@ -22,6 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -33,6 +34,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 from . import backends
 from . import boot as _boot
 from . import config as _config
+from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
@@ -99,6 +101,7 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._stop_asked = False  # terminate() or kill() was called: its end is no crash
         self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
         self._environment: Optional[_environment.Report] = None  # what the child said of its environment
         self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
@@ -261,12 +264,14 @@ class Process:
         """Ask the process to stop (SIGTERM on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=False)
 
     def kill(self) -> None:
         """Stop the process at once (SIGKILL on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=True)
 
     def close(self) -> None:
@@ -322,7 +327,10 @@ class Process:
         self._unreached = (self._environment_error is None and code is not None and code > 0
                            and self._work_unfetched())
         self._exitcode = code
-        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
+        cause = self._unreached_message(code) if self._unreached else ""
+        observe.process_ended(self._uid, code, cause)
+        if code and not self._stop_asked:  # a crash: its last output is kept (roving logs --failed)
+            self._keep_crash(code, cause)
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -332,6 +340,18 @@ class Process:
             node.drop_box(self._payload_box)
             if self._boot is not None:
                 _boot.drop(node, self._boot)
+
+    def _keep_crash(self, code: int, cause: str) -> None:
+        cfg = self._config
+        if cfg.child_output == "prefix":
+            lines = functools.partial(observe.lines_of, self._name)
+        elif cfg.child_output == "files":
+            lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
+        else:
+            lines = lambda: ['(nothing kept: child_output="off")']  # noqa: E731
+        crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
+                        self._backend.name if self._backend else cfg.backend, "", code,
+                        cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)
 
     def _environment_report(self) -> Optional[_environment.Report]:
         """The child's environment report, once it has left it (None before, or with env_check off)."""
@@ -602,6 +622,17 @@ def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatc
     return proc._environment_error
 
 
+def _tail(path: str, n: int) -> List[str]:
+    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
+        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
+
+
 def _this_host() -> str:
     import socket
 
@@ -628,6 +659,7 @@ def _at_exit() -> None:
                 child._wait(5)
         except Exception:
             pass
+    crashlog.flush()
     session = _session.existing()
     if session is not None:
         session.close()
