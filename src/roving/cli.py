@@ -259,7 +259,7 @@ def _info(args: argparse.Namespace) -> int:
     return _info_workers(args.workers, cfg) if args.workers else 0
 
 
-def _info_workers(n: int, cfg) -> int:
+def _info_workers(n: int, cfg: Config) -> int:
     """Start ``n`` workers that do nothing but check their environment; print what each said."""
     from . import environment
     from .process import Process, ProcessStartError

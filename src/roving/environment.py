@@ -33,7 +33,7 @@ import platform
 import sys
 from importlib import metadata
 from multiprocessing import ProcessError
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 __all__ = ["Fingerprint", "Difference", "Report", "EnvironmentMismatchError", "here", "compare", "describe",
            "POLICIES"]
@@ -122,7 +122,7 @@ def _version(distribution: str) -> Optional[str]:
 def _imported_distributions(modules: Iterable[str]) -> List[str]:
     """The installed distributions behind the top-level modules among ``modules`` that are not the
     standard library's (the program's own files belong to none)."""
-    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    stdlib: FrozenSet[str] = getattr(sys, "stdlib_module_names", frozenset())
     owners = _distributions_of_modules()
     found: Dict[str, None] = {}
     for name in modules:

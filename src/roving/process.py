@@ -26,7 +26,6 @@ import functools
 import itertools
 import logging
 import os
-import sys
 import threading
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
@@ -166,7 +165,8 @@ class Process:
         node = _session.current().node()
         node.drop_box(self._payload_box)
         del self._payload_box
-        _boot.drop(node, self._boot)
+        if self._boot is not None:  # made in _prepare, before the backend was asked
+            _boot.drop(node, self._boot)
         self._backend = None
 
     def _job_backend(self) -> backends.Backend:
@@ -353,12 +353,13 @@ class Process:
 
     def _keep_crash(self, code: int, cause: str) -> None:
         cfg = self._config
+        lines: Callable[[], List[str]]
         if cfg.child_output == "prefix":
             lines = functools.partial(observe.lines_of, self._name)
         elif cfg.child_output == "files":
             lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
         else:
-            lines = lambda: ['(nothing kept: child_output="off")']  # noqa: E731
+            lines = lambda: ['(nothing kept: child_output="off")']
         crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
                         self._backend.name if self._backend else cfg.backend, "", code,
                         cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import platform
 
-import numpy  # noqa: F401  (imported, so that the parent's fingerprint names numpy)
+import numpy  # imported, so that the parent's fingerprint names numpy
 import pytest
 
 import helpers_envs
@@ -151,8 +151,9 @@ def test_roving_info_workers_shows_each_workers_environment_and_its_differences(
     def info(python: str) -> subprocess.CompletedProcess:
         env = {**os.environ, "ROVING_PYTHON": python, "ROVING_BACKEND": "local"}
         # numpy imported first, so that this machine's fingerprint names it
-        return subprocess.run([sys.executable, "-c", "import numpy, sys; from roving.cli import main; "
-                               "sys.argv = ['roving', 'info', '--workers', '2']; sys.exit(main())"],
+        program = ("import numpy, sys; from roving.cli import main; "
+                   "sys.argv = ['roving', 'info', '--workers', '2']; sys.exit(main())")
+        return subprocess.run([sys.executable, "-c", program],
                               capture_output=True, text=True, timeout=240, env=env)
 
     done = info(other_numpy)
