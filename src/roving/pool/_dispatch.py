@@ -28,13 +28,10 @@ import logging
 import threading
 import time
 import types
-from array import array
-from multiprocessing.pool import MaybeEncodingError
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 from .. import observe
 from ..transport import session as _session
-from ..transport.serialize import dumps, loads
 from . import _protocol as P
 from . import _results, _router
 from ._results import WorkerLostError
@@ -178,9 +175,9 @@ class Dispatcher:
         pickled = self._function(func, mode, inline)
         chunksize = max(1, chunksize)
         if len(items) == 1:
-            pieces = [(0, dumps([items[0]]))]
+            pieces = [(0, P.list_frames([items[0]]))]
         else:
-            pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
+            pieces = [(i, P.list_frames(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
         name = getattr(func, "__qualname__", None) or repr(func)
         if not items:
             return
@@ -209,7 +206,7 @@ class Dispatcher:
 
     def add_items(self, call: _Call, base: int, items: List[Any]) -> None:
         """Items ``base``, ``base + 1``, ... of an open call, as one chunk. SerializationError if unpicklable."""
-        args = dumps(items)
+        args = P.list_frames(items)
         with self.lock:
             chunk = _Chunk(next(self._chunk_ids), call, base, len(items), args)
             call.left += len(items)
@@ -238,7 +235,7 @@ class Dispatcher:
             hit = self._funcs.get((func, mode))
             if hit is not None:
                 return hit
-        frames = dumps((func, mode))
+        frames = P.function_frames(func, mode)
         with self.lock:
             if cacheable and len(self._funcs) < MAX_CACHED_FUNCTIONS:
                 return self._funcs.setdefault((func, mode), _Func(next(self._call_ids), frames, True))
@@ -300,14 +297,7 @@ class Dispatcher:
     # -- worker messages (node I/O thread) -----------------------------------------------------
     def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
         if kind == P.RESULTS:
-            runs = P.ints("q", frames[1])
-            try:
-                values = loads(frames[2:])
-            except Exception as exc:  # e.g. the result's class cannot be imported here
-                err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
-                values = [err] * sum(runs[i + 2] for i in range(0, len(runs), 4))
-                for i in range(3, len(runs), 4):
-                    runs[i] = 0
+            runs, values = P.read_results(frames)
             with self.lock:
                 w = self.by_ident.get(ident)
                 self._results(w, runs, values)
@@ -356,12 +346,11 @@ class Dispatcher:
         self.ready[w] = None
         self._dispatch()
 
-    def _results(self, w: Optional[WorkerState], runs: "array[int]", values: List[Any]) -> None:
+    def _results(self, w: Optional[WorkerState], runs: List[P.Run], values: List[Any]) -> None:
         chunks = self.chunks
         freed = False
         at = 0
-        for r in range(0, len(runs), 4):
-            cid, first, count, ok = runs[r], runs[r + 1], runs[r + 2], bool(runs[r + 3])
+        for cid, first, count, ok in runs:
             part = values[at:at + count]
             at += count
             if w is not None:
@@ -458,8 +447,7 @@ class Dispatcher:
                 if not unit.revoked:
                     unit.revoked = True
                     idle -= 1
-                    self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)],
-                                      w.undeliverable)
+                    self.node.send_to(w.ident, P.control(P.REVOKE, unit.chunk.id), w.undeliverable)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
         chunk, call = unit.chunk, unit.chunk.call
@@ -475,12 +463,10 @@ class Dispatcher:
             func_frames = func.frames
             if func.id:
                 w.known.add(func.id)
-        header = P.TO_WORKER.pack(P.TASKS, chunk.id, func.id, call.key, len(func_frames), len(chunk.args),
-                                  chunk.n)
-        forget = array("q", w.forget).tobytes() if w.forget else b""
-        w.forget = []
-        offs = array("I", offsets).tobytes() if offsets is not None else b""
-        self._batch.setdefault(w, []).extend((header, forget, offs, *func_frames, *chunk.args))
+        self._batch.setdefault(w, []).extend(P.unit_frames(chunk.id, func.id, call.key, chunk.n, func_frames,
+                                                           chunk.args, w.forget, offsets))
+        if w.forget:
+            w.forget = []
         unit.left = chunk.n if offsets is None else len(offsets)
         w.units[chunk.id] = unit
         if len(w.units) > 1:
@@ -492,7 +478,7 @@ class Dispatcher:
 
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
-            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.undeliverable)
+            self.node.send_to(w.ident, P.control(kind), w.undeliverable)
 
     def _retire(self, w: WorkerState) -> None:
         if not w.retiring and self.workers.get(w.id) is w:

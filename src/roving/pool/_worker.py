@@ -13,14 +13,13 @@ import logging
 import sys
 import threading
 import time
-from array import array
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
 from ..transport.channel import Channel, ConnectionLost, TransportError
-from ..transport.serialize import SerializationError, dumps, loads
+from ..transport.serialize import SerializationError
 from . import _protocol as P
 
 log = logging.getLogger(__name__)
@@ -35,73 +34,63 @@ BLOCK_S = 0.001  # a block that ran faster than this doubles; slower, halves
 
 
 class _Results:
-    """Results not yet sent, as runs of consecutive items of one chunk with the same outcome."""
+    """Results not yet sent, as runs of consecutive items of one chunk with the same outcome
+    (:class:`roving.pool._protocol.RunWriter`)."""
 
     def __init__(self, chan: Channel, pool_id: int) -> None:
         self.chan, self.pool_id = chan, pool_id
-        self.runs: List[List[int]] = []  # [chunk id, first offset, count, ok]
+        self.runs = P.RunWriter()
         self.values: List[Any] = []
         self.sent = time.monotonic()
 
-    def add(self, cid: int, off: int, ok: bool, value: Any) -> bool:
-        """Keep one result; True when it is time to send: ``FLUSH_S`` since the last send (so the result
-        of a long task leaves at once, those of short ones together), or ``MAX_BATCH`` results."""
-        run = self.runs[-1] if self.runs else None
-        if run is not None and run[0] == cid and run[1] + run[2] == off and run[3] == ok:
-            run[2] += 1
-        else:
-            self.runs.append([cid, off, 1, int(ok)])
-        self.values.append(value)
+    def _due(self) -> bool:
+        """Time to send: ``FLUSH_S`` since the last send (so the result of a long task leaves at once,
+        those of short ones together), or ``MAX_BATCH`` results kept."""
         return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
+
+    def add(self, cid: int, off: int, ok: bool, value: Any) -> bool:
+        """Keep one result; True when it is time to send (see :meth:`_due`)."""
+        self.runs.add(cid, off, 1, ok)
+        self.values.append(value)
+        return self._due()
 
     def add_run(self, cid: int, offs: Any, i: int, ok: bool, values: List[Any]) -> bool:
         """Keep the results of items ``offs[i:i + len(values)]``; as :meth:`add`."""
         if isinstance(offs, range):
-            first, count = offs[i], len(values)
-            run = self.runs[-1] if self.runs else None
-            if run is not None and run[0] == cid and run[1] + run[2] == first and run[3] == ok:
-                run[2] += count
-            else:
-                self.runs.append([cid, first, count, int(ok)])
-            self.values.extend(values)
-            return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
-        due = False
-        for k, value in enumerate(values):
-            due = self.add(cid, offs[i + k], ok, value)
-        return due
+            self.runs.add(cid, offs[i], len(values), ok)
+        else:
+            add = self.runs.add
+            for k in range(len(values)):
+                add(cid, offs[i + k], 1, ok)
+        self.values.extend(values)
+        return self._due()
 
     def flush(self, ask: int = 0, key: int = 0) -> None:
         """Send what is kept (asking for ``ask`` more units of ``key`` at once); nothing if empty."""
         if not self.values:
             return
         try:
-            frames = dumps(self.values)
+            frames = P.list_frames(self.values)
         except SerializationError:
-            frames = dumps(self._picklable())
-        keys = array("q")
-        for run in self.runs:
-            keys.extend(run)
-        header = P.TO_PARENT.pack(self.pool_id, P.RESULTS, ask, key)
-        self.chan.send([P.OP, header, keys.tobytes(), *frames])
-        self.runs, self.values = [], []
+            frames = P.list_frames(self._picklable())
+        self.chan.send(self.runs.results(self.pool_id, ask, key, frames))
+        self.runs, self.values = P.RunWriter(), []
         self.sent = time.monotonic()
 
     def _picklable(self) -> List[Any]:
         """Replace each value that cannot be pickled by the error saying so (that item fails)."""
-        out, runs, i = [], [], 0
-        for cid, first, count, ok in self.runs:
-            for off in range(first, first + count):
-                value, good = self.values[i], ok
-                i += 1
+        out: List[Any] = []
+        runs = P.RunWriter()
+        values = iter(self.values)
+        for run in self.runs.runs():
+            for off in range(run.first, run.first + run.count):
+                value, good = next(values), run.ok
                 try:
-                    dumps(value)
+                    P.list_frames([value])
                 except SerializationError as exc:
-                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), 0
+                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), False
                 out.append(value)
-                if runs and runs[-1][0] == cid and runs[-1][1] + runs[-1][2] == off and runs[-1][3] == good:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([cid, off, 1, good])
+                runs.add(run.chunk, off, 1, good)
         self.runs = runs
         return out
 
@@ -137,7 +126,7 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
     then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
     interval = _config.current().heartbeat_interval
-    header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
+    beat = P.to_parent(pool_id, P.HEARTBEAT, worker_id)
     try:
         chan = connect()
     except (OSError, ConnectionError) as exc:
@@ -154,7 +143,7 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
         try:
-            chan.send([P.OP, header])
+            chan.send(beat)
         except ConnectionLost:  # the stream ended: the next recv finds that and connects again
             pass
         stop.wait(interval)
@@ -171,7 +160,7 @@ class _Loop:
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
                  reconnect: Callable[[], Channel]) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
-        self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
+        self.units: Deque[P.Unit] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
         self.done = 0
@@ -182,7 +171,7 @@ class _Loop:
         self.results = _Results(chan, pool_id)
 
     def _send(self, kind: int, arg: int, key: int = 0) -> None:
-        self.chan.send([P.OP, P.TO_PARENT.pack(self.pool_id, kind, arg, key)])
+        self.chan.send(P.to_parent(self.pool_id, kind, arg, key))
 
     def _want(self) -> int:
         """How many more units to ask for now (asks come in batches, when half the depth is used)."""
@@ -217,7 +206,8 @@ class _Loop:
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:
-        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0])
+        head = P.read_control(frames)
+        kind = head.kind
         if kind == P.ACK:
             self.acked = True
             return
@@ -226,25 +216,16 @@ class _Loop:
             return
         if kind == P.REVOKE:
             for unit in self.units:
-                if unit[0] == cid:
+                if unit.chunk == head.chunk:
                     self.units.remove(unit)
-                    self._send(P.RETURNED, cid)
+                    self._send(P.RETURNED, head.chunk)
                     break
             return
-        # TASKS: one or more units back to back, each [header, forget, offsets, *function, *arguments]
-        at = 0
-        while True:
+        for unit in P.read_units(frames, head):  # TASKS
             self.asked = max(0, self.asked - 1)
-            for gone in P.ints("q", frames[at + 1]):
+            for gone in unit.forget:
                 self.funcs.pop(gone, None)
-            offsets = P.ints("I", frames[at + 2])
-            func_frames = frames[at + 3:at + 3 + nfunc]
-            arg_frames = frames[at + 3 + nfunc:at + 3 + nfunc + nargs]
-            self.units.append((cid, fid, func_frames, arg_frames, offsets or range(count), key))
-            at += 3 + nfunc + nargs
-            if at >= len(frames):
-                return
-            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at])
+            self.units.append(unit)
 
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)
@@ -288,12 +269,12 @@ class _Loop:
                 self._send(P.HEARTBEAT, worker_id)
             return False
         unit = self.units.popleft()
-        if unit[5] != self.key:
-            self.key, self.depth = unit[5], 1
+        if unit.key != self.key:
+            self.key, self.depth = unit.key, 1
         if self.depth > 1:
             self._ask()  # the next units arrive while this one runs
         started = time.monotonic()
-        due = self._run_unit(*unit[:5])
+        due = self._run_unit(unit)
         took = time.monotonic() - started
         self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
         self.done += 1
@@ -327,7 +308,7 @@ class _Loop:
                 raise got
             return got
         try:
-            got = loads(func_frames)
+            got = P.read_function(func_frames)
         except BaseException as exc:
             if fid:
                 self.funcs[fid] = exc
@@ -336,14 +317,14 @@ class _Loop:
             self.funcs[fid] = got
         return got
 
-    def _run_unit(self, cid: int, fid: int, func_frames: List[Any], arg_frames: List[Any],
-                  offsets: Any) -> bool:
+    def _run_unit(self, unit: P.Unit) -> bool:
         """Run the unit's items, sending results as they fall due except the last ones: True when those
         are due (the caller sends them, with its ask for more work if it makes one)."""
         results = self.results
+        cid, offsets = unit.chunk, unit.offsets
         try:
-            func, mode = self._function(fid, func_frames)
-            items = loads(arg_frames)
+            func, mode = self._function(unit.func, unit.func_frames)
+            items = P.read_list(unit.arg_frames)
         except BaseException as exc:  # the function or arguments could not be loaded here
             err = ExceptionWithTraceback(exc, exc.__traceback__)
             for off in offsets:
