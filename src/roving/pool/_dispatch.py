@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import types
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .. import observe
 from ..transport import session as _session
@@ -122,6 +122,22 @@ class WorkerState:
         worker has since replaced (it said HELLO again) does not count."""
         if ident == self.ident and not self.unreachable:
             self.unreachable = time.monotonic()
+
+
+class WorkerView(NamedTuple):
+    """A worker's state as the upkeep reads it: a snapshot taken under the dispatcher's lock (the node's
+    I/O thread changes a :class:`WorkerState` under that lock at any moment)."""
+
+    worker: WorkerState
+    connected: bool  #: it said HELLO
+    busy: bool  #: it holds units of work
+    retiring: bool
+    seen: float  #: its last heartbeat (monotonic time)
+    unreachable: float  #: when a message to it could not be delivered (0: not since it last said HELLO)
+
+
+def _view(w: WorkerState) -> WorkerView:
+    return WorkerView(w, w.ident is not None, bool(w.units), w.retiring, w.seen, w.unreachable)
 
 
 class Dispatcher:
@@ -256,6 +272,17 @@ class Dispatcher:
         """The pool's workers now: started and not yet ended (a snapshot)."""
         with self.lock:
             return list(self.workers.values())
+
+    def views(self, workers: Optional[Iterable[WorkerState]] = None) -> List[WorkerView]:
+        """Snapshots of ``workers`` (None: the pool's workers now), all taken at one moment."""
+        with self.lock:
+            return [_view(w) for w in (self.workers.values() if workers is None else workers)]
+
+    def view(self, worker_id: int) -> Optional[WorkerView]:
+        """A snapshot of worker ``worker_id``; None once it ended (or was never added)."""
+        with self.lock:
+            w = self.workers.get(worker_id)
+            return None if w is None else _view(w)
 
     def live(self) -> int:
         """How many of the pool's workers are not retiring (without looking at each)."""
@@ -519,6 +546,7 @@ class Dispatcher:
         """``w`` ended: its unfinished items go back to the front of the line (see module docstring)."""
         with self.lock:
             w.gone = True
+            w.unreachable = 0.0  # its contact does not matter any more
             self._retire(w)
             if self.workers.pop(w.id, None) is not None:
                 self._retiring -= 1
