@@ -8,7 +8,7 @@ Worker → parent: ``[OP, header, ...]``, header = :class:`Header` (pool id, kin
 * HELLO(worker id) — the worker is connected and its initializer ran.
 * READY(n, key) — it wants ``n`` more units of work (credit); while it is busy, only of work with that
   key (that of the unit it runs, found short; a map's own, or one per function for apply); 0: any.
-* RESULTS(n, key) — then a frame of :class:`Run` s (chunk id, first offset, count, ok) and the pickled
+* RESULTS(n, key) — then a frame of :class:`Run` s (chunk id, first offset, length, ok) and the pickled
   list of values, one per item of the runs in order; ``n`` more units of work of ``key`` are asked for at
   the same time (as READY).
 * BYE — it is leaving (max tasks reached, or told to stop); it runs what it was sent before the ACK.
@@ -106,11 +106,11 @@ class Header(NamedTuple):
 
 
 class Run(NamedTuple):
-    """Results of consecutive items of one chunk with one outcome: items ``first .. first + count - 1``."""
+    """Results of consecutive items of one chunk with one outcome: items ``first .. first + length - 1``."""
 
     chunk: int
     first: int
-    count: int
+    length: int
     ok: bool
 
 
@@ -194,7 +194,7 @@ class Control(NamedTuple):
     key: int
     nfunc: int
     nargs: int
-    count: int
+    items: int  #: items in the chunk
 
 
 class Unit(NamedTuple):
@@ -203,8 +203,8 @@ class Unit(NamedTuple):
     chunk: int  #: the chunk's id
     func: int  #: the function's id (0: not kept)
     key: int  #: the key of work it counts under (a call's, or a function's for apply)
-    func_frames: List[Any]  #: the pickled (function, mode); empty when the worker holds ``func``
-    arg_frames: List[Any]  #: the pickled list of the chunk's items
+    func_frames: Sequence[Any]  #: the pickled (function, mode); empty when the worker holds ``func``
+    arg_frames: Sequence[Any]  #: the pickled list of the chunk's items
     offsets: Union[range, "array[int]"]  #: the items of the chunk to run
     forget: "array[int]"  #: ids of functions the worker may drop
 
@@ -261,7 +261,7 @@ def read_units(frames: Sequence[Any], first: Control) -> List[Unit]:
         offsets.frombytes(frames[at + 2])
         start = at + 3
         units.append(Unit(head.chunk, head.func, head.key, frames[start:start + nfunc],
-                          frames[start + nfunc:start + nfunc + nargs], offsets or range(head.count), forget))
+                          frames[start + nfunc:start + nfunc + nargs], offsets or range(head.items), forget))
         at = start + nfunc + nargs
         if at >= n:
             return units

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
@@ -83,7 +83,7 @@ class _Results:
         runs = P.RunWriter()
         values = iter(self.values)
         for run in self.runs.runs():
-            for off in range(run.first, run.first + run.count):
+            for off in range(run.first, run.first + run.length):
                 value, good = next(values), run.ok
                 try:
                     P.list_frames([value])
@@ -299,7 +299,7 @@ class _Loop:
         self.results.flush()
         self._poll()
 
-    def _function(self, fid: int, func_frames: List[Any]) -> Tuple[Callable[..., Any], int]:
+    def _function(self, fid: int, func_frames: Sequence[Any]) -> Tuple[Callable[..., Any], int]:
         """The unit's function: unpickled from its frames (and kept under ``fid`` unless 0), or the one
         kept. A function that could not be unpickled fails every unit that names it, not just the first."""
         if not func_frames:
