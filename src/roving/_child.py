@@ -13,7 +13,7 @@ import time
 import traceback
 
 from . import config as _config
-from . import environment as _environment
+from . import boot as _boot
 from . import process as _process
 from .transport import node as _node
 from .transport import session as _session
@@ -49,7 +49,13 @@ def main() -> int:
     session = _session.current()
     info = _session.child_info()
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
-    if _refused_by_environment(session, info, timeout):
+    try:  # the environment check and the program's code, before anything of the parent's is unpickled
+        refused = _boot.before_work(session.endpoint(info["parent"], timeout), info, timeout)
+    except OSError as exc:
+        sys.stderr.write(_unreachable(info, timeout, exc))
+        return 1
+    if refused:
+        sys.stderr.write(refused)
         return 1
     try:
         status, frames = session.endpoint(info["parent"], timeout).call(_node.GET, info["box"], timeout)
@@ -80,38 +86,6 @@ def main() -> int:
     finally:
         _stop_watching.set()
         watcher.join(proc._config.heartbeat_interval * 2 + 1)
-
-
-def _refused_by_environment(session: _session.Session, info: dict, timeout: float) -> bool:
-    """Compare this process's environment with the parent's (``env_check``), before anything the parent
-    sent is unpickled, and leave the report in the parent's mailbox for it; True when this child must
-    not run (a difference the policy makes an error, said on stderr, or a parent it cannot reach)."""
-    if "env" not in info:  # env_check="off"
-        return False
-    import socket
-
-    try:
-        parent = _environment.Fingerprint.from_json(info["env"])
-        policy = str(info.get("env_check", "auto"))
-        mine = _environment.here(parent.packages)
-        differences = tuple(_environment.compare(parent, mine, policy))
-    except ValueError as exc:
-        sys.stderr.write(f"roving: this child cannot check its environment against its parent's: {exc}\n")
-        return True
-    report = _environment.Report(socket.gethostname(), mine, differences, policy)
-    try:
-        session.endpoint(info["parent"], timeout).call(_node.PUT, int(info["env_box"]), timeout,
-                                                       [report.to_bytes()])
-    except OSError as exc:
-        sys.stderr.write(_unreachable(info, timeout, exc))
-        return True
-    if any(d.fatal for d in differences):
-        sys.stderr.write(f"roving: {report.error('this child')}\n")
-        return True
-    if differences:
-        sys.stderr.write(f"roving: warning: this child's environment (on {report.host}) differs from its "
-                         f"parent's: {_environment.describe(differences)}\n")
-    return False
 
 
 def _unreachable(info: dict, timeout: float, exc: OSError) -> str:

@@ -63,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     _backend_arg(p)
     p.set_defaults(handler=_ps)
 
-    p = subparsers.add_parser("logs", help="print a job's output")
+    p = subparsers.add_parser("logs", help="print a job's output, or the last output of crashed children")
     _backend_arg(p)
-    p.add_argument("job", help="job id as `roving ps` shows it")
+    p.add_argument("job", nargs="?", help="job id as `roving ps` shows it")
+    p.add_argument("--failed", action="store_true",
+                   help="the last output of every child that crashed, kept on disk past its job (newest run "
+                        "first; the latest 20 runs are kept)")
     p.set_defaults(handler=_logs)
 
     p = subparsers.add_parser("cancel", help="cancel jobs")
@@ -175,9 +178,32 @@ def _ps(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from . import backends
 
+    if args.failed == bool(args.job):
+        print("roving: error: give a job id or --failed (not both)", file=sys.stderr)
+        return 2
+    if args.failed:
+        return _logs_failed()
     cfg = _configure(args)
     backend = backends.get(cfg.backend)
     sys.stdout.write(backend.logs(backend.job(args.job)))
+    return 0
+
+
+def _logs_failed() -> int:
+    from . import crashlog
+
+    try:
+        found = crashlog.records()
+    except crashlog.CrashLogError as exc:
+        print(f"roving: error: {exc}", file=sys.stderr)
+        return 1
+    if not found:
+        print(f"no crashed children on record (in {crashlog.folder()})")
+        return 0
+    for rec in found:
+        print(rec.header())
+        for line in rec.lines:
+            print(f"  {line}")
     return 0
 
 

@@ -22,6 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -31,7 +32,9 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from . import backends
+from . import boot as _boot
 from . import config as _config
+from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
@@ -98,6 +101,8 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._stop_asked = False  # terminate() or kill() was called: its end is no crash
+        self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
         self._environment: Optional[_environment.Report] = None  # what the child said of its environment
         self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
 
@@ -139,25 +144,19 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
-        info = {
-            "uid": self._uid, "parent": node.address, "box": box,
-            "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
-            "connect_timeout": cfg.connect_timeout,
-            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        }
-        if cfg.env_check != "off":
-            # the child compares before it unpickles anything of ours, and leaves its report in env_box
-            self._env_box = node.new_box()
-            info.update(env=_environment.here().to_json(), env_check=cfg.env_check, env_box=self._env_box)
+        try:  # its start-up information, with the checks it makes before it unpickles
+            self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
+        except BaseException:
+            node.drop_box(box)
+            raise
         env = dict(os.environ)
-        env.update(session.child_env(info))
-        python = cfg.python or sys.executable
-        env["PYTHONPATH"] = os.pathsep.join(_paths_for(python))
+        env.update(session.child_env(self._boot.info))
+        env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         return backends.JobSpec(
-            name=self._name, command=[python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            name=self._name, command=[self._boot.python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
 
@@ -166,9 +165,7 @@ class Process:
         node = _session.current().node()
         node.drop_box(self._payload_box)
         del self._payload_box
-        env_box = self.__dict__.pop("_env_box", None)
-        if env_box is not None:
-            node.drop_box(env_box)
+        _boot.drop(node, self._boot)
         self._backend = None
 
     def _started(self, job: backends.Job) -> None:
@@ -220,7 +217,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_env_box", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -267,12 +264,14 @@ class Process:
         """Ask the process to stop (SIGTERM on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=False)
 
     def kill(self) -> None:
         """Stop the process at once (SIGKILL on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=True)
 
     def close(self) -> None:
@@ -328,7 +327,10 @@ class Process:
         self._unreached = (self._environment_error is None and code is not None and code > 0
                            and self._work_unfetched())
         self._exitcode = code
-        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
+        cause = self._unreached_message(code) if self._unreached else ""
+        observe.process_ended(self._uid, code, cause)
+        if code and not self._stop_asked:  # a crash: its last output is kept (roving logs --failed)
+            self._keep_crash(code, cause)
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -336,20 +338,28 @@ class Process:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
             node.release_everywhere(self._uid.encode())
             node.drop_box(self._payload_box)
-            env_box = self.__dict__.pop("_env_box", None)
-            if env_box is not None:
-                node.drop_box(env_box)
+            if self._boot is not None:
+                _boot.drop(node, self._boot)
+
+    def _keep_crash(self, code: int, cause: str) -> None:
+        cfg = self._config
+        if cfg.child_output == "prefix":
+            lines = functools.partial(observe.lines_of, self._name)
+        elif cfg.child_output == "files":
+            lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
+        else:
+            lines = lambda: ['(nothing kept: child_output="off")']  # noqa: E731
+        crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
+                        self._backend.name if self._backend else cfg.backend, "", code,
+                        cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)
 
     def _environment_report(self) -> Optional[_environment.Report]:
         """The child's environment report, once it has left it (None before, or with env_check off)."""
-        if self._environment is None and getattr(self, "_env_box", None) is not None:
-            node = _session.current().started_node()
-            status, frames = node.call_local(_node.GET, self._env_box, 0) if node is not None else (None, None)
-            if status == _node.OK and frames:
-                try:
-                    self._environment = _environment.Report.from_bytes(bytes(frames[0]))
-                except ValueError as exc:
-                    log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
+        if self._environment is None:
+            try:
+                self._environment = _boot.report(_session.current().started_node(), self._boot)
+            except ValueError as exc:
+                log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
         return self._environment
 
     @property
@@ -612,16 +622,15 @@ def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatc
     return proc._environment_error
 
 
-def _paths_for(python: str) -> List[str]:
-    """The ``sys.path`` a child running ``python`` gets: all of ours for our own interpreter; for another,
-    only the entries outside our installation (the program's folders, roving's source in a checkout), so
-    that it never loads our standard library or compiled packages."""
-    paths = [p for p in sys.path if p]
-    if os.path.abspath(python) == os.path.abspath(sys.executable):  # (a venv's python may link to ours)
-        return paths
-    ours = {os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix}}
-    return [p for p in paths if not any((os.path.realpath(p) + os.sep).startswith(o) for o in ours)
-            and not p.endswith(".zip")]
+def _tail(path: str, n: int) -> List[str]:
+    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
+        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
 
 
 def _this_host() -> str:
@@ -650,6 +659,7 @@ def _at_exit() -> None:
                 child._wait(5)
         except Exception:
             pass
+    crashlog.flush()
     session = _session.existing()
     if session is not None:
         session.close()

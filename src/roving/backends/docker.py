@@ -238,7 +238,7 @@ class DockerBackend(Backend):
         if res.cpu > info.get("NCPU", res.cpu):
             raise DockerError(f"{spec.name} asks for {res.cpu:g} CPUs; the Docker host has {info['NCPU']}")
         device_requests = [docker.types.DeviceRequest(count=res.gpu, capabilities=[["gpu"]])] if res.gpu else None
-        volumes = {spec.cwd: {"bind": spec.cwd, "mode": "rw"}}
+        volumes = {spec.cwd: {"bind": spec.cwd, "mode": "rw"}} if cfg.docker_mount_cwd else {}
         for item in cfg.docker_volumes:
             parts = item.split(":")
             if len(parts) < 2:
@@ -381,6 +381,14 @@ class DockerBackend(Backend):
 
     def cpu_count(self) -> int:
         return int(self._info().get("NCPU") or os.cpu_count() or 1)
+
+    def shares_filesystem(self) -> bool:
+        """Containers see this machine's working directory only when the engine is this machine's and
+        the directory is mounted (``docker_mount_cwd``)."""
+        cfg = _config.current()
+        url = cfg.docker_url or os.environ.get("DOCKER_HOST", "")
+        remote = "://" in url and urlparse(url).scheme in ("tcp", "http", "https", "ssh")
+        return cfg.docker_mount_cwd and not remote
 
     def towards(self) -> Optional[Tuple[str, str]]:
         """A remote engine's host (its containers run there); else, on a network other than ``host``,
