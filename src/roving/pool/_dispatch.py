@@ -18,6 +18,9 @@ Guarantees:
 * When a worker ends holding work, its unfinished items go back to the front of the line. The item it was
   running is blamed: it is tried again alone on an idle worker, and after ``max_task_retries`` deaths it
   fails with :class:`WorkerLostError` naming it.
+* A worker that says it will end (ENDING: a time limit, a preemption, its lifetime) gets no more work and
+  is replaced at once; what it hands back or leaves unfinished goes back in line with no one blamed: a
+  preemption never counts against ``max_task_retries``.
 """
 from __future__ import annotations
 
@@ -96,7 +99,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen", "unreachable", "undeliverable")
+                 "gone", "alone", "seen", "unreachable", "undeliverable", "ending")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -116,6 +119,7 @@ class WorkerState:
         self.unreachable = 0.0
 
         self.undeliverable: Optional[Callable[[], None]] = None  # for messages to ``ident`` (see HELLO)
+        self.ending = False  # it said it will end (ENDING): what it leaves costs no retry
 
     def lost_contact(self, ident: bytes) -> None:
         """A message to ``ident`` could not be delivered (on the node's I/O thread). A connection this
@@ -169,6 +173,8 @@ class Dispatcher:
         self._router: Optional[_router.Router] = None
         # items delivered ok / as a failure, sent again after a worker died (observe.py)
         self.done = self.failed = self.retried = 0
+        self.handed_back = 0  # items of workers told they would end, run again elsewhere (not retries)
+        self.ended_early = 0  # workers that said they would end (time limit, preemption, lifetime)
         self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
 
     def attach(self) -> None:
@@ -315,7 +321,8 @@ class Dispatcher:
                         "state": "retiring" if w.retiring else "starting" if w.ident is None
                         else "busy" if w.units else "idle"} for w in self.workers.values()]
             return {"queued": queued, "running": sum(w["items"] for w in workers), "done": self.done,
-                    "failed": self.failed, "retried": self.retried, "workers": workers}
+                    "failed": self.failed, "retried": self.retried, "handed_back": self.handed_back,
+                    "ended_early": self.ended_early, "workers": workers}
 
     def busy(self) -> bool:
         with self.lock:
@@ -335,6 +342,19 @@ class Dispatcher:
             w = self.workers.get(arg)
             if w is not None:
                 w.seen = time.monotonic()
+            return
+        if kind == P.ENDING:
+            with self.lock:
+                w = self.workers.get(arg)
+                if w is not None and not w.gone and not w.ending:
+                    w.ending = True
+                    self._retire(w)  # no more work; the upkeep starts its replacement now
+                    self.ended_early += 1
+                    observe.event("worker-ending", f"pool {self.pool_id}", f"worker {w.id} will end within {key} s: "
+                                  "it hands back its work (no retry counted); a replacement starts",
+                                  pool=self.pool_id, worker=w.id)
+                    log.info("roving pool: worker %s will end within %d s; its work is handed back and a "
+                             "replacement starts", w.id, key)
             return
         with self.lock:
             if kind == P.HELLO:
@@ -357,6 +377,8 @@ class Dispatcher:
                 unit = w.units.pop(arg, None)
                 if unit is not None:
                     unit.revoked = False
+                    if w.ending:
+                        self.handed_back += len(_unfinished(unit))
                     self.pending.appendleft(unit)
                     if not w.units:
                         w.alone = False
@@ -555,7 +577,7 @@ class Dispatcher:
                 del self.by_ident[w.ident]  # a worker that is gone is forgotten
             units, w.units = list(w.units.values()), {}
             again: List[_Unit] = []
-            blamed = False
+            blamed = w.ending  # a worker told it would end did not die of its work: nothing is blamed
             again_n = 0  # items sent again (observe.py)
             for unit in units:
                 chunk = unit.chunk
@@ -580,7 +602,11 @@ class Dispatcher:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
             again_n += sum(len(u.offsets) for u in again)
-            if units:
+            if units and w.ending:
+                self.handed_back += again_n
+                log.info("roving pool: worker %s ended as it said it would (exit code %s); %d unfinished item(s) "
+                         "go to other workers, no retry counted", w.id, exitcode, again_n)
+            elif units:
                 self.retried += again_n
                 observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} (exit code "
                               f"{exitcode}) sent again to other workers", pool=self.pool_id, items=again_n)

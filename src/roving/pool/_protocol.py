@@ -15,6 +15,10 @@ Worker → parent: ``[OP, header, ...]``, header = :class:`Header` (pool id, kin
 * RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
 * HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
   ``heartbeat_interval`` seconds, also while a task runs.
+* ENDING(worker id, seconds left) — from the heartbeat thread too, at once: the worker was told it will
+  end (a time limit, a preemption; :mod:`roving.pool._ending`). It takes no more work, gives back what it
+  has not started (RETURNED, unasked), finishes what it runs within that many seconds and says BYE; what it
+  leaves unfinished costs no retry.
 
 Parent → worker: TASKS is one or more units back to back (:func:`unit_frames`, read back as
 :class:`Unit` s by :func:`read_units`), each ``[header, forget, offsets, *function frames, *argument
@@ -59,6 +63,7 @@ class ToParent(enum.IntEnum):
     BYE = 4
     RETURNED = 5
     HEARTBEAT = 6
+    ENDING = 7
 
 
 class ToWorker(enum.IntEnum):
@@ -79,7 +84,7 @@ class Mode(enum.IntEnum):
 
 
 # Module-level names for the hot paths (a module global is read faster than an enum class attribute).
-HELLO, READY, RESULTS, BYE, RETURNED, HEARTBEAT = ToParent
+HELLO, READY, RESULTS, BYE, RETURNED, HEARTBEAT, ENDING = ToParent
 TASKS, ACK, STOP, REVOKE = ToWorker
 APPLY, MAP, STAR = Mode
 
@@ -120,7 +125,7 @@ def read_header(frames: Sequence[Any]) -> Header:
 
 
 def to_parent(pool_id: int, kind: int, arg: int = 0, key: int = 0) -> List[Any]:
-    """A message to the parent that is a header alone (HELLO, READY, BYE, RETURNED, HEARTBEAT)."""
+    """A message to the parent that is a header alone (HELLO, READY, BYE, RETURNED, HEARTBEAT, ENDING)."""
     return [OP, TO_PARENT.pack(pool_id, kind, arg, key)]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
+from ._ending import Ending, lifetime_for, signals_named
 from ..transport.channel import Channel, ConnectionLost, TransportError
 from ..transport.serialize import SerializationError
 from . import _protocol as P
@@ -101,14 +103,19 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     if initializer is not None:
         initializer(*initargs)
     secret = _session.current().secret
+    cfg = _config.current()
 
     def connect() -> Channel:
         return Channel(address, secret, connect_timeout, stream=True)
 
     stop = threading.Event()
-    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop),
+    # told it will end (a time limit, a preemption, its lifetime): it leaves well (see roving.pool._ending)
+    ending = Ending(cfg.worker_grace, signals_named(cfg.end_signals), lifetime_for(cfg), cfg.preemption_file)
+    wake = threading.Event()
+    ending.on_set(lambda _: wake.set())
+    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake),
                                name="roving-pool-heartbeat", daemon=True)
-    loop = _Loop(connect(), pool_id, maxtasks, connect)
+    loop = _Loop(connect(), pool_id, maxtasks, connect, ending)
     beating.start()
     try:
         loop.run(worker_id)
@@ -118,15 +125,23 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     finally:
         loop.chan.close()
         stop.set()  # its channel closes too: the parent's node forgets both connections
+        wake.set()
         beating.join(2.0)
+        ending.close()
 
 
-def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event) -> None:
+def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event,
+               ending: Ending, wake: threading.Event) -> None:
     """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
-    then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
+    then a new one is opened, so that a drop of this connection alone does not get the worker killed.
+
+    Once the worker is told it will end, the parent hears it here at once (ENDING), whatever the worker's
+    main thread runs; and at the deadline, if the worker is still running an item, it leaves anyway: its
+    item is run again elsewhere, not counted as a retry."""
     interval = _config.current().heartbeat_interval
     beat = P.to_parent(pool_id, P.HEARTBEAT, worker_id)
+    told = False
     try:
         chan = connect()
     except (OSError, ConnectionError) as exc:
@@ -143,10 +158,22 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
         try:
+            if ending.event.is_set() and not told:
+                chan.send(P.to_parent(pool_id, P.ENDING, worker_id, max(0, int(ending.left()))))
+                told = True
+                sys.stderr.write(f"roving pool worker {worker_id}: will end within {ending.left():.0f} s "
+                                 f"({ending.reason}): it takes no more work\n")
             chan.send(beat)
         except ConnectionLost:  # the stream ended: the next recv finds that and connects again
             pass
-        stop.wait(interval)
+        if told and ending.left() <= 0:
+            sys.stderr.write(f"roving pool worker {worker_id}: its {ending.grace:g} s of grace are over "
+                             f"({ending.reason}); it leaves now: what it runs is run again elsewhere\n")
+            sys.stderr.flush()
+            chan.close(1.0)
+            os._exit(0)
+        wake.wait(min(interval, max(0.0, ending.left())) if told else interval)
+        wake.clear()
     chan.close(1.0)
 
 
@@ -158,8 +185,9 @@ class _Loop:
     gets them; results that arrive twice count once), and the worker drops them too."""
 
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
-                 reconnect: Callable[[], Channel]) -> None:
+                 reconnect: Callable[[], Channel], ending: Optional[Ending] = None) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
+        self.ending = ending
         self.units: Deque[P.Unit] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
@@ -225,6 +253,9 @@ class _Loop:
             self.asked = max(0, self.asked - 1)
             for gone in unit.forget:
                 self.funcs.pop(gone, None)
+            if self.leaving and self.ending is not None and self.ending.event.is_set():
+                self._send(P.RETURNED, unit.chunk)  # sent before the parent heard it ends: back at once
+                continue
             self.units.append(unit)
 
     def run(self, worker_id: int) -> None:
@@ -252,10 +283,19 @@ class _Loop:
         else:
             self._ask()
 
+    def _end_well(self) -> None:
+        """Told it will end: the units not started go back (RETURNED, unasked), then results and BYE."""
+        while self.units:
+            self._send(P.RETURNED, self.units.popleft().chunk)
+        self.asked = 0
+        self._leave()
+
     def _turn(self, worker_id: int) -> bool:
         """Run the next unit, or wait a moment for work; True once the worker may leave."""
         chan = self.chan
         self._poll()
+        if self.ending is not None and self.ending.event.is_set() and not self.leaving:
+            self._end_well()
         if not self.units:
             self.results.flush()
             if self.leaving and self.acked:
@@ -360,6 +400,8 @@ class _Loop:
             if failed is not None:
                 due = results.add(cid, offs[i], False, ExceptionWithTraceback(failed, failed.__traceback__))
                 i += 1
+            if self.ending is not None and self.ending.event.is_set() and i < n:
+                return True  # the rest of the unit is left to others (the parent has it): results now
             if due and i < n:
                 self._flush()
             elif due:
