@@ -117,3 +117,21 @@ def sleep_then_pid(x, seconds):
 
     time.sleep(seconds)
     return x, os.getpid()
+
+
+def fail_if_pid_is_not(pid):
+    import os
+
+    if os.getpid() != pid:
+        raise RuntimeError(f"ran in {os.getpid()}, not {pid}")
+    return "ran in the caller"
+
+
+def die_unless_pid_is(pid):
+    """SIGKILL the process running it unless it is ``pid`` (a worker crashes; the caller survives)."""
+    import os
+    import signal
+
+    if os.getpid() != pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "survived in the caller"

@@ -34,6 +34,7 @@ import types
 from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .. import observe
+from . import _rerun
 from ..transport import session as _session
 from . import _protocol as P
 from . import _results, _router
@@ -414,6 +415,9 @@ class Dispatcher:
             chunk = chunks.get(cid)
             if chunk is None:
                 continue  # every item already delivered
+            if not ok:  # what was sent for each failed item, for roving.debug.rerun
+                for i, exc in enumerate(part):
+                    self._note_failure(chunk, first + i, exc)
             if chunk.done.find(1, first, first + count) == -1:
                 self._deliver_run(chunk, first, ok, part)
             else:  # some already delivered (by a worker that died after sending them): the rest only
@@ -422,6 +426,11 @@ class Dispatcher:
                         self._deliver_run(chunk, first + i, ok, [value])
         if freed:  # an idle worker may take a blamed item, or a unit another has not started
             self._dispatch()
+
+    def _note_failure(self, chunk: _Chunk, offset: int, exc: Any) -> None:
+        if isinstance(exc, BaseException):
+            _rerun.note(exc, _rerun.FailedCall(chunk.call.func.frames, chunk.args, offset, chunk.base + offset,
+                                               chunk.call.name))
 
     def _deliver_run(self, chunk: _Chunk, first: int, ok: bool, values: List[Any]) -> None:
         count = len(values)
@@ -591,10 +600,12 @@ class Dispatcher:
                     chunk.deaths = deaths
                     deaths[first] = deaths.get(first, 0) + 1
                     if deaths[first] >= self.max_task_retries:
-                        self._deliver_run(chunk, first, False, [WorkerLostError(
+                        lost = WorkerLostError(
                             f"item {chunk.base + first} of {chunk.call.name} was running on "
                             f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
-                            f"it is not tried again (max_task_retries={self.max_task_retries})")])
+                            f"it is not tried again (max_task_retries={self.max_task_retries})")
+                        self._note_failure(chunk, first, lost)
+                        self._deliver_run(chunk, first, False, [lost])
                     else:
                         self.suspects.append(_Unit(chunk, [first]))
                         again_n += 1
