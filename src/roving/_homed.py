@@ -207,8 +207,3 @@ class Homed:
         if status == _rpc.ERR:
             raise result
         return (status, result) if raw else result
-
-    def _tell(self, method: str, *args: Any) -> None:
-        """``method(*args)`` at the home without waiting for (or getting) an answer."""
-        payload = pickle.dumps((method, self._id, who(), 0, args))
-        caller(self._address).tell([payload])

@@ -144,6 +144,21 @@ class Config:
     #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
     #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
     pool_heartbeat_timeout: float = 30.0
+    #: Seconds a pool worker told it will end (a time limit, a preemption, ``end_signals``) has to finish
+    #: the item it runs before it leaves anyway; its other items go back at once, and its items cost no
+    #: retry (roving.pool._ending). Keep it under the cluster's kill delay (Slurm's KillWait, a pod's
+    #: terminationGracePeriodSeconds).
+    worker_grace: float = 20.0
+    #: Seconds each pool worker lives before the pool replaces it (its replacement is started first); none:
+    #: on Slurm, the job's ``slurm_time`` less 10 s where it is set, else unlimited. A map of hours runs on
+    #: workers of minutes.
+    worker_lifetime: Optional[float] = None
+    #: Signals that tell a pool worker it will end (comma-separated names). Slurm jobs are also submitted
+    #: with ``--signal=B:USR1@N`` (N: ``worker_grace`` + 10 s) so that the warning comes before the limit.
+    end_signals: str = "TERM,USR1"
+    #: A file whose appearance tells a pool worker its machine will be preempted (a spot notice a node
+    #: agent writes); none: not watched.
+    preemption_file: Optional[str] = None
     #: Serve the live dashboard (roving.dashboard) from the main process: its URL, with a token, is
     #: printed once. Children never serve one.
     dashboard: bool = False
@@ -219,6 +234,13 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
                 value = _detected_backend()
             elif key == "ship_code_limit":
                 parse_memory(value)
+                value = str(value)
+            elif key == "end_signals":
+                import signal
+
+                for name in (n.strip().upper() for n in str(value).split(",") if n.strip()):
+                    if not hasattr(signal, name if name.startswith("SIG") else f"SIG{name}"):
+                        raise ValueError(f"no signal named {name!r}")
                 value = str(value)
             elif key == "memory" and value is not None:
                 parse_memory(value)

@@ -161,6 +161,9 @@ class SlurmBackend(Backend):
             opts.append(f"--account={cfg.slurm_account}")
         if cfg.slurm_time:
             opts.append(f"--time={cfg.slurm_time}")
+        # the warning before the time limit (the job's shell is its Python: `exec`), taken by roving
+        # children as the sign to leave well (pool workers) or to say so (roving.pool._ending)
+        opts.append(f"--signal=B:USR1@{int(cfg.worker_grace) + 10}")
         return opts + shlex.split(cfg.slurm_options)
 
     def create_job(self, spec: JobSpec) -> Job:

@@ -20,7 +20,10 @@ import threading
 import time
 from typing import Callable, List, Optional, Sequence
 
-__all__ = ["Ending", "signals_named"]
+__all__ = ["Ending", "signals_named", "lifetime_for", "slurm_seconds"]
+
+#: Seconds between a Slurm job's start and its worker's: the job's clock starts first.
+_SLURM_MARGIN_S = 10.0
 
 
 def signals_named(names: str) -> List[signal.Signals]:
@@ -32,6 +35,43 @@ def signals_named(names: str) -> List[signal.Signals]:
         except KeyError:
             raise ValueError(f"no signal named {name!r} (end_signals: e.g. 'TERM,USR1')") from None
     return found
+
+
+def slurm_seconds(value: str) -> float:
+    """Slurm's time format (``--time``): minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS, as
+    seconds; ValueError for anything else (and for "UNLIMITED"/"INFINITE", which have none)."""
+    text = str(value).strip()
+    days = 0
+    if "-" in text:
+        head, text = text.split("-", 1)
+        days = int(head)
+        parts = [int(p) for p in text.split(":")]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    else:
+        parts = [int(p) for p in text.split(":")]
+        if len(parts) == 1:
+            hours, minutes, seconds = 0, parts[0], 0
+        elif len(parts) == 2:
+            hours, (minutes, seconds) = 0, parts
+        elif len(parts) == 3:
+            hours, minutes, seconds = parts
+        else:
+            raise ValueError(f"not a Slurm time: {value!r}")
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def lifetime_for(cfg: object) -> Optional[float]:
+    """How long a worker of this configuration lives: ``worker_lifetime`` when set (0 or less: unlimited);
+    else, on Slurm with ``slurm_time``, that less a margin for the job's own start; else unlimited (None)."""
+    own = getattr(cfg, "worker_lifetime", None)
+    if own is not None:
+        return float(own) if float(own) > 0 else None
+    if getattr(cfg, "backend", "") == "slurm" and getattr(cfg, "slurm_time", None):
+        try:
+            return max(1.0, slurm_seconds(cfg.slurm_time) - _SLURM_MARGIN_S)  # type: ignore[attr-defined]
+        except ValueError:
+            return None
+    return None
 
 
 class Ending:

@@ -103,6 +103,14 @@ class AsyncResult:
     def wait(self, timeout: Optional[float] = None) -> None:
         self._event.wait(timeouts.limit(timeout))
 
+    def rerun_locally(self, pdb: bool = False) -> Any:
+        """Run the call that failed again in this process, with the very function and pickled arguments
+        its worker got, so that a debugger stops in it (``pdb=True``: under pdb); see
+        :func:`roving.debug.rerun`. ValueError when it has not failed."""
+        from ._rerun import rerun
+
+        return rerun(self, pdb=pdb)
+
     def get(self, timeout: Optional[float] = None) -> Any:
         """The value, or the task's exception raised here (its remote traceback as ``__cause__``).
 
