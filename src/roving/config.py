@@ -159,6 +159,10 @@ class Config:
     #: A file whose appearance tells a pool worker its machine will be preempted (a spot notice a node
     #: agent writes); none: not watched.
     preemption_file: Optional[str] = None
+    #: A URL polled every 5 s whose answer tells a pool worker its machine will be preempted: notice is an
+    #: answer 200 whose body is not "FALSE" (AWS: ``http://169.254.169.254/latest/meta-data/spot/instance-action``;
+    #: GCE: ``http://metadata.google.internal/computeMetadata/v1/instance/preempted``); none: not polled.
+    preemption_url: Optional[str] = None
     #: Serve the live dashboard (roving.dashboard) from the main process: its URL, with a token, is
     #: printed once. Children never serve one.
     dashboard: bool = False

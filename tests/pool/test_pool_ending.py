@@ -78,3 +78,37 @@ def test_workers_of_a_short_lifetime_run_a_longer_map_with_every_result_once(tmp
 def test_a_bad_signal_name_is_refused_naming_it():
     with pytest.raises(roving.ConfigError, match="end_signals.*no signal named 'BOGUS'"):
         roving.init(end_signals="TERM,BOGUS")
+
+
+def test_a_preemption_notice_from_a_metadata_url_ends_the_worker_well():
+    # a metadata service of our own on 127.0.0.1, answering as GCE's does: FALSE, then TRUE
+    import http.server
+    import threading
+
+    said = {"body": b"FALSE"}
+
+    class Metadata(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(said["body"])
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Metadata)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/computeMetadata/v1/instance/preempted"
+        roving.init(worker_grace=30.0, preemption_url=url, child_output="off")
+        with roving.Pool(1, max_task_retries=1) as pool:
+            first = pool.apply(hp.getpid)
+            assert pool._disp.figures()["ended_early"] == 0
+            said["body"] = b"TRUE"
+            assert wait_until(lambda: pool._disp.figures()["ended_early"] >= 1, 60)
+            said["body"] = b"FALSE"
+            assert wait_until(lambda: pool.apply(hp.getpid) != first, 60)
+            assert pool._disp.figures()["retried"] == 0
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,13 +1,13 @@
 """How a pool worker learns that it is about to be ended, so that it can leave well rather than die.
 
 A worker on a real cluster is ended by things that say so first: Slurm's time limit (SIGTERM, or the
-``--signal`` warning roving asks for, ``end_signal``, some seconds before), ``scancel``, a Kubernetes
-pod's termination (SIGTERM, then SIGKILL after its grace period), a spot or preemptible machine's notice
-(a file a node agent writes, ``preemption_file``), or its own planned lifetime (``worker_lifetime``,
-replaced ahead of a time limit). :class:`Ending` gathers them into one event with a reason and a
-deadline: from the moment it is set the worker takes no more work, hands back what it has not started,
-finishes what it runs within ``worker_grace`` seconds, and leaves; at the deadline it goes whatever it
-runs. The pool counts none of this against ``max_task_retries``.
+``--signal`` warning roving asks for, some seconds before), ``scancel``, a Kubernetes pod's termination
+(SIGTERM, then SIGKILL after its grace period), a spot or preemptible machine's notice (a file a node
+agent writes, ``preemption_file``, or the cloud's metadata URL, ``preemption_url``), or its own planned
+lifetime (``worker_lifetime``, replaced ahead of a time limit). :class:`Ending` gathers them into one
+event with a reason and a deadline: from the moment it is set the worker takes no more work, hands back
+what it has not started, finishes what it runs within ``worker_grace`` seconds, and leaves; at the
+deadline it goes whatever it runs. The pool counts none of this against ``max_task_retries``.
 
 Signals are caught only in the main thread (Python runs handlers there); the handler only sets the
 event (nothing that could deadlock in the middle of the task it interrupts).
@@ -74,13 +74,29 @@ def lifetime_for(cfg: object) -> Optional[float]:
     return None
 
 
+def _notice_at(url: str) -> bool:
+    """Whether the cloud's metadata service at ``url`` gives notice: an answer 200 whose body is not
+    ``FALSE`` (AWS's spot ``instance-action`` answers 404 until a notice; GCE's ``preempted`` says
+    ``FALSE``/``TRUE`` and wants its ``Metadata-Flavor`` header). Anything else, an error included: no."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, headers={"Metadata-Flavor": "Google"})
+    try:
+        with urllib.request.urlopen(request, timeout=1.0) as answer:
+            return answer.status == 200 and answer.read(4096).strip().upper() != b"FALSE"
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
 class Ending:
     """Set once the worker is to end: :attr:`reason` says why, :attr:`deadline` (``time.monotonic()``)
     is when it must be gone. Watches ``signals``, the file ``preemption_file`` (its appearance), and the
     worker's ``lifetime`` (seconds from now, its grace included)."""
 
     def __init__(self, grace: float, signals: Sequence[signal.Signals] = (), lifetime: Optional[float] = None,
-                 preemption_file: Optional[str] = None, poll_s: float = 1.0) -> None:
+                 preemption_file: Optional[str] = None, poll_s: float = 1.0,
+                 preemption_url: Optional[str] = None, url_every_s: float = 5.0) -> None:
         self.grace = grace
         self.event = threading.Event()
         self.reason = ""
@@ -98,6 +114,7 @@ class Ending:
         self._born = time.monotonic()
         self._lifetime = lifetime
         self._file = preemption_file
+        self._url, self._url_every_s, self._url_next = preemption_url, url_every_s, 0.0
         self._poll_s = poll_s
         threading.Thread(target=self._watch, name="roving-worker-ending", daemon=True).start()
 
@@ -155,6 +172,10 @@ class Ending:
                     self.set(f"its lifetime of {self._lifetime:g} s (worker_lifetime) is nearly over", left)
             if self._file and os.path.exists(self._file):
                 self.set(f"the preemption notice {self._file} appeared")
+            elif self._url and time.monotonic() >= self._url_next:
+                self._url_next = time.monotonic() + self._url_every_s
+                if _notice_at(self._url):
+                    self.set(f"the preemption notice at {self._url}")
 
     def close(self) -> None:
         """Stop watching; signal handlers as they were."""

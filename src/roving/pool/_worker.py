@@ -110,7 +110,8 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
 
     stop = threading.Event()
     # told it will end (a time limit, a preemption, its lifetime): it leaves well (see roving.pool._ending)
-    ending = Ending(cfg.worker_grace, signals_named(cfg.end_signals), lifetime_for(cfg), cfg.preemption_file)
+    ending = Ending(cfg.worker_grace, signals_named(cfg.end_signals), lifetime_for(cfg), cfg.preemption_file,
+                    preemption_url=cfg.preemption_url)
     wake = threading.Event()
     ending.on_set(lambda _: wake.set())
     beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake),
