@@ -5,7 +5,8 @@
 * :class:`Admission` caps the handshakes in progress at once, in all and per source, and shares the
   cap fairly between sources: a flood from many addresses cannot hold out a peer from another one.
 * :class:`Unauthenticated` caps the connections open and not yet authenticated (a node's ZeroMQ
-  connections), closing the oldest of the source that holds most when a new one would exceed it.
+  connections, which libzmq accepts), ending the oldest of the source that holds most when a new one
+  would exceed it (:func:`cap_for_open_files`: a share of the limit on open files).
 * :func:`raise_open_files` lifts this process's soft limit on open files to the hard one.
 
 A *source* is the peer's IPv4 address, or its IPv6 address's /64 (one host's share of a network: an
@@ -18,6 +19,8 @@ import collections
 import dataclasses
 import ipaddress
 import logging
+import os
+import socket
 import threading
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Protocol, TypeVar
@@ -198,45 +201,96 @@ class Admission:
 
 @dataclasses.dataclass(eq=False)
 class _Connection:
-    key: int
+    fd: int
     source: str
     started: float
+    #: The connection's own and its peer's socket addresses: what makes a descriptor this connection.
+    names: tuple
+
+
+def _names(fd: int) -> Optional[tuple]:
+    """(own address, peer address) of the TCP connection on descriptor ``fd``, or None (not one now)."""
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    try:
+        return sock.getsockname(), sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def _shut(conn: _Connection) -> bool:
+    """End the connection ``conn`` names, if its descriptor still holds it (never another that took
+    the number since: its addresses are checked); whether it was ended."""
+    try:
+        sock = socket.socket(fileno=os.dup(conn.fd))
+    except OSError:
+        return False
+    try:
+        if (sock.getsockname(), sock.getpeername()) != conn.names:
+            return False
+        sock.shutdown(socket.SHUT_RDWR)  # the connection, for every descriptor of it: its owner sees its end
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
 
 
 class Unauthenticated:
-    """Connections open and not yet authenticated, at most ``cap`` at once, shared fairly by source.
+    """Connections that another library accepted (libzmq, for a node's ROUTER) and that have not
+    authenticated yet: at most ``cap`` open at once, shared fairly by source.
 
-    :meth:`opened` records a connection (by a key of the caller's: ZeroMQ's file descriptor); when
-    that makes more than ``cap``, it returns the key to close now: the oldest connection of the source
-    that holds most (the new one's source included, so that a flood from one address closes its own).
-    :meth:`settled` (authenticated) and :meth:`closed` forget one. Not thread-safe: one thread (the
-    node's I/O thread) calls it.
+    :meth:`opened` records a connection by its file descriptor (as ZeroMQ's monitor names it); when
+    that makes more than ``cap``, the oldest connection of the source that holds most is ended (the
+    new one's source included, so a flood from one address ends its own; among sources that hold one
+    each, the oldest of all): shut down, so that its owner sees it end and closes it. The descriptor is
+    checked to hold the same connection (its two addresses) first. :meth:`settled` (it authenticated)
+    and :meth:`closed` forget one. Not thread-safe: one thread (the node's I/O thread) calls it.
     """
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._open: "collections.OrderedDict[int, _Connection]" = collections.OrderedDict()
-        #: Connections closed to keep the cap (tests read it).
-        self.closed_for_cap = 0
+        #: Connections ended to keep the cap (tests read it).
+        self.ended_for_cap = 0
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def opened(self, key: int, address: str) -> Optional[int]:
-        self._open.pop(key, None)  # a key reused before its end was read: the old one is gone
-        self._open[key] = _Connection(key, source_of(address), time.monotonic())
-        if len(self._open) <= self.cap:
-            return None
-        conns = list(self._open.values())
-        victim = _fair_victim(conns, "") or min(conns, key=lambda c: c.started)
-        del self._open[victim.key]
-        self.closed_for_cap += 1
-        return victim.key
+    def opened(self, fd: int) -> None:
+        self._open.pop(fd, None)  # a number reused before the old connection's end was read
+        names = _names(fd)
+        if names is None:  # gone already
+            return
+        address = names[1][0] if isinstance(names[1], tuple) else str(names[1])
+        self._open[fd] = _Connection(fd, source_of(str(address)), time.monotonic(), names)
+        while len(self._open) > self.cap:
+            conns = list(self._open.values())
+            victim = _fair_victim(conns, "") or min(conns, key=lambda c: c.started)
+            del self._open[victim.fd]
+            if _shut(victim):
+                self.ended_for_cap += 1
 
-    def settled(self, key: int) -> None:
-        self._open.pop(key, None)
+    def settled(self, fd: Optional[int]) -> None:
+        if fd is not None:
+            self._open.pop(fd, None)
 
     closed = settled
+
+
+def cap_for_open_files(share: int = 8, floor: int = 32, ceiling: int = 1024) -> int:
+    """A cap on connections that may be open unauthenticated: 1/``share`` of this process's limit on
+    open files, between ``floor`` and ``ceiling``."""
+    if resource is None:
+        return ceiling
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return ceiling
+    return max(floor, min(ceiling, soft // share))
 
 
 def raise_open_files() -> int:
