@@ -14,8 +14,6 @@ import sys
 import threading
 import time
 
-import pytest
-
 import roving
 from helpers_core import SUPPORT_DIR, TIMEOUT, wait_until
 from roving.transport import endpoint as _endpoint

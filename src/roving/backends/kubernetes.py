@@ -34,7 +34,8 @@ from .. import config as _config
 from . import throttle
 from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
                    user_name)
-from .output import LineSplitter, open_private
+from .output import LineSplitter
+from .private import open_private
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)

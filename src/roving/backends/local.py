@@ -9,7 +9,8 @@ import threading
 from typing import Dict, Optional
 
 from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError
-from .output import OutputPump, open_private
+from .output import OutputPump
+from .private import open_private
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 from .. import config as _config
 from . import slurm_array, slurm_step, throttle
 from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
-from .output import LineSplitter, private_dir
+from .output import LineSplitter
+from .private import private_dir
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
