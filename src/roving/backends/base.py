@@ -8,13 +8,19 @@ watcher that cancels a dead parent's jobs is :mod:`roving.backends.reaper`.
 from __future__ import annotations
 
 import abc
+import atexit
 import dataclasses
 import enum
 import os
 import pwd
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from .private import create_private, private_dir
 
 
 class UnknownJobError(LookupError):
@@ -111,6 +117,47 @@ def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str]
                                         or k.startswith("ROVING_"))}
     out.setdefault("PYTHONUNBUFFERED", "1")
     return out, spec.env.get(spec.session.secret_env, "")
+
+
+class SecretFiles:
+    """Hands the session secret to jobs in private files, never in their environment.
+
+    :meth:`moved` gives a copy of a job's spec whose environment no longer holds the secret
+    (``spec.session.secret_env``) but names, in ``spec.session.secret_file_env``, a new file that
+    does: 0600, created without following links, in a private folder (0700) made on first use under
+    ``base``. So neither the job's ``/proc/PID/environ`` (the kernel's copy of the environment it
+    started with, which removing the variable from ``os.environ`` does not clear) nor a cluster's
+    record of the job's environment (Slurm's ``--export``) carries it. The child reads the file and
+    removes it (:func:`roving.backends.private.take_private`); the files of jobs that never ran go with
+    the folder at this process's exit. ``base`` must be a folder the job's machine sees (a shared home
+    for a cluster). Thread-safe.
+    """
+
+    def __init__(self, base: str) -> None:
+        self._base = base
+        self._folder: Optional[str] = None
+        self._lock = threading.Lock()
+
+    def _made(self) -> str:
+        with self._lock:
+            if self._folder is None or not os.path.isdir(self._folder):
+                if not os.path.isdir(self._base):
+                    private_dir(self._base)  # made 0700; one that exists (/tmp) holds a folder of ours
+                self._folder = tempfile.mkdtemp(prefix="roving-secrets-", dir=self._base)  # 0700
+                atexit.register(shutil.rmtree, self._folder, True)
+            return self._folder
+
+    def moved(self, spec: JobSpec) -> JobSpec:
+        """``spec`` with its secret in a file (``spec`` itself when its environment holds none)."""
+        secret = spec.env.get(spec.session.secret_env)
+        if not secret:
+            return spec
+        path = os.path.join(self._made(), f"{secrets.token_hex(8)}.secret")
+        with create_private(path, "w") as f:
+            f.write(secret)
+        env = {k: v for k, v in spec.env.items() if k != spec.session.secret_env}
+        env[spec.session.secret_file_env] = path
+        return dataclasses.replace(spec, env=env)
 
 
 class Job:

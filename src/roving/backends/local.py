@@ -5,14 +5,18 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 from typing import Dict, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError
+from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles, UnknownJobError
 from .output import OutputPump
 from .private import open_private
 
 log = logging.getLogger(__name__)
+
+#: Where local children find the session secret: a private folder under the system's temporary one.
+_SECRETS = SecretFiles(tempfile.gettempdir())
 
 
 def _has_exited(pid: int) -> bool:
@@ -34,7 +38,7 @@ class LocalBackend(Backend):
         self._lock = threading.Lock()
 
     def create_job(self, spec: JobSpec) -> Job:
-        env = dict(spec.env)
+        env = dict(_SECRETS.moved(spec).env)  # the secret in a private file, not the environment
         stdout = stderr = None
         log_file = None
         if spec.output == "prefix":

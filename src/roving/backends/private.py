@@ -19,7 +19,7 @@ import os
 import stat
 from typing import IO, Any
 
-__all__ = ["NotPrivateError", "private_dir", "open_private", "create_private"]
+__all__ = ["NotPrivateError", "private_dir", "open_private", "create_private", "take_private"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -148,3 +148,26 @@ def create_private(path: str, mode: str = "wb") -> IO[Any]:
             _check_file(path, st)  # raises, saying which
         os.unlink(path)  # ours, left by a write that did not finish
         return _open(path, flags, mode)
+
+
+def take_private(path: str) -> str:
+    """The text of the private file ``path``, which is then removed (where it can be: a read-only
+    mount keeps it). Not followed if it is a link; refused (NotPrivateError) if it is not a regular
+    file or group or others may read or write it. For a secret handed over once."""
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o077:
+            raise _refuse(path, f"it is not a regular file that only its owner may read (mode "
+                          f"{stat.S_IMODE(st.st_mode):04o})", "it was not made by roving: start the process again")
+        with os.fdopen(fd, "r") as f:
+            fd = -1
+            text = f.read()
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    try:
+        os.unlink(path)
+    except OSError:  # a read-only mount (a container's), or gone already
+        pass
+    return text
