@@ -11,6 +11,9 @@ import abc
 import atexit
 import dataclasses
 import enum
+import functools
+import hashlib
+import hmac
 import os
 import pwd
 import secrets
@@ -20,7 +23,7 @@ import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .private import create_private, private_dir
+from .private import create_private, private_dir, private_key
 
 
 class UnknownJobError(LookupError):
@@ -94,11 +97,34 @@ class JobInfo:
 
 def user_name() -> str:
     """This process's user, from its uid (not from the environment): the jobs it started carry it, and
-    `roving cancel --all` touches only jobs that carry it."""
+    `roving cancel --all` touches only jobs that carry it (on Docker and Kubernetes, where anyone can
+    label a job with any name, only those that carry its :func:`owner_label`)."""
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:  # a uid without a name (a container's, say)
         return f"uid{os.getuid()}"
+
+
+#: Where this user's key for :func:`owner_label` is kept (made on first use, 0600).
+OWNER_KEY_FILE = "~/.roving/owner.key"
+
+
+@functools.lru_cache(maxsize=None)
+def _owner_key(path: str) -> bytes:
+    return private_key(path)
+
+
+def owner_label(user: Optional[str] = None) -> str:
+    """The ``roving.owner`` label of the containers and pods that ``user`` (default: this user)
+    starts: a keyed hash (HMAC-SHA256, 32 hex digits) of the user name with this user's own key
+    (:data:`OWNER_KEY_FILE`). `roving cancel --all` matches it, not the ``roving.user`` label, which
+    anyone can set to any name: a job started by someone else (another machine's "alice", a
+    hand-made container) does not carry it, whatever its other labels say. Only a process with this
+    user's key file makes it (the label is visible to whoever can list the jobs: copying it onto a
+    job of one's own makes that job cancelled by this user's --all, nothing more)."""
+    key = _owner_key(os.path.expanduser(OWNER_KEY_FILE))
+    name = user_name() if user is None else user
+    return hmac.new(key, b"roving-owner:" + name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str], str]:

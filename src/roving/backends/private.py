@@ -19,7 +19,7 @@ import os
 import stat
 from typing import IO, Any
 
-__all__ = ["NotPrivateError", "private_dir", "open_private", "create_private", "take_private"]
+__all__ = ["NotPrivateError", "private_dir", "open_private", "create_private", "take_private", "private_key"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -171,3 +171,23 @@ def take_private(path: str) -> str:
     except OSError:  # a read-only mount (a container's), or gone already
         pass
     return text
+
+
+def private_key(path: str) -> bytes:
+    """This user's key kept in the private file ``path`` (32 random bytes, hex), made on first use (0600,
+    in a 0700 folder; two processes making it at once agree on one). NotPrivateError when the file or
+    its folder is not private (a key others could read is no key)."""
+    try:
+        with _open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "w") as f:
+            f.write(os.urandom(32).hex())
+    except FileExistsError:
+        pass
+    with _open(path, os.O_RDONLY, "r") as f:
+        text = f.read().strip()
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) < 16:
+        raise _refuse(path, "it does not hold a key roving made", "remove it: roving makes a new one")
+    return key
