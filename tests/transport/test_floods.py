@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import roving
 from helpers_core import SUPPORT_DIR, TIMEOUT, wait_until
 from roving.transport import endpoint as _endpoint
@@ -194,3 +196,44 @@ def test_a_flood_of_zeromq_connections_at_a_node_with_256_descriptors_leaves_it_
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_over_the_cap_the_oldest_unauthenticated_connection_of_the_biggest_source_is_ended():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    port = server.getsockname()[1]
+    conns = guard.Unauthenticated(cap=4)
+    clients, accepted = [], []
+    try:
+        for source in ["127.0.0.2", "127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.4"]:
+            c = socket.socket()
+            c.bind((source, 0))
+            c.connect(("127.0.0.1", port))
+            a, _ = server.accept()
+            clients.append(c)
+            accepted.append(a)
+            if source == "127.0.0.3":
+                conns.opened(a.fileno())
+                conns.settled(a.fileno())  # it authenticated: never ended for the cap
+            else:
+                conns.opened(a.fileno())
+        # unauthenticated: three from .2, one from .4 (.3's settled): the cap; one more ends .2's oldest
+        assert conns.ended_for_cap == 0 and len(conns) == 4
+        c = socket.socket()
+        c.bind(("127.0.0.4", 0))
+        c.connect(("127.0.0.1", port))
+        a, _ = server.accept()
+        clients.append(c)
+        accepted.append(a)
+        conns.opened(a.fileno())
+        assert conns.ended_for_cap == 1 and len(conns) == 4
+        clients[0].settimeout(5)
+        assert clients[0].recv(1) == b""  # the oldest of 127.0.0.2 was ended
+        for other in clients[1:]:
+            other.setblocking(False)
+            with pytest.raises(BlockingIOError):  # still open: nothing to read, no end
+                other.recv(1)
+    finally:
+        for s in clients + accepted + [server]:
+            s.close()

@@ -255,6 +255,7 @@ class Unauthenticated:
     def __init__(self, cap: int) -> None:
         self.cap = cap
         self._open: "collections.OrderedDict[int, _Connection]" = collections.OrderedDict()
+        self._early: "collections.OrderedDict[int, tuple]" = collections.OrderedDict()  # settled, not yet opened
         #: Connections ended to keep the cap (tests read it).
         self.ended_for_cap = 0
 
@@ -266,6 +267,8 @@ class Unauthenticated:
         names = _names(fd)
         if names is None:  # gone already
             return
+        if self._early.pop(fd, None) == names:  # it authenticated before its opening was read
+            return
         address = names[1][0] if isinstance(names[1], tuple) else str(names[1])
         self._open[fd] = _Connection(fd, source_of(str(address)), time.monotonic(), names)
         while len(self._open) > self.cap:
@@ -276,10 +279,19 @@ class Unauthenticated:
                 self.ended_for_cap += 1
 
     def settled(self, fd: Optional[int]) -> None:
-        if fd is not None:
-            self._open.pop(fd, None)
+        """The connection on ``fd`` authenticated (None: not known which; nothing is done)."""
+        if fd is None or self._open.pop(fd, None) is not None:
+            return
+        names = _names(fd)
+        if names is not None:
+            self._early[fd] = names
+            while len(self._early) > self.cap:
+                self._early.popitem(last=False)
 
-    closed = settled
+    def closed(self, fd: int) -> None:
+        """The connection on ``fd`` ended."""
+        self._open.pop(fd, None)
+        self._early.pop(fd, None)
 
 
 def cap_for_open_files(share: int = 8, floor: int = 32, ceiling: int = 1024) -> int:

@@ -34,10 +34,9 @@ Guarantees:
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
   that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
   :data:`.wire.MAX_FRAME` is taken from anyone (larger ones are sent in pieces,
-  :func:`.wire.split_frames`, and joined here); and at most :func:`.guard.cap_for_open_files`
-  connections that have not authenticated are open at once (more end the oldest of the source that
-  holds most, :class:`.guard.Unauthenticated`), so a flood of connections cannot fill the process's
-  descriptor table.
+  :func:`.wire.split_frames`, and joined here); at most :func:`.guard.cap_for_open_files` connections
+  that have not authenticated are open at once (:class:`.guard.Unauthenticated`): a flood of
+  connections cannot fill the process's descriptor table.
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
@@ -144,7 +143,7 @@ class Node(Boxes):
         # port listens, is no refusal)
         # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten
         # (auth.Door.disconnected). Read on this node's I/O thread, never waited for (_read_monitor).
-        # ACCEPTED: a connection that has yet to authenticate, counted against a cap (guard.Unauthenticated).
+        # ACCEPTED: a connection yet to authenticate, counted against a cap (guard.Unauthenticated).
         self._unauthenticated = Unauthenticated(cap_for_open_files())
         self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED
                                    | zmq.EVENT_ACCEPTED)
@@ -491,7 +490,7 @@ class Node(Boxes):
             self._read_monitor()
             self._door.knock(ident, frames[1:])
             if self._authenticated.get(ident, self) == frames[1].get("User-Id"):  # it just got in
-                self._unauthenticated.settled(frames[1].get(zmq.SRCFD))
+                self._unauthenticated.settled(_source_fd(frames[1]))
             return
         op = frames[1].bytes
         if op == PIECES:
@@ -584,6 +583,14 @@ class Node(Boxes):
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The descriptor of the connection a message came on (ZeroMQ's SRCFD), or None where not known."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 #: First byte of the identities the node gives streams that carry handlers' messages (ZeroMQ's own
