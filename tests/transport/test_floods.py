@@ -237,3 +237,42 @@ def test_over_the_cap_the_oldest_unauthenticated_connection_of_the_biggest_sourc
     finally:
         for s in clients + accepted + [server]:
             s.close()
+
+
+def open_files_limit(out) -> None:
+    import resource
+
+    out.put(resource.getrlimit(resource.RLIMIT_NOFILE))
+
+
+def test_a_child_raises_its_soft_limit_on_open_files_to_the_hard_one_at_boot():
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert hard > 256, "the test needs a hard limit above 256"
+    out = roving.Queue()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))  # what the child inherits
+    try:
+        p = roving.Process(target=open_files_limit, args=(out,))
+        p.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert out.get(timeout=TIMEOUT) == (hard, hard)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+
+
+def test_a_program_raises_its_soft_limit_on_open_files_when_it_first_uses_the_transport():
+    script = ("import resource\n"
+              "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+              "import roving\n"
+              "before = resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+              "roving.Queue().put(1)\n"
+              "print(before, *resource.getrlimit(resource.RLIMIT_NOFILE))\n")
+    env = dict(os.environ)
+    env.pop("ROVING_CHILD", None)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert r.returncode == 0, r.stderr
+    before, soft, hard = (int(x) for x in r.stdout.split())
+    assert before == 256 and soft == hard > 256
