@@ -123,9 +123,9 @@ class Admission:
 
     While fewer than ``total`` run, a source is admitted up to ``per_source``. At ``total``, a source
     that completed a handshake within :data:`TRUST_S` (a peer that proved the secret) still gets up to
-    ``reserve`` more; and a newcomer from a source that holds fewer than the source holding most is
-    admitted in place of the oldest handshake of that source, which is evicted (its ``evict`` runs,
-    outside the lock). So sources that flood from many addresses hold at most their shares between
+    ``reserve`` more; and a newcomer from a source that holds at least two fewer than the source
+    holding most is admitted in place of the oldest handshake of that source, which is evicted (its
+    ``evict`` runs, outside the lock). So sources that flood from many addresses hold at most their shares between
     them, and a peer from another address is admitted at once, not after their handshakes' deadline.
     What it does not bound: a flood from more sources than the cap, each holding one handshake, keeps
     a peer from an untrusted source waiting for a free place (each is freed by its deadline).
