@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path as FilePath
 
+from ..backends.private import create_private
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
 from .errors import PipelineError, PlanError
 from .network import build_network
@@ -268,7 +269,8 @@ def run_join(args: argparse.Namespace) -> int:
         return 2
     req = folder / f"join-{uuid.uuid4().hex}.json"
     tmp = req.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"name": args.name, "region": args.region, "count": args.count}))
+    with create_private(str(tmp), "w") as f:
+        f.write(json.dumps({"name": args.name, "region": args.region, "count": args.count}))
     tmp.replace(req)
     answer = req.with_suffix(".done")
     deadline = time.monotonic() + args.timeout

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..backends.private import create_private, open_private
 from .costs import PlanError
 from .simulate import simulate
 
@@ -30,15 +31,16 @@ def serve_join_requests(folder: str, request_join: Callable[[str | None, str | N
         except (PlanError, ValueError, TypeError) as exc:
             answer = {"error": str(exc)}
         tmp = req.with_suffix(".tmp")
-        tmp.write_text(json.dumps(answer))
+        with create_private(str(tmp), "w") as f:
+            f.write(json.dumps(answer))
         tmp.replace(req.with_suffix(".done"))
         req.unlink(missing_ok=True)
 
 
 def append_record(folder: str, name: str, rec: dict) -> None:
     """Append ``rec`` to ``folder/name`` as one JSON line (values JSON cannot hold as text)."""
-    Path(folder).mkdir(parents=True, exist_ok=True)  # an event may come before the run's first status
-    with open(Path(folder) / name, "a") as f:
+    # made if need be (an event may come before the run's first status); no link followed, private
+    with open_private(str(Path(folder) / name), "a") as f:
         f.write(json.dumps(rec, default=str) + "\n")
 
 
@@ -68,7 +70,8 @@ class PlanWriter:
                "measured": {n: [[k, mb, round(a, 5), round(b, 5)] for k, mb, a, b in t] for n, t in trace.items()},
                "regions": {n: net.node(n).region for n in plan.allocation if n in net.names}}
         tmp = Path(self.folder) / "plan.tmp"
-        tmp.write_text(json.dumps(doc))
+        with create_private(str(tmp), "w") as f:
+            f.write(json.dumps(doc))
         tmp.replace(Path(self.folder) / "plan.json")
 
 
@@ -92,5 +95,6 @@ def write_status(folder: str, metrics: dict, iterations: int, alloc: dict[str, i
               "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") + _RECOVERY if k in e}
                                 | {"nodes": e.get("nodes")} for e in metrics["events"][-5:]]}
     tmp = Path(folder) / "status.tmp"
-    tmp.write_text(json.dumps(status, indent=1))
+    with create_private(str(tmp), "w") as f:
+        f.write(json.dumps(status, indent=1))
     tmp.replace(Path(folder) / "status.json")

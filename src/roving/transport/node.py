@@ -35,7 +35,9 @@ Guarantees:
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
   that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
   :data:`.wire.MAX_FRAME` is taken from anyone (larger ones are sent in pieces,
-  :func:`.wire.split_frames`, and joined here).
+  :func:`.wire.split_frames`, and joined here); at most :func:`.guard.cap_for_open_files` connections
+  that have not authenticated are open at once (:class:`.guard.Unauthenticated`): a flood of
+  connections cannot fill the process's descriptor table.
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
@@ -70,7 +72,7 @@ from .served import ServedStream
 from . import timeouts
 from . import wire
 from . import zap
-from .guard import Refusals
+from .guard import Refusals, Unauthenticated, cap_for_open_files, raise_open_files
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL: for callers)
 
 # The operations are the wire format's (roving.transport.wire); they are also names of this module for
@@ -89,6 +91,7 @@ class Node(Boxes):
                  port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
         """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
         AddressError when the address cannot be bound, naming it."""
+        raise_open_files()  # the first use of the transport in a process: before it holds any connection
         self.secret = secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
@@ -141,7 +144,10 @@ class Node(Boxes):
         # port listens, is no refusal)
         # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten
         # (auth.Door.disconnected). Read on this node's I/O thread, never waited for (_read_monitor).
-        self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED)
+        # ACCEPTED: a connection yet to authenticate, counted against a cap (guard.Unauthenticated).
+        self._unauthenticated = Unauthenticated(cap_for_open_files())
+        self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED
+                                   | zmq.EVENT_ACCEPTED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         # The streams are watched by a selector of their own (epoll here), which the poller watches as
@@ -399,7 +405,10 @@ class Node(Boxes):
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._unauthenticated.opened(int(event["value"]))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._unauthenticated.closed(int(event["value"]))
                 self._door.disconnected(int(event["value"]))
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
@@ -481,6 +490,8 @@ class Node(Boxes):
             # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
             self._read_monitor()
             self._door.knock(ident, frames[1:])
+            if self._authenticated.get(ident, self) == frames[1].get("User-Id"):  # it just got in
+                self._unauthenticated.settled(_source_fd(frames[1]))
             return
         op = frames[1].bytes
         if op == PIECES:
@@ -573,6 +584,14 @@ class Node(Boxes):
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The descriptor of the connection a message came on (ZeroMQ's SRCFD), or None where not known."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 #: First byte of the identities the node gives streams that carry handlers' messages (ZeroMQ's own

@@ -23,6 +23,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .. import backends
 from .. import config as _config
+from ..backends.private import take_private
 from . import addressing, auth
 from .endpoint import Endpoint, close_connections
 from .node import Node
@@ -117,12 +118,12 @@ def _take_child_env() -> Tuple[Optional[dict], str]:
     info = json.loads(raw)
     if not secret and secret_file:
         try:
-            with open(secret_file) as f:
-                secret = f.read().strip()
+            secret = take_private(secret_file).strip()  # not through a link; removed once read
         except OSError as exc:
             raise OSError(f"roving: this child cannot read the session secret from {secret_file} ({exc}); "
-                          "the file is readable only by the user who started the parent: run the container as "
-                          "that user, or as root") from None
+                          "the parent made the file, readable only by its user, for one reading: run a container "
+                          "as that user (or root), a Slurm job where the parent's home is mounted, and start "
+                          "each child once") from None
     _child_info = info
     return info, secret
 

@@ -20,8 +20,9 @@ Guarantees:
   changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
   for TLS in its first line; the listener refuses plain text from an address that is not loopback.
 * Before authentication the listener bounds what a peer can hold: the whole handshake has one deadline
-  (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once and
-  :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
+  (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once, shared fairly between
+  source addresses (:class:`.guard.Admission`: a flood from many addresses makes room for a peer from
+  another at once), :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
   :data:`_MAX_REQUEST` bytes.
 * A message is one gather write: its frames leave from the caller's buffers without a copy. On the
   receiving side a large frame is read straight into a buffer of its own, which the unpickled object then
@@ -36,6 +37,7 @@ two threads share is :mod:`.tls`'s, and the I/O thread's side of a stream is :mo
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -52,7 +54,7 @@ from . import addressing, auth
 from . import crypto
 from . import tls
 from .framing import Reader, advance, encode
-from .guard import Admission, Refusals
+from .guard import Admission, Handshake, Refusals
 
 log = logging.getLogger(__name__)
 
@@ -365,27 +367,43 @@ class Listener:
                 time.sleep(0.05)
                 continue
             source = str(peer[0])
-            why = self._admission.enter(source)
-            if why:
-                self.refusals.refuse(source, why)
+            try:  # a handle on the connection that the TLS layer does not take over: for an eviction
+                pin = sock.dup()
+            except OSError as exc:
+                self.refusals.refuse(source, f"no descriptor for it: {exc}")
+                sock.close()
+                time.sleep(0.05)
+                continue
+            ticket = self._admission.enter(source, functools.partial(pin.shutdown, socket.SHUT_RDWR))
+            if ticket.refused:
+                self.refusals.refuse(source, ticket.refused)
+                pin.close()
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._admit, args=(sock, source), name="roving-stream-admit",
+                threading.Thread(target=self._admit, args=(sock, pin, ticket), name="roving-stream-admit",
                                  daemon=True).start()
             except RuntimeError as exc:  # no thread can be started now
-                self._admission.leave(source)
+                self._admission.leave(ticket)
                 self.refusals.refuse(source, f"no thread for it: {exc}")
+                pin.close()
                 sock.close()
                 time.sleep(0.05)
 
-    def _admit(self, sock: socket.socket, source: str) -> None:
+    def _admit(self, sock: socket.socket, pin: socket.socket, ticket: Handshake) -> None:
+        opened = None
         try:
-            self._handshake(sock, source)
+            opened = self._handshake(sock, ticket.address)
         finally:
-            self._admission.leave(source)
+            # left before on_open runs: an authenticated stream is no longer a handshake to evict
+            self._admission.leave(ticket, opened is not None)
+            pin.close()
+        if opened is not None:
+            self._open(*opened)
 
-    def _handshake(self, sock: socket.socket, source: str) -> None:
+    def _handshake(self, sock: socket.socket, source: str) -> Optional[Tuple[Any, dict]]:
+        """The TLS layer (or the plain socket) and the request of a peer that authenticated, or None
+        (the connection is closed and the refusal logged)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         link: Any = sock
         try:
@@ -411,7 +429,10 @@ class Listener:
         except Exception as exc:  # not a roving peer, a wrong secret, a bad request, a timeout
             self.refusals.refuse(source, str(exc) or type(exc).__name__)
             link.close()
-            return
+            return None
+        return link, request
+
+    def _open(self, link: Any, request: dict) -> None:
         stream = Stream(link)
         try:
             ok = self._on_open(request, stream)
