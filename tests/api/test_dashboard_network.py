@@ -239,3 +239,22 @@ def test_limits_out_of_range_are_an_error_naming_the_limit():
         Limits(connections=0)
     with pytest.raises(ValueError, match="request_s"):
         Limits(request_s=0)
+
+
+def test_the_dashboard_hosts_option_adds_names_it_answers_to(monkeypatch):
+    from roving import dashboard
+
+    monkeypatch.setenv("ROVING_DASHBOARD_HOSTS", "dash.example, other.example")
+    dashboard.stop()  # one an earlier test left (start() returns the running one)
+    server = dashboard.start(announce=False)
+    try:
+        for host, code in (("dash.example", 200), ("OTHER.example:8080", 200), ("third.example", 421)):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(server.url, headers={"Host": host}),
+                                            timeout=TIMEOUT) as r:
+                    got = r.status
+            except urllib.error.HTTPError as err:
+                got = err.code
+            assert got == code, host
+    finally:
+        dashboard.stop()

@@ -9,8 +9,8 @@ Access, checked in this order for every request, whatever the path:
 
 1. The ``Host`` header must name this dashboard: ``localhost``, a loopback address, the address it is
    bound to, this machine's host name (short or full) or one of its own addresses, or a name given in
-   ``hosts``. Any other gets 421 (a page some other site's name now points here, as DNS rebinding
-   does, is refused before the token is looked at).
+   ``hosts`` (the ``dashboard_hosts`` option). Any other gets 421: a page under some other site's name
+   that now points here, as DNS rebinding does, is refused before the token is looked at.
 2. The token: the URL printed once carries ``?token=...``; the first request with it gets a cookie,
    later ones may carry either (or ``Authorization: Bearer TOKEN``, for Prometheus). Without the right
    token: 403. The token is compared in constant time.
@@ -205,7 +205,7 @@ class Server:
             log.debug("dashboard: refused Host %r from %s", host, request.source)
             return Answer(421, (f"421: this dashboard does not answer to the name {name!r} (the request's Host "
                                 f"header); it answers to {self._names.shown()}. Open the URL it printed, or "
-                                f"name this host in Server(hosts=...).\n").encode(), _TEXT, _HEADERS, close=True)
+                                f"add the name to the dashboard_hosts option.\n").encode(), _TEXT, _HEADERS, close=True)
         if request.method not in ("GET", "HEAD"):
             return Answer(405, f"405: {request.method} is not served here (GET and HEAD are)\n".encode(), _TEXT,
                           _HEADERS + (("Allow", "GET, HEAD"),), close=True)

@@ -331,6 +331,8 @@ class HttpServer:
         for t in tasks:
             t.cancel()
         await asyncio.gather(accepting, *tasks, return_exceptions=True)
+        for _ in range(3):  # the aborted transports close their sockets in callbacks of their own
+            await asyncio.sleep(0)
 
     async def _accept(self, loop: asyncio.AbstractEventLoop) -> None:
         while True:
