@@ -393,7 +393,7 @@ class HttpServer:
             tls: Dict[str, Any] = {}
             if self._ssl is not None:
                 tls = {"ssl": self._ssl, "ssl_handshake_timeout": limits.handshake_s}
-                if sys.version_info >= (3, 11):  # without it, a close waits up to 30 s for the peer's
+                if sys.version_info >= (3, 11):  # else a close waits up to 30 s for the peer's close_notify
                     tls["ssl_shutdown_timeout"] = 1.0
             conn.transport, _ = await loop.connect_accepted_socket(lambda: wire, conn.sock, **tls)
             while True:
