@@ -115,14 +115,14 @@ def test_markup_in_every_field_is_rendered_as_text_in_chromium(hostile, tmp_path
             driver.execute_script(f"document.querySelector('button[data-view={view}]').click()")
             section = f"view-{view}"
 
-            def shown():
+            def shown(section=section):
                 # open every <details> (tracebacks, output), so that its text is in sight too
                 return driver.execute_script(
                     "const v = document.getElementById(arguments[0]);"
                     "v.querySelectorAll('details:not([open])').forEach(d => { d.open = true; });"
                     "return v.innerText + '\\n' + v.textContent", section)
 
-            def all_there():
+            def all_there(fields=fields):
                 text = shown()
                 return all(payload(f) in text for f in fields)
 

@@ -133,11 +133,11 @@ def _is_local(address: Any) -> bool:
 class Server:
     """One dashboard: ``views`` says what it shows; :attr:`url` (with the token) once started.
     ``hosts``: names it answers to besides its own (see the module's docstring); ``limits``: what it
-    gives each connection (:class:`~roving.dashboard.serving.Limits`)."""
+    gives each connection (:class:`~roving.dashboard.serving.Limits`; its defaults if None)."""
 
     def __init__(self, views: Views, host: str = "127.0.0.1", port: int = 0,
                  token: Optional[str] = None, tls: Optional[bool] = None, hosts: Iterable[str] = (),
-                 limits: Limits = Limits()) -> None:
+                 limits: Optional[Limits] = None) -> None:
         self.views = views
         self.token = token or secrets.token_urlsafe(24)
         if tls is None:
@@ -216,7 +216,7 @@ class Server:
         if not ok:
             return Answer(403, b"403: this dashboard needs the token of the URL it printed (?token=...)\n", _TEXT,
                           _HEADERS)
-        headers = _HEADERS
+        headers: Tuple[Tuple[str, str], ...] = _HEADERS
         if cookie:
             headers += (("Set-Cookie", f"{self.cookie}={self.token}; {self._cookie_attributes}"),)
         try:

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import dataclasses
 import enum
+import functools
 import http
 import http.client
 import io
@@ -271,8 +272,9 @@ class HttpServer:
     begins serving."""
 
     def __init__(self, handler: Callable[[Request], Answer], host: str, port: int,
-                 ssl_context: Optional[ssl.SSLContext] = None, limits: Limits = Limits(),
+                 ssl_context: Optional[ssl.SSLContext] = None, limits: Optional[Limits] = None,
                  name: str = "roving-dashboard") -> None:
+        limits = limits or Limits()
         self._handler, self._ssl, self.limits, self._name = handler, ssl_context, limits, name
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family, backlog=128)
@@ -351,7 +353,7 @@ class HttpServer:
                 continue
             self._open[conn] = None
             conn.task = loop.create_task(self._serve(conn, loop))
-            conn.task.add_done_callback(lambda _t, c=conn: self._closed(c))
+            conn.task.add_done_callback(functools.partial(self._closed, conn))
 
     def _evict(self) -> bool:
         """Close the longest-waiting connection of the source holding the most; False if none may be closed."""
@@ -374,7 +376,7 @@ class HttpServer:
         task = conn.task
         conn.timer = loop.call_later(seconds, lambda: task is not None and task.cancel())
 
-    def _closed(self, conn: _Connection) -> None:
+    def _closed(self, conn: _Connection, _task: Any = None) -> None:
         self._open.pop(conn, None)
         if conn.timer is not None:
             conn.timer.cancel()
@@ -398,10 +400,12 @@ class HttpServer:
             conn.transport, _ = await loop.connect_accepted_socket(lambda: wire, conn.sock, **tls)
             while True:
                 self._phase(conn, _Phase.WAITING, limits.request_s, loop)
+                request: Optional[Request] = None
+                answer: Optional[Answer] = None
                 try:
                     head = await wire.head()
                 except _TooLarge:
-                    request, answer = None, _problem(431, f"request head over {limits.header_bytes} bytes")
+                    answer = _problem(431, f"request head over {limits.header_bytes} bytes")
                 else:
                     if head is None:
                         return
@@ -413,6 +417,7 @@ class HttpServer:
                     except Exception:
                         log.exception("%s: answering %s failed", self._name, request and request.target)
                         answer = _problem(500, "the dashboard failed to answer (logged)")
+                assert answer is not None
                 close = answer.close or request is None or not request.keep_alive
                 await wire.send(_encode(answer, request, close))
                 if close:
