@@ -91,7 +91,7 @@ class Answer:
 
 
 def _problem(status: int, text: str) -> Answer:
-    return Answer(status, f"{status}: {text}\n".encode(), close=True)
+    return Answer(status, f"{status}: {text}\n".encode(), headers=(("X-Content-Type-Options", "nosniff"),), close=True)
 
 
 class _Phase(enum.IntEnum):
