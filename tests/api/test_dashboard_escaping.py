@@ -70,8 +70,8 @@ def _control_folder(tmp_path):
         + "\n" + json.dumps({"event": "dead", "iteration": 3, "nodes": [p("dead-node")]}) + "\n"
         + json.dumps({"event": p("status-event"), "iteration": 1}) + "\n")
     bars = [[p("bar-kind"), p("bar-label"), 0.0, 1.0]]
-    (control / "plan.json").write_text(json.dumps({"iteration": p("plan-iteration"),
-                                                   "predicted": {p("plan-row"): bars}, "measured": {p("plan-row"): bars}}))
+    plan = {"iteration": p("plan-iteration"), "predicted": {p("plan-row"): bars}, "measured": {p("plan-row"): bars}}
+    (control / "plan.json").write_text(json.dumps(plan))
     return control
 
 

@@ -98,7 +98,7 @@ def test_a_slowloris_sending_headers_a_byte_at_a_time_leaves_it_answering_and_is
         https_board):
     ctx = _client_context()
     request = (f"GET /metrics?token={https_board.token} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-               + "X-Padding: " + "a" * 4000 + "\r\n\r\n").encode()
+                "X-Padding: " + "a" * 4000 + "\r\n\r\n").encode()
     slow = [ctx.wrap_socket(socket.create_connection((https_board.host, https_board.port), timeout=TIMEOUT))
             for _ in range(40)]
     stop = threading.Event()

@@ -53,8 +53,8 @@ _STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js"
            "/style.css": ("style.css", "text/css; charset=utf-8")}
 # on every answer: nothing cached, no type guessed, no script or frame from elsewhere, no Referer sent
 _HEADERS = (("Cache-Control", "no-store"), ("X-Content-Type-Options", "nosniff"),
-            ("Content-Security-Policy", "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
-                                        "form-action 'none'; frame-ancestors 'none'"),
+            ("Content-Security-Policy", ("default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                         "form-action 'none'; frame-ancestors 'none'")),
             ("X-Frame-Options", "DENY"), ("Referrer-Policy", "no-referrer"))
 _TEXT = "text/plain; charset=utf-8"
 
