@@ -175,7 +175,8 @@ def _runs(frame: Any, loaded: bool) -> List[Run]:
     if len(frame) == RUN.size:  # the usual case: one run
         chunk, first, length, ok = RUN.unpack(frame)
         return [_new(Run, (chunk, first, length, loaded and ok != 0))]
-    return [_new(Run, (chunk, first, length, loaded and ok != 0)) for chunk, first, length, ok in RUN.iter_unpack(frame)]
+    return [_new(Run, (chunk, first, length, loaded and ok != 0))
+            for chunk, first, length, ok in RUN.iter_unpack(frame)]
 
 
 class Results(NamedTuple):
