@@ -109,7 +109,7 @@ def test_port_range_confines_the_node_and_its_stream_listener():
     low, high = _free_range(6)
     node = _node.Node(b"k" * 32, "127.0.0.1", None, (low, high))
     try:
-        port = int(node.address.rsplit(":", 1)[1])
+        port = int(node.address.partition("#")[0].rsplit(":", 1)[1])
         listener_port = int(node.streams().address.rsplit(":", 1)[1])
         assert low <= port <= high and low <= listener_port <= high and port != listener_port
     finally:

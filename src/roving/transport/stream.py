@@ -50,6 +50,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import addressing, auth
 from . import crypto
+from . import identity
 from . import tls
 from .framing import Reader, advance, encode
 from .guard import Admission, Refusals
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 _GREETING = b"roving-stream/1\n"  # a plain-text stream follows
 _GREETING_TLS = b"roving-stream/T\n"  # a TLS handshake follows, then the stream
 _LENGTH = struct.Struct("<Q")
+_CERT_LENGTH = struct.Struct("<H")
 _MAX_REQUEST = 16384
 #: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
 HANDSHAKE_TIMEOUT = 10.0
@@ -106,6 +108,8 @@ class Stream:
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
         self.closed = False
+        #: Who is at the other end (:class:`.identity.Peer`), as its handshake proved.
+        self.peer: Optional[identity.Peer] = None
 
     # -- writing -----------------------------------------------------------------------------
     def send(self, kind: bytes, frames: Sequence[Any]) -> None:
@@ -185,9 +189,10 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: float) -> tls.TlsSocket:
+def _tls_handshake(sock: socket.socket, creds: identity.Credentials, server: bool,
+                   deadline: float) -> tls.TlsSocket:
     """Run the TLS 1.3 handshake over ``sock`` before ``deadline``; the TLS stream, or OSError."""
-    server_ctx, client_ctx = crypto.tls_contexts(secret)
+    server_ctx, client_ctx = crypto.tls_contexts(creds)
     ctx = server_ctx if server else client_ctx
     ssock = ctx.wrap_socket(sock, server_side=server, do_handshake_on_connect=False)
     ssock.setblocking(False)
@@ -255,15 +260,21 @@ def _wait(sock: tls.TlsSocket, want: int, deadline: float) -> bool:
     return bool(poller.poll(left * 1000))
 
 
-def connect(address: str, secret: bytes, request: dict, timeout: float,
-            encrypt: Optional[str] = None) -> Stream:
+def connect(address: str, secret: "bytes | identity.Credentials", request: dict, timeout: float,
+            encrypt: Optional[str] = None, expect: Optional[str] = None) -> Stream:
     """Open a stream to the listener at ``address`` ("host:port") and make ``request`` of it.
 
+    ``secret``: this process's credentials (:mod:`.identity`; raw secret bytes: the ad hoc ones they
+    make). ``expect``: the node key of the process meant (:func:`.identity.node_key` of its node's
+    address); a listener of any other process, though of the same session, is refused (IdentityError).
+    The stream's :attr:`Stream.peer` says who answered.
+
     The stream is TLS when ``encrypt`` (default: the ``encrypt`` option) asks for it at this address
-    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError)
-    when it cannot connect, authenticate or the listener refuses the request, all within about
-    ``timeout`` seconds.
+    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError,
+    identity.IdentityError) when it cannot connect, authenticate or the listener refuses the request,
+    all within about ``timeout`` seconds.
     """
+    creds = identity.credentials(secret)
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     tls = crypto.stream_encrypted(host, encrypt or crypto.mode())
@@ -272,37 +283,41 @@ def connect(address: str, secret: bytes, request: dict, timeout: float,
     except OSError as exc:
         raise StreamError(f"cannot reach the roving stream listener at {address}: {exc}") from exc
     link: Any = sock
+    who = f"the roving stream listener at {address}"
     try:
-        handshake = auth.ClientHandshake(secret)
+        handshake = auth.ClientHandshake(creds, expect)
         if tls:
             sock.sendall(_GREETING_TLS)
             try:
-                link = _tls_handshake(sock, secret, False, deadline)
+                link = _tls_handshake(sock, creds, False, deadline)
             except ssl.SSLError as exc:
                 raise auth.AuthenticationError(
-                    f"the roving stream listener at {address} failed the TLS handshake (not of this "
-                    f"session?): {exc}") from exc
+                    f"{who} failed the TLS handshake (not of this session?): {exc}") from exc
             wire = _Timed(link, deadline)
             wire.sendall(handshake.hello)
         else:
             wire = _Timed(link, deadline)
             wire.sendall(_GREETING + handshake.hello)
         try:
-            answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES, deadline)
+            answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
+            (size,) = _CERT_LENGTH.unpack(answer[-_CERT_LENGTH.size:])
+            proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
         except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
             if not tls or "in time" in str(exc):
                 raise
             raise auth.AuthenticationError(
-                f"the roving stream listener at {address} ended the TLS stream after its handshake: it "
-                f"refused this process's certificate (another session's?) ({exc})") from exc
-        proof = handshake.answer(answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:],
-                                 f"the roving stream listener at {address}")
+                f"{who} ended the TLS stream after its handshake: it refused this process's certificate "
+                f"(another session's, or revoked?) ({exc})") from exc
+        proof, signature = handshake.answer(answer[:auth.NONCE_BYTES],
+                                            answer[auth.NONCE_BYTES:auth.NONCE_BYTES + auth.PROOF_BYTES],
+                                            proven[:size], proven[size:], who)
         body = json.dumps(request).encode()
-        wire.sendall(proof + _LENGTH.pack(len(body)) + body)
+        wire.sendall(proof + _CERT_LENGTH.pack(len(creds.cert_der)) + creds.cert_der + signature
+                     + _LENGTH.pack(len(body)) + body)
         verdict = _recv_exact(wire, 1, deadline)
     except OSError as exc:
         link.close()
-        if isinstance(exc, (StreamError, auth.AuthenticationError)):
+        if isinstance(exc, (StreamError, auth.AuthenticationError, identity.IdentityError)):
             raise
         raise StreamError(f"opening a stream to {address} failed: {exc}") from exc
     except BaseException:
@@ -311,7 +326,9 @@ def connect(address: str, secret: bytes, request: dict, timeout: float,
     if verdict != b"\x01":
         link.close()
         raise StreamError(f"the roving process at {address} refused the stream")
-    return Stream(link)
+    stream = Stream(link)
+    stream.peer = handshake.peer
+    return stream
 
 
 class Listener:
@@ -323,10 +340,10 @@ class Listener:
     an opener that asks for TLS always gets it.
     """
 
-    def __init__(self, secret: bytes, host: str, advertise: Optional[str],
+    def __init__(self, secret: "bytes | identity.Credentials", host: str, advertise: Optional[str],
                  on_open: Callable[[dict, "Stream"], bool],
                  port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
-        self._secret = secret
+        self._creds = identity.credentials(secret)
         self._on_open = on_open
         self._encrypt = encrypt or crypto.mode()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -391,17 +408,21 @@ class Listener:
         try:
             greeting = _recv_exact(_Timed(sock, deadline), len(_GREETING), deadline)
             if greeting == _GREETING_TLS:
-                link = _tls_handshake(sock, self._secret, True, deadline)
+                link = _tls_handshake(sock, self._creds, True, deadline)
             elif greeting != _GREETING:
                 raise StreamError("not a roving stream")
             elif crypto.stream_encrypted(source, self._encrypt):
                 raise StreamError("plain text refused: streams from this address must be encrypted "
                                   f"(encrypt={self._encrypt!r})")
             wire = _Timed(link, deadline)
-            handshake = auth.ServerHandshake(self._secret, _recv_exact(wire, auth.NONCE_BYTES, deadline))
-            wire.sendall(handshake.challenge)
-            if not handshake.accepts(_recv_exact(wire, auth.PROOF_BYTES, deadline)):
-                raise auth.AuthenticationError("it failed to prove the session secret")
+            handshake = auth.ServerHandshake(self._creds, _recv_exact(wire, auth.NONCE_BYTES, deadline))
+            cert = handshake.cert
+            wire.sendall(handshake.nonce + handshake.proof + _CERT_LENGTH.pack(len(cert)) + cert
+                         + handshake.signature)
+            answer = _recv_exact(wire, auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
+            (size,) = _CERT_LENGTH.unpack(answer[auth.PROOF_BYTES:])
+            proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
+            peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
             (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))
             if size > _MAX_REQUEST:
                 raise StreamError(f"stream request of {size} bytes is too large")
@@ -413,6 +434,7 @@ class Listener:
             link.close()
             return
         stream = Stream(link)
+        stream.peer = peer
         try:
             ok = self._on_open(request, stream)
         except Exception:
