@@ -87,8 +87,8 @@ class ClientHandshake:
     :meth:`answer`, which checks the node's proof of the member secret and of its identity first (and,
     given ``node_key``, that it is the node the client meant to reach)."""
 
-    def __init__(self, creds: identity.Credentials, node_key: Optional[str] = None) -> None:
-        self._creds, self._expect = creds, node_key
+    def __init__(self, creds: "bytes | identity.Credentials", node_key: Optional[str] = None) -> None:
+        self._creds, self._expect = identity.credentials(creds), node_key
         #: The client's nonce: its first message.
         self.hello = new_nonce()
         #: Who answered (set by :meth:`answer`).
@@ -117,15 +117,22 @@ class ServerHandshake:
     :attr:`proof` and :attr:`signature` with this process's certificate, then check the client's
     answer with :meth:`accepts`."""
 
-    def __init__(self, creds: identity.Credentials, client_nonce: bytes) -> None:
-        self._creds, self._client_nonce = creds, client_nonce
+    def __init__(self, creds: "bytes | identity.Credentials", client_nonce: bytes) -> None:
+        self._creds = creds = identity.credentials(creds)
+        self._client_nonce = client_nonce
         self.nonce = new_nonce()
         #: The server's nonce and proof, as sent.
         self.proof = server_proof(creds.secret, client_nonce, self.nonce)
         self.signature = creds.prove(True, client_nonce, self.nonce, creds.key)
 
     @property
+    def challenge(self) -> bytes:
+        """The nonce and the proof of the member secret, as sent first."""
+        return self.nonce + self.proof
+
+    @property
     def cert(self) -> bytes:
+        """This process's certificate (DER), sent with the challenge."""
         return self._creds.cert_der
 
     def accepts(self, proof: bytes, cert: bytes, signature: bytes) -> identity.Peer:
@@ -136,12 +143,13 @@ class ServerHandshake:
         return self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key)
 
 
-def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]], creds: identity.Credentials,
-          address: str) -> identity.Peer:
+def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]],
+          creds: "bytes | identity.Credentials", address: str) -> identity.Peer:
     """The client's side of the handshake over a ZeroMQ connection to the node at ``address``:
     ``send(frames)`` sends a message, ``recv(what)`` returns the next one (bytes frames) or raises
     when ``what`` does not come in time. The node reached; AuthenticationError when either side fails
     to prove the member secret, IdentityError when the node is not the one ``address`` names."""
+    creds = identity.credentials(creds)
     handshake = ClientHandshake(creds, identity.expected_key(address, creds))
     send([HELLO, handshake.hello])
     frames = recv("authentication challenge")
@@ -192,8 +200,9 @@ class Door:
     (:class:`.identity.Peer`) authenticated each.
     """
 
-    def __init__(self, creds: identity.Credentials, send: Callable[[List[Any]], None], refusals: Any) -> None:
-        self._creds, self._send, self._refusals = creds, send, refusals
+    def __init__(self, creds: "bytes | identity.Credentials", send: Callable[[List[Any]], None],
+                 refusals: Any) -> None:
+        self._creds, self._send, self._refusals = identity.credentials(creds), send, refusals
         #: Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
         #: The node reads it on its hot path: a peer is known when ``authenticated.get(ident)`` is
         #: the user id of the message's connection.
@@ -299,9 +308,12 @@ class Door:
                 self.handshakes.popitem(last=False)
             self._send([ident, CHALLENGE, handshake.nonce, handshake.proof, handshake.cert, handshake.signature])
             return
-        if kind == PROOF and len(frames) == 4 and key in self.handshakes:
+        if kind == PROOF and key in self.handshakes:
             try:
-                peer = self.handshakes.pop(key).accepts(frames[1].bytes, frames[2].bytes, frames[3].bytes)
+                handshake = self.handshakes.pop(key)
+                if len(frames) != 4:
+                    raise identity.IdentityError("its proof came without a certificate and signature")
+                peer = handshake.accepts(frames[1].bytes, frames[2].bytes, frames[3].bytes)
             except (AuthenticationError, identity.IdentityError) as exc:
                 self._refusals.refuse(frames[0].get("Peer-Address"), str(exc))
                 self._send([ident, DENIED])

@@ -80,7 +80,7 @@ def curve_client(sock: zmq.Socket, secret: bytes, node_key: str) -> None:
 
 def tls_contexts(creds: "identity.Credentials") -> Tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) TLS 1.3 contexts of this process: mutual, the session CA the only trust anchor."""
-    return creds.tls_contexts()
+    return identity.credentials(creds).tls_contexts()
 
 
 _warned_off: set = set()

@@ -183,8 +183,9 @@ class _Connection:
 class _ZmqConnection(_Connection):
     """Over an authenticated ZeroMQ DEALER socket."""
 
-    def __init__(self, address: str, creds: identity.Credentials, connect_timeout: float) -> None:
+    def __init__(self, address: str, secret: Secret, connect_timeout: float) -> None:
         super().__init__()
+        creds = identity.credentials(secret)
         self.address = address
         key = identity.expected_key(address, creds)
         curve = crypto.zmq_encrypted(crypto.mode(), addressing.host_of(address))
@@ -281,9 +282,9 @@ def say_bye(sock: zmq.Socket) -> None:  # public for roving.transport.channel
 class _StreamConnection(_Connection):
     """Over a stream to the node's stream listener, read and written by the calling thread."""
 
-    def __init__(self, address: str, stream_address: str, creds: identity.Credentials,
-                 connect_timeout: float) -> None:
+    def __init__(self, address: str, stream_address: str, secret: Secret, connect_timeout: float) -> None:
         super().__init__()
+        creds = identity.credentials(secret)
         self.address = address
         self.stream = _stream.connect(stream_address, creds, {"purpose": "node"}, connect_timeout,
                                       expect=identity.expected_key(address, creds))
