@@ -61,6 +61,7 @@ _GREETING = b"roving-stream/1\n"  # a plain-text stream follows
 _GREETING_TLS = b"roving-stream/T\n"  # a TLS handshake follows, then the stream
 _LENGTH = struct.Struct("<Q")
 _CERT_LENGTH = struct.Struct("<H")
+_DENIED = b"\x02"  # the listener's verdict on a peer whose proof or identity it refused
 _MAX_REQUEST = 16384
 #: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
 HANDSHAKE_TIMEOUT = 10.0
@@ -323,6 +324,10 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
     except BaseException:
         link.close()
         raise
+    if verdict == _DENIED:
+        link.close()
+        raise auth.AuthenticationError(f"{who} refused this process's secret or identity: is it part of the "
+                                       "same roving session, and not revoked?")
     if verdict != b"\x01":
         link.close()
         raise StreamError(f"the roving process at {address} refused the stream")
@@ -422,7 +427,11 @@ class Listener:
             answer = _recv_exact(wire, auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
             (size,) = _CERT_LENGTH.unpack(answer[auth.PROOF_BYTES:])
             proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
-            peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
+            try:
+                peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
+            except (auth.AuthenticationError, identity.IdentityError):
+                wire.sendall(_DENIED)  # it is told why it gets no stream (it learns nothing else)
+                raise
             (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))
             if size > _MAX_REQUEST:
                 raise StreamError(f"stream request of {size} bytes is too large")
