@@ -175,7 +175,7 @@ def test_a_child_that_cannot_reach_its_parent_says_where_and_join_raises(tmp_pat
     seen = run_parent("stranded", tmp_path)
     assert seen["exitcode"] == 1 and seen["seconds"] < TIMEOUT
     assert re.match(r"stranded exited with code 1 before it fetched its work from this process at "
-                    r"tcp://127\.0\.0\.2:\d+ \(chosen by .*advertise=127\.0\.0\.2 \(set\)\)", seen["error"])
+                    r"tcp://127\.0\.0\.2:\d+(#\S+)? \(chosen by .*advertise=127\.0\.0\.2 \(set\)\)", seen["error"])
     said = read_log(tmp_path, "stranded")
     assert "could not reach its parent at tcp://127.0.0.2:" in said and "connect_timeout=2 s" in said
     assert "advertise=127.0.0.2 (set)" in said and "set the roving options host= and advertise=" in said

@@ -259,6 +259,7 @@ def test_a_stream_client_without_the_secret_is_dropped_and_its_pickle_never_unpi
         s.sendall(auth.client_proof(os.urandom(32), nonce, answer[:32]) + struct.pack("<H", 0) + bytes(64)
                   + struct.pack("<Q", len(request)) + request + evil)
         try:
+            assert s.recv(1) == b"\x02"  # told it is refused, and nothing more
             assert s.recv(1) == b""
         except ConnectionResetError:
             pass
