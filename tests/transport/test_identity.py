@@ -301,3 +301,16 @@ def test_a_child_has_its_own_identity_and_no_ca(stream):
     assert me.credentials.authority is not None  # the root holds the CA
     assert [peer.node_id for peer in seen] == [got["uid"]]  # the parent knows the child by its own id
     assert seen[0].key == identity.node_key(got["address"]) != me.credentials.key
+
+
+def test_a_pool_revokes_the_credentials_of_a_worker_it_declares_lost():
+    with roving.Pool(2) as pool:
+        assert pool.map(abs, [-1, -2, -3]) == [1, 2, 3]
+        victim, other = pool._pool  # multiprocessing's list of the workers
+        victim.kill()
+        deadline = time.monotonic() + TIMEOUT
+        while not identity.is_revoked(victim._uid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert identity.is_revoked(victim._uid)
+        assert not identity.is_revoked(other._uid)
+        assert pool.map(abs, [-4, -5]) == [4, 5]  # the pool goes on with the others
