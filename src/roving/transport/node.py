@@ -23,7 +23,13 @@ Guarantees:
   (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
-  may choose.
+  may choose; handlers and answers know it by a connection identity of its own (:class:`.auth.Door`),
+  so what is sent to a connection that has gone goes to no other that took its routing id (it is
+  undeliverable: an item goes back to its mailbox).
+* Every message is attributable: :meth:`Node.peer` names the process (:class:`.identity.Peer`) whose
+  credentials authenticated the connection or stream it came on. The node's address names its key
+  (``tcp://HOST:PORT#KEY``): a client reaches this node or none. When credentials are revoked
+  (:func:`.identity.revoke`), the node closes the connections opened with them.
 * Peers that are gone are forgotten: on BYE, when a message to them finds them gone, and when their
   connection ends without a word (a killed process). ZeroMQ reports such an end on the router's monitor
   (DISCONNECTED); the I/O thread reads those events without ever waiting for them, before each

@@ -13,11 +13,15 @@ connection whose bytes are read and written by the threads that need them:
 Guarantees:
 
 * Both sides prove that they know the session secret (:mod:`roving.transport.auth`, fresh nonces each
-  way) before either reads anything else; the listener then reads one small JSON request, and nothing
-  from the connection is unpickled before that. A peer that fails is dropped and logged (throttled).
+  way) and who they are (:mod:`.identity`: each its certificate, issued by the session CA, and a
+  signature over this handshake) before either reads anything else; the listener then reads one small
+  JSON request, and nothing from the connection is unpickled before that. A peer that fails (or whose
+  credentials were revoked) is told so with one byte, dropped and logged (throttled). An opener that
+  names the node it means (``expect``) refuses any other process's listener, of the same session or
+  not: a stream relayed elsewhere ends there. Each side's :attr:`Stream.peer` says who the other is.
 * A stream whose address is not loopback (any stream, with ``encrypt="always"``) is TLS 1.3, mutual,
-  with the session's key (:mod:`roving.transport.crypto`): what it carries can be neither read nor
-  changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
+  each side with its own certificate (:mod:`roving.transport.crypto`): what it carries can be neither
+  read nor changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
   for TLS in its first line; the listener refuses plain text from an address that is not loopback.
 * Before authentication the listener bounds what a peer can hold: the whole handshake has one deadline
   (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once and
