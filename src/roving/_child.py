@@ -13,6 +13,7 @@ import time
 import traceback
 
 from . import config as _config
+from . import boot as _boot
 from . import process as _process
 from .transport import node as _node
 from .transport import session as _session
@@ -48,6 +49,14 @@ def main() -> int:
     session = _session.current()
     info = _session.child_info()
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
+    try:  # the environment check and the program's code, before anything of the parent's is unpickled
+        refused = _boot.before_work(session.endpoint(info["parent"], timeout), info, timeout)
+    except OSError as exc:
+        sys.stderr.write(_unreachable(info, timeout, exc))
+        return 1
+    if refused:
+        sys.stderr.write(refused)
+        return 1
     try:
         status, frames = session.endpoint(info["parent"], timeout).call(_node.GET, info["box"], timeout)
     except OSError as exc:

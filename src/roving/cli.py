@@ -63,9 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     _backend_arg(p)
     p.set_defaults(handler=_ps)
 
-    p = subparsers.add_parser("logs", help="print a job's output")
+    p = subparsers.add_parser("logs", help="print a job's output, or the last output of crashed children")
     _backend_arg(p)
-    p.add_argument("job", help="job id as `roving ps` shows it")
+    p.add_argument("job", nargs="?", help="job id as `roving ps` shows it")
+    p.add_argument("--failed", action="store_true",
+                   help="the last output of every child that crashed, kept on disk past its job (newest run "
+                        "first; the latest 20 runs are kept)")
     p.set_defaults(handler=_logs)
 
     p = subparsers.add_parser("cancel", help="cancel jobs")
@@ -76,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = subparsers.add_parser("info", help="show the backend chosen, why, and the resources it sees")
     _backend_arg(p)
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="also start N workers on the backend and show each one's environment (Python, "
+                        "platform, package versions) and how it differs from this machine's (env_check)")
     p.set_defaults(handler=_info)
 
     from roving.pipeline.cli import add_pipeline_parser
@@ -172,9 +178,32 @@ def _ps(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from . import backends
 
+    if args.failed == bool(args.job):
+        print("roving: error: give a job id or --failed (not both)", file=sys.stderr)
+        return 2
+    if args.failed:
+        return _logs_failed()
     cfg = _configure(args)
     backend = backends.get(cfg.backend)
     sys.stdout.write(backend.logs(backend.job(args.job)))
+    return 0
+
+
+def _logs_failed() -> int:
+    from . import crashlog
+
+    try:
+        found = crashlog.records()
+    except crashlog.CrashLogError as exc:
+        print(f"roving: error: {exc}", file=sys.stderr)
+        return 1
+    if not found:
+        print(f"no crashed children on record (in {crashlog.folder()})")
+        return 0
+    for rec in found:
+        print(rec.header())
+        for line in rec.lines:
+            print(f"  {line}")
     return 0
 
 
@@ -216,7 +245,50 @@ def _info(args: argparse.Namespace) -> int:
         return 1
     ports = f"{choice.port_range[0]}-{choice.port_range[1]}" if choice.port_range else "any free port"
     print(f"address: binds {choice.bind}, advertises {choice.advertise} ({choice.why}); ports: {ports}")
-    return 0
+    if args.workers < 0:
+        print(f"roving info: --workers must be at least 0, not {args.workers}", file=sys.stderr)
+        return 2
+    return _info_workers(args.workers, cfg) if args.workers else 0
+
+
+def _info_workers(n: int, cfg) -> int:
+    """Start ``n`` workers that do nothing but check their environment; print what each said."""
+    from . import environment
+    from .process import Process, ProcessStartError
+
+    here = environment.here()
+    print(f"this machine: Python {here.python} ({here.implementation}, {here.platform}); "
+          + ", ".join(f"{k} {v}" for k, v in here.packages.items()))
+    procs = [Process(target=environment.probe, name=f"info-worker-{i + 1}") for i in range(n)]
+    for p in procs:
+        p.start()
+    worst = 0
+    for p in procs:
+        try:
+            p.join(cfg.connect_timeout + 60)
+        except environment.EnvironmentMismatchError:
+            worst = 1
+        except ProcessStartError as exc:
+            print(f"  {p.name}: did not start: {exc}")
+            worst = 1
+            continue
+        if p.exitcode is None:
+            p.kill()
+            print(f"  {p.name}: did not end within {cfg.connect_timeout + 60:g} s; killed")
+            worst = 1
+            continue
+        report = p.environment
+        if report is None:
+            print(f"  {p.name}: exited with code {p.exitcode} before it said anything of its environment")
+            worst = 1
+            continue
+        f = report.fingerprint
+        print(f"  {p.name} on {report.host}: Python {f.python} ({f.implementation}, {f.platform})")
+        if not report.differences:
+            print(f"    same as this machine (env_check={report.policy})")
+        for d in report.differences:
+            print(f"    differs: {d} ({'an error' if d.fatal else 'a warning'} under env_check={report.policy})")
+    return worst
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ _CHOICES = {
     "child_output": ("prefix", "off", "files"),
     "encrypt": ("auto", "always", "off"),
     "dashboard_tls": ("auto", "on", "off"),
+    "env_check": ("auto", "strict", "warn", "off"),
+    "ship_code": ("auto", "always", "off"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -111,6 +113,23 @@ class Config:
     #: strangers out of its handshake), "always" (loopback streams too) or "off" (plain text; a warning
     #: is logged when traffic leaves loopback).
     encrypt: str = "auto"
+    #: How a child's environment (Python, platform, the versions of the distributions the parent imported)
+    #: is compared with its parent's when it starts, before it unpickles anything (roving.environment):
+    #: "auto" (another Python major.minor or roving is an error, anything else a warning), "strict" (every
+    #: difference is an error), "warn" (every difference a warning) or "off".
+    env_check: str = "auto"
+    #: The Python a child runs (a command on the child's machine: another node image or venv); none: this
+    #: process's own (``sys.executable``). With another one, only the program's own ``sys.path`` entries
+    #: (not this interpreter's standard library and site-packages) go with the child.
+    python: Optional[str] = None
+    #: The program's own modules (sys.path folders outside the interpreter's installation: its script's
+    #: folder, the working directory) sent to children as an archive, once per machine (roving.codeship):
+    #: "auto" where the backend's jobs do not see this machine's files (Kubernetes, a remote Docker
+    #: engine, ``docker_mount_cwd=False``), "always", or "off".
+    ship_code: str = "auto"
+    #: The largest archive of the program's code roving ships (bytes, or "64M"); more is an error naming
+    #: the biggest files.
+    ship_code_limit: str = "64M"
     #: Where a child's stdout/stderr go: "prefix" (parent's terminal, each line prefixed with the
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"
@@ -170,6 +189,10 @@ class Config:
     docker_volumes: Tuple[str, ...] = ()
     #: Docker network mode of the containers.
     docker_network: str = "host"
+    #: Mount the working directory into each container at the same path (as its working directory). Off:
+    #: a container sees only its image and ``docker_volumes`` (the program's code is then shipped, see
+    #: ``ship_code``).
+    docker_mount_cwd: bool = True
     #: Variables of this environment that containers and pods get too, by name; a list, or
     #: comma-separated in one string. They get nothing else of it but what roving itself needs.
     forward_env: Tuple[str, ...] = ()
@@ -193,6 +216,9 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
         try:
             if key == "backend" and value == "auto":
                 value = _detected_backend()
+            elif key == "ship_code_limit":
+                parse_memory(value)
+                value = str(value)
             elif key == "memory" and value is not None:
                 parse_memory(value)
                 value = str(value)

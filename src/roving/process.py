@@ -22,6 +22,7 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -31,7 +32,10 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from . import backends
+from . import boot as _boot
 from . import config as _config
+from . import crashlog
+from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .transport import identity as _identity
@@ -98,6 +102,10 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._stop_asked = False  # terminate() or kill() was called: its end is no crash
+        self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
+        self._environment: Optional[_environment.Report] = None  # what the child said of its environment
+        self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
@@ -137,26 +145,28 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
+        try:  # its start-up information, with the checks it makes before it unpickles
+            self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
+        except BaseException:
+            node.drop_box(box)
+            raise
         env = dict(os.environ)
-        env.update(session.child_env({
-            "uid": self._uid, "parent": node.address, "box": box,
-            "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
-            "connect_timeout": cfg.connect_timeout,
-            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        }))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.update(session.child_env(self._boot.info))
+        env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         return backends.JobSpec(
-            name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            name=self._name, command=[self._boot.python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
 
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
-        _session.current().node().drop_box(self._payload_box)
+        node = _session.current().node()
+        node.drop_box(self._payload_box)
         del self._payload_box
+        _boot.drop(node, self._boot)
         self._backend = None
 
     def _started(self, job: backends.Job) -> None:
@@ -208,7 +218,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -225,6 +235,9 @@ class Process:
         assert self._parent_pid == os.getpid(), "can only join a child process"
         assert self._job is not None, "can only join a started process"
         self._wait(timeout)
+        if self._environment_error is not None:
+            error, self._environment_error = self._environment_error, None  # raised once
+            raise error
         if self._unreached:
             self._unreached = False  # said once, as a failed start would be
             raise ProcessStartError(self._unreached_message(self._exitcode))
@@ -252,12 +265,14 @@ class Process:
         """Ask the process to stop (SIGTERM on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=False)
 
     def kill(self) -> None:
         """Stop the process at once (SIGKILL on the local backend)."""
         self._check_closed()
         if self._job is not None:
+            self._stop_asked = True
             self._backend.terminate_job(self._job, force=True)
 
     def revoke_credentials(self) -> None:
@@ -315,9 +330,16 @@ class Process:
     def _finished(self, code: Optional[int]) -> None:
         if self._exitcode is not None:
             return
-        self._unreached = code is not None and code > 0 and self._work_unfetched()
+        report = self._environment_report()
+        if report is not None and any(d.fatal for d in report.differences):
+            self._environment_error = report.error(self._name)
+        self._unreached = (self._environment_error is None and code is not None and code > 0
+                           and self._work_unfetched())
         self._exitcode = code
-        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
+        cause = self._unreached_message(code) if self._unreached else ""
+        observe.process_ended(self._uid, code, cause)
+        if code and not self._stop_asked:  # a crash: its last output is kept (roving logs --failed)
+            self._keep_crash(code, cause)
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -325,6 +347,37 @@ class Process:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
             node.release_everywhere(self._uid.encode())
             node.drop_box(self._payload_box)
+            if self._boot is not None:
+                _boot.drop(node, self._boot)
+
+    def _keep_crash(self, code: int, cause: str) -> None:
+        cfg = self._config
+        if cfg.child_output == "prefix":
+            lines = functools.partial(observe.lines_of, self._name)
+        elif cfg.child_output == "files":
+            lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
+        else:
+            lines = lambda: ['(nothing kept: child_output="off")']  # noqa: E731
+        crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
+                        self._backend.name if self._backend else cfg.backend, "", code,
+                        cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)
+
+    def _environment_report(self) -> Optional[_environment.Report]:
+        """The child's environment report, once it has left it (None before, or with env_check off)."""
+        if self._environment is None:
+            try:
+                self._environment = _boot.report(_session.current().started_node(), self._boot)
+            except ValueError as exc:
+                log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
+        return self._environment
+
+    @property
+    def environment(self) -> Optional[_environment.Report]:
+        """What the child said of its environment when it started, against this process's (its fingerprint
+        and each difference, see roving.environment and the ``env_check`` option); None until it has, and
+        with ``env_check="off"``."""
+        self._check_closed()
+        return self._environment_report()
 
     def _check_closed(self) -> None:
         if self._closed:
@@ -572,6 +625,23 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
+def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
+    """The error an ended ``proc`` left because its environment differs from this process's where
+    ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
+    return proc._environment_error
+
+
+def _tail(path: str, n: int) -> List[str]:
+    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
+        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
+
+
 def _this_host() -> str:
     import socket
 
@@ -598,6 +668,7 @@ def _at_exit() -> None:
                 child._wait(5)
         except Exception:
             pass
+    crashlog.flush()
     session = _session.existing()
     if session is not None:
         session.close()

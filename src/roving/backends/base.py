@@ -152,6 +152,12 @@ class Backend(abc.ABC):
     def terminate_job(self, job: Job, force: bool = False) -> None:
         """Ask the job to stop (SIGTERM), or stop it at once (``force``: SIGKILL). Idempotent."""
 
+    def shares_filesystem(self) -> bool:
+        """Whether this backend's jobs see this machine's files at the same paths (the program's own
+        modules, its working directory). True unless a backend knows otherwise; on a cluster without a
+        shared filesystem, set ``ship_code="always"``."""
+        return True
+
     def logs(self, job: Job) -> str:
         """What the job wrote, when the backend keeps it. Raises :class:`UnknownJobError` when no job of
         that id is known."""

@@ -376,6 +376,10 @@ class KubernetesBackend(Backend):
                 raise UnknownJobError(f"no pod {job.id} in namespace {self.namespace}") from None
             raise KubernetesError(f"cannot read the log of pod {job.id}: {exc.status} {exc.reason}") from None
 
+    def shares_filesystem(self) -> bool:
+        """A pod sees its image and its volumes, never this machine's files."""
+        return False
+
     def cpu_count(self) -> int:
         cap = self._capacity()
         return max(1, int(cap["cpu"])) if cap else (os.cpu_count() or 1)

@@ -69,7 +69,7 @@ class Upkeep:
         #: Workers that could not start, as (time.time(), reason); the latest 100.
         self.start_failures: List[Tuple[float, str]] = []
         #: Set when workers failed to start pool_start_failures times in a row: every call raises it.
-        self.broken: Optional[PoolStartError] = None
+        self.broken: Optional[Exception] = None  # PoolStartError, or a worker's EnvironmentMismatchError
         #: Set to run a round of upkeep now (after a change, or when the pool was collected).
         self.wake = threading.Event()
         self._idle_timeout = idle_timeout
@@ -237,6 +237,16 @@ class Upkeep:
             self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
                                f"could not start {lost} of {len(batch)} workers: {failed}")
 
+    def _broken_by(self, error: Exception) -> None:
+        """A worker cannot run here at all (its environment differs where env_check forbids it): no
+        replacement would fare better, so the pool gives up at once with ``error``, as after
+        pool_start_failures failed starts."""
+        if self.broken is None:
+            self.broken = error
+            observe.event("start-failed", f"pool {self.disp.pool_id}", str(error))
+            log.error("roving pool: %s", error)
+            self.disp.fail_all(error)
+
     def _failed_start(self, why: str) -> None:
         self._failures += 1
         observe.event("start-failed", f"pool {self.disp.pool_id}", why)
@@ -400,7 +410,10 @@ class Upkeep:
                 self._lost(w, f"exit code {code}")
             self._ended(w)
             if state != TERMINATE:
-                if w.ident is None and code != 0:
+                mismatch = _process.environment_error(w.proc) if w.ident is None else None
+                if mismatch is not None:
+                    self._broken_by(mismatch)
+                elif w.ident is None and code != 0:
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
                 elif w.ident is not None:
                     self._failures = 0
