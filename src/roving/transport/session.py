@@ -3,10 +3,9 @@
 A session is a parent program and every process it starts, directly or not. Each process has its own
 credentials (:mod:`.identity`): the root (the program) holds the session's CA, made from its own
 secret, and has it issue every child's before the child's job is made; a child whose own children need
-credentials asks the CA (:class:`.identity` issuer, at the root's node). They share one member secret
-(never the root's), which the parent hands to each child with the child's private seed through the
-child's job environment, in the variable
-SECRET_ENV (a backend whose jobs run elsewhere moves it out of the environment: a container reads it
+credentials asks the CA at the root's node (:mod:`.issuer`). They share one member secret (never the
+root's), which the parent hands to each child, with the child's private seed (the value is
+``MEMBER_HEX.SEED_HEX``), through the child's job environment, in the variable SECRET_ENV (a backend whose jobs run elsewhere moves it out of the environment: a container reads it
 from a private file named by SECRET_FILE_ENV, a pod from a Kubernetes Secret; the job's
 :class:`~roving.backends.base.JobSession` names both variables); every connection between them is
 authenticated with it. A child removes what it was told from ``os.environ`` as soon as it has read it,
