@@ -34,13 +34,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime
+import multiprocessing
 import os
 import shutil
 import ssl
 import tempfile
 import threading
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Tuple, Union
 
 import zmq
 from cryptography import x509
@@ -61,8 +62,9 @@ SIGNATURE_BYTES = 64
 _CHECKED_MAX = 65536  # certificates whose check is remembered
 
 
-class IdentityError(ConnectionError):
-    """A peer's certificate or proof is not valid for this session, names another node, or is revoked."""
+class IdentityError(multiprocessing.AuthenticationError, ConnectionError):
+    """A peer's certificate or proof is not valid for this session, names another node than the one
+    meant, or was revoked (a ``roving.AuthenticationError``, as :class:`.auth.AuthenticationError` is)."""
 
 
 def derive(secret: bytes, label: str, length: int = 32) -> bytes:
