@@ -128,7 +128,7 @@ class BaseProxy:
         self._finalizer.atexit = False
 
     def _key(self) -> bytes:
-        return self._authkey if self._authkey is not None else _session.current().credentials
+        return self._authkey if self._authkey is not None else _session.current().secret
 
     def _callmethod(self, methodname: str, args: Tuple[Any, ...] = (), kwds: Optional[Dict[str, Any]] = None) -> Any:
         """Call ``methodname`` on the referent; raises what it raised there."""
@@ -203,7 +203,7 @@ class AutoProxy(BaseProxy):
     def __new__(cls, token: Token, serializer: Any = None, manager: Any = None, authkey: Optional[bytes] = None,
                 exposed: Optional[Sequence[str]] = None, incref: bool = True, manager_owned: bool = False):
         if exposed is None:
-            exposed = request(token.address, authkey or _session.current().credentials, "call", token.id,
+            exposed = request(token.address, authkey or _session.current().secret, "call", token.id,
                                "#EXPOSED", (), {})
         proxytype = MakeProxyType(f"AutoProxy[{token.typeid}]", exposed)
         proxytype._by_exposed = True  # not importable by name: rebuilt from its exposed methods

@@ -171,7 +171,7 @@ class _Server(_rpc.Server):
 
 def _serve(registry: Dict[str, tuple], authkey: Optional[bytes], reply: Any) -> None:
     """The manager server process: a node of its own (with the manager's authkey), until shutdown."""
-    node = _node.Node.at(authkey or _session.current().credentials, _session.current().address())
+    node = _node.Node.at(authkey or _session.current().secret, _session.current().address())
     server = _Server(node, registry)
     reply.put(node.address)
     server.stop.wait()

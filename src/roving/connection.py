@@ -311,7 +311,7 @@ def _revoke_at(node_address: str, end: "Connection") -> None:
     """Make the process at ``node_address``, which claimed ``end`` first, stop writing it to a stream
     before this process writes it to the mailbox: both then write to the one mailbox, in causal order."""
     try:
-        caller = _rpc.Caller(node_address, _session.current().credentials, _REVOKE, "the other process writing "
+        caller = _rpc.Caller(node_address, _session.current().secret, _REVOKE, "the other process writing "
                              "this pipe end", connect_timeout=min(5.0, _config.current().connect_timeout))
     except ConnectionError as exc:  # it has ended: its stream ended with it
         log.debug("roving: %s", exc)

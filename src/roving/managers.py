@@ -126,7 +126,7 @@ class BaseManager:
         return self._address
 
     def _key(self) -> bytes:
-        return self._authkey if self._authkey is not None else _session.current().credentials
+        return self._authkey if self._authkey is not None else _session.current().secret
 
     def start(self, initializer: Optional[Callable[..., Any]] = None, initargs: Sequence[Any] = ()) -> None:
         """Start the server as a roving Process (a job of the configured backend); returns once it serves."""

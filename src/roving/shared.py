@@ -345,7 +345,7 @@ def _load(mm: mmap.mmap, spans: List[Tuple[int, int]]) -> Any:
 
 def _fetch_into(fd: int, owner: str, token: str) -> None:
     session = _session.current()
-    caller = _rpc.Caller(owner, session.credentials, OP, "the process that created this shared data",
+    caller = _rpc.Caller(owner, session.secret, OP, "the process that created this shared data",
                          connect_timeout=_config.current().connect_timeout)
     try:
         status, frames = caller.call([pickle.dumps((token, -1, 0))])

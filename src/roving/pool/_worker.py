@@ -111,7 +111,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     """Target of every pool worker process."""
     if initializer is not None:
         initializer(*initargs)
-    secret = _session.current().credentials
+    secret = _session.current().secret
 
     def connect() -> Channel:
         return Channel(address, secret, connect_timeout, stream=True)
