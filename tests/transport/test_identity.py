@@ -314,3 +314,26 @@ def test_a_pool_revokes_the_credentials_of_a_worker_it_declares_lost():
         assert identity.is_revoked(victim._uid)
         assert not identity.is_revoked(other._uid)
         assert pool.map(abs, [-4, -5]) == [4, 5]  # the pool goes on with the others
+
+
+def test_revoking_a_child_closes_the_pipe_stream_this_process_has_with_it():
+    import helpers_pipes as hp
+
+    here, there = roving.Pipe()
+    child = roving.Process(target=hp.echo_until_none, args=(there,))
+    child.start()
+    try:
+        for i in range(50):
+            here.send(i)
+            assert here.poll(TIMEOUT) and here.recv() == i
+        link = here._end.link
+        assert link is not None and link.stream.peer.node_id == child._uid  # over a stream, with the child
+        child.revoke_credentials()
+        deadline = time.monotonic() + TIMEOUT
+        while not link.stream.closed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert link.stream.closed
+    finally:
+        here.send(None)
+        child.join(TIMEOUT)
+    assert child.exitcode is not None

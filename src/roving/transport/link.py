@@ -279,6 +279,22 @@ def _listener() -> _stream.Listener:
     return node.streams()
 
 
+class _Revocations:
+    """Closes this process's pipe streams with a process whose credentials are revoked (identity.revoke):
+    the ends go on over their mailboxes, as when the peer's process ends."""
+
+    def revoked(self, node_id: str) -> None:
+        with _lock:
+            doomed = [link for link in _links.values()
+                      if link.stream.peer is not None and link.stream.peer.node_id == node_id]
+        for link in doomed:
+            link.stream.close()
+
+
+_revocations = _Revocations()
+identity.on_revoke(_revocations)
+
+
 def claim(end: End) -> Optional[str]:
     """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed.
 
