@@ -24,7 +24,13 @@ Guarantees:
   (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
-  may choose.
+  may choose; handlers and answers know it by a connection identity of its own (:class:`.auth.Door`),
+  so what is sent to a connection that has gone goes to no other that took its routing id (it is
+  undeliverable: an item goes back to its mailbox).
+* Every message is attributable: :meth:`Node.peer` names the process (:class:`.identity.Peer`) whose
+  credentials authenticated the connection or stream it came on. The node's address names its key
+  (``tcp://HOST:PORT#KEY``): a client reaches this node or none. When credentials are revoked
+  (:func:`.identity.revoke`), the node closes the connections opened with them.
 * Peers that are gone are forgotten: on BYE, when a message to them finds them gone, and when their
   connection ends without a word (a killed process). ZeroMQ reports such an end on the router's monitor
   (DISCONNECTED); the I/O thread reads those events without ever waiting for them, before each
@@ -67,6 +73,7 @@ from . import addressing, auth
 from .auth import BYE
 from .boxes import TIMEOUT_STATUS, Answer, Boxes, RemoteWaiter
 from . import crypto
+from . import identity
 from . import stream as _stream
 from .served import ServedStream
 from . import timeouts
@@ -87,12 +94,17 @@ log = logging.getLogger(__name__)
 class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
-                 port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
+    def __init__(self, secret: "bytes | identity.Credentials", host: str = "127.0.0.1",
+                 advertise: Optional[str] = None, port_range: Optional[Tuple[int, int]] = None,
+                 encrypt: Optional[str] = None) -> None:
         """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
+        ``secret``: this process's credentials (:mod:`.identity`; raw bytes: the ad hoc ones they make).
         AddressError when the address cannot be bound, naming it."""
         raise_open_files()  # the first use of the transport in a process: before it holds any connection
-        self.secret = secret
+        #: Whose node this is (:class:`.identity.Credentials`); its address names their node key.
+        self.credentials = creds = identity.credentials(secret)
+        #: The member secret every connection proves.
+        self.secret = creds.secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
         super().__init__()
@@ -110,12 +122,13 @@ class Node(Boxes):
         self._router.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
         curve = crypto.zmq_encrypted(self.encrypt, host)
         if curve:
-            crypto.curve_server(self._router, secret)
-        self._zap_domain = zap.register(ctx, crypto.curve_keys(secret).client_public if curve else None)
+            crypto.curve_server(self._router, creds)
+        self._zap_domain = zap.register(ctx, crypto.curve_keys(creds.secret).client_public if curve else None)
         self._router.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain)
         port = wire.bind_router(self._router, host, port_range)
         shown = advertise or host
-        self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
+        # The address names the node's key: a client reaches this node or none (identity.node_key).
+        self.address = (f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}") + "#" + creds.key
         self._refusals = Refusals(log, f"node {self.address}")
         self.host, self.advertise, self.port_range = host, advertise, port_range
         #: How this address was chosen, in words (for errors that name it).
@@ -128,8 +141,9 @@ class Node(Boxes):
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
         # Who may talk to this node over ZeroMQ (roving.transport.auth); its peers read inline on the hot path.
-        self._door = auth.Door(secret, self._send, self._refusals)
+        self._door = auth.Door(creds, self._send, self._refusals)
         self._authenticated = self._door.authenticated
+        self._tokens = self._door.tokens
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
@@ -167,9 +181,10 @@ class Node(Boxes):
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
+        identity.on_revoke(self)
 
     @classmethod
-    def at(cls, secret: bytes, choice: addressing.Choice) -> "Node":
+    def at(cls, secret: "bytes | identity.Credentials", choice: addressing.Choice) -> "Node":
         """A node at the address :func:`addressing.choose` picked; AddressError (naming why that address
         was chosen) when it cannot be bound."""
         try:
@@ -216,6 +231,30 @@ class Node(Boxes):
             return
         self._post([ident, *frames], undeliverable)
 
+    def peer(self, ident: bytes) -> Optional[identity.Peer]:
+        """Who sent the messages that a handler got with ``ident`` (the process whose credentials
+        authenticated that connection or stream), or None once it has gone; any thread."""
+        served = self._channels.get(ident)
+        if served is not None:
+            return served.peer
+        return self._door.peer(ident)
+
+    def revoked(self, node_id: str) -> None:
+        """``node_id``'s credentials were revoked (:func:`.identity.revoke`): its connections to this
+        node are closed (on the I/O thread, soon); any thread."""
+        if self._running:
+            self._defer(functools.partial(self._close_revoked, node_id))
+
+    def _close_revoked(self, node_id: str) -> None:
+        closed = self._door.revoke(node_id)
+        for served in list(self._peers.values()):
+            if served.peer is not None and served.peer.node_id == node_id:
+                self._drop_peer(served)
+                closed += 1
+        if closed:
+            log.warning("roving node %s: closed %d connection(s) of %s, whose credentials were revoked",
+                        self.address, closed, node_id)
+
     def register_notice(self, op: bytes, handler: Callable[[Frames], None]) -> None:
         """Route messages ``op`` sent with :meth:`Endpoint.tell` (no answer) to ``handler(payload)``,
         on the I/O thread: it must not block."""
@@ -224,7 +263,7 @@ class Node(Boxes):
     def streams(self) -> _stream.Listener:
         """This process's stream listener, started on first use."""
         return self.service("streams", lambda node: _stream.Listener(
-            node.secret, node.host, node.advertise, node._on_stream, node.port_range, node.encrypt))
+            node.credentials, node.host, node.advertise, node._on_stream, node.port_range, node.encrypt))
 
     def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
         """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""
@@ -273,6 +312,18 @@ class Node(Boxes):
         self._wake()
 
     def _send(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
+        if frames[0][:1] == auth.CONNECTION_MARK:
+            # To the connection the identity names, and to no other under its routing id: ends that
+            # ZeroMQ has reported are taken first (a connection that took the routing id of one that
+            # left comes after its end).
+            self._read_monitor()
+            ident = self._door.route(frames[0])
+            if ident is None:
+                log.debug("roving node: a peer left before its answer")
+                if undeliverable is not None:
+                    self._undeliverable.append(undeliverable)
+                return
+            frames = [ident, *frames[1:]]
         try:
             send_frames(self._router, frames)
         except zmq.ZMQError as exc:
@@ -493,6 +544,7 @@ class Node(Boxes):
             if self._authenticated.get(ident, self) == frames[1].get("User-Id"):  # it just got in
                 self._unauthenticated.settled(_source_fd(frames[1]))
             return
+        token = self._tokens[ident]  # the connection's own identity: answers go to it, not to the routing id
         op = frames[1].bytes
         if op == PIECES:
             try:
@@ -504,7 +556,7 @@ class Node(Boxes):
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:
-            handler(ident, frames[2:])
+            handler(token, frames[2:])
             return
         if op == BYE:
             self._door.forget(ident)
@@ -513,7 +565,7 @@ class Node(Boxes):
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         self._request(op, bytes(frames[2]), frames[3:],
-                      lambda out, undeliverable: self._post([ident, *out], undeliverable))
+                      lambda out, undeliverable: self._post([token, *out], undeliverable))
 
     def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
         """Serve one request of an authenticated peer, over ZeroMQ or a stream alike: ``answer`` (any
