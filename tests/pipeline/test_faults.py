@@ -296,7 +296,7 @@ def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_that_does_not_match(tmp_path):
-    from roving.pipeline.costs import PlanError
+    from roving.pipeline.errors import PlanError
 
     with pytest.raises(PlanError, match="does not exist"):
         Trainer(prepare(TrainConfig(**CFG, checkpoint=str(tmp_path / "none.pt"), resume=True)))
@@ -536,7 +536,7 @@ def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
 
 
 def test_stall_after_must_be_seconds_at_least_zero():
-    from roving.pipeline.network import PlanError
+    from roving.pipeline.errors import PlanError
 
     for bad in (-1, "ten", True):
         with pytest.raises(PlanError, match="stall_after"):
@@ -544,7 +544,7 @@ def test_stall_after_must_be_seconds_at_least_zero():
 
 
 def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_the_predicted_iteration():
-    from roving.pipeline.roster import NoMessage
+    from roving.pipeline.errors import NoMessage
     from roving.pipeline.trainer import _Stalled
 
     t = Trainer.__new__(Trainer)  # the rule alone: no nodes

@@ -13,7 +13,7 @@ torch.set_num_threads(1)
 
 from roving.cli import main as roving_main
 from roving.pipeline.control import write_status
-from roving.pipeline.costs import PlanError
+from roving.pipeline.errors import PlanError
 from roving.pipeline.protocol import Export, Exported
 from roving.pipeline.recovery import FailureSchedule, choose, neighbour_weights, parse_fail_at
 from roving.pipeline.runconfig import TrainConfig

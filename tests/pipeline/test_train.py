@@ -8,8 +8,8 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline.costs import PlanError
-from roving.pipeline.data import DataError, train_batches
+from roving.pipeline.data import train_batches
+from roving.pipeline.errors import DataError, PlanError
 from roving.pipeline.stages import Stage, merge_state_dicts, run_path
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
@@ -198,7 +198,7 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
     stopped. The failure is injected in the coordinator after the first node reported ready (as when
     another node reports an error, or the ready timeout passes)."""
     from roving.pipeline.protocol import Ready
-    from roving.pipeline.trainer import NodeFailed
+    from roving.pipeline.errors import NodeFailed
 
     prep = prepare(TrainConfig(**{**CFG, "iterations": 1}))
     real = Trainer._recv

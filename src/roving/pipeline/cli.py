@@ -6,10 +6,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path as FilePath
+from pathlib import Path
 
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
-from .errors import PipelineError, PlanError
+from .errors import NodeFailed, PipelineError, PlanError
 from .network import build_network
 from .outputs import check_output
 
@@ -172,7 +172,7 @@ def _start_dashboard(cfg):
 
 
 def run_status(args: argparse.Namespace) -> int:
-    path = FilePath(args.control) / "status.json"
+    path = Path(args.control) / "status.json"
     try:
         doc = json.loads(path.read_text())
     except FileNotFoundError:
@@ -255,7 +255,7 @@ def run_join(args: argparse.Namespace) -> int:
     """Drop a join request into the run's control folder and wait for its answer."""
     import uuid
 
-    folder = FilePath(args.control)
+    folder = Path(args.control)
     if not (folder / "status.json").is_file():
         print(f"error: {folder} is not the control folder of a running `roving pipeline train --control` "
               "(no status.json in it)", file=sys.stderr)
@@ -289,7 +289,7 @@ def run_join(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .trainer import NodeFailed, TrainConfig, run
+    from .trainer import TrainConfig, run
 
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
@@ -313,12 +313,12 @@ def run_train(args: argparse.Namespace) -> int:
             cfg = _start_dashboard(cfg)
         _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
+    except NodeFailed as exc:  # first: a NodeFailed is a PipelineError too, but not bad input
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except NodeFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     its = metrics["iterations"]
     if its:
         mean = sum(r["compute_seconds"] for r in its) / len(its)
@@ -365,7 +365,7 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.gantt:
             check_output(args.gantt, "--gantt")
         nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
-        if isinstance(nodes, str) and not FilePath(nodes).is_file():
+        if isinstance(nodes, str) and not Path(nodes).is_file():
             raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
         if args.memory_microbatches is not None:
             net = build_network(args.network, nodes, memory=args.memory_microbatches)
@@ -430,7 +430,7 @@ def run_plan(args: argparse.Namespace) -> int:
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    FilePath(args.json_out).write_text(json.dumps(out, indent=1))
+    Path(args.json_out).write_text(json.dumps(out, indent=1))
     times = out["iteration_time_s"]
     for k, v in times.items():
         if v is None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .costs import PlanError
+from .errors import PlanError
 from .simulate import simulate
 
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .errors import PlanError  # defined in errors; tests and user code also import it from here
+from .errors import PlanError
 from .presets import ARCHITECTURES, DEFAULT_PLANNING, PLANNING
 
 #: SkipPipe's assumed compute speed (several nodes sharing older GPUs), seconds per sample per layer.

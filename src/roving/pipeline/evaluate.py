@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .errors import PlanError
 from .model import Llama
 from .stages import layer_ranges
 
@@ -16,7 +17,7 @@ def kept_layers(model: Llama, stages: int, drop: Iterable[int]) -> list[int]:
     """The layers left when ``drop`` (stage indices, never 0) are removed from the split into ``stages``."""
     drop = set(drop)
     if 0 in drop:
-        raise ValueError("stage 0 holds the embedding and head: it cannot be dropped")
+        raise PlanError("stage 0 holds the embedding and head: it cannot be dropped")
     return [i for s, r in enumerate(layer_ranges(model.cfg, stages)) if s not in drop for i in r]
 
 

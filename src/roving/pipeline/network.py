@@ -9,7 +9,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, ModelSpec, PlanError, microbatches_in_flight
+from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, ModelSpec, microbatches_in_flight
+from .errors import PlanError
 
 log = logging.getLogger(__name__)
 

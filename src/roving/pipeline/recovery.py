@@ -47,7 +47,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .costs import PlanError
+from .errors import PlanError
 from .stages import layer_ranges
 
 #: the recovery policies, as ``[faults] stage_recovery`` names them.
@@ -89,7 +89,7 @@ def neighbour_weights(target_layers: range, neighbours: Mapping[int, Mapping[str
     ``target_layers``) and the weight each neighbour got (summing to 1). Computed in float64 and cast
     back to each tensor's dtype."""
     if not neighbours:
-        raise ValueError("no neighbour to rebuild the stage from")
+        raise PlanError("no neighbour to rebuild the stage from")
     g = {s: float(norms.get(s, 0.0)) for s in neighbours}
     g = {s: v if math.isfinite(v) and v > 0 else 0.0 for s, v in g.items()}
     total = sum(g.values())
@@ -101,7 +101,7 @@ def neighbour_weights(target_layers: range, neighbours: Mapping[int, Mapping[str
         for s, by_layer in layered.items():
             have = sorted(by_layer)
             if not have:
-                raise ValueError(f"neighbour stage {s} holds no layers")
+                raise PlanError(f"neighbour stage {s} holds no layers")
             parts.append((share[s], by_layer[have[min(k, len(have) - 1)]]))
         for name in parts[0][1]:
             acc = sum(w * p[name].double() for w, p in parts)

@@ -26,28 +26,11 @@ import time
 from typing import Any, Callable
 
 from . import protocol as m
-from .costs import PlanError
+from .errors import NodeFailed, NodesLost, NoMessage, PlanError
 from .senders import Senders
 from .stage_process import StageSettings, stage_main
 
 log = logging.getLogger(__name__)
-
-
-class NodeFailed(RuntimeError):
-    """Training cannot go on: a stage process raised (the message carries its traceback), or failures
-    left no process to hold stage 0, or an iteration failed ``max_retries`` times."""
-
-
-class NoMessage(NodeFailed):
-    """Nothing came from the stage processes in time."""
-
-
-class NodesLost(Exception):
-    """Stage processes were declared dead (their process exited, or their heartbeats stopped)."""
-
-    def __init__(self, names: dict[str, str]) -> None:
-        super().__init__(", ".join(f"{n} ({why})" for n, why in sorted(names.items())))
-        self.names = names
 
 
 class Roster:

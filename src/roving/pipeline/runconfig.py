@@ -25,10 +25,10 @@ import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path as FilePath
+from pathlib import Path
 from typing import Any
 
-from .costs import PlanError
+from .errors import PlanError
 from .model import LlamaConfig, preset
 from .recovery import POLICIES, parse_fail_at
 
@@ -198,7 +198,7 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> "TrainConfig":
         try:
-            doc = tomllib.loads(FilePath(path).read_text())
+            doc = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanError(f"config file {path} does not exist") from None
         except (IsADirectoryError, UnicodeDecodeError) as exc:

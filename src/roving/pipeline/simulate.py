@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .costs import ModelSpec, StageCosts, stage_costs
+from .errors import PlanError
 from .network import Network
 from .plan import Plan
 
@@ -155,7 +156,7 @@ def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = T
                 group.setdefault(st, []).append(n)
         group = {st: ns for st, ns in group.items() if len(ns) > 1}
         if any(st >= len(sync_bytes) for st in group):
-            raise ValueError(f"sync_bytes gives {len(sync_bytes)} stages; the plan has {plan.stages}")
+            raise PlanError(f"sync_bytes gives {len(sync_bytes)} stages; the plan has {plan.stages}")
         sync_left = {st: len(ns) * (len(ns) - 1) for st, ns in group.items()}
         counts = plan.backward_counts()
         bwd_left = {n: counts.get(n, 0) for ns in group.values() for n in ns}

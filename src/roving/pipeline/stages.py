@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from .costs import ModelSpec, PlanError, stage_layers
+from .costs import ModelSpec, stage_layers
+from .errors import PlanError
 from .model import Llama, LlamaConfig
 
 

@@ -40,7 +40,7 @@ import logging
 import math
 import os
 import time
-from pathlib import Path as FilePath
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -48,7 +48,7 @@ import torch
 from . import protocol as m
 from .background import BackgroundPlan
 from .control import PlanWriter, append_record, serve_join_requests, write_status
-from .costs import PlanError
+from .errors import NodeFailed, NodesLost, NoMessage, PlanError, RoundStalled
 from .data import train_batches, val_batches
 from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
 from .model import Llama
@@ -57,7 +57,7 @@ from .plan import Plan
 from .planner import place_joining, plan_held, replan
 from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
-from .roster import NodeFailed, NodesLost, NoMessage, Roster
+from .roster import Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
@@ -68,10 +68,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["NodeFailed", "NodesLost", "REFINE_GAIN", "Trainer", "TrainConfig", "calibrate", "load_checkpoint",
            "plot_losses", "prepare", "run", "write_metrics"]
-
-
-class _Stalled(Exception):
-    """A round went ``stall_after`` seconds without a message while its nodes lived: one was lost."""
 
 
 #: a plan refined in the background replaces the plan in use only when it predicts a whole iteration
@@ -236,7 +232,7 @@ class Trainer:
         else:
             self.weights.take_snapshot(0)
         if self.c.control:
-            FilePath(self.c.control).mkdir(parents=True, exist_ok=True)
+            Path(self.c.control).mkdir(parents=True, exist_ok=True)
             self._write_status()
             self._plan_out = PlanWriter(self.c.control)
         self._t0 = time.perf_counter()
@@ -489,7 +485,7 @@ class Trainer:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
-            except _Stalled as exc:
+            except RoundStalled as exc:
                 lost_s += time.perf_counter() - t0
                 aborted = True
                 log.warning("iteration %d: the round stalled (%s); it is run again", it, exc)
@@ -565,7 +561,7 @@ class Trainer:
         return [losses[mb] for mb in range(len(plan.paths))]
 
     def _round_recv(self, kind: type | tuple[type, ...], rnd: int) -> m.Message:
-        """The next ``kind`` message of round ``rnd``; raises _Stalled after ``stall_after`` seconds
+        """The next ``kind`` message of round ``rnd``; raises RoundStalled after ``stall_after`` seconds
         (at least twice the predicted iteration) without one; dead nodes raise NodesLost first (they
         are checked every 0.1 s meanwhile)."""
         if not self.c.stall_after:
@@ -575,7 +571,7 @@ class Trainer:
         try:
             return self._recv(kind, timeout=max(self.c.stall_after, 2 * predicted), rnd=rnd)
         except NoMessage as exc:
-            raise _Stalled(str(exc)) from None
+            raise RoundStalled(str(exc)) from None
 
     def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
         self._sync_round, self._norms, self._norm_from = rnd, {}, set()

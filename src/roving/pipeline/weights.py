@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 from . import checkpoint_file
 from . import protocol as m
-from .costs import PlanError
+from .errors import NodesLost, PlanError
 from .model import Llama
-from .roster import NodesLost, Roster
+from .roster import Roster
 from .stages import merge_state_dicts
 
 
