@@ -354,6 +354,31 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     # what each stage should have, by the same rule as a fresh plan
     want = replica_counts(len(alloc) + len(free), stages, current.skip, model) \
         if len(alloc) + len(free) >= stages else None
+    _refill(alloc, counts, free, want, can, new_net, failed)
+    rng = random.Random(seed)
+    visits = visits_per_microbatch(stages, current.skip)
+    candidates: list[_Contender] = []
+    for a in _replan_allocations(alloc, counts, want, current, new_net, model, can):
+        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes)
+        for ps, pr in ((repair_routes(ctx, current.paths), current.priority),
+                       (build_routes(ctx, len(current.paths), visits), None)):
+            candidates.append(_Contender(score_routes(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
+    best = min(candidates, key=lambda c: (c.score, c.order))
+    alloc = best.ctx.allocation
+    paths, prio, score, evals = improve_routes(best.ctx, best.paths, current.skip, t0 + budget_s, rng,
+                                               priority=best.priority, max_evals=max_evals)
+    new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
+                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
+                     "capped": max_evals is not None and evals < max_evals})
+    return new_plan, new_net
+
+
+def _refill(alloc: dict[str, int], counts: list[int], free: list[str], want: list[int] | None,
+            can: dict[str, frozenset[int]], net: Network, failed: set[str]) -> None:
+    """``replan``'s first step, in place: a stage left without nodes takes a free node, else the fastest
+    fitting node of the stage with the most spare replicas; then the other free nodes go where the work
+    per replica is highest (among the stages they can hold). PlanError when a stage cannot be held."""
+    stages = len(counts)
     for st in range(stages):
         if counts[st]:
             continue
@@ -371,7 +396,7 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
                 )
             donor = max(donors, key=lambda s: (counts[s] - (want[s] if want else 0), counts[s], -s))
             take = max((n for n, s in alloc.items() if s == donor and st in can[n]),
-                       key=lambda n: (new_net.node(n).speed, n))
+                       key=lambda n: (net.node(n).speed, n))
             counts[donor] -= 1
         alloc[take] = st
         counts[st] += 1
@@ -379,8 +404,12 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
         st = max(sorted(can[n]), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
         alloc[n] = st
         counts[st] += 1
-    rng = random.Random(seed)
-    visits = visits_per_microbatch(stages, current.skip)
+
+
+def _replan_allocations(alloc: dict[str, int], counts: list[int], want: list[int] | None, current: Plan,
+                        net: Network, model: ModelSpec, can: dict[str, frozenset[int]]) -> list[dict[str, int]]:
+    """The allocations ``replan`` judges: the refilled one, and (when a fresh plan's counts are known)
+    the same rebalanced toward them and a fresh allocation."""
     # Each stage keeps its visit quota (load balance), so a stage that lost replicas loads its survivors
     # with the lost ones' share: one replica left of two does twice the work and sets the iteration
     # time. Moving nodes over from stages above their fair count undoes that; the simulator decides
@@ -392,23 +421,10 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
             allocations.append(moved)
         # and a fresh allocation (more weights move, but the survivors may be far better used)
         labels = spread_labels(want)
-        placed = assign(tour_order(new_net, node_cost_matrix(new_net, model)), labels, can)
+        placed = assign(tour_order(net, node_cost_matrix(net, model)), labels, can)
         if placed is not None:
             allocations.append(dict(zip(placed, labels)))
-    candidates: list[_Contender] = []
-    for a in allocations:
-        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes)
-        for ps, pr in ((repair_routes(ctx, current.paths), current.priority),
-                       (build_routes(ctx, len(current.paths), visits), None)):
-            candidates.append(_Contender(score_routes(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
-    best = min(candidates, key=lambda c: (c.score, c.order))
-    alloc = best.ctx.allocation
-    paths, prio, score, evals = improve_routes(best.ctx, best.paths, current.skip, t0 + budget_s, rng,
-                                               priority=best.priority, max_evals=max_evals)
-    new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
-                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                     "capped": max_evals is not None and evals < max_evals})
-    return new_plan, new_net
+    return allocations
 
 
 def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int, skip: float,
