@@ -66,7 +66,7 @@ def test_a_faster_plan_found_in_the_background_replaces_the_quick_re_plan():
         assert validate(t.plan, t.net) == [] and ev["allocation"] == t.alloc
         assert victim not in t.alloc and all(victim not in (p.origin, *p.nodes) for p in t.plan.paths)
         assert ev["moved"] == {n: s for n, s in t.alloc.items() if quick.get(n) != s} and ev["moved"]
-        assert {n: t.holding[n] for n in t.alloc} == t.alloc
+        assert {n: t.roster.holding[n] for n in t.alloc} == t.alloc
         assert set(ev["weights_from"]) == set(ev["moved"].values())
         for _ in range(2):
             rec = t.iteration(it)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from .control import STATUS, ControlFolder
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
 from .errors import NodeFailed, PipelineError, PlanError
 from .network import build_network
@@ -172,14 +173,15 @@ def _start_dashboard(cfg):
 
 
 def run_status(args: argparse.Namespace) -> int:
-    path = Path(args.control) / "status.json"
+    folder = ControlFolder(args.control)
+    path = folder.path / STATUS
     try:
-        doc = json.loads(path.read_text())
+        doc = folder.read_status()
     except FileNotFoundError:
         print(f"error: {args.control} is not the control folder of a `roving pipeline train --control` run "
-              "(no status.json in it)", file=sys.stderr)
+              f"(no {STATUS} in it)", file=sys.stderr)
         return 2
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
         print(f"error: {path}: not a status file written by `roving pipeline train` ({exc})", file=sys.stderr)
         return 2
     problem = _status_problem(doc)
@@ -253,12 +255,10 @@ def _status_problem(doc) -> str:
 
 def run_join(args: argparse.Namespace) -> int:
     """Drop a join request into the run's control folder and wait for its answer."""
-    import uuid
-
-    folder = Path(args.control)
-    if not (folder / "status.json").is_file():
-        print(f"error: {folder} is not the control folder of a running `roving pipeline train --control` "
-              "(no status.json in it)", file=sys.stderr)
+    folder = ControlFolder(args.control)
+    if not folder.exists(STATUS):
+        print(f"error: {folder.path} is not the control folder of a running `roving pipeline train --control` "
+              f"(no {STATUS} in it)", file=sys.stderr)
         return 2
     if args.count < 1:
         print(f"error: --count must be at least 1, got {args.count}", file=sys.stderr)
@@ -266,25 +266,15 @@ def run_join(args: argparse.Namespace) -> int:
     if args.name is not None and args.count != 1:
         print("error: --name names one node: use it with --count 1", file=sys.stderr)
         return 2
-    req = folder / f"join-{uuid.uuid4().hex}.json"
-    tmp = req.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"name": args.name, "region": args.region, "count": args.count}))
-    tmp.replace(req)
-    answer = req.with_suffix(".done")
-    deadline = time.monotonic() + args.timeout
-    while not answer.exists():
-        if time.monotonic() > deadline:
-            req.unlink(missing_ok=True)
-            print(f"error: the run did not take the request within {args.timeout:g} s (is it running?)",
-                  file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    doc = json.loads(answer.read_text())
-    answer.unlink(missing_ok=True)
+    doc = folder.request_join(args.name, args.region, args.count, args.timeout)
+    if doc is None:
+        print(f"error: the run did not take the request within {args.timeout:g} s (is it running?)",
+              file=sys.stderr)
+        return 1
     if "error" in doc:
         print(f"error: {doc['error']}", file=sys.stderr)
         return 2
-    print(f"started {', '.join(doc['started'])}: they join the training when ready (see status.json)")
+    print(f"started {', '.join(doc['started'])}: they join the training when ready (see {STATUS})")
     return 0
 
 
