@@ -30,7 +30,7 @@ def run():
         t.run_microbatches(0)
         norm = t.synchronize(0)
         out["grads"] = t.stage_states(all_replicas=True, grads=True)
-        out["lr0"] = t.lr_at(0)
+        out["lr0"] = t.config.lr_at(0)
         t.step(0, min(1.0, CFG["clip"] / (norm + 1e-6)), out["lr0"])
         out["after1"] = t.stage_states(all_replicas=True)
         for it in range(1, CFG["iterations"]):

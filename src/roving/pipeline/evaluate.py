@@ -46,3 +46,17 @@ def validation_loss(model: Llama, batches: Sequence[tuple[torch.Tensor, torch.Te
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+@torch.no_grad()
+def evaluate_model(model: Llama, batches: list, stages: int, skipped: Iterable[int] = (), bf16: bool = False) -> dict:
+    """What a training run records of an evaluation: the validation loss and perplexity of ``model``
+    over ``batches`` without the stages ``skipped`` for good (paths leave them out), and the loss with
+    half of the stages after 0 dropped (``half_of_the_stages``)."""
+    model.eval()
+    skipped = set(skipped)
+    val = validation_loss(model, batches, kept_layers(model, stages, skipped) if skipped else None, bf16=bf16)
+    drop = half_of_the_stages(stages)
+    dropped = validation_loss(model, batches, kept_layers(model, stages, drop), bf16=bf16)
+    return {"val_loss": val, "perplexity": perplexity(val), "val_loss_half_stages_dropped": dropped,
+            "dropped_stages": drop}

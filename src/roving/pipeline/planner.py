@@ -496,3 +496,33 @@ def place_joining(current: Plan, allocation: dict[str, int], joining: Sequence[N
                             "give it more memory, or resume from a checkpoint")
         alloc[node.name] = want[0]
     return alloc
+
+
+def replan_or_hold(current: Plan, network: Network, model: ModelSpec, *, failed: Sequence[str] = (),
+                   slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (), missing: bool = False,
+                   dropped: Iterable[int] = (), skip: float | None = None, budget_s: float = 0.6, seed: int = 0,
+                   sync_bytes: Sequence[float] | None = None,
+                   max_evals: int | None = None) -> tuple[Plan, Network]:
+    """A running training's new plan for its live nodes: ``replan`` while every stage is held (no stage
+    ``missing`` from ``current``, none ``dropped`` for good); else, or when ``replan`` cannot hold
+    every stage, the allocation that stays (without ``failed``, the ``joined`` nodes placed by
+    ``place_joining``) with paths that skip the stages no node holds (``plan_held``, with the run's
+    ``skip``, by default ``current``'s). Returns the plan and its network; PlanError when not even
+    that can be made. ``failed`` may name nodes that ``network`` does not hold (never started)."""
+    known = [n for n in failed if n in network.names]
+    if not missing and not set(dropped):
+        try:
+            return replan(current, network, model, failed=known, slowed_by=slowed_by, joined=joined,
+                          budget_s=budget_s, seed=seed, sync_bytes=sync_bytes, max_evals=max_evals)
+        except PlanError as exc:
+            log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
+    net = network.without(known)
+    if slowed_by:
+        net = slowed(net, slowed_by)
+    if joined:
+        net = net.with_nodes(list(net.nodes) + list(joined))
+    gone = set(failed)
+    alloc = {n: s for n, s in current.allocation.items() if n not in gone}
+    alloc = place_joining(current, alloc, joined, model, exclude=dropped)
+    return plan_held(net, model, alloc, current.stages, current.skip if skip is None else skip,
+                     len(current.paths), budget_s=budget_s, seed=seed, max_evals=max_evals), net

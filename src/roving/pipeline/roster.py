@@ -87,6 +87,22 @@ class Roster:
         self.starting.add(name)
         self.holding[name] = stage if inc == 0 and fresh else None
 
+    def wait_started(self, alloc: dict[str, int], stages: int, start_wait: float, timeout: float) -> None:
+        """Wait for the processes launched (``alloc``: name -> stage) to be ready: all of them, or, after
+        ``start_wait`` seconds, enough to hold every one of ``stages``. NodeFailed when one fails to
+        start, or when too few are ready within ``timeout``."""
+        t0 = time.monotonic()
+        while self.starting:
+            waited = time.monotonic() - t0
+            if waited > start_wait and len({alloc[n] for n in self.ready}) == stages:
+                return
+            if waited > timeout:
+                raise NodeFailed(f"node(s) {', '.join(sorted(self.starting))} not ready within {timeout:g} s")
+            try:
+                self.recv(m.Ready, timeout=0.5, check=False)
+            except NoMessage:
+                pass
+
     def open(self) -> list[str]:
         """After the start: admit the ready processes (every one gets every inbox) and start watching
         heartbeats. Returns the processes still starting (they join when ready; their initial weights
@@ -153,6 +169,19 @@ class Roster:
         """kill -9 the processes of ``names``."""
         for n in names:
             self.procs[n].kill()
+
+    def wait_declared_dead(self, names: list[str], timeout: float) -> None:
+        """Wait until none of ``names`` is admitted any more (each declared dead, ``check``); the lost
+        are then in ``take_lost``. NodeFailed after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(n in self.inboxes for n in names):
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"{', '.join(names)} not declared dead in {timeout:g} s")
+            try:
+                self.check(force=True)
+            except NodesLost:
+                pass
+            time.sleep(0.05)  # a death is seen by polling (the exit, the heartbeats): no event to wait on
 
     # -- failure detection -----------------------------------------------------------------------
     def _watch_beats(self) -> None:

@@ -279,6 +279,14 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
             raise PlanError("fail_at kills stage 0, which stage_recovery = \"skip\" cannot skip (it holds the "
                             "embedding, head and loss): use another policy or another stage")
 
+    def lr_at(self, it: int) -> float:
+        """The learning rate at iteration ``it``: linear warm-up over ``warmup`` iterations, then a cosine
+        down to ``min_lr`` at the last iteration."""
+        if it < self.warmup:
+            return self.lr * (it + 1) / self.warmup
+        frac = (it - self.warmup) / max(1, self.iterations - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
+
     def model_config(self) -> LlamaConfig:
         try:
             base = preset(self.model)

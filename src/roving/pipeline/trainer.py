@@ -10,12 +10,7 @@ that was skipped by some microbatches is not trained with a smaller step): one s
 overlaps the other stages' remaining work. When every stage has averaged, the coordinator clips by the
 whole model's gradient norm, and every node takes an AdamW step.
 
-Failures (``Trainer``'s doc has the details): dead nodes are found by heartbeats or their exit, the
-iteration's microbatch phase is re-run under a plan made around them, slow nodes are re-planned with
-their measured speed, nodes join between iterations with a live replica's weights and optimizer state,
-a stage that no node holds is skipped until a node takes it over from its snapshot, and a run whose
-coordinator died continues from its checkpoint (``resume``). With ``refine_budget``, each quick re-plan
-is followed by a fresh plan searched in the background, taken at an iteration boundary when it is faster.
+Failures, slow nodes, joining, lost stages, resuming and refining: ``Trainer``'s doc.
 
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
 (``calibrate``), so measured and predicted iteration times can be compared: ``predicted_seconds`` is
@@ -46,14 +41,14 @@ from typing import Any, Callable
 import torch
 
 from . import protocol as m
-from .background import BackgroundPlan
+from .background import Refinement
 from .control import EVALUATIONS, EVENTS, ITERATIONS, ControlFolder
 from .data import train_batches, val_batches
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError, RoundStalled
-from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
-from .network import Network, slowed as slowed_network
+from .evaluate import evaluate_model
+from .network import Network
 from .plan import Plan
-from .planner import place_joining, plan_held, replan
+from .planner import replan_or_hold
 from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
 from .roster import Roster
@@ -94,14 +89,9 @@ class Trainer:
     sender's next message goes over a new connection, but the lost one is gone): it is aborted and
     run again on the same plan, as one of ``max_retries``.
 
-    Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
-    allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
-    searches a fresh plan for the same nodes (allocation included, as before the run) for that long in
-    a process of its own while training goes on (``background.BackgroundPlan``: niced, and outside the
-    coordinator's interpreter); at the first iteration boundary after it is done, it replaces the
-    plan in use if it predicts a whole iteration (replica averaging included) at least ``REFINE_GAIN``
-    shorter, and nodes whose stage changes get its weights and optimizer state as after a re-plan. A
-    refinement that a newer re-plan overtook is dropped. Recorded as a "refine" event either way.
+    Refining: a re-plan has ``replan_budget`` seconds (training waits for it); with ``refine_budget``
+    > 0 a fresh plan is then searched in the background and taken when it is ``REFINE_GAIN`` faster
+    (``background.Refinement`` has the details).
 
     Joining: see ``roster`` (starting and admitting) and ``weights`` (the weights a joining node gets).
 
@@ -141,7 +131,8 @@ class Trainer:
             "predicted_here_s": self.prediction.here_s, "predicted_with_sync_s": self.prediction.with_sync_s,
             "shared_cores": self.shared_cores, "iterations": [], "evaluations": [], "events": []}
         self._slow = SlowNodes(cfg.slow_factor, cfg.slow_iterations)
-        self._refining: BackgroundPlan | None = None  # the refinement of the latest re-plan, if any
+        #: the refinement of the latest re-plan (see the class doc, Refining)
+        self.refining = Refinement(cfg.refine_budget, cfg.seed, prep.plan_sync_bytes, cfg.planner_evals or None)
         self.round = -1
         self._batches = train_batches(prep.corpus.train, cfg.samples, cfg.seq_len, cfg.seed)
         self._val = val_batches(prep.corpus.val, cfg.samples, cfg.seq_len, cfg.eval_batches)
@@ -183,17 +174,7 @@ class Trainer:
         cfg, roster = self.config, self.roster
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             roster.launch(name, stage, index, fresh=self._resume_from is None)
-        t0 = time.monotonic()
-        while roster.starting:
-            waited = time.monotonic() - t0
-            if waited > cfg.start_wait and len({self.alloc[n] for n in roster.ready}) == cfg.stages:
-                break
-            if waited > cfg.timeout:
-                raise NodeFailed(f"node(s) {', '.join(sorted(roster.starting))} not ready within {cfg.timeout:g} s")
-            try:
-                roster.recv(m.Ready, timeout=0.5, check=False)
-            except NoMessage:
-                pass
+        roster.wait_started(self.alloc, cfg.stages, cfg.start_wait, cfg.timeout)
         late = roster.open()
         if late:
             log.warning("starting without node(s) %s (not ready after %g s): they join when they start",
@@ -221,7 +202,7 @@ class Trainer:
 
     def stop(self) -> None:
         """Stop the nodes (``Roster.stop``) and any refinement still searching."""
-        self._stop_refining()
+        self.refining.cancel()
         self.roster.stop()
 
     def __enter__(self) -> Trainer:
@@ -258,13 +239,13 @@ class Trainer:
 
     def _write_status(self) -> None:
         self.control.write_status(self.metrics, self.config.iterations, self.alloc, self.missing_stages,
-                                  sorted(self.roster.starting | set(self.roster.ready)), self._refining is not None)
+                                  sorted(self.roster.starting | set(self.roster.ready)), self.refining.searching)
 
     # -- re-planning and moving weights ----------------------------------------------------------
     def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
                 joined: list[str] = (), why: str = "") -> None:
-        """A new plan for the live nodes; nodes whose stage changes get its weights and optimizer
-        state (``_move_weights``)."""
+        """A new plan for the live nodes (``planner.replan_or_hold``); nodes whose stage changes get its
+        weights and optimizer state (``_move_weights``). NodeFailed when no plan can be made."""
         failed = dict(failed or {})
         t0 = time.perf_counter()
         joined_nodes = [self.roster.universe[n] for n in joined]
@@ -272,7 +253,15 @@ class Trainer:
         if lost and not self.recovery.skip_lost(lost, self.replicas):
             raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
                              "(it holds the embedding, head and loss)")
-        new_plan, net = self._plan_around(failed, slowed, joined_nodes)
+        cfg = self.config
+        try:
+            new_plan, net = replan_or_hold(
+                self.plan, self.net, self.spec, failed=list(failed), slowed_by=slowed, joined=joined_nodes,
+                missing=bool(self.missing_stages), dropped=self.recovery.dropped, skip=self.prepared.plan.skip,
+                budget_s=cfg.replan_budget, seed=cfg.seed, sync_bytes=self.prepared.plan_sync_bytes,
+                max_evals=cfg.replan_evals or None)
+        except PlanError as exc:
+            raise NodeFailed(f"training cannot go on: {exc}") from None
         prediction = self._predict(new_plan, net)
         self.net = net
         self._use_plan(new_plan, prediction)
@@ -283,33 +272,6 @@ class Trainer:
                     path_evaluations=new_plan.stats.get("path_evaluations"),
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
-
-    def _plan_around(self, failed: dict[str, str], slowed: dict[str, float] | None,
-                     joined: list) -> tuple[Plan, Network]:
-        """The plan and network without ``failed``, with ``slowed`` nodes' measured speed and the
-        ``joined`` nodes: ``planner.replan`` while every stage is held, else (or when it fails) the
-        held stages' plan with paths that skip the others (``planner.plan_held``)."""
-        cfg, prep = self.config, self.prepared
-        gone = [n for n in failed if n in self.net.names]
-        if not self.missing_stages and not self.recovery.dropped:
-            try:
-                return replan(self.plan, self.net, self.spec, failed=gone, slowed_by=slowed, joined=joined,
-                              budget_s=cfg.replan_budget, seed=cfg.seed, sync_bytes=prep.plan_sync_bytes,
-                              max_evals=cfg.replan_evals or None)
-            except PlanError as exc:
-                log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
-        net = self.net.without(gone)
-        if slowed:
-            net = slowed_network(net, slowed)
-        if joined:
-            net = net.with_nodes(list(net.nodes) + joined)
-        alloc = {n: s for n, s in self.alloc.items() if n not in failed}
-        try:
-            alloc = place_joining(self.plan, alloc, joined, self.spec, exclude=self.recovery.dropped)
-            return plan_held(net, self.spec, alloc, cfg.stages, prep.plan.skip, len(self.plan.paths),
-                             budget_s=cfg.replan_budget, seed=cfg.seed, max_evals=cfg.replan_evals or None), net
-        except PlanError as exc:
-            raise NodeFailed(f"training cannot go on: {exc}") from None
 
     def _move_weights(self) -> tuple[dict[str, int], dict[int, str]]:
         """Nodes whose stage in the plan in use is not the one they hold load it: from a live process
@@ -339,51 +301,36 @@ class Trainer:
         if not names:
             return names
         self.roster.kill(names)
-        deadline = time.monotonic() + timeout
-        while any(n in self.roster.inboxes for n in names):
-            if time.monotonic() > deadline:
-                raise NodeFailed(f"killed stage {stage} ({', '.join(names)}) but not declared dead in {timeout:g} s")
-            try:
-                self.roster.check(force=True)
-            except NodesLost:
-                pass
-            time.sleep(0.05)
+        try:
+            self.roster.wait_declared_dead(names, timeout)
+        except NodeFailed as exc:
+            raise NodeFailed(f"killed stage {stage}, but {exc}") from None
         self._replan(failed=self.roster.take_lost(), why="failure")
         return names
 
     def _start_refining(self) -> None:
         """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
         refinement still running for an earlier re-plan is stopped."""
-        self._stop_refining()
+        self.refining.cancel()
         cfg = self.config
         if cfg.refine_budget <= 0 or cfg.schedule != "skippipe" or self.missing_stages:
             return
         try:
-            self._refining = BackgroundPlan(self.net, self.spec, cfg.stages, self.prepared.plan.skip,
-                                            len(self.plan.paths), budget_s=cfg.refine_budget, seed=cfg.seed,
-                                            sync_bytes=self.prepared.plan_sync_bytes,
-                                            max_evals=cfg.planner_evals or None)
+            self.refining.start(self.net, self.spec, cfg.stages, self.prepared.plan.skip, len(self.plan.paths))
         except Exception as exc:  # no process or no temporary file: training goes on with the re-plan
             log.warning("could not start refining the plan, the plan in use stays: %s", exc)
             self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
 
-    def _stop_refining(self) -> None:
-        if self._refining is not None:
-            self._refining.cancel()
-            self._refining = None
-
     def _take_refined(self) -> None:
         """At an iteration boundary: the background plan replaces the plan in use if it is done and
         faster by ``REFINE_GAIN``."""
-        job = self._refining
-        if job is None or not job.done():
-            return
-        self._refining = None
         try:
-            new_plan = job.result()
+            new_plan = self.refining.take()
         except (PlanError, RuntimeError) as exc:
             log.warning("refining the plan failed, the plan in use stays: %s", exc)
             self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
+            return
+        if new_plan is None:
             return
         # judged as the planner judged it: the whole iteration (refining runs for skippipe, whose plan
         # was searched with the replicas' gradient bytes)
@@ -408,14 +355,6 @@ class Trainer:
         self.progress({**rec, "event": "fault", "kind": kind})
 
     # -- one iteration -----------------------------------------------------------------------
-    def lr_at(self, it: int) -> float:
-        """The schedule's learning rate at iteration ``it``: linear warm-up, then cosine to ``min_lr``."""
-        c = self.config
-        if it < c.warmup:
-            return c.lr * (it + 1) / c.warmup
-        frac = (it - c.warmup) / max(1, c.iterations - c.warmup)
-        return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
-
     def throttle(self, name: str, factor: float) -> None:
         """Fault injection for tests and benchmarks: node ``name`` computes ``factor`` times slower."""
         self.roster.put(name, m.Throttle(factor))
@@ -442,7 +381,7 @@ class Trainer:
         rnd, losses, norm, attempts, t_compute, lost_s = self._microbatch_phase(it, batches)
         cfg = self.config
         coef = min(1.0, cfg.clip / (norm + 1e-6)) if cfg.clip > 0 else 1.0
-        lr = self.lr_at(it)
+        lr = cfg.lr_at(it)
         stats = self.step(rnd, coef, lr)
         seconds = time.perf_counter() - t_start
         self._train_s += seconds
@@ -610,22 +549,14 @@ class Trainer:
         every node: name -> (stage, {parameter name: tensor}) (``Weights.stage_states``)."""
         return self.weights.stage_states(self.alloc, all_replicas=all_replicas, grads=grads)
 
-    @torch.no_grad()
     def evaluate(self, it: int) -> dict:
         """Validation loss and perplexity of the whole model (one replica of each stage, merged), on
         the coordinator's device; and the loss with half of the stages after 0 dropped
         (``evaluate.half_of_the_stages``)."""
         cfg = self.config
-        device = torch.device(pick_device(cfg.device))
-        model = self.weights.full_model(self.alloc).to(device).eval()
+        model = self.weights.full_model(self.alloc).to(torch.device(pick_device(cfg.device)))
         # stages skipped for good are left out of the model evaluated, as the paths leave them out
-        skipped = self.recovery.dropped
-        val = validation_loss(model, self._val, kept_layers(model, cfg.stages, skipped) if skipped else None,
-                              bf16=cfg.bf16)
-        drop = half_of_the_stages(cfg.stages)
-        dropped = validation_loss(model, self._val, kept_layers(model, cfg.stages, drop), bf16=cfg.bf16)
-        rec = {"iteration": it, "val_loss": val, "perplexity": perplexity(val),
-               "val_loss_half_stages_dropped": dropped, "dropped_stages": drop,
+        rec = {"iteration": it, **evaluate_model(model, self._val, cfg.stages, self.recovery.dropped, cfg.bf16),
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
         self.control.record(EVALUATIONS, rec)
