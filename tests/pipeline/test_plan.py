@@ -3,7 +3,7 @@
 from roving.pipeline import ModelSpec, validate
 from helpers_pipeline import small_network
 
-MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 
 
 def _hand_plan(stages=5, skip=0.0):

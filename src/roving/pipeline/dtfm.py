@@ -43,8 +43,8 @@ class DtfmAllocation:
 
 
 def stage_param_bytes(model: ModelSpec, stages: int) -> list[float]:
-    """Gradient bytes each stage all-reduces: about 12 x hidden^2 parameters per transformer layer."""
-    return [12.0 * model.hidden ** 2 * n * model.bytes_per_activation for n in stage_layers(model, stages)]
+    """Gradient bytes each stage all-reduces: about 12 x dim^2 parameters per transformer layer."""
+    return [12.0 * model.dim ** 2 * n * model.bytes_per_activation for n in stage_layers(model, stages)]
 
 
 class _Costs:
