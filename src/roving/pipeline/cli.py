@@ -62,7 +62,9 @@ def add_pipeline_parser(subparsers) -> None:
 
 
 def add_train_parser(sub) -> None:
-    """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields."""
+    """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields.
+    Longer than 60 lines: a declaration, one ``add_argument`` per flag in ``--help``'s order; split up,
+    the flags of one command would be read in several places."""
     t = sub.add_parser("train", help="train a LLaMA-style model by skip-pipelining across roving processes")
     t.add_argument("--config", default=None,
                    help="TOML run file: [model], [data], [plan], [optim], [faults], [checkpoint] and [run] tables "
@@ -350,26 +352,10 @@ def _show_progress(total: int):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """`roving pipeline plan`: plan, judge the baselines on the same network, optionally re-plan
+    without failed nodes; write the JSON, print the iteration times, draw the Gantt chart."""
     try:
-        check_output(args.json_out, "--json")
-        if args.gantt:
-            check_output(args.gantt, "--gantt")
-        nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
-        if isinstance(nodes, str) and not Path(nodes).is_file():
-            raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
-        if args.memory_microbatches is not None:
-            net = build_network(args.network, nodes, memory=args.memory_microbatches)
-        else:
-            mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
-            net = build_network(args.network, nodes, memory_mb=mb)
-        model = model_preset(args.model)
-        m = args.microbatches or 2 * len(net.nodes)
-        failed = [f for f in args.fail.split(",") if f]
-        for f in failed:
-            net.node(f)
-        if args.evals is not None and args.evals < 1:
-            raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
-        check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
+        net, model, m, failed = _plan_inputs(args)
         bound = f"{args.evals:,} simulations, at most {args.budget:g} s" if args.evals else f"{args.budget:g} s"
         _note(f"planning {m} microbatches on {len(net.nodes)} nodes, {args.stages} stages, skip {args.skip:g} "
               f"({bound})" + (f"; then again without {','.join(failed)}" if failed else ""))
@@ -377,20 +363,6 @@ def run_plan(args: argparse.Namespace) -> int:
         best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
                     max_evals=args.evals, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
-        base_budget = args.budget / 2
-        base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
-                      else f"{base_budget:g} s")
-        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
-              f"full_pipeline_planned (this planner with skip 0), random_skip")
-        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
-                             max_evals=args.evals)
-        if full.stats["capped"]:
-            _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
-                  f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
-                  "another machine (raise --budget)")
-        planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
-                       max_evals=args.evals)
-        rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
         out = {
             "network": net.name,
             "model": args.model,
@@ -402,13 +374,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       for n in net.nodes],
             "microbatches": m,
             **best.to_dict(),
-            # None: the baseline put a stage on a node whose memory cannot hold it (DT-FM ignores memory)
-            "iteration_time_s": {
-                "skippipe": best.predicted_s,
-                "full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
-                "full_pipeline_planned": planned.predicted_s,
-                "random_skip": rand.predicted_s,
-            },
+            "iteration_time_s": {"skippipe": best.predicted_s, **_baseline_times(args, net, model, m, best)},
             "planner_seconds": planner_s,
         }
         shown, shown_net = best, net
@@ -421,6 +387,59 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     Path(args.json_out).write_text(json.dumps(out, indent=1))
+    _print_times(out, planner_s, failed)
+    if args.gantt:
+        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
+        print(f"timeline drawn to {args.gantt}")
+    return 0
+
+
+def _plan_inputs(args: argparse.Namespace) -> tuple:
+    """`pipeline plan`'s network, model, microbatches and failed nodes, checked (PlanError otherwise)."""
+    check_output(args.json_out, "--json")
+    if args.gantt:
+        check_output(args.gantt, "--gantt")
+    nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
+    if isinstance(nodes, str) and not Path(nodes).is_file():
+        raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
+    if args.memory_microbatches is not None:
+        net = build_network(args.network, nodes, memory=args.memory_microbatches)
+    else:
+        mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
+        net = build_network(args.network, nodes, memory_mb=mb)
+    model = model_preset(args.model)
+    m = args.microbatches or 2 * len(net.nodes)
+    failed = [f for f in args.fail.split(",") if f]
+    for f in failed:
+        net.node(f)
+    if args.evals is not None and args.evals < 1:
+        raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
+    check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
+    return net, model, m, failed
+
+
+def _baseline_times(args: argparse.Namespace, net, model, m: int, best) -> dict:
+    """The baselines' predicted iteration times on ``net`` (None: the baseline put a stage on a node
+    whose memory cannot hold it; DT-FM ignores memory), each with half of ``--budget``."""
+    base_budget = args.budget / 2
+    base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
+                  else f"{base_budget:g} s")
+    _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
+          f"full_pipeline_planned (this planner with skip 0), random_skip")
+    full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
+                         max_evals=args.evals)
+    if full.stats["capped"]:
+        _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
+              f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
+              "another machine (raise --budget)")
+    planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
+                   max_evals=args.evals)
+    rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
+    return {"full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
+            "full_pipeline_planned": planned.predicted_s, "random_skip": rand.predicted_s}
+
+
+def _print_times(out: dict, planner_s: float, failed: list[str]) -> None:
     times = out["iteration_time_s"]
     for k, v in times.items():
         if v is None:
@@ -433,10 +452,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if failed:
         print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "
               f"(re-planned in {out['replan']['planner_seconds']:.2f} s)")
-    if args.gantt:
-        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
-        print(f"timeline drawn to {args.gantt}")
-    return 0
 
 
 def _note(text: str) -> None:

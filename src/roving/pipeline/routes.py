@@ -99,45 +99,7 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         forced = [s for s in range(1, s_count) if quotas[s] == remaining]
         allowed = [s for s in range(1, s_count) if quotas[s] > 0]
         press = {s: mean_w * (1 - quotas[s] / remaining) for s in allowed}
-        # dp[(count, node)] = (cost, previous key)
-        dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
-        by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        for s in allowed:
-            lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
-            for n in ctx.replicas[s]:
-                here = node_cost(n) + press[s]
-                for c in range(1, visits + 1):
-                    best = None
-                    if c == 1 and lo == 0:
-                        best = (edge(origin, n) + here, None)
-                    else:
-                        for ps in range(max(lo, 1), s):
-                            for key in by_stage.get(ps, ()):
-                                if key[0] != c - 1 or key not in dp:
-                                    continue
-                                v = dp[key][0] + edge(key[1], n) + here
-                                if best is None or v < best[0]:
-                                    best = (v, key)
-                    if best is not None:
-                        dp[(c, n)] = best
-                        by_stage[s].append((c, n))
-        last_forced = max(forced, default=0)
-        end = None
-        for s in allowed:
-            if s < last_forced:
-                continue
-            for key in by_stage.get(s, ()):
-                if key[0] == visits:
-                    v = dp[key][0] + edge(key[1], origin)
-                    if end is None or v < end[0]:
-                        end = (v, key)
-        assert end is not None, "quotas always leave a feasible stage set"
-        nodes: list[str] = []
-        key = end[1]
-        while key is not None:
-            nodes.append(key[1])
-            key = dp[key][1]
-        nodes.reverse()
+        nodes = _cheapest_visits(ctx, origin, visits, forced, allowed, press, edge, node_cost)
         if allow_swaps:
             nodes = _improve_by_swaps(nodes, origin, edge, ctx.allocation)
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
@@ -151,6 +113,54 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
             link_load[b, a] += cost[b, a]
         paths.append(Route(origin, tuple(nodes), stages_seq))
     return paths
+
+
+def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[int], allowed: list[int],
+                     press: dict[int, float], edge: Callable[[str, str], float],
+                     node_cost: Callable[[str], float]) -> list[str]:
+    """``build_routes``' dynamic program for one microbatch from ``origin``: the ``visits`` nodes, in
+    increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
+    the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
+    # dp[(count, node)] = (cost, previous key)
+    dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
+    by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for s in allowed:
+        lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
+        for n in ctx.replicas[s]:
+            here = node_cost(n) + press[s]
+            for c in range(1, visits + 1):
+                best = None
+                if c == 1 and lo == 0:
+                    best = (edge(origin, n) + here, None)
+                else:
+                    for ps in range(max(lo, 1), s):
+                        for key in by_stage.get(ps, ()):
+                            if key[0] != c - 1 or key not in dp:
+                                continue
+                            v = dp[key][0] + edge(key[1], n) + here
+                            if best is None or v < best[0]:
+                                best = (v, key)
+                if best is not None:
+                    dp[(c, n)] = best
+                    by_stage[s].append((c, n))
+    last_forced = max(forced, default=0)
+    end = None
+    for s in allowed:
+        if s < last_forced:
+            continue
+        for key in by_stage.get(s, ()):
+            if key[0] == visits:
+                v = dp[key][0] + edge(key[1], origin)
+                if end is None or v < end[0]:
+                    end = (v, key)
+    assert end is not None, "quotas always leave a feasible stage set"
+    nodes: list[str] = []
+    key = end[1]
+    while key is not None:
+        nodes.append(key[1])
+        key = dp[key][1]
+    nodes.reverse()
+    return nodes
 
 
 def _tour_cost(origin: str, nodes: Sequence[str], edge) -> float:
