@@ -236,51 +236,12 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
     cur_score, cur_tail = _judged(ctx, cur, prio, skip)
     best, best_prio, best_score = list(cur), list(prio), cur_score
     evals = 0
-    alloc = ctx.allocation
-    zeros = ctx.replicas[0]
     n_mb = len(cur)
     while time.perf_counter() < deadline and n_mb and (max_evals is None or evals < max_evals):
-        cand, cand_prio = list(cur), prio
-        mb = rng.randrange(n_mb)
-        p = cand[mb]
-        move = rng.random()
-        if move < 0.35:
-            i = rng.randrange(len(p.nodes))
-            reps = ctx.replicas[p.stages[i]]
-            if len(reps) < 2:
-                continue
-            nodes = list(p.nodes)
-            nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
-            cand[mb] = Route(p.origin, tuple(nodes), p.stages)
-        elif move < 0.5:
-            if len(zeros) < 2:
-                continue
-            cand[mb] = Route(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
-        elif move < 0.75:
-            skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
-            if not skipped:
-                continue
-            s_out, s_in = rng.choice(p.stages), rng.choice(skipped)
-            partners = [j for j, q in enumerate(cand) if s_in in q.stages and s_out not in q.stages]
-            if not partners:
-                continue
-            j = rng.choice(partners)
-            cand[mb] = _exchange(ctx, p, s_out, s_in, rng)
-            cand[j] = _exchange(ctx, cand[j], s_in, s_out, rng)
-        elif move < 0.85:
-            if not allow_swaps or len(p.nodes) < 2:
-                continue
-            i = rng.randrange(len(p.nodes) - 1)
-            nodes = list(p.nodes)
-            nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
-            stages_seq = tuple(alloc[n] for n in nodes)
-            if inversions(stages_seq) > MAX_SWAPS:
-                continue
-            cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
-        else:
-            cand_prio = list(prio)
-            i, j = rng.randrange(n_mb), rng.randrange(n_mb)
-            cand_prio[i], cand_prio[j] = cand_prio[j], cand_prio[i]
+        proposed = _propose(ctx, list(cur), prio, rng.randrange(n_mb), rng, allow_swaps)
+        if proposed is None:
+            continue
+        cand, cand_prio = proposed
         score, tail = _judged(ctx, cand, cand_prio, skip)
         evals += 1
         if _accepts(score, tail, cur_score, cur_tail):
@@ -290,6 +251,54 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
                 if on_best is not None:
                     on_best(score)
     return best, best_prio, best_score, evals
+
+
+def _propose(ctx: SearchContext, cand: list[Route], prio: list[int], mb: int, rng: random.Random,
+             allow_swaps: bool) -> tuple[list[Route], list[int]] | None:
+    """One random move of ``improve_routes`` on microbatch ``mb`` of ``cand`` (a copy of the current
+    paths, changed in place) or on the priorities: (paths, priority), or None when the move drawn
+    cannot be made here."""
+    p = cand[mb]
+    zeros = ctx.replicas[0]
+    move = rng.random()
+    if move < 0.35:
+        i = rng.randrange(len(p.nodes))
+        reps = ctx.replicas[p.stages[i]]
+        if len(reps) < 2:
+            return None
+        nodes = list(p.nodes)
+        nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
+        cand[mb] = Route(p.origin, tuple(nodes), p.stages)
+    elif move < 0.5:
+        if len(zeros) < 2:
+            return None
+        cand[mb] = Route(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
+    elif move < 0.75:
+        skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
+        if not skipped:
+            return None
+        s_out, s_in = rng.choice(p.stages), rng.choice(skipped)
+        partners = [j for j, q in enumerate(cand) if s_in in q.stages and s_out not in q.stages]
+        if not partners:
+            return None
+        j = rng.choice(partners)
+        cand[mb] = _exchange(ctx, p, s_out, s_in, rng)
+        cand[j] = _exchange(ctx, cand[j], s_in, s_out, rng)
+    elif move < 0.85:
+        if not allow_swaps or len(p.nodes) < 2:
+            return None
+        i = rng.randrange(len(p.nodes) - 1)
+        nodes = list(p.nodes)
+        nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
+        stages_seq = tuple(ctx.allocation[n] for n in nodes)
+        if inversions(stages_seq) > MAX_SWAPS:
+            return None
+        cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
+    else:
+        prio, n = list(prio), len(cand)
+        i, j = rng.randrange(n), rng.randrange(n)
+        prio[i], prio[j] = prio[j], prio[i]
+    return cand, prio
 
 
 def _exchange(ctx: SearchContext, p: Route, s_out: int, s_in: int, rng: random.Random) -> Route:
