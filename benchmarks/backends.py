@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-import roving  # noqa: E402
+import roving
 
 
 def ping(q):
@@ -36,7 +36,8 @@ def main() -> None:
     args = ap.parse_args()
     from helpers_backends import OPTIONS
 
-    print("| backend | Process.start() → child running (median, min–max) | Pool(8) → all 8 workers ready (median, min–max) |")
+    print("| backend | Process.start() → child running (median, min–max) "
+          "| Pool(8) → all 8 workers ready (median, min–max) |")
     print("|---|---|---|")
     for name in args.backends.split(","):
         roving.init(backend=name, child_output="off", **OPTIONS[name])
@@ -55,7 +56,7 @@ def main() -> None:
             pools.append(time.monotonic() - t0)
             pool.terminate()
             pool.join(60)
-        fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"  # noqa: E731
+        fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"
         print(f"| {name} | {fmt(starts)} | {fmt(pools)} |", flush=True)
 
 

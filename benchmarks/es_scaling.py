@@ -293,7 +293,8 @@ def report_hosts(args: argparse.Namespace, frameworks: List[str], results: Dict[
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True,
                             timeout=30).stdout.strip() or "unknown"
     versions = f"ray {__import__('ray').__version__}" if "ray" in frameworks else "ray not installed"
-    machine = f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Python {platform.python_version()}"
+    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+               f"Python {platform.python_version()}")
     write_section(
         f"{HOSTS_SECTION}\n\nCommand: `python benchmarks/es_scaling.py {shlex.join(sys.argv[1:])}` — {machine}; "
         f"{versions}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {commit}; "
@@ -301,7 +302,8 @@ def report_hosts(args: argparse.Namespace, frameworks: List[str], results: Dict[
         f"{statistics.median(loads):.1f}, sampled after each setting (the machine is shared).\n\n"
         f"*roving*: the parent a program on the login host, its workers Slurm jobs of the multi-node cluster "
         f"on the three compute hosts (encrypted connections, as across hosts by default); *roving-local* (where "
-        f"run): roving's local backend, *multiprocessing* and *ray*: parent and workers on this machine. Median seconds per ES iteration ({2 * args.pairs} "
+        f"run): roving's local backend, *multiprocessing* and *ray*: parent and workers on this machine. "
+        f"Median seconds per ES iteration ({2 * args.pairs} "
         f"Pendulum-v1 episodes of {steps} steps; {args.repeats} run(s) of {args.iterations} iterations per "
         f"setting, the first of each left out, timed once every worker had answered), each pool with its "
         f"default chunk size. Plot: `benchmarks/{Path(args.plot).name}`.\n\n{text}\n\n{MARKER}",
@@ -358,7 +360,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     placements: Dict[tuple, dict] = {}  # (framework, workers): wait_for_workers's answer, the last run's
     loads = [os.getloadavg()[0]]
     started = time.time()
-    for repeat in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all alike
+    for _repeat in range(args.repeats):  # interleaved, so that a burst of load elsewhere hits all alike
         for w in args.workers:
             for f in frameworks:
                 where, placement = "", {}
@@ -381,7 +383,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.hosts:
         report_hosts(args, frameworks, results, best, placements, loads, time.time() - started)
         return
-    machine = f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), Python {platform.python_version()}"
+    machine = (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), "
+               f"Python {platform.python_version()}")
     title = f"ES on Pendulum-v1, {2 * args.pairs} episodes/iteration, {os.cpu_count()} CPUs"
     plot(results, Path(args.plot), title)
     text = (table(results, args.workers) + "\n\nFastest iteration (least disturbed by other load):\n\n"

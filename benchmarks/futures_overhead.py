@@ -22,7 +22,6 @@ import sys
 import time
 from typing import Any, Callable, Dict, List
 
-import roving
 from roving.futures import Executor
 
 WORKERS = 5
@@ -153,7 +152,7 @@ JOBLIB_TESTS: Dict[str, Callable[[str], float]] = {
 
 
 def measure_joblib(backends: List[str], repeat: int) -> Dict[str, Dict[str, float]]:
-    import roving.joblib  # noqa: F401  (registers "roving")
+    import roving.joblib
 
     for backend in backends:  # workers up (both backends keep theirs between calls)
         _parallel_noops(backend)

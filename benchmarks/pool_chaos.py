@@ -26,7 +26,7 @@ from roving.pool import _dispatch
 from roving.transport import session as _session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers_net import CuttingProxy, NodeVia  # noqa: E402 (the forwarder the transport's tests cut with)
+from helpers_net import CuttingProxy, NodeVia
 
 
 def task(x: int, seconds: float) -> int:
@@ -116,7 +116,8 @@ def main(argv: Any = None) -> None:
     print(f"| {args.tasks} x {args.task_ms:g} ms on {args.workers} workers (ideal {ideal:.1f} s) | "
           f"no kills s | a kill every {args.kill_every:g} s: s | workers killed | results | ratio (<= 1.3) |")
     print("|---|---|---|---|---|---|")
-    print(f"| roving.Pool.starmap(chunksize={args.chunksize}) | {calm:.2f} | {chaos:.2f} | {kills} | all correct, in order "
+    print(f"| roving.Pool.starmap(chunksize={args.chunksize}) | {calm:.2f} | {chaos:.2f} | {kills} "
+          f"| all correct, in order "
           f"| {chaos / calm:.2f} |")
     if args.cut_every:
         cut_s, cuts = run(args.tasks, args.workers, seconds, 0, args.chunksize, args.cut_every)

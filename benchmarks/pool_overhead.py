@@ -303,7 +303,8 @@ def main(argv: Any = None) -> None:
     for name in TESTS:
         row = [f"{figures[p][name]:.3f}" for p in peers]
         top = "roving+dashboard" if with_dash else "roving"
-        ratio = (f"{figures[top][name] / figures[base][name]:.{3 if with_dash else 2}f}" if {top, base} <= set(figures) else "")
+        ratio = (f"{figures[top][name] / figures[base][name]:.{3 if with_dash else 2}f}"
+                 if {top, base} <= set(figures) else "")
         print(f"| {name} | {' | '.join(row)} | {ratio} |")
 
 

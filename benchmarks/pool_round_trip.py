@@ -93,7 +93,7 @@ def main() -> None:
                 got[name]["rt"].append(round_trip_us(pool))
                 got[name]["rounds"].append(rounds_s(pool))
     finally:
-        for name, pool in pools.items():
+        for _name, pool in pools.items():
             if isinstance(pool, cf.Executor):
                 pool.shutdown()
             else:

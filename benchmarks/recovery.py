@@ -3,7 +3,8 @@
 stages per scaled hour; validation loss against iterations (measured) and against modelled time.
 
 Each run trains the tiny model (6 layers of width 64, 3 stages on 3 nodes: no replica, CheckFree's
-setting, so a failed node is a lost stage) on the corpus that ships with roving, on local processes. Failures come from ``[faults] fail_rate`` with
+setting, so a failed node is a lost stage) on the corpus that ships with roving, on local processes. Failures
+come from ``[faults] fail_rate`` with
 ``fail_hour_iterations`` iterations as the scaled hour: at an iteration's start every replica of the
 stage is killed with -9 (``Trainer.kill_stage``), the killed node is started again and joins at once
 (``Trainer.join``), and takes the stage over as the policy says (under ``skip`` the stage is gone for
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -168,8 +168,8 @@ def loss_at_time(curve: list[dict], seconds: float) -> float:
 
 def table(runs: list[dict], rates: list[float], seeds: list[int]) -> str:
     clean = {r["seed"]: r for r in runs if r["policy"] == "no failures"}
-    lines = ["| rate per stage per hour | policy | failures per run | final val loss (mean ± sd) | "
-             "vs no failures (mean of per-seed ratios) | modelled s at the end | val loss at no-failure's end time |",
+    lines = [("| rate per stage per hour | policy | failures per run | final val loss (mean ± sd) | "
+              "vs no failures (mean of per-seed ratios) | modelled s at the end | val loss at no-failure's end time |"),
              "|---|---|---|---|---|---|---|"]
     end_time = {s: clean[s]["curve"][-1]["modelled_s"] for s in seeds}
     finals = [clean[s]["curve"][-1]["val_loss"] for s in seeds]

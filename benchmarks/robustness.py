@@ -198,7 +198,8 @@ def failure_table(clean: dict, failed: dict) -> str:
     rows.append("")
     rows.append(f"- work thrown away (the aborted attempt of iteration {failed['kill_at']}): {lost_work:.3f} s = "
                 f"{lost_work / mean_c:.2f} of an undisturbed iteration ({mean_c:.3f} s); that iteration took "
-                f"{hit['seconds']:.3f} s ({extra:+.3f} s, re-planning and re-running included), attempts: {hit['attempts']}")
+                f"{hit['seconds']:.3f} s ({extra:+.3f} s, re-planning and re-running included), "
+                f"attempts: {hit['attempts']}")
     rows.append(f"- training seconds in all: {total_f - total_c:+.1f} s against the undisturbed run "
                 f"({(total_f - total_c) / mean_c:+.1f} iterations' worth)")
     common = sorted(set(ev_c) & set(ev_f))
@@ -272,8 +273,8 @@ def refine_table(runs: dict[str, dict]) -> str:
 
     taken = [first(m, "refine") for m in runs.values()]
     start = 1 + max((e["iteration"] for e in taken if e), default=max(m["kill_at"] for m in runs.values()))
-    rows = ["| run | predicted phase s before | after the re-plan | after refining | refined plan taken in iteration "
-            f"| mean iteration s, iterations {start + 1}-end | mean microbatch phase s, same |",
+    rows = [("| run | predicted phase s before | after the re-plan | after refining | refined plan taken in iteration "
+             f"| mean iteration s, iterations {start + 1}-end | mean microbatch phase s, same |"),
             "|---|---|---|---|---|---|---|"]
     for name, m in runs.items():
         rp, rf = last(m, "replan"), first(m, "refine")

@@ -7,7 +7,8 @@ Per repeat and mode: "submitted" is the time from ``Pool(N)`` until it returns, 
 accepted every worker (the pool's first upkeep round submits them all); "sbatch calls" counts the
 submissions (distinct array/job ids of the pool's workers); "K running" the time until squeue lists K of
 them RUNNING (the cluster's side of start-up); "K connected" the time until K workers have connected to
-the pool (their Python interpreters started, which on a 2-core machine is most of it), K = min(N, the CPUs Slurm offers): each worker asks for 1 CPU, so at most that many
+the pool (their Python interpreters started, which on a 2-core machine is most of it), K = min(N, the CPUs
+Slurm offers): each worker asks for 1 CPU, so at most that many
 run at once. Slurm must be running (bash scripts/cluster/slurm.sh); the queue should be otherwise idle.
 """
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main() -> None:
             print(f"  slurm_array={array}: submitted {r['submitted']:.2f} s, {k} running {r['running']:.2f} s, "
                   f"{k} connected {r['ready']:.2f} s, "
                   f"{r['calls']} submission(s)", flush=True)
-    fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"  # noqa: E731
+    fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"
     print(f"\nPool({args.workers}) on Slurm, {args.repeat} repeats, median (min–max)")
     print(f"| mode | sbatch calls | Pool({args.workers}) returns: all submitted | {k} running (squeue) | "
           f"{k} workers connected |")
@@ -94,7 +95,7 @@ def main() -> None:
         print(f"| {label} | {xs[0]['calls']} | {fmt([x['submitted'] for x in xs])} | "
               f"{fmt([x['running'] for x in xs])} | {fmt([x['ready'] for x in xs])} |")
     sub = statistics.median(x["submitted"] for x in rows[False]) / statistics.median(x["submitted"] for x in rows[True])
-    med = lambda key, array: statistics.median(x[key] for x in rows[array])  # noqa: E731
+    med = lambda key, array: statistics.median(x[key] for x in rows[array])
     print(f"\narrays faster (ratio of medians): submission {sub:.1f}x, until {k} running "
           f"{med('running', False) / med('running', True):.1f}x, until {k} connected "
           f"{med('ready', False) / med('ready', True):.1f}x")

@@ -5,7 +5,8 @@
 Per repeat: "returns" is the time until ``Pool(N)`` returns (the first upkeep round started every worker),
 "steps" the job steps of this allocation ``squeue --steps`` listed while the pool started that were not
 there before it (not counting the batch, extern and interactive steps), "srun processes" the srun
-processes this program had running after all N connected, "connected" the time until all N workers have connected. Run it with the code to
+processes this program had running after all N connected, "connected" the time until all N workers have
+connected. Run it with the code to
 compare on PYTHONPATH (one step of N tasks since this benchmark was added; one srun per worker before).
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def main() -> None:
         r = rows[-1]
         print(f"  returns {r['returned']:.2f} s, {args.workers} connected {r['ready']:.2f} s, "
               f"{r['steps']} step(s), {r['sruns']} srun process(es)", flush=True)
-    fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"  # noqa: E731
+    fmt = lambda xs: f"{statistics.median(xs):.2f} s ({min(xs):.2f}–{max(xs):.2f})"
     print(f"\nPool({args.workers}) inside allocation {os.environ['SLURM_JOB_ID']}, {args.repeat} repeats, "
           f"median (min–max); roving from {os.path.dirname(roving.__file__)}")
     print(f"| steps | srun processes | Pool({args.workers}) returns | {args.workers} connected |")

@@ -73,7 +73,8 @@ def one_run(name: str, prep, out: Path) -> dict:
     metrics["predicted_with_measured_compute_s"] = simulate(net, prep.spec, prep.plan, record=False).makespan
     metrics["measured_seconds_per_sample_layer"] = speed
     metrics["visits_per_microbatch"] = len(prep.plan.paths[0].stages)
-    (out / f"train_{name.split()[0].lower()}_{RUNS[name].get('skip', 0)}.json").write_text(json.dumps(metrics, indent=1))
+    path = out / f"train_{name.split()[0].lower()}_{RUNS[name].get('skip', 0)}.json"
+    path.write_text(json.dumps(metrics, indent=1))
     return metrics
 
 
@@ -94,9 +95,9 @@ def summary(results: dict[str, dict], iterations: int) -> str:
     def mean(m, key):
         return statistics.mean(r[key] for r in m["iterations"][1:])
 
-    rows = ["| run | visits | iteration s (whole) | predicted whole s | whole / predicted | microbatch phase s "
-            "| predicted phase s | phase / predicted | phase predicted with measured compute s "
-            "| whole vs full | phase vs full | final val loss | vs full |",
+    rows = [("| run | visits | iteration s (whole) | predicted whole s | whole / predicted | microbatch phase s "
+             "| predicted phase s | phase / predicted | phase predicted with measured compute s "
+             "| whole vs full | phase vs full | final val loss | vs full |"),
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, m in results.items():
         phase, whole = mean(m, "compute_seconds"), mean(m, "seconds")
@@ -125,7 +126,8 @@ def summary(results: dict[str, dict], iterations: int) -> str:
     rows.append("|---|---|---|---|---|")
     for name, m in results.items():
         e = m["evaluations"][-1]
-        rows.append(f"| {name} | {e['dropped_stages']} | {e['val_loss']:.4f} | {e['val_loss_half_stages_dropped']:.4f} | "
+        rows.append(f"| {name} | {e['dropped_stages']} | {e['val_loss']:.4f} "
+                    f"| {e['val_loss_half_stages_dropped']:.4f} | "
                     f"{100 * (math.exp(e['val_loss_half_stages_dropped'] - e['val_loss']) - 1):+.1f}% |")
     return "\n".join(rows)
 

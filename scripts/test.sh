@@ -12,7 +12,7 @@ if ! command -v slurmctld >/dev/null || ! command -v dockerd >/dev/null || ! dpk
 fi
 export SETUP_APT_UPDATED=1
 bash scripts/install.sh
-bash scripts/cluster/slurm.sh
-bash scripts/cluster/hosts.sh
-bash scripts/cluster/docker.sh
+bash scripts/lint.sh  # ruff and mypy (their rules: pyproject.toml), before anything starts
+# slurm.sh, hosts.sh and docker.sh, each run from nothing and then once more (the first-run path, checked)
+bash scripts/check-first-run.sh
 python3 -m pytest -q -p no:cacheprovider tests

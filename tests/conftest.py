@@ -2,8 +2,8 @@
 
 * tests/support/ is put on sys.path, so that children (which take on the parent's sys.path) can import
   ``helpers_targets`` by reference.
-* Every test starts from the configuration of the environment (no ``roving.init`` leaks between tests), and any child a test
-  leaves running is killed afterwards, so that a failing test cannot leave processes behind.
+* Every test starts from the configuration of the environment (no ``roving.init`` leaks between tests), and
+  any child a test leaves running is killed afterwards, so that a failing test cannot leave processes behind.
 * The test process's own roving threads are watched (helpers_watchdog): should one stop, the suite
   stops at once and says after which test, instead of failing every later test by timeout.
 """

@@ -10,6 +10,25 @@
 . "$(dirname "${BASH_SOURCE[0]}")/../fail-loudly.sh"
 IMAGE=${SETUP_TEST_IMAGE:-roving-test:latest}
 LOG=/var/log/roving-dockerd.log
+# shellcheck source=hosts.env
+. "$(dirname "$0")/hosts.env"
+
+if [ "${1:-}" = --down ]; then
+    # the test network and image removed, the engine stopped (its own containerd with it): what a fresh
+    # machine has once docker.io is installed
+    if timeout 10 docker info >/dev/null 2>&1; then
+        docker network rm "$DOCKER_TEST_NETWORK" >/dev/null 2>&1 || true
+        docker image rm -f "$IMAGE" >/dev/null 2>&1 || true
+    fi
+    pkill -x dockerd || true
+    for _ in $(seq 300); do
+        pgrep -x dockerd >/dev/null || pgrep -f /var/run/docker/containerd/ >/dev/null || break
+        sleep 0.1
+    done
+    ! pgrep -x dockerd >/dev/null || { echo "docker: dockerd still running after 30 s" >&2; exit 1; }
+    echo "docker: down (engine stopped; network $DOCKER_TEST_NETWORK and image $IMAGE removed)"
+    exit 0
+fi
 
 if ! command -v dockerd >/dev/null; then
     [ -n "${SETUP_APT_UPDATED:-}" ] || apt-get update -q
@@ -41,8 +60,6 @@ fi
 # A user-defined bridge network (names in hosts.env) for the tests of containers with their own addresses
 # (the `docker_network` option): each container gets an address in $DOCKER_TEST_SUBNET and reaches this
 # machine at the gateway, $DOCKER_TEST_GATEWAY, which Docker puts on the bridge $DOCKER_TEST_BRIDGE.
-# shellcheck source=hosts.env
-. "$(dirname "$0")/hosts.env"
 subnet=$(docker network inspect -f '{{range .IPAM.Config}}{{.Subnet}} {{.Gateway}}{{end}}' "$DOCKER_TEST_NETWORK" \
     2>/dev/null || true)
 if [ "$subnet" != "$DOCKER_TEST_SUBNET $DOCKER_TEST_GATEWAY" ]; then

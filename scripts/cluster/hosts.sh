@@ -3,6 +3,7 @@
 #
 #   bash scripts/cluster/hosts.sh            # make or mend every host, start what is missing
 #   bash scripts/cluster/hosts.sh rv-h2 ...  # mend only these hosts (tests/support/helpers_hosts.py revive())
+#   bash scripts/cluster/hosts.sh --down     # take every host down: the machine as it was before the first run
 #
 # Needs root. Names, addresses and paths come from hosts.env (tests/support/helpers_hosts.py reads the same file).
 #
@@ -36,12 +37,49 @@ HEAD_NAME=${HOSTS_HEAD%%:*}
 HEAD_ADDR=${HOSTS_HEAD##*:}
 COMPUTE=${HOSTS_COMPUTE//,/ }
 ALL="$HOSTS_HEAD $COMPUTE $HOSTS_LOGIN"
+DOWN=0
+if [ "${1:-}" = --down ]; then DOWN=1; shift; fi
 ONLY=" $* "
 
 fail() { echo "hosts: $*" >&2; exit 1; }
 wanted() { [ "$ONLY" = "  " ] || [[ "$ONLY" == *" $1 "* ]]; }
 
 [ "$(id -u)" = 0 ] || fail "must run as root (it makes network namespaces, a bridge and veth pairs)"
+
+take_down() {
+    # Everything a run made goes: the processes in each host (its daemons, their jobs), the namespaces, the
+    # veth pairs, the bridge, the hosts' block in /etc/hosts, the multi-node Slurm's config and state.
+    local h name p pids
+    exec 9>/run/roving-hosts.lock
+    flock -w 180 9 || fail "another hosts.sh has held /run/roving-hosts.lock for 180 s"
+    for h in $ALL; do
+        name=${h%%:*}
+        pids=$(ip netns pids "$name" 2>/dev/null || true)
+        # shellcheck disable=SC2086
+        [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
+        for _ in $(seq 50); do
+            [ -z "$(ip netns pids "$name" 2>/dev/null || true)" ] && break
+            sleep 0.1
+        done
+        [ ! -e "/run/netns/$name" ] || ip netns del "$name"
+        ip link del "ve-$name" 2>/dev/null || true
+    done
+    ip link del "$HOSTS_BRIDGE" 2>/dev/null || true
+    local BEGIN="# roving test hosts (scripts/cluster/hosts.sh)" END="# end of roving test hosts" others
+    others=$(awk -v b="$BEGIN" -v e="$END" '$0 == b {on = 1} !on {print} $0 == e {on = 0}' /etc/hosts)
+    printf '%s\n' "$others" > /etc/hosts  # in place: /etc/hosts may be a mount point
+    rm -rf "$STATE" "$(dirname "$CONF")"
+    for h in $ALL; do
+        [ ! -e "/run/netns/${h%%:*}" ] || fail "the namespace ${h%%:*} is still there after ip netns del"
+    done
+    ! ip link show "$HOSTS_BRIDGE" >/dev/null 2>&1 || fail "the bridge $HOSTS_BRIDGE is still there"
+    echo "hosts: down ($ALL; the bridge $HOSTS_BRIDGE; $STATE; $(dirname "$CONF"))"
+}
+if [ "$DOWN" = 1 ]; then
+    [ "$ONLY" = "  " ] || fail "--down takes no host names: it takes every host down"
+    take_down
+    exit 0
+fi
 for name in $*; do
     [[ " $ALL " == *" $name:"* ]] || fail "no test host named '$name' (hosts.env: $ALL)"
 done

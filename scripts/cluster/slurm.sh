@@ -10,6 +10,19 @@ CONF=/etc/slurm/slurm.conf
 CPUS=${SETUP_SLURM_CPUS:-32}
 HOST=$(hostname -s)
 
+if [ "${1:-}" = --down ]; then
+    # the daemons of this network namespace (hosts.sh runs others in the test hosts'), the config, the state
+    pkill --ns $$ --nslist net -x 'slurmctld|slurmd' || true
+    for _ in $(seq 100); do
+        pgrep --ns $$ --nslist net -x 'slurmctld|slurmd' >/dev/null || break
+        sleep 0.1
+    done
+    ! pgrep --ns $$ --nslist net -x 'slurmctld|slurmd' >/dev/null || { echo "slurm: daemons still running" >&2; exit 1; }
+    rm -rf "$STATE" "$CONF"
+    echo "slurm: down (daemons stopped; $STATE and $CONF removed)"
+    exit 0
+fi
+
 ready() {
     timeout 5 sinfo -h -N -n "$HOST" -o '%t' 2>/dev/null | grep -Eq '^(idle|mix|alloc)'
 }

@@ -18,6 +18,7 @@ from .context import (Context, get_all_start_methods, get_context, get_start_met
                       set_start_method)
 from .managers import AsyncManager, Manager
 from .pool import AsyncResult, MapResult, Pool, PoolStartError, WorkerLostError, meta
+from .environment import EnvironmentMismatchError
 from .process import Process, ProcessStartError, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
 from .shared import Shared, shared
@@ -29,10 +30,12 @@ from .transport.serialize import SerializationError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue", "Pipe", "Connection",
+    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue",
+    "Pipe", "Connection",
     "current_process", "parent_process", "active_children", "cpu_count",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
     "init", "Config", "ConfigError", "SerializationError", "ConnectionLost", "ProcessStartError", "PoolStartError",
+    "EnvironmentMismatchError",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
     "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",
@@ -72,7 +75,7 @@ def _dashboard_from_environment() -> None:
         dashboard.start_if_configured()
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # roving.futures and roving.joblib load on first use: joblib is heavy, and only its users need it
     if name in ("futures", "joblib"):
         import importlib

@@ -13,6 +13,7 @@ import time
 import traceback
 
 from . import config as _config
+from . import boot as _boot
 from . import process as _process
 from .transport import node as _node
 from .transport import session as _session
@@ -48,6 +49,14 @@ def main() -> int:
     session = _session.current()
     info = _session.child_info()
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
+    try:  # the environment check and the program's code, before anything of the parent's is unpickled
+        refused = _boot.before_work(session.endpoint(info["parent"], timeout), info, timeout)
+    except OSError as exc:
+        sys.stderr.write(_unreachable(info, timeout, exc))
+        return 1
+    if refused:
+        sys.stderr.write(refused)
+        return 1
     try:
         status, frames = session.endpoint(info["parent"], timeout).call(_node.GET, info["box"], timeout)
     except OSError as exc:
@@ -63,6 +72,8 @@ def main() -> int:
         traceback.print_exc()
         return 1
     _config.adopt(proc._config)
+    if proc._config.backend == "slurm":
+        _note_time_limit_warning(proc._config.worker_grace + 10)
     watcher = threading.Thread(target=_watch_parent, args=(info, proc._config),
                                name="roving-parent-watch", daemon=True)
     watcher.start()
@@ -77,6 +88,22 @@ def main() -> int:
     finally:
         _stop_watching.set()
         watcher.join(proc._config.heartbeat_interval * 2 + 1)
+
+
+def _note_time_limit_warning(seconds: float) -> None:
+    """Slurm jobs are submitted with ``--signal=B:USR1@N`` (the warning a pool worker leaves on): in any
+    other child, that signal only says so, rather than end it at once (USR1's default). The program may
+    set a handler of its own."""
+    import signal
+
+    def note(signum: int, frame: object) -> None:
+        os.write(2, f"roving: Slurm's warning (SIGUSR1): this job reaches its time limit in about "
+                    f"{seconds:.0f} s\n".encode())
+
+    try:
+        signal.signal(signal.SIGUSR1, note)
+    except (ValueError, OSError):  # not the main thread, or no such signal here
+        pass
 
 
 def _unreachable(info: dict, timeout: float, exc: OSError) -> str:

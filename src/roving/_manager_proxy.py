@@ -363,10 +363,6 @@ class ValueProxy(BaseProxy):
     value = property(get, set)
 
 
-def _sequence_proxy(name: str, exposed: Tuple[str, ...]) -> type:
-    return MakeProxyType(name, exposed)
-
-
 BaseListProxy = MakeProxyType("BaseListProxy", (
     "__add__", "__contains__", "__delitem__", "__getitem__", "__len__", "__mul__", "__reversed__", "__rmul__",
     "__setitem__", "append", "count", "extend", "index", "insert", "pop", "remove", "reverse", "sort",

@@ -8,12 +8,14 @@ other end sees EOFError).
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import selectors
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Optional
+
+from .backends.selector_thread import SelectorThread
 
 log = logging.getLogger(__name__)
 
@@ -26,68 +28,37 @@ class SentinelWatcher:
     The owner is held only weakly: an owner freed before its sentinel fired is not called back (its
     sentinel is closed through :meth:`close_fd`). An exception of a callback is logged and stops
     nothing else. Sentinels are closed only in the watcher's thread, so that a number is not reused
-    while the selector still knows it.
+    while the selector still knows it (:class:`roving.backends.selector_thread.SelectorThread`).
     """
 
     def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._lock = threading.Lock()
-        self._add: List[Tuple[int, "weakref.ref[Any]", Callable[[Any], None]]] = []
-        self._remove: List[int] = []
-        threading.Thread(target=self._run, name="roving-sentinels", daemon=True).start()
+        self._thread = SelectorThread("roving-sentinels")
 
     def watch(self, fd: int, owner: Any, on_end: Callable[[Any], None]) -> None:
         """Call ``on_end(owner)`` once ``fd`` becomes readable (``on_end`` must not hold ``owner``)."""
-        with self._lock:
-            self._add.append((fd, weakref.ref(owner), on_end))
-        os.write(self._wake_w, b"x")
+        self._thread.watch(fd, functools.partial(self._ended, fd, weakref.ref(owner), on_end))
 
     def close_fd(self, fd: int) -> None:
         """Stop watching ``fd`` and close it (in the watcher's thread). Returns at once."""
-        with self._lock:
-            self._remove.append(fd)
-        os.write(self._wake_w, b"x")
+        self._thread.forget(fd, functools.partial(_close, fd))
 
-    def _run(self) -> None:
-        while True:
-            self._step()
-
-    def _step(self) -> None:
-        """One wait and what it found, in a frame of its own: no local variable keeps an owner alive
-        while the watcher waits."""
-        for key, _ in self._selector.select():
-            if key.data is None:
-                os.read(self._wake_r, 4096)
-                with self._lock:
-                    add, self._add = self._add, []
-                    remove, self._remove = self._remove, []
-                for fd, ref, on_end in add:
-                    self._selector.register(fd, selectors.EVENT_READ, (ref, on_end))
-                for fd in remove:
-                    self._unregister(fd)
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                continue
-            self._unregister(key.fd)
-            ref, on_end = key.data
-            owner = ref()
-            if owner is None:  # freed without close(): its finalizer has queued the sentinel's closing
-                continue
-            try:
-                on_end(owner)
-            except Exception:  # never let one child stop the watcher
-                log.exception("roving: could not reap %s", owner)
-            del owner
-
-    def _unregister(self, fd: int) -> None:
+    def _ended(self, fd: int, ref: "weakref.ref[Any]", on_end: Callable[[Any], None]) -> None:
+        """``fd`` is readable (in the watcher's thread): it is watched no more; its owner, if alive, is told."""
+        self._thread.forget(fd)
+        owner = ref()
+        if owner is None:  # freed without close(): its finalizer has queued the sentinel's closing
+            return
         try:
-            self._selector.unregister(fd)
-        except (KeyError, ValueError):
-            pass
+            on_end(owner)
+        except Exception:  # never let one child stop the watcher
+            log.exception("roving: could not reap %s", owner)
+
+
+def _close(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 _instance: Optional[SentinelWatcher] = None

@@ -12,6 +12,10 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the modules are imported when a command runs: `roving --help` stays quick
+    from .config import Config
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
@@ -19,7 +23,7 @@ def _backend_arg(p: argparse.ArgumentParser) -> None:
                    help="local, slurm, docker, kubernetes or auto (default: the `backend` option, else auto)")
 
 
-def _configure(args: argparse.Namespace, **extra) -> "object":
+def _configure(args: argparse.Namespace, **extra: Any) -> Config:
     from . import config
 
     options = {k: v for k, v in extra.items() if v is not None}
@@ -28,7 +32,7 @@ def _configure(args: argparse.Namespace, **extra) -> "object":
     return config.init(**options)
 
 
-def _chosen_why(cfg) -> str:
+def _chosen_why(cfg: Config) -> str:
     from . import backends, config
 
     if os.environ.get("ROVING_BACKEND"):
@@ -63,9 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     _backend_arg(p)
     p.set_defaults(handler=_ps)
 
-    p = subparsers.add_parser("logs", help="print a job's output")
+    p = subparsers.add_parser("logs", help="print a job's output, or the last output of crashed children")
     _backend_arg(p)
-    p.add_argument("job", help="job id as `roving ps` shows it")
+    p.add_argument("job", nargs="?", help="job id as `roving ps` shows it")
+    p.add_argument("--failed", action="store_true",
+                   help="the last output of every child that crashed, kept on disk past its job (newest run "
+                        "first; the latest 20 runs are kept)")
     p.set_defaults(handler=_logs)
 
     p = subparsers.add_parser("cancel", help="cancel jobs")
@@ -76,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = subparsers.add_parser("info", help="show the backend chosen, why, and the resources it sees")
     _backend_arg(p)
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="also start N workers on the backend and show each one's environment (Python, "
+                        "platform, package versions) and how it differs from this machine's (env_check)")
     p.set_defaults(handler=_info)
 
     from roving.pipeline.cli import add_pipeline_parser
@@ -94,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _build_image(cfg) -> str:
+def _build_image(cfg: Config) -> str:
     """`roving run --build`: the image of the working directory, built (and pushed to the `registry`
     option's registry) on the Docker engine; its tag."""
     import re
@@ -106,7 +116,10 @@ def _build_image(cfg) -> str:
     # an image name allows only [a-z0-9._-], starting with a letter or digit
     name = re.sub(r"[^a-z0-9._-]+", "-", os.path.basename(os.getcwd()).lower()).lstrip("._-") or "app"
     tag = f"{cfg.registry.rstrip('/')}/roving-{name}:latest" if cfg.registry else f"roving-{name}:latest"
+    from .backends.docker import DockerBackend
+
     docker = backends.get("docker")
+    assert isinstance(docker, DockerBackend)
     print(f"roving: building {tag} from ./Dockerfile", file=sys.stderr)
     docker.build_image(tag, ".", buildargs={"WORKDIR": os.getcwd()})
     if cfg.registry:
@@ -136,8 +149,9 @@ def _run(args: argparse.Namespace) -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     spec = backends.JobSpec(
         name=os.path.basename(args.script), command=[sys.executable, args.script, *args.args], env=env,
-        cwd=os.getcwd(), session=session.current().job_session(), resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None,
-                                                      cfg.gpu), output="prefix")
+        cwd=os.getcwd(), session=session.current().job_session(),
+        resources=backends.Resources(cfg.cpu, config.parse_memory(cfg.memory) if cfg.memory else None, cfg.gpu),
+        output="prefix")
     job = backend.create_job(spec)
     print(f"roving: {args.script} runs as {cfg.backend} job {job.id}", file=sys.stderr)
     try:
@@ -151,7 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _overrides(args, **extra) -> dict:
+def _overrides(args: argparse.Namespace, **extra: Any) -> dict:
     options = {k: v for k, v in extra.items() if v is not None}
     if getattr(args, "backend", None):
         options["backend"] = args.backend
@@ -172,9 +186,32 @@ def _ps(args: argparse.Namespace) -> int:
 def _logs(args: argparse.Namespace) -> int:
     from . import backends
 
+    if args.failed == bool(args.job):
+        print("roving: error: give a job id or --failed (not both)", file=sys.stderr)
+        return 2
+    if args.failed:
+        return _logs_failed()
     cfg = _configure(args)
     backend = backends.get(cfg.backend)
     sys.stdout.write(backend.logs(backend.job(args.job)))
+    return 0
+
+
+def _logs_failed() -> int:
+    from . import crashlog
+
+    try:
+        found = crashlog.records()
+    except crashlog.CrashLogError as exc:
+        print(f"roving: error: {exc}", file=sys.stderr)
+        return 1
+    if not found:
+        print(f"no crashed children on record (in {crashlog.folder()})")
+        return 0
+    for rec in found:
+        print(rec.header())
+        for line in rec.lines:
+            print(f"  {line}")
     return 0
 
 
@@ -216,7 +253,50 @@ def _info(args: argparse.Namespace) -> int:
         return 1
     ports = f"{choice.port_range[0]}-{choice.port_range[1]}" if choice.port_range else "any free port"
     print(f"address: binds {choice.bind}, advertises {choice.advertise} ({choice.why}); ports: {ports}")
-    return 0
+    if args.workers < 0:
+        print(f"roving info: --workers must be at least 0, not {args.workers}", file=sys.stderr)
+        return 2
+    return _info_workers(args.workers, cfg) if args.workers else 0
+
+
+def _info_workers(n: int, cfg: Config) -> int:
+    """Start ``n`` workers that do nothing but check their environment; print what each said."""
+    from . import environment
+    from .process import Process, ProcessStartError
+
+    here = environment.here()
+    print(f"this machine: Python {here.python} ({here.implementation}, {here.platform}); "
+          + ", ".join(f"{k} {v}" for k, v in here.packages.items()))
+    procs = [Process(target=environment.probe, name=f"info-worker-{i + 1}") for i in range(n)]
+    for p in procs:
+        p.start()
+    worst = 0
+    for p in procs:
+        try:
+            p.join(cfg.connect_timeout + 60)
+        except environment.EnvironmentMismatchError:
+            worst = 1
+        except ProcessStartError as exc:
+            print(f"  {p.name}: did not start: {exc}")
+            worst = 1
+            continue
+        if p.exitcode is None:
+            p.kill()
+            print(f"  {p.name}: did not end within {cfg.connect_timeout + 60:g} s; killed")
+            worst = 1
+            continue
+        report = p.environment
+        if report is None:
+            print(f"  {p.name}: exited with code {p.exitcode} before it said anything of its environment")
+            worst = 1
+            continue
+        f = report.fingerprint
+        print(f"  {p.name} on {report.host}: Python {f.python} ({f.implementation}, {f.platform})")
+        if not report.differences:
+            print(f"    same as this machine (env_check={report.policy})")
+        for d in report.differences:
+            print(f"    differs: {d} ({'an error' if d.fatal else 'a warning'} under env_check={report.policy})")
+    return worst
 
 
 if __name__ == "__main__":

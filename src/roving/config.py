@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,6 +26,8 @@ _CHOICES = {
     "child_output": ("prefix", "off", "files"),
     "encrypt": ("auto", "always", "off"),
     "dashboard_tls": ("auto", "on", "off"),
+    "env_check": ("auto", "strict", "warn", "off"),
+    "ship_code": ("auto", "always", "off"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -63,6 +65,7 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 10
 
 def parse_memory(value: Any) -> int:
     """Bytes from an int or a string like ``512M``, ``2G``, ``1.5GiB`` (binary units). ValueError if bad."""
+    number: Union[int, float, str]
     if isinstance(value, int) and not isinstance(value, bool):
         number, unit = value, ""
     else:
@@ -111,6 +114,23 @@ class Config:
     #: strangers out of its handshake), "always" (loopback streams too) or "off" (plain text; a warning
     #: is logged when traffic leaves loopback).
     encrypt: str = "auto"
+    #: How a child's environment (Python, platform, the versions of the distributions the parent imported)
+    #: is compared with its parent's when it starts, before it unpickles anything (roving.environment):
+    #: "auto" (another Python major.minor or roving is an error, anything else a warning), "strict" (every
+    #: difference is an error), "warn" (every difference a warning) or "off".
+    env_check: str = "auto"
+    #: The Python a child runs (a command on the child's machine: another node image or venv); none: this
+    #: process's own (``sys.executable``). With another one, only the program's own ``sys.path`` entries
+    #: (not this interpreter's standard library and site-packages) go with the child.
+    python: Optional[str] = None
+    #: The program's own modules (sys.path folders outside the interpreter's installation: its script's
+    #: folder, the working directory) sent to children as an archive, once per machine (roving.codeship):
+    #: "auto" where the backend's jobs do not see this machine's files (Kubernetes, a remote Docker
+    #: engine, ``docker_mount_cwd=False``), "always", or "off".
+    ship_code: str = "auto"
+    #: The largest archive of the program's code roving ships (bytes, or "64M"); more is an error naming
+    #: the biggest files.
+    ship_code_limit: str = "64M"
     #: Where a child's stdout/stderr go: "prefix" (parent's terminal, each line prefixed with the
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"
@@ -124,6 +144,25 @@ class Config:
     #: A pool worker whose job runs but that has sent no heartbeat for this many seconds is killed and its
     #: work redone by other workers. Generous: a task holding the GIL in C code delays heartbeats.
     pool_heartbeat_timeout: float = 30.0
+    #: Seconds a pool worker told it will end (a time limit, a preemption, ``end_signals``) has to finish
+    #: the item it runs before it leaves anyway; its other items go back at once, and its items cost no
+    #: retry (roving.pool._ending). Keep it under the cluster's kill delay (Slurm's KillWait, a pod's
+    #: terminationGracePeriodSeconds).
+    worker_grace: float = 20.0
+    #: Seconds each pool worker lives before the pool replaces it (its replacement is started first); none:
+    #: on Slurm, the job's ``slurm_time`` less 10 s where it is set, else unlimited. A map of hours runs on
+    #: workers of minutes.
+    worker_lifetime: Optional[float] = None
+    #: Signals that tell a pool worker it will end (comma-separated names). Slurm jobs are also submitted
+    #: with ``--signal=B:USR1@N`` (N: ``worker_grace`` + 10 s) so that the warning comes before the limit.
+    end_signals: str = "TERM,USR1"
+    #: A file whose appearance tells a pool worker its machine will be preempted (a spot notice a node
+    #: agent writes); none: not watched.
+    preemption_file: Optional[str] = None
+    #: A URL polled every 5 s whose answer tells a pool worker its machine will be preempted: notice is an
+    #: answer 200 whose body is not "FALSE" (AWS: ``http://169.254.169.254/latest/meta-data/spot/instance-action``;
+    #: GCE: ``http://metadata.google.internal/computeMetadata/v1/instance/preempted``); none: not polled.
+    preemption_url: Optional[str] = None
     #: Serve the live dashboard (roving.dashboard) from the main process: its URL, with a token, is
     #: printed once. Children never serve one.
     dashboard: bool = False
@@ -170,6 +209,10 @@ class Config:
     docker_volumes: Tuple[str, ...] = ()
     #: Docker network mode of the containers.
     docker_network: str = "host"
+    #: Mount the working directory into each container at the same path (as its working directory). Off:
+    #: a container sees only its image and ``docker_volumes`` (the program's code is then shipped, see
+    #: ``ship_code``).
+    docker_mount_cwd: bool = True
     #: Variables of this environment that containers and pods get too, by name; a list, or
     #: comma-separated in one string. They get nothing else of it but what roving itself needs.
     forward_env: Tuple[str, ...] = ()
@@ -193,6 +236,16 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
         try:
             if key == "backend" and value == "auto":
                 value = _detected_backend()
+            elif key == "ship_code_limit":
+                parse_memory(value)
+                value = str(value)
+            elif key == "end_signals":
+                import signal
+
+                for name in (n.strip().upper() for n in str(value).split(",") if n.strip()):
+                    if not hasattr(signal, name if name.startswith("SIG") else f"SIG{name}"):
+                        raise ValueError(f"no signal named {name!r}")
+                value = str(value)
             elif key == "memory" and value is not None:
                 parse_memory(value)
                 value = str(value)

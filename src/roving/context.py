@@ -10,7 +10,7 @@ method names multiprocessing accepts all mean the same here:
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 _METHODS = ("spawn", "fork", "forkserver")
 
@@ -24,7 +24,7 @@ class Context:
     def get_start_method(self, allow_none: bool = False) -> str:
         return self._method
 
-    def __getattr__(self, name: str):  # Process, Queue, Pipe, ... come from the package
+    def __getattr__(self, name: str) -> Any:  # Process, Queue, Pipe, ... come from the package
         import roving
 
         if name.startswith("_") or name in ("get_context", "set_start_method"):

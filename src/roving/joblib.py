@@ -135,6 +135,7 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
         return n_jobs
 
     def submit(self, func: Callable[[], Any], callback: Optional[Callable[[Future], Any]] = None) -> Future:
+        assert self._ex is not None, "submit() before configure()"  # joblib configures first
         future = self._ex.submit(func)
         with self._futures_lock:
             self._futures.add(future)

@@ -43,11 +43,11 @@ from . import config as _config
 from . import process as _process
 # The proxies, MakeProxyType and public_methods are importable from here, as from multiprocessing.managers.
 from ._manager_proxy import OP  # noqa: F401  (the managers' operation, importable here as before)
-from ._manager_proxy import (ArrayProxy, AcquirerProxy, AsyncProxy, AutoProxy, BarrierProxy, BaseListProxy,
-                             BasePoolProxy, BaseProxy, ConditionProxy, DictProxy, EventProxy, Handle,
-                             IteratorProxy, ListProxy, MakeProxyType, NamespaceProxy, PoolProxy, RemoteError,
-                             Token, ValueProxy, asynchronous, note_started, request,
-                             use_by_default)  # noqa: F401
+from ._manager_proxy import (ArrayProxy, AcquirerProxy, AsyncProxy, AutoProxy, BarrierProxy,  # noqa: F401
+                             BaseListProxy, BasePoolProxy, BaseProxy, ConditionProxy, DictProxy, EventProxy,
+                             Handle, IteratorProxy, ListProxy, MakeProxyType, NamespaceProxy, PoolProxy,
+                             RemoteError, Token, ValueProxy, asynchronous, note_started, request,
+                             use_by_default)
 from ._manager_server import public_methods, run_server  # noqa: F401
 from .transport import session as _session
 
@@ -192,18 +192,23 @@ class BaseManager:
             raise RuntimeError("Unable to use a manager that is not started or connected" if self._state == "initial"
                                else "Manager has shut down")
 
-    def _create(self, typeid: str, *args: Any, **kwds: Any) -> Tuple[int, Tuple[str, ...]]:
+    def _server(self) -> str:
+        """The server's address, once started or connected (RuntimeError before, or after shutdown)."""
         self._check()
-        return request(self._address, self._key(), "create", typeid, args, kwds)
+        assert self._address is not None  # known from start() or connect() on
+        return self._address
+
+    def _create(self, typeid: str, *args: Any, **kwds: Any) -> Tuple[int, Tuple[str, ...]]:
+        return request(self._server(), self._key(), "create", typeid, args, kwds)
 
     def _number_of_objects(self) -> int:
         """How many shared objects the server holds now."""
-        return request(self._address, self._key(), "count")
+        return request(self._server(), self._key(), "count")
 
     def _proxy(self, typeid: str, proxytype: Optional[type], *args: Any, **kwds: Any) -> Any:
         oid, exposed = self._create(typeid, *args, **kwds)
         proxytype = proxytype or AutoProxy
-        return proxytype(Token(typeid, self._address, oid), manager=self, authkey=self._authkey,
+        return proxytype(Token(typeid, self._server(), oid), manager=self, authkey=self._authkey,
                          exposed=exposed, incref=False)
 
     @classmethod
@@ -224,7 +229,7 @@ class BaseManager:
         cls._registry[typeid] = (callable, tuple(exposed) if exposed is not None else None,
                                  dict(method_to_typeid), proxytype)
         if create_method:
-            def temp(self, *args, **kwds):
+            def temp(self: BaseManager, *args: Any, **kwds: Any) -> Any:
                 return self._proxy(typeid, proxytype, *args, **kwds)
             temp.__name__ = typeid
             setattr(cls, typeid, temp)

@@ -20,7 +20,7 @@ import traceback
 import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-__all__ = ["event", "process_started", "process_ended", "output_lines", "track_pool", "task_failed",
+__all__ = ["event", "process_started", "process_ended", "output_lines", "lines_of", "track_pool", "task_failed",
            "snapshot", "events_since", "MAX_EVENTS", "MAX_LINES", "MAX_PROCESSES", "MAX_TASK_FAILURES"]
 
 MAX_EVENTS = 2000
@@ -80,6 +80,12 @@ def output_lines(name: str, lines: List[str]) -> None:
         if buf is None:
             buf = _lines[name] = collections.deque(maxlen=MAX_LINES)
         buf.extend(lines)
+
+
+def lines_of(name: str) -> List[str]:
+    """The latest output lines kept of the process named ``name`` (a copy; empty when none)."""
+    with _lock:
+        return list(_lines.get(name, ()))
 
 
 def track_pool(pool_id: int, owner: Any, snap: Callable[[], Dict[str, Any]]) -> None:

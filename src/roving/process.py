@@ -22,16 +22,19 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
-import sys
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from . import backends
+from . import boot as _boot
 from . import config as _config
+from . import crashlog
+from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .transport import node as _node
@@ -76,7 +79,7 @@ class Process:
         if group is not None:
             raise ValueError("group argument must be None for now")
         parent = current_process()
-        self._identity = (*parent._identity, next(_counter))
+        self._identity: Tuple[int, ...] = (*parent._identity, next(_counter))
         self._config = _config.current()
         self._target = target
         self._args = tuple(args)
@@ -87,7 +90,7 @@ class Process:
         if unknown:
             raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
         self._resources = dict(resources or {})
-        self._parent_pid = os.getpid()
+        self._parent_pid: Optional[int] = os.getpid()
         self._parent_name = parent.name
         self._uid: Optional[str] = None
         self._job: Optional[backends.Job] = None
@@ -97,12 +100,17 @@ class Process:
         self._closed = False
         self._released = False
         self._unreached = False  # ended before it fetched its work: join() raises ProcessStartError
+        self._stop_asked = False  # terminate() or kill() was called: its end is no crash
+        self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
+        self._environment: Optional[_environment.Report] = None  # what the child said of its environment
+        self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
         """The work of the process: calls the target. Override in a subclass, as with multiprocessing."""
-        if getattr(self, "_target", None):
-            self._target(*self._args, **self._kwargs)
+        target = getattr(self, "_target", None)
+        if target:
+            target(*self._args, **self._kwargs)
 
     # -- control from the parent -----------------------------------------------------------
     def start(self) -> None:
@@ -136,32 +144,41 @@ class Process:
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
+        try:  # its start-up information, with the checks it makes before it unpickles
+            self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
+        except BaseException:
+            node.drop_box(box)
+            raise
         env = dict(os.environ)
-        env.update(session.child_env({
-            "uid": self._uid, "parent": node.address, "box": box,
-            "parent_pid": os.getpid(), "local": cfg.backend == "local", "parent_why": node.why,
-            "connect_timeout": cfg.connect_timeout,
-            "encrypt": cfg.encrypt,  # needed before the child has fetched its configuration
-        }))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        env.update(session.child_env(self._boot.info))
+        env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(
             want["cpu"], _config.parse_memory(want["memory"]) if want["memory"] else None, want["gpu"])
         return backends.JobSpec(
-            name=self._name, command=[sys.executable, "-m", "roving._child"], env=env, cwd=os.getcwd(),
+            name=self._name, command=[self._boot.python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
             log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
 
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
-        _session.current().node().drop_box(self._payload_box)
+        node = _session.current().node()
+        node.drop_box(self._payload_box)
         del self._payload_box
+        if self._boot is not None:  # made in _prepare, before the backend was asked
+            _boot.drop(node, self._boot)
         self._backend = None
+
+    def _job_backend(self) -> backends.Backend:
+        """The backend of this process's job (set with the job, so there is one when there is a job)."""
+        assert self._backend is not None, "the process has no job"
+        return self._backend
 
     def _started(self, job: backends.Job) -> None:
         """The backend accepted ``job``: watch it, and let go of the target and arguments."""
         self._job = job
-        self._sentinel = self._backend.sentinel(self._job)
+        backend = self._job_backend()
+        self._sentinel = backend.sentinel(job)
         # a Process freed without close() still gives its sentinel back (the finalizer holds no reference)
         self._sentinel_finalizer = weakref.finalize(self, _sentinel_watcher().close_fd, self._sentinel)
         self._sentinel_finalizer.atexit = False
@@ -172,9 +189,10 @@ class Process:
         with _children_lock:
             _children.add(self)
         cfg = self._config
-        observe.process_started(self._uid, self._name, self._backend.name, str(self._job.id),
+        assert self._uid is not None  # given in start(), before the job was made
+        observe.process_started(self._uid, self._name, backend.name, str(job.id),
                                 {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources},
-                                _this_host() if self._backend.name == "local" else "")
+                                _this_host() if backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
 
     def _pickle_self(self) -> List[Any]:
@@ -207,7 +225,7 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer"):
             state.pop(key, None)
         return state
 
@@ -224,6 +242,9 @@ class Process:
         assert self._parent_pid == os.getpid(), "can only join a child process"
         assert self._job is not None, "can only join a started process"
         self._wait(timeout)
+        if self._environment_error is not None:
+            error, self._environment_error = self._environment_error, None  # raised once
+            raise error
         if self._unreached:
             self._unreached = False  # said once, as a failed start would be
             raise ProcessStartError(self._unreached_message(self._exitcode))
@@ -231,7 +252,8 @@ class Process:
     def _wait(self, timeout: Optional[float]) -> None:
         """join() without its error: for roving's own joins (reaping, exit, a pool's upkeep)."""
         if self._exitcode is None:
-            code = self._backend.wait(self._job, timeouts.limit(timeout))
+            assert self._job is not None, "can only wait for a started process"
+            code = self._job_backend().wait(self._job, timeouts.limit(timeout))
             if code is not None:
                 self._finished(code)
 
@@ -241,7 +263,7 @@ class Process:
             return True
         if self._job is None or self._exitcode is not None:
             return False
-        status = self._backend.job_status(self._job)
+        status = self._job_backend().job_status(self._job)
         if status.state is backends.JobState.EXITED:
             self._finished(status.exitcode)
             return False
@@ -251,13 +273,15 @@ class Process:
         """Ask the process to stop (SIGTERM on the local backend)."""
         self._check_closed()
         if self._job is not None:
-            self._backend.terminate_job(self._job, force=False)
+            self._stop_asked = True
+            self._job_backend().terminate_job(self._job, force=False)
 
     def kill(self) -> None:
         """Stop the process at once (SIGKILL on the local backend)."""
         self._check_closed()
         if self._job is not None:
-            self._backend.terminate_job(self._job, force=True)
+            self._stop_asked = True
+            self._job_backend().terminate_job(self._job, force=True)
 
     def close(self) -> None:
         """Release the process's resources. ValueError if it is still running."""
@@ -279,7 +303,7 @@ class Process:
         if self._job is not None and self._exitcode is not None and not self._released:
             self._released = True
             self._drop_sentinel()
-            self._backend.forget(self._job)
+            self._job_backend().forget(self._job)
 
     def _drop_sentinel(self) -> None:
         """Stop watching the sentinel and close it (the watcher closes it, after unregistering)."""
@@ -296,7 +320,7 @@ class Process:
         box = getattr(self, "_payload_box", None)
         return box is not None and _session.current().node().items_in(box) > 0
 
-    def _unreached_message(self, code: int) -> str:
+    def _unreached_message(self, code: Optional[int]) -> str:
         node = _session.current().node()
         return (f"{self._name} exited with code {code} before it fetched its work from this process at "
                 f"{node.address} (chosen by {node.why}): it could not reach that address, or could not "
@@ -306,9 +330,17 @@ class Process:
     def _finished(self, code: Optional[int]) -> None:
         if self._exitcode is not None:
             return
-        self._unreached = code is not None and code > 0 and self._work_unfetched()
+        report = self._environment_report()
+        if report is not None and any(d.fatal for d in report.differences):
+            self._environment_error = report.error(self._name)
+        self._unreached = (self._environment_error is None and code is not None and code > 0
+                           and self._work_unfetched())
         self._exitcode = code
-        observe.process_ended(self._uid, code, self._unreached_message(code) if self._unreached else "")
+        assert self._uid is not None  # given in start(); only a started process finishes
+        cause = self._unreached_message(code) if self._unreached else ""
+        observe.process_ended(self._uid, code, cause)
+        if code and not self._stop_asked:  # a crash: its last output is kept (roving logs --failed)
+            self._keep_crash(code, cause)
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -316,6 +348,38 @@ class Process:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
             node.release_everywhere(self._uid.encode())
             node.drop_box(self._payload_box)
+            if self._boot is not None:
+                _boot.drop(node, self._boot)
+
+    def _keep_crash(self, code: int, cause: str) -> None:
+        cfg = self._config
+        lines: Callable[[], List[str]]
+        if cfg.child_output == "prefix":
+            lines = functools.partial(observe.lines_of, self._name)
+        elif cfg.child_output == "files":
+            lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
+        else:
+            lines = lambda: ['(nothing kept: child_output="off")']
+        crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
+                        self._backend.name if self._backend else cfg.backend, "", code,
+                        cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)
+
+    def _environment_report(self) -> Optional[_environment.Report]:
+        """The child's environment report, once it has left it (None before, or with env_check off)."""
+        if self._environment is None:
+            try:
+                self._environment = _boot.report(_session.current().started_node(), self._boot)
+            except ValueError as exc:
+                log.warning("%s left an environment report that cannot be read: %s", self._name, exc)
+        return self._environment
+
+    @property
+    def environment(self) -> Optional[_environment.Report]:
+        """What the child said of its environment when it started, against this process's (its fingerprint
+        and each difference, see roving.environment and the ``env_check`` option); None until it has, and
+        with ``env_check="off"``."""
+        self._check_closed()
+        return self._environment_report()
 
     def _check_closed(self) -> None:
         if self._closed:
@@ -337,7 +401,7 @@ class Process:
             return os.getpid()
         if self._job is None:
             return None
-        return self._backend.pid(self._job)
+        return self._job_backend().pid(self._job)
 
     ident = pid
 
@@ -353,7 +417,8 @@ class Process:
         if self is _current and self is not _main_process:
             import multiprocessing.process as mp_process
 
-            mp_process._current_process._name = value  # as _become(): the standard library's agrees
+            # as _become(): the standard library's agrees (a private name typeshed does not declare)
+            mp_process._current_process._name = value  # type: ignore[attr-defined]
 
     @property
     def daemon(self) -> bool:
@@ -407,7 +472,7 @@ class _MainProcess(Process):
         self._uid = None
         self._exitcode = None
         self._closed = False
-        self._config = None
+        self._config = None  # type: ignore[assignment]  # the main process makes no job to configure
 
     def close(self) -> None:
         pass
@@ -509,9 +574,10 @@ def _become(proc: Process, parent: _ParentProcess) -> None:
     _current, _parent = proc, parent
     import multiprocessing.process as mp_process
 
-    mp_process._current_process._name = proc.name
-    mp_process._current_process._identity = proc._identity
-    mp_process._parent_process = parent
+    # the standard library's private names (typeshed does not declare them), as its own children set them
+    mp_process._current_process._name = proc.name  # type: ignore[attr-defined]
+    mp_process._current_process._identity = proc._identity  # type: ignore[attr-defined]
+    mp_process._parent_process = parent  # type: ignore[attr-defined]
 
 
 _join_threads_at_end = True
@@ -563,6 +629,23 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
+def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
+    """The error an ended ``proc`` left because its environment differs from this process's where
+    ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
+    return proc._environment_error
+
+
+def _tail(path: str, n: int) -> List[str]:
+    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
+        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
+
+
 def _this_host() -> str:
     import socket
 
@@ -589,6 +672,7 @@ def _at_exit() -> None:
                 child._wait(5)
         except Exception:
             pass
+    crashlog.flush()
     session = _session.existing()
     if session is not None:
         session.close()

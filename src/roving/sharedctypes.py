@@ -2,7 +2,8 @@
 
 multiprocessing's are ctypes objects in shared memory, which processes on other machines cannot map.
 roving's keep the ctypes object in the process that created it (its home: a homed object of
-:mod:`roving._homed`, as the locks of :mod:`roving.synchronize` are) and every access is a round trip to it (about 0.1 ms on one machine): reading
+:mod:`roving._homed`, as the locks of :mod:`roving.synchronize` are) and every access is a round trip to it
+(about 0.1 ms on one machine): reading
 ``.value`` or ``a[i]`` asks the home, writing sends the new value there. So a ``Value`` works the same
 whether its users share a machine or not, at the price of a round trip per access: read a whole
 ``Array`` with ``a[:]`` (one round trip) rather than element by element. For large read-only data use
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from multiprocessing.sharedctypes import typecode_to_type
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Optional, Sequence, Tuple, Union
 
 from .transport import rpc as _rpc
 from . import synchronize as _sync
@@ -135,7 +136,7 @@ class RawArray(_Raw):
     def __setitem__(self, key: Union[int, slice], value: Any) -> None:
         self._op("setitem", key, value)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self[:])
 
     # c_char arrays: .value and .raw as in ctypes
@@ -190,7 +191,7 @@ class SynchronizedArray(_Synchronized):
     def __setitem__(self, key: Union[int, slice], value: Any) -> None:
         self._obj[key] = value
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._obj[:])
 
     value = _wrapped("value")

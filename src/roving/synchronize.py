@@ -21,6 +21,7 @@ initial value raises ``ValueError``; ``Condition.wait``/``notify`` without holdi
 """
 from __future__ import annotations
 
+import functools
 import pickle
 import threading
 import time
@@ -120,7 +121,7 @@ class _Sem(_Primitive):
         while self.queue and self._free():
             w = self.queue.popleft()
             self._take(w.who, w.count)
-            home.fulfil(w, _rpc.OK, w.result, undeliverable=lambda w=w: self._take_back(home, w))
+            home.fulfil(w, _rpc.OK, w.result, undeliverable=functools.partial(self._take_back, home, w))
 
     def _take_back(self, home: Home, w: Waiter) -> None:
         """The waiter's process left before the grant reached it: release in its name."""
@@ -323,7 +324,7 @@ class _SemLock(Homed):
         me = who()
 
         def give_back(status: int, frames: List[Any]) -> None:  # granted after this caller left
-            if status == _rpc.OK and pickle.loads(frames[0].bytes):
+            if status == _rpc.OK and pickle.loads(frames[0].bytes):  # noqa: S301  (the home's answer, over an authenticated connection)
                 caller(self._address).tell([pickle.dumps(("release", self._id, me, 0, ()))])
 
         return self._call("acquire", timeout=wait, on_late=give_back)
@@ -547,6 +548,7 @@ class Barrier(Homed):
         status, index = self._call("wait", timeout=_timeout(True, timeout), raw=True)
         if status == _RUN_ACTION:
             try:
+                assert self._action is not None  # the home asks only a barrier that has one
                 self._action()
             except BaseException:
                 self._call("action_done", False)

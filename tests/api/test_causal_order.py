@@ -59,10 +59,10 @@ def test_a_pipe_written_by_two_processes_keeps_the_order_a_barrier_makes():
 def test_messages_sent_under_a_lock_by_two_processes_arrive_in_the_lock_s_order(channel):
     if channel == "pipe":
         reader, writer = roving.Pipe(duplex=False)
-        take = lambda: reader.recv() if reader.poll(TIMEOUT) else "nothing came"  # noqa: E731
+        take = lambda: reader.recv() if reader.poll(TIMEOUT) else "nothing came"
     else:
         writer = roving.Queue()
-        take = lambda: writer.get(timeout=TIMEOUT)  # noqa: E731
+        take = lambda: writer.get(timeout=TIMEOUT)
     lock, turn = roving.Lock(), roving.Value("i", 0, lock=False)
     a = start(write_under_lock, writer, lock, turn, "A", True)
     c = start(write_under_lock, writer, lock, turn, "C", False)

@@ -1,4 +1,5 @@
-"""Configuration: init() over ROVING_* env over roving.toml / [tool.roving] over defaults; errors name key and source."""
+"""Configuration: init() over ROVING_* env over roving.toml / [tool.roving] over defaults; errors name key and
+source."""
 from __future__ import annotations
 
 import pytest

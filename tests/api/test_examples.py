@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 import gymnasium  # noqa: F401  (the examples need it and torch: a missing one fails here, loudly)
 import torch  # noqa: F401

@@ -5,7 +5,8 @@ import sys
 
 from helpers_core import TIMEOUT
 
-PROGRAM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "programs", "main_namespace.py")
+PROGRAM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support", "programs",
+                       "main_namespace.py")
 
 
 def run(*args):

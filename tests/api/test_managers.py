@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import threading
 import time
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 import roving
 from roving import managers
 from roving.managers import AsyncManager, BaseManager, BaseProxy, ServerGone, SyncManager
-from helpers_core import TIMEOUT, finish, start, PROGRAMS
+from helpers_core import TIMEOUT, finish, start
 
 
 # -- targets run in children ---------------------------------------------------------------------
@@ -146,7 +145,7 @@ def test_list_dict_namespace_value_array_changed_in_a_child_are_seen_by_the_pare
         with pytest.raises(KeyError):
             dct["missing"]
         with pytest.raises(AttributeError):
-            ns.missing
+            ns.missing  # noqa: B018  (the read is what raises)
 
 
 def test_queue_and_joinable_queue_through_a_manager_across_processes():
@@ -280,7 +279,7 @@ def test_asynchronous_wraps_an_ordinary_proxy_and_rejects_unexposed_names():
             assert h.result(TIMEOUT) is None
         assert ad.__getitem__(3).result(TIMEOUT) == 9 and d[4] == 16
         with pytest.raises(AttributeError):
-            ad.not_a_method
+            ad.not_a_method  # noqa: B018  (the read is what raises)
         with pytest.raises(TypeError):
             managers.asynchronous([1])
 

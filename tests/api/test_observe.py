@@ -69,7 +69,7 @@ def test_metrics_text_is_prometheus_exposition_format():
     assert 'roving_pipeline_train_loss{run="/c"} 2.5' in lines
     assert 'roving_pipeline_nodes{run="/c",state="dead"} 1.0' in lines
     for line in lines:  # every line a comment or NAME{labels} VALUE
-        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or float(line.rsplit(" ", 1)[1]) >= 0
+        assert line.startswith(("# HELP ", "# TYPE ")) or float(line.rsplit(" ", 1)[1]) >= 0
     types = [ln.split()[2] for ln in lines if ln.startswith("# TYPE ")]
     assert len(types) == len(set(types)), "one TYPE line per metric family"
 

@@ -6,7 +6,7 @@ import pytest
 
 import gymnasium as gym  # a missing gymnasium fails these tests, loudly
 
-from roving.rl import RovingVectorEnv  # noqa: E402
+from roving.rl import RovingVectorEnv
 
 
 def _cartpole():

@@ -121,11 +121,13 @@ def test_rlock_is_reentrant_per_thread_and_a_non_owner_release_raises_assertione
     finish(p)
     other = []
     t = threading.Thread(target=lambda: other.append(rlock.acquire(timeout=0.1)))
-    t.start(); t.join(TIMEOUT)
+    t.start()
+    t.join(TIMEOUT)
     assert other == [False]  # another thread of the owner process is not the owner
     rlock.release()
     assert rlock.acquire(block=False)  # still held once more, reentrant
-    rlock.release(); rlock.release()
+    rlock.release()
+    rlock.release()
     with pytest.raises(AssertionError):
         rlock.release()
 

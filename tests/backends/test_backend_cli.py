@@ -40,7 +40,7 @@ def test_ps_logs_and_cancel_a_slurm_job_of_this_session():
     q = roving.Process(target=h.sleep_for, args=(120,), name="sleeper")
     q.start()
     assert wait_until(lambda: q.job.id in roving_cmd("ps", "--backend", "slurm").stdout, 30)
-    line = [l for l in roving_cmd("ps", "--backend", "slurm").stdout.splitlines() if l.startswith(q.job.id + " ")][0]
+    line = [t for t in roving_cmd("ps", "--backend", "slurm").stdout.splitlines() if t.startswith(q.job.id + " ")][0]
     assert "sleeper" in line and roving.transport.session.current().tag in line
     assert "marker-line" in roving_cmd("logs", "--backend", "slurm", p.job.id).stdout
     r = roving_cmd("cancel", "--backend", "slurm", q.job.id)

@@ -12,7 +12,6 @@ import roving
 from helpers_core import wait_until
 from roving import backends
 from roving.transport import session as _session
-from roving.backends.docker import DockerBackend
 
 
 @pytest.fixture(autouse=True)

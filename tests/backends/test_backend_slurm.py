@@ -11,7 +11,7 @@ import pytest
 import helpers_backends as hb
 import helpers_targets as h
 import roving
-from helpers_core import wait_until, PROGRAMS
+from helpers_core import wait_until
 from roving import backends
 from roving.transport import session as _session
 from roving.backends.slurm import SlurmBackend
@@ -78,7 +78,7 @@ def test_a_pending_job_reports_slurms_reason_and_is_logged(caplog):
     for p in procs:
         p.start()
     backend = procs[0]._backend
-    statuses = lambda: [backend.job_status(p.job) for p in procs]  # noqa: E731
+    statuses = lambda: [backend.job_status(p.job) for p in procs]
     assert wait_until(lambda: [s.state for s in statuses()].count(backends.JobState.RUNNING) == 1, 30)
     pending = [s for s in statuses() if s.state is backends.JobState.PENDING]
     assert len(pending) == 1 and pending[0].reason in ("Resources", "Priority")
@@ -190,4 +190,4 @@ def test_a_job_cancelled_from_outside_still_shows_slurms_cancelled_line(tmp_path
             proc.kill()
             proc.communicate(timeout=30)
     assert "exitcode -15" in out, (out, err)
-    assert f"[sleeper] slurmstepd" in err and f"JOB {job_id} ON" in err and "CANCELLED" in err, (out, err)
+    assert "[sleeper] slurmstepd" in err and f"JOB {job_id} ON" in err and "CANCELLED" in err, (out, err)

@@ -63,7 +63,8 @@ def sbatch_calls(tmp_path, monkeypatch):
 
 def _tasks(array_id: str) -> dict:
     """squeue's view of an array: task id -> (job name, state, reason)."""
-    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", array_id, "-O", "JobArrayID:|,Name:|,State:|,Reason:|"],
+    out = subprocess.run(["squeue", "-h", "-r", "-t", "all", "-j", array_id,
+                          "-O", "JobArrayID:|,Name:|,State:|,Reason:|"],
                          capture_output=True, text=True, timeout=30).stdout
     rows = [[p.strip() for p in line.split("|")] for line in out.splitlines()]
     return {r[0]: tuple(r[1:4]) for r in rows if len(r) >= 4}
@@ -272,7 +273,7 @@ def test_array_task_output_is_prefixed_and_roving_own_cancels_are_not_printed(ca
         array = p._pool[0].job.id.split("_")[0]
         p.apply(ht.print_lines, ([marker], []))
         assert wait_until(lambda: marker in read()[0], 30), read()
-        line = next(l for l in read()[0].splitlines() if marker in l)
+        line = next(t for t in read()[0].splitlines() if marker in t)
         assert line.startswith("[PoolWorker-") and line.endswith(f"] {marker}"), line
     assert wait_until(lambda: all(s == "CANCELLED" for _, s, _ in _tasks(array).values()), 60)
     time.sleep(1.5)  # the output followers read to the end

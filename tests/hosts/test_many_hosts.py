@@ -8,6 +8,7 @@ on the compute hosts, and what they report names the host they ran on.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -264,3 +265,19 @@ def test_roving_ps_logs_and_cancel_see_the_jobs_on_the_hosts(hosts):
         assert victim not in out, f"job {victim} still there 30 s after roving cancel"
     finally:
         run.kill()
+
+
+def test_a_worker_on_a_compute_host_sent_sigterm_mid_item_hands_it_back_without_a_retry(hosts, tmp_path):
+    # roving.pool._ending across hosts: the parent on the root host, its worker a job of the multi-node
+    # Slurm; scancel --signal=TERM of that job mid-item: the item is run again by the replacement, and
+    # with max_task_retries=1 it still finishes (a preemption is no death)
+    marker_dir = tmp_path / "markers"
+    marker_dir.mkdir()
+    done = hosts.call_on(hosts.ROOT, [sys.executable, str(PROGRAMS / "hosts_ending.py"), str(marker_dir)],
+                         timeout=300, env=hosts.program_env())
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    compute = {h.name for h in hosts.COMPUTE}
+    started_on = {n[len("started-"):].rsplit("-", 1)[0] for n in seen["started"]}
+    assert len(seen["started"]) == 2 and started_on <= compute
+    assert seen["finished_on"] in compute
+    assert seen["retried"] == 0 and seen["ended_early"] == 1 and seen["handed_back"] == 1

@@ -153,7 +153,7 @@ def test_replica_counts_follow_each_stages_share_of_the_compute():
     counts = replica_counts(30, stages, skip, MODEL)
     visits = visits_per_microbatch(stages, skip)
     layers = stage_layers(MODEL, stages)
-    work = [layers[0] + MODEL.head_layers] + [l * visits / (stages - 1) for l in layers[1:]]
+    work = [layers[0] + MODEL.head_layers] + [n * visits / (stages - 1) for n in layers[1:]]
     share = [w / sum(work) * 30 for w in work]
     assert all(abs(c - x) <= 1.0 for c, x in zip(counts, share)), (counts, share)
     assert counts[0] == max(counts)  # every microbatch passes stage 0, which also runs the head

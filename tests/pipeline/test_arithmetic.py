@@ -203,7 +203,7 @@ def check(run, want, losses, norms) -> None:
     # clipping really was at work, and the loss really moved: the comparison covers both
     assert sum(n > c["clip"] for n in norms) >= 3, norms
     assert losses[-1] < losses[0] - 0.3, losses
-    for node, (stage, sd) in run["final"].items():
+    for node, (_stage, sd) in run["final"].items():
         for k, v in sd.items():
             diff = (v - want[k]).abs().max().item()
             assert diff <= WEIGHT_ATOL, (node, k, diff)
@@ -223,7 +223,7 @@ def test_initial_weights_follow_the_documented_rule_bitwise(dtfm, skippipe):
     for run in (dtfm, skippipe):
         ref = init_weights(run["cfg"], run["c"]["seed"])
         seen = set()
-        for node, (stage, sd) in run["init"].items():
+        for node, (_stage, sd) in run["init"].items():
             for k, v in sd.items():
                 assert torch.equal(v, ref[k]), (node, k)
                 seen.add(k)

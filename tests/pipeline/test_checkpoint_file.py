@@ -112,7 +112,8 @@ def test_one_loader_checks_a_checkpoint_for_use_and_for_resuming(tmp_path):
         checkpoint_file.load_checkpoint(bad)  # usable for evaluation all the same
         with pytest.raises(PlanError, match=error):
             checkpoint_file.load_checkpoint(bad, into=into)
-    with pytest.raises(checkpoint_file.CheckpointFileError, match=r"cannot resume: checkpoint .*nope\.pt does not exist"):
+    with pytest.raises(checkpoint_file.CheckpointFileError,
+                       match=r"cannot resume: checkpoint .*nope\.pt does not exist"):
         checkpoint_file.load_checkpoint(tmp_path / "nope.pt", into=into)
     with pytest.raises(checkpoint_file.CheckpointFileError, match=r"checkpoint .* is a folder"):
         checkpoint_file.load_checkpoint(tmp_path)

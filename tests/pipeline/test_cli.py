@@ -26,7 +26,8 @@ def test_pipeline_plan_draws_a_gantt_chart(tmp_path):
 
 def test_bad_network_file_is_reported_as_error_with_exit_code_2(tmp_path, capsys):
     bad = tmp_path / "net.json"
-    bad.write_text(json.dumps({"regions": ["x", "y"], "links": [{"a": "x", "b": "y", "latency_ms": 3, "bandwidth": 0}]}))
+    bad.write_text(json.dumps({"regions": ["x", "y"],
+                               "links": [{"a": "x", "b": "y", "latency_ms": 3, "bandwidth": 0}]}))
     rc = main(["pipeline", "plan", "--network", str(bad), "--nodes", "4", "--stages", "2", "--skip", "0",
                "--json", str(tmp_path / "o.json")])
     assert rc == 2
@@ -191,10 +192,10 @@ def test_status_with_a_malformed_status_file_is_one_line_naming_the_file(tmp_pat
     status = tmp_path / "status.json"
     for text, words in (("{", "Expecting property name"), ("[]", "holds a JSON list"),
                         ("{}", "lacks iterations_done"),
-                        ('{"iterations_done": 1, "iterations": 2, "nodes": {"n0": "x"}, "missing_stages": [],'
-                         ' "starting": [], "recent_events": []}', "stage numbers"),
-                        ('{"iterations_done": 1, "iterations": 2, "nodes": {}, "missing_stages": [],'
-                         ' "starting": [], "recent_events": [3]}', "recent_events")):
+                        (('{"iterations_done": 1, "iterations": 2, "nodes": {"n0": "x"}, "missing_stages": [],'
+                          ' "starting": [], "recent_events": []}'), "stage numbers"),
+                        (('{"iterations_done": 1, "iterations": 2, "nodes": {}, "missing_stages": [],'
+                          ' "starting": [], "recent_events": [3]}'), "recent_events")):
         status.write_text(text)
         assert main(["pipeline", "status", "--control", str(tmp_path)]) == 2
         err = _one_error_line(capsys)

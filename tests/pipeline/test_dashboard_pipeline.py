@@ -91,7 +91,8 @@ def test_a_finished_run_is_shown_from_its_files_with_the_plan_as_a_gantt(tmp_pat
         [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
          "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
          "--iterations", "6", "--eval-every", "3", "--control", str(control), "--metrics", str(metrics),
-         "--checkpoint", str(tmp_path / "ck.pt"), "--checkpoint-every", "3", "--dashboard"], env=env, capture_output=True, text=True, timeout=300)
+         "--checkpoint", str(tmp_path / "ck.pt"), "--checkpoint-every", "3", "--dashboard"],
+        env=env, capture_output=True, text=True, timeout=300)
     assert train.returncode == 0, train.stderr[-3000:]
     assert train.stderr.count("roving: dashboard at http://127.0.0.1:") == 1, train.stderr[-3000:]
     for name in ("iterations.jsonl", "evaluations.jsonl", "events.jsonl", "plan.json"):

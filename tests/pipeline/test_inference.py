@@ -356,7 +356,8 @@ def test_commands_refuse_a_missing_checkpoint_with_status_2(tmp_path, capsys):
 def test_roving_command_in_a_fresh_interpreter(files, tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     bad = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "eval", "--checkpoint",
-                          str(tmp_path / "x.pt"), "--drop", "0.5"], capture_output=True, text=True, env=env, timeout=120)
+                          str(tmp_path / "x.pt"), "--drop", "0.5"],
+                         capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: checkpoint") and "x.pt" in bad.stderr
     good = subprocess.run([sys.executable, "-m", "roving.cli", "pipeline", "generate", "--checkpoint",
                            str(files["ckpt"]), "--prompt", "skip", "--tokens", "5", "--seed", "1"],

@@ -44,7 +44,8 @@ def _doc(links):
 
 
 def test_missing_link_is_a_clear_error():
-    links = [{"a": "x", "b": "y", "latency_ms": 5, "bandwidth": 1}, {"a": "x", "b": "z", "latency_ms": 5, "bandwidth": 1}]
+    links = [{"a": "x", "b": "y", "latency_ms": 5, "bandwidth": 1},
+             {"a": "x", "b": "z", "latency_ms": 5, "bandwidth": 1}]
     with pytest.raises(PlanError, match="no link between regions y-z"):
         build_network(_doc(links), 3)
 

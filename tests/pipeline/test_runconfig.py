@@ -40,7 +40,8 @@ def test_a_run_file_in_sections_equals_the_same_keys_at_the_top_level(tmp_path):
     sectioned.write_text('[model]\nmodel = "tiny"\n[plan]\nnodes = 4\nstages = 2\nskip = 0.0\n'
                          '[optim]\nlr = 1e-3\n[checkpoint]\ncheckpoint = "c.pt"\nresume = true\n')
     flat = tmp_path / "f.toml"
-    flat.write_text('model = "tiny"\nnodes = 4\nstages = 2\nskip = 0.0\nlr = 1e-3\ncheckpoint = "c.pt"\nresume = true\n')
+    flat.write_text('model = "tiny"\nnodes = 4\nstages = 2\nskip = 0.0\nlr = 1e-3\n'
+                    'checkpoint = "c.pt"\nresume = true\n')
     a, b = TrainConfig.from_toml(str(sectioned)), TrainConfig.from_toml(str(flat))
     assert a == b and a.lr == 1e-3 and a.nodes == 4 and a.checkpoint == "c.pt" and a.resume
     assert a != TrainConfig()

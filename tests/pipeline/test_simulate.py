@@ -5,7 +5,6 @@ import math
 import pytest
 
 from roving.pipeline import ModelSpec, Plan, Route, build_network, simulate
-from roving.pipeline.network import Node
 
 # 1 MiB per transfer; 2 layers over 2 stages, 1 layer each; no head cost; backward = 2 x forward.
 MODEL = ModelSpec(n_layers=2, dim=512, seq_len=1024, samples_per_microbatch=1, bytes_per_activation=2,

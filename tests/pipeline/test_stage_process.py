@@ -47,7 +47,7 @@ class Pair:
     def _run(self, proc: StageProcess) -> None:
         try:
             proc.run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the test
+        except BaseException as exc:
             self.errors.append(exc)
 
     def get(self, kind: type, timeout: float = 60.0) -> m.Message:

@@ -78,7 +78,7 @@ def test_one_iteration_equals_the_same_update_computed_in_one_process(run):
     opt.step()
     want = merge_state_dicts([st.state_dict() for st in stages])
     got = {}
-    for _, (stage, sd) in run["after1"].items():
+    for _, (_stage, sd) in run["after1"].items():
         got.update(sd)
     init = merge_state_dicts([sd for _, sd in run["init"].values()])
     moved = 0

@@ -314,7 +314,8 @@ def test_late_results_of_a_dead_worker_are_delivered_once_and_the_rerun_skips_th
 
     disp = Dispatcher(10_000, max_task_retries=3)
     sent = []
-    disp.node = type("FakeNode", (), {"send_to": lambda self, ident, frames, undeliverable=None: sent.append((ident, frames))})()
+    disp.node = type("FakeNode", (), {
+        "send_to": lambda self, ident, frames, undeliverable=None: sent.append((ident, frames))})()
     rec = Recorder()
     disp.submit(rec, h.square, P.MAP, list(range(6)), 6, inline=False)
     w1, w2 = WorkerState(1, None), WorkerState(2, None)

@@ -34,7 +34,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Union
 
 import pytest
 
@@ -422,7 +422,8 @@ def revive(h: HostLike, timeout: float = 120) -> None:
     try:
         done = _run(["bash", str(HOSTS_SH), h.name], timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"hosts.sh {h.name} did not end within {timeout} s: {exc.stdout!r} {exc.stderr!r}")
+        raise AssertionError(f"hosts.sh {h.name} did not end within {timeout} s: "
+                             f"{exc.stdout!r} {exc.stderr!r}") from exc
     if done.returncode != 0:
         raise AssertionError(f"hosts.sh {h.name} failed ({done.returncode}): {done.stdout}{done.stderr}")
     _disturbed.discard(h.name)
@@ -439,7 +440,7 @@ def mend(timeout: float = 180) -> None:
     try:
         done = _run(["bash", str(HOSTS_SH), *names], timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"hosts.sh {' '.join(names)} did not end within {timeout} s: {exc.stdout!r}")
+        raise AssertionError(f"hosts.sh {' '.join(names)} did not end within {timeout} s: {exc.stdout!r}") from exc
     if done.returncode != 0:
         raise AssertionError(f"hosts.sh could not mend {names} ({done.returncode}): {done.stdout}{done.stderr}")
     _disturbed.clear()

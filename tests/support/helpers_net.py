@@ -11,7 +11,8 @@ from typing import List, Optional, Tuple
 
 class CuttingProxy:
     """Forwards every connection made to ``address`` to ``target`` (``tcp://127.0.0.1:PORT`` or
-    ``127.0.0.1:PORT``; ``address`` takes the same form), byte for byte. :meth:`cut` closes every connection open now, on both
+    ``127.0.0.1:PORT``; ``address`` takes the same form), byte for byte. :meth:`cut` closes every connection
+    open now, on both
     sides (each side sees the connection end, as after a dropped link); new connections are forwarded
     as before, so a client that reconnects reaches the target again, over a new TCP connection."""
 

@@ -98,3 +98,40 @@ def slurm_array_task(seconds=0.0):
     """The Slurm job array and task this worker runs as (None outside an array), after a pause."""
     time.sleep(seconds)
     return os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+
+
+def started_then_sleep(x, seconds, marker_dir):
+    """Write ``marker_dir/started-<x>-<pid>`` (so a test knows the item runs, and where), then sleep;
+    returns (x, the pid that finished it)."""
+    import os
+    import time
+
+    open(os.path.join(marker_dir, f"started-{x}-{os.getpid()}"), "w").close()
+    time.sleep(seconds)
+    return x, os.getpid()
+
+
+def sleep_then_pid(x, seconds):
+    import os
+    import time
+
+    time.sleep(seconds)
+    return x, os.getpid()
+
+
+def fail_if_pid_is_not(pid):
+    import os
+
+    if os.getpid() != pid:
+        raise RuntimeError(f"ran in {os.getpid()}, not {pid}")
+    return "ran in the caller"
+
+
+def die_unless_pid_is(pid):
+    """SIGKILL the process running it unless it is ``pid`` (a worker crashes; the caller survives)."""
+    import os
+    import signal
+
+    if os.getpid() != pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "survived in the caller"

@@ -6,7 +6,6 @@ hosts are under the default.
 from __future__ import annotations
 
 import os
-import resource
 import socket
 import struct
 import subprocess

@@ -15,11 +15,13 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from .. import config as _config
-from .base import (Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, UnknownJobError,
-                   user_name)
+from .base import Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, user_name
+from .errors import (BackendError, DockerError, KubernetesError, LocalError, SlurmError, StepError,
+                     UnknownJobError)
 
 __all__ = ["Backend", "Job", "JobInfo", "JobSession", "JobSpec", "JobState", "JobStatus", "Resources",
-           "UnknownJobError", "get", "detect", "towards", "user_name", "NAMES"]
+           "BackendError", "UnknownJobError", "LocalError", "SlurmError", "StepError", "DockerError",
+           "KubernetesError", "get", "detect", "towards", "user_name", "NAMES"]
 
 NAMES = ("local", "slurm", "docker", "kubernetes")
 _instances: Dict[str, Backend] = {}
@@ -46,6 +48,7 @@ def get(name: str) -> Backend:
     with _lock:
         backend = _instances.get(name)
         if backend is None:
+            cls: type[Backend]
             if name == "local":
                 from .local import LocalBackend as cls
             elif name == "slurm":

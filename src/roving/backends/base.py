@@ -16,9 +16,7 @@ import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-
-class UnknownJobError(LookupError):
-    """No job of that id is known to the backend (`roving logs`, `roving cancel`); the message names it."""
+from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +55,12 @@ class JobSpec:
     #: "prefix", "off" or "files" (see :class:`roving.config.Config`).
     output: str = "prefix"
     log_path: Optional[str] = None
+
+    def log_file(self) -> str:
+        """The file ``output="files"`` appends to; ValueError naming the job when it has none."""
+        if not self.log_path:
+            raise ValueError(f"job {self.name}: output='files' needs a log_path")
+        return self.log_path
 
 
 class JobState(enum.Enum):
@@ -151,6 +155,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def terminate_job(self, job: Job, force: bool = False) -> None:
         """Ask the job to stop (SIGTERM), or stop it at once (``force``: SIGKILL). Idempotent."""
+
+    def shares_filesystem(self) -> bool:
+        """Whether this backend's jobs see this machine's files at the same paths (the program's own
+        modules, its working directory). True unless a backend knows otherwise; on a cluster without a
+        shared filesystem, set ``ship_code="always"``."""
+        return True
 
     def logs(self, job: Job) -> str:
         """What the job wrote, when the backend keeps it. Raises :class:`UnknownJobError` when no job of

@@ -15,20 +15,24 @@
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import re
 import shutil
+import socket
+import struct
 import tempfile
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env,
                    user_name)
+from .errors import DockerError, UnknownJobError
 from .output import LineSplitter, open_private
 from .reaper import Reaper
 
@@ -37,14 +41,54 @@ _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is
 _SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder holding the session secret
 
 
+def network_gateway(name: str, attrs: dict) -> Optional[Tuple[str, str]]:
+    """This machine's address on the local Docker network ``name`` (``attrs``: what the engine says of it),
+    and where it came from; None when the network has no IPv4 subnet.
+
+    The IPAM ``Gateway`` when Docker reports one. Docker 20.10 reports none for a network made with
+    ``--subnet`` alone, though its bridge (``com.docker.network.bridge.name``, else ``br-`` and the first 12
+    digits of the network's id) holds the gateway all the same: then the bridge's address, when it is in the
+    subnet; else the subnet's first host address, which is what Docker gives the bridge by default.
+    """
+    for entry in (attrs.get("IPAM") or {}).get("Config") or ():
+        if entry.get("Gateway"):
+            return entry["Gateway"], f"the gateway of Docker network {name} ({entry['Gateway']})"
+    for entry in (attrs.get("IPAM") or {}).get("Config") or ():
+        try:
+            subnet = ipaddress.ip_network(entry.get("Subnet") or "", strict=False)
+        except ValueError:
+            continue
+        if subnet.version != 4:
+            continue
+        bridge = (attrs.get("Options") or {}).get("com.docker.network.bridge.name") or f"br-{attrs.get('Id', '')[:12]}"
+        address = interface_address(bridge)
+        if address is not None and ipaddress.ip_address(address) in subnet:
+            return address, f"the address of Docker network {name}'s bridge {bridge} ({address})"
+        first = str(next(subnet.hosts()))
+        return first, f"the first address of Docker network {name}'s subnet {subnet} ({first}; no gateway reported)"
+    return None
+
+
+def interface_address(device: str) -> Optional[str]:
+    """The IPv4 address of this machine's network interface ``device``, or None (no such interface, no
+    IPv4 address, or not Linux)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return None
+    request = struct.pack("256s", device.encode()[:15])
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), 0x8915, request)  # SIOCGIFADDR
+        except OSError:
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
 _TRANSIENT = re.compile(r"timeout|timed out|too many|temporarily|try again|overloaded|busy", re.I)
 
 
-class DockerError(OSError):
-    """The Docker engine refused or could not be reached; the message has the engine's words."""
-
-
-def _sdk():
+def _sdk() -> Any:
     try:
         import docker
     except ImportError:
@@ -87,7 +131,7 @@ class DockerBackend(Backend):
         self._reaper = Reaper(self.name)
 
     # -- the engine ------------------------------------------------------------------------------
-    def client(self):
+    def client(self) -> Any:
         """The SDK's client, connected and checked on first use; DockerError if the engine is not there."""
         if self._client is None:
             docker = _sdk()
@@ -117,7 +161,7 @@ class DockerBackend(Backend):
         threading.Thread(target=self._follow_events, args=(events,), name="roving-docker-events",
                          daemon=True).start()
 
-    def _follow_events(self, events) -> None:
+    def _follow_events(self, events: Iterable[Dict[str, Any]]) -> None:
         for event in events:
             cid = event.get("id") or event.get("Actor", {}).get("ID")
             code = int(event.get("Actor", {}).get("Attributes", {}).get("exitCode", "-9"))
@@ -191,7 +235,7 @@ class DockerBackend(Backend):
         if res.cpu > info.get("NCPU", res.cpu):
             raise DockerError(f"{spec.name} asks for {res.cpu:g} CPUs; the Docker host has {info['NCPU']}")
         device_requests = [docker.types.DeviceRequest(count=res.gpu, capabilities=[["gpu"]])] if res.gpu else None
-        volumes = {spec.cwd: {"bind": spec.cwd, "mode": "rw"}}
+        volumes = {spec.cwd: {"bind": spec.cwd, "mode": "rw"}} if cfg.docker_mount_cwd else {}
         for item in cfg.docker_volumes:
             parts = item.split(":")
             if len(parts) < 2:
@@ -249,7 +293,7 @@ class DockerBackend(Backend):
         return throttle.concurrently(self.create_job, specs)
 
     @staticmethod
-    def _when_not_busy(what: str, call):
+    def _when_not_busy(what: str, call: Callable[[], Any]) -> Any:
         """``call()``, retried with back-off while the engine answers 429 or 5xx (busy, overloaded)."""
         docker = _sdk()
 
@@ -335,6 +379,14 @@ class DockerBackend(Backend):
     def cpu_count(self) -> int:
         return int(self._info().get("NCPU") or os.cpu_count() or 1)
 
+    def shares_filesystem(self) -> bool:
+        """Containers see this machine's working directory only when the engine is this machine's and
+        the directory is mounted (``docker_mount_cwd``)."""
+        cfg = _config.current()
+        url = cfg.docker_url or os.environ.get("DOCKER_HOST", "")
+        remote = "://" in url and urlparse(url).scheme in ("tcp", "http", "https", "ssh")
+        return cfg.docker_mount_cwd and not remote
+
     def towards(self) -> Optional[Tuple[str, str]]:
         """A remote engine's host (its containers run there); else, on a network other than ``host``,
         that network's gateway (this machine's address on it, which its containers reach); else None
@@ -347,16 +399,17 @@ class DockerBackend(Backend):
         if cfg.docker_network in ("host", "none"):
             return None
         try:
-            ipam = self.client().networks.get(cfg.docker_network).attrs.get("IPAM") or {}
+            attrs = self.client().networks.get(cfg.docker_network).attrs
         except DockerError:
             raise
         except Exception as exc:
             raise DockerError(f"docker_network={cfg.docker_network!r}: the engine does not know it ({exc})") from None
-        for entry in ipam.get("Config") or ():
-            if entry.get("Gateway"):
-                return entry["Gateway"], f"the gateway of Docker network {cfg.docker_network} ({entry['Gateway']})"
-        raise DockerError(f"Docker network {cfg.docker_network!r} has no gateway address: set the roving options "
-                          "host= and advertise= to an address of this machine its containers reach")
+        found = network_gateway(cfg.docker_network, attrs)
+        if found is None:
+            raise DockerError(f"Docker network {cfg.docker_network!r} has no IPv4 subnet, so no gateway address: set "
+                              "the roving options host= and advertise= to an address of this machine its containers "
+                              "reach")
+        return found
 
     # -- images ----------------------------------------------------------------------------------
     def build_image(self, tag: str, context: str = ".", buildargs: Optional[Dict[str, str]] = None) -> None:

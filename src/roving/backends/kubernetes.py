@@ -27,13 +27,14 @@ import os
 import re
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError, container_env,
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env,
                    user_name)
+from .errors import KubernetesError, UnknownJobError
 from .output import LineSplitter, open_private
 from .reaper import Reaper
 
@@ -41,10 +42,6 @@ log = logging.getLogger(__name__)
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _REFRESH_S = 0.2
 _TIMEOUT = 10
-
-
-class KubernetesError(OSError):
-    """The Kubernetes API refused or could not be reached; the message has its words."""
 
 
 def _dns_name(text: str) -> str:
@@ -78,7 +75,7 @@ class KubernetesBackend(Backend):
     name = "kubernetes"
 
     def __init__(self) -> None:
-        self._api = None
+        self._api: Any = None  # the client's CoreV1Api, made on first use
         self._lock = threading.Lock()
         self._pods: Dict[str, _Pod] = {}
         self._checked_at = 0.0
@@ -88,7 +85,7 @@ class KubernetesBackend(Backend):
         self._secret: Optional[str] = None  # this session's Secret, once made
 
     # -- the API ---------------------------------------------------------------------------------
-    def api(self):
+    def api(self) -> Any:
         if self._api is None:
             try:
                 import kubernetes
@@ -185,7 +182,8 @@ class KubernetesBackend(Backend):
             from_refs.append({"name": spec.session.secret_env, "valueFrom": {"secretKeyRef": {
                 "name": self._session_secret(tag, secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
-                                              "roving.name": _dns_name(spec.name), "roving.user": _user_label(user_name())},
+                                              "roving.name": _dns_name(spec.name),
+                                              "roving.user": _user_label(user_name())},
                     "annotations": {"roving.process-name": spec.name}}
         owner = self._owner_reference()
         if owner:
@@ -230,7 +228,7 @@ class KubernetesBackend(Backend):
             if self._secret is not None:
                 return self._secret
             name = f"roving-{tag}"
-            metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
+            metadata: Dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
                                                  "roving.session": tag}}
             owner = self._owner_reference()
             if owner:
@@ -241,7 +239,8 @@ class KubernetesBackend(Backend):
                 self.api().create_namespaced_secret(self.namespace, body, _request_timeout=_TIMEOUT)
             except ApiException as exc:
                 raise KubernetesError(f"Kubernetes refused the session's Secret {name} (the pods' key to "
-                                      f"authenticate; the role needs create/delete on secrets): {_short(exc)}") from None
+                                      f"authenticate; the role needs create/delete on secrets): "
+                                      f"{_short(exc)}") from None
             except Exception as exc:
                 raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
             self._reaper.add(f"{self.namespace}/secret:{name}")
@@ -296,7 +295,7 @@ class KubernetesBackend(Backend):
             live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
         if not live:
             return
-        found = {}
+        found: Dict[str, Any] = {}  # pod name -> the API's pod
         for tag in {p.spec.session.tag for p in live}:  # one: a process has one session
             try:
                 items = self.api().list_namespaced_pod(self.namespace, label_selector=f"roving.session={tag}",
@@ -376,6 +375,10 @@ class KubernetesBackend(Backend):
                 raise UnknownJobError(f"no pod {job.id} in namespace {self.namespace}") from None
             raise KubernetesError(f"cannot read the log of pod {job.id}: {exc.status} {exc.reason}") from None
 
+    def shares_filesystem(self) -> bool:
+        """A pod sees its image and its volumes, never this machine's files."""
+        return False
+
     def cpu_count(self) -> int:
         cap = self._capacity()
         return max(1, int(cap["cpu"])) if cap else (os.cpu_count() or 1)
@@ -405,7 +408,8 @@ class KubernetesBackend(Backend):
         out = []
         for item in items:
             status = _status_of(item)
-            out.append(JobInfo(id=item.metadata.name, name=(item.metadata.annotations or {}).get("roving.process-name", ""),
+            out.append(JobInfo(id=item.metadata.name,
+                               name=(item.metadata.annotations or {}).get("roving.process-name", ""),
                                session=(item.metadata.labels or {}).get("roving.session", ""),
                                state=item.status.phase, reason=status.reason,
                                user=(item.metadata.labels or {}).get("roving.user", "")))
@@ -432,7 +436,7 @@ class KubernetesBackend(Backend):
             self._reaper.done(f"{self.namespace}/secret:{name}")
 
 
-def _status_of(item) -> JobStatus:
+def _status_of(item: Any) -> JobStatus:
     """A pod's phase as roving's state: exit codes from the container's termination, reasons from conditions."""
     phase = item.status.phase
     terminated = None

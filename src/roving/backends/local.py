@@ -8,7 +8,8 @@ import subprocess
 import threading
 from typing import Dict, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus, UnknownJobError
+from .base import Backend, Job, JobSpec, JobState, JobStatus
+from .errors import LocalError, UnknownJobError
 from .output import OutputPump, open_private
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,10 @@ class LocalBackend(Backend):
         try:
             proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
                                     stdout=stdout, stderr=stderr, close_fds=True)
+        except OSError as exc:
+            err = LocalError(f"cannot start {spec.name} ({spec.command[0]!r} in {spec.cwd!r}): {exc}")
+            err.errno = exc.errno  # a caller can still tell a missing command (ENOENT) from EACCES
+            raise err from exc
         finally:
             if log_file is not None:
                 log_file.close()

@@ -7,13 +7,13 @@ or "off".
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import selectors
 import sys
-import threading
-import time
 from typing import IO, Callable, Iterable, List, Optional
+
+from .selector_thread import SelectorThread
 
 log = logging.getLogger(__name__)
 
@@ -80,66 +80,31 @@ class OutputPump:
     the others go on, since a child whose output nobody reads would block once its pipe is full)."""
 
     def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = os.pipe()
-        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
-        self._lock = threading.Lock()
-        self._pending: list = []
-        self._thread = threading.Thread(target=self._run, name="roving-output", daemon=True)
-        self._thread.start()
+        self._watch = SelectorThread("roving-output")
+        self._thread = self._watch.thread
 
     def add(self, stream: IO[bytes], prefix: str, to_stderr: bool) -> None:
         """Copy ``stream`` until its end, to stderr with ``to_stderr``, else to stdout. Returns at once."""
-        with self._lock:
-            self._pending.append((stream, LineSplitter(prefix, to_stderr)))
-        os.write(self._wake_w, b"x")
+        self._watch.watch(stream, functools.partial(self._copy, stream, LineSplitter(prefix, to_stderr)))
 
-    def _run(self) -> None:
-        while True:
-            try:
-                events = self._selector.select()
-            except OSError as exc:
-                log.warning("roving: copying children's output: %s", exc)
-                time.sleep(0.05)
-                continue
-            for key, _ in events:
-                if key.data is None:
-                    self._take_pending()
-                    continue
-                try:
-                    self._copy(key)
-                except Exception as exc:
-                    log.warning("roving: stopped copying the output of %s: %s", key.data.prefix.strip(), exc)
-                    self._stop_watching(key.fileobj)
-
-    def _take_pending(self) -> None:
-        os.read(self._wake_r, 4096)  # select() found it readable
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for stream, splitter in pending:
-            try:
-                self._selector.register(stream, selectors.EVENT_READ, splitter)
-            except (ValueError, KeyError, OSError) as exc:  # closed already
-                log.warning("roving: cannot copy the output of %s: %s", splitter.prefix.strip(), exc)
-
-    def _copy(self, key: selectors.SelectorKey) -> None:
-        stream, splitter = key.fileobj, key.data
-        chunk = os.read(stream.fileno(), 65536)
-        if chunk:
-            splitter.feed(chunk)
-        else:  # end of output: flush what is left, stop watching
-            self._stop_watching(stream)
-            splitter.close()
-
-    def _stop_watching(self, stream: IO[bytes]) -> None:
+    def _copy(self, stream: IO[bytes], splitter: LineSplitter) -> None:
+        """``stream`` is readable (in the pump's thread): copy what came, or end at its end."""
         try:
-            self._selector.unregister(stream)
-        except (KeyError, ValueError):
-            pass
-        try:
-            stream.close()
-        except OSError:
-            pass
+            chunk = os.read(stream.fileno(), 65536)
+            if chunk:
+                splitter.feed(chunk)
+                return
+            splitter.close()  # end of output: flush what is left, stop watching
+        except Exception as exc:
+            log.warning("roving: stopped copying the output of %s: %s", splitter.prefix.strip(), exc)
+        self._watch.forget(stream, functools.partial(_close, stream))
+
+
+def _close(stream: IO[bytes]) -> None:
+    try:
+        stream.close()
+    except OSError:
+        pass
 
 
 def private_dir(path: str) -> None:

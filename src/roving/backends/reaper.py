@@ -49,8 +49,10 @@ class Reaper:
                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, start_new_session=True,
                     close_fds=True)
                 cfg = dataclasses.asdict(_config.current())
+                assert self._proc.stdin is not None  # stdin=PIPE
                 self._proc.stdin.write((json.dumps(cfg) + "\n").encode())
             try:
+                assert self._proc.stdin is not None  # stdin=PIPE
                 self._proc.stdin.write((line + "\n").encode())
                 self._proc.stdin.flush()
             except (BrokenPipeError, ValueError):

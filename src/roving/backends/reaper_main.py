@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+from typing import Any, Dict
 
 from .. import backends
 from .. import config as _config
@@ -32,7 +33,8 @@ def main() -> int:
     if not live:
         return 0
     options = json.loads(first)
-    _config.adopt(_config.Config(**{k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}))
+    fields: Dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    _config.adopt(_config.Config(**fields))
     backends.get(name).cancel_ids(list(live))
     return 0
 

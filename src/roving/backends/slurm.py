@@ -27,6 +27,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -35,11 +36,12 @@ import shlex
 import subprocess
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import IO, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .. import config as _config
 from . import slurm_array, slurm_step, throttle
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, UnknownJobError
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus
+from .errors import SlurmError, StepError, UnknownJobError
 from .output import LineSplitter, private_dir
 from .reaper import Reaper
 
@@ -53,12 +55,9 @@ _RUNNING = {"RUNNING", "COMPLETING"}
 _REFRESH_S = 0.2
 # What slurmstepd writes into a job's error file when the job is cancelled:
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
-_CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ CANCELLED AT .*\*\*\*\s*$")
+_CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ "
+                             rb"CANCELLED AT .*\*\*\*\s*$")
 _COMMAND_TIMEOUT = 30
-
-
-class SlurmError(OSError):
-    """Slurm refused or could not be asked; the message has Slurm's own words."""
 
 
 def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
@@ -107,6 +106,15 @@ def _exitcode(raw: str, forced: bool, state: str) -> int:
     return code
 
 
+@dataclasses.dataclass
+class _Followed:
+    """One output file of a job being followed: its path, the file once it exists, its splitter."""
+
+    path: str
+    splitter: LineSplitter
+    file: Optional[IO[bytes]] = None
+
+
 class SlurmBackend(Backend):
     name = "slurm"
 
@@ -153,6 +161,9 @@ class SlurmBackend(Backend):
             opts.append(f"--account={cfg.slurm_account}")
         if cfg.slurm_time:
             opts.append(f"--time={cfg.slurm_time}")
+        # the warning before the time limit (the job's shell is its Python: `exec`), taken by roving
+        # children as the sign to leave well (pool workers) or to say so (roving.pool._ending)
+        opts.append(f"--signal=B:USR1@{int(cfg.worker_grace) + 10}")
         return opts + shlex.split(cfg.slurm_options)
 
     def create_job(self, spec: JobSpec) -> Job:
@@ -169,7 +180,7 @@ class SlurmBackend(Backend):
         if spec.output == "off":
             output = "/dev/null"
         elif spec.output == "files":
-            output = os.path.abspath(os.path.join(spec.cwd, spec.log_path))
+            output = os.path.abspath(os.path.join(spec.cwd, spec.log_file()))
         else:
             output = os.path.join(os.path.expanduser("~/.roving/slurm"), tag, f"{spec.name}-%j.out")
         if output != "/dev/null":
@@ -275,7 +286,7 @@ class SlurmBackend(Backend):
         else:  # "off", or "files": each task appends to its own log file (the script redirects)
             output = error = "/dev/null"
             if mode == "files":
-                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
+                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_file())) for s in specs]
                 for path in {os.path.dirname(p) for p in log_files}:
                     private_dir(path)
         common, per_task = slurm_array.split_env(specs)
@@ -303,7 +314,7 @@ class SlurmBackend(Backend):
     # -- inside an allocation: job steps (roving.backends.slurm_step) ----------------------------
     def _start_steps(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
         jobs = self._steps.start(specs, self, _umask())
-        return [SlurmError(str(j)) if isinstance(j, slurm_step.StepError) else j for j in jobs]
+        return [SlurmError(str(j)) if isinstance(j, StepError) else j for j in jobs]
 
     def _watch_step(self, step_id: str, running: bool) -> None:
         """A step's id is known (the Reaper cancels it if this process dies), or it has ended."""
@@ -314,27 +325,26 @@ class SlurmBackend(Backend):
 
     def _follow(self, job: Job, paths: List[Tuple[str, bool]], prefix: str) -> None:
         """Print the job's output files as they grow, until the job has ended and they are read."""
-        followed = [[path, None, LineSplitter(prefix, to_stderr, self._not_our_cancel)] for path, to_stderr in paths]
+        followed = [_Followed(path, LineSplitter(prefix, to_stderr, self._not_our_cancel)) for path, to_stderr in paths]
         delay = 0.05
         while True:
             ended = self.job_status(job).state is JobState.EXITED
             for entry in followed:
-                path, f, splitter = entry
-                if f is None and os.path.exists(path):
-                    f = entry[1] = open(path, "rb")
-                if f is not None:
-                    chunk = f.read()
+                if entry.file is None and os.path.exists(entry.path):
+                    entry.file = open(entry.path, "rb")  # kept open across rounds, closed below
+                if entry.file is not None:
+                    chunk = entry.file.read()
                     if chunk:
-                        splitter.feed(chunk)
+                        entry.splitter.feed(chunk)
                         delay = 0.05
             if ended:
                 break
             time.sleep(delay)
             delay = min(delay * 1.5, 0.5)
-        for path, f, splitter in followed:
-            if f is not None:
-                f.close()
-            splitter.close()
+        for entry in followed:
+            if entry.file is not None:
+                entry.file.close()
+            entry.splitter.close()
 
     def _not_our_cancel(self, line: bytes) -> bool:
         """False for slurmstepd's CANCELLED line of a job this process ended itself: that end is roving's
@@ -473,7 +483,7 @@ class SlurmBackend(Backend):
         if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
             try:
                 return max(1, sum(slurm_step.allocation_nodes()))
-            except slurm_step.StepError:
+            except StepError:
                 pass
         if os.environ.get("SLURM_CPUS_ON_NODE"):
             return int(os.environ["SLURM_CPUS_ON_NODE"])
@@ -488,7 +498,8 @@ class SlurmBackend(Backend):
     def describe(self) -> Dict[str, str]:
         info: Dict[str, str] = {}
         ping = _slurm(["scontrol", "ping"], timeout=10, check=False)
-        info["controller"] = (ping.stdout + ping.stderr).strip().splitlines()[0] if (ping.stdout + ping.stderr).strip() else "?"
+        said = (ping.stdout + ping.stderr).strip()
+        info["controller"] = said.splitlines()[0] if said else "?"
         if os.environ.get("SLURM_JOB_ID"):
             info["allocation"] = f"job {os.environ['SLURM_JOB_ID']}: processes are job steps (srun)"
         parts = _slurm(["sinfo", "-h", "-o", "%P|%D|%C|%m|%G|%a"], timeout=10, check=False)
@@ -530,7 +541,7 @@ class SlurmBackend(Backend):
 
     def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
         """As :meth:`Backend.unknown_ids`; an array's own id (``1234`` of ``1234_5``) is known too."""
-        known = set()
+        known: Set[str] = set()
         for j in self.list_jobs():
             known.update((j.id, slurm_array.base_id(j.id)))
         return [i for i in job_ids if i not in known]

@@ -38,6 +38,7 @@ from typing import Callable, Dict, IO, List, Optional, Sequence, Tuple, Union
 from .. import config as _config
 from . import slurm_array
 from .base import Backend, Job, JobSpec, JobState, JobStatus
+from .errors import StepError
 from .output import private_dir, write_prefixed
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,6 @@ LAUNCH_WAIT_S = 10
 # srun's input variables (the batch script's own request) that would override a step's layout
 _LAYOUT_ENV = ("SLURM_NTASKS", "SLURM_NPROCS", "SLURM_NNODES", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_",
                "SLURM_GPUS_PER_", "SLURM_CPUS_PER_GPU")
-
-
-class StepError(OSError):
-    """A step cannot be started: it does not fit the allocation, or srun refused (its words)."""
 
 
 def srun_env(env: Dict[str, str]) -> Dict[str, str]:
@@ -207,7 +204,7 @@ class Step:
         token = self.token.encode()
         partial = b""
         try:
-            for chunk in iter(lambda: stream.read1(65536), b""):
+            for chunk in iter(lambda: stream.read1(65536), b""):  # type: ignore[attr-defined]  # a BufferedReader
                 lines = (partial + chunk).split(b"\n")
                 partial = lines.pop()
                 for line in lines:
@@ -234,7 +231,7 @@ class Step:
     def _line(self, line: bytes, token: bytes, to_stderr: bool) -> None:
         m = _LABEL.match(line)
         index = int(m.group(1)) if m is not None else -1
-        if not 0 <= index < len(self.tasks):
+        if m is None or not 0 <= index < len(self.tasks):
             self._srun_said(line.decode(errors="replace"))
             return
         text = m.group(2)
@@ -341,6 +338,7 @@ class Step:
             self.stop(name == "KILL")
 
     def _deliver(self, task: _Task, name: str) -> None:
+        assert task.pid is not None  # delivered only to a task that said it started
         if task.host == this_host():
             try:
                 os.kill(task.pid, getattr(signal, f"SIG{name}"))
@@ -454,7 +452,7 @@ class Steps:
             common, per_task = slurm_array.split_env(specs)
             log_files = None
             if specs[0].output == "files":
-                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_path)) for s in specs]
+                log_files = [os.path.abspath(os.path.join(s.cwd, s.log_file())) for s in specs]
                 for path in {os.path.dirname(p) for p in log_files}:
                     private_dir(path)
             parts = step_chunks(len(specs), lambda a, b: len(task_script(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 from ..pipeline.control import EVALUATIONS, EVENTS, ITERATIONS, PLAN, STATUS, ControlFolder
 
@@ -96,11 +96,14 @@ class PipelineWatch:
                 or (not status and bool(iterations))}
 
 
-def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]], plan: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
+def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
+           plan: Optional[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Each node: its stage, region (where the status or plan says), and alive / slow / dead / joining."""
     alloc = status.get("nodes") or {}
     hosts = (status.get("regions") or (plan or {}).get("regions") or {})
-    dead, slow, stage_of = set(), set(), dict(alloc)
+    dead: Set[str] = set()
+    slow: Set[str] = set()
+    stage_of = dict(alloc)
     for ev in events:
         kind, names = ev.get("event"), ev.get("nodes") or []
         if kind == "dead":

@@ -1,7 +1,7 @@
 """The dashboard's figures in Prometheus' text format (version 0.0.4), for ``/metrics``."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 __all__ = ["text"]
 
@@ -51,7 +51,7 @@ def text(state: Dict[str, Any]) -> str:
             kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
         _family(out, "roving_events", "gauge", "Events in the dashboard's timeline, by kind.",
                 [({"kind": k}, n) for k, n in sorted(kinds.items())])
-    families = {"roving_pipeline_iterations_done": ("Iterations done.", []),
+    families: Dict[str, Tuple[str, List[Any]]] = {"roving_pipeline_iterations_done": ("Iterations done.", []),
                 "roving_pipeline_train_loss": ("Training loss of the last iteration.", []),
                 "roving_pipeline_iteration_seconds": ("Duration of the last iteration.", []),
                 "roving_pipeline_predicted_seconds": ("Predicted duration of an iteration.", []),

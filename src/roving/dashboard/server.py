@@ -37,7 +37,7 @@ _STATIC = {"/": ("index.html", "text/html; charset=utf-8"), "/app.js": ("app.js"
 
 
 def _static(name: str) -> bytes:
-    return resources.files(__package__).joinpath("static", name).read_bytes()
+    return resources.files(__package__).joinpath("static").joinpath(name).read_bytes()
 
 
 class Server:

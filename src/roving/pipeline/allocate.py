@@ -169,7 +169,7 @@ def replica_counts(n_nodes: int, stages: int, skip: float, model: ModelSpec) -> 
     if n_nodes < stages:
         raise PlanError(f"{n_nodes} nodes cannot hold {stages} stages; use at least {stages} nodes")
     layers = stage_layers(model, stages)
-    work = [layers[0] + model.head_layers] + [l * visits / (stages - 1) for l in layers[1:]]
+    work = [layers[0] + model.head_layers] + [n * visits / (stages - 1) for n in layers[1:]]
     spare = n_nodes - stages
     ideal = [w / sum(work) * n_nodes - 1 for w in work]
     counts = [1 + max(0, math.floor(x)) for x in ideal]

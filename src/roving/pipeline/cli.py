@@ -13,13 +13,13 @@ from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
 from .errors import NodeFailed, PipelineError, PlanError
 from .network import build_network
 from .outputs import check_output
+from .baselines import full_pipeline, random_skip
+from .planner import check_inputs, plan, replan
+from .simulate import SimResult, simulate
 
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
 DEFAULT_MEMORY_MB = 24576
-from .baselines import full_pipeline, random_skip
-from .planner import check_inputs, plan, replan
-from .simulate import SimResult, simulate
 
 
 def add_pipeline_parser(subparsers) -> None:

@@ -115,7 +115,8 @@ def load_corpus(sources: Sequence[str | Path] | None = None, *, val_fraction: fl
     return Corpus(train, val, files)
 
 
-def train_batches(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def train_batches(tokens: torch.Tensor, samples: int, seq_len: int,
+                  seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (inputs, targets) batches of random windows; the same seed gives the same batches."""
     gen = torch.Generator().manual_seed(seed)
     while True:

@@ -224,7 +224,8 @@ def _searches(problem: _Problem) -> list[_Search]:
 
 
 def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, budget_s: float,
-                       rng: random.Random, max_evals: int | None) -> tuple[list[tuple[list[int], list[str]]], int, float]:
+                       rng: random.Random,
+                       max_evals: int | None) -> tuple[list[tuple[list[int], list[str]]], int, float]:
     """Each search's swap search, by its share of the allocation phase; returns the allocations that
     race ((labels, slots), best first within each search), the evaluations made, and the best
     allocation's makespan with greedy paths."""

@@ -204,8 +204,9 @@ class StageRecovery:
         age = None if snap is None else self._done() - snap["iteration"]  # in iterations done since it
         policy = self.config.stage_recovery
         chosen = choose(policy, age, self.config.auto_snapshot_age)
-        info = dict(stage=stage, policy=policy, nodes=nodes, snapshot_iteration=None if snap is None else snap["iteration"],
-                    snapshot_age=age, auto_snapshot_age=self.config.auto_snapshot_age)
+        info = dict(stage=stage, policy=policy, nodes=nodes,
+                    snapshot_iteration=None if snap is None else snap["iteration"], snapshot_age=age,
+                    auto_snapshot_age=self.config.auto_snapshot_age)
         if chosen != "neighbours":  # skip never gets here: a skipped stage is given to no node
             self.lr_factor.pop(stage, None)  # the snapshot's optimizer state, the schedule's learning rate
             self._event("recovery", chosen="snapshot", **info)

@@ -271,9 +271,9 @@ class Roster:
                     dead = [n for n in self.starting if not self.procs[n].is_alive()]
                     if dead:
                         raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
-                                         f"for {what}")
+                                         f"for {what}") from None
                 if time.monotonic() > deadline:
-                    raise NoMessage(f"no {what} message from the nodes within {timeout:g} s")
+                    raise NoMessage(f"no {what} message from the nodes within {timeout:g} s") from None
                 continue
             if isinstance(msg, m.Failed):
                 raise NodeFailed(f"node {msg.sender} failed:\n{msg.traceback}")

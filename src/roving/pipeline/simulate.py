@@ -11,9 +11,9 @@ What it models, and the policy it follows:
   microbatch with the higher planned priority (lower index in ``plan.priority``, else microbatch id).
 * Memory: a node holds at most ``node.in_flight(stage)`` microbatches in flight (its ``memory`` count,
   or what its ``memory_mb`` leaves after the weights of the stage it holds, ``costs.stage_memory``),
-  counted from the start of a microbatch's forward there until its backward there ends. A forward that would exceed it waits; other
-  waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result says so and its
-  makespan is infinite.
+  counted from the start of a microbatch's forward there until its backward there ends. A forward that would
+  exceed it waits; other waiting tasks may go first. A plan whose waits form a cycle deadlocks: the result
+  says so and its makespan is infinite.
 * Transfers go over the directed link between two nodes. Transfers on one directed link that overlap
   share its bandwidth equally (processor sharing: n transfers each get bandwidth/n); the latency is
   added once per transfer after its bytes have gone. Sending does not occupy the sender's compute, and
@@ -424,7 +424,7 @@ class Simulation:
             self.finish[mb] = t
             return
         step = seq[i]
-        if type(step) is Compute:
+        if isinstance(step, Compute):
             node, work, dur = step
             self.queue[node].append((0 if work != FWD else 1, t, self.rank[mb], mb, work, dur))
             self.try_start(node, t)
@@ -434,7 +434,8 @@ class Simulation:
     # -- the result ----------------------------------------------------------------------------------
     def result(self) -> SimResult:
         deadlock = any(math.isnan(f) for f in self.finish) or any(left > 0 for left in self.sync_left.values())
-        makespan = math.inf if deadlock else max(max(self.finish, default=0.0), max(self.sync_end.values(), default=0.0))
+        makespan = (math.inf if deadlock
+                    else max(max(self.finish, default=0.0), max(self.sync_end.values(), default=0.0)))
         if self.record and not deadlock:
             for events in self.timeline.values():
                 _add_idle(events, makespan)

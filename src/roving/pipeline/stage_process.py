@@ -125,7 +125,7 @@ class StageProcess:
         self.opt.zero_grad(set_to_none=True)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _autocast(self):
+    def _autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.bf16)
 
     def _in(self, t: torch.Tensor, grad: bool = False) -> torch.Tensor:

@@ -52,7 +52,7 @@ from .planner import replan_or_hold
 from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
 from .roster import Roster
-from .runspec import Prepared, TrainConfig, calibrate, prepare  # noqa: F401 (re-exported: the run's surface)
+from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device

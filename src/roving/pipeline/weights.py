@@ -143,7 +143,8 @@ class Weights:
         self.take_snapshot(it)
         parts = [st["params"] for st in self.snapshot["stages"].values()]
         checkpoint_file.save({"format": 2, "model": merge_state_dicts(parts),
-                              "model_config": dataclasses.asdict(self.prepared.model), "config": dataclasses.asdict(self.config),
+                              "model_config": dataclasses.asdict(self.prepared.model),
+                              "config": dataclasses.asdict(self.config),
                               "iteration": it, "stages": self.snapshot["stages"], "metrics": metrics},
                              self.config.checkpoint)
 

@@ -56,13 +56,14 @@ from . import _protocol as P
 from . import _results, _shape
 from ._dispatch import Dispatcher
 from ._progress import Progress
-from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator,
-                       MapResult, PoolStartError, WorkerLostError)
+from ._results import ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator, MapResult
+from ._rerun import rerun
 from ._shape import meta, meta_of
+from .errors import PoolError, PoolStartError, WorkerLostError
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError", "PoolStartError", "meta", "Progress"]
+           "PoolError", "WorkerLostError", "PoolStartError", "meta", "Progress", "rerun"]
 
 _pool_ids = itertools.count(1)
 

@@ -8,7 +8,8 @@ The dispatcher's table of workers is the pool's one registry of them, under that
 result objects only through :mod:`roving.pool._results`' writer functions, called from here.
 
 Workers' messages reach a pool's dispatcher through its node's ``pool`` service
-(:class:`roving.pool._router.Router`, made by ``node.service``): one handler per node for the pool operation, routing by pool id.
+(:class:`roving.pool._router.Router`, made by ``node.service``): one handler per node for the pool operation,
+routing by pool id.
 
 Guarantees:
 
@@ -18,6 +19,9 @@ Guarantees:
 * When a worker ends holding work, its unfinished items go back to the front of the line. The item it was
   running is blamed: it is tried again alone on an idle worker, and after ``max_task_retries`` deaths it
   fails with :class:`WorkerLostError` naming it.
+* A worker that says it will end (ENDING: a time limit, a preemption, its lifetime) gets no more work and
+  is replaced at once; what it hands back or leaves unfinished goes back in line with no one blamed: a
+  preemption never counts against ``max_task_retries``.
 """
 from __future__ import annotations
 
@@ -28,16 +32,14 @@ import logging
 import threading
 import time
 import types
-from array import array
-from multiprocessing.pool import MaybeEncodingError
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from .. import observe
+from . import _rerun
 from ..transport import session as _session
-from ..transport.serialize import dumps, loads
 from . import _protocol as P
 from . import _results, _router
-from ._results import WorkerLostError
+from .errors import WorkerLostError
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +101,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen", "unreachable", "undeliverable")
+                 "gone", "alone", "seen", "unreachable", "undeliverable", "ending")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -119,12 +121,29 @@ class WorkerState:
         self.unreachable = 0.0
 
         self.undeliverable: Optional[Callable[[], None]] = None  # for messages to ``ident`` (see HELLO)
+        self.ending = False  # it said it will end (ENDING): what it leaves costs no retry
 
     def lost_contact(self, ident: bytes) -> None:
         """A message to ``ident`` could not be delivered (on the node's I/O thread). A connection this
         worker has since replaced (it said HELLO again) does not count."""
         if ident == self.ident and not self.unreachable:
             self.unreachable = time.monotonic()
+
+
+class WorkerView(NamedTuple):
+    """A worker's state as the upkeep reads it: a snapshot taken under the dispatcher's lock (the node's
+    I/O thread changes a :class:`WorkerState` under that lock at any moment)."""
+
+    worker: WorkerState
+    connected: bool  #: it said HELLO
+    busy: bool  #: it holds units of work
+    retiring: bool
+    seen: float  #: its last heartbeat (monotonic time)
+    unreachable: float  #: when a message to it could not be delivered (0: not since it last said HELLO)
+
+
+def _view(w: WorkerState) -> WorkerView:
+    return WorkerView(w, w.ident is not None, bool(w.units), w.retiring, w.seen, w.unreachable)
 
 
 class Dispatcher:
@@ -156,6 +175,8 @@ class Dispatcher:
         self._router: Optional[_router.Router] = None
         # items delivered ok / as a failure, sent again after a worker died (observe.py)
         self.done = self.failed = self.retried = 0
+        self.handed_back = 0  # items of workers told they would end, run again elsewhere (not retries)
+        self.ended_early = 0  # workers that said they would end (time limit, preemption, lifetime)
         self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
 
     def attach(self) -> None:
@@ -178,9 +199,9 @@ class Dispatcher:
         pickled = self._function(func, mode, inline)
         chunksize = max(1, chunksize)
         if len(items) == 1:
-            pieces = [(0, dumps([items[0]]))]
+            pieces = [(0, P.list_frames([items[0]]))]
         else:
-            pieces = [(i, dumps(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
+            pieces = [(i, P.list_frames(list(items[i:i + chunksize]))) for i in range(0, len(items), chunksize)]
         name = getattr(func, "__qualname__", None) or repr(func)
         if not items:
             return
@@ -209,7 +230,7 @@ class Dispatcher:
 
     def add_items(self, call: _Call, base: int, items: List[Any]) -> None:
         """Items ``base``, ``base + 1``, ... of an open call, as one chunk. SerializationError if unpicklable."""
-        args = dumps(items)
+        args = P.list_frames(items)
         with self.lock:
             chunk = _Chunk(next(self._chunk_ids), call, base, len(items), args)
             call.left += len(items)
@@ -238,7 +259,7 @@ class Dispatcher:
             hit = self._funcs.get((func, mode))
             if hit is not None:
                 return hit
-        frames = dumps((func, mode))
+        frames = P.function_frames(func, mode)
         with self.lock:
             if cacheable and len(self._funcs) < MAX_CACHED_FUNCTIONS:
                 return self._funcs.setdefault((func, mode), _Func(next(self._call_ids), frames, True))
@@ -259,6 +280,17 @@ class Dispatcher:
         """The pool's workers now: started and not yet ended (a snapshot)."""
         with self.lock:
             return list(self.workers.values())
+
+    def views(self, workers: Optional[Iterable[WorkerState]] = None) -> List[WorkerView]:
+        """Snapshots of ``workers`` (None: the pool's workers now), all taken at one moment."""
+        with self.lock:
+            return [_view(w) for w in (self.workers.values() if workers is None else workers)]
+
+    def view(self, worker_id: int) -> Optional[WorkerView]:
+        """A snapshot of worker ``worker_id``; None once it ended (or was never added)."""
+        with self.lock:
+            w = self.workers.get(worker_id)
+            return None if w is None else _view(w)
 
     def live(self) -> int:
         """How many of the pool's workers are not retiring (without looking at each)."""
@@ -291,7 +323,8 @@ class Dispatcher:
                         "state": "retiring" if w.retiring else "starting" if w.ident is None
                         else "busy" if w.units else "idle"} for w in self.workers.values()]
             return {"queued": queued, "running": sum(w["items"] for w in workers), "done": self.done,
-                    "failed": self.failed, "retried": self.retried, "workers": workers}
+                    "failed": self.failed, "retried": self.retried, "handed_back": self.handed_back,
+                    "ended_early": self.ended_early, "workers": workers}
 
     def busy(self) -> bool:
         with self.lock:
@@ -300,14 +333,7 @@ class Dispatcher:
     # -- worker messages (node I/O thread) -----------------------------------------------------
     def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
         if kind == P.RESULTS:
-            runs = P.ints("q", frames[1])
-            try:
-                values = loads(frames[2:])
-            except Exception as exc:  # e.g. the result's class cannot be imported here
-                err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
-                values = [err] * sum(runs[i + 2] for i in range(0, len(runs), 4))
-                for i in range(3, len(runs), 4):
-                    runs[i] = 0
+            runs, values = P.read_results(frames)
             with self.lock:
                 w = self.by_ident.get(ident)
                 self._results(w, runs, values)
@@ -318,6 +344,19 @@ class Dispatcher:
             w = self.workers.get(arg)
             if w is not None:
                 w.seen = time.monotonic()
+            return
+        if kind == P.ENDING:
+            with self.lock:
+                w = self.workers.get(arg)
+                if w is not None and not w.gone and not w.ending:
+                    w.ending = True
+                    self._retire(w)  # no more work; the upkeep starts its replacement now
+                    self.ended_early += 1
+                    observe.event("worker-ending", f"pool {self.pool_id}", f"worker {w.id} will end within {key} s: "
+                                  "it hands back its work (no retry counted); a replacement starts",
+                                  pool=self.pool_id, worker=w.id)
+                    log.info("roving pool: worker %s will end within %d s; its work is handed back and a "
+                             "replacement starts", w.id, key)
             return
         with self.lock:
             if kind == P.HELLO:
@@ -340,6 +379,8 @@ class Dispatcher:
                 unit = w.units.pop(arg, None)
                 if unit is not None:
                     unit.revoked = False
+                    if w.ending:
+                        self.handed_back += len(_unfinished(unit))
                     self.pending.appendleft(unit)
                     if not w.units:
                         w.alone = False
@@ -356,12 +397,11 @@ class Dispatcher:
         self.ready[w] = None
         self._dispatch()
 
-    def _results(self, w: Optional[WorkerState], runs: "array[int]", values: List[Any]) -> None:
+    def _results(self, w: Optional[WorkerState], runs: List[P.Run], values: List[Any]) -> None:
         chunks = self.chunks
         freed = False
         at = 0
-        for r in range(0, len(runs), 4):
-            cid, first, count, ok = runs[r], runs[r + 1], runs[r + 2], bool(runs[r + 3])
+        for cid, first, count, ok in runs:
             part = values[at:at + count]
             at += count
             if w is not None:
@@ -376,6 +416,9 @@ class Dispatcher:
             chunk = chunks.get(cid)
             if chunk is None:
                 continue  # every item already delivered
+            if not ok:  # what was sent for each failed item, for roving.debug.rerun
+                for i, exc in enumerate(part):
+                    self._note_failure(chunk, first + i, exc)
             if chunk.done.find(1, first, first + count) == -1:
                 self._deliver_run(chunk, first, ok, part)
             else:  # some already delivered (by a worker that died after sending them): the rest only
@@ -384,6 +427,11 @@ class Dispatcher:
                         self._deliver_run(chunk, first + i, ok, [value])
         if freed:  # an idle worker may take a blamed item, or a unit another has not started
             self._dispatch()
+
+    def _note_failure(self, chunk: _Chunk, offset: int, exc: Any) -> None:
+        if isinstance(exc, BaseException):
+            _rerun.note(exc, _rerun.FailedCall(chunk.call.func.frames, chunk.args, offset, chunk.base + offset,
+                                               chunk.call.name))
 
     def _deliver_run(self, chunk: _Chunk, first: int, ok: bool, values: List[Any]) -> None:
         count = len(values)
@@ -458,8 +506,7 @@ class Dispatcher:
                 if not unit.revoked:
                     unit.revoked = True
                     idle -= 1
-                    self.node.send_to(w.ident, [P.TO_WORKER.pack(P.REVOKE, unit.chunk.id, 0, 0, 0, 0, 0)],
-                                      w.undeliverable)
+                    self.node.send_to(w.ident, P.control(P.REVOKE, unit.chunk.id), w.undeliverable)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
         chunk, call = unit.chunk, unit.chunk.call
@@ -475,12 +522,10 @@ class Dispatcher:
             func_frames = func.frames
             if func.id:
                 w.known.add(func.id)
-        header = P.TO_WORKER.pack(P.TASKS, chunk.id, func.id, call.key, len(func_frames), len(chunk.args),
-                                  chunk.n)
-        forget = array("q", w.forget).tobytes() if w.forget else b""
-        w.forget = []
-        offs = array("I", offsets).tobytes() if offsets is not None else b""
-        self._batch.setdefault(w, []).extend((header, forget, offs, *func_frames, *chunk.args))
+        self._batch.setdefault(w, []).extend(P.unit_frames(chunk.id, func.id, call.key, chunk.n, func_frames,
+                                                           chunk.args, w.forget, offsets))
+        if w.forget:
+            w.forget = []
         unit.left = chunk.n if offsets is None else len(offsets)
         w.units[chunk.id] = unit
         if len(w.units) > 1:
@@ -492,7 +537,7 @@ class Dispatcher:
 
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
-            self.node.send_to(w.ident, [P.TO_WORKER.pack(kind, 0, 0, 0, 0, 0, 0)], w.undeliverable)
+            self.node.send_to(w.ident, P.control(kind), w.undeliverable)
 
     def _retire(self, w: WorkerState) -> None:
         if not w.retiring and self.workers.get(w.id) is w:
@@ -533,6 +578,7 @@ class Dispatcher:
         """``w`` ended: its unfinished items go back to the front of the line (see module docstring)."""
         with self.lock:
             w.gone = True
+            w.unreachable = 0.0  # its contact does not matter any more
             self._retire(w)
             if self.workers.pop(w.id, None) is not None:
                 self._retiring -= 1
@@ -541,7 +587,7 @@ class Dispatcher:
                 del self.by_ident[w.ident]  # a worker that is gone is forgotten
             units, w.units = list(w.units.values()), {}
             again: List[_Unit] = []
-            blamed = False
+            blamed = w.ending  # a worker told it would end did not die of its work: nothing is blamed
             again_n = 0  # items sent again (observe.py)
             for unit in units:
                 chunk = unit.chunk
@@ -555,10 +601,12 @@ class Dispatcher:
                     chunk.deaths = deaths
                     deaths[first] = deaths.get(first, 0) + 1
                     if deaths[first] >= self.max_task_retries:
-                        self._deliver_run(chunk, first, False, [WorkerLostError(
+                        lost = WorkerLostError(
                             f"item {chunk.base + first} of {chunk.call.name} was running on "
                             f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
-                            f"it is not tried again (max_task_retries={self.max_task_retries})")])
+                            f"it is not tried again (max_task_retries={self.max_task_retries})")
+                        self._note_failure(chunk, first, lost)
+                        self._deliver_run(chunk, first, False, [lost])
                     else:
                         self.suspects.append(_Unit(chunk, [first]))
                         again_n += 1
@@ -566,7 +614,11 @@ class Dispatcher:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
             again_n += sum(len(u.offsets) for u in again)
-            if units:
+            if units and w.ending:
+                self.handed_back += again_n
+                log.info("roving pool: worker %s ended as it said it would (exit code %s); %d unfinished item(s) "
+                         "go to other workers, no retry counted", w.id, exitcode, again_n)
+            elif units:
                 self.retried += again_n
                 observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} (exit code "
                               f"{exitcode}) sent again to other workers", pool=self.pool_id, items=again_n)

@@ -1,46 +1,273 @@
-"""The pool's messages between the parent's node and its workers (one custom node operation).
+"""The pool's messages between the parent's node and its workers (one custom node operation): the one
+place that knows their layout. The dispatcher (:mod:`roving.pool._dispatch`), the worker loop
+(:mod:`roving.pool._worker`) and the router (:mod:`roving.pool._router`) build and read them only
+through the functions and types here.
 
-Worker → parent: ``[OP, header, ...]``, header = (pool id, kind, argument, key):
+Worker → parent: ``[OP, header, ...]``, header = :class:`Header` (pool id, kind, argument, key):
 
 * HELLO(worker id) — the worker is connected and its initializer ran.
 * READY(n, key) — it wants ``n`` more units of work (credit); while it is busy, only of work with that
   key (that of the unit it runs, found short; a map's own, or one per function for apply); 0: any.
-* RESULTS(n) — then a frame of runs (chunk id, first offset, count, ok) and the pickled list of values,
-  one per item of the runs in order; ``n`` more units of work are asked for at the same time.
+* RESULTS(n, key) — then a frame of :class:`Run` s (chunk id, first offset, length, ok) and the pickled
+  list of values, one per item of the runs in order; ``n`` more units of work of ``key`` are asked for at
+  the same time (as READY).
 * BYE — it is leaving (max tasks reached, or told to stop); it runs what it was sent before the ACK.
 * RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
 * HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
   ``heartbeat_interval`` seconds, also while a task runs.
+* ENDING(worker id, seconds left) — from the heartbeat thread too, at once: the worker was told it will
+  end (a time limit, a preemption; :mod:`roving.pool._ending`). It takes no more work, gives back what it
+  has not started (RETURNED, unasked), finishes what it runs within that many seconds and says BYE; what it
+  leaves unfinished costs no retry.
 
-Parent → worker: TASKS is one or more units back to back, each ``[header, forget, offsets, *function frames,
-*argument frames]``, where header = (kind, chunk id, function id, key, number of function frames, number
-of argument frames, items in the chunk). The function frames come only the first time a worker is sent
-that function id; it keeps the function under that id (0: do not keep). ``forget`` lists function ids the
-worker may drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP are a header alone;
-REVOKE(chunk id) asks for a unit back if it has not started (an idle worker wants it).
+Parent → worker: TASKS is one or more units back to back (:func:`unit_frames`, read back as
+:class:`Unit` s by :func:`read_units`), each ``[header, forget, offsets, *function frames, *argument
+frames]``, where header = (kind, chunk id, function id, key, number of function frames, number of argument
+frames, items in the chunk). The function frames come only the first time a worker is sent that function
+id; it keeps the function under that id (0: do not keep). ``forget`` lists function ids the worker may
+drop; ``offsets`` the items of the chunk to run (empty: all). ACK and STOP are a header alone; REVOKE(chunk
+id) asks for a unit back if it has not started (an idle worker wants it). :func:`read_control` reads any
+of them: a :class:`Control`.
 
 The messages travel over a :class:`roving.transport.channel.Channel` per worker (a stream where the
 parent's node has a listener, else ZeroMQ), so their frames are any bytes-like object.
+
+Cost: this is the per-task path of millisecond tasks. Headers are NamedTuples made straight from
+``struct``; the per-item work (merging results into runs) is a few integer compares in
+:class:`RunWriter`, no object per item.
 """
 from __future__ import annotations
 
+import enum
 import struct
 from array import array
-from typing import Any
+from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]  # (not in typeshed's stub)
+from typing import Any, Callable, List, NamedTuple, Sequence, Tuple, Union
+
+from ..transport.serialize import dumps, loads
 
 OP = b"pool"
+#: Header of a message to the parent: pool id, kind, argument, key.
 TO_PARENT = struct.Struct("<QBqq")
+#: Header of a message to a worker: kind, chunk id, function id, key, function frames, argument frames,
+#: items in the chunk.
 TO_WORKER = struct.Struct("<BqqqHHI")
 
-HELLO, READY, RESULTS, BYE, RETURNED, HEARTBEAT = 1, 2, 3, 4, 5, 6
-TASKS, ACK, STOP, REVOKE = 1, 2, 3, 4
 
-# How a job's function is called with one item.
-APPLY, MAP, STAR = 0, 1, 2
+class ToParent(enum.IntEnum):
+    """Kinds of message from a worker to the parent."""
+
+    HELLO = 1
+    READY = 2
+    RESULTS = 3
+    BYE = 4
+    RETURNED = 5
+    HEARTBEAT = 6
+    ENDING = 7
 
 
-def ints(code: str, frame: Any) -> "array[int]":
-    """The integers of a frame (any bytes-like: a ZeroMQ frame, or bytes off a stream) as an array."""
-    out = array(code)
-    out.frombytes(frame)
-    return out
+class ToWorker(enum.IntEnum):
+    """Kinds of message from the parent to a worker."""
+
+    TASKS = 1
+    ACK = 2
+    STOP = 3
+    REVOKE = 4
+
+
+class Mode(enum.IntEnum):
+    """How a job's function is called with one item: ``f(*args, **kwds)``, ``f(item)``, ``f(*item)``."""
+
+    APPLY = 0
+    MAP = 1
+    STAR = 2
+
+
+# Module-level names for the hot paths (a module global is read faster than an enum class attribute).
+HELLO, READY, RESULTS, BYE, RETURNED, HEARTBEAT, ENDING = ToParent
+TASKS, ACK, STOP, REVOKE = ToWorker
+APPLY, MAP, STAR = Mode
+
+
+def list_frames(values: List[Any]) -> List[Any]:
+    """A chunk's items, or a RESULTS message's values: one pickled list (large buffers out of band).
+    SerializationError if one of them cannot be pickled."""
+    return dumps(values)
+
+
+def read_list(frames: Sequence[Any]) -> List[Any]:
+    """The list :func:`list_frames` made; whatever unpickling raises."""
+    return loads(frames)
+
+
+# -- worker → parent ------------------------------------------------------------------------------
+class Header(NamedTuple):
+    """The header of every message to the parent."""
+
+    pool_id: int
+    kind: int
+    arg: int
+    key: int
+
+
+class Run(NamedTuple):
+    """Results of consecutive items of one chunk with one outcome: items ``first .. first + length - 1``."""
+
+    chunk: int
+    first: int
+    length: int
+    ok: bool
+
+
+def read_header(frames: Sequence[Any]) -> Header:
+    """The header of a message to the parent (its frame after OP)."""
+    return Header._make(TO_PARENT.unpack(frames[0]))
+
+
+def to_parent(pool_id: int, kind: int, arg: int = 0, key: int = 0) -> List[Any]:
+    """A message to the parent that is a header alone (HELLO, READY, BYE, RETURNED, HEARTBEAT, ENDING)."""
+    return [OP, TO_PARENT.pack(pool_id, kind, arg, key)]
+
+
+class RunWriter:
+    """The runs of a RESULTS message as its results are added one or several at a time: an item that
+    follows the last one added, of the same chunk and outcome, extends its run (no object per item)."""
+
+    __slots__ = ("_closed", "_chunk", "_first", "_count", "_ok")
+
+    def __init__(self) -> None:
+        self._closed = array("q")  # the runs before the open one, four integers each
+        self._chunk = self._first = self._count = self._ok = 0  # the open run (count 0: none)
+
+    def add(self, chunk: int, first: int, count: int, ok: bool) -> None:
+        """Items ``first .. first + count - 1`` of ``chunk`` had outcome ``ok``."""
+        ok_ = 1 if ok else 0
+        if self._count and chunk == self._chunk and first == self._first + self._count and ok_ == self._ok:
+            self._count += count
+            return
+        if self._count:
+            self._closed.extend((self._chunk, self._first, self._count, self._ok))
+        self._chunk, self._first, self._count, self._ok = chunk, first, count, ok_
+
+    def runs(self) -> List[Run]:
+        """The runs so far, in order."""
+        flat = self._flat()
+        return [Run(flat[i], flat[i + 1], flat[i + 2], bool(flat[i + 3])) for i in range(0, len(flat), 4)]
+
+    def _flat(self) -> "array[int]":
+        flat = array("q", self._closed)
+        if self._count:
+            flat.extend((self._chunk, self._first, self._count, self._ok))
+        return flat
+
+    def results(self, pool_id: int, ask: int, key: int, value_frames: List[Any]) -> List[Any]:
+        """The RESULTS message of these runs and their values (pickled, ``value_frames``), asking for
+        ``ask`` more units of ``key``."""
+        return [OP, TO_PARENT.pack(pool_id, RESULTS, ask, key), self._flat().tobytes(), *value_frames]
+
+
+class Results(NamedTuple):
+    """A RESULTS message as the parent reads it: the runs and one value per item of them, in order."""
+
+    runs: List[Run]
+    values: List[Any]
+
+
+def read_results(frames: Sequence[Any]) -> Results:
+    """The runs and values of a RESULTS message. Values that cannot be unpickled here (their class cannot
+    be imported in the parent, say) make every item of the message fail with ``MaybeEncodingError``."""
+    flat = array("q")
+    flat.frombytes(frames[1])
+    try:
+        values = read_list(frames[2:])
+        loaded = True
+    except Exception as exc:
+        err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
+        values = [err] * sum(flat[i + 2] for i in range(0, len(flat), 4))
+        loaded = False
+    runs = [Run(flat[i], flat[i + 1], flat[i + 2], loaded and flat[i + 3] != 0) for i in range(0, len(flat), 4)]
+    return Results(runs, values)
+
+
+# -- parent → worker ------------------------------------------------------------------------------
+class Control(NamedTuple):
+    """The header of a message to a worker: its kind and, for TASKS, the first unit's fields."""
+
+    kind: int
+    chunk: int
+    func: int
+    key: int
+    nfunc: int
+    nargs: int
+    items: int  #: items in the chunk
+
+
+class Unit(NamedTuple):
+    """One unit of work as a worker reads it from TASKS."""
+
+    chunk: int  #: the chunk's id
+    func: int  #: the function's id (0: not kept)
+    key: int  #: the key of work it counts under (a call's, or a function's for apply)
+    func_frames: Sequence[Any]  #: the pickled (function, mode); empty when the worker holds ``func``
+    arg_frames: Sequence[Any]  #: the pickled list of the chunk's items
+    offsets: Union[range, "array[int]"]  #: the items of the chunk to run
+    forget: "array[int]"  #: ids of functions the worker may drop
+
+
+def function_frames(func: Callable[..., Any], mode: int) -> List[Any]:
+    """The function frames of a unit: ``func`` and how it is called. SerializationError if unpicklable."""
+    return dumps((func, int(mode)))
+
+
+def read_function(frames: Sequence[Any]) -> Tuple[Callable[..., Any], int]:
+    """(function, mode) from a unit's function frames; whatever unpickling raises."""
+    func, mode = loads(frames)
+    return func, mode
+
+
+_STOP_HEADER = TO_WORKER.pack(STOP, 0, 0, 0, 0, 0, 0)
+_ACK_HEADER = TO_WORKER.pack(ACK, 0, 0, 0, 0, 0, 0)
+_NONE = b""
+
+
+def control(kind: int, chunk: int = 0) -> List[Any]:
+    """A message to a worker that is a header alone: ACK, STOP, or REVOKE(``chunk``)."""
+    if kind == STOP:
+        return [_STOP_HEADER]
+    if kind == ACK:
+        return [_ACK_HEADER]
+    return [TO_WORKER.pack(kind, chunk, 0, 0, 0, 0, 0)]
+
+
+def unit_frames(chunk: int, func: int, key: int, count: int, func_frames: Sequence[Any], arg_frames: Sequence[Any],
+                forget: Sequence[int], offsets: Union[None, Sequence[int]]) -> Tuple[Any, ...]:
+    """The frames of one unit of a TASKS message (units of one message go back to back): items
+    ``offsets`` (None: all ``count``) of chunk ``chunk``."""
+    header = TO_WORKER.pack(TASKS, chunk, func, key, len(func_frames), len(arg_frames), count)
+    gone = array("q", forget).tobytes() if forget else _NONE
+    offs = array("I", offsets).tobytes() if offsets is not None else _NONE
+    return (header, gone, offs, *func_frames, *arg_frames)
+
+
+def read_control(frames: Sequence[Any]) -> Control:
+    """The header of a message to a worker (TASKS: the first unit's; read them with :func:`read_units`)."""
+    return Control._make(TO_WORKER.unpack(frames[0]))
+
+
+def read_units(frames: Sequence[Any], first: Control) -> List[Unit]:
+    """The units of a TASKS message whose header ``first`` was read by :func:`read_control`."""
+    units = []
+    head, at, n = first, 0, len(frames)
+    while True:
+        nfunc, nargs = head.nfunc, head.nargs
+        forget = array("q")
+        forget.frombytes(frames[at + 1])
+        offsets = array("I")
+        offsets.frombytes(frames[at + 2])
+        start = at + 3
+        units.append(Unit(head.chunk, head.func, head.key, frames[start:start + nfunc],
+                          frames[start + nfunc:start + nfunc + nargs], offsets or range(head.items), forget))
+        at = start + nfunc + nargs
+        if at >= n:
+            return units
+        head = Control._make(TO_WORKER.unpack(frames[at]))

@@ -4,8 +4,7 @@ This module is the one writer of their outcomes: :func:`deliver` (items finished
 mostly on the node's I/O thread), :func:`fail` (a call that could not be queued at all) and
 :func:`set_length` (an imap's iterable read to its end); nothing else sets a result's state. Callbacks
 run on the pool's callback thread (never the I/O thread), before ``get()`` returns, as in
-:mod:`multiprocessing`. It also holds the errors a result can raise that are the pool's own:
-:class:`WorkerLostError` and :class:`PoolStartError`.
+:mod:`multiprocessing`. The errors a result can raise that are the pool's own are in :mod:`.errors`.
 """
 from __future__ import annotations
 
@@ -14,25 +13,16 @@ import logging
 import queue
 import threading
 import time
-from multiprocessing import ProcessError, TimeoutError
+from multiprocessing import TimeoutError
 from typing import Any, Callable, Dict, List, Optional
 
 from ..transport import timeouts
+from .errors import PoolStartError, WorkerLostError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
            "WorkerLostError", "PoolStartError", "deliver", "fail", "set_length"]
-
-
-class WorkerLostError(ProcessError):
-    """A task was running on ``max_task_retries`` workers that died; it is not tried again."""
-
-
-class PoolStartError(OSError):
-    """Workers failed to start ``pool_start_failures`` times in a row with none connecting (their
-    machines cannot reach this one, or their jobs are refused): the pool gives up; pending results and
-    every later call raise it. The message has the last reason and the address workers were to reach."""
 
 
 # -- the one writer of outcomes ---------------------------------------------------------------
@@ -112,6 +102,14 @@ class AsyncResult:
 
     def wait(self, timeout: Optional[float] = None) -> None:
         self._event.wait(timeouts.limit(timeout))
+
+    def rerun_locally(self, pdb: bool = False) -> Any:
+        """Run the call that failed again in this process, with the very function and pickled arguments
+        its worker got, so that a debugger stops in it (``pdb=True``: under pdb); see
+        :func:`roving.debug.rerun`. ValueError when it has not failed."""
+        from ._rerun import rerun
+
+        return rerun(self, pdb=pdb)
 
     def get(self, timeout: Optional[float] = None) -> Any:
         """The value, or the task's exception raised here (its remote traceback as ``__cause__``).

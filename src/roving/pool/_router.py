@@ -38,7 +38,7 @@ class Router:
             self._pools.pop(disp.pool_id, None)
 
     def _route(self, ident: bytes, frames: List[Any]) -> None:
-        pool_id, kind, arg, key = P.TO_PARENT.unpack(frames[0])
-        disp = self._pools.get(pool_id)
+        head = P.read_header(frames)
+        disp = self._pools.get(head.pool_id)
         if disp is not None:
-            disp.on_message(ident, kind, arg, key, frames)
+            disp.on_message(ident, head.kind, head.arg, head.key, frames)

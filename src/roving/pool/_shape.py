@@ -24,7 +24,7 @@ def meta(*, cpu: Optional[float] = None, memory: Optional[Any] = None,
     want = resources({"cpu": cpu, "memory": memory, "gpu": gpu}, "roving.meta()")
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        func.__roving_meta__ = want
+        setattr(func, "__roving_meta__", want)  # noqa: B010  (a function's attribute: no type says it has one)
         return func
 
     return mark

@@ -2,8 +2,10 @@
 ``max``, liveness (a job that ended, heartbeats, a connection cut off), and the pool's upkeep thread.
 
 The workers themselves are registered in one place, the pool's dispatcher (:mod:`roving.pool._dispatch`),
-under its lock: the upkeep adds a worker there when its job starts, reads the table each round
-(:meth:`~roving.pool._dispatch.Dispatcher.workers_now`) and reports there each worker that ended. Its own
+under its lock: the upkeep adds a worker there when its job starts, reads the table each round as
+snapshots taken under that lock (:meth:`~roving.pool._dispatch.Dispatcher.views`: connected, busy,
+retiring, last heard from; never a worker's fields directly, which the node's I/O thread changes at any
+moment) and reports there each worker that ended. Its own
 lock guards the rest of the pool's state: RUN, CLOSE or TERMINATE; how many workers it keeps (now, min,
 max); their shape; multiprocessing's list of member processes. Lock order: this one, then the
 dispatcher's (never the other way round).
@@ -37,9 +39,10 @@ from .. import process as _process
 from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
-from ._dispatch import Dispatcher, WorkerState
-from ._results import CallbackRunner, PoolStartError
+from ._dispatch import Dispatcher, WorkerState, WorkerView
+from ._results import CallbackRunner
 from ._shape import covers
+from .errors import PoolStartError
 
 __all__ = ["Upkeep", "RUN", "CLOSE", "TERMINATE"]
 
@@ -69,7 +72,7 @@ class Upkeep:
         #: Workers that could not start, as (time.time(), reason); the latest 100.
         self.start_failures: List[Tuple[float, str]] = []
         #: Set when workers failed to start pool_start_failures times in a row: every call raises it.
-        self.broken: Optional[PoolStartError] = None
+        self.broken: Optional[Exception] = None  # PoolStartError, or a worker's EnvironmentMismatchError
         #: Set to run a round of upkeep now (after a change, or when the pool was collected).
         self.wake = threading.Event()
         self._idle_timeout = idle_timeout
@@ -129,12 +132,12 @@ class Upkeep:
         with self.lock:
             self.min = self.max = processes
             self.size = processes
-            live = [w for w in self.disp.workers_now() if not w.retiring]
+            live = [v for v in self.disp.views() if not v.retiring]
             extra = len(live) - processes
             if extra > 0:
-                live.sort(key=lambda w: (len(w.units) > 0, w.ident is not None))
-                for w in live[:extra]:
-                    self.disp.retire(w)
+                live.sort(key=lambda v: (v.busy, v.connected))
+                for v in live[:extra]:
+                    self.disp.retire(v.worker)
         self.wake.set()
 
     def reshape(self, need: Dict[str, Any], func: Any) -> None:
@@ -237,6 +240,16 @@ class Upkeep:
             self._failed_start(f"could not start a worker: {failed}" if len(batch) == 1 else
                                f"could not start {lost} of {len(batch)} workers: {failed}")
 
+    def _broken_by(self, error: Exception) -> None:
+        """A worker cannot run here at all (its environment differs where env_check forbids it): no
+        replacement would fare better, so the pool gives up at once with ``error``, as after
+        pool_start_failures failed starts."""
+        if self.broken is None:
+            self.broken = error
+            observe.event("start-failed", f"pool {self.disp.pool_id}", str(error))
+            log.error("roving pool: %s", error)
+            self.disp.fail_all(error)
+
     def _failed_start(self, why: str) -> None:
         self._failures += 1
         observe.event("start-failed", f"pool {self.disp.pool_id}", why)
@@ -259,12 +272,12 @@ class Upkeep:
         log.warning("roving pool: %s; trying again in %.1f s", why, delay)
 
     # -- one round ---------------------------------------------------------------------------------
-    def _autoscale(self, workers: List[WorkerState], now: float) -> None:
+    def _autoscale(self, workers: List[WorkerView], now: float) -> None:
         """Between ``min`` and ``max`` workers: grow while work waits and no worker is free, shrink by
         workers idle for ``idle_timeout`` seconds."""
         waiting, free = self.disp.backlog()
-        live = [w for w in workers if not w.retiring]
-        starting = sum(1 for w in live if w.ident is None)
+        live = [v for v in workers if not v.retiring]
+        starting = sum(1 for v in live if not v.connected)
         with self.lock:
             if waiting and not free and self.size < self.max:
                 grow = min(self.max - self.size, max(0, waiting - starting))
@@ -274,11 +287,11 @@ class Upkeep:
                                   f"{grow} more worker(s), {self.size + grow} in all")
                     self.size += grow
                 return
-            for w in live:
-                if w.units or w.ident is None:
-                    self._idle_since.pop(w.id, None)
+            for v in live:
+                if v.busy or not v.connected:
+                    self._idle_since.pop(v.worker.id, None)
                 else:
-                    self._idle_since.setdefault(w.id, now)
+                    self._idle_since.setdefault(v.worker.id, now)
             idle = sorted((since, wid) for wid, since in self._idle_since.items()
                           if now - since >= self._idle_timeout)
             extra = min(len(idle), len(live) - self.min)
@@ -323,7 +336,7 @@ class Upkeep:
         self._ended_ids.append(worker_id)
         self.wake.set()
 
-    def _due(self, now: float) -> List[WorkerState]:
+    def _due(self, now: float) -> List[WorkerView]:
         """The workers to look at in this round: each whose job ended, whose heartbeat deadline came, or
         that has no sentinel. A worker whose deadline came but that was heard from meanwhile gets its
         next deadline: silent for the timeout since it was last heard from, or cut off for the timeout
@@ -333,22 +346,20 @@ class Upkeep:
             w = self.disp.worker(wid)
             if w is not None:  # asked each round until its end is known (then _ended forgets it)
                 self._polled[wid] = w
-        due: Dict[int, WorkerState] = dict(self._polled)
+        due: Dict[int, WorkerView] = {v.worker.id: v for v in self.disp.views(self._polled.values())}
         timeout = self._heartbeat_timeout
         while self._deadlines and self._deadlines[0][0] <= now:
             _, wid = heapq.heappop(self._deadlines)
-            w = self.disp.worker(wid)
-            if w is None:  # ended meanwhile
+            v = self.disp.view(wid)
+            if v is None:  # ended meanwhile
                 continue
             self.checks += 1
-            silent = w.ident is not None and now - w.seen > timeout
-            cut_off = w.unreachable and now - w.unreachable > timeout
-            if silent or cut_off:
-                due[wid] = w
+            if _silent(v, now, timeout) or _cut_off(v, now, timeout):
+                due[wid] = v
                 continue
-            nxt = w.seen + timeout if w.ident is not None else now + timeout
-            if w.unreachable:
-                nxt = min(nxt, w.unreachable + timeout)
+            nxt = v.seen + timeout if v.connected else now + timeout
+            if v.unreachable:
+                nxt = min(nxt, v.unreachable + timeout)
             heapq.heappush(self._deadlines, (max(nxt, now + 0.01), wid))
         self.checks += len(due)
         return list(due.values())
@@ -362,7 +373,6 @@ class Upkeep:
         """Kill ``w`` and count it as lost at once, without waiting for its job to end: a job on a machine
         cut off from the cluster may not end for minutes (or until the machine is back), and its work must
         not wait that long. A late word from it is ignored (it is gone); its job is reaped when it ends."""
-        w.unreachable = 0.0
         self._lost(w, "killed: no heartbeat, or cut off")
         w.proc.kill()
         self._ended(w)
@@ -380,18 +390,18 @@ class Upkeep:
             for p in ended:
                 self._abandoned.remove(p)
                 _process.release(p)
-        for w in self._due(now):
+        for v in self._due(now):
+            w = v.worker
             if w.proc.is_alive():
-                silent = w.ident is not None and now - w.seen > self._heartbeat_timeout
-                cut_off = w.unreachable and now - w.unreachable > self._heartbeat_timeout
-                if (silent or cut_off) and state != TERMINATE:
+                silent = _silent(v, now, self._heartbeat_timeout)
+                if (silent or _cut_off(v, now, self._heartbeat_timeout)) and state != TERMINATE:
                     if silent:
                         log.warning("roving pool: worker %s sent no heartbeat for %.0f s; it is killed and counts "
-                                    "as lost: its work goes to other workers", w.id, now - w.seen)
+                                    "as lost: its work goes to other workers", w.id, now - v.seen)
                     else:
                         log.warning("roving pool: worker %s cannot be reached (its connection to the parent broke "
                                     "%.0f s ago) and has not reconnected; it is killed and counts as lost: its "
-                                    "work goes to other workers", w.id, now - w.unreachable)
+                                    "work goes to other workers", w.id, now - v.unreachable)
                     self._abandon(w)
                 continue
             code = w.proc.exitcode
@@ -399,9 +409,12 @@ class Upkeep:
                 self._lost(w, f"exit code {code}")
             self._ended(w)
             if state != TERMINATE:
-                if w.ident is None and code != 0:
+                mismatch = _process.environment_error(w.proc) if not v.connected else None
+                if mismatch is not None:
+                    self._broken_by(mismatch)
+                elif not v.connected and code != 0:
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
-                elif w.ident is not None:
+                elif v.connected:
                     self._failures = 0
             self.disp.worker_lost(w, code)
             _process.release(w.proc)  # its sentinel and job handle; a long-lived pool recycles many workers
@@ -412,11 +425,11 @@ class Upkeep:
                 if w.proc.is_alive():
                     w.proc.kill()
             return any(w.proc.is_alive() for w in workers)
-        if self._failures and any(w.ident is not None and not w.retiring for w in self.disp.workers_now()):
+        if self._failures and any(v.connected and not v.retiring for v in self.disp.views()):
             self._failures = 0  # a worker connected: the next failure starts the backoff afresh
         busy = self.disp.busy()
         if (state == RUN or busy) and self.min != self.max:  # also after close(), while work is left
-            self._autoscale(self.disp.workers_now(), now)
+            self._autoscale(self.disp.views(), now)
         if state == RUN or busy:
             self.start_workers()
         elif state == CLOSE:
@@ -457,6 +470,16 @@ class Upkeep:
             except Exception:
                 pass
         self.disp.fail_all("the pool was garbage-collected before this task finished")
+
+
+def _silent(v: WorkerView, now: float, timeout: float) -> bool:
+    """Connected and not heard from for ``timeout`` seconds."""
+    return v.connected and now - v.seen > timeout
+
+
+def _cut_off(v: WorkerView, now: float, timeout: float) -> bool:
+    """Its connection broke ``timeout`` seconds ago or more, and it has not said HELLO again since."""
+    return bool(v.unreachable) and now - v.unreachable > timeout
 
 
 def _job_ended(ref: "weakref.ref[Upkeep]", worker_id: int, proc: Any) -> None:

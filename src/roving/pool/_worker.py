@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import sys
 import threading
 import time
-from array import array
 from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config
 from ..transport import session as _session
+from ._ending import Ending, lifetime_for, signals_named
 from ..transport.channel import Channel, ConnectionLost, TransportError
-from ..transport.serialize import SerializationError, dumps, loads
+from ..transport.serialize import SerializationError
 from . import _protocol as P
 
 log = logging.getLogger(__name__)
@@ -35,73 +36,63 @@ BLOCK_S = 0.001  # a block that ran faster than this doubles; slower, halves
 
 
 class _Results:
-    """Results not yet sent, as runs of consecutive items of one chunk with the same outcome."""
+    """Results not yet sent, as runs of consecutive items of one chunk with the same outcome
+    (:class:`roving.pool._protocol.RunWriter`)."""
 
     def __init__(self, chan: Channel, pool_id: int) -> None:
         self.chan, self.pool_id = chan, pool_id
-        self.runs: List[List[int]] = []  # [chunk id, first offset, count, ok]
+        self.runs = P.RunWriter()
         self.values: List[Any] = []
         self.sent = time.monotonic()
 
-    def add(self, cid: int, off: int, ok: bool, value: Any) -> bool:
-        """Keep one result; True when it is time to send: ``FLUSH_S`` since the last send (so the result
-        of a long task leaves at once, those of short ones together), or ``MAX_BATCH`` results."""
-        run = self.runs[-1] if self.runs else None
-        if run is not None and run[0] == cid and run[1] + run[2] == off and run[3] == ok:
-            run[2] += 1
-        else:
-            self.runs.append([cid, off, 1, int(ok)])
-        self.values.append(value)
+    def _due(self) -> bool:
+        """Time to send: ``FLUSH_S`` since the last send (so the result of a long task leaves at once,
+        those of short ones together), or ``MAX_BATCH`` results kept."""
         return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
+
+    def add(self, cid: int, off: int, ok: bool, value: Any) -> bool:
+        """Keep one result; True when it is time to send (see :meth:`_due`)."""
+        self.runs.add(cid, off, 1, ok)
+        self.values.append(value)
+        return self._due()
 
     def add_run(self, cid: int, offs: Any, i: int, ok: bool, values: List[Any]) -> bool:
         """Keep the results of items ``offs[i:i + len(values)]``; as :meth:`add`."""
         if isinstance(offs, range):
-            first, count = offs[i], len(values)
-            run = self.runs[-1] if self.runs else None
-            if run is not None and run[0] == cid and run[1] + run[2] == first and run[3] == ok:
-                run[2] += count
-            else:
-                self.runs.append([cid, first, count, int(ok)])
-            self.values.extend(values)
-            return len(self.values) >= MAX_BATCH or time.monotonic() - self.sent >= FLUSH_S
-        due = False
-        for k, value in enumerate(values):
-            due = self.add(cid, offs[i + k], ok, value)
-        return due
+            self.runs.add(cid, offs[i], len(values), ok)
+        else:
+            add = self.runs.add
+            for k in range(len(values)):
+                add(cid, offs[i + k], 1, ok)
+        self.values.extend(values)
+        return self._due()
 
     def flush(self, ask: int = 0, key: int = 0) -> None:
         """Send what is kept (asking for ``ask`` more units of ``key`` at once); nothing if empty."""
         if not self.values:
             return
         try:
-            frames = dumps(self.values)
+            frames = P.list_frames(self.values)
         except SerializationError:
-            frames = dumps(self._picklable())
-        keys = array("q")
-        for run in self.runs:
-            keys.extend(run)
-        header = P.TO_PARENT.pack(self.pool_id, P.RESULTS, ask, key)
-        self.chan.send([P.OP, header, keys.tobytes(), *frames])
-        self.runs, self.values = [], []
+            frames = P.list_frames(self._picklable())
+        self.chan.send(self.runs.results(self.pool_id, ask, key, frames))
+        self.runs, self.values = P.RunWriter(), []
         self.sent = time.monotonic()
 
     def _picklable(self) -> List[Any]:
         """Replace each value that cannot be pickled by the error saying so (that item fails)."""
-        out, runs, i = [], [], 0
-        for cid, first, count, ok in self.runs:
-            for off in range(first, first + count):
-                value, good = self.values[i], ok
-                i += 1
+        out: List[Any] = []
+        runs = P.RunWriter()
+        values = iter(self.values)
+        for run in self.runs.runs():
+            for off in range(run.first, run.first + run.length):
+                value, good = next(values), run.ok
                 try:
-                    dumps(value)
+                    P.list_frames([value])
                 except SerializationError as exc:
-                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), 0
+                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), False
                 out.append(value)
-                if runs and runs[-1][0] == cid and runs[-1][1] + runs[-1][2] == off and runs[-1][3] == good:
-                    runs[-1][2] += 1
-                else:
-                    runs.append([cid, off, 1, good])
+                runs.add(run.chunk, off, 1, good)
         self.runs = runs
         return out
 
@@ -112,14 +103,20 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     if initializer is not None:
         initializer(*initargs)
     secret = _session.current().secret
+    cfg = _config.current()
 
     def connect() -> Channel:
         return Channel(address, secret, connect_timeout, stream=True)
 
     stop = threading.Event()
-    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop),
+    # told it will end (a time limit, a preemption, its lifetime): it leaves well (see roving.pool._ending)
+    ending = Ending(cfg.worker_grace, signals_named(cfg.end_signals), lifetime_for(cfg), cfg.preemption_file,
+                    preemption_url=cfg.preemption_url)
+    wake = threading.Event()
+    ending.on_set(lambda _: wake.set())
+    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake),
                                name="roving-pool-heartbeat", daemon=True)
-    loop = _Loop(connect(), pool_id, maxtasks, connect)
+    loop = _Loop(connect(), pool_id, maxtasks, connect, ending)
     beating.start()
     try:
         loop.run(worker_id)
@@ -129,15 +126,23 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     finally:
         loop.chan.close()
         stop.set()  # its channel closes too: the parent's node forgets both connections
+        wake.set()
         beating.join(2.0)
+        ending.close()
 
 
-def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event) -> None:
+def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event,
+               ending: Ending, wake: threading.Event) -> None:
     """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
-    then a new one is opened, so that a drop of this connection alone does not get the worker killed."""
+    then a new one is opened, so that a drop of this connection alone does not get the worker killed.
+
+    Once the worker is told it will end, the parent hears it here at once (ENDING), whatever the worker's
+    main thread runs; and at the deadline, if the worker is still running an item, it leaves anyway: its
+    item is run again elsewhere, not counted as a retry."""
     interval = _config.current().heartbeat_interval
-    header = P.TO_PARENT.pack(pool_id, P.HEARTBEAT, worker_id, 0)
+    beat = P.to_parent(pool_id, P.HEARTBEAT, worker_id)
+    told = False
     try:
         chan = connect()
     except (OSError, ConnectionError) as exc:
@@ -154,10 +159,22 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
                 log.warning("roving pool worker %d: cannot reconnect its heartbeats (%s)", worker_id, exc)
                 return
         try:
-            chan.send([P.OP, header])
+            if ending.event.is_set() and not told:
+                chan.send(P.to_parent(pool_id, P.ENDING, worker_id, max(0, int(ending.left()))))
+                told = True
+                sys.stderr.write(f"roving pool worker {worker_id}: will end within {ending.left():.0f} s "
+                                 f"({ending.reason}): it takes no more work\n")
+            chan.send(beat)
         except ConnectionLost:  # the stream ended: the next recv finds that and connects again
             pass
-        stop.wait(interval)
+        if told and ending.left() <= 0:
+            sys.stderr.write(f"roving pool worker {worker_id}: its {ending.grace:g} s of grace are over "
+                             f"({ending.reason}); it leaves now: what it runs is run again elsewhere\n")
+            sys.stderr.flush()
+            chan.close(1.0)
+            os._exit(0)
+        wake.wait(min(interval, max(0.0, ending.left())) if told else interval)
+        wake.clear()
     chan.close(1.0)
 
 
@@ -169,9 +186,10 @@ class _Loop:
     gets them; results that arrive twice count once), and the worker drops them too."""
 
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
-                 reconnect: Callable[[], Channel]) -> None:
+                 reconnect: Callable[[], Channel], ending: Optional[Ending] = None) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
-        self.units: Deque[Tuple[int, int, Any, Any, Any, int]] = collections.deque()
+        self.ending = ending
+        self.units: Deque[P.Unit] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
         self.done = 0
@@ -182,7 +200,7 @@ class _Loop:
         self.results = _Results(chan, pool_id)
 
     def _send(self, kind: int, arg: int, key: int = 0) -> None:
-        self.chan.send([P.OP, P.TO_PARENT.pack(self.pool_id, kind, arg, key)])
+        self.chan.send(P.to_parent(self.pool_id, kind, arg, key))
 
     def _want(self) -> int:
         """How many more units to ask for now (asks come in batches, when half the depth is used)."""
@@ -217,7 +235,8 @@ class _Loop:
             self._send(P.BYE, 0)
 
     def _take(self, frames: List[Any]) -> None:
-        kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[0])
+        head = P.read_control(frames)
+        kind = head.kind
         if kind == P.ACK:
             self.acked = True
             return
@@ -226,25 +245,19 @@ class _Loop:
             return
         if kind == P.REVOKE:
             for unit in self.units:
-                if unit[0] == cid:
+                if unit.chunk == head.chunk:
                     self.units.remove(unit)
-                    self._send(P.RETURNED, cid)
+                    self._send(P.RETURNED, head.chunk)
                     break
             return
-        # TASKS: one or more units back to back, each [header, forget, offsets, *function, *arguments]
-        at = 0
-        while True:
+        for unit in P.read_units(frames, head):  # TASKS
             self.asked = max(0, self.asked - 1)
-            for gone in P.ints("q", frames[at + 1]):
+            for gone in unit.forget:
                 self.funcs.pop(gone, None)
-            offsets = P.ints("I", frames[at + 2])
-            func_frames = frames[at + 3:at + 3 + nfunc]
-            arg_frames = frames[at + 3 + nfunc:at + 3 + nfunc + nargs]
-            self.units.append((cid, fid, func_frames, arg_frames, offsets or range(count), key))
-            at += 3 + nfunc + nargs
-            if at >= len(frames):
-                return
-            kind, cid, fid, key, nfunc, nargs, count = P.TO_WORKER.unpack(frames[at])
+            if self.leaving and self.ending is not None and self.ending.event.is_set():
+                self._send(P.RETURNED, unit.chunk)  # sent before the parent heard it ends: back at once
+                continue
+            self.units.append(unit)
 
     def run(self, worker_id: int) -> None:
         self._send(P.HELLO, worker_id)
@@ -271,10 +284,19 @@ class _Loop:
         else:
             self._ask()
 
+    def _end_well(self) -> None:
+        """Told it will end: the units not started go back (RETURNED, unasked), then results and BYE."""
+        while self.units:
+            self._send(P.RETURNED, self.units.popleft().chunk)
+        self.asked = 0
+        self._leave()
+
     def _turn(self, worker_id: int) -> bool:
         """Run the next unit, or wait a moment for work; True once the worker may leave."""
         chan = self.chan
         self._poll()
+        if self.ending is not None and self.ending.event.is_set() and not self.leaving:
+            self._end_well()
         if not self.units:
             self.results.flush()
             if self.leaving and self.acked:
@@ -288,12 +310,12 @@ class _Loop:
                 self._send(P.HEARTBEAT, worker_id)
             return False
         unit = self.units.popleft()
-        if unit[5] != self.key:
-            self.key, self.depth = unit[5], 1
+        if unit.key != self.key:
+            self.key, self.depth = unit.key, 1
         if self.depth > 1:
             self._ask()  # the next units arrive while this one runs
         started = time.monotonic()
-        due = self._run_unit(*unit[:5])
+        due = self._run_unit(unit)
         took = time.monotonic() - started
         self.depth = DEEP if took < TINY_S else 2 if took < SHORT_S else 1
         self.done += 1
@@ -318,7 +340,7 @@ class _Loop:
         self.results.flush()
         self._poll()
 
-    def _function(self, fid: int, func_frames: List[Any]) -> Tuple[Callable[..., Any], int]:
+    def _function(self, fid: int, func_frames: Sequence[Any]) -> Tuple[Callable[..., Any], int]:
         """The unit's function: unpickled from its frames (and kept under ``fid`` unless 0), or the one
         kept. A function that could not be unpickled fails every unit that names it, not just the first."""
         if not func_frames:
@@ -327,7 +349,7 @@ class _Loop:
                 raise got
             return got
         try:
-            got = loads(func_frames)
+            got = P.read_function(func_frames)
         except BaseException as exc:
             if fid:
                 self.funcs[fid] = exc
@@ -336,14 +358,14 @@ class _Loop:
             self.funcs[fid] = got
         return got
 
-    def _run_unit(self, cid: int, fid: int, func_frames: List[Any], arg_frames: List[Any],
-                  offsets: Any) -> bool:
+    def _run_unit(self, unit: P.Unit) -> bool:
         """Run the unit's items, sending results as they fall due except the last ones: True when those
         are due (the caller sends them, with its ask for more work if it makes one)."""
         results = self.results
+        cid, offsets = unit.chunk, unit.offsets
         try:
-            func, mode = self._function(fid, func_frames)
-            items = loads(arg_frames)
+            func, mode = self._function(unit.func, unit.func_frames)
+            items = P.read_list(unit.arg_frames)
         except BaseException as exc:  # the function or arguments could not be loaded here
             err = ExceptionWithTraceback(exc, exc.__traceback__)
             for off in offsets:
@@ -379,6 +401,8 @@ class _Loop:
             if failed is not None:
                 due = results.add(cid, offs[i], False, ExceptionWithTraceback(failed, failed.__traceback__))
                 i += 1
+            if self.ending is not None and self.ending.event.is_set() and i < n:
+                return True  # the rest of the unit is left to others (the parent has it): results now
             if due and i < n:
                 self._flush()
             elif due:

@@ -25,7 +25,7 @@ import copy as _copy
 import logging
 import traceback
 from multiprocessing import TimeoutError
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, SupportsFloat, Tuple, Union
 
 import gymnasium as gym
 import numpy as np
@@ -56,7 +56,8 @@ def _serve(env_fn: Callable[[], gym.Env], conn: Any) -> None:
                 elif cmd == "step":
                     if needs_reset:
                         obs, info = env.reset()
-                        reward, terminated, truncated = 0.0, False, False
+                        reward: SupportsFloat = 0.0
+                        terminated, truncated = False, False
                     else:
                         obs, reward, terminated, truncated, info = env.step(data)
                     needs_reset = bool(terminated or truncated)
@@ -116,11 +117,11 @@ class RovingVectorEnv(VectorEnv):
         self.action_space = batch_space(act_space, self.num_envs)
         self.metadata = dict(metadata or {}, autoreset_mode=AutoresetMode.NEXT_STEP)
         self.render_mode, self.spec = render_mode, spec
-        self._obs = create_empty_array(obs_space, n=self.num_envs, fn=np.zeros)
+        self._obs: Any = create_empty_array(obs_space, n=self.num_envs, fn=np.zeros)
 
     # -- the VectorEnv interface --------------------------------------------------------------
     def reset(self, *, seed: Union[int, Sequence[Optional[int]], None] = None,
-              options: Optional[dict] = None):
+              options: Optional[dict] = None) -> Tuple[Any, Dict[str, Any]]:
         """Reset every environment: an int seed gives environment i the seed ``seed + i``."""
         if seed is None or isinstance(seed, int):
             seeds = [None if seed is None else seed + i for i in range(self.num_envs)]
@@ -135,16 +136,16 @@ class RovingVectorEnv(VectorEnv):
             infos = self._add_info(infos, info, i)
         return self._batch_obs([obs for obs, _ in results]), infos
 
-    def step(self, actions):
+    def step(self, actions: Any) -> Tuple[Any, Any, Any, Any, Dict[str, Any]]:
         self.step_async(actions)
         return self.step_wait()
 
-    def step_async(self, actions) -> None:
+    def step_async(self, actions: Any) -> None:
         """Send the actions; :meth:`step_wait` collects the results."""
         self._send_all([("step", a) for a in iterate(self.action_space, actions)])
         self._waiting = True
 
-    def step_wait(self, timeout: Optional[float] = None):
+    def step_wait(self, timeout: Optional[float] = None) -> Tuple[Any, Any, Any, Any, Dict[str, Any]]:
         if not self._waiting:
             raise RuntimeError("step_wait() called without step_async()")
         results = self._receive_all(timeout)
@@ -174,7 +175,7 @@ class RovingVectorEnv(VectorEnv):
         self._send_all([("set_attr", (name, v)) for v in values])
         self._receive_all()
 
-    def render(self):
+    def render(self) -> Any:
         return self.call("render")
 
     def close_extras(self, timeout: Optional[float] = None, terminate: bool = False) -> None:

@@ -26,7 +26,7 @@ import functools
 import ipaddress
 import random
 import socket
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from ..config import parse_port_range  # the option's own parser; named here too, as before
 
@@ -104,10 +104,10 @@ def route_to(host: str) -> str:
 #: ``(config) -> (host, why)`` of a machine on the cluster's side, or None when every job of the
 #: configured backend runs on this machine. Set by roving.transport.session (to roving.backends.towards);
 #: loopback until then.
-_cluster_route: Callable[[object], Optional[Tuple[str, str]]] = lambda cfg: None
+_cluster_route: Callable[[Any], Optional[Tuple[str, str]]] = lambda cfg: None
 
 
-def set_cluster_route(fn: Callable[[object], Optional[Tuple[str, str]]]) -> None:
+def set_cluster_route(fn: Callable[[Any], Optional[Tuple[str, str]]]) -> None:
     """Install the function that says towards which host the jobs of a configuration's backend run."""
     global _cluster_route
     _cluster_route = fn
@@ -129,7 +129,7 @@ def choose(host: str, advertise: Optional[str], parent: Optional[str] = None, cf
     explicit_host = host not in (None, "", AUTO)
     explicit_adv = advertise not in (None, "", AUTO)
     if explicit_host and host not in _WILDCARDS:
-        return Choice(host, advertise if explicit_adv else host,
+        return Choice(host, advertise if explicit_adv and advertise else host,
                       f"host={host} (set){'' if not explicit_adv else f', advertise={advertise} (set)'}", ports)
     try:
         if parent is not None:
@@ -150,8 +150,9 @@ def choose(host: str, advertise: Optional[str], parent: Optional[str] = None, cf
     if explicit_host:  # a wildcard: every interface, the chosen one advertised
         if towards is None:  # nothing to route to: this machine's address on its default route
             auto, why = _primary_address(), "this machine's address on its default route"
-        return Choice(host, advertise if explicit_adv else auto, f"host={host} (set); advertises {why}", ports)
-    if explicit_adv:
+        return Choice(host, advertise if explicit_adv and advertise else auto, f"host={host} (set); advertises {why}",
+                      ports)
+    if explicit_adv and advertise:
         return Choice(auto, advertise, f"binds {why}; advertise={advertise} (set)", ports)
     return Choice(auto, auto, f"host=auto: {why}", ports)
 

@@ -14,7 +14,7 @@ import itertools
 import json
 import struct
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, cast
 
 from . import timeouts
 from .mailbox import EMPTY, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter
@@ -118,7 +118,7 @@ class Boxes:
             return OK, [json.dumps(self._claim(json.loads(bytes(payload[0])))).encode()]
         if op == UNCLAIM:
             request = json.loads(bytes(payload[0]))
-            end = tuple(int(x) for x in request["end"])
+            end = cast(Tuple[int, int], tuple(int(x) for x in request["end"]))  # the claim key, as the asker sent it
             if self.claims.get(end, {}).get("uid") == request["uid"]:
                 del self.claims[end]
             return OK, None
@@ -137,7 +137,7 @@ class Boxes:
         return ERROR, [b"unknown operation"]
 
     def call_local(self, op: bytes, box_id: int, timeout: float,
-                   payload: Frames = ()) -> Tuple[int, Optional[Frames]]:
+                   payload: Sequence[Any] = ()) -> Tuple[int, Optional[Frames]]:
         """Run an operation from a thread of this process, waiting up to ``timeout`` (-1: forever)."""
         timeout = timeouts.from_wire(timeout)
         waiter = LocalWaiter()

@@ -41,8 +41,6 @@ from .addressing import is_loopback
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "always", "off")
-
 
 def mode() -> str:
     """The ``encrypt`` option in force in this process."""

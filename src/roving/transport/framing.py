@@ -13,7 +13,7 @@ import collections
 import ctypes
 import socket
 import struct
-from typing import Any, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 _HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
 _FIRST_BUFFER = 4096  # a reader's buffer at first: an idle stream (a heartbeat's) costs little
@@ -21,7 +21,7 @@ _BUFFER = 64 * 1024  # it doubles, up to this, each time a read fills it (a busy
 _OWN_BUFFER = 64 * 1024  # frames at least this large are read into a buffer of their own
 
 
-def _fresh_buffers():
+def _fresh_buffers() -> Tuple[Callable[[int], Any], Callable[[int], bytearray]]:
     """Makers of uninitialised bytes and bytearray objects, filled by the reader before anyone sees
     them (the C API's documented way to build one), so that a large frame is written once, by the
     kernel, instead of being zeroed first and, for bytes, copied again."""
@@ -106,6 +106,7 @@ class Reader:
                 if have + got == len(view):
                     view.release()
                     self._big = None
+                    assert self._msg is not None  # a big frame is read only inside a message
                     self._msg[2].append(frame)
         else:
             if self._start == self._end:

@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from . import session as _session
 from . import stream as _stream
@@ -340,7 +340,7 @@ def unclaim(end: End) -> None:
 
 def _on_open(request: dict, stream: _stream.Stream) -> bool:
     """Another process opens a stream to an end claimed here."""
-    key = (str(request.get("owner")), *(int(x) for x in request.get("end", (0, 0))))
+    key = cast(Tuple[str, int, int], (str(request.get("owner")), *(int(x) for x in request.get("end", (0, 0)))))
     end = _ends.get(key)
     if end is None:
         return False

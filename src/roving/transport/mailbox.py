@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 from _thread import allocate_lock as _allocate_lock
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, List, Optional, Tuple
 
 Frames = List[Any]
 

@@ -19,7 +19,8 @@ and for nodes that offer no streams.
 Guarantees:
 
 * A connection is mutually authenticated (:class:`roving.transport.auth.Door` decides who may talk to
-  the node) before the node reads any frame it would store for unpickling; frames from a peer that has not authenticated are dropped and logged
+  the node) before the node reads any frame it would store for unpickling; frames from a peer that has not
+  authenticated are dropped and logged
   (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer

@@ -25,7 +25,7 @@ import logging
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import node as _node
 from . import timeouts
@@ -119,7 +119,9 @@ class Caller:
     def call(self, payload: List[Any], kind: int = CALL,
              on_late: Optional[Callable[[int, List[Any]], None]] = None) -> Tuple[int, List[Any]]:
         req_id = self.submit(payload, kind)
-        return self.collect(req_id, None, on_late)
+        answer = self.collect(req_id, None, on_late)
+        assert answer is not None  # no timeout: an answer, or ConnectionLost
+        return answer
 
     def collect(self, req_id: int, timeout: Optional[float] = None,
                 on_late: Optional[Callable[[int, List[Any]], None]] = None) -> Optional[Tuple[int, List[Any]]]:
@@ -228,7 +230,7 @@ class Server:
     def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
         raise NotImplementedError
 
-    def answer(self, ident: bytes, req_id: int, status: int, frames: List[Any] = (),
+    def answer(self, ident: bytes, req_id: int, status: int, frames: Sequence[Any] = (),
                undeliverable: Optional[Callable[[], None]] = None) -> None:
         """Answer a request; ``undeliverable()`` runs if the asker's process has gone."""
         self.node.send_to(ident, [ANS.pack(req_id, status), *frames], undeliverable)

@@ -290,13 +290,15 @@ class FakeKubernetes:
             if method == "POST" and name is None:
                 body = h._body()
                 if (namespace, body["metadata"]["name"]) in self.pods:
-                    return h._send(409, _status(409, "AlreadyExists", f'pods "{body["metadata"]["name"]}" already exists'))
+                    return h._send(409, _status(409, "AlreadyExists",
+                                                f'pods "{body["metadata"]["name"]}" already exists'))
                 pod = FakePod(body, namespace, self.log_dir)
                 self.pods[(namespace, pod.name)] = pod
                 self._try_schedule(pod)
                 return h._send(201, pod.json())
             if method == "GET" and name is None:
-                selector = dict(item.split("=", 1) for item in (query.get("labelSelector", [""])[0]).split(",") if "=" in item)
+                selector = dict(item.split("=", 1) for item in (query.get("labelSelector", [""])[0]).split(",")
+                                if "=" in item)
                 items = [p.json() for (ns, _), p in self.pods.items() if ns == namespace and all(
                     (p.body["metadata"].get("labels") or {}).get(k) == v for k, v in selector.items())]
                 return h._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})

@@ -1,0 +1,44 @@
+"""A roving parent for the cross-host time-limit test: a Pool of 1 worker on the multi-node Slurm runs one
+long item; once it has started, the worker's job is sent SIGTERM with `scancel --signal=TERM --full` (as a
+preemption would), and the item must finish on the replacement with max_task_retries=1. Prints, as JSON,
+the hosts the item started on and the pool's figures.
+
+usage: hosts_ending.py MARKER_DIR
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import roving
+
+
+def long_item(marker_dir):
+    open(os.path.join(marker_dir, f"started-{socket.gethostname()}-{os.getpid()}"), "w").close()
+    time.sleep(15)
+    return socket.gethostname()
+
+
+def _wait(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            sys.exit(f"timed out after {timeout} s")
+        time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    marker_dir = sys.argv[1]
+    roving.init(backend="slurm", worker_grace=2.0, child_output="off")
+    with roving.Pool(1, max_task_retries=1) as pool:
+        item = pool.apply_async(long_item, (marker_dir,))
+        _wait(lambda: os.listdir(marker_dir), 120)
+        (victim,) = [w for w in pool._pool if w.is_alive()]
+        subprocess.run(["scancel", "--signal=TERM", "--full", str(victim.job.id)], check=True, timeout=30)
+        finished_on = item.get(180)
+        figures = pool._disp.figures()
+    print(json.dumps({"started": sorted(os.listdir(marker_dir)), "finished_on": finished_on,
+                      "retried": figures["retried"], "ended_early": figures["ended_early"],
+                      "handed_back": figures["handed_back"]}))
