@@ -17,6 +17,7 @@ from . import boot as _boot
 from . import process as _process
 from .transport import node as _node
 from .transport import session as _session
+from .transport.guard import raise_open_files
 from .transport.serialize import loads
 
 log = logging.getLogger("roving.child")
@@ -46,6 +47,7 @@ def _die(why: str) -> None:
 
 
 def main() -> int:
+    raise_open_files()  # at boot, before the first connection (a login's soft limit is often 1024)
     session = _session.current()
     info = _session.child_info()
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)

@@ -35,6 +35,8 @@ import tempfile
 import threading
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .backends.private import NotPrivateError, private_dir
+
 __all__ = ["Archive", "CodeShipError", "pack", "install", "program_folders"]
 
 _SKIP_DIRS = {".git", "__pycache__", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox",
@@ -191,9 +193,10 @@ def _private_root() -> str:
     link, not a folder, not this user's, or open to others."""
     root = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
     try:
-        os.mkdir(root, 0o700)
-    except FileExistsError:
-        pass
+        private_dir(root)  # made 0700, not through a link (roving.backends.private)
+    except NotPrivateError as exc:
+        raise CodeShipError(f"{root} is not a private folder of this user: shipped code is not unpacked there "
+                            f"({exc})") from None
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise CodeShipError(f"{root} is not a private folder of this user (a link, another user's, or open to "

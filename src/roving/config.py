@@ -174,6 +174,10 @@ class Config:
     #: HTTPS for the dashboard: "auto" (when ``dashboard_host`` is not loopback, with a self-signed
     #: certificate made at start, its fingerprint printed with the URL), "on" or "off".
     dashboard_tls: str = "auto"
+    #: Host names the dashboard answers to besides its own (localhost, this machine's names and
+    #: addresses): the name a browser uses to reach it through a NAT, a proxy or a DNS alias; a list, or
+    #: comma-separated in one string. Requests under any other name get 421.
+    dashboard_hosts: Tuple[str, ...] = ()
     #: A pool whose workers fail to start this many times in a row, none connecting in between, gives
     #: up: its pending and later calls raise the error (a worker that connects resets the count).
     pool_start_failures: int = 5

@@ -23,6 +23,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
+from .backends.private import create_private, private_dir
+
 __all__ = ["Record", "record", "records", "folder", "KEPT_LINES", "KEEP_SESSIONS", "CrashLogError"]
 
 KEPT_LINES = 200
@@ -66,10 +68,7 @@ def _private(path: str, make: bool) -> bool:
     CrashLogError when it exists and is not."""
     if make:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        try:
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
+        private_dir(path)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
@@ -82,8 +81,7 @@ def _private(path: str, make: bool) -> bool:
 
 def _write(path: str, data: Dict[str, object]) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
+    with create_private(tmp, "w") as f:  # 0600, no link followed (roving.backends.private)
         json.dump(data, f)
     os.replace(tmp, path)
 

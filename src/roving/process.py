@@ -37,6 +37,7 @@ from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
+from .transport import identity as _identity
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
@@ -282,6 +283,14 @@ class Process:
         if self._job is not None:
             self._stop_asked = True
             self._job_backend().terminate_job(self._job, force=True)
+
+    def revoke_credentials(self) -> None:
+        """Revoke the credentials this process was issued (roving's own, not multiprocessing's): in this
+        process (its parent), its open connections are closed and new ones refused from now on — what
+        a copy of its credentials on a machine that was cut off, or in a stranger's hands, could still
+        reach. Does nothing before start()."""
+        if self._uid is not None:
+            _identity.revoke(self._uid)
 
     def close(self) -> None:
         """Release the process's resources. ValueError if it is still running."""

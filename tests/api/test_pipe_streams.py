@@ -245,9 +245,11 @@ def test_the_stream_listener_refuses_a_peer_without_the_secret_and_reads_nothing
         sock.sendall(b"roving-stream/1\n" + nonce)
         sock.settimeout(5)
         answer = b""
-        while len(answer) < 64:
-            answer += sock.recv(64 - len(answer))
-        sock.sendall(b"\x00" * 32 + (10).to_bytes(8, "little") + b'{"a": 1}  ')
+        while len(answer) < 66 or len(answer) < 66 + int.from_bytes(answer[64:66], "little") + 64:
+            answer += sock.recv(4096)  # nonce, proof, the listener's certificate and signature
+        sock.sendall(b"\x00" * 32 + (0).to_bytes(2, "little") + bytes(64)  # proof, no certificate
+                     + (10).to_bytes(8, "little") + b'{"a": 1}  ')
+        assert sock.recv(1) == b"\x02"  # told it is refused, and nothing more
         assert dropped(sock)
     assert opened == [], "the listener acted on a peer that did not authenticate"
     s = stream.connect(lst.address, b"s" * 32, {"token": "ok"}, timeout=5)

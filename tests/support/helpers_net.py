@@ -14,15 +14,17 @@ class CuttingProxy:
     ``127.0.0.1:PORT``; ``address`` takes the same form), byte for byte. :meth:`cut` closes every connection
     open now, on both
     sides (each side sees the connection end, as after a dropped link); new connections are forwarded
-    as before, so a client that reconnects reaches the target again, over a new TCP connection."""
+    as before, so a client that reconnects reaches the target again, over a new TCP connection. A node
+    address's key (``#KEY``) is kept: a client through the forwarder still expects that node."""
 
     def __init__(self, target: str) -> None:
         scheme = "tcp://" if target.startswith("tcp://") else ""  # ZeroMQ's form, or a stream's host:port
+        target, mark, key = target.partition("#")
         host, _, port = target[len(scheme):].rpartition(":")
         assert host == "127.0.0.1", "tests talk to 127.0.0.1 only"
         self.target = (host, int(port))
         self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"{scheme}127.0.0.1:{self._listener.getsockname()[1]}"
+        self.address = f"{scheme}127.0.0.1:{self._listener.getsockname()[1]}{mark}{key}"
         self._pairs: List[Tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self.accepted = 0

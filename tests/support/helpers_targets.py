@@ -214,3 +214,19 @@ def make_file_and_report_mode(path, out):
         f.write("x")
     print("a line for the job's output", flush=True)
     out.put(os.stat(path).st_mode & 0o777)
+
+
+def tell_node_who_i_am(address, op, stream, q):
+    """Send one message to the handler ``op`` of the node at ``address`` over a channel made with this
+    process's own credentials, wait for its answer, and report what this process knows of itself."""
+    from roving.transport import channel, session
+
+    me = session.current()
+    chan = channel.Channel(address, me.credentials, TIMEOUT, stream=stream)
+    try:
+        chan.send([op])
+        answer = chan.recv(TIMEOUT)
+    finally:
+        chan.close()
+    q.put({"uid": me.uid, "node_id": me.credentials.node_id, "holds_ca": me.credentials.authority is not None,
+           "answered": answer is not None, "address": me.node().address})

@@ -109,7 +109,7 @@ def test_port_range_confines_the_node_and_its_stream_listener():
     low, high = _free_range(6)
     node = _node.Node(b"k" * 32, "127.0.0.1", None, (low, high))
     try:
-        port = int(node.address.rsplit(":", 1)[1])
+        port = int(node.address.partition("#")[0].rsplit(":", 1)[1])
         listener_port = int(node.streams().address.rsplit(":", 1)[1])
         assert low <= port <= high and low <= listener_port <= high and port != listener_port
     finally:
@@ -175,7 +175,7 @@ def test_a_child_that_cannot_reach_its_parent_says_where_and_join_raises(tmp_pat
     seen = run_parent("stranded", tmp_path)
     assert seen["exitcode"] == 1 and seen["seconds"] < TIMEOUT
     assert re.match(r"stranded exited with code 1 before it fetched its work from this process at "
-                    r"tcp://127\.0\.0\.2:\d+ \(chosen by .*advertise=127\.0\.0\.2 \(set\)\)", seen["error"])
+                    r"tcp://127\.0\.0\.2:\d+(#\S+)? \(chosen by .*advertise=127\.0\.0\.2 \(set\)\)", seen["error"])
     said = read_log(tmp_path, "stranded")
     assert "could not reach its parent at tcp://127.0.0.2:" in said and "connect_timeout=2 s" in said
     assert "advertise=127.0.0.2 (set)" in said and "set the roving options host= and advertise=" in said

@@ -17,7 +17,7 @@ import threading
 import zmq
 
 from helpers_core import TIMEOUT, wait_until
-from roving.transport import auth, crypto
+from roving.transport import auth, crypto, identity
 from roving.transport import node as _node
 from roving.transport import wire as _wire
 from roving.transport.guard import Refusals
@@ -93,8 +93,10 @@ class _Frame:
 def _let_in(door, ident: bytes, user: str, fd: int, sent: list, secret: bytes) -> None:
     client = auth.ClientHandshake(secret)
     door.knock(ident, [_Frame(auth.HELLO, user, fd), _Frame(client.hello, user, fd)])
-    _, _, nonce, proof = sent[-1]
-    door.knock(ident, [_Frame(auth.PROOF, user, fd), _Frame(client.answer(nonce, proof, "door"), user, fd)])
+    _, _, nonce, proof, cert, signature = sent[-1]
+    answer, mine = client.answer(nonce, proof, cert, signature, "door")
+    door.knock(ident, [_Frame(auth.PROOF, user, fd), _Frame(answer, user, fd),
+                       _Frame(identity.credentials(secret).cert_der, user, fd), _Frame(mine, user, fd)])
     assert sent[-1] == [ident, auth.WELCOME]
 
 
@@ -138,8 +140,8 @@ def test_the_door_forgets_the_peer_of_an_ended_connection_and_only_that_one():
 
 def _authenticated_dealer(address: str, secret: bytes) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    crypto.curve_client(sock, secret)
-    sock.connect(address)
+    crypto.curve_client(sock, secret, identity.node_key(address))
+    sock.connect(identity.bare(address))
 
     def recv(what: str):
         assert sock.poll(TIMEOUT * 1000), f"no {what}"

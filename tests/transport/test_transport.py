@@ -16,7 +16,7 @@ import zmq
 import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT
-from roving.transport import crypto
+from roving.transport import crypto, identity
 from roving.transport import auth
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
@@ -38,8 +38,8 @@ def raw_dealer(address):
     would) and does nothing more: the tests below try roving's own handshake with it."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    crypto.curve_client(sock, _session.current().secret)
-    sock.connect(address)
+    crypto.curve_client(sock, _session.current().secret, identity.node_key(address))
+    sock.connect(identity.bare(address))
     return sock
 
 
@@ -134,13 +134,15 @@ def test_replayed_proof_of_another_connection_is_denied():
         nonce = auth.new_nonce()
         first.send_multipart([b"hello", nonce])
         challenge = recv_or_none(first, TIMEOUT)
-        good_proof = auth.client_proof(secret, nonce, challenge[1])
+        creds = identity.credentials(secret)
+        good_proof = [auth.client_proof(secret, nonce, challenge[1]), creds.cert_der,
+                      creds.prove(False, nonce, challenge[1], identity.node_key(q._address))]
         # the second connection replays the first one's exchange: its server nonce differs, so it fails
         second.send_multipart([b"hello", nonce])
         assert recv_or_none(second, TIMEOUT)[0] == b"challenge"
-        second.send_multipart([b"proof", good_proof])
+        second.send_multipart([b"proof", *good_proof])
         assert recv_or_none(second, TIMEOUT) == [b"denied"]
-        first.send_multipart([b"proof", good_proof])
+        first.send_multipart([b"proof", *good_proof])
         assert recv_or_none(first, TIMEOUT) == [b"welcome"]
     finally:
         first.close(0)
@@ -162,7 +164,7 @@ def test_connecting_with_a_wrong_secret_raises_the_transports_authentication_err
 
 def test_garbage_bytes_over_plain_tcp_do_not_stop_the_node():
     q = roving.Queue()
-    host, port = q._address[len("tcp://"):].rsplit(":", 1)
+    host, port = identity.bare(q._address)[len("tcp://"):].rsplit(":", 1)
     payloads = [os.urandom(4096), b"\xff" + b"\x00" * 8 + b"\x7f" + os.urandom(64),  # ZMTP-ish greeting
                 b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 100000]
     for payload in payloads:
@@ -251,12 +253,13 @@ def test_a_stream_client_without_the_secret_is_dropped_and_its_pickle_never_unpi
         nonce = auth.new_nonce()
         s.sendall(b"roving-stream/1\n" + nonce)
         answer = b""
-        while len(answer) < 64:
-            answer += s.recv(64 - len(answer))
+        while len(answer) < 66 or len(answer) < 66 + struct.unpack("<H", answer[64:66])[0] + 64:
+            answer += s.recv(4096)  # nonce, proof, the node's certificate and signature
         request = b'{"purpose": "node"}'
-        s.sendall(auth.client_proof(os.urandom(32), nonce, answer[:32]) + struct.pack("<Q", len(request))
-                  + request + evil)
+        s.sendall(auth.client_proof(os.urandom(32), nonce, answer[:32]) + struct.pack("<H", 0) + bytes(64)
+                  + struct.pack("<Q", len(request)) + request + evil)
         try:
+            assert s.recv(1) == b"\x02"  # told it is refused, and nothing more
             assert s.recv(1) == b""
         except ConnectionResetError:
             pass

@@ -15,7 +15,7 @@ import roving
 from helpers_core import TIMEOUT, run_script, wait_until, PROGRAMS
 from helpers_net import CuttingProxy
 from roving.transport import rpc as _rpc
-from roving.transport import auth, crypto
+from roving.transport import auth, crypto, identity
 from roving.transport import channel as _channel
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
@@ -123,8 +123,8 @@ def test_a_stranger_is_told_once_that_it_has_not_authenticated_and_nothing_it_se
     sock.setsockopt(zmq.LINGER, 0)
     # past ZeroMQ's CURVE handshake with the session's keys, as a re-made connection of a session
     # process is; not authenticated to roving
-    crypto.curve_client(sock, _session.current().secret)
-    sock.connect(q._address)
+    crypto.curve_client(sock, _session.current().secret, identity.node_key(q._address))
+    sock.connect(identity.bare(q._address))
     try:
         for i in range(3):
             sock.send_multipart([_node.PUT_NOREPLY, _wire.HEADER.pack(q._box, i, 0.0), dumps("junk")[0]])

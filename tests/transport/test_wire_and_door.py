@@ -8,7 +8,7 @@ import os
 import pytest
 import zmq
 
-from roving.transport import auth, wire
+from roving.transport import auth, identity, wire
 from roving.transport.guard import Refusals
 
 
@@ -67,18 +67,32 @@ def test_the_handshake_passes_with_one_secret_and_fails_either_way_with_another(
     client = auth.ClientHandshake(secret)
     server = auth.ServerHandshake(secret, client.hello)
     assert len(server.challenge) == auth.NONCE_BYTES + auth.PROOF_BYTES
-    assert server.accepts(client.answer(server.nonce, server.proof, "the test server"))
+    me = identity.credentials(secret)
+    assert server.accepts(*client.answer(server.nonce, server.proof, server.cert, server.signature,
+                                         "the test server")[:1], me.cert_der,
+                          client.answer(server.nonce, server.proof, server.cert, server.signature, "x")[1]) \
+        == client.peer
     # a server without the secret cannot prove it; a client without it cannot either
     stranger = auth.ServerHandshake(other, client.hello)
     with pytest.raises(auth.AuthenticationError, match="the test server failed to authenticate"):
-        auth.ClientHandshake(secret).answer(stranger.nonce, stranger.proof, "the test server")
+        auth.ClientHandshake(secret).answer(stranger.nonce, stranger.proof, stranger.cert, stranger.signature,
+                                            "the test server")
     impostor = auth.ClientHandshake(other)
     fresh = auth.ServerHandshake(secret, impostor.hello)
-    assert not fresh.accepts(auth.client_proof(other, impostor.hello, fresh.nonce))
+    with pytest.raises(auth.AuthenticationError):
+        fresh.accepts(auth.client_proof(other, impostor.hello, fresh.nonce), me.cert_der, bytes(64))
     # every handshake has fresh nonces: an old proof does not pass a new challenge
     again = auth.ServerHandshake(secret, client.hello)
     assert again.nonce != server.nonce
-    assert not again.accepts(client.answer(server.nonce, server.proof, "the test server"))
+    old_proof, old_signature = client.answer(server.nonce, server.proof, server.cert, server.signature, "x")
+    with pytest.raises(auth.AuthenticationError):
+        again.accepts(old_proof, me.cert_der, old_signature)
+
+
+def _proof(client, nonce, proof, cert, signature, secret):
+    """The frames of a client's answer to a challenge: its proof, certificate and signature."""
+    answer, mine = client.answer(nonce, proof, cert, signature, "the door")
+    return [_Frame(answer), _Frame(identity.credentials(secret).cert_der), _Frame(mine)]
 
 
 def _door(secret):
@@ -92,11 +106,13 @@ def test_the_door_lets_in_a_connection_that_proves_the_secret_and_knows_it_by_it
     door, sent, refusals = _door(secret)
     client = auth.ClientHandshake(secret)
     door.knock(b"id1", [_Frame(auth.HELLO), _Frame(client.hello)])
-    (ident, word, nonce, proof), = sent
+    (ident, word, nonce, proof, cert, signature), = sent
     assert (ident, word) == (b"id1", auth.CHALLENGE)
-    door.knock(b"id1", [_Frame(auth.PROOF), _Frame(client.answer(nonce, proof, "the door"))])
+    door.knock(b"id1", [_Frame(auth.PROOF), *_proof(client, nonce, proof, cert, signature, secret)])
     assert sent[-1] == [b"id1", auth.WELCOME]
     assert door.authenticated == {b"id1": "u1"} and not door.handshakes and refusals.count == 0
+    (token,) = door.tokens.values()
+    assert door.peer(token) == identity.credentials(secret).check_certificate(identity.credentials(secret).cert_der)
     door.forget(b"id1")
     assert door.authenticated == {}
 
@@ -106,12 +122,12 @@ def test_the_door_refuses_a_wrong_proof_and_a_proof_from_another_connection():
     door, sent, refusals = _door(secret)
     client = auth.ClientHandshake(secret)
     door.knock(b"id1", [_Frame(auth.HELLO), _Frame(client.hello)])
-    _, _, nonce, proof = sent[-1]
-    good = client.answer(nonce, proof, "the door")
+    _, _, nonce, proof, cert, signature = sent[-1]
+    good = _proof(client, nonce, proof, cert, signature, secret)
     # the same routing id on another connection (another user id) is not the one that said hello
-    door.knock(b"id1", [_Frame(auth.PROOF, user="u2"), _Frame(good)])
+    door.knock(b"id1", [_Frame(auth.PROOF, user="u2"), *good])
     assert door.authenticated == {}
-    door.knock(b"id1", [_Frame(auth.PROOF), _Frame(os.urandom(auth.PROOF_BYTES))])
+    door.knock(b"id1", [_Frame(auth.PROOF), _Frame(os.urandom(auth.PROOF_BYTES)), *good[1:]])
     assert sent[-1] == [b"id1", auth.DENIED] and door.authenticated == {} and refusals.count == 1
 
 

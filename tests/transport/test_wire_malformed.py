@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from helpers_core import TIMEOUT, wait_until
-from roving.transport import auth, crypto
+from roving.transport import auth, crypto, identity
 from roving.transport import node as _node
 from roving.transport import wire
 
@@ -26,8 +26,8 @@ def test_a_malformed_message_in_pieces_is_dropped_with_one_line_naming_the_peer(
     node.register_handler(b"after", lambda ident, fr: got.append(ident))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    crypto.curve_client(sock, secret)
-    sock.connect(node.address)
+    crypto.curve_client(sock, secret, identity.node_key(node.address))
+    sock.connect(identity.bare(node.address))
     try:
         def recv(what: str):
             assert sock.poll(TIMEOUT * 1000), f"no {what}"
@@ -35,10 +35,11 @@ def test_a_malformed_message_in_pieces_is_dropped_with_one_line_naming_the_peer(
 
         auth.prove(sock.send_multipart, recv, secret, node.address)
         (ident,) = list(node._authenticated)
+        token = node._door.tokens[ident]  # what handlers know the connection by
         with caplog.at_level(logging.WARNING, logger="roving.transport.node"):
             sock.send_multipart(frames)
             sock.send_multipart([b"after"])  # the node goes on, and still knows the peer
-            assert wait_until(lambda: got == [ident], TIMEOUT), got
+            assert wait_until(lambda: got == [token], TIMEOUT), got
         records = [r for r in caplog.records if r.name == "roving.transport.node"]
         assert len(records) == 1, [r.getMessage() for r in records]
         (record,) = records

@@ -8,15 +8,23 @@ watcher that cancels a dead parent's jobs is :mod:`roving.backends.reaper`.
 from __future__ import annotations
 
 import abc
+import atexit
 import dataclasses
 import enum
+import functools
+import hashlib
+import hmac
 import os
 import pwd
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
+from .private import create_private, private_dir, private_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +100,34 @@ class JobInfo:
 
 def user_name() -> str:
     """This process's user, from its uid (not from the environment): the jobs it started carry it, and
-    `roving cancel --all` touches only jobs that carry it."""
+    `roving cancel --all` touches only jobs that carry it (on Docker and Kubernetes, where anyone can
+    label a job with any name, only those that carry its :func:`owner_label`)."""
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:  # a uid without a name (a container's, say)
         return f"uid{os.getuid()}"
+
+
+#: Where this user's key for :func:`owner_label` is kept (made on first use, 0600).
+OWNER_KEY_FILE = "~/.roving/owner.key"
+
+
+@functools.lru_cache(maxsize=None)
+def _owner_key(path: str) -> bytes:
+    return private_key(path)
+
+
+def owner_label(user: Optional[str] = None) -> str:
+    """The ``roving.owner`` label of the containers and pods that ``user`` (default: this user)
+    starts: a keyed hash (HMAC-SHA256, 32 hex digits) of the user name with this user's own key
+    (:data:`OWNER_KEY_FILE`). `roving cancel --all` matches it, not the ``roving.user`` label, which
+    anyone can set to any name: a job started by someone else (another machine's "alice", a
+    hand-made container) does not carry it, whatever its other labels say. Only a process with this
+    user's key file makes it (the label is visible to whoever can list the jobs: copying it onto a
+    job of one's own makes that job cancelled by this user's --all, nothing more)."""
+    key = _owner_key(os.path.expanduser(OWNER_KEY_FILE))
+    name = user_name() if user is None else user
+    return hmac.new(key, b"roving-owner:" + name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str], str]:
@@ -115,6 +146,47 @@ def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str]
                                         or k.startswith("ROVING_"))}
     out.setdefault("PYTHONUNBUFFERED", "1")
     return out, spec.env.get(spec.session.secret_env, "")
+
+
+class SecretFiles:
+    """Hands the session secret to jobs in private files, never in their environment.
+
+    :meth:`moved` gives a copy of a job's spec whose environment no longer holds the secret
+    (``spec.session.secret_env``) but names, in ``spec.session.secret_file_env``, a new file that
+    does: 0600, created without following links, in a private folder (0700) made on first use under
+    ``base``. So neither the job's ``/proc/PID/environ`` (the kernel's copy of the environment it
+    started with, which removing the variable from ``os.environ`` does not clear) nor a cluster's
+    record of the job's environment (Slurm's ``--export``) carries it. The child reads the file and
+    removes it (:func:`roving.backends.private.take_private`); the files of jobs that never ran go with
+    the folder at this process's exit. ``base`` must be a folder the job's machine sees (a shared home
+    for a cluster). Thread-safe.
+    """
+
+    def __init__(self, base: str) -> None:
+        self._base = base
+        self._folder: Optional[str] = None
+        self._lock = threading.Lock()
+
+    def _made(self) -> str:
+        with self._lock:
+            if self._folder is None or not os.path.isdir(self._folder):
+                if not os.path.isdir(self._base):
+                    private_dir(self._base)  # made 0700; one that exists (/tmp) holds a folder of ours
+                self._folder = tempfile.mkdtemp(prefix="roving-secrets-", dir=self._base)  # 0700
+                atexit.register(shutil.rmtree, self._folder, True)
+            return self._folder
+
+    def moved(self, spec: JobSpec) -> JobSpec:
+        """``spec`` with its secret in a file (``spec`` itself when its environment holds none)."""
+        secret = spec.env.get(spec.session.secret_env)
+        if not secret:
+            return spec
+        path = os.path.join(self._made(), f"{secrets.token_hex(8)}.secret")
+        with create_private(path, "w") as f:
+            f.write(secret)
+        env = {k: v for k, v in spec.env.items() if k != spec.session.secret_env}
+        env[spec.session.secret_file_env] = path
+        return dataclasses.replace(spec, env=env)
 
 
 class Job:

@@ -8,8 +8,10 @@
   signals on, so ``terminate_job`` (SIGTERM) and ``force`` (SIGKILL) give exit codes -15 and -9.
 * The session secret is not in the container's environment or spec: it is a file (0600, in a private
   0700 folder of the host, removed when the container is) mounted read-only at ``/run/roving-session``.
-* Containers carry the labels ``roving.session``, ``roving.name`` and ``roving.user``; one thread follows the engine's
-  ``die`` events of this session for every container's exit code, then the container is removed.
+* Containers carry the labels ``roving.session``, ``roving.name``, ``roving.user`` and ``roving.owner`` (a
+  keyed hash only this user's key makes: `roving cancel --all` matches it, :func:`.base.owner_label`); one
+  thread follows the engine's ``die`` events of this session for every container's exit code, then the
+  container is removed.
 * Output: followed and printed with the process name as prefix, or written to the process's log file.
 * When this process exits, normally or killed, its containers still there are removed.
 """
@@ -30,10 +32,11 @@ from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env,
+from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env, owner_label,
                    user_name)
 from .errors import DockerError, UnknownJobError
-from .output import LineSplitter, open_private
+from .output import LineSplitter
+from .private import open_private
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -251,7 +254,8 @@ class DockerBackend(Backend):
                 cfg.image, command=spec.command, environment=env, working_dir=spec.cwd, volumes=volumes,
                 network_mode=cfg.docker_network, init=True, nano_cpus=int(res.cpu * 1e9),
                 mem_limit=res.memory or None, device_requests=device_requests, detach=True,
-                labels={"roving.session": tag, "roving.name": spec.name, "roving.user": user_name()},
+                labels={"roving.session": tag, "roving.name": spec.name, "roving.user": user_name(),
+                        "roving.owner": owner_label()},
                 name=f"roving-{tag}-{spec.name.replace(':', '-')}-{os.urandom(3).hex()}"))
         except BaseException as exc:
             if secret_dir:
@@ -444,7 +448,8 @@ class DockerBackend(Backend):
                 "gpu runtimes": ", ".join(sorted(info.get("Runtimes", {}))), "image": image}
 
     def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
-        labels = ["roving.session"] + ([f"roving.user={user}"] if user is not None else [])
+        # a user's jobs: those that carry the label only this user's key makes (base.owner_label)
+        labels = ["roving.session"] + ([f"roving.owner={owner_label(user)}"] if user is not None else [])
         jobs = []
         for c in self.client().containers.list(all=True, filters={"label": labels}):
             jobs.append(JobInfo(id=c.id[:12], name=c.labels.get("roving.name", ""),

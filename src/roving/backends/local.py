@@ -5,14 +5,19 @@ import logging
 import os
 import signal
 import subprocess
+import tempfile
 import threading
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
-from .base import Backend, Job, JobSpec, JobState, JobStatus
+from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles
 from .errors import LocalError, UnknownJobError
-from .output import OutputPump, open_private
+from .output import OutputPump
+from .private import open_private
 
 log = logging.getLogger(__name__)
+
+#: Where local children find the session secret: a private folder under the system's temporary one.
+_SECRETS = SecretFiles(tempfile.gettempdir())
 
 
 def _has_exited(pid: int) -> bool:
@@ -34,8 +39,9 @@ class LocalBackend(Backend):
         self._lock = threading.Lock()
 
     def create_job(self, spec: JobSpec) -> Job:
-        env = dict(spec.env)
-        stdout = stderr = None
+        env = dict(_SECRETS.moved(spec).env)  # the secret in a private file, not the environment
+        stdout: Any = None
+        stderr: Any = None
         log_file = None
         if spec.output == "prefix":
             stdout = stderr = subprocess.PIPE

@@ -2,7 +2,8 @@
 log file that only this user can read.
 
 Every backend that copies a child's output uses these, so that the ``child_output`` option means the
-same on each: "prefix" (:class:`LineSplitter` to :func:`write_prefixed`), "files" (:func:`open_private`)
+same on each: "prefix" (:class:`LineSplitter` to :func:`write_prefixed`), "files" (a log file opened
+with :func:`roving.backends.private.open_private`: no link followed, 0600, refused when not private)
 or "off".
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .selector_thread import SelectorThread
 
 log = logging.getLogger(__name__)
 
-__all__ = ["write_prefixed", "LineSplitter", "OutputPump", "private_dir", "open_private", "set_line_observer"]
+__all__ = ["write_prefixed", "LineSplitter", "OutputPump", "set_line_observer"]
 
 #: Called with (process name, lines) for every child's output printed here (roving.observe installs it
 #: when roving is imported: the backends import nothing above the configuration).
@@ -105,30 +106,3 @@ def _close(stream: IO[bytes]) -> None:
         stream.close()
     except OSError:
         pass
-
-
-def private_dir(path: str) -> None:
-    """Make ``path`` and its missing parents, each readable by this user only (0700); folders that
-    exist already are left as they are."""
-    path = os.path.abspath(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for folder in reversed(missing):
-        try:
-            os.mkdir(folder, 0o700)
-        except FileExistsError:
-            pass
-        os.chmod(folder, 0o700)  # mkdir's mode is cut by the umask
-
-
-def open_private(path: str, mode: str = "ab"):
-    """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``), creating it readable by
-    this user only (0600), in a folder made by :func:`private_dir`."""
-    private_dir(os.path.dirname(os.path.abspath(path)))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
-    return os.fdopen(fd, mode)

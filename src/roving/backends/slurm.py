@@ -1,7 +1,10 @@
 """The slurm backend: each job is a Slurm batch job (sbatch), or a job step (srun) inside an allocation.
 
 * Outside an allocation a process is ``sbatch --export=ALL --wrap 'exec python -m roving._child'``: it gets
-  the parent's environment (and so its session), ``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` from
+  the parent's environment without the session secret, which it reads from a private file and removes
+  (:class:`~roving.backends.base.SecretFiles`, under ``~/.roving/secrets``: the job's machine must see
+  this user's home; neither the job's environment nor Slurm's record of it holds the secret),
+  ``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` from
   the process resources, partition, account, time limit and extra options from the configuration.
   Its job name is ``roving-<session>`` and its comment the process name, so ``squeue`` shows both.
 * A pool's workers (:meth:`SlurmBackend.submit_many`) are one job array: ``sbatch --array=0-N``, the
@@ -40,12 +43,17 @@ from typing import IO, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Uni
 
 from .. import config as _config
 from . import slurm_array, slurm_step, throttle
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, SecretFiles
 from .errors import SlurmError, StepError, UnknownJobError
-from .output import LineSplitter, private_dir
+from .output import LineSplitter
+from .private import private_dir
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
+
+#: Where Slurm jobs find the session secret: a private folder in this user's home (which a cluster's
+#: nodes share), one file per job.
+_SECRETS = SecretFiles(os.path.expanduser("~/.roving/secrets"))
 
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED",
             "STOPPED", "RESV_DEL_HOLD", "SIGNALING"}
@@ -167,6 +175,8 @@ class SlurmBackend(Backend):
         return opts + shlex.split(cfg.slurm_options)
 
     def create_job(self, spec: JobSpec) -> Job:
+        # the secret in a private file: neither in the job's environment nor in Slurm's record of it
+        spec = _SECRETS.moved(spec)
         if os.environ.get("SLURM_JOB_ID"):
             (job,) = self._start_steps([spec])
             if isinstance(job, Exception):
@@ -250,6 +260,7 @@ class SlurmBackend(Backend):
         at most MaxArraySize tasks; one job each with ``slurm_array = False``, for a single spec, and
         inside an allocation (job steps). Task ids are ``<array>_<index>``. More specs than the cluster's
         MaxJobCount are refused at once, naming it."""
+        specs = [_SECRETS.moved(spec) for spec in specs]  # a file each: a task removes its own once read
         if os.environ.get("SLURM_JOB_ID"):
             return self._start_steps(specs)
         cfg = _config.current()

@@ -39,7 +39,8 @@ from .. import config as _config
 from . import slurm_array
 from .base import Backend, Job, JobSpec, JobState, JobStatus
 from .errors import StepError
-from .output import private_dir, write_prefixed
+from .output import write_prefixed
+from .private import private_dir
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ def start(host: Optional[str] = None, port: Optional[int] = None, runtime: bool 
             cfg = _config.current()
             tls = {"auto": None, "on": True, "off": False}[cfg.dashboard_tls]
             server = Server(Views(runtime=runtime), cfg.dashboard_host if host is None else host,
-                            cfg.dashboard_port if port is None else port, tls=tls)
+                            cfg.dashboard_port if port is None else port, tls=tls, hosts=cfg.dashboard_hosts)
             _server = server.start()
             if announce:
                 # said once, where the user looks (as Jupyter prints its URL)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..backends.private import create_private
 from .errors import CheckpointFileError
 
 __all__ = ["CheckpointFileError", "ResumeInto", "load_checkpoint", "read", "save", "plain"]
@@ -101,13 +102,29 @@ def _contents(path: Path, map_location: str, per_stage: bool) -> dict:
     return state
 
 
+#: The first torch whose ``weights_only=True`` loader does not run code from a crafted file (CVE-2025-32434).
+_SAFE_TORCH = (2, 6)
+
+
+def _release(version: str) -> tuple:
+    """(major, minor) of a torch version string such as "2.6.0+cpu"."""
+    parts = re.findall(r"\d+", version)[:2]
+    return tuple(int(p) for p in parts) if len(parts) == 2 else (0, 0)
+
+
 def read(path: str | Path, map_location: str = "cpu") -> Any:
     """The contents of the checkpoint at ``path``, loaded with ``weights_only=True``.
 
     Raises FileNotFoundError when there is no such file, CheckpointFileError (naming the file, and the
     refused type when there is one) when torch cannot read it or it holds anything but tensors and
-    plain data. Nothing in a refused file is run.
+    plain data, and CheckpointFileError on torch older than 2.6, whose loader a crafted file can make
+    run code (CVE-2025-32434). Nothing in a refused file is run.
     """
+    if _release(torch.__version__) < _SAFE_TORCH:
+        raise CheckpointFileError(
+            f"refusing to read {path} with torch {torch.__version__}: before torch 2.6, "
+            "torch.load(weights_only=True) can be made to run code by a crafted file (CVE-2025-32434); "
+            "install torch>=2.6")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except FileNotFoundError:
@@ -152,8 +169,8 @@ def save(state: dict, path: str | Path) -> None:
     """Write ``state`` (made :func:`plain`) to ``path`` atomically: a reader sees the old file or the
     new one, never part of one."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(plain(state), tmp)
+    with create_private(str(tmp)) as f:  # its folder made (0700) if need be; no link followed; 0600
+        torch.save(plain(state), f)
     tmp.replace(path)
 

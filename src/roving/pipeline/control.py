@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable
 
+from ..backends.private import create_private, open_private, private_dir
 from .errors import PlanError
 
 STATUS = "status.json"
@@ -63,13 +64,21 @@ class ControlFolder:
 
     # -- the one place the folder and its files are made and opened ---------------------------------
     def create(self) -> None:
-        """Make the folder (and its parents) if it is not there."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """Make the folder (and its parents) if it is not there: this user's only (0700); one that is a
+        link, another user's or writable by others is refused (roving.backends.private.NotPrivateError)."""
+        private_dir(str(self.path))
 
     def _open(self, name: str, mode: str) -> IO[str]:
-        """Open the folder's file ``name`` (text, ``mode`` as for ``open``): every read and write of the
-        folder's files goes through here."""
-        return open(self.path / name, mode, encoding="utf-8")
+        """Open the folder's file ``name`` (text; ``mode`` "r", "a" or "w"): every read and write of the
+        folder's files goes through here. No link is followed; what is written is created 0600, and an
+        existing file that is not private is refused (roving.backends.private)."""
+        path = str(self.path / name)
+        if mode == "a":
+            return open_private(path, "a")
+        if mode == "w":  # a temporary name, renamed into place by _replace
+            return create_private(path, "w")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        return os.fdopen(fd, mode, encoding="utf-8")
 
     def _replace(self, name: str, text: str) -> None:
         """Replace the file ``name`` with ``text`` atomically (a reader sees the old or the new one)."""

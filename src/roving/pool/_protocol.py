@@ -52,6 +52,13 @@ TO_PARENT = struct.Struct("<QBqq")
 #: Header of a message to a worker: kind, chunk id, function id, key, function frames, argument frames,
 #: items in the chunk.
 TO_WORKER = struct.Struct("<BqqqHHI")
+#: One run of a RESULTS message: chunk id, first offset, length, ok.
+RUN = struct.Struct("<qqqq")
+
+# The named tuples of this module are made with tuple.__new__ from what struct gives (a C call; a
+# NamedTuple's own constructor and _make are Python functions, a microsecond a message at the worst).
+_new = tuple.__new__
+_EMPTY: Tuple[int, ...] = ()
 
 
 class ToParent(enum.IntEnum):
@@ -121,7 +128,7 @@ class Run(NamedTuple):
 
 def read_header(frames: Sequence[Any]) -> Header:
     """The header of a message to the parent (its frame after OP)."""
-    return Header._make(TO_PARENT.unpack(frames[0]))
+    return _new(Header, TO_PARENT.unpack(frames[0]))
 
 
 def to_parent(pool_id: int, kind: int, arg: int = 0, key: int = 0) -> List[Any]:
@@ -136,7 +143,7 @@ class RunWriter:
     __slots__ = ("_closed", "_chunk", "_first", "_count", "_ok")
 
     def __init__(self) -> None:
-        self._closed = array("q")  # the runs before the open one, four integers each
+        self._closed: List[bytes] = []  # the runs before the open one, packed
         self._chunk = self._first = self._count = self._ok = 0  # the open run (count 0: none)
 
     def add(self, chunk: int, first: int, count: int, ok: bool) -> None:
@@ -146,24 +153,30 @@ class RunWriter:
             self._count += count
             return
         if self._count:
-            self._closed.extend((self._chunk, self._first, self._count, self._ok))
+            self._closed.append(RUN.pack(self._chunk, self._first, self._count, self._ok))
         self._chunk, self._first, self._count, self._ok = chunk, first, count, ok_
 
     def runs(self) -> List[Run]:
         """The runs so far, in order."""
-        flat = self._flat()
-        return [Run(flat[i], flat[i + 1], flat[i + 2], bool(flat[i + 3])) for i in range(0, len(flat), 4)]
+        return _runs(self._packed(), True)
 
-    def _flat(self) -> "array[int]":
-        flat = array("q", self._closed)
-        if self._count:
-            flat.extend((self._chunk, self._first, self._count, self._ok))
-        return flat
+    def _packed(self) -> bytes:
+        last = RUN.pack(self._chunk, self._first, self._count, self._ok) if self._count else b""
+        return b"".join((*self._closed, last)) if self._closed else last
 
     def results(self, pool_id: int, ask: int, key: int, value_frames: List[Any]) -> List[Any]:
         """The RESULTS message of these runs and their values (pickled, ``value_frames``), asking for
         ``ask`` more units of ``key``."""
-        return [OP, TO_PARENT.pack(pool_id, RESULTS, ask, key), self._flat().tobytes(), *value_frames]
+        return [OP, TO_PARENT.pack(pool_id, RESULTS, ask, key), self._packed(), *value_frames]
+
+
+def _runs(frame: Any, loaded: bool) -> List[Run]:
+    """The runs packed in ``frame``; every one failed unless ``loaded``."""
+    if len(frame) == RUN.size:  # the usual case: one run
+        chunk, first, length, ok = RUN.unpack(frame)
+        return [_new(Run, (chunk, first, length, loaded and ok != 0))]
+    return [_new(Run, (chunk, first, length, loaded and ok != 0))
+            for chunk, first, length, ok in RUN.iter_unpack(frame)]
 
 
 class Results(NamedTuple):
@@ -176,17 +189,13 @@ class Results(NamedTuple):
 def read_results(frames: Sequence[Any]) -> Results:
     """The runs and values of a RESULTS message. Values that cannot be unpickled here (their class cannot
     be imported in the parent, say) make every item of the message fail with ``MaybeEncodingError``."""
-    flat = array("q")
-    flat.frombytes(frames[1])
     try:
         values = read_list(frames[2:])
-        loaded = True
     except Exception as exc:
         err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
-        values = [err] * sum(flat[i + 2] for i in range(0, len(flat), 4))
-        loaded = False
-    runs = [Run(flat[i], flat[i + 1], flat[i + 2], loaded and flat[i + 3] != 0) for i in range(0, len(flat), 4)]
-    return Results(runs, values)
+        runs = _runs(frames[1], False)
+        return _new(Results, (runs, [err] * sum(run.length for run in runs)))
+    return _new(Results, (_runs(frames[1], True), values))
 
 
 # -- parent → worker ------------------------------------------------------------------------------
@@ -210,8 +219,8 @@ class Unit(NamedTuple):
     key: int  #: the key of work it counts under (a call's, or a function's for apply)
     func_frames: Sequence[Any]  #: the pickled (function, mode); empty when the worker holds ``func``
     arg_frames: Sequence[Any]  #: the pickled list of the chunk's items
-    offsets: Union[range, "array[int]"]  #: the items of the chunk to run
-    forget: "array[int]"  #: ids of functions the worker may drop
+    offsets: Union[range, Sequence[int]]  #: the items of the chunk to run
+    forget: Sequence[int]  #: ids of functions the worker may drop
 
 
 def function_frames(func: Callable[..., Any], mode: int) -> List[Any]:
@@ -251,7 +260,7 @@ def unit_frames(chunk: int, func: int, key: int, count: int, func_frames: Sequen
 
 def read_control(frames: Sequence[Any]) -> Control:
     """The header of a message to a worker (TASKS: the first unit's; read them with :func:`read_units`)."""
-    return Control._make(TO_WORKER.unpack(frames[0]))
+    return _new(Control, TO_WORKER.unpack(frames[0]))
 
 
 def read_units(frames: Sequence[Any], first: Control) -> List[Unit]:
@@ -259,15 +268,21 @@ def read_units(frames: Sequence[Any], first: Control) -> List[Unit]:
     units = []
     head, at, n = first, 0, len(frames)
     while True:
-        nfunc, nargs = head.nfunc, head.nargs
-        forget = array("q")
-        forget.frombytes(frames[at + 1])
-        offsets = array("I")
-        offsets.frombytes(frames[at + 2])
+        _, chunk, func, key, nfunc, nargs, items = head
         start = at + 3
-        units.append(Unit(head.chunk, head.func, head.key, frames[start:start + nfunc],
-                          frames[start + nfunc:start + nfunc + nargs], offsets or range(head.items), forget))
+        units.append(_new(Unit, (chunk, func, key, frames[start:start + nfunc],
+                                 frames[start + nfunc:start + nfunc + nargs],
+                                 _ints("I", frames[at + 2]) or range(items), _ints("q", frames[at + 1]))))
         at = start + nfunc + nargs
         if at >= n:
             return units
-        head = Control._make(TO_WORKER.unpack(frames[at]))
+        head = _new(Control, TO_WORKER.unpack(frames[at]))
+
+
+def _ints(code: str, frame: Any) -> Sequence[int]:
+    """The integers packed in ``frame`` (any bytes-like object); an empty tuple for an empty frame."""
+    if not len(frame):
+        return _EMPTY
+    out = array(code)
+    out.frombytes(frame)
+    return out

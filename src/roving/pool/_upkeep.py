@@ -366,6 +366,7 @@ class Upkeep:
 
     def _lost(self, w: WorkerState, why: str) -> None:
         self.lost += 1
+        w.proc.revoke_credentials()  # a copy of them (on a machine cut off, or stolen) gets nowhere now
         observe.event("worker-lost", f"pool {self.disp.pool_id}", f"worker {w.id} ({w.proc.name}) lost: {why}",
                       pool=self.disp.pool_id, worker=w.id)
 

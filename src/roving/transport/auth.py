@@ -3,7 +3,11 @@
 Both sides prove knowledge of the session secret without sending it: the client sends a random nonce,
 the server answers with its own nonce and a MAC over both, and the client answers with a MAC in the
 other direction. Only after that does either side read a frame it would unpickle. The secret never
-crosses the wire; replayed answers fail because every connection uses fresh nonces.
+crosses the wire; replayed answers fail because every connection uses fresh nonces. With its proof
+each side sends its certificate and a signature over both nonces (:mod:`.identity`): the client learns
+which process the node is (and refuses one that is not the node its address names), the node which
+process the client is (refusing revoked credentials); a signature made for one node is refused by any
+other.
 
 The same exchange runs over ZeroMQ (a node's ROUTER socket: :class:`Door` on the node's side,
 :func:`prove` on the client's) and over streams (:mod:`.stream` moves the bytes of
@@ -26,11 +30,14 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import itertools
 import multiprocessing
 import os
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
+
+from . import identity
 
 NONCE_BYTES = 32
 #: The size of a proof (an HMAC-SHA256).
@@ -76,54 +83,87 @@ def verify(expected: bytes, received: bytes) -> bool:
 
 
 class ClientHandshake:
-    """The opening side of one handshake: send :attr:`hello`, then answer the server's challenge
-    with :meth:`answer` (which checks the server's proof first)."""
+    """The opening side of one handshake: send :attr:`hello`, then answer the node's challenge with
+    :meth:`answer`, which checks the node's proof of the member secret and of its identity first (and,
+    given ``node_key``, that it is the node the client meant to reach)."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._secret = secret
+    def __init__(self, creds: "bytes | identity.Credentials", node_key: Optional[str] = None) -> None:
+        self._creds, self._expect = identity.credentials(creds), node_key
         #: The client's nonce: its first message.
         self.hello = new_nonce()
+        #: Who answered (set by :meth:`answer`).
+        self.peer: Optional[identity.Peer] = None
 
-    def answer(self, server_nonce: bytes, proof: bytes, who: str) -> bytes:
-        """The client's proof; AuthenticationError (naming ``who``) when the server's proof is wrong."""
-        if not verify(server_proof(self._secret, self.hello, server_nonce), proof):
+    def answer(self, server_nonce: bytes, proof: bytes, cert: bytes, signature: bytes, who: str) -> Tuple[bytes, bytes]:
+        """(the client's proof, its signature) to send with its certificate; AuthenticationError (naming
+        ``who``) when the node's proof is wrong, IdentityError when it is not the node meant."""
+        if not verify(server_proof(self._creds.secret, self.hello, server_nonce), proof):
             raise AuthenticationError(f"{who} failed to authenticate")
-        return client_proof(self._secret, self.hello, server_nonce)
+        try:
+            peer = self._creds.check(cert, signature, True, self.hello, server_nonce)
+        except identity.IdentityError as exc:
+            raise identity.IdentityError(f"{who} failed to prove its identity: {exc}") from None
+        if self._expect is not None and peer.key != self._expect:
+            raise identity.IdentityError(
+                f"{who} is the roving process {peer.node_id}, not the node its address names (a connection "
+                "relayed to another node): refused")
+        self.peer = peer
+        return (client_proof(self._creds.secret, self.hello, server_nonce),
+                self._creds.prove(False, self.hello, server_nonce, peer.key))
 
 
 class ServerHandshake:
-    """The listening side of one handshake, made from the client's hello: send :attr:`challenge`,
-    then check the client's proof with :meth:`accepts`."""
+    """The listening side of one handshake, made from the client's hello: send :attr:`nonce`,
+    :attr:`proof` and :attr:`signature` with this process's certificate, then check the client's
+    answer with :meth:`accepts`."""
 
-    def __init__(self, secret: bytes, client_nonce: bytes) -> None:
-        self._secret, self._client_nonce = secret, client_nonce
+    def __init__(self, creds: "bytes | identity.Credentials", client_nonce: bytes) -> None:
+        self._creds = creds = identity.credentials(creds)
+        self._client_nonce = client_nonce
         self.nonce = new_nonce()
         #: The server's nonce and proof, as sent.
-        self.proof = server_proof(secret, client_nonce, self.nonce)
+        self.proof = server_proof(creds.secret, client_nonce, self.nonce)
+        self.signature = creds.prove(True, client_nonce, self.nonce, creds.key)
 
     @property
     def challenge(self) -> bytes:
+        """The nonce and the proof of the member secret, as sent first."""
         return self.nonce + self.proof
 
-    def accepts(self, proof: bytes) -> bool:
-        return verify(client_proof(self._secret, self._client_nonce, self.nonce), proof)
+    @property
+    def cert(self) -> bytes:
+        """This process's certificate (DER), sent with the challenge."""
+        return self._creds.cert_der
+
+    def accepts(self, proof: bytes, cert: bytes, signature: bytes) -> identity.Peer:
+        """The client that answered; AuthenticationError when it does not know the member secret,
+        IdentityError when its certificate or signature is not valid (or revoked)."""
+        if not verify(client_proof(self._creds.secret, self._client_nonce, self.nonce), proof):
+            raise AuthenticationError("it failed to prove the session secret")
+        return self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key)
 
 
-def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]], secret: bytes,
-          address: str) -> None:
+def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]],
+          creds: "bytes | identity.Credentials", address: str) -> identity.Peer:
     """The client's side of the handshake over a ZeroMQ connection to the node at ``address``:
     ``send(frames)`` sends a message, ``recv(what)`` returns the next one (bytes frames) or raises
-    when ``what`` does not come in time. AuthenticationError when either side fails to prove."""
-    handshake = ClientHandshake(secret)
+    when ``what`` does not come in time. The node reached; AuthenticationError when either side fails
+    to prove the member secret, IdentityError when the node is not the one ``address`` names."""
+    creds = identity.credentials(creds)
+    handshake = ClientHandshake(creds, identity.expected_key(address, creds))
     send([HELLO, handshake.hello])
     frames = recv("authentication challenge")
-    if len(frames) != 3 or frames[0] != CHALLENGE:
+    if len(frames) != 5 or frames[0] != CHALLENGE:
         raise AuthenticationError(f"the roving node at {address} failed to authenticate")
-    send([PROOF, handshake.answer(frames[1], frames[2], f"the roving node at {address}")])
+    answer, signature = handshake.answer(frames[1], frames[2], frames[3], frames[4],
+                                         f"the roving node at {address}")
+    send([PROOF, answer, creds.cert_der, signature])
     frames = recv("authentication result")
     if frames[:1] != [WELCOME]:
         raise AuthenticationError(f"the roving node at {address} refused this process's "
-                                  "secret: is it part of the same roving session?")
+                                  "secret or identity: is it part of the same roving session, and not revoked?")
+    assert handshake.peer is not None
+    return handshake.peer
 
 
 def _source_fd(frame: Any) -> Any:
@@ -140,20 +180,39 @@ def is_reauth(frames: List[Any]) -> bool:
     return len(frames) == 1 and len(frames[0]) == len(REAUTH) and bytes(frames[0]) == REAUTH
 
 
+#: First byte of the identities a node gives its authenticated ZeroMQ connections (:attr:`Door.tokens`):
+#: never a routing id libzmq makes (those begin with a zero byte).
+CONNECTION_MARK = b"\xfd"
+
+
 class Door:
     """Which ZeroMQ connections may talk to a node, and the handshakes that let them in.
 
-    ``send(frames)`` sends ``[routing id, *frames]`` from the node's socket (its I/O thread);
-    ``refusals`` logs each refusal (throttled, :class:`.guard.Refusals`). Every method runs on the
-    node's I/O thread.
+    ``creds`` are the node's (:mod:`.identity`); ``send(frames)`` sends ``[routing id, *frames]``
+    from the node's socket (its I/O thread); ``refusals`` logs each refusal (throttled,
+    :class:`.guard.Refusals`). Every method runs on the node's I/O thread.
+
+    Each authenticated connection gets a *connection identity* (:attr:`tokens`, beginning with
+    :data:`CONNECTION_MARK`) that names it and nothing else: the node hands it to handlers and sends
+    answers to it, and :meth:`route` gives the routing id only while that very connection lives. A
+    connection that later takes the same routing id (with ``encrypt="off"`` a stranger can choose it)
+    is another connection, and gets nothing meant for the one that left. :meth:`peer` tells who
+    (:class:`.identity.Peer`) authenticated each.
     """
 
-    def __init__(self, secret: bytes, send: Callable[[List[Any]], None], refusals: Any) -> None:
-        self._secret, self._send, self._refusals = secret, send, refusals
+    def __init__(self, creds: "bytes | identity.Credentials", send: Callable[[List[Any]], None],
+                 refusals: Any) -> None:
+        self._creds, self._send, self._refusals = identity.credentials(creds), send, refusals
         #: Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
         #: The node reads it on its hot path: a peer is known when ``authenticated.get(ident)`` is
         #: the user id of the message's connection.
         self.authenticated: Dict[bytes, str] = {}
+        #: Routing id -> the connection identity of the authenticated connection under it (hot path).
+        self.tokens: Dict[bytes, bytes] = {}
+        # Connection identity -> (routing id, user id) while the connection lives; -> who it is.
+        self._routes: Dict[bytes, Tuple[bytes, str]] = {}
+        self._peers: Dict[bytes, identity.Peer] = {}
+        self._counter = itertools.count(1)
         # The file descriptor (ZeroMQ's SRCFD) of each authenticated connection, both ways, so that
         # the end of a connection (which ZeroMQ names by its descriptor) forgets its peer.
         self._fd_of: Dict[bytes, int] = {}
@@ -165,25 +224,53 @@ class Door:
         self.handshakes: "collections.OrderedDict[Tuple[bytes, str], ServerHandshake]" = \
             collections.OrderedDict()
 
+    def route(self, token: bytes) -> Optional[bytes]:
+        """The routing id of the connection ``token`` names, or None once it has ended or been forgotten."""
+        known = self._routes.get(token)
+        if known is None or self.authenticated.get(known[0]) != known[1]:
+            return None
+        return known[0]
+
+    def peer(self, token: bytes) -> Optional[identity.Peer]:
+        """Who authenticated the connection ``token`` names (None when it is not known)."""
+        return self._peers.get(token)
+
     def forget(self, ident: bytes) -> None:
         """The connection with this routing id has gone (or said BYE): forgotten now."""
         self.authenticated.pop(ident, None)
+        token = self.tokens.pop(ident, None)
+        if token is not None:
+            self._routes.pop(token, None)
+            self._peers.pop(token, None)
         fd = self._fd_of.pop(ident, None)
         if fd is not None and self._ident_at.get(fd) == ident:
             del self._ident_at[fd]
+
+    def revoke(self, node_id: str) -> int:
+        """Forget every connection that ``node_id`` authenticated (its credentials were revoked): what it
+        sends from now on is dropped, and it is told REAUTH; a new connection of it is refused. How many."""
+        idents = [ident for ident, token in self.tokens.items()
+                  if getattr(self._peers.get(token), "node_id", None) == node_id]
+        for ident in idents:
+            self.forget(ident)
+        return len(idents)
 
     def disconnected(self, fd: int) -> None:
         """ZeroMQ says that the connection on file descriptor ``fd`` ended (with or without a BYE).
 
         The peer that authenticated on ``fd`` is looked up now and forgotten at the next
         :meth:`forget_disconnected`, not at once: messages it sent before its end may still wait on the
-        node's socket, and they are read as its own. Looked up now, because libzmq reports the end
+        node's socket, and they are read as its own. Nothing is sent to it any more (:meth:`route`).
+        Looked up now, because libzmq reports the end
         before it closes the descriptor, so before a new connection can get the same number; the node
         reads these events before every handshake step (see :meth:`knock`'s caller), so a newer
         connection on ``fd`` has not authenticated when this runs. Unknown descriptors are ignored."""
         ident = self._ident_at.pop(fd, None)
         if ident is not None:
             self._fd_of.pop(ident, None)
+            token = self.tokens.get(ident)
+            if token is not None:
+                self._routes.pop(token, None)
             self._ended.append((ident, self.authenticated.get(ident)))
 
     def forget_disconnected(self) -> None:
@@ -193,7 +280,7 @@ class Door:
         ended, self._ended = self._ended, []
         for ident, user in ended:
             if user is not None and self.authenticated.get(ident) == user:
-                del self.authenticated[ident]
+                self.forget(ident)
 
     @property
     def ending(self) -> int:
@@ -216,24 +303,33 @@ class Door:
         key = (ident, user)  # a handshake belongs to its connection, as its outcome does
         kind = frames[0].bytes if len(frames[0]) <= 16 else b""
         if kind == HELLO and len(frames) == 2 and len(frames[1]) == NONCE_BYTES:
-            handshake = self.handshakes[key] = ServerHandshake(self._secret, frames[1].bytes)
+            handshake = self.handshakes[key] = ServerHandshake(self._creds, frames[1].bytes)
             while len(self.handshakes) > MAX_PENDING:
                 self.handshakes.popitem(last=False)
-            self._send([ident, CHALLENGE, handshake.nonce, handshake.proof])
+            self._send([ident, CHALLENGE, handshake.nonce, handshake.proof, handshake.cert, handshake.signature])
             return
-        if kind == PROOF and len(frames) == 2 and key in self.handshakes:
-            if self.handshakes.pop(key).accepts(frames[1].bytes):
-                self.authenticated[ident] = user
-                fd = _source_fd(frames[0])
-                if fd is not None:
-                    old = self._ident_at.get(fd)
-                    if old is not None and old != ident:  # its end was not reported: it is gone
-                        self.forget(old)
-                    self._fd_of[ident], self._ident_at[fd] = fd, ident
-                self._send([ident, WELCOME])
+        if kind == PROOF and key in self.handshakes:
+            try:
+                handshake = self.handshakes.pop(key)
+                if len(frames) != 4:
+                    raise identity.IdentityError("its proof came without a certificate and signature")
+                peer = handshake.accepts(frames[1].bytes, frames[2].bytes, frames[3].bytes)
+            except (AuthenticationError, identity.IdentityError) as exc:
+                self._refusals.refuse(frames[0].get("Peer-Address"), str(exc))
+                self._send([ident, DENIED])
                 return
-            self._refusals.refuse(frames[0].get("Peer-Address"), "it failed to prove the session secret")
-            self._send([ident, DENIED])
+            self.authenticated[ident] = user
+            token = CONNECTION_MARK + next(self._counter).to_bytes(8, "little")
+            self.tokens[ident] = token
+            self._routes[token] = (ident, user)
+            self._peers[token] = peer
+            fd = _source_fd(frames[0])
+            if fd is not None:
+                old = self._ident_at.get(fd)
+                if old is not None and old != ident:  # its end was not reported: it is gone
+                    self.forget(old)
+                self._fd_of[ident], self._ident_at[fd] = fd, ident
+            self._send([ident, WELCOME])
             return
         if kind in (BYE, HELLO, PROOF):  # a late goodbye, or a handshake message out of turn
             return

@@ -15,10 +15,11 @@ import time
 from typing import Any, Optional
 
 from . import auth
+from . import identity
 from . import node as _node
 from . import stream as _stream
 from . import endpoint as _endpoint
-from .endpoint import ConnectionLost, TransportError, say_bye, stream_listener, zmq_socket
+from .endpoint import ConnectionLost, Secret, TransportError, say_bye, stream_listener, zmq_socket
 from .wire import MESSAGE, Frames, send_frames, split_frames
 
 __all__ = ["Channel", "ConnectionLost", "TransportError"]
@@ -42,8 +43,9 @@ class Channel:
     ``recv`` does, when the node no longer knows a connection ZeroMQ re-made. Either way: open a new one.
     """
 
-    def __init__(self, address: str, secret: bytes, connect_timeout: float = 30.0, *,
+    def __init__(self, address: str, secret: Secret, connect_timeout: float = 30.0, *,
                  stream: bool = False) -> None:
+        secret = identity.credentials(secret)
         self.address = address
         self._stream: Optional[_stream.Stream] = None
         self._sock: Any = None
@@ -110,7 +112,7 @@ class Channel:
         self._sock.close(int(linger * 1000))
 
 
-def _open_channel_stream(address: str, listener: str, secret: bytes,
+def _open_channel_stream(address: str, listener: str, secret: identity.Credentials,
                          timeout: float) -> Optional[_stream.Stream]:
     """A stream for a channel to the node at ``address``, or None (then ZeroMQ) when the listener does
     not take one within ``endpoint.STREAM_OPEN_TIMEOUT``. A listener busy with other handshakes (it admits only
@@ -119,8 +121,9 @@ def _open_channel_stream(address: str, listener: str, secret: bytes,
     pause = 0.02
     while True:
         try:
-            return _stream.connect(listener, secret, {"purpose": "node"}, max(0.1, deadline - time.monotonic()))
-        except auth.AuthenticationError:
+            return _stream.connect(listener, secret, {"purpose": "node"}, max(0.1, deadline - time.monotonic()),
+                                   expect=identity.expected_key(address, secret))
+        except (auth.AuthenticationError, identity.IdentityError):
             raise
         except (OSError, ConnectionError) as exc:
             # nothing listens there (the node has gone): no use waiting; else (a busy listener closed

@@ -22,13 +22,14 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import zmq
 from zmq.utils import monitor as zmq_monitor
 
-from . import auth
+from . import addressing, auth
 from . import crypto
+from . import identity
 from . import node as _node
 from . import stream as _stream
 from . import timeouts
@@ -43,6 +44,9 @@ __all__ = ["Endpoint", "ConnectionLost", "TransportError", "abandon", "close_con
            "stream_listener", "zmq_socket"]
 
 log = logging.getLogger(__name__)
+
+#: This process's credentials (:class:`.identity.Credentials`), or raw secret bytes (ad hoc ones).
+Secret = Union[bytes, identity.Credentials]
 
 _LINGER_MS = 10_000  # how long a closing ZeroMQ connection keeps trying to deliver what it queued
 #: Seconds to wait for a node's stream listener to take a new stream before using ZeroMQ instead.
@@ -179,23 +183,31 @@ class _Connection:
 class _ZmqConnection(_Connection):
     """Over an authenticated ZeroMQ DEALER socket."""
 
-    def __init__(self, address: str, secret: bytes, connect_timeout: float) -> None:
+    def __init__(self, address: str, secret: Secret, connect_timeout: float) -> None:
         super().__init__()
+        creds = identity.credentials(secret)
         self.address = address
+        key = identity.expected_key(address, creds)
+        curve = crypto.zmq_encrypted(crypto.mode(), addressing.host_of(address))
+        if curve and key is None:
+            raise identity.IdentityError(f"{address} names no node key (tcp://HOST:PORT#KEY): the roving node "
+                                         "meant cannot be told from another")
         self.sock = wire.context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
         wire.keep_alive(self.sock)
         monitor = None
-        if crypto.zmq_encrypted(crypto.mode(), address.partition("://")[2].rpartition(":")[0]):
-            crypto.curve_client(self.sock, secret)
-            monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        self.sock.connect(address)
         try:
+            if curve:
+                assert key is not None
+                crypto.curve_client(self.sock, creds.secret, key)
+                monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self.sock.connect(identity.bare(address))
             deadline = time.monotonic() + connect_timeout
             if monitor is not None:
                 self._await_curve(monitor, connect_timeout)
-            self._authenticate(secret, max(0.0, deadline - time.monotonic()))
+            #: Who the node is (:class:`.identity.Peer`), as its handshake proved.
+            self.peer = self._authenticate(creds, max(0.0, deadline - time.monotonic()))
         except BaseException:
             self.sock.close(0)
             raise
@@ -219,15 +231,16 @@ class _ZmqConnection(_Connection):
                 elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and connected):
                     raise auth.AuthenticationError(
                         f"the roving node at {self.address} ended the encrypted ZeroMQ handshake: it is not "
-                        "part of this roving session (another secret), or it runs with encrypt='off' "
-                        "where this process does not")
+                        "the node this address names (another process there, or a relay to another "
+                        "node), not part of this roving session (another secret), or it runs with "
+                        "encrypt='off' where this process does not")
         finally:
             self.sock.disable_monitor()
             monitor.close(0)
 
-    def _authenticate(self, secret: bytes, timeout: float) -> None:
-        auth.prove(self.sock.send_multipart, lambda what: self._recv(timeout, what, copy=True), secret,
-                   self.address)
+    def _authenticate(self, creds: identity.Credentials, timeout: float) -> identity.Peer:
+        return auth.prove(self.sock.send_multipart, lambda what: self._recv(timeout, what, copy=True), creds,
+                          self.address)
 
     def _recv(self, timeout: Optional[float], what: str, copy: bool = False) -> List[Any]:
         if timeout is None:
@@ -269,10 +282,12 @@ def say_bye(sock: zmq.Socket) -> None:  # public for roving.transport.channel
 class _StreamConnection(_Connection):
     """Over a stream to the node's stream listener, read and written by the calling thread."""
 
-    def __init__(self, address: str, stream_address: str, secret: bytes, connect_timeout: float) -> None:
+    def __init__(self, address: str, stream_address: str, secret: Secret, connect_timeout: float) -> None:
         super().__init__()
+        creds = identity.credentials(secret)
         self.address = address
-        self.stream = _stream.connect(stream_address, secret, {"purpose": "node"}, connect_timeout)
+        self.stream = _stream.connect(stream_address, creds, {"purpose": "node"}, connect_timeout,
+                                      expect=identity.expected_key(address, creds))
 
     def _transmit(self, frames: Frames) -> None:
         try:
@@ -302,10 +317,11 @@ class _StreamConnection(_Connection):
         self.stream.close()
 
 
-def zmq_socket(address: str, secret: bytes, connect_timeout: float) -> zmq.Socket:
+def zmq_socket(address: str, secret: Secret, connect_timeout: float) -> zmq.Socket:
     """An authenticated ZeroMQ DEALER to the node at ``address`` (what :class:`.channel.Channel` runs
-    over when there is no stream); TransportError or AuthenticationError within ``connect_timeout``."""
-    return _ZmqConnection(address, secret, connect_timeout).sock
+    over when there is no stream); TransportError, AuthenticationError or IdentityError (it is not the
+    node ``address`` names) within ``connect_timeout``."""
+    return _ZmqConnection(address, identity.credentials(secret), connect_timeout).sock
 
 
 #: Node address -> its stream listener's address ("": none), learnt once per process (a node's listener
@@ -314,14 +330,14 @@ _listeners: dict = {}
 _listeners_lock = threading.Lock()
 
 
-def stream_listener(address: str, secret: bytes, timeout: float) -> str:
+def stream_listener(address: str, secret: Secret, timeout: float) -> str:
     """The address of the stream listener of the node at ``address`` ("" when it has none), asked over
     ZeroMQ once per process; TransportError or AuthenticationError when the node cannot be reached."""
     with _listeners_lock:
         known = _listeners.get(address)
     if known is not None:
         return known
-    zconn = _ZmqConnection(address, secret, timeout)
+    zconn = _ZmqConnection(address, identity.credentials(secret), timeout)
     try:
         status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
         found = bytes(frames[0]).decode() if status == OK and frames else ""
@@ -341,11 +357,11 @@ class Endpoint:
     ``tell`` sends an operation that needs no answer.
     """
 
-    def __init__(self, address: str, secret: bytes, local: Optional[Node],
+    def __init__(self, address: str, secret: Secret, local: Optional[Node],
                  connect_timeout: float = 30.0) -> None:
         self.address = address
         self.local = local
-        self._secret = secret
+        self._secret = identity.credentials(secret)
         self._connect_timeout = connect_timeout
         self._threads = threading.local()
         self._streams: Optional[str] = None  # the node's stream listener; "" when there is none
@@ -401,6 +417,8 @@ class Endpoint:
                 # not waited for as long as a node that may still be starting.
                 return _StreamConnection(self.address, self._streams, self._secret,
                                          min(timeout, STREAM_OPEN_TIMEOUT))
+            except identity.IdentityError:
+                raise  # not the node meant: no other way to it is either
             except (OSError, ConnectionError) as exc:
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
                 self._streams = ""

@@ -30,6 +30,7 @@ import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, cast
 
+from . import identity
 from . import session as _session
 from . import stream as _stream
 from .endpoint import Endpoint
@@ -278,6 +279,22 @@ def _listener() -> _stream.Listener:
     return node.streams()
 
 
+class _Revocations:
+    """Closes this process's pipe streams with a process whose credentials are revoked (identity.revoke):
+    the ends go on over their mailboxes, as when the peer's process ends."""
+
+    def revoked(self, node_id: str) -> None:
+        with _lock:
+            doomed = [link for link in _links.values()
+                      if link.stream.peer is not None and link.stream.peer.node_id == node_id]
+        for link in doomed:
+            link.stream.close()
+
+
+_revocations = _Revocations()
+identity.on_revoke(_revocations)
+
+
 def claim(end: End) -> Optional[str]:
     """Claim ``end`` for this process at the pipe's owner; open a stream when its peer is claimed.
 
@@ -303,7 +320,8 @@ def claim(end: End) -> Optional[str]:
     opening = {"purpose": "pipe", "token": token, "owner": end.owner, "end": [end.outbox, end.inbox],
                "node": session.node().address}
     try:
-        stream = _stream.connect(answer["stream"], session.secret, opening, timeout=10.0)
+        stream = _stream.connect(answer["stream"], session.credentials, opening, timeout=10.0,
+                                 expect=identity.node_key(str(answer.get("node", ""))))
     except (OSError, ConnectionError) as exc:
         log.debug("roving: pipe end stays on its mailbox: %s", exc)
         return None
@@ -343,6 +361,10 @@ def _on_open(request: dict, stream: _stream.Stream) -> bool:
     key = cast(Tuple[str, int, int], (str(request.get("owner")), *(int(x) for x in request.get("end", (0, 0)))))
     end = _ends.get(key)
     if end is None:
+        return False
+    if stream.peer is not None and identity.node_key(str(request.get("node"))) != stream.peer.key:
+        log.warning("roving: refused a pipe stream from %s, which named another process's node",
+                    stream.peer.node_id)
         return False
     link = Link(stream, str(request["token"]), str(request["node"]), end)
     with end.lock:

@@ -24,7 +24,13 @@ Guarantees:
   (throttled, :mod:`.guard`), and the peer is told once, with a fixed word (REAUTH), that its connection
   is not known here. Authentication belongs to the connection: the node knows a peer by the user id
   that its ZAP handler gave the connection (:mod:`.zap`), never by the routing id alone, which a peer
-  may choose.
+  may choose; handlers and answers know it by a connection identity of its own (:class:`.auth.Door`),
+  so what is sent to a connection that has gone goes to no other that took its routing id (it is
+  undeliverable: an item goes back to its mailbox).
+* Every message is attributable: :meth:`Node.peer` names the process (:class:`.identity.Peer`) whose
+  credentials authenticated the connection or stream it came on. The node's address names its key
+  (``tcp://HOST:PORT#KEY``): a client reaches this node or none. When credentials are revoked
+  (:func:`.identity.revoke`), the node closes the connections opened with them.
 * Peers that are gone are forgotten: on BYE, when a message to them finds them gone, and when their
   connection ends without a word (a killed process). ZeroMQ reports such an end on the router's monitor
   (DISCONNECTED); the I/O thread reads those events without ever waiting for them, before each
@@ -35,7 +41,9 @@ Guarantees:
   ``encrypt="off"``), so a stranger does not complete ZeroMQ's handshake, and libzmq drops a connection
   that has not completed it within :data:`.wire.HANDSHAKE_IVL_MS`; no frame larger than
   :data:`.wire.MAX_FRAME` is taken from anyone (larger ones are sent in pieces,
-  :func:`.wire.split_frames`, and joined here).
+  :func:`.wire.split_frames`, and joined here); at most :func:`.guard.cap_for_open_files` connections
+  that have not authenticated are open at once (:class:`.guard.Unauthenticated`): a flood of
+  connections cannot fill the process's descriptor table.
   The node never unpickles a mailbox payload: only the thread that reads an item does. Handlers that
   other layers register (the pool, synchronization objects) decode their own messages, and they only
   ever see messages of authenticated peers.
@@ -65,12 +73,13 @@ from . import addressing, auth
 from .auth import BYE
 from .boxes import TIMEOUT_STATUS, Answer, Boxes, RemoteWaiter
 from . import crypto
+from . import identity
 from . import stream as _stream
 from .served import ServedStream
 from . import timeouts
 from . import wire
 from . import zap
-from .guard import Refusals
+from .guard import Refusals, Unauthenticated, cap_for_open_files, raise_open_files
 from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL: for callers)
 
 # The operations are the wire format's (roving.transport.wire); they are also names of this module for
@@ -85,11 +94,17 @@ log = logging.getLogger(__name__)
 class Node(Boxes):
     """The endpoint of this process: mailboxes plus the ROUTER socket and I/O thread that serve them."""
 
-    def __init__(self, secret: bytes, host: str = "127.0.0.1", advertise: Optional[str] = None,
-                 port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
+    def __init__(self, secret: "bytes | identity.Credentials", host: str = "127.0.0.1",
+                 advertise: Optional[str] = None, port_range: Optional[Tuple[int, int]] = None,
+                 encrypt: Optional[str] = None) -> None:
         """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
+        ``secret``: this process's credentials (:mod:`.identity`; raw bytes: the ad hoc ones they make).
         AddressError when the address cannot be bound, naming it."""
-        self.secret = secret
+        raise_open_files()  # the first use of the transport in a process: before it holds any connection
+        #: Whose node this is (:class:`.identity.Credentials`); its address names their node key.
+        self.credentials = creds = identity.credentials(secret)
+        #: The member secret every connection proves.
+        self.secret = creds.secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
         super().__init__()
@@ -107,12 +122,13 @@ class Node(Boxes):
         self._router.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
         curve = crypto.zmq_encrypted(self.encrypt, host)
         if curve:
-            crypto.curve_server(self._router, secret)
-        self._zap_domain = zap.register(ctx, crypto.curve_keys(secret).client_public if curve else None)
+            crypto.curve_server(self._router, creds)
+        self._zap_domain = zap.register(ctx, crypto.curve_keys(creds.secret).client_public if curve else None)
         self._router.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain)
         port = wire.bind_router(self._router, host, port_range)
         shown = advertise or host
-        self.address = f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}"
+        # The address names the node's key: a client reaches this node or none (identity.node_key).
+        self.address = (f"tcp://[{shown}]:{port}" if ":" in shown else f"tcp://{shown}:{port}") + "#" + creds.key
         self._refusals = Refusals(log, f"node {self.address}")
         self.host, self.advertise, self.port_range = host, advertise, port_range
         #: How this address was chosen, in words (for errors that name it).
@@ -125,8 +141,9 @@ class Node(Boxes):
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
         # Who may talk to this node over ZeroMQ (roving.transport.auth); its peers read inline on the hot path.
-        self._door = auth.Door(secret, self._send, self._refusals)
+        self._door = auth.Door(creds, self._send, self._refusals)
         self._authenticated = self._door.authenticated
+        self._tokens = self._door.tokens
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
         self._services: Dict[str, Any] = {}
@@ -141,7 +158,10 @@ class Node(Boxes):
         # port listens, is no refusal)
         # DISCONNECTED: a connection ended, said goodbye or not (a killed worker): its peer is forgotten
         # (auth.Door.disconnected). Read on this node's I/O thread, never waited for (_read_monitor).
-        self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED)
+        # ACCEPTED: a connection yet to authenticate, counted against a cap (guard.Unauthenticated).
+        self._unauthenticated = Unauthenticated(cap_for_open_files())
+        self._monitor = wire.watch(self._router, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_DISCONNECTED
+                                   | zmq.EVENT_ACCEPTED)
         self._poller.register(self._monitor, zmq.POLLIN)
         self._peers: Dict[int, ServedStream] = {}
         # The streams are watched by a selector of their own (epoll here), which the poller watches as
@@ -161,9 +181,10 @@ class Node(Boxes):
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="roving-node", daemon=True)
         self._thread.start()
+        identity.on_revoke(self)
 
     @classmethod
-    def at(cls, secret: bytes, choice: addressing.Choice) -> "Node":
+    def at(cls, secret: "bytes | identity.Credentials", choice: addressing.Choice) -> "Node":
         """A node at the address :func:`addressing.choose` picked; AddressError (naming why that address
         was chosen) when it cannot be bound."""
         try:
@@ -210,6 +231,30 @@ class Node(Boxes):
             return
         self._post([ident, *frames], undeliverable)
 
+    def peer(self, ident: bytes) -> Optional[identity.Peer]:
+        """Who sent the messages that a handler got with ``ident`` (the process whose credentials
+        authenticated that connection or stream), or None once it has gone; any thread."""
+        served = self._channels.get(ident)
+        if served is not None:
+            return served.peer
+        return self._door.peer(ident)
+
+    def revoked(self, node_id: str) -> None:
+        """``node_id``'s credentials were revoked (:func:`.identity.revoke`): its connections to this
+        node are closed (on the I/O thread, soon); any thread."""
+        if self._running:
+            self._defer(functools.partial(self._close_revoked, node_id))
+
+    def _close_revoked(self, node_id: str) -> None:
+        closed = self._door.revoke(node_id)
+        for served in list(self._peers.values()):
+            if served.peer is not None and served.peer.node_id == node_id:
+                self._drop_peer(served)
+                closed += 1
+        if closed:
+            log.warning("roving node %s: closed %d connection(s) of %s, whose credentials were revoked",
+                        self.address, closed, node_id)
+
     def register_notice(self, op: bytes, handler: Callable[[Frames], None]) -> None:
         """Route messages ``op`` sent with :meth:`Endpoint.tell` (no answer) to ``handler(payload)``,
         on the I/O thread: it must not block."""
@@ -218,7 +263,7 @@ class Node(Boxes):
     def streams(self) -> _stream.Listener:
         """This process's stream listener, started on first use."""
         return self.service("streams", lambda node: _stream.Listener(
-            node.secret, node.host, node.advertise, node._on_stream, node.port_range, node.encrypt))
+            node.credentials, node.host, node.advertise, node._on_stream, node.port_range, node.encrypt))
 
     def register_stream_purpose(self, purpose: str, handler: Callable[[dict, _stream.Stream], bool]) -> None:
         """Hand streams opened with ``{"purpose": purpose, ...}`` to ``handler`` (see stream.Listener)."""
@@ -267,6 +312,18 @@ class Node(Boxes):
         self._wake()
 
     def _send(self, frames: Frames, undeliverable: Optional[Callable[[], None]] = None) -> None:
+        if frames[0][:1] == auth.CONNECTION_MARK:
+            # To the connection the identity names, and to no other under its routing id: ends that
+            # ZeroMQ has reported are taken first (a connection that took the routing id of one that
+            # left comes after its end).
+            self._read_monitor()
+            ident = self._door.route(frames[0])
+            if ident is None:
+                log.debug("roving node: a peer left before its answer")
+                if undeliverable is not None:
+                    self._undeliverable.append(undeliverable)
+                return
+            frames = [ident, *frames[1:]]
         try:
             send_frames(self._router, frames)
         except zmq.ZMQError as exc:
@@ -399,7 +456,10 @@ class Node(Boxes):
                 event = zmq_monitor.recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._unauthenticated.opened(int(event["value"]))
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._unauthenticated.closed(int(event["value"]))
                 self._door.disconnected(int(event["value"]))
             elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 # libzmq names the listening address here, not the peer's
@@ -481,7 +541,10 @@ class Node(Boxes):
             # its file descriptor, and its end must not be taken for this one's (auth.Door.disconnected).
             self._read_monitor()
             self._door.knock(ident, frames[1:])
+            if self._authenticated.get(ident, self) == frames[1].get("User-Id"):  # it just got in
+                self._unauthenticated.settled(_source_fd(frames[1]))
             return
+        token = self._tokens[ident]  # the connection's own identity: answers go to it, not to the routing id
         op = frames[1].bytes
         if op == PIECES:
             try:
@@ -493,7 +556,7 @@ class Node(Boxes):
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
         handler = self._handlers.get(op)
         if handler is not None:
-            handler(ident, frames[2:])
+            handler(token, frames[2:])
             return
         if op == BYE:
             self._door.forget(ident)
@@ -502,7 +565,7 @@ class Node(Boxes):
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         self._request(op, bytes(frames[2]), frames[3:],
-                      lambda out, undeliverable: self._post([ident, *out], undeliverable))
+                      lambda out, undeliverable: self._post([token, *out], undeliverable))
 
     def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
         """Serve one request of an authenticated peer, over ZeroMQ or a stream alike: ``answer`` (any
@@ -573,6 +636,14 @@ class Node(Boxes):
             self._router.close(0)
             os.close(self._wake_r)
             os.close(self._wake_w)
+
+
+def _source_fd(frame: zmq.Frame) -> Optional[int]:
+    """The descriptor of the connection a message came on (ZeroMQ's SRCFD), or None where not known."""
+    try:
+        return frame.get(zmq.SRCFD)
+    except zmq.ZMQError:
+        return None
 
 
 #: First byte of the identities the node gives streams that carry handlers' messages (ZeroMQ's own

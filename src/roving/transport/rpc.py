@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from . import node as _node
 from . import timeouts
 from .channel import Channel
-from .endpoint import ConnectionLost, TransportError, flush_sent
+from .endpoint import ConnectionLost, Secret, TransportError, flush_sent
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Caller:
     Process this process started): when it says False, calls raise at once.
     """
 
-    def __init__(self, address: str, secret: bytes, op: bytes, what: str,
+    def __init__(self, address: str, secret: Secret, op: bytes, what: str,
                  connect_timeout: float = 30.0, alive: Optional[Callable[[], bool]] = None) -> None:
         self.address, self.op, self.what, self.alive = address, op, what, alive
         self._lock = threading.Lock()

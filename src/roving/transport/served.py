@@ -40,6 +40,8 @@ class ServedStream:
         self._reader = Reader(self.sock)
         self._tls = stream.encrypted
         self._retry = False  # a TLS write could not finish: the same bytes go first again
+        #: Who opened the stream (:class:`.identity.Peer`), as its handshake proved.
+        self.peer = stream.peer
 
     def _write_some(self, todo: Deque[Any]) -> int:
         """Write what the socket takes now from the front of ``todo`` and drop it from there; the bytes

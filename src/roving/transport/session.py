@@ -1,9 +1,13 @@
 """The roving session this process belongs to: its secret, its identity and its endpoint.
 
-A session is a parent program and every process it starts, directly or not. They share one random
-secret, which the parent hands to each child through the child's job environment, in the variable
-SECRET_ENV (a backend whose jobs run elsewhere moves it out of the environment: a container reads it
-from a private file named by SECRET_FILE_ENV, a pod from a Kubernetes Secret; the job's
+A session is a parent program and every process it starts, directly or not. Each process has its own
+credentials (:mod:`.identity`): the root (the program) holds the session's CA, made from its own
+secret, and has it issue every child's before the child's job is made; a child whose own children need
+credentials asks the CA at the root's node (:mod:`.issuer`). They share one member secret (never the
+root's), which the parent hands to each child, with the child's private seed (the value is
+``MEMBER_HEX.SEED_HEX``), through the child's job environment, in the variable SECRET_ENV, which every
+backend moves out of the environment (local and Slurm children and containers read it from a one-use
+private file named by SECRET_FILE_ENV, a pod from a Kubernetes Secret; the job's
 :class:`~roving.backends.base.JobSession` names both variables); every connection between them is
 authenticated with it. A child removes what it was told from ``os.environ`` as soon as it has read it,
 so that the programs it starts itself (a ``subprocess``, a tool) never inherit the secret; the roving
@@ -23,7 +27,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .. import backends
 from .. import config as _config
-from . import addressing, auth
+from ..backends.private import take_private
+from . import addressing, auth, identity, issuer
 from .endpoint import Endpoint, close_connections
 from .node import Node
 
@@ -40,11 +45,19 @@ addressing.set_cluster_route(backends.towards)
 
 
 class Session:
-    def __init__(self, secret: bytes, uid: str, parent_address: Optional[str] = None) -> None:
-        self.secret = secret
-        #: This process's identity within the session (also the key of the pipe ends it holds).
+    def __init__(self, credentials: identity.Credentials, uid: str, parent_address: Optional[str] = None,
+                 ca_address: Optional[str] = None) -> None:
+        #: This process's credentials; the session's CA with them in the root.
+        self.credentials = credentials
+        #: The member secret that every connection of the session proves (not the root's own secret).
+        self.secret = credentials.secret
+        #: This process's identity within the session (also the key of the pipe ends it holds, and the
+        #: node id its certificate names).
         self.uid = uid
         self.parent_address = parent_address
+        #: The node of the process that holds the session's CA (None: this one).
+        self.ca_address = ca_address
+        identity.adopt(credentials)
         self._node: Optional[Node] = None
         self._endpoints: Dict[str, Endpoint] = {}
         self._lock = threading.Lock()
@@ -61,8 +74,19 @@ class Session:
 
     def child_env(self, info: Mapping[str, Any]) -> Dict[str, str]:
         """The variables that make a job a child of this session: ``info`` (what :func:`child_info`
-        gives the child) and the secret."""
-        return {CHILD_ENV: json.dumps(dict(info)), SECRET_ENV: self.secret.hex()}
+        gives the child, with ``info["uid"]`` its node id), its credentials, issued now by the CA
+        (IdentityError when that uid has had credentials before), and the member secret."""
+        grant = self.issue(str(info["uid"]))
+        told = dict(info, identity=grant.public(), ca=self.ca_address or self.node().address)
+        return {CHILD_ENV: json.dumps(told), SECRET_ENV: self.secret.hex() + "." + grant.seed.hex()}
+
+    def issue(self, uid: str) -> identity.Grant:
+        """Credentials for a new process ``uid`` of this session: from the CA here, or asked of it."""
+        authority = self.credentials.authority
+        if authority is not None:
+            return authority.issue(uid)
+        assert self.ca_address is not None
+        return issuer.ask(self.ca_address, self.credentials, uid, _config.current().connect_timeout)
 
     def address(self) -> addressing.Choice:
         """Where this process's endpoints listen and what they advertise, with why
@@ -74,7 +98,9 @@ class Session:
         """This process's endpoint, started on first use."""
         with self._lock:
             if self._node is None:
-                self._node = Node.at(self.secret, self.address())
+                self._node = Node.at(self.credentials, self.address())
+                if self.credentials.authority is not None:
+                    issuer.serve(self._node)
             return self._node
 
     def endpoint(self, address: str, connect_timeout: Optional[float] = None) -> Endpoint:
@@ -86,7 +112,7 @@ class Session:
                 local = self._node if self._node is not None and self._node.address == address else None
                 endpoint = self._endpoints.get(address)
                 if endpoint is None:
-                    endpoint = Endpoint(address, self.secret, local,
+                    endpoint = Endpoint(address, self.credentials, local,
                                         connect_timeout or _config.current().connect_timeout)
                     self._endpoints[address] = endpoint
         return endpoint
@@ -107,7 +133,8 @@ _child_info: Optional[dict] = None
 
 
 def _take_child_env() -> Tuple[Optional[dict], str]:
-    """What the parent told this child, and the secret (hex), removed from os.environ."""
+    """What the parent told this child, and the secret (hex: the member secret, a dot, this process's
+    seed), removed from os.environ."""
     global _child_info
     raw = os.environ.pop(CHILD_ENV, None)
     if not raw:
@@ -117,12 +144,12 @@ def _take_child_env() -> Tuple[Optional[dict], str]:
     info = json.loads(raw)
     if not secret and secret_file:
         try:
-            with open(secret_file) as f:
-                secret = f.read().strip()
+            secret = take_private(secret_file).strip()  # not through a link; removed once read
         except OSError as exc:
             raise OSError(f"roving: this child cannot read the session secret from {secret_file} ({exc}); "
-                          "the file is readable only by the user who started the parent: run the container as "
-                          "that user, or as root") from None
+                          "the parent made the file, readable only by its user, for one reading: run a container "
+                          "as that user (or root), a Slurm job where the parent's home is mounted, and start "
+                          "each child once") from None
     _child_info = info
     return info, secret
 
@@ -149,9 +176,12 @@ def current() -> Session:
                 if data is not None:
                     if data.get("encrypt"):  # the parent's, for the connections made before its config arrives
                         _config.adopt(_config.current().replace("the parent process", encrypt=data["encrypt"]))
-                    _session = Session(bytes.fromhex(secret), data["uid"], data["parent"])
+                    member, _, seed = secret.partition(".")
+                    creds = identity.child(bytes.fromhex(member), data["uid"], seed, data.get("identity") or {})
+                    _session = Session(creds, data["uid"], data["parent"], data.get("ca") or data["parent"])
                 else:
-                    _session = Session(auth.new_secret(), "main-" + os.urandom(6).hex())
+                    uid = "main-" + os.urandom(6).hex()
+                    _session = Session(identity.root(auth.new_secret(), uid), uid)
     return _session
 
 

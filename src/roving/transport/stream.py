@@ -13,15 +13,20 @@ connection whose bytes are read and written by the threads that need them:
 Guarantees:
 
 * Both sides prove that they know the session secret (:mod:`roving.transport.auth`, fresh nonces each
-  way) before either reads anything else; the listener then reads one small JSON request, and nothing
-  from the connection is unpickled before that. A peer that fails is dropped and logged (throttled).
+  way) and who they are (:mod:`.identity`: each its certificate, issued by the session CA, and a
+  signature over this handshake) before either reads anything else; the listener then reads one small
+  JSON request, and nothing from the connection is unpickled before that. A peer that fails (or whose
+  credentials were revoked) is told so with one byte, dropped and logged (throttled). An opener that
+  names the node it means (``expect``) refuses any other process's listener, of the same session or
+  not: a stream relayed elsewhere ends there. Each side's :attr:`Stream.peer` says who the other is.
 * A stream whose address is not loopback (any stream, with ``encrypt="always"``) is TLS 1.3, mutual,
-  with the session's key (:mod:`roving.transport.crypto`): what it carries can be neither read nor
-  changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
+  each side with its own certificate (:mod:`roving.transport.crypto`): what it carries can be neither
+  read nor changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
   for TLS in its first line; the listener refuses plain text from an address that is not loopback.
 * Before authentication the listener bounds what a peer can hold: the whole handshake has one deadline
-  (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once and
-  :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
+  (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once, shared fairly between
+  source addresses (:class:`.guard.Admission`: a flood from many addresses makes room for a peer from
+  another at once), :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
   :data:`_MAX_REQUEST` bytes.
 * A message is one gather write: its frames leave from the caller's buffers without a copy. On the
   receiving side a large frame is read straight into a buffer of its own, which the unpickled object then
@@ -36,6 +41,7 @@ two threads share is :mod:`.tls`'s, and the I/O thread's side of a stream is :mo
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -50,15 +56,18 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import addressing, auth
 from . import crypto
+from . import identity
 from . import tls
 from .framing import Reader, advance, encode
-from .guard import Admission, Refusals
+from .guard import Admission, Handshake, Refusals
 
 log = logging.getLogger(__name__)
 
 _GREETING = b"roving-stream/1\n"  # a plain-text stream follows
 _GREETING_TLS = b"roving-stream/T\n"  # a TLS handshake follows, then the stream
 _LENGTH = struct.Struct("<Q")
+_CERT_LENGTH = struct.Struct("<H")
+_DENIED = b"\x02"  # the listener's verdict on a peer whose proof or identity it refused
 _MAX_REQUEST = 16384
 #: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
 HANDSHAKE_TIMEOUT = 10.0
@@ -106,6 +115,8 @@ class Stream:
         self._poller = select.poll()
         self._poller.register(sock.fileno(), select.POLLIN)
         self.closed = False
+        #: Who is at the other end (:class:`.identity.Peer`), as its handshake proved.
+        self.peer: Optional[identity.Peer] = None
 
     # -- writing -----------------------------------------------------------------------------
     def send(self, kind: bytes, frames: Sequence[Any]) -> None:
@@ -185,9 +196,10 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
-def _tls_handshake(sock: socket.socket, secret: bytes, server: bool, deadline: float) -> tls.TlsSocket:
+def _tls_handshake(sock: socket.socket, creds: identity.Credentials, server: bool,
+                   deadline: float) -> tls.TlsSocket:
     """Run the TLS 1.3 handshake over ``sock`` before ``deadline``; the TLS stream, or OSError."""
-    server_ctx, client_ctx = crypto.tls_contexts(secret)
+    server_ctx, client_ctx = crypto.tls_contexts(creds)
     ctx = server_ctx if server else client_ctx
     ssock = ctx.wrap_socket(sock, server_side=server, do_handshake_on_connect=False)
     ssock.setblocking(False)
@@ -255,63 +267,82 @@ def _wait(sock: tls.TlsSocket, want: int, deadline: float) -> bool:
     return bool(poller.poll(left * 1000))
 
 
-def connect(address: str, secret: bytes, request: dict, timeout: float,
-            encrypt: Optional[str] = None) -> Stream:
+def connect(address: str, secret: "bytes | identity.Credentials", request: dict, timeout: float,
+            encrypt: Optional[str] = None, expect: Optional[str] = None) -> Stream:
     """Open a stream to the listener at ``address`` ("host:port") and make ``request`` of it.
 
+    ``secret``: this process's credentials (:mod:`.identity`; raw secret bytes: the ad hoc ones they
+    make). ``expect``: the node key of the process meant (:func:`.identity.node_key` of its node's
+    address); a listener of any other process, though of the same session, is refused (IdentityError).
+    The stream's :attr:`Stream.peer` says who answered.
+
     The stream is TLS when ``encrypt`` (default: the ``encrypt`` option) asks for it at this address
-    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError)
-    when it cannot connect, authenticate or the listener refuses the request, all within about
-    ``timeout`` seconds.
+    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError,
+    identity.IdentityError) when it cannot connect, authenticate or the listener refuses the request,
+    all within about ``timeout`` seconds.
     """
+    creds = identity.credentials(secret)
     host, _, port = address.rpartition(":")
     deadline = time.monotonic() + timeout
     tls = crypto.stream_encrypted(host, encrypt or crypto.mode())
     try:
         sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout)
+        # at once, not only once open: else the TLS hello, which follows the greeting, waits for the
+        # greeting's delayed ACK (40 ms on Linux) before it is sent
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError as exc:
         raise StreamError(f"cannot reach the roving stream listener at {address}: {exc}") from exc
     link: Any = sock
+    who = f"the roving stream listener at {address}"
     try:
-        handshake = auth.ClientHandshake(secret)
+        handshake = auth.ClientHandshake(creds, expect)
         if tls:
             sock.sendall(_GREETING_TLS)
             try:
-                link = _tls_handshake(sock, secret, False, deadline)
+                link = _tls_handshake(sock, creds, False, deadline)
             except ssl.SSLError as exc:
                 raise auth.AuthenticationError(
-                    f"the roving stream listener at {address} failed the TLS handshake (not of this "
-                    f"session?): {exc}") from exc
+                    f"{who} failed the TLS handshake (not of this session?): {exc}") from exc
             wire = _Timed(link, deadline)
             wire.sendall(handshake.hello)
         else:
             wire = _Timed(link, deadline)
             wire.sendall(_GREETING + handshake.hello)
         try:
-            answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES, deadline)
+            answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
+            (size,) = _CERT_LENGTH.unpack(answer[-_CERT_LENGTH.size:])
+            proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
         except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
             if not tls or "in time" in str(exc):
                 raise
             raise auth.AuthenticationError(
-                f"the roving stream listener at {address} ended the TLS stream after its handshake: it "
-                f"refused this process's certificate (another session's?) ({exc})") from exc
-        proof = handshake.answer(answer[:auth.NONCE_BYTES], answer[auth.NONCE_BYTES:],
-                                 f"the roving stream listener at {address}")
+                f"{who} ended the TLS stream after its handshake: it refused this process's certificate "
+                f"(another session's, or revoked?) ({exc})") from exc
+        proof, signature = handshake.answer(answer[:auth.NONCE_BYTES],
+                                            answer[auth.NONCE_BYTES:auth.NONCE_BYTES + auth.PROOF_BYTES],
+                                            proven[:size], proven[size:], who)
         body = json.dumps(request).encode()
-        wire.sendall(proof + _LENGTH.pack(len(body)) + body)
+        wire.sendall(proof + _CERT_LENGTH.pack(len(creds.cert_der)) + creds.cert_der + signature
+                     + _LENGTH.pack(len(body)) + body)
         verdict = _recv_exact(wire, 1, deadline)
     except OSError as exc:
         link.close()
-        if isinstance(exc, (StreamError, auth.AuthenticationError)):
+        if isinstance(exc, (StreamError, auth.AuthenticationError, identity.IdentityError)):
             raise
         raise StreamError(f"opening a stream to {address} failed: {exc}") from exc
     except BaseException:
         link.close()
         raise
+    if verdict == _DENIED:
+        link.close()
+        raise auth.AuthenticationError(f"{who} refused this process's secret or identity: is it part of the "
+                                       "same roving session, and not revoked?")
     if verdict != b"\x01":
         link.close()
         raise StreamError(f"the roving process at {address} refused the stream")
-    return Stream(link)
+    stream = Stream(link)
+    stream.peer = handshake.peer
+    return stream
 
 
 class Listener:
@@ -323,10 +354,10 @@ class Listener:
     an opener that asks for TLS always gets it.
     """
 
-    def __init__(self, secret: bytes, host: str, advertise: Optional[str],
+    def __init__(self, secret: "bytes | identity.Credentials", host: str, advertise: Optional[str],
                  on_open: Callable[[dict, "Stream"], bool],
                  port_range: Optional[Tuple[int, int]] = None, encrypt: Optional[str] = None) -> None:
-        self._secret = secret
+        self._creds = identity.credentials(secret)
         self._on_open = on_open
         self._encrypt = encrypt or crypto.mode()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -365,43 +396,68 @@ class Listener:
                 time.sleep(0.05)
                 continue
             source = str(peer[0])
-            why = self._admission.enter(source)
-            if why:
-                self.refusals.refuse(source, why)
+            try:  # a handle on the connection that the TLS layer does not take over: for an eviction
+                pin = sock.dup()
+            except OSError as exc:
+                self.refusals.refuse(source, f"no descriptor for it: {exc}")
+                sock.close()
+                time.sleep(0.05)
+                continue
+            ticket = self._admission.enter(source, functools.partial(pin.shutdown, socket.SHUT_RDWR))
+            if ticket.refused:
+                self.refusals.refuse(source, ticket.refused)
+                pin.close()
                 sock.close()
                 continue
             try:
-                threading.Thread(target=self._admit, args=(sock, source), name="roving-stream-admit",
+                threading.Thread(target=self._admit, args=(sock, pin, ticket), name="roving-stream-admit",
                                  daemon=True).start()
             except RuntimeError as exc:  # no thread can be started now
-                self._admission.leave(source)
+                self._admission.leave(ticket)
                 self.refusals.refuse(source, f"no thread for it: {exc}")
+                pin.close()
                 sock.close()
                 time.sleep(0.05)
 
-    def _admit(self, sock: socket.socket, source: str) -> None:
+    def _admit(self, sock: socket.socket, pin: socket.socket, ticket: Handshake) -> None:
+        opened = None
         try:
-            self._handshake(sock, source)
+            opened = self._handshake(sock, ticket.address)
         finally:
-            self._admission.leave(source)
+            # left before on_open runs: an authenticated stream is no longer a handshake to evict
+            self._admission.leave(ticket, opened is not None)
+            pin.close()
+        if opened is not None:
+            self._open(*opened)
 
-    def _handshake(self, sock: socket.socket, source: str) -> None:
+    def _handshake(self, sock: socket.socket, source: str) -> Optional[Tuple[Any, dict, identity.Peer]]:
+        """The TLS layer (or the plain socket), the request and the identity of a peer that authenticated,
+        or None (the connection is closed and the refusal logged)."""
         deadline = time.monotonic() + HANDSHAKE_TIMEOUT
         link: Any = sock
         try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no handshake step waits on an ACK
             greeting = _recv_exact(_Timed(sock, deadline), len(_GREETING), deadline)
             if greeting == _GREETING_TLS:
-                link = _tls_handshake(sock, self._secret, True, deadline)
+                link = _tls_handshake(sock, self._creds, True, deadline)
             elif greeting != _GREETING:
                 raise StreamError("not a roving stream")
             elif crypto.stream_encrypted(source, self._encrypt):
                 raise StreamError("plain text refused: streams from this address must be encrypted "
                                   f"(encrypt={self._encrypt!r})")
             wire = _Timed(link, deadline)
-            handshake = auth.ServerHandshake(self._secret, _recv_exact(wire, auth.NONCE_BYTES, deadline))
-            wire.sendall(handshake.challenge)
-            if not handshake.accepts(_recv_exact(wire, auth.PROOF_BYTES, deadline)):
-                raise auth.AuthenticationError("it failed to prove the session secret")
+            handshake = auth.ServerHandshake(self._creds, _recv_exact(wire, auth.NONCE_BYTES, deadline))
+            cert = handshake.cert
+            wire.sendall(handshake.nonce + handshake.proof + _CERT_LENGTH.pack(len(cert)) + cert
+                         + handshake.signature)
+            answer = _recv_exact(wire, auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
+            (size,) = _CERT_LENGTH.unpack(answer[auth.PROOF_BYTES:])
+            proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
+            try:
+                peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
+            except (auth.AuthenticationError, identity.IdentityError):
+                wire.sendall(_DENIED)  # it is told why it gets no stream (it learns nothing else)
+                raise
             (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))
             if size > _MAX_REQUEST:
                 raise StreamError(f"stream request of {size} bytes is too large")
@@ -411,8 +467,12 @@ class Listener:
         except Exception as exc:  # not a roving peer, a wrong secret, a bad request, a timeout
             self.refusals.refuse(source, str(exc) or type(exc).__name__)
             link.close()
-            return
+            return None
+        return link, request, peer
+
+    def _open(self, link: Any, request: dict, peer: identity.Peer) -> None:
         stream = Stream(link)
+        stream.peer = peer
         try:
             ok = self._on_open(request, stream)
         except Exception:

@@ -10,7 +10,7 @@ MARKER = sys.argv[2].encode()
 
 def ports():
     node = _session.current().node()
-    return [int(node.address.rsplit(":", 1)[1]), int(node.streams().address.rsplit(":", 1)[1])]
+    return [int(node.address.partition("#")[0].rsplit(":", 1)[1]), int(node.streams().address.rsplit(":", 1)[1])]
 
 
 def child(q, conn):
