@@ -27,7 +27,7 @@ SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]
 
 
 def _port(address: str) -> int:
-    return int(address.rsplit(":", 1)[1])
+    return int(address.partition("#")[0].rsplit(":", 1)[1])  # (a node's address names its key after '#')
 
 
 class Flood:
