@@ -27,7 +27,7 @@ from dataclasses import replace
 from roving.pipeline import build_network, model_preset, plan, simulate
 from roving.pipeline.costs import transfer_time
 from roving.pipeline.routes import SearchContext, build_routes, improve_routes
-from roving.pipeline.simulate import microbatch_steps
+from roving.pipeline.simulate import Compute, microbatch_steps
 
 TICKS = 10_000  # solver time unit: 0.1 ms; durations are rounded down, so its bound stays a bound
 
@@ -45,8 +45,8 @@ def solve_schedule(net, model, p, seconds: float, workers: int) -> tuple[float, 
         ready = 0
         first_fwd: dict[str, object] = {}
         for k, step in enumerate(steps):
-            if step[0] == 0:  # compute: (0, node, kind, seconds)
-                _, node, kind, secs = step
+            if isinstance(step, Compute):
+                node, kind, secs = step
                 start, end = m.NewIntVar(0, horizon, f"s{mb}.{k}"), m.NewIntVar(0, horizon, f"e{mb}.{k}")
                 on_node.setdefault(node, []).append(
                     m.NewIntervalVar(start, int(secs * TICKS), end, f"c{mb}.{k}"))
@@ -57,8 +57,8 @@ def solve_schedule(net, model, p, seconds: float, workers: int) -> tuple[float, 
                     held.setdefault(node, []).append(
                         m.NewIntervalVar(first_fwd[node], length, end, f"h{mb}.{k}"))
                 ready = end
-            else:  # transfer: (1, src, dst)
-                link = net.link(step[1], step[2])
+            else:  # a Send
+                link = net.link(step.src, step.dst)
                 arrive = m.NewIntVar(0, horizon, f"a{mb}.{k}")
                 secs = transfer_time(link.latency_s, link.bandwidth_bps, model.transfer_bytes)
                 m.Add(arrive >= ready + int(secs * TICKS))

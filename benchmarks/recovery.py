@@ -65,7 +65,7 @@ class Modelled:
 
     def __init__(self, t: Trainer) -> None:
         self.t = t
-        self.params = stage_params(PAPER, t.c.stages)
+        self.params = stage_params(PAPER, t.config.stages)
         self.sync = [p * 4.0 for p in self.params]
         self.seconds = 0.0
         self._cache: dict[str, float] = {}
@@ -80,7 +80,7 @@ class Modelled:
         n00's region but not n00) over the run's network description (every node it started with)."""
         if src == dst:
             return 0.0
-        net = self.t.p.network
+        net = self.t.prepared.network
         a, b = (n if n != STORE else "n00" for n in (src, dst))
         link = net.intra if a == b else net.link(a, b)
         return link.latency_s + nbytes / link.bandwidth_bps
@@ -100,7 +100,7 @@ class Modelled:
 
     def recovery(self, event: dict, weights_from: dict) -> float:
         stage, new = event["stage"], event.get("nodes") or []
-        cost = self.t.c.dead_after
+        cost = self.t.config.dead_after
         if event["chosen"] == "snapshot":
             cost += max((self._transfer(STORE, n, self.params[stage] * STATE_BYTES) for n in new), default=0.0)
         elif event["chosen"] == "neighbours":
@@ -125,7 +125,7 @@ def one_run(policy: str, rate: float, seed: int, iterations: int, hour: int, pla
         for it in range(iterations):
             t.iteration_no = it
             for stage in schedule.at(it):
-                if stage in t.dropped:
+                if stage in t.recovery.dropped:
                     continue
                 n_events = len(t.metrics["events"])
                 killed = t.kill_stage(stage)

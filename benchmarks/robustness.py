@@ -167,7 +167,7 @@ def failure_run(iterations: int, calibration: dict, kill_at: int | None, rejoin_
                 victims = sorted(random.Random(seed).sample(sorted(t.alloc), round(fraction * len(t.alloc))))
                 hit = {v: t.alloc[v] for v in victims}
                 print(f"  {label}: killing {hit} (node: stage) {kill_after_s:.2f} s into iteration {it}", flush=True)
-                threading.Timer(kill_after_s, t.kill, [victims]).start()
+                threading.Timer(kill_after_s, t.roster.kill, [victims]).start()
             if it == rejoin_at:
                 print(f"  {label}: starting {victims} again before iteration {it}", flush=True)
                 t.join(victims)

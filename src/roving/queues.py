@@ -15,6 +15,7 @@ import queue as _queue
 import struct
 from typing import Any, Optional
 
+from .transport import endpoint as _endpoint
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
@@ -121,6 +122,13 @@ class Queue:
 
     def cancel_join_thread(self) -> None:
         """Accepted for compatibility; put() has already serialized every item, so nothing is pending."""
+
+    def abandon(self) -> None:
+        """The process that created this queue is known to be gone: what this process sent to it (on
+        this queue or any other of that process) without an answer is given up, and exit does not wait
+        for it to arrive. Never blocks. A later put goes over a new connection, and fails if nothing
+        answers there."""
+        _endpoint.abandon(self._address)
 
 
 class JoinableQueue(Queue):

@@ -107,15 +107,19 @@ def test_a_temporary_name_planted_as_a_link_is_refused_and_a_stale_one_of_ours_r
 
 
 def test_the_control_folder_is_made_private_and_a_planted_status_link_is_not_followed(tmp_path):
-    folder = tmp_path / "control"
-    control.append_record(str(folder), "events.jsonl", {"event": "start"})
-    assert _mode(folder) == 0o700 and _mode(folder / "events.jsonl") == 0o600
+    folder = control.ControlFolder(tmp_path / "control")
+    folder.record(control.EVENTS, {"event": "start"})
+    assert _mode(folder.path) == 0o700 and _mode(folder.path / control.EVENTS) == 0o600
     target = tmp_path / "victim.txt"
     target.write_text("precious\n")
-    os.symlink(target, folder / "status.tmp")
-    with pytest.raises(NotPrivateError, match="status.tmp: it is a symbolic link"):
-        control.write_status(str(folder), {"iterations": [], "events": []}, 1, {}, [], [], False)
+    # where this process writes status.json before renaming it into place
+    os.symlink(target, folder.path / f"{control.STATUS}.{os.getpid()}.tmp")
+    with pytest.raises(NotPrivateError, match=r"\.tmp: it is a symbolic link"):
+        folder.write_status({"iterations": [], "events": []}, 1, {}, [], [], False)
     assert target.read_text() == "precious\n"
+    os.symlink(target, folder.path / "iterations-link.jsonl")
+    with pytest.raises(OSError):  # a planted link is not read through either
+        folder.read_json("iterations-link.jsonl")
 
 
 def test_checkpoints_are_refused_on_torch_older_than_2_6_with_the_reason(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from roving.pipeline.allocate import (
 )
 from roving.pipeline.costs import stage_layers, stage_memory, transfer_time
 
-MODEL = ModelSpec(layers=8, hidden=256, seq_len=64, samples_per_microbatch=2, vocab=8000, name="m8")
+MODEL = ModelSpec(n_layers=8, dim=256, seq_len=64, samples_per_microbatch=2, vocab_size=8000, name="m8")
 TWO_REGIONS = {"regions": ["a", "b"], "links": [{"a": "a", "b": "b", "latency_ms": 80, "bandwidth": 0.05}],
                "bandwidth_unit": "GiB/s"}
 

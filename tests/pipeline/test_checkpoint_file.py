@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from roving.pipeline import checkpoint_file
-from roving.pipeline.costs import PlanError
-from roving.pipeline.inference import InferenceError, load_checkpoint
+from roving.pipeline.errors import PlanError
+from roving.pipeline.errors import InferenceError
+from roving.pipeline.inference import load_checkpoint
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
 CFG = dict(model="tiny", nodes=4, stages=2, skip=0.0, microbatches=4, samples=4, seq_len=32,

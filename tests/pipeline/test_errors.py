@@ -35,3 +35,25 @@ def test_the_train_command_reports_a_data_error_as_an_error_not_a_traceback(tmp_
     assert main(["pipeline", "train", "--corpus", str(missing)]) == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last == f"error: corpus path {missing} does not exist"
+
+
+def test_every_exception_class_of_the_pipeline_is_defined_in_errors_py_under_pipeline_error():
+    import ast
+    import inspect
+    from pathlib import Path
+
+    import roving.pipeline.errors as errors
+
+    folder = Path(errors.__file__).parent
+    elsewhere = []
+    for path in sorted(folder.rglob("*.py")):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and (b.id.endswith(("Error", "Exception")) or b.id in dir(errors))
+                    for b in node.bases):
+                elsewhere.append(f"{path.name}:{node.lineno} {node.name}")
+    assert elsewhere == [], "exception classes outside errors.py"
+    defined = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert len(defined) >= 10 and all(issubclass(c, PipelineError) for c in defined)

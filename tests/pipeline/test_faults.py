@@ -29,7 +29,7 @@ def kill_mid_iteration(t: Trainer, victims: list[str], kill=None) -> dict:
     """Run one iteration, killing ``victims`` (with -9, or ``kill(victims)``) as soon as its first
     microbatch is done (so the others are still on their way): a failure in the middle of the
     iteration, every time."""
-    real = t._recv
+    real = t.roster.recv
     seen = {"done": 0, "killed_during": None}
 
     def hooked(kind, *args, **kwargs):
@@ -38,14 +38,14 @@ def kill_mid_iteration(t: Trainer, victims: list[str], kill=None) -> dict:
             seen["done"] += 1
             if seen["done"] == 1:
                 seen["killed_during"] = len(t.plan.paths) - 1  # microbatches not done yet
-                (kill or t.kill)(victims)
+                (kill or t.roster.kill)(victims)
         return msg
 
-    t._recv = hooked
+    t.roster.recv = hooked
     try:
         rec = t.iteration(t.iteration_no + 1)
     finally:
-        t._recv = real
+        t.roster.recv = real
     assert seen["killed_during"] and seen["killed_during"] > 0
     return rec
 
@@ -167,8 +167,8 @@ def test_a_lost_stage_is_skipped_until_a_node_takes_it_over_from_the_snapshot():
     with Trainer(prep) as t:
         for it in range(2):
             t.iteration(it)  # snapshot after iteration 2
-        snap = {k: v.clone() for k, v in t.snapshot["stages"][2]["params"].items()}
-        assert t.snapshot["iteration"] == 2
+        snap = {k: v.clone() for k, v in t.weights.snapshot["stages"][2]["params"].items()}
+        assert t.weights.snapshot["iteration"] == 2
         t.iteration(2)
         lost = next(n for n, s in t.alloc.items() if s == 2)
         t.iteration_no = 2
@@ -210,13 +210,13 @@ def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_sl
         from roving.pipeline.simulate import simulate
 
         old = simulate(t.net, prep.spec, prep.plan, record=False).makespan
-        assert t.predicted_s < old, "on the network with the slow node, the new plan is faster than the old"
+        assert t.prediction.iteration_s < old, "on the network with the slow node, the new plan is faster than the old"
         replans = [e for e in t.metrics["events"] if e["event"] == "replan" and e["why"] == "slow"]
         assert replans and all(src and not src.startswith("snapshot") for src in replans[0]["weights_from"].values()), \
             "nodes that changed stage took the live weights of the stage, not a snapshot"
         # SIGSTOP: the process lives on but answers nothing, heartbeats included
         stopped = next(n for n in busy if n != slow)
-        os.kill(t.procs[stopped].pid, signal.SIGSTOP)
+        os.kill(t.roster.procs[stopped].pid, signal.SIGSTOP)
         t0 = time.monotonic()
         rec = t.iteration(t.iteration_no + 1)
         dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
@@ -225,8 +225,8 @@ def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_sl
         assert stopped not in t.alloc and rec["attempts"] >= 1
         waited = time.monotonic() - t0
         assert waited >= 2.0, "declared dead only after dead_after seconds without a heartbeat"
-        t.procs[stopped].join(timeout=10)
-        assert not t.procs[stopped].is_alive(), "a node declared dead is killed (fenced off)"
+        t.roster.procs[stopped].join(timeout=10)
+        assert not t.roster.procs[stopped].is_alive(), "a node declared dead is killed (fenced off)"
 
 
 def _children(pid: int) -> list[int]:
@@ -296,7 +296,7 @@ def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
 
 
 def test_resume_refuses_a_checkpoint_that_does_not_match(tmp_path):
-    from roving.pipeline.costs import PlanError
+    from roving.pipeline.errors import PlanError
 
     with pytest.raises(PlanError, match="does not exist"):
         Trainer(prepare(TrainConfig(**CFG, checkpoint=str(tmp_path / "none.pt"), resume=True)))
@@ -332,7 +332,7 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
         name = next(iter(late))
         assert name not in t.alloc and set(t.alloc.values()) == set(range(4))
         t.iteration(0)
-        os.kill(t.procs[name].pid, signal.SIGCONT)
+        os.kill(t.roster.procs[name].pid, signal.SIGCONT)
         it = train_until_admitted(t, name, 1, "the late node never joined")
         t.iteration(it)
         replicas_equal(t, t.alloc[name])
@@ -394,15 +394,15 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
     hb.require("slurm")
     prep = prepare(TrainConfig(**CFG, backend="slurm"))
     with Trainer(prep) as t:
-        assert all(p.job.id.isdigit() for p in t.procs.values()), "each node is a Slurm job"
+        assert all(p.job.id.isdigit() for p in t.roster.procs.values()), "each node is a Slurm job"
         t.iteration(0)
         groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
         def cancel(names):
             # scancel only asks: wait until the job has ended, so that it ends mid-iteration however
             # loaded the machine is (under load the iteration could otherwise finish first)
-            hb.kill_from_outside("slurm", t.procs[names[0]])
-            assert wait_until(lambda: not t.procs[names[0]].is_alive(), 60), "scancel did not end the job"
+            hb.kill_from_outside("slurm", t.roster.procs[names[0]])
+            assert wait_until(lambda: not t.roster.procs[names[0]].is_alive(), 60), "scancel did not end the job"
 
         rec = kill_mid_iteration(t, [victim], cancel)
         it = 2
@@ -418,7 +418,7 @@ def test_on_slurm_a_node_cancelled_by_scancel_is_routed_around_and_rejoins():
         assert math.isfinite(rec["train_loss"])
         t.iteration(it)
         t.join([victim], timeout=120)
-        assert t.procs[victim].job.id.isdigit()
+        assert t.roster.procs[victim].job.id.isdigit()
         t.iteration(it + 1)
         assert victim in replicas_equal(t, t.alloc[victim])
 
@@ -429,12 +429,12 @@ def test_with_restart_a_killed_node_is_started_again_and_rejoins_by_itself():
         t.iteration(0)
         groups = stage_groups(t)
         victim = sorted(max(groups.values(), key=len))[0]
-        old_pid = t.procs[victim].pid
+        old_pid = t.roster.procs[victim].pid
         t.iteration_no = 0
         kill_mid_iteration(t, [victim])
         assert victim not in t.alloc
         it = train_until_admitted(t, victim, 2, "the restarted node never rejoined")
-        assert t.procs[victim].pid != old_pid and t.incarnation[victim] == 1
+        assert t.roster.procs[victim].pid != old_pid and t.roster.incarnation[victim] == 1
         t.iteration(it)
         assert victim in replicas_equal(t, t.alloc[victim])
         kinds = [e["event"] for e in t.metrics["events"]]
@@ -453,13 +453,13 @@ def test_in_docker_a_node_killed_by_docker_kill_is_routed_around_and_rejoins():
     with Trainer(prep) as t:
         t.iteration(0)
         victim = sorted(max(stage_groups(t).values(), key=len))[0]
-        first_container = t.procs[victim].job.id
-        rec = kill_mid_iteration(t, [victim], lambda names: hb.kill_from_outside("docker", t.procs[names[0]]))
+        first_container = t.roster.procs[victim].job.id
+        rec = kill_mid_iteration(t, [victim], lambda names: hb.kill_from_outside("docker", t.roster.procs[names[0]]))
         assert victim not in t.alloc and math.isfinite(rec["train_loss"])
         assert [e for e in t.metrics["events"] if e["event"] == "dead"][0]["nodes"] == [victim]
         t.iteration(2)
         t.join([victim], timeout=120)
-        assert t.procs[victim].job.id != first_container
+        assert t.roster.procs[victim].job.id != first_container
         t.iteration(3)
         assert victim in replicas_equal(t, t.alloc[victim])
 
@@ -470,7 +470,7 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
         t.iteration(0)
         groups = stage_groups(t)
         first = sorted(max(groups.values(), key=len))[0]
-        real = t._recv
+        real = t.roster.recv
         seen = {"stepped": 0}
 
         def hooked(kind, *args, **kwargs):
@@ -478,14 +478,14 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
             if kind is Stepped:
                 seen["stepped"] += 1
                 if seen["stepped"] == 1:
-                    t.kill([first])  # the step messages are out: the others step all the same
+                    t.roster.kill([first])  # the step messages are out: the others step all the same
             return msg
 
-        t._recv = hooked
+        t.roster.recv = hooked
         try:
             rec = t.iteration(1)
         finally:
-            t._recv = real
+            t.roster.recv = real
         assert rec["attempts"] == 1, "it died after the microbatch phase: nothing is run again"
         assert seen["stepped"] >= 1
         r2 = t.iteration(2)  # the dead node is planned around at this boundary
@@ -495,7 +495,7 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
         # first (5 nodes hold 4 stages: some stage has two)
         stage = next(s for s, g in sorted(stage_groups(t).items()) if len(g) >= 2)
         holders = sorted(n for n in t.alloc if t.alloc[n] == stage)
-        t.kill([holders[0]])
+        t.roster.kill([holders[0]])
         states = t.stage_states()
         assert {st for st, _ in states.values()} == set(range(4)), "another replica answered"
         assert holders[0] not in states
@@ -511,7 +511,7 @@ def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
     with Trainer(prep) as t:
         t.iteration(0)
         alloc, paths = dict(t.alloc), [p.nodes for p in t.plan.paths]
-        real = t._put
+        real = t.roster.put
         dropped = []
 
         def lossy(name, msg):
@@ -520,11 +520,11 @@ def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
                 return
             real(name, msg)
 
-        t._put = lossy
+        t.roster.put = lossy
         try:
             rec = t.iteration(1)
         finally:
-            t._put = real
+            t.roster.put = real
         assert len(dropped) == 1
         stalled = [e for e in t.metrics["events"] if e["event"] == "stalled"]
         assert len(stalled) == 1 and "within 3 s" in stalled[0]["why"]
@@ -536,7 +536,7 @@ def test_a_round_that_lost_a_message_stalls_and_runs_again_on_the_same_plan():
 
 
 def test_stall_after_must_be_seconds_at_least_zero():
-    from roving.pipeline.network import PlanError
+    from roving.pipeline.errors import PlanError
 
     for bad in (-1, "ten", True):
         with pytest.raises(PlanError, match="stall_after"):
@@ -544,8 +544,9 @@ def test_stall_after_must_be_seconds_at_least_zero():
 
 
 def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_the_predicted_iteration():
-    from roving.pipeline.roster import NoMessage
-    from roving.pipeline.trainer import _Stalled
+    from types import SimpleNamespace
+
+    from roving.pipeline.errors import NoMessage, RoundStalled
 
     t = Trainer.__new__(Trainer)  # the rule alone: no nodes
     asked = []
@@ -554,13 +555,13 @@ def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_th
         asked.append(timeout)
         raise NoMessage(f"no {kind!r} message from the nodes within {timeout} s")
 
-    t._recv = recv
+    t.roster = SimpleNamespace(recv=recv)
     for stall_after, predicted, expect in ((3.0, 1.0, 3.0), (3.0, 10.0, 20.0), (3.0, math.nan, 3.0)):
-        t.c, t.predicted_here_s = TrainConfig(**CFG, stall_after=stall_after), predicted
-        with pytest.raises(_Stalled, match="within"):
+        t.config, t.prediction = TrainConfig(**CFG, stall_after=stall_after), SimpleNamespace(here_s=predicted)
+        with pytest.raises(RoundStalled, match="within"):
             t._round_recv(Done, 1)
         assert asked[-1] == expect
-    t.c = TrainConfig(**CFG, stall_after=0)  # off: the plain timeout, and its error
+    t.config = TrainConfig(**CFG, stall_after=0)  # off: the plain timeout, and its error
     with pytest.raises(NoMessage):
         t._round_recv(Done, 1)
     assert asked[-1] is None
@@ -582,16 +583,16 @@ def test_loading_weights_leaves_out_a_node_that_dies_meanwhile():
         def put(name, msg):
             real_put(name, msg)
             if name == b and isinstance(msg, Load):  # b dies before it can answer
-                t.procs[b].kill()
-                assert wait_until(lambda: not t.procs[b].is_alive(), 30)
+                t.roster.procs[b].kill()
+                assert wait_until(lambda: not t.roster.procs[b].is_alive(), 30)
 
         t.roster.put = put
         started = time.monotonic()
         try:
-            t._load_stages({stage: {"params": params, "optimizer": opt}}, {a: stage, b: stage})
+            t.weights.load({stage: {"params": params, "optimizer": opt}}, {a: stage, b: stage}, t._limit)
         finally:
             t.roster.put = real_put
         assert time.monotonic() - started < 25, "the load waited for the dead node's answer"
-        assert t.holding[a] == stage and b in t.roster.lost and b not in t.inboxes
+        assert t.roster.holding[a] == stage and b in t.roster.lost and b not in t.roster.inboxes
         rec = t.iteration(1)  # the next attempt plans around it
         assert b not in t.alloc and math.isfinite(rec["train_loss"])

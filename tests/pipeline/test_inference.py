@@ -19,7 +19,8 @@ torch.set_num_threads(1)
 from roving.cli import main
 from roving.pipeline.data import decode, encode, load_corpus, val_batches
 from roving.pipeline.evaluate import validation_loss
-from roving.pipeline.inference import (InferenceError, check_drop, choose_drops, drop_subsets, evaluate_drops,
+from roving.pipeline.errors import InferenceError
+from roving.pipeline.inference import (check_drop, choose_drops, drop_subsets, evaluate_drops,
                                        generate, load_checkpoint, parse_stages, validation_set)
 from roving.pipeline.model import Llama, LlamaConfig
 from roving.pipeline.stages import layer_ranges

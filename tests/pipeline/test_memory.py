@@ -12,11 +12,11 @@ from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_
 
 # 12 layers of hidden 256 in 3 stages (4 layers each); a small vocabulary keeps stage 0 close to the
 # others, so one memory size can leave exactly one microbatch in flight on every stage.
-SMALL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2, vocab=256)
+SMALL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2, vocab_size=256)
 
 
 def test_memory_model_on_a_hand_computed_case():
-    m = ModelSpec(layers=4, hidden=64, seq_len=32, samples_per_microbatch=2, vocab=100)
+    m = ModelSpec(n_layers=4, dim=64, seq_len=32, samples_per_microbatch=2, vocab_size=100)
     st0, st1 = stage_memory(m, 2)  # 2 layers each
     layer_params = 12 * 64 * 64  # 49,152
     assert st1.static_bytes == 2 * layer_params * 16  # 1,572,864: 16 bytes of training state per parameter
@@ -129,7 +129,7 @@ def test_memory_that_cannot_place_every_stage_is_a_clear_error():
                                         r"the largest node has 67.25 MB\)"):
         plan(mixed, SMALL, 3, 0.0, 4, budget_s=0.05)
     # 7 layers in 3 stages: [2, 2, 3]; with a tiny head stage 2 needs the most, then stage 0
-    m7 = ModelSpec(layers=7, hidden=256, seq_len=256, samples_per_microbatch=2, vocab=8, name="m7")
+    m7 = ModelSpec(n_layers=7, dim=256, seq_len=256, samples_per_microbatch=2, vocab_size=8, name="m7")
     s7 = stage_memory(m7, 3)
     assert s7[2].needs_mb(1) > s7[0].needs_mb(1) > s7[1].needs_mb(1)
     doc = {"regions": ["A"], "links": []}

@@ -126,9 +126,9 @@ def test_training_and_planning_presets_come_from_one_table():
         assert cfg == LlamaConfig(**ARCHITECTURES[name])
     for name, (size, settings) in PLANNING.items():
         spec, arch = MODEL_PRESETS[name], ARCHITECTURES[size]
-        assert (spec.layers, spec.hidden, spec.vocab) == (arch["n_layers"], arch["dim"], arch["vocab_size"]), name
+        assert (spec.n_layers, spec.dim, spec.vocab_size) == (arch["n_layers"], arch["dim"], arch["vocab_size"]), name
         assert spec.seq_len == settings.get("seq_len", arch["max_seq_len"]) and spec.name == name
     # the size both train and plan: the same numbers under both names
     big, spec = PRESETS["500m"], MODEL_PRESETS["llama-500m"]
-    assert (big.n_layers, big.dim, big.vocab_size, big.max_seq_len) == (spec.layers, spec.hidden, spec.vocab,
+    assert (big.n_layers, big.dim, big.vocab_size, big.max_seq_len) == (spec.n_layers, spec.dim, spec.vocab_size,
                                                                         spec.seq_len)

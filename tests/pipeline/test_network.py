@@ -95,9 +95,9 @@ def test_as_many_nodes_as_stages_give_one_node_each_whatever_the_shares():
     head weighs as much as its layers): taking nodes back must never leave a stage with none."""
     from roving.pipeline.costs import ModelSpec
 
-    assert replica_counts(4, 4, 0.33, ModelSpec(layers=4, hidden=64, seq_len=32, samples_per_microbatch=4,
+    assert replica_counts(4, 4, 0.33, ModelSpec(n_layers=4, dim=64, seq_len=32, samples_per_microbatch=4,
                                                  bytes_per_activation=4, head_layers=1.0)) == [1, 1, 1, 1]
-    small = ModelSpec(layers=12, hidden=64, seq_len=32, samples_per_microbatch=4, bytes_per_activation=4,
+    small = ModelSpec(n_layers=12, dim=64, seq_len=32, samples_per_microbatch=4, bytes_per_activation=4,
                       head_layers=3.0)
     for stages in (2, 3, 4, 6):
         for skip in ((0.0,) if stages == 2 else (0.0, 0.33, 0.5)):

@@ -3,7 +3,7 @@
 from roving.pipeline import ModelSpec, validate
 from helpers_pipeline import small_network
 
-MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 
 
 def _hand_plan(stages=5, skip=0.0):
@@ -59,11 +59,3 @@ def test_validate_reports_a_node_holding_a_stage_it_cannot_hold_in_memory():
     p = Plan(5, 0.0, alloc, [Route(n[0], tuple(n[1:]), (1, 2, 3, 4))])
     assert validate(p, net) == []  # without the model, memory is not checked
     assert any(f"node {n[2]} cannot hold stage 2" in msg for msg in validate(p, net, model=MODEL))
-
-
-def test_route_keeps_its_former_name_path_importable():
-    import roving.pipeline as pipeline
-    from roving.pipeline.plan import Route
-
-    assert pipeline.Path is Route and pipeline.Route is Route
-    assert "Path" not in pipeline.__all__  # it would shadow pathlib.Path under a star import

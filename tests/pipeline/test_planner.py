@@ -15,7 +15,7 @@ from roving.pipeline.plan import Plan, Route
 from roving.pipeline.planner import check_inputs, place_joining
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
-MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 
 
 @st.composite
@@ -97,7 +97,7 @@ def test_planning_with_replica_synchronisation_keeps_replicas_near_each_other():
              "links": [{"a": "A", "b": "B", "latency_ms": 50, "bandwidth": 10}]}
     net = build_network(links, [dict(name=f"{r}{i}", region=r, speed=0.01, memory=4)
                                 for r in "AB" for i in (1, 2)])
-    model = ModelSpec(layers=2, hidden=64, seq_len=64, samples_per_microbatch=1, head_layers=0.0, vocab=64)
+    model = ModelSpec(n_layers=2, dim=64, seq_len=64, samples_per_microbatch=1, head_layers=0.0, vocab_size=64)
     grads = [200 * 2.0 ** 20, 200 * 2.0 ** 20]  # 20 s over the slow link
     phase = plan(net, model, 2, 0.0, 8, budget_s=1.0, seed=0)
     whole = plan(net, model, 2, 0.0, 8, budget_s=1.0, seed=0, sync_bytes=grads)
@@ -177,7 +177,7 @@ def test_plan_progress_reports_each_phase_and_leaves_the_search_as_it_was():
 
 # ---- the input checks and the joining rule ----
 
-M8 = ModelSpec(layers=8, hidden=256, seq_len=64, samples_per_microbatch=2, vocab=8000, name="m8")
+M8 = ModelSpec(n_layers=8, dim=256, seq_len=64, samples_per_microbatch=2, vocab_size=8000, name="m8")
 
 
 def _plan(stages: int, stage_sets: list[tuple[int, ...]]) -> Plan:

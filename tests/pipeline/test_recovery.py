@@ -12,8 +12,8 @@ import torch
 torch.set_num_threads(1)
 
 from roving.cli import main as roving_main
-from roving.pipeline.control import write_status
-from roving.pipeline.costs import PlanError
+from roving.pipeline.control import ControlFolder
+from roving.pipeline.errors import PlanError
 from roving.pipeline.protocol import Export, Exported
 from roving.pipeline.recovery import FailureSchedule, choose, neighbour_weights, parse_fail_at
 from roving.pipeline.runconfig import TrainConfig
@@ -138,7 +138,7 @@ def test_a_stage_killed_whole_is_rebuilt_from_its_neighbours_exactly_and_trainin
         # a fresh optimizer state and the raised learning rate
         got = t.weights.ask(Export(), Exported, new)
         assert all(not got[n].optimizer["state"] for n in new), "the rebuilt stage starts a fresh optimizer"
-        assert t.lr_factor == {1: 1.2}
+        assert t.recovery.lr_factor == {1: 1.2}
         rec = events(t, "recovery")[-1]
         assert rec["stage"] == 1 and rec["policy"] == "neighbours" and rec["chosen"] == "neighbours"
         assert rec["neighbours"] == [0, 2] and rec["grad_norms"] == {0: g0, 2: g2}
@@ -147,7 +147,7 @@ def test_a_stage_killed_whole_is_rebuilt_from_its_neighbours_exactly_and_trainin
         assert events(t, "injected")[-1]["nodes"] == lost
         assert events(t, "replan")[-1]["weights_from"] == {1: "neighbours 0+2"}
         # status.json and `roving pipeline status` say what happened
-        write_status(str(tmp_path), t.metrics, t.c.iterations, t.alloc, t.missing_stages, [], False)
+        ControlFolder(tmp_path).write_status(t.metrics, t.config.iterations, t.alloc, t.missing_stages, [], False)
         assert roving_main(["pipeline", "status", "--control", str(tmp_path)]) == 0
         out = capsys.readouterr().out
         assert "[recovery] at iteration 3: stage 1 by neighbours (stage_recovery = neighbours, snapshot 4 " \
@@ -162,21 +162,21 @@ def test_a_stage_killed_whole_is_rebuilt_from_its_neighbours_exactly_and_trainin
 def test_auto_takes_the_fresh_snapshot_then_the_neighbours_when_it_is_too_old():
     cfg = TrainConfig(**dict(CFG, stage_recovery="auto", auto_snapshot_age=2, fail_at="1:1,5:2", iterations=8))
     with Trainer(prepare(cfg)) as t:
-        snap1 = {k: v.clone() for k, v in t.snapshot["stages"][1]["params"].items()}
+        snap1 = {k: v.clone() for k, v in t.weights.snapshot["stages"][1]["params"].items()}
         for it in range(5):
             t.iteration(it)
         first = events(t, "recovery")
         assert [e["stage"] for e in first] == [1] and first[0]["chosen"] == "snapshot"
         assert first[0]["snapshot_age"] == 1 and first[0]["policy"] == "auto"
         assert events(t, "injected")[0]["iteration"] == 1
-        assert t.lr_factor == {}, "from a snapshot: the learning rate as it was"
+        assert t.recovery.lr_factor == {}, "from a snapshot: the learning rate as it was"
         t.iteration(5)  # stage 2 is killed whole at its start
         if t.missing_stages:  # no spare node was left: the stage waits for a node to join
             t.join([None])
         second = [e for e in events(t, "recovery") if e["stage"] == 2]
         assert len(second) == 1 and second[0]["chosen"] == "neighbours", second
         assert second[0]["snapshot_age"] >= 5 > cfg.auto_snapshot_age and second[0]["neighbours"] == [1]
-        assert t.lr_factor == {2: cfg.recovery_lr_factor}
+        assert t.recovery.lr_factor == {2: cfg.recovery_lr_factor}
         r = t.iteration(6)
         assert r["missing_stages"] == [] and math.isfinite(r["train_loss"])
     assert snap1 and first[0]["snapshot_iteration"] == 0
@@ -188,7 +188,7 @@ def test_skip_drops_a_lost_stage_for_good():
         for it in range(2):
             t.iteration(it)
         lost = t.kill_stage(2)
-        assert t.dropped == {2} and t.missing_stages == [2] and not set(lost) & set(t.alloc)
+        assert t.recovery.dropped == {2} and t.missing_stages == [2] and not set(lost) & set(t.alloc)
         assert all(2 not in p.stages for p in t.plan.paths)
         rec = events(t, "recovery")[-1]
         assert (rec["stage"], rec["policy"], rec["chosen"], rec["nodes"]) == (2, "skip", "skip", lost)

@@ -16,7 +16,7 @@ torch.set_num_threads(1)
 
 from roving.pipeline import PlanError, build_network, model_preset, plan, validate
 from roving.pipeline.background import BackgroundPlan
-from roving.pipeline import trainer as trainer_mod
+from roving.pipeline import background as background_mod
 from roving.pipeline.trainer import REFINE_GAIN, Trainer, TrainConfig, prepare
 from test_faults import CFG, kill_mid_iteration, replicas_equal, stage_groups
 
@@ -66,7 +66,7 @@ def test_a_faster_plan_found_in_the_background_replaces_the_quick_re_plan():
         assert validate(t.plan, t.net) == [] and ev["allocation"] == t.alloc
         assert victim not in t.alloc and all(victim not in (p.origin, *p.nodes) for p in t.plan.paths)
         assert ev["moved"] == {n: s for n, s in t.alloc.items() if quick.get(n) != s} and ev["moved"]
-        assert {n: t.holding[n] for n in t.alloc} == t.alloc
+        assert {n: t.roster.holding[n] for n in t.alloc} == t.alloc
         assert set(ev["weights_from"]) == set(ev["moved"].values())
         for _ in range(2):
             rec = t.iteration(it)
@@ -120,7 +120,7 @@ def test_a_refinement_overtaken_by_a_newer_re_plan_is_dropped_and_a_failed_one_k
     and, though it finishes later, never taken; the second one fails: reported, the plan stays; the
     third cannot start: reported, training goes on."""
     HeldPlan.made = []
-    monkeypatch.setattr(trainer_mod, "BackgroundPlan", HeldPlan)
+    monkeypatch.setattr(background_mod, "BackgroundPlan", HeldPlan)
     prep = prepare(TrainConfig(**REFINE_CFG))
     with Trainer(prep) as t:
         t.iteration(0)

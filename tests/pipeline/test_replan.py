@@ -9,7 +9,7 @@ from roving.pipeline import ModelSpec, PlanError, build_network, model_preset, p
 from roving.pipeline.network import Node
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
-MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -13,7 +13,8 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
-from roving.pipeline.roster import NodesLost, Roster
+from roving.pipeline.errors import NodesLost
+from roving.pipeline.roster import Roster
 from roving.pipeline.trainer import TrainConfig, prepare
 from helpers_core import wait_until
 

@@ -6,7 +6,7 @@ import math
 from roving.pipeline import ModelSpec
 from helpers_pipeline import small_network
 
-MODEL = ModelSpec(layers=12, hidden=256, seq_len=256, samples_per_microbatch=2)
+MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 
 
 def test_planner_is_deterministic_for_a_seed_and_evaluation_count():

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from roving.cli import main
-from roving.pipeline.costs import PlanError
+from roving.pipeline.errors import PlanError
 from roving.pipeline.network import build_network
 from roving.pipeline.runconfig import SECTION_OF, SECTIONS, TrainConfig, flatten
 from roving.pipeline.stages import layer_ranges

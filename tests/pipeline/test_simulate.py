@@ -7,7 +7,7 @@ import pytest
 from roving.pipeline import ModelSpec, Plan, Route, build_network, simulate
 
 # 1 MiB per transfer; 2 layers over 2 stages, 1 layer each; no head cost; backward = 2 x forward.
-MODEL = ModelSpec(layers=2, hidden=512, seq_len=1024, samples_per_microbatch=1, bytes_per_activation=2,
+MODEL = ModelSpec(n_layers=2, dim=512, seq_len=1024, samples_per_microbatch=1, bytes_per_activation=2,
                   head_layers=0.0)
 LINKS = {"regions": ["A", "B"], "bandwidth_unit": "MiB/s",
          "links": [{"a": "A", "b": "B", "latency_ms": 10, "bandwidth": 1}]}
@@ -58,7 +58,7 @@ def test_memory_of_one_serialises_two_microbatches_on_a_node():
 
 def test_backward_work_is_served_before_waiting_forward_work():
     network = net([("a", "A", 1.0, 8), ("b", "B", 1.0, 8)])
-    model = ModelSpec(layers=2, hidden=512, seq_len=1024, samples_per_microbatch=1, head_layers=1.0)
+    model = ModelSpec(n_layers=2, dim=512, seq_len=1024, samples_per_microbatch=1, head_layers=1.0)
     res = simulate(network, model, Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))] * 6))
     # forwards at a take 1.5 s each, so microbatch 0 returns for its loss (at 1.5+1.01+1+1.01 = 4.52 s)
     # while forwards of later microbatches still wait; the loss must run next, at 6.0 s, before them
@@ -74,7 +74,7 @@ def test_opposite_swapped_paths_with_memory_one_deadlock_and_are_reported():
     doc = {"regions": ["A"], "links": []}
     network = build_network(doc, [dict(name=n, region="A", speed=1.0, memory=m)
                                   for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
-    model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
+    model = ModelSpec(n_layers=3, dim=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
     alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
     plan = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("y", "x"), (2, 1))])
     res = simulate(network, model, plan)
@@ -234,7 +234,7 @@ def test_predict_reports_a_deadlocked_plan_as_infinite():
     doc = {"regions": ["A"], "links": []}
     network = build_network(doc, [dict(name=n, region="A", speed=1.0, memory=m)
                                   for n, m in [("o1", 4), ("o2", 4), ("x", 1), ("y", 1)]])
-    model = ModelSpec(layers=3, hidden=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
+    model = ModelSpec(n_layers=3, dim=8, seq_len=8, samples_per_microbatch=1, head_layers=0.0)
     alloc = {"o1": 0, "o2": 0, "x": 1, "y": 2}
     plan = Plan(3, 0.0, alloc, [Route("o1", ("x", "y"), (1, 2)), Route("o2", ("y", "x"), (2, 1))])
     got = predict(plan, network, model)

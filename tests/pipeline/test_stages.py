@@ -5,7 +5,7 @@ import torch
 
 torch.set_num_threads(1)  # the machine is shared; tiny models gain nothing from more
 
-from roving.pipeline.costs import PlanError
+from roving.pipeline.errors import PlanError
 from roving.pipeline.model import Llama, preset
 from roving.pipeline.stages import Stage, layer_ranges, merge_state_dicts, run_path
 

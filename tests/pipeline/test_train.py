@@ -8,9 +8,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline.costs import PlanError
-from roving.pipeline.data import DataError, train_batches
+from roving.pipeline.data import train_batches
+from roving.pipeline.errors import DataError, PlanError
 from roving.pipeline.stages import Stage, merge_state_dicts, run_path
+from roving.pipeline.roster import Roster
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=8, samples=4, seq_len=32,
@@ -29,7 +30,7 @@ def run():
         t.run_microbatches(0)
         norm = t.synchronize(0)
         out["grads"] = t.stage_states(all_replicas=True, grads=True)
-        out["lr0"] = t.lr_at(0)
+        out["lr0"] = t.config.lr_at(0)
         t.step(0, min(1.0, CFG["clip"] / (norm + 1e-6)), out["lr0"])
         out["after1"] = t.stage_states(all_replicas=True)
         for it in range(1, CFG["iterations"]):
@@ -37,7 +38,7 @@ def run():
         out["final"] = t.stage_states(all_replicas=True)
         out["records"] = list(t.metrics["iterations"])
         out["val1"] = t.evaluate(CFG["iterations"])["val_loss"]
-        out["predicted"] = t.p.predicted_s
+        out["predicted"] = t.prepared.predicted_s
     return out
 
 
@@ -177,14 +178,14 @@ def test_a_stage_averages_while_other_stages_still_work():
         for name, stage in t.alloc.items():
             if stage == 0:
                 t.throttle(name, 30.0)
-        real = t._recv
+        real = t.roster.recv
 
         def hooked(kind, *args, **kwargs):
             msg = real(kind, *args, **kwargs)
             seen.append(msg)
             return msg
 
-        t._recv = hooked
+        t.roster.recv = hooked
         t.iteration(0)
     last_done = max(i for i, m in enumerate(seen) if isinstance(m, Done))
     early = {m.stage for m in seen[:last_done] if isinstance(m, Norm)}
@@ -198,10 +199,10 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
     stopped. The failure is injected in the coordinator after the first node reported ready (as when
     another node reports an error, or the ready timeout passes)."""
     from roving.pipeline.protocol import Ready
-    from roving.pipeline.trainer import NodeFailed
+    from roving.pipeline.errors import NodeFailed
 
     prep = prepare(TrainConfig(**{**CFG, "iterations": 1}))
-    real = Trainer._recv
+    real = Roster.recv
     seen = {"ready": 0}
 
     def failing(self, kind, *args, **kwargs):
@@ -211,12 +212,12 @@ def test_a_failed_start_leaves_no_node_process_behind(monkeypatch):
                 raise NodeFailed("injected: a node failed at start-up")
         return real(self, kind, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "_recv", failing)
+    monkeypatch.setattr(Roster, "recv", failing)
     t = Trainer(prep)
     with pytest.raises(NodeFailed, match="injected"):
         with t:
             pass
-    assert len(t.procs) == CFG["nodes"]
-    for p in t.procs.values():
+    assert len(t.roster.procs) == CFG["nodes"]
+    for p in t.roster.procs.values():
         p.join(timeout=10)
-    assert not [n for n, p in t.procs.items() if p.is_alive()]
+    assert not [n for n, p in t.roster.procs.items() if p.is_alive()]

@@ -1,8 +1,9 @@
 """A pipeline training as the dashboard shows it, read from the files the trainer writes.
 
-A live run (``roving pipeline train --control DIR``) writes ``DIR/status.json`` at every iteration
-(nodes and their stages, the last loss and iteration time, recent events) and, where the trainer appends
-them, ``DIR/iterations.jsonl`` and ``DIR/events.jsonl`` (one JSON object a line). A finished run has its
+A live run (``roving pipeline train --control DIR``) writes its control folder
+(``pipeline.control.ControlFolder``, which owns the file names and is read through here): the status at
+every iteration (nodes and their stages, the last loss and iteration time, recent events) and the
+iterations, evaluations and events it appends (one JSON object a line). A finished run has its
 metrics file (``--metrics``: iterations, evaluations, events). This reader takes whatever of these exists;
 where only ``status.json`` exists it keeps what it saw of it, so the curves grow from the moment it
 watches. Nothing here writes to the run's folder.
@@ -10,36 +11,27 @@ watches. Nothing here writes to the run's folder.
 from __future__ import annotations
 
 import json
-import os
 import threading
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from ..pipeline.control import EVALUATIONS, EVENTS, ITERATIONS, PLAN, STATUS, ControlFolder
 
 __all__ = ["PipelineWatch"]
 
 _KEEP = 5000  # iterations and events kept from status.json polls
 
 
-def _json(path: str) -> Optional[Any]:
+def _json(read: Callable[[], Any]) -> Optional[Any]:
+    """What ``read()`` returns; None when the file is not there yet, or is being replaced."""
     try:
-        with open(path, "rb") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):  # not there yet, or being replaced
+        return read()
+    except (OSError, ValueError):
         return None
 
 
-def _jsonl(path: str) -> Optional[List[Dict[str, Any]]]:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    out = []
-    for line in data.splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return out
+def _read_file(path: str) -> Any:
+    with open(path, "rb") as f:
+        return json.loads(f.read())
 
 
 class PipelineWatch:
@@ -74,13 +66,15 @@ class PipelineWatch:
         evaluations: List[Dict[str, Any]] = []
         plan = None
         if self.control:
-            status = _json(os.path.join(self.control, "status.json")) or {}
-            iterations = _jsonl(os.path.join(self.control, "iterations.jsonl"))
-            events = _jsonl(os.path.join(self.control, "events.jsonl"))
-            evaluations = _jsonl(os.path.join(self.control, "evaluations.jsonl")) or []
-            plan = _json(os.path.join(self.control, "plan.json"))
+            folder = ControlFolder(self.control)
+            status = _json(lambda: folder.read_json(STATUS)) or {}
+            iterations = folder.read_lines(ITERATIONS)
+            events = folder.read_lines(EVENTS)
+            evaluations = folder.read_lines(EVALUATIONS) or []
+            plan = _json(lambda: folder.read_json(PLAN))
         if self.metrics:
-            done = _json(self.metrics)
+            metrics = self.metrics
+            done = _json(lambda: _read_file(metrics))
             if isinstance(done, dict):
                 iterations = iterations or done.get("iterations")
                 events = events or done.get("events")

@@ -27,10 +27,7 @@ _TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "Train
 
 
 def __getattr__(name: str):
-    """The training names, imported on first use so that planning never needs PyTorch; ``Path``, the
-    former name of ``Route``, for code written against it (left out of ``__all__``: it shadows pathlib)."""
-    if name == "Path":
-        return Route
+    """The training names, imported on first use so that planning never needs PyTorch."""
     if name in _TRAINING:
         import importlib
 

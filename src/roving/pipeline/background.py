@@ -74,6 +74,51 @@ class BackgroundPlan:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+class Refinement:
+    """The training's refinement of its latest re-plan: at most one ``BackgroundPlan`` at a time, a
+    fresh search replacing the one before. ``planner.plan`` gets ``budget_s``, ``seed``, ``sync_bytes``
+    and ``max_evals`` as given here.
+
+    The policy (``trainer.Trainer``): a re-plan has ``replan_budget`` seconds (training waits for it),
+    so it keeps the current allocation or repairs it and searches paths briefly. With ``refine_budget``
+    > 0, the planner then searches a fresh plan for the same nodes (allocation included, as before the
+    run) for that long, niced and outside the coordinator's interpreter, while training goes on; at
+    the first iteration boundary after it is done, it replaces the plan in use if it predicts a whole
+    iteration (replica averaging included) at least ``trainer.REFINE_GAIN`` shorter, and nodes whose
+    stage changes get its weights and optimizer state as after a re-plan. A refinement that a newer
+    re-plan overtook is dropped. Recorded as a "refine" event either way."""
+
+    def __init__(self, budget_s: float, seed: int, sync_bytes: Any = None, max_evals: int | None = None) -> None:
+        self.budget_s, self.seed, self.sync_bytes, self.max_evals = budget_s, seed, sync_bytes, max_evals
+        self._job: BackgroundPlan | None = None
+
+    @property
+    def searching(self) -> bool:
+        """Whether a search was started and its plan not taken or cancelled yet."""
+        return self._job is not None
+
+    def start(self, *args: Any) -> None:
+        """Cancel the search under way, if any, and search ``planner.plan(*args)`` in the background.
+        Raises what ``BackgroundPlan`` raises when it cannot start a process or a temporary file."""
+        self.cancel()
+        self._job = BackgroundPlan(*args, budget_s=self.budget_s, seed=self.seed, sync_bytes=self.sync_bytes,
+                                   max_evals=self.max_evals)
+
+    def take(self) -> Plan | None:
+        """The plan when the search is done (once; None while it searches, or when none was started);
+        raises what ``BackgroundPlan.result`` raises."""
+        job = self._job
+        if job is None or not job.done():
+            return None
+        self._job = None
+        return job.result()
+
+    def cancel(self) -> None:
+        if self._job is not None:
+            self._job.cancel()
+            self._job = None
+
+
 def main(argv: list[str]) -> int:
     """The child: plan from the arguments in ``argv[0]``, write ("plan", Plan), ("plan-error", message)
     or ("error", message) to ``argv[1]`` (atomically: a half-written file is never read)."""

@@ -21,17 +21,11 @@ from typing import Any
 import torch
 
 from ..backends.private import create_private
-
-from .costs import PlanError
+from .errors import CheckpointFileError
 
 __all__ = ["CheckpointFileError", "ResumeInto", "load_checkpoint", "read", "save", "plain"]
 
 _REFUSED = re.compile(r"GLOBAL ([\w.]+)")
-
-
-class CheckpointFileError(PlanError):
-    """A checkpoint file that cannot be read, that holds a type a checkpoint may not hold, or that is
-    not a checkpoint the caller can use (a PlanError, so the commands print it as bad input)."""
 
 
 #: what every checkpoint `roving pipeline train` writes holds, and what of its training config

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path as FilePath
+from pathlib import Path
 
-from ..backends.private import create_private
+from .control import STATUS, ControlFolder
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
-from .errors import PipelineError, PlanError
+from .errors import NodeFailed, PipelineError, PlanError
 from .network import build_network
 from .outputs import check_output
 from .baselines import full_pipeline, random_skip
@@ -62,7 +62,9 @@ def add_pipeline_parser(subparsers) -> None:
 
 
 def add_train_parser(sub) -> None:
-    """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields."""
+    """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields.
+    Longer than 60 lines: a declaration, one ``add_argument`` per flag in ``--help``'s order; split up,
+    the flags of one command would be read in several places."""
     t = sub.add_parser("train", help="train a LLaMA-style model by skip-pipelining across roving processes")
     t.add_argument("--config", default=None,
                    help="TOML run file: [model], [data], [plan], [optim], [faults], [checkpoint] and [run] tables "
@@ -173,14 +175,15 @@ def _start_dashboard(cfg):
 
 
 def run_status(args: argparse.Namespace) -> int:
-    path = FilePath(args.control) / "status.json"
+    folder = ControlFolder(args.control)
+    path = folder.path / STATUS
     try:
-        doc = json.loads(path.read_text())
+        doc = folder.read_status()
     except FileNotFoundError:
         print(f"error: {args.control} is not the control folder of a `roving pipeline train --control` run "
-              "(no status.json in it)", file=sys.stderr)
+              f"(no {STATUS} in it)", file=sys.stderr)
         return 2
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and json.JSONDecodeError are ValueErrors
         print(f"error: {path}: not a status file written by `roving pipeline train` ({exc})", file=sys.stderr)
         return 2
     problem = _status_problem(doc)
@@ -254,12 +257,10 @@ def _status_problem(doc) -> str:
 
 def run_join(args: argparse.Namespace) -> int:
     """Drop a join request into the run's control folder and wait for its answer."""
-    import uuid
-
-    folder = FilePath(args.control)
-    if not (folder / "status.json").is_file():
-        print(f"error: {folder} is not the control folder of a running `roving pipeline train --control` "
-              "(no status.json in it)", file=sys.stderr)
+    folder = ControlFolder(args.control)
+    if not folder.exists(STATUS):
+        print(f"error: {folder.path} is not the control folder of a running `roving pipeline train --control` "
+              f"(no {STATUS} in it)", file=sys.stderr)
         return 2
     if args.count < 1:
         print(f"error: --count must be at least 1, got {args.count}", file=sys.stderr)
@@ -267,31 +268,20 @@ def run_join(args: argparse.Namespace) -> int:
     if args.name is not None and args.count != 1:
         print("error: --name names one node: use it with --count 1", file=sys.stderr)
         return 2
-    req = folder / f"join-{uuid.uuid4().hex}.json"
-    tmp = req.with_suffix(".tmp")
-    with create_private(str(tmp), "w") as f:
-        f.write(json.dumps({"name": args.name, "region": args.region, "count": args.count}))
-    tmp.replace(req)
-    answer = req.with_suffix(".done")
-    deadline = time.monotonic() + args.timeout
-    while not answer.exists():
-        if time.monotonic() > deadline:
-            req.unlink(missing_ok=True)
-            print(f"error: the run did not take the request within {args.timeout:g} s (is it running?)",
-                  file=sys.stderr)
-            return 1
-        time.sleep(0.2)
-    doc = json.loads(answer.read_text())
-    answer.unlink(missing_ok=True)
+    doc = folder.request_join(args.name, args.region, args.count, args.timeout)
+    if doc is None:
+        print(f"error: the run did not take the request within {args.timeout:g} s (is it running?)",
+              file=sys.stderr)
+        return 1
     if "error" in doc:
         print(f"error: {doc['error']}", file=sys.stderr)
         return 2
-    print(f"started {', '.join(doc['started'])}: they join the training when ready (see status.json)")
+    print(f"started {', '.join(doc['started'])}: they join the training when ready (see {STATUS})")
     return 0
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from .trainer import NodeFailed, TrainConfig, run
+    from .trainer import TrainConfig, run
 
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
@@ -315,12 +305,12 @@ def run_train(args: argparse.Namespace) -> int:
             cfg = _start_dashboard(cfg)
         _note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
+    except NodeFailed as exc:  # first: a NodeFailed is a PipelineError too, but not bad input
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except NodeFailed as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
     its = metrics["iterations"]
     if its:
         mean = sum(r["compute_seconds"] for r in its) / len(its)
@@ -362,26 +352,10 @@ def _show_progress(total: int):
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    """`roving pipeline plan`: plan, judge the baselines on the same network, optionally re-plan
+    without failed nodes; write the JSON, print the iteration times, draw the Gantt chart."""
     try:
-        check_output(args.json_out, "--json")
-        if args.gantt:
-            check_output(args.gantt, "--gantt")
-        nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
-        if isinstance(nodes, str) and not FilePath(nodes).is_file():
-            raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
-        if args.memory_microbatches is not None:
-            net = build_network(args.network, nodes, memory=args.memory_microbatches)
-        else:
-            mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
-            net = build_network(args.network, nodes, memory_mb=mb)
-        model = model_preset(args.model)
-        m = args.microbatches or 2 * len(net.nodes)
-        failed = [f for f in args.fail.split(",") if f]
-        for f in failed:
-            net.node(f)
-        if args.evals is not None and args.evals < 1:
-            raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
-        check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
+        net, model, m, failed = _plan_inputs(args)
         bound = f"{args.evals:,} simulations, at most {args.budget:g} s" if args.evals else f"{args.budget:g} s"
         _note(f"planning {m} microbatches on {len(net.nodes)} nodes, {args.stages} stages, skip {args.skip:g} "
               f"({bound})" + (f"; then again without {','.join(failed)}" if failed else ""))
@@ -389,20 +363,6 @@ def run_plan(args: argparse.Namespace) -> int:
         best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
                     max_evals=args.evals, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
-        base_budget = args.budget / 2
-        base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
-                      else f"{base_budget:g} s")
-        _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
-              f"full_pipeline_planned (this planner with skip 0), random_skip")
-        full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
-                             max_evals=args.evals)
-        if full.stats["capped"]:
-            _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
-                  f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
-                  "another machine (raise --budget)")
-        planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
-                       max_evals=args.evals)
-        rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
         out = {
             "network": net.name,
             "model": args.model,
@@ -414,13 +374,7 @@ def run_plan(args: argparse.Namespace) -> int:
                       for n in net.nodes],
             "microbatches": m,
             **best.to_dict(),
-            # None: the baseline put a stage on a node whose memory cannot hold it (DT-FM ignores memory)
-            "iteration_time_s": {
-                "skippipe": best.predicted_s,
-                "full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
-                "full_pipeline_planned": planned.predicted_s,
-                "random_skip": rand.predicted_s,
-            },
+            "iteration_time_s": {"skippipe": best.predicted_s, **_baseline_times(args, net, model, m, best)},
             "planner_seconds": planner_s,
         }
         shown, shown_net = best, net
@@ -432,7 +386,60 @@ def run_plan(args: argparse.Namespace) -> int:
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    FilePath(args.json_out).write_text(json.dumps(out, indent=1))
+    Path(args.json_out).write_text(json.dumps(out, indent=1))
+    _print_times(out, planner_s, failed)
+    if args.gantt:
+        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
+        print(f"timeline drawn to {args.gantt}")
+    return 0
+
+
+def _plan_inputs(args: argparse.Namespace) -> tuple:
+    """`pipeline plan`'s network, model, microbatches and failed nodes, checked (PlanError otherwise)."""
+    check_output(args.json_out, "--json")
+    if args.gantt:
+        check_output(args.gantt, "--gantt")
+    nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
+    if isinstance(nodes, str) and not Path(nodes).is_file():
+        raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
+    if args.memory_microbatches is not None:
+        net = build_network(args.network, nodes, memory=args.memory_microbatches)
+    else:
+        mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
+        net = build_network(args.network, nodes, memory_mb=mb)
+    model = model_preset(args.model)
+    m = args.microbatches or 2 * len(net.nodes)
+    failed = [f for f in args.fail.split(",") if f]
+    for f in failed:
+        net.node(f)
+    if args.evals is not None and args.evals < 1:
+        raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
+    check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
+    return net, model, m, failed
+
+
+def _baseline_times(args: argparse.Namespace, net, model, m: int, best) -> dict:
+    """The baselines' predicted iteration times on ``net`` (None: the baseline put a stage on a node
+    whose memory cannot hold it; DT-FM ignores memory), each with half of ``--budget``."""
+    base_budget = args.budget / 2
+    base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
+                  else f"{base_budget:g} s")
+    _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
+          f"full_pipeline_planned (this planner with skip 0), random_skip")
+    full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
+                         max_evals=args.evals)
+    if full.stats["capped"]:
+        _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
+              f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
+              "another machine (raise --budget)")
+    planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
+                   max_evals=args.evals)
+    rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
+    return {"full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
+            "full_pipeline_planned": planned.predicted_s, "random_skip": rand.predicted_s}
+
+
+def _print_times(out: dict, planner_s: float, failed: list[str]) -> None:
     times = out["iteration_time_s"]
     for k, v in times.items():
         if v is None:
@@ -445,10 +452,6 @@ def run_plan(args: argparse.Namespace) -> int:
     if failed:
         print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "
               f"(re-planned in {out['replan']['planner_seconds']:.2f} s)")
-    if args.gantt:
-        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
-        print(f"timeline drawn to {args.gantt}")
-    return 0
 
 
 def _note(text: str) -> None:

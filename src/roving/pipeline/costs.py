@@ -4,21 +4,21 @@ Compute of a stage for one microbatch takes ``layers_in_stage x samples x second
 for the forward pass and ``backward_ratio`` times that for the backward pass. Stage 0 also embeds the
 tokens at the start and runs the final norm, head and loss at the end; that extra work is expressed
 in layer equivalents (``head_layers``). A transfer takes ``latency + bytes / bandwidth`` where the
-bytes of an activation (forward) or a gradient (backward) are ``samples x seq_len x hidden x
+bytes of an activation (forward) or a gradient (backward) are ``samples x seq_len x dim x
 bytes_per_activation``. The paper (SkipPipe, arXiv 2502.19913) adds the latency once per transfer,
 and so do we.
 
 Memory of a node that holds stage ``s`` (``stage_memory``), in bytes:
 
-* **Training state**, ``params x bytes_per_param_state`` for the stage's parameters: ``12 x hidden^2``
+* **Training state**, ``params x bytes_per_param_state`` for the stage's parameters: ``12 x dim^2``
   per transformer layer (attention 4h^2 + a LLaMA SwiGLU MLP of three h x 8h/3 matrices, 8h^2; norms
-  ignored), and at stage 0 also the untied input embedding and output head, ``2 x vocab x hidden``.
+  ignored), and at stage 0 also the untied input embedding and output head, ``2 x vocab_size x dim``.
   16 bytes per parameter: mixed-precision Adam keeps 16-bit weights (2) and gradients (2) plus fp32
   master weights, momentum and variance (4 + 4 + 4) -- the 2 + 2 + 12 bytes of ZeRO (Rajbhandari et
   al. 2020, section 3.1). No optimizer sharding: each replica of a stage holds all of it.
-* **Stage 0's loss workspace**: the fp32 logits of one microbatch, ``4 x samples x seq_len x vocab``;
+* **Stage 0's loss workspace**: the fp32 logits of one microbatch, ``4 x samples x seq_len x vocab_size``;
   only one loss task runs on a node at a time, so it is paid once.
-* **Activations per microbatch in flight**: ``activation_factor x samples x seq_len x hidden`` bytes per
+* **Activations per microbatch in flight**: ``activation_factor x samples x seq_len x dim`` bytes per
   layer held, with ``activation_factor = 34``: the activations a transformer layer stores for its
   backward pass in 16-bit without recomputation, ``s b h (34 + 5 a s / h)`` (Korthikanti et al. 2022,
   "Reducing Activation Recomputation in Large Transformer Models", section 4.1), less the ``5 a s / h``
@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .errors import PlanError  # defined in errors; tests and user code also import it from here
+from .errors import PlanError
 from .presets import ARCHITECTURES, DEFAULT_PLANNING, PLANNING
 
 #: SkipPipe's assumed compute speed (several nodes sharing older GPUs), seconds per sample per layer.
@@ -52,8 +52,10 @@ ACTIVATION_FACTOR = 34.0
 class ModelSpec:
     """What the cost model needs to know about the model being trained."""
 
-    layers: int
-    hidden: int
+    #: transformer layers (``model.LlamaConfig.n_layers``)
+    n_layers: int
+    #: hidden size (``model.LlamaConfig.dim``)
+    dim: int
     seq_len: int
     samples_per_microbatch: int = 4
     bytes_per_activation: int = 2
@@ -61,7 +63,7 @@ class ModelSpec:
     #: embedding + final norm + head + loss, in layer equivalents, paid by stage 0 only.
     head_layers: float = 1.0
     #: vocabulary size (LLaMA's tokenizer): the embedding, the head and the logits.
-    vocab: int = 32000
+    vocab_size: int = 32000
     #: bytes of training state per parameter (weights, gradients, optimizer state); see the module doc.
     bytes_per_param_state: float = BYTES_PER_PARAM_STATE
     #: bytes of stored activations per layer per token per hidden unit; see the module doc.
@@ -70,7 +72,7 @@ class ModelSpec:
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("layers", "hidden", "seq_len", "samples_per_microbatch", "bytes_per_activation", "vocab"):
+        for name in ("n_layers", "dim", "seq_len", "samples_per_microbatch", "bytes_per_activation", "vocab_size"):
             if getattr(self, name) < 1:
                 raise PlanError(f"model {name} must be at least 1, got {getattr(self, name)}")
         if self.backward_ratio <= 0 or self.head_layers < 0:
@@ -81,24 +83,24 @@ class ModelSpec:
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer layer: attention 4 h^2 + SwiGLU MLP 8 h^2."""
-        return 12 * self.hidden ** 2
+        return 12 * self.dim ** 2
 
     @property
     def head_params(self) -> int:
         """Parameters stage 0 holds besides its layers: untied input embedding and output head."""
-        return 2 * self.vocab * self.hidden
+        return 2 * self.vocab_size * self.dim
 
     @property
     def transfer_bytes(self) -> float:
         """Bytes of one microbatch's activations (forward) or gradients (backward) between stages."""
-        return float(self.samples_per_microbatch * self.seq_len * self.hidden * self.bytes_per_activation)
+        return float(self.samples_per_microbatch * self.seq_len * self.dim * self.bytes_per_activation)
 
 
 def _planner_preset(name: str) -> ModelSpec:
     size, settings = PLANNING[name]
     arch = ARCHITECTURES[size]
-    shape = {"layers": arch["n_layers"], "hidden": arch["dim"], "seq_len": arch["max_seq_len"],
-             "vocab": arch["vocab_size"]}
+    shape = {"n_layers": arch["n_layers"], "dim": arch["dim"], "seq_len": arch["max_seq_len"],
+             "vocab_size": arch["vocab_size"]}
     return ModelSpec(**{**shape, **settings}, name=name)
 
 
@@ -119,9 +121,9 @@ def stage_layers(model: ModelSpec, stages: int) -> list[int]:
     (stage 0 already carries the embedding and head)."""
     if stages < 2:
         raise PlanError(f"need at least 2 stages (stage 0 plus one to route through), got {stages}")
-    if stages > model.layers:
-        raise PlanError(f"{stages} stages but the model has only {model.layers} layers; use fewer stages")
-    base, extra = divmod(model.layers, stages)
+    if stages > model.n_layers:
+        raise PlanError(f"{stages} stages but the model has only {model.n_layers} layers; use fewer stages")
+    base, extra = divmod(model.n_layers, stages)
     return [base + (1 if s >= stages - extra else 0) for s in range(stages)]
 
 
@@ -182,12 +184,12 @@ def gradient_bytes(model: ModelSpec, stages: int, bytes_per_value: float = 4.0) 
 
 def stage_memory(model: ModelSpec, stages: int) -> tuple[StageMemory, ...]:
     """The memory model (module doc) for each stage of ``model`` split into ``stages``."""
-    tokens_hidden = model.samples_per_microbatch * model.seq_len * model.hidden
+    tokens_hidden = model.samples_per_microbatch * model.seq_len * model.dim
     out = []
     for s, (n, params) in enumerate(zip(stage_layers(model, stages), stage_params(model, stages))):
         static = params * model.bytes_per_param_state
         if s == 0:
-            static += 4.0 * model.samples_per_microbatch * model.seq_len * model.vocab
+            static += 4.0 * model.samples_per_microbatch * model.seq_len * model.vocab_size
         out.append(StageMemory(float(static), float(n * model.activation_factor * tokens_hidden)))
     return tuple(out)
 

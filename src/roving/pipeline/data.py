@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from .errors import PipelineError
+from .errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,6 @@ VOCAB_SIZE = 256
 JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
 LICENSES = Path("/usr/share/common-licenses")
 TEXT_SUFFIXES = (".txt", ".md", ".rst", "")
-
-
-class DataError(PipelineError):
-    """A corpus that cannot feed the training run; the message says what to do."""
 
 
 def _read(path: Path) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 from .allocate import stage_matching
@@ -43,8 +44,8 @@ class DtfmAllocation:
 
 
 def stage_param_bytes(model: ModelSpec, stages: int) -> list[float]:
-    """Gradient bytes each stage all-reduces: about 12 x hidden^2 parameters per transformer layer."""
-    return [12.0 * model.hidden ** 2 * n * model.bytes_per_activation for n in stage_layers(model, stages)]
+    """Gradient bytes each stage all-reduces: about 12 x dim^2 parameters per transformer layer."""
+    return [12.0 * model.dim ** 2 * n * model.bytes_per_activation for n in stage_layers(model, stages)]
 
 
 class _Costs:
@@ -213,32 +214,6 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         """Whether the search goes on: within the clock, and the evaluation count when one is given."""
         return time.perf_counter() < deadline and (max_evals is None or evals[0] < max_evals)
 
-    def repair(labels: list[int]) -> list[int]:
-        have = [0] * len(sizes)
-        for g in labels:
-            have[g] += 1
-        for i in rng.sample(range(len(labels)), len(labels)):
-            g = labels[i]
-            if have[g] > sizes[g]:
-                to = next(h for h in range(len(sizes)) if have[h] < sizes[h])
-                labels[i] = to
-                have[g] -= 1
-                have[to] += 1
-        return labels
-
-    def local_search(labels: list[int], value: float, tries: int) -> tuple[list[int], float]:
-        for _ in range(tries):
-            i, j = rng.randrange(len(labels)), rng.randrange(len(labels))
-            if labels[i] == labels[j]:
-                continue
-            labels[i], labels[j] = labels[j], labels[i]
-            v = score(labels)
-            if v < value:
-                value = v
-            else:
-                labels[i], labels[j] = labels[j], labels[i]
-        return labels, value
-
     pop = []
     for _ in range(population):
         labels = list(base)
@@ -252,13 +227,53 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         child = list(pop[b][1])
         for point in rng.sample(range(len(names)), min(5, len(names))):
             child[point] = pop[a][1][point]
-        child = repair(child)
-        child, value = local_search(child, score(child), tries)
+        child = _repair(child, sizes, rng)
+        child, value = _local_search(child, score(child), tries, rng, score)
         worse = a if pop[a][0] > pop[b][0] else b
         if value < pop[worse][0]:
             pop[worse] = (value, child)
     value, labels = min(pop, key=lambda p: p[0])
-    groups = _groups(labels, names, stages)
+    chains = _pipelines(costs, _groups(labels, names, stages))
+    idle = sorted(n for n, g in zip(names, labels) if g >= stages)
+    capped = max_evals is not None and evals[0] < max_evals
+    return DtfmAllocation(chains, idle, value, evals[0], capped)
+
+
+def _repair(labels: list[int], sizes: list[int], rng: random.Random) -> list[int]:
+    """``labels`` (a crossover's child) with the groups over their ``sizes`` given to those under them,
+    in a random order; in place."""
+    have = [0] * len(sizes)
+    for g in labels:
+        have[g] += 1
+    for i in rng.sample(range(len(labels)), len(labels)):
+        g = labels[i]
+        if have[g] > sizes[g]:
+            to = next(h for h in range(len(sizes)) if have[h] < sizes[h])
+            labels[i] = to
+            have[g] -= 1
+            have[to] += 1
+    return labels
+
+
+def _local_search(labels: list[int], value: float, tries: int, rng: random.Random,
+                  score: Callable[[list[int]], float]) -> tuple[list[int], float]:
+    """``tries`` random swaps of two nodes' groups, each kept when ``score`` improves; in place."""
+    for _ in range(tries):
+        i, j = rng.randrange(len(labels)), rng.randrange(len(labels))
+        if labels[i] == labels[j]:
+            continue
+        labels[i], labels[j] = labels[j], labels[i]
+        v = score(labels)
+        if v < value:
+            value = v
+        else:
+            labels[i], labels[j] = labels[j], labels[i]
+    return labels, value
+
+
+def _pipelines(costs: _Costs, groups: list[tuple[str, ...]]) -> list[list[str]]:
+    """The stage groups in the order of the cheapest tour, chained into pipelines by the bottleneck
+    matching between each two consecutive groups."""
     _, order = costs.tsp(groups)
     ordered = [groups[i] for i in order]
     chains = [[n] for n in ordered[0]]
@@ -267,6 +282,4 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         by_prev = {prev[i]: nxt[j] for i, j in enumerate(match)}
         for c in chains:
             c.append(by_prev[c[-1]])
-    idle = sorted(n for n, g in zip(names, labels) if g >= stages)
-    capped = max_evals is not None and evals[0] < max_evals
-    return DtfmAllocation(chains, idle, value, evals[0], capped)
+    return chains

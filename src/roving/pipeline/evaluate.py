@@ -8,6 +8,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from .errors import PlanError
 from .model import Llama
 from .stages import layer_ranges
 
@@ -16,7 +17,7 @@ def kept_layers(model: Llama, stages: int, drop: Iterable[int]) -> list[int]:
     """The layers left when ``drop`` (stage indices, never 0) are removed from the split into ``stages``."""
     drop = set(drop)
     if 0 in drop:
-        raise ValueError("stage 0 holds the embedding and head: it cannot be dropped")
+        raise PlanError("stage 0 holds the embedding and head: it cannot be dropped")
     return [i for s, r in enumerate(layer_ranges(model.cfg, stages)) if s not in drop for i in r]
 
 
@@ -45,3 +46,17 @@ def validation_loss(model: Llama, batches: Sequence[tuple[torch.Tensor, torch.Te
 
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+@torch.no_grad()
+def evaluate_model(model: Llama, batches: list, stages: int, skipped: Iterable[int] = (), bf16: bool = False) -> dict:
+    """What a training run records of an evaluation: the validation loss and perplexity of ``model``
+    over ``batches`` without the stages ``skipped`` for good (paths leave them out), and the loss with
+    half of the stages after 0 dropped (``half_of_the_stages``)."""
+    model.eval()
+    skipped = set(skipped)
+    val = validation_loss(model, batches, kept_layers(model, stages, skipped) if skipped else None, bf16=bf16)
+    drop = half_of_the_stages(stages)
+    dropped = validation_loss(model, batches, kept_layers(model, stages, drop), bf16=bf16)
+    return {"val_loss": val, "perplexity": perplexity(val), "val_loss_half_stages_dropped": dropped,
+            "dropped_stages": drop}

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 
 from . import checkpoint_file
-from .errors import PipelineError, PlanError
+from .errors import InferenceError, PipelineError, PlanError
 from .data import decode, encode, load_corpus, val_batches
 from .evaluate import kept_layers, perplexity, validation_loss
 from .model import Llama, LlamaConfig
@@ -30,10 +30,6 @@ from .stages import layer_ranges
 
 #: what a checkpoint must hold, and what of its training config evaluation needs.
 CHECKPOINT_KEYS, CONFIG_KEYS = checkpoint_file.CHECKPOINT_KEYS, checkpoint_file.CONFIG_KEYS
-
-
-class InferenceError(PipelineError):
-    """A checkpoint, drop choice or generation setting that cannot be used; the message says why."""
 
 
 @dataclass

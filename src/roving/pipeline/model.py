@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import PlanError
 from .presets import ARCHITECTURES, TRAINING
 
 
@@ -39,10 +40,10 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise ValueError(f"dim {self.dim} must split into {self.n_heads} heads of an even size")
+            raise PlanError(f"dim {self.dim} must split into {self.n_heads} heads of an even size")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model {name} must be at least 1, got {getattr(self, name)}")
+                raise PlanError(f"model {name} must be at least 1, got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -60,7 +61,7 @@ PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**ARCHITECTURES[name]) for 
 
 def preset(name: str, **overrides) -> LlamaConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
+        raise PlanError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
 
 
@@ -175,7 +176,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         held = list(range(cfg.n_layers)) if layers is None else list(layers)
         if any(not 0 <= i < cfg.n_layers for i in held) or len(set(held)) != len(held):
-            raise ValueError(f"layers {held} are not distinct layers of a {cfg.n_layers}-layer model")
+            raise PlanError(f"layers {held} are not distinct layers of a {cfg.n_layers}-layer model")
         device = torch.empty(0).device  # the default device, before the meta one is entered
         with torch.device("meta"):
             # Layers first: a part's parameters keep the order they had in checkpoints, where the

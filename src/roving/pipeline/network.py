@@ -9,7 +9,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable
 
-from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, ModelSpec, PlanError, microbatches_in_flight
+from .costs import PAPER_SECONDS_PER_SAMPLE_LAYER, ModelSpec, microbatches_in_flight
+from .errors import PlanError
 
 log = logging.getLogger(__name__)
 
@@ -209,18 +210,7 @@ def build_network(
     where = spec if isinstance(spec, str) and spec not in PRESETS else source  # errors name the file
     all_regions, links = _parse_links(doc, where)
     if isinstance(nodes, str):
-        nodes_file = nodes
-        try:
-            nodes = json.loads(Path(nodes).read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise PlanError(f"cannot read nodes file {nodes}: {exc}") from None
-        if isinstance(nodes, dict):
-            nodes = nodes.get("nodes", [])
-        if not isinstance(nodes, list) or not all(isinstance(d, dict) for d in nodes):
-            raise PlanError(f"{nodes_file}: a nodes file is a JSON list of objects with name and region "
-                            "(or an object whose nodes is one), got "
-                            + (f"a list holding {_shape(next(d for d in nodes if not isinstance(d, dict)))}"
-                               if isinstance(nodes, list) else _shape(nodes)))
+        nodes = _read_nodes_file(nodes)
     if isinstance(nodes, int):
         if nodes < 1:
             raise PlanError(f"need at least one node, got {nodes}")
@@ -232,25 +222,7 @@ def build_network(
             Node(f"n{i:02d}", place[i % len(place)], speed, memory, memory_mb) for i in range(nodes)
         ]
     else:
-        node_list = []
-        for i, d in enumerate(nodes):
-            if "region" not in d or d["region"] not in all_regions:
-                raise PlanError(f"node #{i}: region {d.get('region')!r} is not in network {source}")
-            name = str(d.get("name", f"n{i:02d}"))
-            if "memory" in d and "memory_mb" in d:
-                raise PlanError(f"node {name}: give memory_mb (device MB) or memory (microbatches in "
-                                "flight), not both")
-            try:
-                if "memory_mb" in d:
-                    mem, mem_mb = memory, float(d["memory_mb"])
-                elif "memory" in d:
-                    mem, mem_mb = int(d["memory"]), None
-                else:
-                    mem, mem_mb = memory, memory_mb
-                node_speed = float(d.get("speed", speed))
-            except (TypeError, ValueError) as exc:
-                raise PlanError(f"node {name}: speed, memory and memory_mb must be numbers ({exc})") from None
-            node_list.append(Node(name, d["region"], node_speed, mem, mem_mb))
+        node_list = [_node_from(d, i, all_regions, source, speed, memory, memory_mb) for i, d in enumerate(nodes)]
     intra = doc.get("intra")
     intra_link = INTRA_REGION_LINK
     if intra:
@@ -263,6 +235,44 @@ def build_network(
     log.debug("network %s: %d nodes over %d regions", source, len(node_list),
               len({n.region for n in node_list}))
     return net
+
+
+def _read_nodes_file(path: str) -> list[dict[str, Any]]:
+    """The node dicts of a nodes file: a JSON list of objects, or an object whose ``nodes`` is one."""
+    try:
+        nodes = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"cannot read nodes file {path}: {exc}") from None
+    if isinstance(nodes, dict):
+        nodes = nodes.get("nodes", [])
+    if not isinstance(nodes, list) or not all(isinstance(d, dict) for d in nodes):
+        raise PlanError(f"{path}: a nodes file is a JSON list of objects with name and region "
+                        "(or an object whose nodes is one), got "
+                        + (f"a list holding {_shape(next(d for d in nodes if not isinstance(d, dict)))}"
+                           if isinstance(nodes, list) else _shape(nodes)))
+    return nodes
+
+
+def _node_from(d: dict[str, Any], i: int, regions: list[str], source: str, speed: float, memory: int,
+               memory_mb: float | None) -> Node:
+    """Node ``#i`` of a nodes list; ``speed``, ``memory`` and ``memory_mb`` are the defaults."""
+    if "region" not in d or d["region"] not in regions:
+        raise PlanError(f"node #{i}: region {d.get('region')!r} is not in network {source}")
+    name = str(d.get("name", f"n{i:02d}"))
+    if "memory" in d and "memory_mb" in d:
+        raise PlanError(f"node {name}: give memory_mb (device MB) or memory (microbatches in "
+                        "flight), not both")
+    try:
+        if "memory_mb" in d:
+            mem, mem_mb = memory, float(d["memory_mb"])
+        elif "memory" in d:
+            mem, mem_mb = int(d["memory"]), None
+        else:
+            mem, mem_mb = memory, memory_mb
+        node_speed = float(d.get("speed", speed))
+    except (TypeError, ValueError) as exc:
+        raise PlanError(f"node {name}: speed, memory and memory_mb must be numbers ({exc})") from None
+    return Node(name, d["region"], node_speed, mem, mem_mb)
 
 
 def slowed(network: Network, factors: dict[str, float]) -> Network:

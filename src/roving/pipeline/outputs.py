@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .costs import PlanError
+from .errors import PlanError
 
 
 def check_output(path: str, option: str, *, make_parents: bool = False, folder: bool = False) -> None:

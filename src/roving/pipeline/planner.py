@@ -15,7 +15,8 @@ import math
 import random
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 from .allocate import (
     assign,
@@ -113,98 +114,18 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
             progress({"phase": phase, "elapsed_s": time.perf_counter() - t0, "best_s": best_s, **extra})
 
     visits = check_inputs(network, model, stages, skip, microbatches)
-    can = check_memory(network, model, stages)
+    problem = _Problem(network, model, stages, skip, microbatches, visits, allow_swaps, sync_bytes,
+                       node_cost_matrix(network, model), check_memory(network, model, stages))
     rng = random.Random(seed)
-    cost = node_cost_matrix(network, model)
-    order = tour_order(network, cost)
-
-    def judge_with(labels: list[int], slots: list[str]) -> float:
-        ctx = SearchContext(network, model, dict(zip(slots, labels)), stages, cost, sync_bytes)
-        return score_routes(ctx, build_routes(ctx, microbatches, visits, allow_swaps), None, skip)
-
-    # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
-    # for the whole round trip, so with little memory more stage-0 nodes (fewer rounds each) can beat
-    # the compute-proportional split. A few candidate splits are judged before the swap search.
-    # Memory: each candidate's labels are put on nodes that can hold them (``assign``: the tour order
-    # where memory allows); if no candidate split fits, a split built around memory does.
-    counts = replica_counts(len(network.nodes), stages, skip, model)
-    starts = []
-    for c in _count_candidates(counts):
-        lab = spread_labels(c)
-        placed = assign(order, lab, can)
-        if placed is not None:
-            starts.append((lab, placed))
-    if not starts:
-        starts.append(memory_fallback(order, counts, can, stages))
-    labels, start = min(starts, key=lambda ls: judge_with(*ls))
-
-    limited = any(len(c) < stages for c in can.values())
     by_count = max_evals is not None
     cap = t0 + budget_s
-    # When memory binds (an origin sends more microbatches than it can hold at once, so it runs them in
-    # rounds of whole round trips), a split with more stage-0 nodes has fewer rounds per origin, which
-    # greedy paths undervalue: the split with the most stage-0 nodes among the candidates then gets its
-    # own share of the allocation search, and its best allocations race with the others.
-    held = [network.node(n).in_flight(0, model, stages) for n in network.names if 0 in can[n]]
-    more = [ls for ls in starts if ls[0].count(0) > labels.count(0)]
-    if more and held and math.ceil(microbatches / labels.count(0)) > min(held):
-        alt = max(more, key=lambda ls: ls[0].count(0))
-        searches = [(labels, start, 1.0 - ALT_SHARE, RACE - ALT_RACE), (alt[0], alt[1], ALT_SHARE, ALT_RACE)]
-    else:
-        searches = [(labels, start, 1.0, RACE)]
-    contenders: list[tuple[list[int], list[str]]] = []
-    evals = 0
-    best_greedy = math.inf  # the best allocation's makespan with greedy paths
-    alloc_end = t0 + ALLOC_FRAC * budget_s
-    for k, (labs, first, share, take) in enumerate(searches):
-        judged: dict[tuple[str, ...], float] = {}
-
-        def judge(slots: list[str], labs=labs, judged=judged) -> float:
-            v = judge_with(labs, slots)
-            judged.setdefault(tuple(slots), v)
-            return v
-
-        left = sum(x[2] for x in searches[k:])
-        deadline = cap if by_count else \
-            time.perf_counter() + max(0.0, alloc_end - time.perf_counter()) * share / left
-        swap_search(first, labs, judge, deadline, rng,
-                    max_evals=int(ALLOC_FRAC * max_evals * share) if by_count else None,
-                    ok=(lambda n, s: s in can[n]) if limited else None)
-        # Greedy paths judge an allocation only roughly: the allocation that is best with them is often
-        # not the best once its paths are searched (on the training benchmark's network the third of the
-        # list came out 20% faster than the first), and a short path search ranks them only a little
-        # better. So the best few race by successive halving: each gets a path search, the faster half
-        # goes on with a longer one from where it stands, and so on until one is left; it gets the rest.
-        ranked = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:take]] or [first]
-        contenders += [(labs, sl) for sl in ranked]
-        evals += len(judged)
-        best_greedy = min([best_greedy, *judged.values()])
+    searches = _searches(problem)
+    contenders, evals, best_greedy = _allocation_search(problem, searches, t0, budget_s, rng, max_evals)
     report("allocation", best_greedy, candidates=len(contenders))
-    pool = []
-    for i, (labs, sl) in enumerate(contenders):
-        ctx = SearchContext(network, model, dict(zip(sl, labs)), stages, cost, sync_bytes)
-        paths = build_routes(ctx, microbatches, visits, allow_swaps)
-        if math.isinf(score_routes(ctx, paths, None, skip)):
-            paths = build_routes(ctx, microbatches, visits, allow_swaps=False)
-        pool.append([math.inf, i, ctx, paths, None])
-    rounds = max(1, math.ceil(math.log2(len(pool))))
-    for r in range(rounds):
-        round_end = t0 + (ALLOC_FRAC + RACE_FRAC * (r + 1) / rounds) * budget_s
-        for k, member in enumerate(pool):
-            if by_count:
-                deadline, count = cap, max(1, int(RACE_FRAC * max_evals / rounds) // len(pool))
-            else:
-                deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
-                count = None
-            member[3], member[4], member[0], n = improve_routes(member[2], member[3], skip, deadline, rng,
-                                                                allow_swaps, priority=member[4], max_evals=count)
-            evals += n
-        pool.sort(key=lambda m: (m[0], m[1]))
-        log.debug("allocation race, round %d: %s", r, [round(m[0], 3) for m in pool])
-        report("race", pool[0][0], round=r + 1, rounds=rounds, contenders=len(pool))
-        pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
-    _, _, ctx, paths, prio = pool[0]
-    paths, prio, score, n = improve_routes(ctx, paths, skip, cap, rng, allow_swaps, priority=prio,
+    winner, n = _race(problem, contenders, t0, budget_s, rng, max_evals, report)
+    evals += n
+    ctx = winner.ctx
+    paths, prio, score, n = improve_routes(ctx, winner.paths, skip, cap, rng, allow_swaps, priority=winner.priority,
                                            max_evals=max(1, max_evals - evals) if by_count else None,
                                            on_best=lambda v: report("paths", v))
     evals += n
@@ -214,11 +135,165 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     result = Plan(stages, skip, ctx.allocation, paths, prio, score,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
                    "capped": by_count and time.perf_counter() >= cap,
-                   "splits": [[labs.count(st) for st in range(stages)] for labs, *_ in searches]})
+                   "splits": [[search.labels.count(st) for st in range(stages)] for search in searches]})
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
     report("done", score, evaluations=evals)
     return result
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """What ``plan`` is asked, and what it derives once: the node cost matrix (``cost``) and the stages
+    each node's memory can hold (``can``)."""
+
+    network: Network
+    model: ModelSpec
+    stages: int
+    skip: float
+    microbatches: int
+    visits: int
+    allow_swaps: bool
+    sync_bytes: Sequence[float] | None
+    cost: Any
+    can: dict[str, frozenset[int]]
+
+    def context(self, labels: list[int], slots: list[str]) -> SearchContext:
+        """The search context of the allocation that gives ``slots[i]`` stage ``labels[i]``."""
+        return SearchContext(self.network, self.model, dict(zip(slots, labels)), self.stages, self.cost,
+                             self.sync_bytes)
+
+    def judge(self, labels: list[int], slots: list[str]) -> float:
+        """An allocation's score with greedy paths (the allocation search's judge)."""
+        ctx = self.context(labels, slots)
+        return score_routes(ctx, build_routes(ctx, self.microbatches, self.visits, self.allow_swaps), None, self.skip)
+
+
+class _Search(NamedTuple):
+    """One allocation search of ``plan``: a split of the stages (``labels``, one per slot) starting from
+    the slots ``first``, with ``share`` of the allocation search's budget and ``places`` in the race."""
+
+    labels: list[int]
+    first: list[str]
+    share: float
+    places: int
+
+
+@dataclass
+class _Contender:
+    """An allocation in ``plan``'s race: its paths and priority so far, and their score (``order``
+    breaks ties: the allocation search's ranking)."""
+
+    score: float
+    order: int
+    ctx: SearchContext
+    paths: list[Route]
+    priority: list[int] | None
+
+
+def _searches(problem: _Problem) -> list[_Search]:
+    """The allocation searches ``plan`` runs: from the best of a few candidate splits (the comment
+    below), and, when memory binds, one more for the split with the most stage-0 nodes."""
+    network, model, stages, can = problem.network, problem.model, problem.stages, problem.can
+    order = tour_order(network, problem.cost)
+    # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
+    # for the whole round trip, so with little memory more stage-0 nodes (fewer rounds each) can beat
+    # the compute-proportional split. A few candidate splits are judged before the swap search.
+    # Memory: each candidate's labels are put on nodes that can hold them (``assign``: the tour order
+    # where memory allows); if no candidate split fits, a split built around memory does.
+    counts = replica_counts(len(network.nodes), stages, problem.skip, model)
+    starts = []
+    for c in _count_candidates(counts):
+        lab = spread_labels(c)
+        placed = assign(order, lab, can)
+        if placed is not None:
+            starts.append((lab, placed))
+    if not starts:
+        starts.append(memory_fallback(order, counts, can, stages))
+    labels, start = min(starts, key=lambda ls: problem.judge(*ls))
+    # When memory binds (an origin sends more microbatches than it can hold at once, so it runs them in
+    # rounds of whole round trips), a split with more stage-0 nodes has fewer rounds per origin, which
+    # greedy paths undervalue: the split with the most stage-0 nodes among the candidates then gets its
+    # own share of the allocation search, and its best allocations race with the others.
+    held = [network.node(n).in_flight(0, model, stages) for n in network.names if 0 in can[n]]
+    more = [ls for ls in starts if ls[0].count(0) > labels.count(0)]
+    if more and held and math.ceil(problem.microbatches / labels.count(0)) > min(held):
+        alt = max(more, key=lambda ls: ls[0].count(0))
+        return [_Search(labels, start, 1.0 - ALT_SHARE, RACE - ALT_RACE), _Search(alt[0], alt[1], ALT_SHARE, ALT_RACE)]
+    return [_Search(labels, start, 1.0, RACE)]
+
+
+def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, budget_s: float,
+                       rng: random.Random,
+                       max_evals: int | None) -> tuple[list[tuple[list[int], list[str]]], int, float]:
+    """Each search's swap search, by its share of the allocation phase; returns the allocations that
+    race ((labels, slots), best first within each search), the evaluations made, and the best
+    allocation's makespan with greedy paths."""
+    by_count = max_evals is not None
+    cap = t0 + budget_s
+    limited = any(len(c) < problem.stages for c in problem.can.values())
+    contenders: list[tuple[list[int], list[str]]] = []
+    evals = 0
+    best_greedy = math.inf
+    alloc_end = t0 + ALLOC_FRAC * budget_s
+    for k, search in enumerate(searches):
+        judged: dict[tuple[str, ...], float] = {}
+
+        def judge(slots: list[str], labs=search.labels, judged=judged) -> float:
+            v = problem.judge(labs, slots)
+            judged.setdefault(tuple(slots), v)
+            return v
+
+        left = sum(x.share for x in searches[k:])
+        deadline = cap if by_count else \
+            time.perf_counter() + max(0.0, alloc_end - time.perf_counter()) * search.share / left
+        swap_search(search.first, search.labels, judge, deadline, rng,
+                    max_evals=int(ALLOC_FRAC * max_evals * search.share) if by_count else None,
+                    ok=(lambda n, s: s in problem.can[n]) if limited else None)
+        # Greedy paths judge an allocation only roughly: the allocation that is best with them is often
+        # not the best once its paths are searched (on the training benchmark's network the third of the
+        # list came out 20% faster than the first), and a short path search ranks them only a little
+        # better. So the best few race by successive halving: each gets a path search, the faster half
+        # goes on with a longer one from where it stands, and so on until one is left; it gets the rest.
+        ranked = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:search.places]] or [search.first]
+        contenders += [(search.labels, sl) for sl in ranked]
+        evals += len(judged)
+        best_greedy = min([best_greedy, *judged.values()])
+    return contenders, evals, best_greedy
+
+
+def _race(problem: _Problem, allocations: list[tuple[list[int], list[str]]], t0: float, budget_s: float,
+          rng: random.Random, max_evals: int | None, report: Callable[..., None]) -> tuple[_Contender, int]:
+    """Successive halving of path searches over ``allocations`` (``plan``'s race phase); the winner
+    and the evaluations made."""
+    by_count = max_evals is not None
+    cap = t0 + budget_s
+    skip, allow_swaps = problem.skip, problem.allow_swaps
+    pool = []
+    for i, (labs, sl) in enumerate(allocations):
+        ctx = problem.context(labs, sl)
+        paths = build_routes(ctx, problem.microbatches, problem.visits, allow_swaps)
+        if math.isinf(score_routes(ctx, paths, None, skip)):
+            paths = build_routes(ctx, problem.microbatches, problem.visits, allow_swaps=False)
+        pool.append(_Contender(math.inf, i, ctx, paths, None))
+    evals = 0
+    rounds = max(1, math.ceil(math.log2(len(pool))))
+    for r in range(rounds):
+        round_end = t0 + (ALLOC_FRAC + RACE_FRAC * (r + 1) / rounds) * budget_s
+        for k, member in enumerate(pool):
+            if by_count:
+                deadline, count = cap, max(1, int(RACE_FRAC * max_evals / rounds) // len(pool))
+            else:
+                deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
+                count = None
+            member.paths, member.priority, member.score, n = improve_routes(
+                member.ctx, member.paths, skip, deadline, rng, allow_swaps, priority=member.priority, max_evals=count)
+            evals += n
+        pool.sort(key=lambda m: (m.score, m.order))
+        log.debug("allocation race, round %d: %s", r, [round(m.score, 3) for m in pool])
+        report("race", pool[0].score, round=r + 1, rounds=rounds, contenders=len(pool))
+        pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
+    return pool[0], evals
 
 
 def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Route],
@@ -280,6 +355,31 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     # what each stage should have, by the same rule as a fresh plan
     want = replica_counts(len(alloc) + len(free), stages, current.skip, model) \
         if len(alloc) + len(free) >= stages else None
+    _refill(alloc, counts, free, want, can, new_net, failed)
+    rng = random.Random(seed)
+    visits = visits_per_microbatch(stages, current.skip)
+    candidates: list[_Contender] = []
+    for a in _replan_allocations(alloc, counts, want, current, new_net, model, can):
+        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes)
+        for ps, pr in ((repair_routes(ctx, current.paths), current.priority),
+                       (build_routes(ctx, len(current.paths), visits), None)):
+            candidates.append(_Contender(score_routes(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
+    best = min(candidates, key=lambda c: (c.score, c.order))
+    alloc = best.ctx.allocation
+    paths, prio, score, evals = improve_routes(best.ctx, best.paths, current.skip, t0 + budget_s, rng,
+                                               priority=best.priority, max_evals=max_evals)
+    new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
+                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
+                     "capped": max_evals is not None and evals < max_evals})
+    return new_plan, new_net
+
+
+def _refill(alloc: dict[str, int], counts: list[int], free: list[str], want: list[int] | None,
+            can: dict[str, frozenset[int]], net: Network, failed: set[str]) -> None:
+    """``replan``'s first step, in place: a stage left without nodes takes a free node, else the fastest
+    fitting node of the stage with the most spare replicas; then the other free nodes go where the work
+    per replica is highest (among the stages they can hold). PlanError when a stage cannot be held."""
+    stages = len(counts)
     for st in range(stages):
         if counts[st]:
             continue
@@ -297,7 +397,7 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
                 )
             donor = max(donors, key=lambda s: (counts[s] - (want[s] if want else 0), counts[s], -s))
             take = max((n for n, s in alloc.items() if s == donor and st in can[n]),
-                       key=lambda n: (new_net.node(n).speed, n))
+                       key=lambda n: (net.node(n).speed, n))
             counts[donor] -= 1
         alloc[take] = st
         counts[st] += 1
@@ -305,8 +405,12 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
         st = max(sorted(can[n]), key=lambda s: ((want[s] if want else 1) / counts[s], -s))
         alloc[n] = st
         counts[st] += 1
-    rng = random.Random(seed)
-    visits = visits_per_microbatch(stages, current.skip)
+
+
+def _replan_allocations(alloc: dict[str, int], counts: list[int], want: list[int] | None, current: Plan,
+                        net: Network, model: ModelSpec, can: dict[str, frozenset[int]]) -> list[dict[str, int]]:
+    """The allocations ``replan`` judges: the refilled one, and (when a fresh plan's counts are known)
+    the same rebalanced toward them and a fresh allocation."""
     # Each stage keeps its visit quota (load balance), so a stage that lost replicas loads its survivors
     # with the lost ones' share: one replica left of two does twice the work and sets the iteration
     # time. Moving nodes over from stages above their fair count undoes that; the simulator decides
@@ -318,23 +422,10 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
             allocations.append(moved)
         # and a fresh allocation (more weights move, but the survivors may be far better used)
         labels = spread_labels(want)
-        placed = assign(tour_order(new_net, node_cost_matrix(new_net, model)), labels, can)
+        placed = assign(tour_order(net, node_cost_matrix(net, model)), labels, can)
         if placed is not None:
             allocations.append(dict(zip(placed, labels)))
-    candidates = []
-    for a in allocations:
-        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes)
-        for ps, pr in ((repair_routes(ctx, current.paths), current.priority),
-                       (build_routes(ctx, len(current.paths), visits), None)):
-            candidates.append((score_routes(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
-    _, _, ctx, paths, prio = min(candidates, key=lambda c: c[:2])
-    alloc = ctx.allocation
-    paths, prio, score, evals = improve_routes(ctx, paths, current.skip, t0 + budget_s, rng, priority=prio,
-                                               max_evals=max_evals)
-    new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
-                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                     "capped": max_evals is not None and evals < max_evals})
-    return new_plan, new_net
+    return allocations
 
 
 def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int, skip: float,
@@ -406,3 +497,33 @@ def place_joining(current: Plan, allocation: dict[str, int], joining: Sequence[N
                             "give it more memory, or resume from a checkpoint")
         alloc[node.name] = want[0]
     return alloc
+
+
+def replan_or_hold(current: Plan, network: Network, model: ModelSpec, *, failed: Sequence[str] = (),
+                   slowed_by: dict[str, float] | None = None, joined: Sequence[Node] = (), missing: bool = False,
+                   dropped: Iterable[int] = (), skip: float | None = None, budget_s: float = 0.6, seed: int = 0,
+                   sync_bytes: Sequence[float] | None = None,
+                   max_evals: int | None = None) -> tuple[Plan, Network]:
+    """A running training's new plan for its live nodes: ``replan`` while every stage is held (no stage
+    ``missing`` from ``current``, none ``dropped`` for good); else, or when ``replan`` cannot hold
+    every stage, the allocation that stays (without ``failed``, the ``joined`` nodes placed by
+    ``place_joining``) with paths that skip the stages no node holds (``plan_held``, with the run's
+    ``skip``, by default ``current``'s). Returns the plan and its network; PlanError when not even
+    that can be made. ``failed`` may name nodes that ``network`` does not hold (never started)."""
+    known = [n for n in failed if n in network.names]
+    if not missing and not set(dropped):
+        try:
+            return replan(current, network, model, failed=known, slowed_by=slowed_by, joined=joined,
+                          budget_s=budget_s, seed=seed, sync_bytes=sync_bytes, max_evals=max_evals)
+        except PlanError as exc:
+            log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
+    net = network.without(known)
+    if slowed_by:
+        net = slowed(net, slowed_by)
+    if joined:
+        net = net.with_nodes(list(net.nodes) + list(joined))
+    gone = set(failed)
+    alloc = {n: s for n, s in current.allocation.items() if n not in gone}
+    alloc = place_joining(current, alloc, joined, model, exclude=dropped)
+    return plan_held(net, model, alloc, current.stages, current.skip if skip is None else skip,
+                     len(current.paths), budget_s=budget_s, seed=seed, max_evals=max_evals), net

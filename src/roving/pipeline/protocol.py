@@ -32,14 +32,11 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ProtocolError
 from .plan import Route
 
 #: the ``sender`` of the coordinator's messages.
 COORDINATOR = "coordinator"
-
-
-class ProtocolError(RuntimeError):
-    """A message that its receiver does not handle (a wrong type, or not a protocol message at all)."""
 
 
 def unexpected(msg: Any, receiver: str, waiting_for: str = "") -> ProtocolError:

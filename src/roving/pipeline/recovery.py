@@ -47,8 +47,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from .costs import PlanError
+from .errors import PlanError
 from .stages import layer_ranges
+from .weights import StageWeights, Weights
 
 #: the recovery policies, as ``[faults] stage_recovery`` names them.
 POLICIES = ("snapshot", "skip", "neighbours", "auto")
@@ -89,7 +90,7 @@ def neighbour_weights(target_layers: range, neighbours: Mapping[int, Mapping[str
     ``target_layers``) and the weight each neighbour got (summing to 1). Computed in float64 and cast
     back to each tensor's dtype."""
     if not neighbours:
-        raise ValueError("no neighbour to rebuild the stage from")
+        raise PlanError("no neighbour to rebuild the stage from")
     g = {s: float(norms.get(s, 0.0)) for s in neighbours}
     g = {s: v if math.isfinite(v) and v > 0 else 0.0 for s, v in g.items()}
     total = sum(g.values())
@@ -101,7 +102,7 @@ def neighbour_weights(target_layers: range, neighbours: Mapping[int, Mapping[str
         for s, by_layer in layered.items():
             have = sorted(by_layer)
             if not have:
-                raise ValueError(f"neighbour stage {s} holds no layers")
+                raise PlanError(f"neighbour stage {s} holds no layers")
             parts.append((share[s], by_layer[have[min(k, len(have) - 1)]]))
         for name in parts[0][1]:
             acc = sum(w * p[name].double() for w, p in parts)
@@ -140,18 +141,19 @@ class FailureSchedule:
     def __init__(self, stages: int, seed: int = 0, fail_rate: float = 0.0, hour_iterations: int = 100,
                  fail_at: str = "") -> None:
         self.stages, self.seed = stages, seed
-        self.p = fail_rate / hour_iterations if fail_rate > 0 else 0.0
+        #: the chance that a stage fails whole at one iteration
+        self.chance = fail_rate / hour_iterations if fail_rate > 0 else 0.0
         self.scripted = parse_fail_at(fail_at, stages)
 
     def __bool__(self) -> bool:
-        return bool(self.p or self.scripted)
+        return bool(self.chance or self.scripted)
 
     def at(self, iteration: int) -> list[int]:
         """The stages killed whole at the start of ``iteration`` (sorted)."""
         out = set(self.scripted.get(iteration, []))
-        if self.p:
+        if self.chance:
             for s in range(1, self.stages):
-                if random.Random(f"fail:{self.seed}:{iteration}:{s}").random() < self.p:
+                if random.Random(f"fail:{self.seed}:{iteration}:{s}").random() < self.chance:
                     out.add(s)
         return sorted(out)
 
@@ -159,14 +161,14 @@ class FailureSchedule:
 class StageRecovery:
     """A run's recovery of lost stages: the latest gradient norm of each stage (``observe``), the
     learning-rate factor of stages rebuilt from their neighbours (``lr``), the stages skipped for good
-    (``skip_lost``), and the weights of a stage that no live process holds (``rebuild``, which
-    ``weights.Weights.move`` calls). ``config``: the run's TrainConfig; ``model``: its LlamaConfig;
+    (``skip_lost``), and the weights of a stage that no live process holds (``rebuild``, for the
+    orphans of ``weights.Weights.gather``). ``config``: the run's TrainConfig; ``model``: its LlamaConfig;
     ``weights``: its ``weights.Weights`` (asked for the neighbours' weights and the snapshot);
     ``event(kind, **fields)`` records; ``done()`` is the count of iterations done."""
 
-    def __init__(self, config: Any, model: Any, weights: Any, event: Callable[..., None],
+    def __init__(self, config: Any, model: Any, weights: Weights, event: Callable[..., None],
                  done: Callable[[], int]) -> None:
-        self.c, self.model, self.weights, self._event, self._done = config, model, weights, event, done
+        self.config, self.model, self.weights, self._event, self._done = config, model, weights, event, done
         self.grad_norms: dict[int, float] = {}  # stage -> norm of its latest gradient (protocol.Stepped)
         self.lr_factor: dict[int, float] = {}  # stage -> learning-rate factor (rebuilt from neighbours)
         self.dropped: set[int] = set()  # stages skipped for good (stage_recovery = "skip")
@@ -183,7 +185,7 @@ class StageRecovery:
     def skip_lost(self, lost: list[int], replicas: Mapping[int, list[str]]) -> bool:
         """Stages ``lost`` lost every replica (``replicas``: their nodes). Under ``skip`` they are
         dropped for good (recorded); False when stage 0 is among them (it cannot be skipped)."""
-        if self.c.stage_recovery != "skip":
+        if self.config.stage_recovery != "skip":
             return True
         if 0 in lost:
             return False
@@ -192,23 +194,24 @@ class StageRecovery:
             self._event("recovery", stage=stage, policy="skip", chosen="skip", nodes=sorted(replicas[stage]))
         return True
 
-    def rebuild(self, stage: int, nodes: list[str]) -> tuple[dict, dict | None, str] | None:
-        """The weights for ``stage``, which no live process holds and ``nodes`` take over, as
-        ``stage_recovery`` says: (weights, None: a fresh optimizer, where they came from), or None:
-        from the snapshot. Recorded as a "recovery" event with the choice and its inputs."""
+    def rebuild(self, stage: int, nodes: list[str]) -> StageWeights | None:
+        """The weights for ``stage``, which no live process holds and ``nodes`` take over (an orphan of
+        ``weights.Takeover``), as ``stage_recovery`` says: rebuilt from the neighbours (with a fresh
+        optimizer), or None: from the snapshot. Recorded as a "recovery" event with the choice and its
+        inputs."""
         snapshot = self.weights.snapshot
         snap = (snapshot or {}).get("stages", {}).get(stage)
         age = None if snap is None else self._done() - snap["iteration"]  # in iterations done since it
-        policy = self.c.stage_recovery
-        chosen = choose(policy, age, self.c.auto_snapshot_age)
+        policy = self.config.stage_recovery
+        chosen = choose(policy, age, self.config.auto_snapshot_age)
         info = dict(stage=stage, policy=policy, nodes=nodes,
                     snapshot_iteration=None if snap is None else snap["iteration"], snapshot_age=age,
-                    auto_snapshot_age=self.c.auto_snapshot_age)
+                    auto_snapshot_age=self.config.auto_snapshot_age)
         if chosen != "neighbours":  # skip never gets here: a skipped stage is given to no node
             self.lr_factor.pop(stage, None)  # the snapshot's optimizer state, the schedule's learning rate
             self._event("recovery", chosen="snapshot", **info)
             return None
-        near = neighbours_of(stage, self.c.stages)
+        near = neighbours_of(stage, self.config.stages)
         states = self.weights.held_states(near)
         norms = {s: self.grad_norms.get(s, math.nan) for s in near}
         if not states or (stage == 0 and snap is None):
@@ -216,11 +219,11 @@ class StageRecovery:
             self._event("recovery", chosen="snapshot", why="no live neighbour" if not states else "no snapshot "
                         "of the embedding and head", neighbours=near, grad_norms=norms, **info)
             return None
-        layers, share = neighbour_weights(layer_ranges(self.model, self.c.stages)[stage], states, norms)
+        layers, share = neighbour_weights(layer_ranges(self.model, self.config.stages)[stage], states, norms)
         params = dict(layers)
         if stage == 0:  # the embedding, final norm and head have no neighbour: from the snapshot
             params.update({k: v for k, v in snap["params"].items() if not k.startswith("layers.")})
-        self.lr_factor[stage] = self.c.recovery_lr_factor
+        self.lr_factor[stage] = self.config.recovery_lr_factor
         self._event("recovery", chosen="neighbours", neighbours=sorted(states), grad_norms=norms,
-                    shares=share, lr_factor=self.c.recovery_lr_factor, **info)
-        return params, None, "neighbours " + "+".join(str(s) for s in sorted(states))
+                    shares=share, lr_factor=self.config.recovery_lr_factor, **info)
+        return StageWeights(params, None, "neighbours " + "+".join(str(s) for s in sorted(states)))

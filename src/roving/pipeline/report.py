@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path as FilePath
+from pathlib import Path
 
 
 def write_metrics(metrics: dict, path: str) -> None:
     """``metrics`` as indented JSON at ``path`` (its folder made when missing)."""
-    FilePath(path).parent.mkdir(parents=True, exist_ok=True)
-    FilePath(path).write_text(json.dumps(metrics, indent=1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(metrics, indent=1))
 
 
 def plot_losses(runs: dict[str, dict], out_png: str) -> None:
@@ -37,6 +37,6 @@ def plot_losses(runs: dict[str, dict], out_png: str) -> None:
     b.set_title("validation loss against time")
     b.legend(fontsize=8)
     fig.tight_layout()
-    FilePath(out_png).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)

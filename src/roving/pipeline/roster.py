@@ -26,28 +26,11 @@ import time
 from typing import Any, Callable
 
 from . import protocol as m
-from .costs import PlanError
+from .errors import NodeFailed, NodesLost, NoMessage, PlanError
 from .senders import Senders
 from .stage_process import StageSettings, stage_main
 
 log = logging.getLogger(__name__)
-
-
-class NodeFailed(RuntimeError):
-    """Training cannot go on: a stage process raised (the message carries its traceback), or failures
-    left no process to hold stage 0, or an iteration failed ``max_retries`` times."""
-
-
-class NoMessage(NodeFailed):
-    """Nothing came from the stage processes in time."""
-
-
-class NodesLost(Exception):
-    """Stage processes were declared dead (their process exited, or their heartbeats stopped)."""
-
-    def __init__(self, names: dict[str, str]) -> None:
-        super().__init__(", ".join(f"{n} ({why})" for n, why in sorted(names.items())))
-        self.names = names
 
 
 class Roster:
@@ -62,7 +45,7 @@ class Roster:
     def __init__(self, prep: Any, event: Callable[..., None]) -> None:
         import roving
 
-        self.p, self.c, self.spec, self._event = prep, prep.config, prep.spec, event
+        self.prepared, self.config, self.spec, self._event = prep, prep.config, prep.spec, event
         self.control = roving.Queue()
         self.release = roving.Queue()
         self.beats = roving.Queue()
@@ -87,15 +70,15 @@ class Roster:
         which picks its GPU). ``fresh``: its initial weights are the run's (not on a resume)."""
         import roving
 
-        everyone = self.p.network.with_nodes(list(self.universe.values()))
+        everyone = self.prepared.network.with_nodes(list(self.universe.values()))
         emulate = ({o: everyone.link(name, o) for o in self.universe if o != name}
-                   if self.c.emulate_network else None)
-        limit = max(1, self.universe[name].in_flight(stage, self.spec, self.c.stages))
+                   if self.config.emulate_network else None)
+        limit = max(1, self.universe[name].in_flight(stage, self.spec, self.config.stages))
         inc = self.incarnation[name] = self.incarnation.get(name, -1) + 1
-        s = StageSettings(name, stage, self.c.stages, self.p.model, self.c.seed, limit,
-                          lr=self.c.lr, weight_decay=self.c.weight_decay, device=self.c.device,
-                          bf16=self.c.bf16, threads=self.c.threads, index=index, emulate=emulate,
-                          incarnation=inc, heartbeat=self.c.heartbeat)
+        s = StageSettings(name, stage, self.config.stages, self.prepared.model, self.config.seed, limit,
+                          lr=self.config.lr, weight_decay=self.config.weight_decay, device=self.config.device,
+                          bf16=self.config.bf16, threads=self.config.threads, index=index, emulate=emulate,
+                          incarnation=inc, heartbeat=self.config.heartbeat)
         label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
         proc = roving.Process(target=stage_main, args=(s, self.control, self.release, self.beats),
                               name=label, daemon=True)
@@ -103,6 +86,22 @@ class Roster:
         self.procs[name] = proc
         self.starting.add(name)
         self.holding[name] = stage if inc == 0 and fresh else None
+
+    def wait_started(self, alloc: dict[str, int], stages: int, start_wait: float, timeout: float) -> None:
+        """Wait for the processes launched (``alloc``: name -> stage) to be ready: all of them, or, after
+        ``start_wait`` seconds, enough to hold every one of ``stages``. NodeFailed when one fails to
+        start, or when too few are ready within ``timeout``."""
+        t0 = time.monotonic()
+        while self.starting:
+            waited = time.monotonic() - t0
+            if waited > start_wait and len({alloc[n] for n in self.ready}) == stages:
+                return
+            if waited > timeout:
+                raise NodeFailed(f"node(s) {', '.join(sorted(self.starting))} not ready within {timeout:g} s")
+            try:
+                self.recv(m.Ready, timeout=0.5, check=False)
+            except NoMessage:
+                pass
 
     def open(self) -> list[str]:
         """After the start: admit the ready processes (every one gets every inbox) and start watching
@@ -171,6 +170,19 @@ class Roster:
         for n in names:
             self.procs[n].kill()
 
+    def wait_declared_dead(self, names: list[str], timeout: float) -> None:
+        """Wait until none of ``names`` is admitted any more (each declared dead, ``check``); the lost
+        are then in ``take_lost``. NodeFailed after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while any(n in self.inboxes for n in names):
+            if time.monotonic() > deadline:
+                raise NodeFailed(f"{', '.join(names)} not declared dead in {timeout:g} s")
+            try:
+                self.check(force=True)
+            except NodesLost:
+                pass
+            time.sleep(0.05)  # a death is seen by polling (the exit, the heartbeats): no event to wait on
+
     # -- failure detection -----------------------------------------------------------------------
     def _watch_beats(self) -> None:
         while not self._stopping.is_set():
@@ -192,7 +204,7 @@ class Roster:
             quiet = now - self.last_beat.get(name, now)
             if not proc.is_alive():
                 dead[name] = f"its process exited with code {proc.exitcode}"
-            elif self.c.dead_after > 0 and quiet > self.c.dead_after:
+            elif self.config.dead_after > 0 and quiet > self.config.dead_after:
                 dead[name] = f"no heartbeat for {quiet:.1f} s"
         for name in sorted(self.starting | set(self.ready)):
             proc = self.procs[name]
@@ -228,7 +240,7 @@ class Roster:
             self.put(name, m.Forget(list(dead)))
         self._event("dead", nodes=sorted(dead), why=dead)
         self.lost.update(dead)
-        if self.c.restart:
+        if self.config.restart:
             for name in dead:
                 self.request_join(name)
 
@@ -245,7 +257,7 @@ class Roster:
         raised or another message came, NoMessage when nothing came within ``timeout``. Other
         processes' ``Ready`` messages are kept for joining; round messages of other rounds or not
         asked for (left from an aborted round), and messages of processes declared dead, are dropped."""
-        timeout = self.c.timeout if timeout is None else timeout
+        timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         kinds = kind if isinstance(kind, tuple) else (kind,)
         what = " or ".join(k.__name__ for k in kinds)
@@ -291,7 +303,7 @@ class Roster:
         if name is not None and (name in self.inboxes or (name in self.procs and self.procs[name].is_alive())):
             raise PlanError(f"node {name} is already running")
         if name is None or name not in self.universe:
-            regions = sorted({r for pair in self.p.network.links for r in pair} |
+            regions = sorted({r for pair in self.prepared.network.links for r in pair} |
                              {n.region for n in self.universe.values()})
             if region is None:
                 region = regions[len(self.universe) % len(regions)]
@@ -331,9 +343,9 @@ class Roster:
         joined = sorted(self.ready)
         for name in joined:
             _, inbox = self.ready.pop(name)
-            everyone = self.p.network.with_nodes(list(self.universe.values()))
+            everyone = self.prepared.network.with_nodes(list(self.universe.values()))
             for other in self.inboxes:
-                link = everyone.link(other, name) if self.c.emulate_network else None
+                link = everyone.link(other, name) if self.config.emulate_network else None
                 self.put(other, m.PeerJoined(name, inbox, link))
             self.inboxes[name] = inbox
             self._out.add(name, inbox)

@@ -99,45 +99,7 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         forced = [s for s in range(1, s_count) if quotas[s] == remaining]
         allowed = [s for s in range(1, s_count) if quotas[s] > 0]
         press = {s: mean_w * (1 - quotas[s] / remaining) for s in allowed}
-        # dp[(count, node)] = (cost, previous key)
-        dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
-        by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
-        for s in allowed:
-            lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
-            for n in ctx.replicas[s]:
-                here = node_cost(n) + press[s]
-                for c in range(1, visits + 1):
-                    best = None
-                    if c == 1 and lo == 0:
-                        best = (edge(origin, n) + here, None)
-                    else:
-                        for ps in range(max(lo, 1), s):
-                            for key in by_stage.get(ps, ()):
-                                if key[0] != c - 1 or key not in dp:
-                                    continue
-                                v = dp[key][0] + edge(key[1], n) + here
-                                if best is None or v < best[0]:
-                                    best = (v, key)
-                    if best is not None:
-                        dp[(c, n)] = best
-                        by_stage[s].append((c, n))
-        last_forced = max(forced, default=0)
-        end = None
-        for s in allowed:
-            if s < last_forced:
-                continue
-            for key in by_stage.get(s, ()):
-                if key[0] == visits:
-                    v = dp[key][0] + edge(key[1], origin)
-                    if end is None or v < end[0]:
-                        end = (v, key)
-        assert end is not None, "quotas always leave a feasible stage set"
-        nodes: list[str] = []
-        key = end[1]
-        while key is not None:
-            nodes.append(key[1])
-            key = dp[key][1]
-        nodes.reverse()
+        nodes = _cheapest_visits(ctx, origin, visits, forced, allowed, press, edge, node_cost)
         if allow_swaps:
             nodes = _improve_by_swaps(nodes, origin, edge, ctx.allocation)
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
@@ -151,6 +113,54 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
             link_load[b, a] += cost[b, a]
         paths.append(Route(origin, tuple(nodes), stages_seq))
     return paths
+
+
+def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[int], allowed: list[int],
+                     press: dict[int, float], edge: Callable[[str, str], float],
+                     node_cost: Callable[[str], float]) -> list[str]:
+    """``build_routes``' dynamic program for one microbatch from ``origin``: the ``visits`` nodes, in
+    increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
+    the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
+    # dp[(count, node)] = (cost, previous key)
+    dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
+    by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for s in allowed:
+        lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
+        for n in ctx.replicas[s]:
+            here = node_cost(n) + press[s]
+            for c in range(1, visits + 1):
+                best = None
+                if c == 1 and lo == 0:
+                    best = (edge(origin, n) + here, None)
+                else:
+                    for ps in range(max(lo, 1), s):
+                        for key in by_stage.get(ps, ()):
+                            if key[0] != c - 1 or key not in dp:
+                                continue
+                            v = dp[key][0] + edge(key[1], n) + here
+                            if best is None or v < best[0]:
+                                best = (v, key)
+                if best is not None:
+                    dp[(c, n)] = best
+                    by_stage[s].append((c, n))
+    last_forced = max(forced, default=0)
+    end = None
+    for s in allowed:
+        if s < last_forced:
+            continue
+        for key in by_stage.get(s, ()):
+            if key[0] == visits:
+                v = dp[key][0] + edge(key[1], origin)
+                if end is None or v < end[0]:
+                    end = (v, key)
+    assert end is not None, "quotas always leave a feasible stage set"
+    nodes: list[str] = []
+    key = end[1]
+    while key is not None:
+        nodes.append(key[1])
+        key = dp[key][1]
+    nodes.reverse()
+    return nodes
 
 
 def _tour_cost(origin: str, nodes: Sequence[str], edge) -> float:
@@ -226,51 +236,12 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
     cur_score, cur_tail = _judged(ctx, cur, prio, skip)
     best, best_prio, best_score = list(cur), list(prio), cur_score
     evals = 0
-    alloc = ctx.allocation
-    zeros = ctx.replicas[0]
     n_mb = len(cur)
     while time.perf_counter() < deadline and n_mb and (max_evals is None or evals < max_evals):
-        cand, cand_prio = list(cur), prio
-        mb = rng.randrange(n_mb)
-        p = cand[mb]
-        move = rng.random()
-        if move < 0.35:
-            i = rng.randrange(len(p.nodes))
-            reps = ctx.replicas[p.stages[i]]
-            if len(reps) < 2:
-                continue
-            nodes = list(p.nodes)
-            nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
-            cand[mb] = Route(p.origin, tuple(nodes), p.stages)
-        elif move < 0.5:
-            if len(zeros) < 2:
-                continue
-            cand[mb] = Route(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
-        elif move < 0.75:
-            skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
-            if not skipped:
-                continue
-            s_out, s_in = rng.choice(p.stages), rng.choice(skipped)
-            partners = [j for j, q in enumerate(cand) if s_in in q.stages and s_out not in q.stages]
-            if not partners:
-                continue
-            j = rng.choice(partners)
-            cand[mb] = _exchange(ctx, p, s_out, s_in, rng)
-            cand[j] = _exchange(ctx, cand[j], s_in, s_out, rng)
-        elif move < 0.85:
-            if not allow_swaps or len(p.nodes) < 2:
-                continue
-            i = rng.randrange(len(p.nodes) - 1)
-            nodes = list(p.nodes)
-            nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
-            stages_seq = tuple(alloc[n] for n in nodes)
-            if inversions(stages_seq) > MAX_SWAPS:
-                continue
-            cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
-        else:
-            cand_prio = list(prio)
-            i, j = rng.randrange(n_mb), rng.randrange(n_mb)
-            cand_prio[i], cand_prio[j] = cand_prio[j], cand_prio[i]
+        proposed = _propose(ctx, list(cur), prio, rng.randrange(n_mb), rng, allow_swaps)
+        if proposed is None:
+            continue
+        cand, cand_prio = proposed
         score, tail = _judged(ctx, cand, cand_prio, skip)
         evals += 1
         if _accepts(score, tail, cur_score, cur_tail):
@@ -280,6 +251,54 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
                 if on_best is not None:
                     on_best(score)
     return best, best_prio, best_score, evals
+
+
+def _propose(ctx: SearchContext, cand: list[Route], prio: list[int], mb: int, rng: random.Random,
+             allow_swaps: bool) -> tuple[list[Route], list[int]] | None:
+    """One random move of ``improve_routes`` on microbatch ``mb`` of ``cand`` (a copy of the current
+    paths, changed in place) or on the priorities: (paths, priority), or None when the move drawn
+    cannot be made here."""
+    p = cand[mb]
+    zeros = ctx.replicas[0]
+    move = rng.random()
+    if move < 0.35:
+        i = rng.randrange(len(p.nodes))
+        reps = ctx.replicas[p.stages[i]]
+        if len(reps) < 2:
+            return None
+        nodes = list(p.nodes)
+        nodes[i] = rng.choice([r for r in reps if r != nodes[i]])
+        cand[mb] = Route(p.origin, tuple(nodes), p.stages)
+    elif move < 0.5:
+        if len(zeros) < 2:
+            return None
+        cand[mb] = Route(rng.choice([z for z in zeros if z != p.origin]), p.nodes, p.stages)
+    elif move < 0.75:
+        skipped = [s for s in range(1, ctx.stages) if s not in p.stages]
+        if not skipped:
+            return None
+        s_out, s_in = rng.choice(p.stages), rng.choice(skipped)
+        partners = [j for j, q in enumerate(cand) if s_in in q.stages and s_out not in q.stages]
+        if not partners:
+            return None
+        j = rng.choice(partners)
+        cand[mb] = _exchange(ctx, p, s_out, s_in, rng)
+        cand[j] = _exchange(ctx, cand[j], s_in, s_out, rng)
+    elif move < 0.85:
+        if not allow_swaps or len(p.nodes) < 2:
+            return None
+        i = rng.randrange(len(p.nodes) - 1)
+        nodes = list(p.nodes)
+        nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
+        stages_seq = tuple(ctx.allocation[n] for n in nodes)
+        if inversions(stages_seq) > MAX_SWAPS:
+            return None
+        cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
+    else:
+        prio, n = list(prio), len(cand)
+        i, j = rng.randrange(n), rng.randrange(n)
+        prio[i], prio[j] = prio[j], prio[i]
+    return cand, prio
 
 
 def _exchange(ctx: SearchContext, p: Route, s_out: int, s_in: int, rng: random.Random) -> Route:

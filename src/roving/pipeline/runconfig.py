@@ -25,10 +25,10 @@ import dataclasses
 import math
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path as FilePath
+from pathlib import Path
 from typing import Any
 
-from .costs import PlanError
+from .errors import PlanError
 from .model import LlamaConfig, preset
 from .recovery import POLICIES, parse_fail_at
 
@@ -198,7 +198,7 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
     @classmethod
     def from_toml(cls, path: str, **overrides: Any) -> "TrainConfig":
         try:
-            doc = tomllib.loads(FilePath(path).read_text())
+            doc = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise PlanError(f"config file {path} does not exist") from None
         except (IsADirectoryError, UnicodeDecodeError) as exc:
@@ -278,6 +278,14 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
         if self.stage_recovery == "skip" and any(0 in st for st in scripted.values()):
             raise PlanError("fail_at kills stage 0, which stage_recovery = \"skip\" cannot skip (it holds the "
                             "embedding, head and loss): use another policy or another stage")
+
+    def lr_at(self, it: int) -> float:
+        """The learning rate at iteration ``it``: linear warm-up over ``warmup`` iterations, then a cosine
+        down to ``min_lr`` at the last iteration."""
+        if it < self.warmup:
+            return self.lr * (it + 1) / self.warmup
+        frac = (it - self.warmup) / max(1, self.iterations - self.warmup)
+        return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
 
     def model_config(self) -> LlamaConfig:
         try:

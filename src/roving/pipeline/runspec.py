@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .costs import ModelSpec, PlanError
+from .costs import ModelSpec
+from .errors import PlanError
 from .data import Corpus, load_corpus
 from .model import Block, LlamaConfig
 from .network import Network, build_network

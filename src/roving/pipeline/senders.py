@@ -92,14 +92,15 @@ class Senders:
         self.senders[name] = _Sender(name, q)
 
     def forget(self, names: list[str]) -> None:
-        """Stop sending to ``names`` (declared dead); exit will not wait for them to answer."""
-        from roving.transport.endpoint import abandon
-
+        """Stop sending to ``names`` (declared dead); exit will not wait for them to answer (a roving
+        ``Queue`` is abandoned, ``Queue.abandon``; a plain queue of a test has nothing to give up)."""
         for name in names:
             sender = self.senders.pop(name, None)
             if sender is not None:
                 sender.close()
-                abandon(getattr(sender.q, "_address", ""))
+                abandon = getattr(sender.q, "abandon", None)
+                if abandon is not None:
+                    abandon()
 
     def put(self, dst: str, msg: Any) -> None:
         """Send ``msg`` to ``dst`` at once (no emulated link); nothing when ``dst`` was forgotten."""

@@ -38,14 +38,38 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import NamedTuple
 
 from .costs import ModelSpec, StageCosts, stage_costs
+from .errors import PlanError
 from .network import Network
 from .plan import Plan
 
-FWD, LOSS, BWD = 0, 1, 2
+class Work(IntEnum):
+    """What a compute task does."""
+
+    FWD = 0
+    LOSS = 1  # final norm, head and loss, forward and backward, at the origin
+    BWD = 2
+
+
+FWD, LOSS, BWD = Work.FWD, Work.LOSS, Work.BWD
 KIND_NAMES = {FWD: "compute-fwd", LOSS: "compute-loss", BWD: "compute-bwd"}
 _EPS_BYTES = 1e-3
+
+
+class EventKind(IntEnum):
+    """What happens at a time on the simulator's event heap."""
+
+    #: a node's compute task ended (each node on a processor of its own)
+    COMPUTED = 0
+    #: the transfers on a link may have sent all their bytes (stale once the link's ``version`` moved on)
+    LINK = 1
+    #: a microbatch arrived at its next node, or a replica's gradients at another replica
+    ARRIVED = 2
+    #: on a shared machine, compute tasks may have ended (stale once the processors' version moved on)
+    CPU = 3
 
 
 @dataclass(frozen=True)
@@ -78,11 +102,26 @@ class SimResult:
     sync_end: dict[int, float] = field(default_factory=dict)
 
 
-def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict) -> list[list[tuple]]:
-    """Each microbatch's tasks in order: (0, node, kind, seconds) for compute, (1, src, dst) for sends."""
+class Compute(NamedTuple):
+    """A step of a microbatch: ``work`` at ``node`` for ``seconds``."""
+
+    node: str
+    work: Work
+    seconds: float
+
+
+class Send(NamedTuple):
+    """A step of a microbatch: its activations (or gradients) from ``src`` to ``dst``."""
+
+    src: str
+    dst: str
+
+
+def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict) -> list[list[Compute | Send]]:
+    """Each microbatch's steps in order (the module doc); ``cache`` keeps the stage costs by speed."""
     out = []
     for path in plan.paths:
-        seq: list[tuple] = []
+        seq: list[Compute | Send] = []
         origin = path.origin
 
         def costs(name: str) -> StageCosts:
@@ -93,23 +132,55 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict
             return c
 
         c0 = costs(origin)
-        seq.append((0, origin, FWD, c0.forward[0]))
+        seq.append(Compute(origin, FWD, c0.forward[0]))
         prev = origin
         for node, stage in zip(path.nodes, path.stages):
-            seq.append((1, prev, node))
-            seq.append((0, node, FWD, costs(node).forward[stage]))
+            seq.append(Send(prev, node))
+            seq.append(Compute(node, FWD, costs(node).forward[stage]))
             prev = node
-        seq.append((1, prev, origin))
-        seq.append((0, origin, LOSS, c0.loss))
+        seq.append(Send(prev, origin))
+        seq.append(Compute(origin, LOSS, c0.loss))
         prev = origin
         for node, stage in zip(reversed(path.nodes), reversed(path.stages)):
-            seq.append((1, prev, node))
-            seq.append((0, node, BWD, costs(node).backward[stage]))
+            seq.append(Send(prev, node))
+            seq.append(Compute(node, BWD, costs(node).backward[stage]))
             prev = node
-        seq.append((1, prev, origin))
-        seq.append((0, origin, BWD, c0.backward[0]))
+        seq.append(Send(prev, origin))
+        seq.append(Compute(origin, BWD, c0.backward[0]))
         out.append(seq)
     return out
+
+
+@dataclass(eq=False)
+class Transfer:
+    """Bytes on their way over a link: how many are ``left`` to send, and when the transfer began."""
+
+    left: float
+    start: float
+
+
+@dataclass(eq=False)
+class LinkState:
+    """A directed link's transfers now (``active``, by microbatch, or ("sync", src, dst) for a replica's
+    gradients), when their progress was last brought up to date (``updated``), and a ``version`` that
+    every change of ``active`` moves on (a LINK event of an older version is stale)."""
+
+    bandwidth: float
+    latency: float
+    updated: float
+    version: int = 0
+    active: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class Running:
+    """A compute task on the shared machine: the seconds of work ``left`` at full speed, when it
+    started, its microbatch and its work."""
+
+    left: float
+    start: float
+    mb: int
+    work: Work
 
 
 def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
@@ -118,60 +189,156 @@ def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = T
     deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).
     ``shared_cores`` > 0: every node runs on one machine with that many cores; ``sync_bytes[s]``:
     the bytes of stage ``s``'s gradients, to model replica synchronisation (see the module doc;
-    ``costs.gradient_bytes``)."""
-    steps = microbatch_steps(network, model, plan, {})
-    nbytes = model.transfer_bytes
-    n_mb = len(steps)
-    prio = list(plan.priority) if plan.priority else list(range(n_mb))
-    rank = [0] * n_mb
-    for r, mb in enumerate(prio):
-        rank[mb] = r
+    ``costs.gradient_bytes``). PlanError when ``sync_bytes`` gives fewer stages than replicated ones."""
+    return Simulation(network, model, plan, record=record, shared_cores=shared_cores, sync_bytes=sync_bytes).run()
 
-    alloc = plan.allocation
-    mem = {n.name: n.in_flight(alloc[n.name], model, plan.stages) if n.name in alloc else n.memory
-           for n in network.nodes}
-    busy = dict.fromkeys(mem, False)
-    queue: dict[str, list] = {n: [] for n in mem}
-    inflight = dict.fromkeys(mem, 0)
-    peak = dict.fromkeys(mem, 0)
-    timeline: dict[str, list[Event]] = {n: [] for n in mem} if record else {}
-    step_idx = [-1] * n_mb
-    finish = [math.nan] * n_mb
-    # link state: [active {mb: [remaining_bytes, start]}, last_update, version, bandwidth, latency]
-    links: dict[tuple[str, str], list] = {}
-    heap: list = []
-    counter = 0
-    # shared machine: node -> [work left (seconds at full speed), start, mb, kind]; [last update, version]
-    running: dict[str, list] = {}
-    cpu = [0.0, 0]
-    # replica synchronisation: backward passes each node has left; per stage, gradients still to arrive
-    sync_left: dict[int, int] = {}
-    sync_end: dict[int, float] = {}
-    bwd_left: dict[str, int] = {}
-    group: dict[int, list[str]] = {}
-    if sync_bytes is not None:
-        for n, st in alloc.items():
-            if n in mem:
+
+class Simulation:
+    """One iteration being simulated (``simulate``): the nodes' queues and memory, the links' transfers,
+    the shared machine's tasks and the replicas' synchronisation, advanced by ``run``'s event loop. The
+    event heap holds (time, order, EventKind, a, b): ``order`` breaks ties by insertion, ``a`` and ``b``
+    are the event's subject (COMPUTED: node, (microbatch, work); LINK: link key, version; ARRIVED:
+    microbatch or sync key, None; CPU: None, version). A node's queue holds (0 for backward work else 1,
+    ready time, planned rank, microbatch, work, seconds): the order in which it serves them."""
+
+    def __init__(self, network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
+                 shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> None:
+        self.network, self.record, self.shared_cores = network, record, shared_cores
+        self.steps = microbatch_steps(network, model, plan, {})
+        self.nbytes = model.transfer_bytes
+        n_mb = len(self.steps)
+        prio = list(plan.priority) if plan.priority else list(range(n_mb))
+        self.rank = [0] * n_mb
+        for r, mb in enumerate(prio):
+            self.rank[mb] = r
+        alloc = self.alloc = plan.allocation
+        mem = self.mem = {n.name: n.in_flight(alloc[n.name], model, plan.stages) if n.name in alloc else n.memory
+                          for n in network.nodes}
+        self.busy = dict.fromkeys(mem, False)
+        self.queue: dict[str, list] = {n: [] for n in mem}
+        self.inflight = dict.fromkeys(mem, 0)
+        self.peak = dict.fromkeys(mem, 0)
+        self.timeline: dict[str, list[Event]] = {n: [] for n in mem} if record else {}
+        self.step_idx = [-1] * n_mb
+        self.finish = [math.nan] * n_mb
+        self.links: dict[tuple[str, str], LinkState] = {}
+        self.heap: list = []
+        self.counter = 0
+        # the shared machine: node -> its running task; when their progress was last brought up to
+        # date, and the version of the processors' state
+        self.running: dict[str, Running] = {}
+        self.cpu_updated, self.cpu_version = 0.0, 0
+        # replica synchronisation: backward passes each node has left; per stage, gradients still to arrive
+        self.sync_bytes = sync_bytes
+        self.sync_left: dict[int, int] = {}
+        self.sync_end: dict[int, float] = {}
+        self.bwd_left: dict[str, int] = {}
+        self.group: dict[int, list[str]] = {}
+        if sync_bytes is not None:
+            self._plan_sync(plan, sync_bytes)
+
+    def _plan_sync(self, plan: Plan, sync_bytes: Sequence[float]) -> None:
+        group: dict[int, list[str]] = {}
+        for n, st in self.alloc.items():
+            if n in self.mem:
                 group.setdefault(st, []).append(n)
-        group = {st: ns for st, ns in group.items() if len(ns) > 1}
-        if any(st >= len(sync_bytes) for st in group):
-            raise ValueError(f"sync_bytes gives {len(sync_bytes)} stages; the plan has {plan.stages}")
-        sync_left = {st: len(ns) * (len(ns) - 1) for st, ns in group.items()}
+        self.group = {st: ns for st, ns in group.items() if len(ns) > 1}
+        if any(st >= len(sync_bytes) for st in self.group):
+            raise PlanError(f"sync_bytes gives {len(sync_bytes)} stages; the plan has {plan.stages}")
+        self.sync_left = {st: len(ns) * (len(ns) - 1) for st, ns in self.group.items()}
         counts = plan.backward_counts()
-        bwd_left = {n: counts.get(n, 0) for ns in group.values() for n in ns}
+        self.bwd_left = {n: counts.get(n, 0) for ns in self.group.values() for n in ns}
 
-    def push(t: float, kind: int, a, b) -> None:
-        nonlocal counter
-        counter += 1
-        heapq.heappush(heap, (t, counter, kind, a, b))
+    # -- the event loop ------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        """Simulate the iteration to its end (or to a deadlock); the result."""
+        for node in [n for n, left in self.bwd_left.items() if left == 0]:
+            self.start_sync(node, 0.0)
+        for mb in range(len(self.steps)):
+            self.advance(mb, 0.0)
+        heap = self.heap
+        while heap:
+            t, _, kind, a, b = heapq.heappop(heap)
+            if kind == EventKind.COMPUTED:
+                self.computed(a, b[0], b[1], t)
+            elif kind == EventKind.LINK:
+                self.link_event(a, b, t)
+            elif kind == EventKind.ARRIVED:
+                self.arrived(a, t)
+            else:
+                self.cpu_event(b, t)
+        return self.result()
 
-    def try_start(node: str, t: float) -> None:
-        if busy[node]:
+    def push(self, t: float, kind: EventKind, a, b) -> None:
+        self.counter += 1
+        heapq.heappush(self.heap, (t, self.counter, kind, a, b))
+
+    def computed(self, node: str, mb: int, work: Work, t: float) -> None:
+        """``node`` ended its task ``work`` of microbatch ``mb`` at ``t``."""
+        self.busy[node] = False
+        if work == BWD:
+            self.inflight[node] -= 1
+        self.advance(mb, t)
+        if work == BWD:
+            self.backward_done(node, t)
+        self.try_start(node, t)
+
+    def link_event(self, key: tuple[str, str], version: int, t: float) -> None:
+        """The transfers on link ``key`` may have sent their bytes (unless the link changed since)."""
+        ls = self.links[key]
+        if version != ls.version:
             return
-        q = queue[node]
+        self.settle(ls, t)
+        done = [mb for mb, v in ls.active.items() if v.left <= _EPS_BYTES]
+        for mb in done:
+            start = ls.active.pop(mb).start
+            self.push(t + ls.latency, EventKind.ARRIVED, mb, None)
+            if self.record:
+                if isinstance(mb, tuple):
+                    self.timeline[key[0]].append(Event(SYNC_SEND, start, t + ls.latency, -1, key[1]))
+                else:
+                    self.timeline[key[0]].append(Event("send", start, t + ls.latency, mb, key[1]))
+        self.reschedule(ls, key, t)
+
+    def arrived(self, what, t: float) -> None:
+        """Microbatch ``what`` arrived at its next node, or (a sync key) a replica's gradients."""
+        if isinstance(what, tuple):
+            st = self.alloc[what[1]]
+            self.sync_left[st] -= 1
+            if self.sync_left[st] == 0:
+                self.sync_end[st] = t
+        else:
+            self.advance(what, t)
+
+    def cpu_event(self, version: int, t: float) -> None:
+        """On the shared machine, the tasks with no work left end (unless the processors changed since)."""
+        if version != self.cpu_version:
+            return
+        self.settle_cpu(t)
+        finished = [n for n, v in self.running.items() if v.left <= 1e-12]
+        for node in finished:
+            task = self.running.pop(node)
+            if self.record:
+                self.timeline[node].append(Event(KIND_NAMES[task.work], task.start, t, task.mb))
+            self.busy[node] = False
+            if task.work == BWD:
+                self.inflight[node] -= 1
+            self.advance(task.mb, t)
+            if task.work == BWD:
+                self.backward_done(node, t)
+        for node in finished:
+            self.try_start(node, t)
+        self.reschedule_cpu(t)
+
+    # -- compute -----------------------------------------------------------------------------------
+    def try_start(self, node: str, t: float) -> None:
+        """Start the task ``node`` serves next (the module doc's policy), if it is free and one may start."""
+        if self.busy[node]:
+            return
+        q = self.queue[node]
         best = -1
         best_key = None
-        full = inflight[node] >= mem[node]
+        full = self.inflight[node] >= self.mem[node]
         for i, item in enumerate(q):
             if item[0] == 1 and full:
                 continue
@@ -179,158 +346,115 @@ def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = T
                 best, best_key = i, item
         if best < 0:
             return
-        _, _, _, mb, kind, dur = q.pop(best)
-        if kind == FWD:
-            inflight[node] += 1
-            if inflight[node] > peak[node]:
-                peak[node] = inflight[node]
-        busy[node] = True
-        if shared_cores:
-            settle_cpu(t)
-            running[node] = [dur, t, mb, kind]
-            reschedule_cpu(t)
+        _, _, _, mb, work, dur = q.pop(best)
+        if work == FWD:
+            self.inflight[node] += 1
+            if self.inflight[node] > self.peak[node]:
+                self.peak[node] = self.inflight[node]
+        self.busy[node] = True
+        if self.shared_cores:
+            self.settle_cpu(t)
+            self.running[node] = Running(dur, t, mb, work)
+            self.reschedule_cpu(t)
             return
-        push(t + dur, 0, node, (mb, kind))
-        if record:
-            timeline[node].append(Event(KIND_NAMES[kind], t, t + dur, mb))
+        self.push(t + dur, EventKind.COMPUTED, node, (mb, work))
+        if self.record:
+            self.timeline[node].append(Event(KIND_NAMES[work], t, t + dur, mb))
 
-    def settle_cpu(t: float) -> None:
-        if running:
-            done = (t - cpu[0]) * min(1.0, shared_cores / len(running))
-            for v in running.values():
-                v[0] -= done
-        cpu[0] = t
+    def settle_cpu(self, t: float) -> None:
+        """Bring the shared machine's tasks' work left up to ``t``."""
+        if self.running:
+            done = (t - self.cpu_updated) * min(1.0, self.shared_cores / len(self.running))
+            for v in self.running.values():
+                v.left -= done
+        self.cpu_updated = t
 
-    def reschedule_cpu(t: float) -> None:
-        cpu[1] += 1
-        if running:
-            least = min(v[0] for v in running.values())
-            push(t + max(least, 0.0) / min(1.0, shared_cores / len(running)), 3, None, cpu[1])
+    def reschedule_cpu(self, t: float) -> None:
+        self.cpu_version += 1
+        if self.running:
+            least = min(v.left for v in self.running.values())
+            self.push(t + max(least, 0.0) / min(1.0, self.shared_cores / len(self.running)), EventKind.CPU, None,
+                      self.cpu_version)
 
-    def settle(ls: list, t: float) -> None:
-        active = ls[0]
+    # -- transfers ---------------------------------------------------------------------------------
+    def settle(self, ls: LinkState, t: float) -> None:
+        """Bring the link's transfers' bytes left up to ``t`` (its bandwidth shared equally)."""
+        active = ls.active
         if active:
-            share = (t - ls[1]) * ls[3] / len(active)
+            share = (t - ls.updated) * ls.bandwidth / len(active)
             for v in active.values():
-                v[0] -= share
-        ls[1] = t
+                v.left -= share
+        ls.updated = t
 
-    def reschedule(ls: list, key, t: float) -> None:
-        ls[2] += 1
-        active = ls[0]
+    def reschedule(self, ls: LinkState, key: tuple[str, str], t: float) -> None:
+        ls.version += 1
+        active = ls.active
         if active:
-            least = min(v[0] for v in active.values())
-            push(t + max(least, 0.0) * len(active) / ls[3], 1, key, ls[2])
+            least = min(v.left for v in active.values())
+            self.push(t + max(least, 0.0) * len(active) / ls.bandwidth, EventKind.LINK, key, ls.version)
 
-    def send_bytes(key: tuple[str, str], ident, nb: float, t: float) -> None:
-        ls = links.get(key)
+    def send_bytes(self, key: tuple[str, str], ident, nb: float, t: float) -> None:
+        ls = self.links.get(key)
         if ls is None:
-            link = network.link(key[0], key[1])
-            ls = links[key] = [{}, t, 0, link.bandwidth_bps, link.latency_s]
-        settle(ls, t)
-        ls[0][ident] = [nb, t]
-        reschedule(ls, key, t)
+            link = self.network.link(key[0], key[1])
+            ls = self.links[key] = LinkState(link.bandwidth_bps, link.latency_s, t)
+        self.settle(ls, t)
+        ls.active[ident] = Transfer(nb, t)
+        self.reschedule(ls, key, t)
 
-    def start_sync(node: str, t: float) -> None:
-        st = alloc[node]
-        for peer in group[st]:
+    # -- microbatches and replicas -------------------------------------------------------------------
+    def start_sync(self, node: str, t: float) -> None:
+        """``node`` ran its last backward: its gradients go to each other replica of its stage."""
+        st = self.alloc[node]
+        for peer in self.group[st]:
             if peer != node:
-                send_bytes((node, peer), ("sync", node, peer), float(sync_bytes[st]), t)
+                self.send_bytes((node, peer), ("sync", node, peer), float(self.sync_bytes[st]), t)
 
-    def backward_done(node: str, t: float) -> None:
-        if node in bwd_left:
-            bwd_left[node] -= 1
-            if bwd_left[node] == 0:
-                start_sync(node, t)
+    def backward_done(self, node: str, t: float) -> None:
+        if node in self.bwd_left:
+            self.bwd_left[node] -= 1
+            if self.bwd_left[node] == 0:
+                self.start_sync(node, t)
 
-    def advance(mb: int, t: float) -> None:
-        i = step_idx[mb] = step_idx[mb] + 1
-        seq = steps[mb]
+    def advance(self, mb: int, t: float) -> None:
+        """Microbatch ``mb`` goes on to its next step at ``t`` (or ends)."""
+        i = self.step_idx[mb] = self.step_idx[mb] + 1
+        seq = self.steps[mb]
         if i == len(seq):
-            finish[mb] = t
+            self.finish[mb] = t
             return
         step = seq[i]
-        if step[0] == 0:
-            _, node, kind, dur = step
-            queue[node].append((0 if kind != FWD else 1, t, rank[mb], mb, kind, dur))
-            try_start(node, t)
+        if isinstance(step, Compute):
+            node, work, dur = step
+            self.queue[node].append((0 if work != FWD else 1, t, self.rank[mb], mb, work, dur))
+            self.try_start(node, t)
         else:
-            send_bytes((step[1], step[2]), mb, nbytes, t)
+            self.send_bytes(step, mb, self.nbytes, t)
 
-    for node in [n for n, left in bwd_left.items() if left == 0]:
-        start_sync(node, 0.0)
-    for mb in range(n_mb):
-        advance(mb, 0.0)
+    # -- the result ----------------------------------------------------------------------------------
+    def result(self) -> SimResult:
+        deadlock = any(math.isnan(f) for f in self.finish) or any(left > 0 for left in self.sync_left.values())
+        makespan = (math.inf if deadlock
+                    else max(max(self.finish, default=0.0), max(self.sync_end.values(), default=0.0)))
+        if self.record and not deadlock:
+            for events in self.timeline.values():
+                _add_idle(events, makespan)
+        return SimResult(makespan, deadlock, self.timeline, self.finish, self.peak, self.sync_end)
 
-    while heap:
-        t, _, kind, a, b = heapq.heappop(heap)
-        if kind == 0:  # compute done at node a
-            mb, ckind = b
-            busy[a] = False
-            if ckind == BWD:
-                inflight[a] -= 1
-            advance(mb, t)
-            if ckind == BWD:
-                backward_done(a, t)
-            try_start(a, t)
-        elif kind == 1:  # a transfer on link a may have finished its bytes
-            ls = links[a]
-            if b != ls[2]:
-                continue
-            settle(ls, t)
-            done = [mb for mb, v in ls[0].items() if v[0] <= _EPS_BYTES]
-            for mb in done:
-                start = ls[0].pop(mb)[1]
-                push(t + ls[4], 2, mb, None)
-                if record:
-                    if isinstance(mb, tuple):
-                        timeline[a[0]].append(Event(SYNC_SEND, start, t + ls[4], -1, a[1]))
-                    else:
-                        timeline[a[0]].append(Event("send", start, t + ls[4], mb, a[1]))
-            reschedule(ls, a, t)
-        elif kind == 2:  # arrival of microbatch a at the next node (or of a replica's gradients)
-            if isinstance(a, tuple):
-                st = alloc[a[1]]
-                sync_left[st] -= 1
-                if sync_left[st] == 0:
-                    sync_end[st] = t
-            else:
-                advance(a, t)
-        else:  # on a shared machine, compute tasks may have finished
-            if b != cpu[1]:
-                continue
-            settle_cpu(t)
-            finished = [n for n, v in running.items() if v[0] <= 1e-12]
-            for node in finished:
-                _, start, mb, ckind = running.pop(node)
-                if record:
-                    timeline[node].append(Event(KIND_NAMES[ckind], start, t, mb))
-                busy[node] = False
-                if ckind == BWD:
-                    inflight[node] -= 1
-                advance(mb, t)
-                if ckind == BWD:
-                    backward_done(node, t)
-            for node in finished:
-                try_start(node, t)
-            reschedule_cpu(t)
 
-    deadlock = any(math.isnan(f) for f in finish) or any(left > 0 for left in sync_left.values())
-    makespan = math.inf if deadlock else max(max(finish, default=0.0), max(sync_end.values(), default=0.0))
-    if record and not deadlock:
-        for events in timeline.values():
-            events.sort(key=lambda e: (e.start, e.end))
-            idle, last = [], 0.0
-            for e in events:
-                if e.kind.startswith("compute"):
-                    if e.start > last + 1e-12:
-                        idle.append(Event("idle", last, e.start))
-                    last = max(last, e.end)
-            if makespan > last + 1e-12:
-                idle.append(Event("idle", last, makespan))
-            events.extend(idle)
-            events.sort(key=lambda e: (e.start, e.end))
-    return SimResult(makespan, deadlock, timeline, finish, peak, sync_end)
+def _add_idle(events: list[Event], makespan: float) -> None:
+    """Sort a node's ``events`` and add its idle stretches between compute tasks (up to ``makespan``)."""
+    events.sort(key=lambda e: (e.start, e.end))
+    idle, last = [], 0.0
+    for e in events:
+        if e.kind.startswith("compute"):
+            if e.start > last + 1e-12:
+                idle.append(Event("idle", last, e.start))
+            last = max(last, e.end)
+    if makespan > last + 1e-12:
+        idle.append(Event("idle", last, makespan))
+    events.extend(idle)
+    events.sort(key=lambda e: (e.start, e.end))
 
 
 @dataclass(frozen=True)

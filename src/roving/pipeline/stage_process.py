@@ -87,7 +87,7 @@ class StageProcess:
     """One stage process's state and loop (``run``); ``stage_main`` is the process's target."""
 
     def __init__(self, s: StageSettings, inbox: Any, control: Any, release: Any, beats: Any = None) -> None:
-        self.s, self.inbox, self.control, self.release, self.beats = s, inbox, control, release, beats
+        self.settings, self.inbox, self.control, self.release, self.beats = s, inbox, control, release, beats
         self.name = s.name
         self.device = torch.device(pick_device(s.device, s.index))
         torch.manual_seed(s.seed)
@@ -107,11 +107,11 @@ class StageProcess:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
         self.stage_index, self.in_flight = stage, in_flight
         self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
-        self.stage = Stage(self.s.model, stage, self.s.stages, seed=self.s.seed).to(self.device)
+        self.stage = Stage(self.settings.model, stage, self.settings.stages, seed=self.settings.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]
         fused = {"fused": True} if self.device.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(self.params, lr=self.s.lr, weight_decay=self.s.weight_decay,
-                                     betas=self.s.betas, **fused)
+        self.opt = torch.optim.AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+                                     betas=self.settings.betas, **fused)
         self._clear_round()
 
     def _clear_round(self) -> None:
@@ -126,7 +126,7 @@ class StageProcess:
 
     # -- helpers -----------------------------------------------------------------------------
     def _autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.s.bf16)
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.bf16)
 
     def _in(self, t: torch.Tensor, grad: bool = False) -> torch.Tensor:
         t = t.to(self.device, non_blocking=True)
@@ -138,18 +138,18 @@ class StageProcess:
 
     def _beat(self) -> None:
         while not self._leaving.is_set():
-            self.beats.put(m.Beat(self.name, self.s.incarnation))
-            self._leaving.wait(self.s.heartbeat)
+            self.beats.put(m.Beat(self.name, self.settings.incarnation))
+            self._leaving.wait(self.settings.heartbeat)
 
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``Stop``; raises ProtocolError for a message this process does not handle."""
         self._leaving = threading.Event()
         beating = None
-        if self.beats is not None and self.s.heartbeat > 0:
+        if self.beats is not None and self.settings.heartbeat > 0:
             beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
             beating.start()
-        self.control.put(m.Ready(self.name, self.s.incarnation, self.inbox))
+        self.control.put(m.Ready(self.name, self.settings.incarnation, self.inbox))
         while True:
             task = self._next_task()
             if task is None:
@@ -211,7 +211,7 @@ class StageProcess:
     # -- control messages ----------------------------------------------------------------------
     def _on_peers(self, msg: m.Peers) -> None:
         if self.peers is None:
-            self.peers = Senders(self.name, msg.inboxes, self.s.emulate)
+            self.peers = Senders(self.name, msg.inboxes, self.settings.emulate)
         else:
             for name, q in msg.inboxes.items():
                 self.peers.add(name, q)

@@ -15,7 +15,8 @@ from typing import Sequence
 
 import torch
 
-from .costs import ModelSpec, PlanError, stage_layers
+from .costs import ModelSpec, stage_layers
+from .errors import PlanError
 from .model import Llama, LlamaConfig
 
 
@@ -28,7 +29,7 @@ def layer_ranges(cfg: LlamaConfig, stages: int) -> list[range]:
         raise PlanError(f"{stages} stages but the model has only {cfg.n_layers} layers; use fewer stages "
                         "or a deeper model")
     out, start = [], 0
-    for n in stage_layers(ModelSpec(layers=cfg.n_layers, hidden=cfg.dim, seq_len=cfg.max_seq_len), stages):
+    for n in stage_layers(ModelSpec(n_layers=cfg.n_layers, dim=cfg.dim, seq_len=cfg.max_seq_len), stages):
         out.append(range(start, start + n))
         start += n
     return out
@@ -37,9 +38,9 @@ def layer_ranges(cfg: LlamaConfig, stages: int) -> list[range]:
 def model_spec(cfg: LlamaConfig, samples_per_microbatch: int, seq_len: int, *, bytes_per_activation: int = 4,
                backward_ratio: float = 2.0, head_layers: float = 1.0) -> ModelSpec:
     """The cost model's view of ``cfg``."""
-    return ModelSpec(layers=cfg.n_layers, hidden=cfg.dim, seq_len=seq_len,
+    return ModelSpec(n_layers=cfg.n_layers, dim=cfg.dim, seq_len=seq_len,
                      samples_per_microbatch=samples_per_microbatch, bytes_per_activation=bytes_per_activation,
-                     backward_ratio=backward_ratio, head_layers=head_layers, vocab=cfg.vocab_size)
+                     backward_ratio=backward_ratio, head_layers=head_layers, vocab_size=cfg.vocab_size)
 
 
 def stage_gradient_bytes(cfg: LlamaConfig, stages: int) -> list[float]:

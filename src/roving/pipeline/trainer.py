@@ -10,12 +10,7 @@ that was skipped by some microbatches is not trained with a smaller step): one s
 overlaps the other stages' remaining work. When every stage has averaged, the coordinator clips by the
 whole model's gradient norm, and every node takes an AdamW step.
 
-Failures (``Trainer``'s doc has the details): dead nodes are found by heartbeats or their exit, the
-iteration's microbatch phase is re-run under a plan made around them, slow nodes are re-planned with
-their measured speed, nodes join between iterations with a live replica's weights and optimizer state,
-a stage that no node holds is skipped until a node takes it over from its snapshot, and a run whose
-coordinator died continues from its checkpoint (``resume``). With ``refine_budget``, each quick re-plan
-is followed by a fresh plan searched in the background, taken at an iteration boundary when it is faster.
+Failures, slow nodes, joining, lost stages, resuming and refining: ``Trainer``'s doc.
 
 Predicted seconds come from the planner's simulator with the compute speed measured on this machine
 (``calibrate``), so measured and predicted iteration times can be compared: ``predicted_seconds`` is
@@ -26,10 +21,11 @@ simulator's figure for the phase on them.
 
 The objects: ``roster.Roster`` (the stage processes, their inboxes and heartbeats, joining; it reports
 the lost and never plans), ``weights.Weights`` (snapshots, checkpoints, resuming, moving weights),
-``protocol`` (the messages), and ``Trainer`` here: the iteration loop and its policy (re-planning,
-refining, evaluation, the control folder). Longer than 600 lines: the loop and its failure policy are
-one concept, and splitting them would pass the trainer's state back and forth; recovering a lost stage
-(``recovery``) and everything that is not the loop's policy live in their own modules.
+``recovery.StageRecovery`` (a lost stage's weights), ``control.ControlFolder`` (the files a run shows
+itself through), ``protocol`` (the messages), and ``Trainer`` here: the iteration loop and its policy
+(re-planning, refining, evaluation). The trainer is the one object that holds the others; they never
+call each other through it (``Weights.gather`` hands the stages that no process holds to the trainer,
+which asks the recovery policy and gives its answer to ``Weights.move``).
 """
 
 
@@ -40,38 +36,32 @@ import logging
 import math
 import os
 import time
-from pathlib import Path as FilePath
 from typing import Any, Callable
 
 import torch
 
 from . import protocol as m
-from .background import BackgroundPlan
-from .control import PlanWriter, append_record, serve_join_requests, write_status
-from .costs import PlanError
+from .background import Refinement
+from .control import EVALUATIONS, EVENTS, ITERATIONS, ControlFolder
 from .data import train_batches, val_batches
-from .evaluate import half_of_the_stages, kept_layers, perplexity, validation_loss
-from .model import Llama
-from .network import Network, slowed as slowed_network
+from .errors import NodeFailed, NodesLost, NoMessage, PlanError, RoundStalled
+from .evaluate import evaluate_model
+from .network import Network
 from .plan import Plan
-from .planner import place_joining, plan_held, replan
+from .planner import replan_or_hold
 from .recovery import FailureSchedule, StageRecovery
 from .report import plot_losses, write_metrics
-from .roster import NodeFailed, NodesLost, NoMessage, Roster
+from .roster import Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device
-from .weights import Weights, load_checkpoint
+from .weights import StageWeights, Weights, load_checkpoint
 
 log = logging.getLogger(__name__)
 
 __all__ = ["NodeFailed", "NodesLost", "REFINE_GAIN", "Trainer", "TrainConfig", "calibrate", "load_checkpoint",
            "plot_losses", "prepare", "run", "write_metrics"]
-
-
-class _Stalled(Exception):
-    """A round went ``stall_after`` seconds without a message while its nodes lived: one was lost."""
 
 
 #: a plan refined in the background replaces the plan in use only when it predicts a whole iteration
@@ -99,14 +89,9 @@ class Trainer:
     sender's next message goes over a new connection, but the lost one is gone): it is aborted and
     run again on the same plan, as one of ``max_retries``.
 
-    Refining: a re-plan has ``replan_budget`` seconds (training waits for it), so it keeps the current
-    allocation or repairs it and searches paths briefly. With ``refine_budget`` > 0, the planner then
-    searches a fresh plan for the same nodes (allocation included, as before the run) for that long in
-    a process of its own while training goes on (``background.BackgroundPlan``: niced, and outside the
-    coordinator's interpreter); at the first iteration boundary after it is done, it replaces the
-    plan in use if it predicts a whole iteration (replica averaging included) at least ``REFINE_GAIN``
-    shorter, and nodes whose stage changes get its weights and optimizer state as after a re-plan. A
-    refinement that a newer re-plan overtook is dropped. Recorded as a "refine" event either way.
+    Refining: a re-plan has ``replan_budget`` seconds (training waits for it); with ``refine_budget``
+    > 0 a fresh plan is then searched in the background and taken when it is ``REFINE_GAIN`` faster
+    (``background.Refinement`` has the details).
 
     Joining: see ``roster`` (starting and admitting) and ``weights`` (the weights a joining node gets).
 
@@ -120,82 +105,65 @@ class Trainer:
 
     def __init__(self, prep: Prepared, progress: Callable[[dict], None] | None = None) -> None:
         import roving
+        from roving import config as roving_config
 
-        self.p, self.c = prep, prep.config
+        cfg = self.config = prep.config
+        self.prepared, self.spec = prep, prep.spec
         self.progress = progress or (lambda rec: None)
-        if self.c.backend:
-            roving.init(backend=self.c.backend)
-        self.spec = prep.spec
-        from roving import config as _config
-
+        #: where the run shows itself (``--control``); a NullControlFolder without one
+        self.control = ControlFolder.of(cfg.control)
+        if cfg.backend:
+            roving.init(backend=cfg.backend)
         # nodes of the local backend share this machine's cores: the prediction for this run says so
-        self.shared_cores = (max(1, (os.cpu_count() or 1) // max(1, self.c.threads))
-                             if _config.current().backend == "local" else 0)
+        self.shared_cores = (max(1, (os.cpu_count() or 1) // max(1, cfg.threads))
+                             if roving_config.current().backend == "local" else 0)
         self.iteration_no = 0
         self._t0 = time.perf_counter()
         self.roster = Roster(prep, self._event)
         self.weights = Weights(prep, self.roster, self._event)
+        self.recovery = StageRecovery(cfg, prep.model, self.weights, self._event, self._done)
+        self.failures = FailureSchedule(cfg.stages, cfg.seed, cfg.fail_rate, cfg.fail_hour_iterations, cfg.fail_at)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
         self._use_plan(prep.plan, self._predict(prep.plan))
         self.metrics: dict[str, Any] = {
-            "config": dataclasses.asdict(self.c), "calibration": prep.calibration,
+            "config": dataclasses.asdict(cfg), "calibration": prep.calibration,
             "plan": prep.plan.to_dict(), "predicted_s": prep.predicted_s,
-            "predicted_here_s": self.predicted_here_s, "predicted_with_sync_s": self.predicted_sync_s,
-            "shared_cores": self.shared_cores,
-            "iterations": [], "evaluations": [],
-            "events": []}
-        self._slow = SlowNodes(self.c.slow_factor, self.c.slow_iterations)
-        self._refining: BackgroundPlan | None = None  # the refinement of the latest re-plan, if any
+            "predicted_here_s": self.prediction.here_s, "predicted_with_sync_s": self.prediction.with_sync_s,
+            "shared_cores": self.shared_cores, "iterations": [], "evaluations": [], "events": []}
+        self._slow = SlowNodes(cfg.slow_factor, cfg.slow_iterations)
+        #: the refinement of the latest re-plan (see the class doc, Refining)
+        self.refining = Refinement(cfg.refine_budget, cfg.seed, prep.plan_sync_bytes, cfg.planner_evals or None)
         self.round = -1
-        self._batches = train_batches(prep.corpus.train, self.c.samples, self.c.seq_len, self.c.seed)
-        self._val = val_batches(prep.corpus.val, self.c.samples, self.c.seq_len, self.c.eval_batches)
+        self._batches = train_batches(prep.corpus.train, cfg.samples, cfg.seq_len, cfg.seed)
+        self._val = val_batches(prep.corpus.val, cfg.samples, cfg.seq_len, cfg.eval_batches)
         self._train_s = 0.0
         self.start_iteration = 0
         self._sync_round: int | None = None  # the round whose averaging orders went out
         self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
         self._norm_from: set[str] = set()
-        self._resume_from: dict | None = None
-        self.recovery = StageRecovery(self.c, self.p.model, self.weights, self._event, self._done)
-        # what the recovery keeps, read through the trainer (the same objects)
-        self.stage_grad_norms, self.lr_factor, self.dropped = (self.recovery.grad_norms, self.recovery.lr_factor,
-                                                               self.recovery.dropped)
-        self.weights.recover = self.recovery.rebuild
-        self.failures = FailureSchedule(self.c.stages, self.c.seed, self.c.fail_rate, self.c.fail_hour_iterations,
-                                        self.c.fail_at)
-        if self.c.resume:
-            self._resume_from = load_checkpoint(self.c.checkpoint, prep)
-
-    # what the roster and the weights hold, read through the trainer
-    procs = property(lambda self: self.roster.procs, doc="every stage process started, by name")
-    inboxes = property(lambda self: self.roster.inboxes, doc="the admitted (live) stage processes' inboxes")
-    holding = property(lambda self: self.roster.holding, doc="the stage whose weights each process holds now")
-    incarnation = property(lambda self: self.roster.incarnation, doc="how often each name was started, less one")
-    universe = property(lambda self: self.roster.universe, doc="every node ever known, by name")
-    snapshot = property(lambda self: self.weights.snapshot, doc="the latest snapshot of every stage")
+        self._resume_from = load_checkpoint(cfg.checkpoint, prep) if cfg.resume else None
 
     def _predict(self, plan: Plan, net: Network | None = None) -> Prediction:
         """``simulate.predict`` for ``plan`` on ``net`` (default: the network in use), on this run's
         shared cores and with its replicas' gradient bytes: every prediction of the trainer."""
         return predict(plan, net if net is not None else self.net, self.spec, shared_cores=self.shared_cores,
-                       sync_bytes=self.p.gradient_bytes)
+                       sync_bytes=self.prepared.gradient_bytes)
 
     def _use_plan(self, new_plan: Plan, prediction: Prediction) -> None:
+        """``new_plan`` is the plan in use from now on; ``prediction`` is its ``_predict``."""
         self.plan, self.prediction = new_plan, prediction
         self.alloc = dict(new_plan.allocation)
-        self.predicted_s = prediction.iteration_s
-        self.predicted_here_s = prediction.here_s
-        # the whole iteration: the microbatches and the replicas' exchange of gradients
-        self.predicted_sync_s = prediction.with_sync_s
-        self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.c.stages)}
+        self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.config.stages)}
         self.stage_counts = new_plan.stage_visits()
 
     @property
     def missing_stages(self) -> list[int]:
+        """Stages that no node of the plan in use holds (paths skip them)."""
         return [s for s, r in self.replicas.items() if not r]
 
     def _limit(self, name: str, stage: int) -> int:
         """Microbatches node ``name`` may hold in flight with ``stage`` (its memory)."""
-        return max(1, self.net.node(name).in_flight(stage, self.spec, self.c.stages))
+        return max(1, self.net.node(name).in_flight(stage, self.spec, self.config.stages))
 
     # -- starting and stopping ---------------------------------------------------------------
     def start(self) -> None:
@@ -203,50 +171,41 @@ class Trainer:
         seconds (jobs a busy cluster keeps pending) are planned around when the ready ones can hold
         every stage; they join when they start. NodeFailed when a node fails to start, or when too few
         are ready within ``timeout``."""
-        roster = self.roster
+        cfg, roster = self.config, self.roster
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             roster.launch(name, stage, index, fresh=self._resume_from is None)
-        t0 = time.monotonic()
-        while roster.starting:
-            waited = time.monotonic() - t0
-            if waited > self.c.start_wait and len({self.alloc[n] for n in roster.ready}) == self.c.stages:
-                break
-            if waited > self.c.timeout:
-                raise NodeFailed(f"node(s) {', '.join(sorted(roster.starting))} not ready within {self.c.timeout:g} s")
-            try:
-                self._recv(m.Ready, timeout=0.5, check=False)
-            except NoMessage:
-                pass
+        roster.wait_started(self.alloc, cfg.stages, cfg.start_wait, cfg.timeout)
         late = roster.open()
         if late:
             log.warning("starting without node(s) %s (not ready after %g s): they join when they start",
-                        ", ".join(late), self.c.start_wait)
+                        ", ".join(late), cfg.start_wait)
             self._replan(failed={n: "not started yet" for n in late}, why="start")
         if self._resume_from is not None:
-            ck = self._resume_from
-            self._load_stages(ck["stages"], dict(self.alloc))
-            self.start_iteration = ck["iteration"]
-            for key in ("iterations", "evaluations", "events"):
-                self.metrics[key] = list(ck["metrics"].get(key, []))
-            self._train_s = ck["metrics"].get("train_seconds_total", 0.0)
-            for _ in range(ck["iteration"] * len(self.plan.paths)):  # the same data as if never stopped
-                next(self._batches)
-            self._event("resumed", iteration=ck["iteration"], checkpoint=self.c.checkpoint)
-            self.weights.resume_from(ck)
+            self._resume(self._resume_from)
         else:
             self.weights.take_snapshot(0)
-        if self.c.control:
-            FilePath(self.c.control).mkdir(parents=True, exist_ok=True)
-            self._write_status()
-            self._plan_out = PlanWriter(self.c.control)
+        self.control.create()
+        self._write_status()
         self._t0 = time.perf_counter()
+
+    def _resume(self, ck: dict) -> None:
+        """Continue from checkpoint ``ck``: its weights, iteration, metrics and place in the data."""
+        self.weights.load(ck["stages"], dict(self.alloc), self._limit)
+        self.start_iteration = ck["iteration"]
+        for key in ("iterations", "evaluations", "events"):
+            self.metrics[key] = list(ck["metrics"].get(key, []))
+        self._train_s = ck["metrics"].get("train_seconds_total", 0.0)
+        for _ in range(ck["iteration"] * len(self.plan.paths)):  # the same data as if never stopped
+            next(self._batches)
+        self._event("resumed", iteration=ck["iteration"], checkpoint=self.config.checkpoint)
+        self.weights.resume_from(ck)
 
     def stop(self) -> None:
         """Stop the nodes (``Roster.stop``) and any refinement still searching."""
-        self._stop_refining()
+        self.refining.cancel()
         self.roster.stop()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         try:
             self.start()
         except BaseException:
@@ -259,25 +218,11 @@ class Trainer:
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    def _put(self, name: str, msg: m.Message) -> None:
-        """To a node's inbox (``Roster.put``)."""
-        self.roster.put(name, msg)
-
-    def _recv(self, kind: type | tuple[type, ...], timeout: float | None = None, rnd: int | None = None,
-              check: bool = True) -> m.Message:
-        """The next message of type ``kind`` from the nodes (``Roster.recv``)."""
-        return self.roster.recv(kind, timeout=timeout, rnd=rnd, check=check)
-
     # -- joining -------------------------------------------------------------------------------
-    def request_join(self, name: str | None = None, region: str | None = None) -> str:
-        """Start a node process that joins the run when it is ready (at an iteration boundary); see
-        ``Roster.request_join``. Returns the node's name."""
-        return self.roster.request_join(name, region)
-
     def join(self, names: list[str | None], timeout: float = 60.0) -> list[str]:
-        """Start nodes (``request_join``), wait until they are ready and admit them now, between
+        """Start nodes (``Roster.request_join``), wait until they are ready and admit them now, between
         iterations; returns their names. NodeFailed if one does not get ready within ``timeout``."""
-        started = [self.request_join(n) for n in names]
+        started = [self.roster.request_join(n) for n in names]
         self.roster.wait_ready(started, timeout)
         try:
             self.roster.check(force=True)
@@ -293,55 +238,54 @@ class Trainer:
             self._replan(joined=joined, why="joined")
 
     def _write_status(self) -> None:
-        write_status(self.c.control, self.metrics, self.c.iterations, self.alloc, self.missing_stages,
-                     sorted(self.roster.starting | set(self.roster.ready)), self._refining is not None)
+        self.control.write_status(self.metrics, self.config.iterations, self.alloc, self.missing_stages,
+                                  sorted(self.roster.starting | set(self.roster.ready)), self.refining.searching)
 
     # -- re-planning and moving weights ----------------------------------------------------------
     def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
                 joined: list[str] = (), why: str = "") -> None:
-        """A new plan for the live nodes; nodes whose stage changes get its weights and optimizer
-        state (from a live replica that keeps the stage, else from the latest snapshot)."""
+        """A new plan for the live nodes (``planner.replan_or_hold``); nodes whose stage changes get its
+        weights and optimizer state (``_move_weights``). NodeFailed when no plan can be made."""
         failed = dict(failed or {})
         t0 = time.perf_counter()
-        live_net = self.net.without([n for n in failed if n in self.net.names])
-        if slowed:
-            live_net = slowed_network(live_net, slowed)
-        joined_nodes = [self.universe[n] for n in joined]
-        new_plan = None
+        joined_nodes = [self.roster.universe[n] for n in joined]
         lost = [s for s, r in self.replicas.items() if r and all(n in failed for n in r)]
         if lost and not self.recovery.skip_lost(lost, self.replicas):
             raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
                              "(it holds the embedding, head and loss)")
-        if not self.missing_stages and not self.dropped:
-            try:
-                new_plan, net = replan(self.plan, self.net, self.spec,
-                                       failed=[n for n in failed if n in self.net.names],
-                                       slowed_by=slowed, joined=joined_nodes, budget_s=self.c.replan_budget,
-                                       seed=self.c.seed, sync_bytes=self.p.plan_sync_bytes,
-                                       max_evals=self.c.replan_evals or None)
-            except PlanError as exc:
-                log.info("re-plan with every stage held failed (%s): paths will skip the lost stages", exc)
-        if new_plan is None:
-            net = live_net.with_nodes(list(live_net.nodes) + joined_nodes) if joined_nodes else live_net
-            alloc = {n: s for n, s in self.alloc.items() if n not in failed}
-            try:
-                alloc = place_joining(self.plan, alloc, joined_nodes, self.spec, exclude=self.dropped)
-                new_plan = plan_held(net, self.spec, alloc, self.c.stages, self.p.plan.skip,
-                                     len(self.plan.paths), budget_s=self.c.replan_budget, seed=self.c.seed,
-                                     max_evals=self.c.replan_evals or None)
-            except PlanError as exc:
-                raise NodeFailed(f"training cannot go on: {exc}") from None
+        cfg = self.config
+        try:
+            new_plan, net = replan_or_hold(
+                self.plan, self.net, self.spec, failed=list(failed), slowed_by=slowed, joined=joined_nodes,
+                missing=bool(self.missing_stages), dropped=self.recovery.dropped, skip=self.prepared.plan.skip,
+                budget_s=cfg.replan_budget, seed=cfg.seed, sync_bytes=self.prepared.plan_sync_bytes,
+                max_evals=cfg.replan_evals or None)
+        except PlanError as exc:
+            raise NodeFailed(f"training cannot go on: {exc}") from None
         prediction = self._predict(new_plan, net)
         self.net = net
         self._use_plan(new_plan, prediction)
-        moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
-        sources = self.weights.move(moved, self.alloc, self._limit)
+        moved, sources = self._move_weights()
         self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
                     moved=moved, weights_from=sources, missing_stages=self.missing_stages,
                     predicted_s=prediction.iteration_s, planner_seconds=time.perf_counter() - t0,
                     path_evaluations=new_plan.stats.get("path_evaluations"),
                     allocation=dict(sorted(self.alloc.items())))
         self._start_refining()
+
+    def _move_weights(self) -> tuple[dict[str, int], dict[int, str]]:
+        """Nodes whose stage in the plan in use is not the one they hold load it: from a live process
+        that holds it (``Weights.gather``), else as the recovery policy rebuilds it, else from the
+        latest snapshot (``Weights.move``). Returns the nodes moved (name -> stage) and where each
+        stage's weights came from."""
+        moved = {n: s for n, s in self.alloc.items() if self.roster.holding.get(n) != s}
+        takeover = self.weights.gather(moved, self.alloc)
+        rebuilt: dict[int, StageWeights] = {}
+        for stage, nodes in takeover.orphans.items():
+            weights = self.recovery.rebuild(stage, nodes)
+            if weights is not None:
+                rebuilt[stage] = weights
+        return moved, self.weights.move(takeover, rebuilt, self._limit)
 
     def _done(self) -> int:
         """Iterations done (recorded) so far."""
@@ -352,55 +296,41 @@ class Trainer:
         """Fault injection: kill -9 every process of ``stage``, wait until they are declared dead, and
         re-plan at once (an iteration boundary: the stage is recovered as ``stage_recovery`` says).
         Returns the names killed."""
-        names = sorted(n for n in self.replicas.get(stage, []) if n in self.inboxes)
+        names = sorted(n for n in self.replicas.get(stage, []) if n in self.roster.inboxes)
         self._event("injected", stage=stage, nodes=names)
         if not names:
             return names
-        self.kill(names)
-        deadline = time.monotonic() + timeout
-        while any(n in self.inboxes for n in names):
-            if time.monotonic() > deadline:
-                raise NodeFailed(f"killed stage {stage} ({', '.join(names)}) but not declared dead in {timeout:g} s")
-            try:
-                self.roster.check(force=True)
-            except NodesLost:
-                pass
-            time.sleep(0.05)
+        self.roster.kill(names)
+        try:
+            self.roster.wait_declared_dead(names, timeout)
+        except NodeFailed as exc:
+            raise NodeFailed(f"killed stage {stage}, but {exc}") from None
         self._replan(failed=self.roster.take_lost(), why="failure")
         return names
 
     def _start_refining(self) -> None:
         """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
         refinement still running for an earlier re-plan is stopped."""
-        self._stop_refining()
-        if self.c.refine_budget <= 0 or self.c.schedule != "skippipe" or self.missing_stages:
+        self.refining.cancel()
+        cfg = self.config
+        if cfg.refine_budget <= 0 or cfg.schedule != "skippipe" or self.missing_stages:
             return
         try:
-            self._refining = BackgroundPlan(self.net, self.spec, self.c.stages, self.p.plan.skip,
-                                            len(self.plan.paths), budget_s=self.c.refine_budget, seed=self.c.seed,
-                                            sync_bytes=self.p.plan_sync_bytes,
-                                            max_evals=self.c.planner_evals or None)
+            self.refining.start(self.net, self.spec, cfg.stages, self.prepared.plan.skip, len(self.plan.paths))
         except Exception as exc:  # no process or no temporary file: training goes on with the re-plan
             log.warning("could not start refining the plan, the plan in use stays: %s", exc)
             self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
 
-    def _stop_refining(self) -> None:
-        if self._refining is not None:
-            self._refining.cancel()
-            self._refining = None
-
     def _take_refined(self) -> None:
         """At an iteration boundary: the background plan replaces the plan in use if it is done and
         faster by ``REFINE_GAIN``."""
-        job = self._refining
-        if job is None or not job.done():
-            return
-        self._refining = None
         try:
-            new_plan = job.result()
+            new_plan = self.refining.take()
         except (PlanError, RuntimeError) as exc:
             log.warning("refining the plan failed, the plan in use stays: %s", exc)
             self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
+            return
+        if new_plan is None:
             return
         # judged as the planner judged it: the whole iteration (refining runs for skippipe, whose plan
         # was searched with the replicas' gradient bytes)
@@ -411,67 +341,70 @@ class Trainer:
         sources: dict[int, str] = {}
         if adopted:
             self._use_plan(new_plan, candidate)
-            moved = {n: s for n, s in self.alloc.items() if self.holding.get(n) != s}
-            sources = self.weights.move(moved, self.alloc, self._limit)
+            moved, sources = self._move_weights()
         self._event("refine", adopted=adopted, iteration_s_before=now, iteration_s_refined=refined,
-                    moved=moved, weights_from=sources, predicted_s=self.predicted_s,
+                    moved=moved, weights_from=sources, predicted_s=self.prediction.iteration_s,
                     planner_seconds=new_plan.stats.get("planner_seconds"),
                     allocation=dict(sorted(self.alloc.items())))
 
-    def _load_stages(self, stages: dict[int, dict], targets: dict[str, int]) -> None:
-        """Each target node loads its stage's weights and optimizer state (``Weights.load``)."""
-        self.weights.load(stages, targets, self._limit)
-
-    def take_snapshot(self, it: int) -> dict:
-        """Weights and optimizer state of one replica of each held stage (``Weights.take_snapshot``)."""
-        return self.weights.take_snapshot(it)
-
     def _event(self, kind: str, **fields: Any) -> None:
+        """Record an event of ``kind``: in the metrics, the control folder and the progress callback."""
         rec = {"event": kind, "iteration": self.iteration_no, "time_s": time.perf_counter() - self._t0, **fields}
         self.metrics["events"].append(rec)
-        if self.c.control:
-            append_record(self.c.control, "events.jsonl", rec)
+        self.control.record(EVENTS, rec)
         self.progress({**rec, "event": "fault", "kind": kind})
 
     # -- one iteration -----------------------------------------------------------------------
-    def lr_at(self, it: int) -> float:
-        c = self.c
-        if it < c.warmup:
-            return c.lr * (it + 1) / c.warmup
-        frac = (it - c.warmup) / max(1, c.iterations - c.warmup)
-        return c.min_lr + 0.5 * (c.lr - c.min_lr) * (1 + math.cos(math.pi * min(frac, 1.0)))
-
     def throttle(self, name: str, factor: float) -> None:
         """Fault injection for tests and benchmarks: node ``name`` computes ``factor`` times slower."""
-        self._put(name, m.Throttle(factor))
-
-    def kill(self, names: list[str]) -> None:
-        """Fault injection for tests and benchmarks: kill -9 the processes of ``names``."""
-        self.roster.kill(names)
+        self.roster.put(name, m.Throttle(factor))
 
     def _boundary(self) -> None:
         """Between attempts: failures noticed while stepping, join requests, nodes that are ready."""
         failed = self.roster.take_lost()
         if failed:
             self._replan(failed=failed, why="failure")
-        if self.c.control:
-            serve_join_requests(self.c.control, self.request_join)
+        self.control.serve_join_requests(self.roster.request_join)
         self._admit()
         self._take_refined()
 
     def iteration(self, it: int) -> dict:
         """One whole iteration: microbatches along their paths, replica averaging, clipping, AdamW;
-        through failures (see the class doc)."""
+        through failures (see the class doc). Returns its record (``_record``)."""
         self.iteration_no = it
         for stage in self.failures.at(it):
-            if stage not in self.dropped:
+            if stage not in self.recovery.dropped:
                 self.kill_stage(stage)
         t_start = time.perf_counter()
         self._wall0 = time.time()
         batches = [next(self._batches) for _ in self.plan.paths]
+        rnd, losses, norm, attempts, t_compute, lost_s = self._microbatch_phase(it, batches)
+        cfg = self.config
+        coef = min(1.0, cfg.clip / (norm + 1e-6)) if cfg.clip > 0 else 1.0
+        lr = cfg.lr_at(it)
+        stats = self.step(rnd, coef, lr)
+        seconds = time.perf_counter() - t_start
+        self._train_s += seconds
+        rec = self._record(it, stats, losses=losses, seconds=seconds, compute=t_compute, lost=lost_s,
+                           attempts=attempts, norm=norm, lr=lr)
+        done = it + 1
+        if cfg.checkpoint and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0) or done == cfg.iterations):
+            self.checkpoint(done)
+        elif cfg.snapshot_every and done % cfg.snapshot_every == 0:
+            self.weights.take_snapshot(done)
+        try:
+            self._watch_speed(stats)
+        except NodesLost:
+            pass  # re-planned around at the next boundary
+        return rec
+
+    def _microbatch_phase(self, it: int, batches: list) -> tuple[int, list[float], float, int, float, float]:
+        """Run the round's microbatches and averaging, again after each abort (a node lost, or the round
+        stalled), up to ``max_retries`` times; returns (round, losses, gradient norm, attempts, seconds
+        of the successful attempt's microbatches, seconds lost to aborted ones)."""
         lost_s = 0.0
         aborted = False
-        for attempt in range(self.c.max_retries + 1):
+        for attempt in range(self.config.max_retries + 1):
             t0 = None
             try:
                 if aborted:  # re-plan around what was lost (more may be lost meanwhile: retried)
@@ -483,59 +416,48 @@ class Trainer:
                 t0 = time.perf_counter()
                 losses = self.run_microbatches(rnd, batches)
                 t_compute = time.perf_counter() - t0
-                norm = self.synchronize(rnd)
-                break
+                return rnd, losses, self.synchronize(rnd), attempt + 1, t_compute, lost_s
             except NodesLost as exc:
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
-            except _Stalled as exc:
+            except RoundStalled as exc:
                 lost_s += time.perf_counter() - t0
                 aborted = True
                 log.warning("iteration %d: the round stalled (%s); it is run again", it, exc)
                 self._event("stalled", attempt=attempt, why=str(exc), seconds_lost=lost_s)
-        else:
-            raise NodeFailed(f"iteration {it} failed {self.c.max_retries + 1} times; giving up")
-        coef = min(1.0, self.c.clip / (norm + 1e-6)) if self.c.clip > 0 else 1.0
-        lr = self.lr_at(it)
-        stats = self.step(rnd, coef, lr)
-        seconds = time.perf_counter() - t_start
-        self._train_s += seconds
+        raise NodeFailed(f"iteration {it} failed {self.config.max_retries + 1} times; giving up")
+
+    def _record(self, it: int, stats: dict[str, dict], *, losses: list[float], seconds: float, compute: float,
+                lost: float, attempts: int, norm: float, lr: float) -> dict:
+        """The record of iteration ``it`` (in the metrics, the control folder and the dashboard's plan
+        file); keeps the nodes' traces as ``last_trace``."""
+        p = self.prediction
         rec = {"iteration": it, "train_loss": sum(losses) / len(losses), "seconds": seconds,
-               "compute_seconds": t_compute, "sync_seconds": seconds - t_compute - lost_s,
-               "seconds_lost": lost_s, "attempts": attempt + 1,
-               "predicted_seconds": self.predicted_s, "predicted_here_seconds": self.predicted_here_s,
-               "predicted_with_sync_seconds": self.predicted_sync_s,
+               "compute_seconds": compute, "sync_seconds": seconds - compute - lost,
+               "seconds_lost": lost, "attempts": attempts,
+               "predicted_seconds": p.iteration_s, "predicted_here_seconds": p.here_s,
+               "predicted_with_sync_seconds": p.with_sync_s,
                "grad_norm": norm, "lr": lr,
                "train_seconds_total": self._train_s, "nodes": len(self.alloc),
                "missing_stages": self.missing_stages,
-               "stage_grad_norms": dict(sorted(self.stage_grad_norms.items())),
+               "stage_grad_norms": dict(sorted(self.recovery.grad_norms.items())),
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
                "processed": {n: s["processed"] for n, s in sorted(stats.items())},
                "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
-        if self.c.control:
-            append_record(self.c.control, "iterations.jsonl", rec)
-            self._plan_out.write(it, self.plan, self.net, self.spec, self.shared_cores, self.last_trace)
-        done, c = it + 1, self.c
-        if c.checkpoint and ((c.checkpoint_every and done % c.checkpoint_every == 0) or done == c.iterations):
-            self.checkpoint(done)
-        elif c.snapshot_every and done % c.snapshot_every == 0:
-            self.take_snapshot(done)
-        try:
-            self._watch_speed(stats)
-        except NodesLost:
-            pass  # re-planned around at the next boundary
+        self.control.record(ITERATIONS, rec)
+        self.control.write_plan(it, self.plan, self.net, self.spec, self.shared_cores, self.last_trace)
         return rec
 
     def _abort(self) -> None:
         """Give up the current round on every live node (drop its work and gradients), then re-plan
         around the nodes that were lost, if any."""
-        for name in self.inboxes:
-            self._put(name, m.Abort(self.round))
+        for name in self.roster.inboxes:
+            self.roster.put(name, m.Abort(self.round))
         failed = self.roster.take_lost()
         if failed:  # else the round stalled: the same plan runs it again
             self._replan(failed=failed, why="failure")
@@ -553,7 +475,7 @@ class Trainer:
         for mb in order:
             path = plan.paths[mb]
             tokens, targets = batches[mb]
-            self._put(path.origin, m.Microbatch(rnd, mb, tokens, targets, path))
+            self.roster.put(path.origin, m.Microbatch(rnd, mb, tokens, targets, path))
         self._order_sync(rnd, plan.backward_counts())
         losses: dict[int, float] = {}
         while len(losses) < len(plan.paths):
@@ -566,22 +488,23 @@ class Trainer:
         return [losses[mb] for mb in range(len(plan.paths))]
 
     def _round_recv(self, kind: type | tuple[type, ...], rnd: int) -> m.Message:
-        """The next ``kind`` message of round ``rnd``; raises _Stalled after ``stall_after`` seconds
+        """The next ``kind`` message of round ``rnd``; raises RoundStalled after ``stall_after`` seconds
         (at least twice the predicted iteration) without one; dead nodes raise NodesLost first (they
         are checked every 0.1 s meanwhile)."""
-        if not self.c.stall_after:
-            return self._recv(kind, rnd=rnd)
+        if not self.config.stall_after:
+            return self.roster.recv(kind, rnd=rnd)
         # Never shorter than twice the round the plan predicts here: a slow round is not a stalled one.
-        predicted = self.predicted_here_s if math.isfinite(self.predicted_here_s) else 0.0
+        here = self.prediction.here_s
+        predicted = here if math.isfinite(here) else 0.0
         try:
-            return self._recv(kind, timeout=max(self.c.stall_after, 2 * predicted), rnd=rnd)
+            return self.roster.recv(kind, timeout=max(self.config.stall_after, 2 * predicted), rnd=rnd)
         except NoMessage as exc:
-            raise _Stalled(str(exc)) from None
+            raise RoundStalled(str(exc)) from None
 
     def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
         self._sync_round, self._norms, self._norm_from = rnd, {}, set()
         for name, s in self.alloc.items():
-            self._put(name, m.SyncOrder(rnd, self.replicas[s], self.stage_counts[s],
+            self.roster.put(name, m.SyncOrder(rnd, self.replicas[s], self.stage_counts[s],
                                         None if expect is None else expect.get(name, 0)))
 
     def synchronize(self, rnd: int) -> float:
@@ -599,21 +522,21 @@ class Trainer:
         """Every node scales its gradients by ``coef`` and steps; returns each node's statistics. A
         node that dies now is not waited for (the others step all the same); the plan is remade at
         the next boundary."""
-        for name in self.inboxes:
-            self._put(name, m.Step(rnd, coef, self.recovery.lr(self.holding.get(name), lr)))
+        for name in self.roster.inboxes:
+            self.roster.put(name, m.Step(rnd, coef, self.recovery.lr(self.roster.holding.get(name), lr)))
         stats: dict[str, dict] = {}
-        while set(self.inboxes) - set(stats):
+        while set(self.roster.inboxes) - set(stats):
             try:
-                msg = self._recv(m.Stepped, rnd=rnd)
+                msg = self.roster.recv(m.Stepped, rnd=rnd)
                 stats[msg.sender] = msg.stats
-                self.recovery.observe(self.holding.get(msg.sender), msg.grad_norm)
+                self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
         return stats
 
     def _watch_speed(self, stats: dict[str, dict]) -> None:
         """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""
-        if self.c.slow_factor <= 0 or self.missing_stages:
+        if self.config.slow_factor <= 0 or self.missing_stages:
             return
         slow = self._slow.observe(self.prediction.busy_s, {n: s["compute_s"] for n, s in stats.items()})
         if slow:
@@ -622,32 +545,21 @@ class Trainer:
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def stage_states(self, all_replicas: bool = False, grads: bool = False) -> dict[str, tuple[int, dict]]:
-        """Weights (or, with ``grads``, gradients) of one replica per held stage, or of every node:
-        name -> (stage, {parameter name: tensor})."""
+        """Weights (or, with ``grads``, gradients) of one replica per stage of the plan in use, or of
+        every node: name -> (stage, {parameter name: tensor}) (``Weights.stage_states``)."""
         return self.weights.stage_states(self.alloc, all_replicas=all_replicas, grads=grads)
 
-    def full_model(self) -> Llama:
-        """The whole model: one replica of each held stage; a stage no node holds from its snapshot."""
-        return self.weights.full_model(self.alloc)
-
-    @torch.no_grad()
     def evaluate(self, it: int) -> dict:
         """Validation loss and perplexity of the whole model (one replica of each stage, merged), on
         the coordinator's device; and the loss with half of the stages after 0 dropped
         (``evaluate.half_of_the_stages``)."""
-        device = torch.device(pick_device(self.c.device))
-        model = self.full_model().to(device).eval()
+        cfg = self.config
+        model = self.weights.full_model(self.alloc).to(torch.device(pick_device(cfg.device)))
         # stages skipped for good are left out of the model evaluated, as the paths leave them out
-        val = validation_loss(model, self._val, kept_layers(model, self.c.stages, self.dropped) if self.dropped
-                              else None, bf16=self.c.bf16)
-        drop = half_of_the_stages(self.c.stages)
-        dropped = validation_loss(model, self._val, kept_layers(model, self.c.stages, drop), bf16=self.c.bf16)
-        rec = {"iteration": it, "val_loss": val, "perplexity": perplexity(val),
-               "val_loss_half_stages_dropped": dropped, "dropped_stages": drop,
+        rec = {"iteration": it, **evaluate_model(model, self._val, cfg.stages, self.recovery.dropped, cfg.bf16),
                "train_seconds_total": self._train_s}
         self.metrics["evaluations"].append(rec)
-        if self.c.control:
-            append_record(self.c.control, "evaluations.jsonl", rec)
+        self.control.record(EVALUATIONS, rec)
         return rec
 
     def checkpoint(self, it: int) -> None:
@@ -656,15 +568,14 @@ class Trainer:
         metrics = {k: self.metrics[k] for k in ("iterations", "evaluations", "events")}
         metrics["train_seconds_total"] = self._train_s
         self.weights.checkpoint(it, metrics)
-        if self.c.control:  # for the dashboard's timeline only (not an event of the metrics)
-            append_record(self.c.control, "events.jsonl",
-                          {"event": "checkpoint", "iteration": it, "time_s": time.perf_counter() - self._t0,
-                           "path": self.c.checkpoint})
+        # for the dashboard's timeline only (not an event of the metrics)
+        self.control.record(EVENTS, {"event": "checkpoint", "iteration": it, "time_s": time.perf_counter() - self._t0,
+                                     "path": self.config.checkpoint})
 
     def train(self) -> dict:
         """Run every iteration (from where a resumed run stopped); evaluate every ``eval_every`` and at
         the end; snapshot and checkpoint as configured. Returns the metrics."""
-        c = self.c
+        c = self.config
         if self.start_iteration == 0:
             self.progress({"event": "evaluation", **self.evaluate(0)})
         for it in range(self.start_iteration, c.iterations):
@@ -672,8 +583,7 @@ class Trainer:
             done = it + 1
             if done % c.eval_every == 0 or done == c.iterations:
                 self.progress({"event": "evaluation", **self.evaluate(done)})
-            if c.control:
-                self._write_status()
+            self._write_status()
         if c.metrics:
             write_metrics(self.metrics, c.metrics)
         if c.plot:

@@ -15,14 +15,35 @@ asked is left out (the trainer plans around it at the next iteration boundary).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from . import checkpoint_file
 from . import protocol as m
-from .costs import PlanError
+from .errors import NodesLost, PlanError
 from .model import Llama
-from .roster import NodesLost, Roster
+from .roster import Roster
 from .stages import merge_state_dicts
+
+
+@dataclass
+class StageWeights:
+    """One stage's weights, its optimizer state (None: a fresh optimizer), and where they came from."""
+
+    params: dict
+    optimizer: dict | None
+    source: str
+
+
+@dataclass
+class Takeover:
+    """Processes taking stages over (``moved``: name -> stage), as ``Weights.gather`` found them:
+    ``found``, the stages a live process exported; ``orphans``, the stages no live process holds, each
+    with the nodes that take it over (the recovery policy's input)."""
+
+    moved: dict[str, int]
+    found: dict[int, StageWeights] = field(default_factory=dict)
+    orphans: dict[int, list[str]] = field(default_factory=dict)
 
 
 class Weights:
@@ -31,10 +52,8 @@ class Weights:
     the first). ``event(kind, **fields)`` records a stage taken over from a snapshot ("takeover")."""
 
     def __init__(self, prep: Any, roster: Roster, event: Callable[..., None]) -> None:
-        self.p, self.c, self.roster, self._event = prep, prep.config, roster, event
+        self.prepared, self.config, self.roster, self._event = prep, prep.config, roster, event
         self.snapshot: dict | None = None
-        #: the recovery policy of a stage no live process holds (``Weights.move``), or None (snapshot).
-        self.recover: Callable[[int, list[str]], tuple[dict, dict | None, str] | None] | None = None
 
     # -- asking the stage processes ---------------------------------------------------------------
     def ask(self, request: m.Message, kind: type, names: list[str]) -> dict[str, m.Message]:
@@ -100,10 +119,10 @@ class Weights:
         states = self.stage_states(alloc)
         parts = [sd for _, sd in states.values()]
         held = {stage for stage, _ in states.values()}
-        for s in range(self.c.stages):
+        for s in range(self.config.stages):
             if s not in held:
                 parts.append(self.snapshot["stages"][s]["params"])
-        model = Llama(self.p.model)
+        model = Llama(self.prepared.model)
         model.load_state_dict(merge_state_dicts(parts))
         return model
 
@@ -124,50 +143,56 @@ class Weights:
         self.take_snapshot(it)
         parts = [st["params"] for st in self.snapshot["stages"].values()]
         checkpoint_file.save({"format": 2, "model": merge_state_dicts(parts),
-                              "model_config": dataclasses.asdict(self.p.model), "config": dataclasses.asdict(self.c),
+                              "model_config": dataclasses.asdict(self.prepared.model),
+                              "config": dataclasses.asdict(self.config),
                               "iteration": it, "stages": self.snapshot["stages"], "metrics": metrics},
-                             self.c.checkpoint)
+                             self.config.checkpoint)
 
     def resume_from(self, ck: dict) -> None:
         """The snapshot of a checkpoint being resumed (``load_checkpoint``)."""
         self.snapshot = {"iteration": ck["iteration"], "stages": ck["stages"]}
 
     # -- moving weights -----------------------------------------------------------------------------
-    def move(self, moved: dict[str, int], alloc: dict[str, int],
-             limit: Callable[[str, int], int]) -> dict[int, str]:
-        """Load each moved process's new stage from a live process that held it (one that keeps the
-        stage in ``alloc`` first; else ``recover(stage, nodes)`` when set and it answers (weights,
-        optimizer state or None, where they came from), else the latest snapshot); ``limit(name,
-        stage)`` is the microbatches it may hold in flight. Returns where each stage's weights came
-        from."""
-        if not moved:
-            return {}
-        states: dict[int, tuple] = {}
-        sources: dict[int, str] = {}
+    def gather(self, moved: dict[str, int], alloc: dict[str, int]) -> Takeover:
+        """The weights and optimizer state of each stage that processes ``moved`` to (name -> stage),
+        exported from a live process that holds it (one that keeps the stage in ``alloc`` first);
+        the stages that no live process holds are left in ``Takeover.orphans`` for the recovery
+        policy (``recovery.StageRecovery.rebuild``) or the snapshot (``move``). Every export happens
+        before any load (``move``), so a process that moves away from a stage can still be the source
+        of that stage's weights."""
+        takeover = Takeover(dict(moved))
         roster = self.roster
-        # Every export happens before any load, so a process that moves away from a stage can still be
-        # the source of that stage's weights (a replica that keeps the stage is preferred).
         for stage in sorted(set(moved.values())):
             keepers = sorted((n for n, s in roster.holding.items() if s == stage and n in roster.inboxes),
                              key=lambda n: (alloc.get(n) != stage, n))
             for keeper in keepers:  # the next one if it dies before it answers
                 got = self.ask(m.Export(), m.Exported, [keeper])
                 if keeper in got:
-                    states[stage], sources[stage] = (got[keeper].params, got[keeper].optimizer), keeper
+                    takeover.found[stage] = StageWeights(got[keeper].params, got[keeper].optimizer, keeper)
                     break
             else:
-                nodes = sorted(n for n, s in moved.items() if s == stage)
-                rebuilt = self.recover(stage, nodes) if self.recover is not None else None
-                if rebuilt is not None:  # the recovery policy built it (``recovery``)
-                    params, optimizer, sources[stage] = rebuilt
-                    states[stage] = (params, optimizer)
-                    continue
-                snap = self.snapshot["stages"][stage]
-                states[stage] = (snap["params"], snap["optimizer"])
-                sources[stage] = f"snapshot of iteration {snap['iteration']}"
-                self._event("takeover", stage=stage, nodes=nodes, snapshot_iteration=snap["iteration"])
-        self.load({s: {"params": p, "optimizer": o} for s, (p, o) in states.items()}, moved, limit)
-        return sources
+                takeover.orphans[stage] = sorted(n for n, s in moved.items() if s == stage)
+        return takeover
+
+    def move(self, takeover: Takeover, rebuilt: dict[int, StageWeights],
+             limit: Callable[[str, int], int]) -> dict[int, str]:
+        """Load each process of ``takeover.moved`` with its new stage: the weights ``gather`` found,
+        else those the recovery policy ``rebuilt`` for an orphaned stage, else the latest snapshot
+        (recorded as a "takeover" event); ``limit(name, stage)`` is the microbatches it may hold in
+        flight. Returns where each stage's weights came from."""
+        states = dict(takeover.found)
+        for stage, nodes in takeover.orphans.items():
+            if stage in rebuilt:
+                states[stage] = rebuilt[stage]
+                continue
+            snap = self.snapshot["stages"][stage]
+            states[stage] = StageWeights(snap["params"], snap["optimizer"],
+                                         f"snapshot of iteration {snap['iteration']}")
+            self._event("takeover", stage=stage, nodes=nodes, snapshot_iteration=snap["iteration"])
+        if takeover.moved:
+            self.load({s: {"params": w.params, "optimizer": w.optimizer} for s, w in states.items()},
+                      takeover.moved, limit)
+        return {s: states[s].source for s in sorted(states)}
 
     def load(self, stages: dict[int, dict], targets: dict[str, int], limit: Callable[[str, int], int]) -> None:
         """Each target process loads its stage's weights and optimizer state; ``roster.holding``
