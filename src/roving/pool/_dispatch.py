@@ -303,8 +303,9 @@ class Dispatcher:
             runs = P.ints("q", frames[1])
             try:
                 values = loads(frames[2:])
-            except Exception as exc:  # e.g. the result's class cannot be imported here
+            except BaseException as exc:  # e.g. the result's class cannot be imported here (or it exits)
                 err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
+                err.__cause__ = exc
                 values = [err] * sum(runs[i + 2] for i in range(0, len(runs), 4))
                 for i in range(3, len(runs), 4):
                     runs[i] = 0

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from array import array
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.pool import ExceptionWithTraceback
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import config as _config
@@ -22,6 +22,7 @@ from ..transport import session as _session
 from ..transport.channel import Channel, ConnectionLost, TransportError
 from ..transport.serialize import SerializationError, dumps, loads
 from . import _protocol as P
+from . import _results
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class _Results:
                 try:
                     dumps(value)
                 except SerializationError as exc:
-                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), 0
+                    value, good = _results.unencodable(exc.__cause__ or exc, value), 0
                 out.append(value)
                 if runs and runs[-1][0] == cid and runs[-1][1] + runs[-1][2] == off and runs[-1][3] == good:
                     runs[-1][2] += 1
@@ -345,7 +346,7 @@ class _Loop:
             func, mode = self._function(fid, func_frames)
             items = loads(arg_frames)
         except BaseException as exc:  # the function or arguments could not be loaded here
-            err = ExceptionWithTraceback(exc, exc.__traceback__)
+            err = _results.unloaded(exc)
             for off in offsets:
                 if results.add(cid, off, False, err):
                     self._flush()
