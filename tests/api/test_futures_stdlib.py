@@ -304,15 +304,18 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("allowed", [0, 1, 2, 3])
+@pytest.mark.parametrize("allowed", range(9))
 def test_a_submit_that_cannot_make_its_threads_raises_instead_of_hanging(allowed, tmp_path):
+    """Thread creation fails after the first ``allowed`` threads, wherever roving would make the next (the
+    executor's, the pool's, the node's stream listener): the calls raise RuntimeError, or run (on what
+    threads there are), and never hang."""
     outs = {}
     for kind, maker in _MAKERS.items():
         if kind == "stdlib" and allowed:  # 3.11's hangs here (3.12 and later raise BrokenProcessPool)
             continue
         outs[kind] = _run_program(_NO_THREADS.format(path=[str(SUPPORT_DIR), *sys.path], make=maker,
                                                      allowed=allowed), tmp_path)
-    expected = "RuntimeError: can't create new thread at interpreter shutdown"
-    assert outs["roving"] == expected, outs
-    if "stdlib" in outs:
-        assert outs["stdlib"] == expected, outs
+    refused = "RuntimeError: can't create new thread at interpreter shutdown"
+    assert outs["roving"] in (refused, f"results: {[1] * 10}"), outs
+    if allowed == 0:  # nothing to run on: both refuse
+        assert outs["roving"] == outs["stdlib"] == refused, outs
