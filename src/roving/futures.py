@@ -41,7 +41,7 @@ Guarantees:
   ``__reduce__`` that exits (BrokenProcessPool on that call).
 * At interpreter exit (when the standard library's executors stop: before ``atexit`` handlers run and
   before other threads are joined) the calls submitted are finished first, then the workers are stopped;
-  a ``submit`` from then on raises RuntimeError, as does one whose threads cannot be made.
+  a ``submit`` from then on raises RuntimeError, as does one for which the pool cannot make a thread.
 """
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ __all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
 log = logging.getLogger(__name__)
 
 #: Calls handed to the pool beyond one per worker, at most; the rest wait in the executor, cancellable.
-#: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS); benchmarks/futures_window.py
-#: measured larger hand-overs (16 per worker before) and found no throughput in them (RESULTS.md).
+#: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS). benchmarks/futures_window.py
+#: measured what the former 16 per worker gained: bursts of no-op calls only (RESULTS.md).
 EXTRA_QUEUED_CALLS = 1
 
 
@@ -474,4 +474,7 @@ def _at_exit() -> None:
 # threads still running are joined), so that a late submit raises as theirs does; atexit where that hook
 # is missing.
 _register = getattr(threading, "_register_atexit", atexit.register)
-_register(_at_exit)
+try:
+    _register(_at_exit)
+except RuntimeError:  # imported while threading shuts down already: no submit may start work now
+    _exiting = True
