@@ -10,25 +10,38 @@ callbacks and ``cancel()`` work unchanged.
 
 Guarantees:
 
-* A call that raises sets that exception on its future, with the remote traceback as ``__cause__``; it is
-  not retried.
+* A call that raises sets that exception on its future, with the remote traceback as ``__cause__`` (a
+  ``concurrent.futures.process._RemoteTraceback``, as the standard library sets); it is not retried. So
+  does a result that cannot be pickled in the worker: the pickling error (``TypeError``,
+  ``PicklingError``, ...), as the standard library gives it.
 * A worker that dies (killed, out of memory, its job lost) costs only the calls whose results had not
   reached this process: they run again on other workers, and each future gets its outcome exactly once. A
-  call that was running on ``max_task_retries`` workers that died fails with :class:`roving.WorkerLostError`,
-  on its own future only. The executor stays usable: there is no ``BrokenProcessPool`` for a lost worker.
+  call that was running on ``max_task_retries`` workers that died fails with :class:`WorkerLostError`, on
+  its own future only: a subclass of both :class:`roving.WorkerLostError` and the standard library's
+  ``BrokenProcessPool``, so ``except BrokenProcessPool`` catches it. The executor stays usable: a lost
+  worker does not break it.
+* A call whose function or arguments cannot be unpickled in the worker fails with ``BrokenProcessPool``
+  (as the standard library's, whose worker dies of it), the unpickling error as ``__cause__``; here on
+  that call's future only, and the executor goes on. A result that cannot be unpickled here fails its
+  call the same way.
 * An ``initializer`` that raises in a worker breaks the executor, as the standard library's does: the
   futures not yet done and every later ``submit`` raise :class:`BrokenProcessPool` (the standard library's
   class), whose ``__cause__`` is the initializer's exception with its remote traceback. So does a pool
   whose workers cannot start at all (:class:`roving.PoolStartError` as the cause).
-* At most ``max_workers * QUEUED_PER_WORKER`` calls are handed to the pool at a time; the others wait here,
-  PENDING, and ``cancel()`` (or ``shutdown(cancel_futures=True)``) takes them back. A call handed to the
-  pool is RUNNING, as one in the standard library's call queue is, and cannot be cancelled.
+* At most ``max_workers + EXTRA_QUEUED_CALLS`` calls are handed to the pool at a time (as many as the
+  standard library puts in its call queue); the others wait here, PENDING, and ``cancel()`` (or
+  ``shutdown(cancel_futures=True)``) takes them back. A call handed to the pool is RUNNING, as one in the
+  standard library's call queue is, and cannot be cancelled.
 * ``map`` submits every call at once (as the standard library does) and yields results in input order;
   ``timeout`` counts from the call to ``map``; a result not there in time raises ``TimeoutError`` and the
   calls not yet started are cancelled, as are those after an exception.
 * Done callbacks run on the pool's callback thread, never in the caller's.
-* At interpreter exit the calls submitted are finished first (as the standard library does), then the
-  workers are stopped.
+* ``shutdown(wait=True)`` returns once every call is done, also when workers die meanwhile (their calls
+  run elsewhere or end with WorkerLostError) and when a result cannot be unpickled here, even by a
+  ``__reduce__`` that exits (BrokenProcessPool on that call).
+* At interpreter exit (when the standard library's executors stop: before ``atexit`` handlers run and
+  before other threads are joined) the calls submitted are finished first, then the workers are stopped;
+  a ``submit`` from then on raises RuntimeError, as does one for which the pool cannot make a thread.
 """
 from __future__ import annotations
 
@@ -38,17 +51,21 @@ import itertools
 import logging
 import multiprocessing.context
 import queue
+import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Executor as _StdExecutor
 from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.pool import ExceptionWithTraceback, RemoteTraceback
+# the standard library's executor sets this as a remote exception's __cause__; roving's sets it too
+from concurrent.futures.process import _RemoteTraceback
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
+from . import pool as _pool
 from .context import Context
-from .pool import Pool, PoolStartError, Progress, WorkerLostError
+from .pool import Pool, PoolStartError, Progress, UnloadedTraceback
 from .process import cpu_count
 from .transport import timeouts
 
@@ -56,9 +73,15 @@ __all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
 
 log = logging.getLogger(__name__)
 
-#: Calls handed to the pool per worker, at most; the rest wait in the executor, cancellable. Enough to
-#: keep each worker's prefetch busy on short calls.
-QUEUED_PER_WORKER = 16
+#: Calls handed to the pool beyond one per worker, at most; the rest wait in the executor, cancellable.
+#: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS). benchmarks/futures_window.py
+#: measured what the former 16 per worker gained: bursts of no-op calls only (RESULTS.md).
+EXTRA_QUEUED_CALLS = 1
+
+
+class WorkerLostError(_pool.WorkerLostError, BrokenProcessPool):
+    """A call was running on ``max_task_retries`` workers that died; it is not tried again. Both
+    :class:`roving.WorkerLostError` and the standard library's ``BrokenProcessPool``."""
 
 _live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 _exiting = False
@@ -103,8 +126,38 @@ class _Call:
             ex._break(exc)
         if ex._broken is not None and not isinstance(exc.__cause__, RemoteTraceback):
             exc = ex._broken_error()  # not the call's own exception: the pool stopped for the executor
+        else:
+            exc = _standard(exc)
         future.set_exception(exc)
         ex._finished()
+
+
+def _standard(exc: BaseException) -> BaseException:
+    """The pool's error for a call as the standard library's executor gives it (see the module
+    docstring): its remote traceback a ``_RemoteTraceback``; a result that could not be pickled, the
+    pickling error; a call that could not be unpickled in the worker (or its result here),
+    BrokenProcessPool; a lost call, this module's WorkerLostError."""
+    if isinstance(exc, _pool.WorkerLostError) and not isinstance(exc, WorkerLostError):
+        lost = WorkerLostError(*exc.args)
+        lost.__cause__ = exc.__cause__
+        return lost
+    if isinstance(exc, MaybeEncodingError) and isinstance(exc.__cause__, BaseException):
+        if isinstance(exc.__cause__.__cause__, RemoteTraceback):
+            exc = exc.__cause__  # pickling the result failed in the worker: that error
+        else:  # unpickling it failed here
+            broken = BrokenProcessPool(f"the result of this call could not be unpickled here "
+                                       f"({type(exc.__cause__).__name__}: {exc.__cause__})")
+            broken.__cause__ = exc.__cause__
+            return broken
+    cause = exc.__cause__
+    if isinstance(cause, RemoteTraceback):
+        exc.__cause__ = _RemoteTraceback(cause.tb)
+    if isinstance(cause, UnloadedTraceback):
+        broken = BrokenProcessPool(f"this call's function or arguments could not be unpickled in the worker "
+                                   f"({type(exc).__name__}: {exc}); the executor goes on")
+        broken.__cause__ = exc
+        return broken
+    return exc
 
 
 class Executor(_StdExecutor):
@@ -144,7 +197,7 @@ class Executor(_StdExecutor):
         self._max_tasks_per_child = max_tasks_per_child
         self._max_task_retries = max_task_retries
         self._resources = resources  # checked by the Pool, at the first submit
-        self._window = max_workers * QUEUED_PER_WORKER
+        self._window = max_workers + EXTRA_QUEUED_CALLS
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when nothing is outstanding
         self._pool: Optional[Pool] = None
@@ -248,7 +301,7 @@ class Executor(_StdExecutor):
                 raise BrokenProcessPool(self._broken.args[0]) from self._broken.__cause__
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            if _exiting:
+            if _exiting or sys.is_finalizing():
                 raise RuntimeError("cannot schedule new futures after interpreter shutdown")
             if self._pending or self._running >= self._window:
                 self._pending.append(call)
@@ -259,7 +312,12 @@ class Executor(_StdExecutor):
             except BaseException:  # the pool could not start (bad resources, ...): the error is the caller's
                 self._running -= 1
                 raise
-        if not self._hand(pool, call):
+        try:
+            handed = self._hand(pool, call, raising=True)
+        except RuntimeError:  # no thread could be made for it (at interpreter exit): the caller's error
+            self._finished()
+            raise
+        if not handed:
             self._finished()
         return future
 
@@ -280,9 +338,10 @@ class Executor(_StdExecutor):
         weakref.finalize(self, self._pool.close).atexit = False
         return self._pool
 
-    def _hand(self, pool: Pool, call: _Call) -> bool:
+    def _hand(self, pool: Pool, call: _Call, raising: bool = False) -> bool:
         """Give one call (counted in ``_running``) to the pool; False when it is done already (it was
-        cancelled meanwhile, or the pool refused it), so that the caller counts it finished."""
+        cancelled meanwhile, or the pool refused it), so that the caller counts it finished. ``raising``
+        (the caller is its ``submit``): a RuntimeError of the pool (no thread can be made) is raised."""
         future = call.future
         if not future.set_running_or_notify_cancel():
             return False
@@ -294,8 +353,10 @@ class Executor(_StdExecutor):
             self._break(exc)
             future.set_exception(self._broken_error())
             return False
-        except BaseException as exc:  # the pool refused it (a roving.meta the workers cannot meet)
-            future.set_exception(exc)
+        except BaseException as exc:  # the pool refused it (a roving.meta the workers cannot meet), or
+            future.set_exception(exc)  # no thread can be made for it
+            if raising and type(exc) is RuntimeError:
+                raise
             return False
         return True
 
@@ -335,6 +396,7 @@ class Executor(_StdExecutor):
                 what = "the workers of this executor cannot start"
             else:
                 what = f"the initializer failed in a worker ({type(cause).__name__}: {cause})"
+            cause = _standard(cause)
             broken = BrokenProcessPool(f"{what}; the executor is not usable any more")
             broken.__cause__ = cause
             self._broken = broken
@@ -408,4 +470,11 @@ def _at_exit() -> None:
             log.exception("roving executor: shutting down at exit failed")
 
 
-atexit.register(_at_exit)
+# When the standard library's executors stop (threading's exit hooks: before atexit's, and before the
+# threads still running are joined), so that a late submit raises as theirs does; atexit where that hook
+# is missing.
+_register = getattr(threading, "_register_atexit", atexit.register)
+try:
+    _register(_at_exit)
+except RuntimeError:  # imported while threading shuts down already: no submit may start work now
+    _exiting = True

@@ -9,7 +9,10 @@ Guarantees:
 
 * A task that raises fails with that exception, its remote traceback attached as ``__cause__``
   (:class:`multiprocessing.pool.RemoteTraceback`), as in multiprocessing; it is not retried and the worker
-  lives on. A result that cannot be pickled fails its task with ``MaybeEncodingError``.
+  lives on. A result that cannot be pickled fails its task with ``MaybeEncodingError``, whose
+  ``__cause__`` is the pickling error (with the worker's traceback). An item whose function or arguments
+  cannot be unpickled in the worker fails with that error, its ``__cause__`` an
+  :class:`UnloadedTraceback` (a RemoteTraceback): the item never ran.
 * A worker that ends (killed, crashed, its job lost) costs only the items whose results had not reached
   the parent: they run again on other workers, each result is delivered exactly once and ``map``/``imap``
   keep input order. A replacement starts. An item that was running on ``max_task_retries`` workers that
@@ -56,14 +59,15 @@ from . import _protocol as P
 from . import _results, _shape
 from ._dispatch import Dispatcher
 from ._progress import Progress
-from ._results import ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator, MapResult
+from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, IMapUnorderedIterator,
+                       MapResult, UnloadedTraceback)
 from ._rerun import rerun
 from ._shape import meta, meta_of
 from .errors import PoolError, PoolStartError, WorkerLostError
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "PoolError", "WorkerLostError", "PoolStartError", "meta", "Progress", "rerun"]
+           "PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback", "meta", "Progress", "rerun"]
 
 _pool_ids = itertools.count(1)
 

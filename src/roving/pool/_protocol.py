@@ -191,8 +191,9 @@ def read_results(frames: Sequence[Any]) -> Results:
     be imported in the parent, say) make every item of the message fail with ``MaybeEncodingError``."""
     try:
         values = read_list(frames[2:])
-    except Exception as exc:
+    except BaseException as exc:  # its class cannot be imported here, or unpickling it exits (SystemExit)
         err = MaybeEncodingError(exc, "<result that could not be unpickled in the parent>")
+        err.__cause__ = exc
         runs = _runs(frames[1], False)
         return _new(Results, (runs, [err] * sum(run.length for run in runs)))
     return _new(Results, (_runs(frames[1], True), values))

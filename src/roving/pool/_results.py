@@ -4,7 +4,9 @@ This module is the one writer of their outcomes: :func:`deliver` (items finished
 mostly on the node's I/O thread), :func:`fail` (a call that could not be queued at all) and
 :func:`set_length` (an imap's iterable read to its end); nothing else sets a result's state. Callbacks
 run on the pool's callback thread (never the I/O thread), before ``get()`` returns, as in
-:mod:`multiprocessing`. The errors a result can raise that are the pool's own are in :mod:`.errors`.
+`multiprocessing`. The errors a result can raise that are the pool's own are in :mod:`.errors`; here is
+what a worker sends for an item that could not be loaded there (:func:`unloaded`) or whose result could
+not be pickled (:func:`unencodable`).
 """
 from __future__ import annotations
 
@@ -14,15 +16,57 @@ import queue
 import threading
 import time
 from multiprocessing import TimeoutError
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback  # type: ignore[attr-defined]
 from typing import Any, Callable, Dict, List, Optional
 
 from ..transport import timeouts
+from ..transport.serialize import SerializationError, dumps
 from .errors import PoolStartError, WorkerLostError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "WorkerLostError", "PoolStartError", "deliver", "fail", "set_length"]
+           "WorkerLostError", "PoolStartError", "UnloadedTraceback", "deliver", "fail", "set_length",
+           "unloaded", "unencodable"]
+
+
+class UnloadedTraceback(RemoteTraceback):
+    """The ``__cause__`` of the error of an item whose function or arguments could not be unpickled in
+    the worker (the item never ran): the worker's traceback, as a RemoteTraceback is."""
+
+
+# -- what a worker sends for an item that failed outside the task ------------------------------
+class _WithCause:
+    """Pickles as ``error``, rebuilt with ``cause`` as its ``__cause__`` (which pickle drops)."""
+
+    def __init__(self, error: BaseException, cause: Optional[BaseException]) -> None:
+        self.error, self.cause = error, cause
+
+    def __reduce__(self) -> Any:
+        return _with_cause, (self.error, self.cause)
+
+
+def _with_cause(error: BaseException, cause: Optional[BaseException]) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+def unloaded(exc: BaseException) -> Any:
+    """Worker side: what to send for an item whose function or arguments raised ``exc`` while they were
+    unpickled: the parent gets ``exc`` with the worker's traceback as an :class:`UnloadedTraceback`."""
+    return _WithCause(exc, UnloadedTraceback(ExceptionWithTraceback(exc, exc.__traceback__).tb))
+
+
+def unencodable(exc: BaseException, value: Any) -> Any:
+    """Worker side: what to send for a result ``value`` that pickling refused with ``exc``: the parent
+    gets multiprocessing's MaybeEncodingError, whose ``__cause__`` is ``exc`` (itself with the worker's
+    traceback as ``__cause__``), or none when ``exc`` cannot be pickled either."""
+    cause: Any = ExceptionWithTraceback(exc, exc.__traceback__)
+    try:
+        dumps(cause)
+    except SerializationError:
+        cause = None
+    return _WithCause(MaybeEncodingError(exc, value), cause)
 
 
 # -- the one writer of outcomes ---------------------------------------------------------------
@@ -51,13 +95,19 @@ class CallbackRunner:
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
 
-    def submit(self, fn: Callable[[], None]) -> None:
+    def start(self) -> None:
+        """Start the thread unless it runs; RuntimeError when no thread can be made (at interpreter
+        exit). Called where a result with callbacks is made, in the caller's thread, so that such an
+        error reaches the caller instead of the thread that delivers the result."""
         if self._thread is None:
             with self._lock:
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="roving-pool-callbacks",
-                                                    daemon=True)
-                    self._thread.start()
+                    thread = threading.Thread(target=self._run, name="roving-pool-callbacks", daemon=True)
+                    thread.start()
+                    self._thread = thread
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.start()
         self._queue.put(fn)
 
     def _run(self) -> None:
@@ -66,6 +116,7 @@ class CallbackRunner:
             if fn is None:
                 return
             fn()
+            del fn  # not kept while waiting: the last result (its value, its callbacks) can be collected
 
     def stop(self, timeout: float) -> None:
         if self._thread is not None:
@@ -87,6 +138,8 @@ class AsyncResult:
         self._pool, self._progress = pool, progress
         self._runner = runner
         self._callback, self._error_callback = callback, error_callback
+        if callback is not None or error_callback is not None:
+            runner.start()
         self._event = threading.Event()
         self._success: Optional[bool] = None
         self._value: Any = None

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError
+from multiprocessing.pool import ExceptionWithTraceback
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config
@@ -23,6 +23,7 @@ from ._ending import Ending, lifetime_for, signals_named
 from ..transport.channel import Channel, ConnectionLost, TransportError
 from ..transport.serialize import SerializationError
 from . import _protocol as P
+from . import _results
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,7 @@ class _Results:
                 try:
                     P.list_frames([value])
                 except SerializationError as exc:
-                    value, good = MaybeEncodingError(exc.__cause__ or exc, value), False
+                    value, good = _results.unencodable(exc.__cause__ or exc, value), False
                 out.append(value)
                 runs.add(run.chunk, off, 1, good)
         self.runs = runs
@@ -367,7 +368,7 @@ class _Loop:
             func, mode = self._function(unit.func, unit.func_frames)
             items = P.read_list(unit.arg_frames)
         except BaseException as exc:  # the function or arguments could not be loaded here
-            err = ExceptionWithTraceback(exc, exc.__traceback__)
+            err = _results.unloaded(exc)
             for off in offsets:
                 if results.add(cid, off, False, err):
                     self._flush()

@@ -579,7 +579,11 @@ class Node(Boxes):
             answer([REPLY.pack(req_id, OK)], None)
             return
         if op == STREAMS:
-            address = self.streams().address if streams_enabled else ""
+            try:
+                address = self.streams().address if streams_enabled else ""
+            except (RuntimeError, OSError) as exc:  # no thread or socket for it (at interpreter exit)
+                log.warning("roving node: no stream listener (%s); peers keep to ZeroMQ", exc)
+                address = ""
             answer([REPLY.pack(req_id, OK), address.encode()], None)
             return
         notice = self._notices.get(op)
