@@ -25,7 +25,7 @@ class FakeNode:
         self.sent: Dict[bytes, List[List[Any]]] = {}
 
     def send_to(self, ident: bytes, frames: List[Any], undeliverable: Any = None) -> None:
-        self.sent.setdefault(ident, []).append(list(frames))
+        self.sent.setdefault(ident, []).append([bytes(f) for f in frames])  # as they arrive off a stream
 
 
 class Results:
@@ -111,7 +111,18 @@ def pool():
     node = FakeNode()
     disp.node = node
     ids = iter(range(1, 100))
-    return disp, node, lambda: FakeWorker(disp, node, next(ids))
+    made: List[FakeWorker] = []
+
+    def worker() -> FakeWorker:
+        made.append(FakeWorker(disp, node, next(ids)))
+        return made[-1]
+
+    yield disp, node, worker
+    # A WorkerState is in a reference cycle (its undeliverable callback is its own bound method); one
+    # still holding units would leave their pickled arguments (views of a BytesIO) to the cyclic
+    # collector, which CPython 3.12.1 crashes on ("deallocated BytesIO object has exported buffers").
+    for w in made:
+        w.state.units, w.state.undeliverable = {}, None
 
 
 def test_work_goes_only_to_a_worker_that_asked_and_no_more_units_than_it_asked_for(pool):

@@ -81,6 +81,8 @@ def test_upkeep_rounds_autoscaling_and_resize_read_the_workers_units_only_under_
     assert unlocked == []
     assert all(w.retiring for w in workers)
     assert {ident for ident, control in disp.node.sent if control.kind == P.STOP} == {b"w1", b"w2", b"w3"}
+    for w in workers:  # no cycle left holding pickled arguments (see test_dispatch_unit's fixture)
+        w.units, w.undeliverable = {}, None
 
 
 def test_units_tables_note_a_use_made_without_the_lock():
