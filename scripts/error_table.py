@@ -63,12 +63,16 @@ def import_path(cls: type) -> str:
     return f"{cls.__module__}.{cls.__name__}"
 
 
-def _base_name(base: type) -> str:
-    if base.__module__ == "builtins":
+def base_name(base: type) -> str:
+    """How the table names a base: a builtin or roving's own by its name, another library's by its public
+    package (``multiprocessing.ProcessError``, ``concurrent.futures.BrokenProcessPool``)."""
+    module = base.__module__
+    if module == "builtins" or module.startswith("roving"):
         return base.__name__
-    if base.__module__.startswith("multiprocessing"):
-        return f"multiprocessing.{base.__name__}"
-    return base.__name__
+    for public in ("multiprocessing", "concurrent.futures"):
+        if module == public or module.startswith(public + "."):
+            return f"{public}.{base.__name__}"
+    return f"{module}.{base.__name__}"
 
 
 def _meaning(cls: type) -> str:
@@ -84,7 +88,7 @@ def table() -> str:
     """The table's markdown, with the marker lines."""
     rows = [BEGIN, "| error | is a | import from | what it means |", "|---|---|---|---|"]
     for cls in error_classes():
-        bases = ", ".join(_base_name(b) for b in cls.__bases__)
+        bases = ", ".join(base_name(b) for b in cls.__bases__)
         rows.append(f"| `{cls.__name__}` | {bases} | `{import_path(cls)}` | {_meaning(cls)} |")
     rows.append(END)
     return "\n".join(rows)
