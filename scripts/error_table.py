@@ -70,7 +70,8 @@ def base_name(base: type) -> str:
     if module == "builtins" or module.startswith("roving"):
         return base.__name__
     for public in ("multiprocessing", "concurrent.futures"):
-        if module == public or module.startswith(public + "."):
+        if (module == public or module.startswith(public + ".")) and \
+                getattr(importlib.import_module(public), base.__name__, None) is base:
             return f"{public}.{base.__name__}"
     return f"{module}.{base.__name__}"
 
