@@ -72,6 +72,10 @@ class EventKind(IntEnum):
     CPU = 3
 
 
+# the members, looked up once (an Enum member read through its class costs an attribute lookup)
+_COMPUTED, _LINK, _ARRIVED, _CPU = EventKind.COMPUTED, EventKind.LINK, EventKind.ARRIVED, EventKind.CPU
+
+
 @dataclass(frozen=True)
 class Event:
     """One stretch of a node's timeline. ``kind``: compute-fwd, compute-bwd, compute-loss, send, idle,
@@ -119,6 +123,7 @@ class Send(NamedTuple):
 
 def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict) -> list[list[Compute | Send]]:
     """Each microbatch's steps in order (the module doc); ``cache`` keeps the stage costs by speed."""
+    _new = tuple.__new__  # the NamedTuples without their Python-level __new__: this is the planner's hot path
     out = []
     for path in plan.paths:
         seq: list[Compute | Send] = []
@@ -132,26 +137,26 @@ def microbatch_steps(network: Network, model: ModelSpec, plan: Plan, cache: dict
             return c
 
         c0 = costs(origin)
-        seq.append(Compute(origin, FWD, c0.forward[0]))
+        seq.append(_new(Compute, (origin, FWD, c0.forward[0])))
         prev = origin
         for node, stage in zip(path.nodes, path.stages):
-            seq.append(Send(prev, node))
-            seq.append(Compute(node, FWD, costs(node).forward[stage]))
+            seq.append(_new(Send, (prev, node)))
+            seq.append(_new(Compute, (node, FWD, costs(node).forward[stage])))
             prev = node
-        seq.append(Send(prev, origin))
-        seq.append(Compute(origin, LOSS, c0.loss))
+        seq.append(_new(Send, (prev, origin)))
+        seq.append(_new(Compute, (origin, LOSS, c0.loss)))
         prev = origin
         for node, stage in zip(reversed(path.nodes), reversed(path.stages)):
-            seq.append(Send(prev, node))
-            seq.append(Compute(node, BWD, costs(node).backward[stage]))
+            seq.append(_new(Send, (prev, node)))
+            seq.append(_new(Compute, (node, BWD, costs(node).backward[stage])))
             prev = node
-        seq.append(Send(prev, origin))
-        seq.append(Compute(origin, BWD, c0.backward[0]))
+        seq.append(_new(Send, (prev, origin)))
+        seq.append(_new(Compute, (origin, BWD, c0.backward[0])))
         out.append(seq)
     return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Transfer:
     """Bytes on their way over a link: how many are ``left`` to send, and when the transfer began."""
 
@@ -159,7 +164,7 @@ class Transfer:
     start: float
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class LinkState:
     """A directed link's transfers now (``active``, by microbatch, or ("sync", src, dst) for a replica's
     gradients), when their progress was last brought up to date (``updated``), and a ``version`` that
@@ -172,7 +177,7 @@ class LinkState:
     active: dict = field(default_factory=dict)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Running:
     """A compute task on the shared machine: the seconds of work ``left`` at full speed, when it
     started, its microbatch and its work."""
@@ -200,6 +205,10 @@ class Simulation:
     are the event's subject (COMPUTED: node, (microbatch, work); LINK: link key, version; ARRIVED:
     microbatch or sync key, None; CPU: None, version). A node's queue holds (0 for backward work else 1,
     ready time, planned rank, microbatch, work, seconds): the order in which it serves them."""
+
+    __slots__ = ("network", "record", "shared_cores", "steps", "nbytes", "rank", "alloc", "mem", "busy", "queue",
+                 "inflight", "peak", "timeline", "step_idx", "finish", "links", "heap", "counter", "running",
+                 "cpu_updated", "cpu_version", "sync_bytes", "sync_left", "sync_end", "bwd_left", "group")
 
     def __init__(self, network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
                  shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> None:
@@ -259,11 +268,11 @@ class Simulation:
         heap = self.heap
         while heap:
             t, _, kind, a, b = heapq.heappop(heap)
-            if kind == EventKind.COMPUTED:
+            if kind == _COMPUTED:
                 self.computed(a, b[0], b[1], t)
-            elif kind == EventKind.LINK:
+            elif kind == _LINK:
                 self.link_event(a, b, t)
-            elif kind == EventKind.ARRIVED:
+            elif kind == _ARRIVED:
                 self.arrived(a, t)
             else:
                 self.cpu_event(b, t)
@@ -292,7 +301,7 @@ class Simulation:
         done = [mb for mb, v in ls.active.items() if v.left <= _EPS_BYTES]
         for mb in done:
             start = ls.active.pop(mb).start
-            self.push(t + ls.latency, EventKind.ARRIVED, mb, None)
+            self.push(t + ls.latency, _ARRIVED, mb, None)
             if self.record:
                 if isinstance(mb, tuple):
                     self.timeline[key[0]].append(Event(SYNC_SEND, start, t + ls.latency, -1, key[1]))
@@ -333,12 +342,14 @@ class Simulation:
     # -- compute -----------------------------------------------------------------------------------
     def try_start(self, node: str, t: float) -> None:
         """Start the task ``node`` serves next (the module doc's policy), if it is free and one may start."""
-        if self.busy[node]:
+        busy = self.busy
+        if busy[node]:
             return
         q = self.queue[node]
         best = -1
         best_key = None
-        full = self.inflight[node] >= self.mem[node]
+        inflight = self.inflight
+        full = inflight[node] >= self.mem[node]
         for i, item in enumerate(q):
             if item[0] == 1 and full:
                 continue
@@ -348,16 +359,16 @@ class Simulation:
             return
         _, _, _, mb, work, dur = q.pop(best)
         if work == FWD:
-            self.inflight[node] += 1
-            if self.inflight[node] > self.peak[node]:
-                self.peak[node] = self.inflight[node]
-        self.busy[node] = True
+            n = inflight[node] = inflight[node] + 1
+            if n > self.peak[node]:
+                self.peak[node] = n
+        busy[node] = True
         if self.shared_cores:
             self.settle_cpu(t)
             self.running[node] = Running(dur, t, mb, work)
             self.reschedule_cpu(t)
             return
-        self.push(t + dur, EventKind.COMPUTED, node, (mb, work))
+        self.push(t + dur, _COMPUTED, node, (mb, work))
         if self.record:
             self.timeline[node].append(Event(KIND_NAMES[work], t, t + dur, mb))
 
@@ -373,7 +384,7 @@ class Simulation:
         self.cpu_version += 1
         if self.running:
             least = min(v.left for v in self.running.values())
-            self.push(t + max(least, 0.0) / min(1.0, self.shared_cores / len(self.running)), EventKind.CPU, None,
+            self.push(t + max(least, 0.0) / min(1.0, self.shared_cores / len(self.running)), _CPU, None,
                       self.cpu_version)
 
     # -- transfers ---------------------------------------------------------------------------------
@@ -391,7 +402,7 @@ class Simulation:
         active = ls.active
         if active:
             least = min(v.left for v in active.values())
-            self.push(t + max(least, 0.0) * len(active) / ls.bandwidth, EventKind.LINK, key, ls.version)
+            self.push(t + max(least, 0.0) * len(active) / ls.bandwidth, _LINK, key, ls.version)
 
     def send_bytes(self, key: tuple[str, str], ident, nb: float, t: float) -> None:
         ls = self.links.get(key)
@@ -418,7 +429,8 @@ class Simulation:
 
     def advance(self, mb: int, t: float) -> None:
         """Microbatch ``mb`` goes on to its next step at ``t`` (or ends)."""
-        i = self.step_idx[mb] = self.step_idx[mb] + 1
+        step_idx = self.step_idx
+        i = step_idx[mb] = step_idx[mb] + 1
         seq = self.steps[mb]
         if i == len(seq):
             self.finish[mb] = t
