@@ -16,6 +16,7 @@ noticed is taken in by a second write a moment later (and at this process's exit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import stat
@@ -25,7 +26,7 @@ from typing import Callable, Dict, List, Optional
 
 from .backends.private import create_private, private_dir
 
-__all__ = ["Record", "record", "records", "folder", "KEPT_LINES", "KEEP_SESSIONS", "CrashLogError"]
+__all__ = ["Record", "keep", "record", "records", "folder", "KEPT_LINES", "KEEP_SESSIONS", "CrashLogError"]
 
 KEPT_LINES = 200
 KEEP_SESSIONS = 20
@@ -154,6 +155,35 @@ def record(name: str, session: str, job: str, backend: str, host: str, exitcode:
     timer = threading.Timer(_SETTLE_S, settle)
     timer.daemon = True
     timer.start()
+
+
+def keep(name: str, session: str, job: str, backend: str, exitcode: int, cause: str, output: str,
+         log_path: str) -> None:
+    """Keep the crash of child ``name`` (see :func:`record`), its lines taken from where its output went
+    (``output``, the ``child_output`` option): what roving copied of it, its log file ``log_path``, or
+    nothing."""
+    from . import observe
+
+    lines: Callable[[], List[str]]
+    if output == "prefix":
+        lines = functools.partial(observe.lines_of, name)
+    elif output == "files":
+        lines = functools.partial(_tail, log_path, KEPT_LINES)
+    else:
+        lines = lambda: ['(nothing kept: child_output="off")']
+    record(name, session, job, backend, "", exitcode,
+           cause or (f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"), lines)
+
+
+def _tail(path: str, n: int) -> List[str]:
+    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return []
+    with os.fdopen(fd, "rb") as f:
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
+        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
 
 
 def flush() -> None:

@@ -22,7 +22,6 @@ Guarantees:
 from __future__ import annotations
 
 import atexit
-import functools
 import itertools
 import logging
 import os
@@ -349,7 +348,10 @@ class Process:
         cause = self._unreached_message(code) if self._unreached else ""
         observe.process_ended(self._uid, code, cause)
         if code and not self._stop_asked:  # a crash: its last output is kept (roving logs --failed)
-            self._keep_crash(code, cause)
+            cfg = self._config
+            crashlog.keep(self._name, _session.current().tag, str(self._job.id) if self._job else "",
+                          self._backend.name if self._backend else cfg.backend, code, cause, cfg.child_output,
+                          os.path.join(cfg.log_dir, f"{self._name}.log"))
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()
@@ -359,19 +361,6 @@ class Process:
             node.drop_box(self._payload_box)
             if self._boot is not None:
                 _boot.drop(node, self._boot)
-
-    def _keep_crash(self, code: int, cause: str) -> None:
-        cfg = self._config
-        lines: Callable[[], List[str]]
-        if cfg.child_output == "prefix":
-            lines = functools.partial(observe.lines_of, self._name)
-        elif cfg.child_output == "files":
-            lines = functools.partial(_tail, os.path.join(cfg.log_dir, f"{self._name}.log"), crashlog.KEPT_LINES)
-        else:
-            lines = lambda: ['(nothing kept: child_output="off")']
-        crashlog.record(self._name, _session.current().tag, str(self._job.id) if self._job else "",
-                        self._backend.name if self._backend else cfg.backend, "", code,
-                        cause or (f"killed by signal {-code}" if code < 0 else f"exited with code {code}"), lines)
 
     def _environment_report(self) -> Optional[_environment.Report]:
         """The child's environment report, once it has left it (None before, or with env_check off)."""
@@ -642,17 +631,6 @@ def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatc
     """The error an ended ``proc`` left because its environment differs from this process's where
     ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
     return proc._environment_error
-
-
-def _tail(path: str, n: int) -> List[str]:
-    """The last ``n`` lines of the log file ``path`` (not followed through a link); none if unreadable."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return []
-    with os.fdopen(fd, "rb") as f:
-        f.seek(max(0, os.fstat(f.fileno()).st_size - 256 * n), os.SEEK_SET)
-        return [line.decode(errors="replace") for line in f.read().splitlines()[-n:]]
 
 
 def _this_host() -> str:
