@@ -171,3 +171,26 @@ def test_unpicklable_object_raises_serialization_error_naming_it():
         dumps({"lock": threading.Lock()})
     assert isinstance(info.value, TypeError)
     assert "lock" in str(info.value).lower() and "dict" in str(info.value)
+
+
+def test_frames_left_in_reference_cycles_are_freed_by_the_garbage_collector_without_a_crash(tmp_path):
+    # CPython 3.12.0/3.12.1 (gh-111049) crashed freeing a cycle that held a memoryview of BytesIO.getbuffer();
+    # the collection runs in a fresh interpreter, so that a crash fails this test and not the whole run
+    script = tmp_path / "cycles.py"
+    script.write_text(textwrap.dedent("""
+        import gc
+        from roving.transport.serialize import dumps, loads
+
+        for i in range(2000):
+            frames = dumps({"i": i, "pad": b"x" * 100})
+            assert loads(frames)["i"] == i
+            cycle = [frames[0]]
+            cycle.append(cycle)
+            del frames, cycle
+            if i % 100 == 0:
+                gc.collect()
+        print("collected", gc.collect() >= 0)
+    """))
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "collected True"
