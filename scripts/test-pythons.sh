@@ -11,22 +11,28 @@
 # others), and the tests that need it (test_serialize_torch.py, test_examples.py) are not
 # version-sensitive: they run on the main interpreter only, as do the pipeline, backends and hosts suites.
 #
-# Which tests. The API, pool and transport suites together (tests/api, tests/pool, tests/transport;
-# the futures and managers tests are tests/api/test_futures.py and test_managers.py) took SELECTION_FIGURES
-# per version on this 2-core machine; three more of them would take the test command from its 16-21
-# minutes past its 30-minute budget. So each other Python runs the files that carry the parts of roving
-# that mirror or lean on what changes between CPython versions:
-#   - multiprocessing's API and behaviour: test_process, test_process_parity, test_queues, test_synchronize,
-#     test_connection, test_shared, test_managers, test_lifetimes, test_compat, test_main_namespace;
-#   - concurrent.futures: test_futures (the Executor side by side with ProcessPoolExecutor), test_joblib;
-#   - pickling: test_pickling_errors, tests/transport/test_serialize;
+# Which tests. All of tests/api, tests/pool and tests/transport (less the torch tests) are 514 tests;
+# on this 2-core machine, shared (load average 13-27), CPython 3.12.1 took 15.1 min for the first 438 of
+# them. Three more of those would take the test command (16-21 minutes for the whole suite on 3.11) far
+# past its 30-minute budget. So each other Python runs the files that test the parts of roving that mirror,
+# or lean on, what changes between CPython versions (254 tests; 7.0-7.5 min a version at that load; the
+# figures and the command are in benchmarks/RESULTS.md, section "Pythons"):
+#   - concurrent.futures: test_futures (the Executor side by side with ProcessPoolExecutor, on each
+#     Python's own ProcessPoolExecutor);
+#   - multiprocessing's managers, Process and Connection: test_managers, test_process, test_process_parity
+#     (CPython's own multiprocessing tests' checks), test_connection, test_compat (one program, same output
+#     with multiprocessing and with roving), test_main_namespace;
+#   - pickling: test_pickling_errors (the exception types pickle raises), tests/transport/test_serialize
+#     (pickle protocol 5 out-of-band buffers, cloudpickle, io.BytesIO: 3.12.0-3.12.1's GC crash);
 #   - multiprocessing.pool: tests/pool/test_pool, test_pool_parity;
-#   - the transport's threads, sockets and shutdown at interpreter exit: tests/transport/test_transport,
-#     test_channel.
-# Left to the main interpreter: the dashboard (browser), the fault-injection, wire-fuzzing, security and
-# addressing tests of the transport, the elastic/upkeep pool tests and the examples: they test roving's
-# own protocol and timing, not CPython's, and are where the time goes.
-# Set ROVING_PYTHONS_ALL=1 to run the whole of tests/api, tests/pool and tests/transport instead.
+#   - the transport's threads and sockets: tests/transport/test_transport, test_channel.
+# Left to the main interpreter: the queues, locks, shared memory and lifetimes (roving's own protocol over
+# its transport, the same on every Python), the dashboard (a browser), the transport's fault-injection,
+# fuzzing, security and addressing tests, the elastic and upkeep pool tests and the examples: they test
+# roving's own protocol and timing, not CPython's, and are where most of the time goes.
+# ROVING_PYTHONS=3.10,3.13 runs only those of the versions found. ROVING_PYTHONS_ALL=1 runs the whole of
+# tests/api, tests/pool and tests/transport (no torch tests) instead; pytest arguments given to this
+# script (test files, -k ...) run those instead.
 #
 # Output: which interpreters were found and which run, then one line per version (tests passed, failed,
 # minutes); exit status 1 if any version failed (its pytest output is in $ROVING_PYTHONS_CACHE/3.X.log).
@@ -46,6 +52,9 @@ SELECTION=(
 if [ "${ROVING_PYTHONS_ALL:-0}" = 1 ]; then
     SELECTION=(tests/api tests/pool tests/transport
                --ignore=tests/api/test_examples.py --ignore=tests/transport/test_serialize_torch.py)
+fi
+if [ $# -gt 0 ]; then
+    SELECTION=("$@")  # pytest arguments instead of the selection: `bash scripts/test-pythons.sh tests/api/test_compat.py`
 fi
 
 main=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
@@ -71,7 +80,8 @@ for minor in 10 11 12 13; do
     py=$(find_python "$minor")
     [ -n "$py" ] || continue
     found+=("3.$minor ($py)")
-    [ "3.$minor" = "$main" ] || runs+=("3.$minor=$py")
+    [ "3.$minor" != "$main" ] || continue
+    case ",${ROVING_PYTHONS:-3.$minor}," in *",3.$minor,"*) runs+=("3.$minor=$py") ;; esac
 done
 echo "test-pythons: found ${found[*]:-no CPython 3.10-3.13}"
 echo "test-pythons: main interpreter $main (run by scripts/test.sh itself); running here: ${runs[*]:-none}"
@@ -83,17 +93,25 @@ flock -w 3600 9  # two runs at once would remake one venv under each other
 
 # a venv for 3.X with roving's dev extras, reused while pyproject.toml and the interpreter are unchanged
 venv_for() {
-    local version=$1 py=$2 venv=$CACHE/$1 stamp
+    local version=$1 py=$2 venv=$CACHE/$1 install_log=$CACHE/$1.install.log stamp
     stamp="$(sha256sum pyproject.toml | cut -d' ' -f1) $("$py" -c 'import sys; print(sys.version.split()[0], sys.executable)')"
     if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.roving-stamp" 2>/dev/null)" != "$stamp" ]; then
         echo "test-pythons: $version: making $venv (pyproject.toml or the interpreter changed, or none yet)"
         rm -rf "$venv"
         "$py" -m venv "$venv"
-        "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]"
+        if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[dev]" >"$install_log" 2>&1; then
+            grep -v "is ignored: it is neither a file nor a directory" "$install_log" | tail -n 30 >&2 || true
+            echo "test-pythons: $version: installing roving[dev] failed (all of it in $install_log)" >&2
+            return 1
+        fi
         echo "$stamp" >"$venv/.roving-stamp"
     elif [ "$(cat "$venv/.roving-root" 2>/dev/null)" != "$ROOT" ]; then
         # made from another checkout: point the editable install here (its dependencies are in place)
-        "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
+        if ! "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT" >"$install_log" 2>&1; then
+            tail -n 30 "$install_log" >&2
+            echo "test-pythons: $version: installing roving failed (all of it in $install_log)" >&2
+            return 1
+        fi
     fi
     echo "$ROOT" >"$venv/.roving-root"
 }
@@ -101,7 +119,11 @@ venv_for() {
 summaries=() failed=0
 for run in "${runs[@]}"; do
     version=${run%%=*} py=${run#*=}
-    venv_for "$version" "$py"
+    if ! venv_for "$version" "$py"; then
+        failed=1
+        summaries+=("test-pythons: $version: FAILED: its venv could not be made; see $CACHE/$version.install.log")
+        continue
+    fi
     log=$CACHE/$version.log
     echo "test-pythons: $version: python -m pytest ${SELECTION[*]} (output in $log)"
     start=$SECONDS
@@ -110,7 +132,8 @@ for run in "${runs[@]}"; do
     PYTHONPATH="$ROOT/src" "$CACHE/$version/bin/python" -m pytest -q -p no:cacheprovider "${SELECTION[@]}" \
         >"$log" 2>&1 || rc=$?
     minutes=$(awk -v s=$((SECONDS - start)) 'BEGIN { printf "%.1f", s / 60 }')
-    counts=$(tail -n 1 "$log" | sed -E 's/^=+ //; s/ in [0-9.]+s.*$//')
+    counts=$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 \
+             | sed -E 's/^=+ //; s/ in [0-9.]+s.*$//' || true)
     full=$("$CACHE/$version/bin/python" -c 'import sys; print(sys.version.split()[0])')
     if [ "$rc" = 0 ]; then
         summaries+=("test-pythons: $full: $counts, $minutes min")
