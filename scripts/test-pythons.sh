@@ -132,7 +132,7 @@ for run in "${runs[@]}"; do
     PYTHONPATH="$ROOT/src" "$CACHE/$version/bin/python" -m pytest -q -p no:cacheprovider "${SELECTION[@]}" \
         >"$log" 2>&1 || rc=$?
     minutes=$(awk -v s=$((SECONDS - start)) 'BEGIN { printf "%.1f", s / 60 }')
-    counts=$(grep -E '(passed|failed|error|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 \
+    counts=$(grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$log" | tail -n 1 \
              | sed -E 's/^=+ //; s/ in [0-9.]+s.*$//' || true)
     full=$("$CACHE/$version/bin/python" -c 'import sys; print(sys.version.split()[0])')
     if [ "$rc" = 0 ]; then
