@@ -4,7 +4,7 @@
 # The main interpreter (the `python3` that scripts/test.sh installs roving into and runs the whole suite
 # with) is not run again here. For each other CPython 3.X (X = 10..13) found -- pyenv's newest
 # $PYENV_ROOT/versions/3.X.*, else the system's python3.X -- a venv with roving (editable, this checkout)
-# and its `dev` extras is kept in $ROVING_PYTHONS_CACHE/3.X (default /var/cache/roving-pythons/3.X).
+# and its `dev` extras is kept in $TEST_PYTHONS_CACHE/3.X (default /var/cache/roving-pythons/3.X).
 # It is made afresh when pyproject.toml or the interpreter changes, and reused otherwise, so a second
 # run installs nothing. PyTorch is not installed there: its CPU build (torch==2.13.0+cpu) is a wheel for
 # the main interpreter's 3.11 only here (the configured index has only the multi-GB CUDA build for the
@@ -30,16 +30,17 @@
 # its transport, the same on every Python), the dashboard (a browser), the transport's fault-injection,
 # fuzzing, security and addressing tests, the elastic and upkeep pool tests and the examples: they test
 # roving's own protocol and timing, not CPython's, and are where most of the time goes.
-# ROVING_PYTHONS=3.10,3.13 runs only those of the versions found. ROVING_PYTHONS_ALL=1 runs the whole of
+# (Not ROVING_*: those are roving's options, and an unknown one is an error.)
+# TEST_PYTHONS=3.10,3.13 runs only those of the versions found. TEST_PYTHONS_ALL=1 runs the whole of
 # tests/api, tests/pool and tests/transport (no torch tests) instead; pytest arguments given to this
 # script (test files, -k ...) run those instead.
 #
 # Output: which interpreters were found and which run, then one line per version (tests passed, failed,
-# minutes); exit status 1 if any version failed (its pytest output is in $ROVING_PYTHONS_CACHE/3.X.log).
+# minutes); exit status 1 if any version failed (its pytest output is in $TEST_PYTHONS_CACHE/3.X.log).
 . "$(dirname "${BASH_SOURCE[0]}")/fail-loudly.sh"
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-CACHE=${ROVING_PYTHONS_CACHE:-/var/cache/roving-pythons}
+CACHE=${TEST_PYTHONS_CACHE:-/var/cache/roving-pythons}
 PYENV_DIR=${PYENV_ROOT:-$HOME/.pyenv}
 
 SELECTION=(
@@ -49,7 +50,7 @@ SELECTION=(
     tests/pool/test_pool.py tests/pool/test_pool_parity.py
     tests/transport/test_serialize.py tests/transport/test_transport.py tests/transport/test_channel.py
 )
-if [ "${ROVING_PYTHONS_ALL:-0}" = 1 ]; then
+if [ "${TEST_PYTHONS_ALL:-0}" = 1 ]; then
     SELECTION=(tests/api tests/pool tests/transport
                --ignore=tests/api/test_examples.py --ignore=tests/transport/test_serialize_torch.py)
 fi
@@ -81,7 +82,7 @@ for minor in 10 11 12 13; do
     [ -n "$py" ] || continue
     found+=("3.$minor ($py)")
     [ "3.$minor" != "$main" ] || continue
-    case ",${ROVING_PYTHONS:-3.$minor}," in *",3.$minor,"*) runs+=("3.$minor=$py") ;; esac
+    case ",${TEST_PYTHONS:-3.$minor}," in *",3.$minor,"*) runs+=("3.$minor=$py") ;; esac
 done
 echo "test-pythons: found ${found[*]:-no CPython 3.10-3.13}"
 echo "test-pythons: main interpreter $main (run by scripts/test.sh itself); running here: ${runs[*]:-none}"
