@@ -1,6 +1,7 @@
 """The `roving` command: run (on the real Slurm), ps, logs, cancel, info, --help, bad input."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,23 @@ def roving_cmd(*args, timeout=120, cwd=None):
 def test_every_subcommand_has_help(sub):
     r = roving_cmd(sub, "--help")
     assert r.returncode == 0 and "--backend" in r.stdout
+
+
+def test_run_works_where_torch_the_pipeline_extra_is_not_installed(tmp_path):
+    # `import torch` fails in the command's interpreter, as where roving was installed without [pipeline]
+    (tmp_path / "blocked" / "torch").mkdir(parents=True)
+    blocked = "raise ModuleNotFoundError(\"No module named 'torch'\")\n"
+    (tmp_path / "blocked" / "torch" / "__init__.py").write_text(blocked)
+    (tmp_path / "prog.py").write_text("import sys\nprint('ran', 'torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocked"), *sys.path])}
+    env.pop("ROVING_CHILD", None)
+    r = subprocess.run([sys.executable, "-m", "roving", "run", "--backend", "local", "prog.py"], env=env,
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "[prog.py] ran False" in r.stdout
+    blocked = subprocess.run([sys.executable, "-c", "import torch"], env=env, capture_output=True, text=True,
+                             timeout=60)
+    assert "No module named 'torch'" in blocked.stderr  # the block held
 
 
 def test_run_on_slurm_runs_the_program_as_a_job_whose_pool_workers_are_job_steps():

@@ -7,7 +7,6 @@ import threading
 
 import numpy as np
 import pytest
-import torch
 
 from helpers_core import run_script
 from roving.transport.serialize import OOB_THRESHOLD, SerializationError, dumps, loads
@@ -98,33 +97,6 @@ def test_non_contiguous_memoryview_round_trips():
     assert back.tobytes() == view.tobytes()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
-def test_torch_cpu_tensor_travels_out_of_band_and_keeps_dtype_and_shape(dtype):
-    tensor = (torch.arange(BIG // 2) % 7).to(dtype).reshape(64, -1)
-    frames, back = roundtrip(tensor)
-    assert len(frames) == 2
-    assert isinstance(back, torch.Tensor)
-    assert back.dtype == dtype and back.shape == tensor.shape
-    assert torch.equal(back, tensor)
-
-
-def test_bfloat16_tensor_round_trip_is_bit_exact():
-    tensor = torch.randn(512, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    _, back = roundtrip(tensor)
-    assert back.dtype == torch.bfloat16
-    assert torch.equal(back.view(torch.int16), tensor.view(torch.int16))
-
-
-def test_non_contiguous_tensor_and_requires_grad_round_trip():
-    tensor = torch.randn(256, 512).t()
-    assert not tensor.is_contiguous()
-    _, back = roundtrip(tensor)
-    assert torch.equal(back, tensor)
-    param = torch.randn(256, 256, requires_grad=True)
-    _, back = roundtrip(param)
-    assert back.requires_grad and torch.equal(back.detach(), param.detach())
-
-
 def test_lambdas_and_local_functions_and_classes_travel_by_value():
     def local_function(x):
         return x * 3
@@ -199,3 +171,28 @@ def test_unpicklable_object_raises_serialization_error_naming_it():
         dumps({"lock": threading.Lock()})
     assert isinstance(info.value, TypeError)
     assert "lock" in str(info.value).lower() and "dict" in str(info.value)
+
+
+def test_frames_left_in_reference_cycles_are_freed_by_the_garbage_collector_without_a_crash(tmp_path):
+    # CPython 3.12.0/3.12.1 (gh-111049) crashed freeing a cycle that held a memoryview of BytesIO.getbuffer(),
+    # later versions report an ignored BufferError from the BytesIO; the collection runs in a fresh
+    # interpreter, so that a crash fails this test and not the whole run
+    script = tmp_path / "cycles.py"
+    script.write_text(textwrap.dedent("""
+        import gc
+        from roving.transport.serialize import dumps, loads
+
+        for i in range(2000):
+            frames = dumps({"i": i, "pad": b"x" * 100})
+            assert loads(frames)["i"] == i
+            cycle = [frames[0]]
+            cycle.append(cycle)
+            del frames, cycle
+            if i % 100 == 0:
+                gc.collect()
+        print("collected", gc.collect() >= 0)
+    """))
+    out = run_script(script)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "collected True"
+    assert "Exception ignored" not in out.stderr and "BufferError" not in out.stderr, out.stderr[-2000:]

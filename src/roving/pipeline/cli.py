@@ -58,7 +58,49 @@ def add_pipeline_parser(subparsers) -> None:
     p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
     p.set_defaults(handler=run_plan)
     add_train_parser(sub)
-    from .inference import add_inference_parsers; add_inference_parsers(sub)  # noqa: E702
+    add_inference_parsers(sub)
+
+
+def add_inference_parsers(sub) -> None:
+    """Register `pipeline eval` and `pipeline generate` on the pipeline subparsers object. Their module
+    (roving.pipeline.inference) needs torch, the `pipeline` extra: it is imported when one of them runs, so
+    that every other `roving` command works where torch is not installed."""
+    e = sub.add_parser("eval", help="validation perplexity of a checkpoint, whole and with stages dropped")
+    _common(e)
+    e.add_argument("--subsets", type=int, default=8,
+                   help="with --drop: evaluate every subset of that size when there are at most this many, "
+                        "else this many random ones (default 8)")
+    e.add_argument("--seed", type=int, default=0, help="picks the random subsets")
+    e.add_argument("--corpus", action="append", help="evaluate on this text file or folder's validation split "
+                   "instead of the training corpus (repeatable)")
+    e.add_argument("--batches", type=int, default=None, help="validation batches (default: the training run's)")
+    e.add_argument("--json", dest="json_out", default=None, help="also write the figures to this JSON file")
+    e.set_defaults(handler=_inference_command("run_eval"))
+    g = sub.add_parser("generate", help="continue a prompt with a checkpoint, optionally with stages dropped")
+    _common(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--tokens", type=int, default=200, help="bytes to generate (default 200)")
+    g.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely byte")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely bytes (0: all)")
+    g.add_argument("--seed", type=int, default=0, help="the sampling, and with --drop the subset dropped")
+    g.set_defaults(handler=_inference_command("run_generate"))
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="a file written by `roving pipeline train --checkpoint`")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--drop", type=float, default=None, metavar="FRACTION",
+                       help="drop round(FRACTION x (stages - 1)) of the stages after 0, chosen at random")
+    which.add_argument("--stages", default=None, metavar="LIST", help="drop these stages, e.g. 1,3")
+
+
+def _inference_command(name: str):
+    def handler(args: argparse.Namespace) -> int:
+        from . import inference
+
+        return getattr(inference, name)(args)
+
+    return handler
 
 
 def add_train_parser(sub) -> None:

@@ -252,7 +252,10 @@ def dumps(obj: Any) -> List[Any]:
         _Pickler(stream, protocol=5, buffer_callback=keep).dump(obj)
     except Exception as exc:  # pickle raises TypeError, AttributeError, PicklingError...
         raise serialization_error(f"cannot pickle {_describe(obj)}: {exc}", exc) from exc
-    return [stream.getbuffer(), *(b.raw() for b in buffers)]
+    # getvalue(), not getbuffer(): the same bytes without a copy, and no view of the BytesIO left to
+    # outlive it. The garbage collector freeing such a view in a reference cycle crashed CPython 3.12.0 and
+    # 3.12.1 (gh-111049) and, from 3.12.2, reports "BufferError: Existing exports of data" from the BytesIO.
+    return [stream.getvalue(), *(b.raw() for b in buffers)]
 
 
 def loads(frames: Sequence[Any]) -> Any:
