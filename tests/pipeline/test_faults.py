@@ -320,7 +320,7 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
 
     def launch(self, name, stage, index, fresh=True):
         real_launch(self, name, stage, index, fresh)
-        if not late and stage != 0 and list(self.p.plan.allocation.values()).count(stage) >= 2:
+        if not late and stage != 0 and list(self.prepared.plan.allocation.values()).count(stage) >= 2:
             late[name] = stage
             os.kill(self.procs[name].pid, signal.SIGSTOP)
 
