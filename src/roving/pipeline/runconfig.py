@@ -23,10 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # CPython 3.10 (pyproject.toml requires tomli there)
+    import tomli as tomllib
 
 from .errors import PlanError
 from .model import LlamaConfig, preset
