@@ -16,3 +16,5 @@ bash scripts/lint.sh  # ruff and mypy (their rules: pyproject.toml), before anyt
 # slurm.sh, hosts.sh and docker.sh, each run from nothing and then once more (the first-run path, checked)
 bash scripts/check-first-run.sh
 python3 -m pytest -q -p no:cacheprovider tests
+# the version-sensitive tests on each other CPython 3.10-3.13 found here (nothing when there are none)
+bash scripts/test-pythons.sh
