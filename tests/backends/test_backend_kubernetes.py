@@ -155,7 +155,7 @@ def test_workers_have_an_owner_reference_to_the_parent_pod_and_go_when_it_is_del
     assert wait_until(lambda: not fake.pods, 10)
 
 
-def test_the_session_secret_is_in_a_secret_object_not_in_any_pod_spec(fake):
+def test_each_pods_secret_is_in_a_secret_object_of_its_own_not_in_any_pod_spec(fake):
     from roving.transport import session as _session
 
     secret = _session.current().secret.hex()
@@ -167,12 +167,23 @@ def test_the_session_secret_is_in_a_secret_object_not_in_any_pod_spec(fake):
     assert secret not in json.dumps(body), "no pod spec carries the session's key"
     env = {e["name"]: e for e in body["spec"]["containers"][0]["env"]}
     ref = env[_session.SECRET_ENV]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == p.job.id  # the pod's own: its credentials' seed is its alone
     stored = fake.secrets[("default", ref["name"])]
-    assert base64.b64decode(stored["data"][ref["key"]]).decode() == secret
+    member, _, seed = base64.b64decode(stored["data"][ref["key"]]).decode().partition(".")
+    assert member == secret and len(seed) >= 32
     assert stored["metadata"]["labels"]["roving.session"] == _session.current().tag
+    other = roving.Process(target=h.put_value, args=(q, "also authenticated"))
+    other.start()  # a second pod: a Secret of its own, with another seed
+    assert q.get(timeout=T) == "also authenticated"
+    other_ref = {e["name"]: e for e in fake.pods[("default", other.job.id)].body["spec"]["containers"][0]["env"]}[
+        _session.SECRET_ENV]["valueFrom"]["secretKeyRef"]
+    assert other_ref["name"] == other.job.id and base64.b64decode(
+        fake.secrets[("default", other.job.id)]["data"]["secret"]).decode() != f"{member}.{seed}"
     p.join(T)
+    other.join(T)
+    assert wait_until(lambda: ("default", ref["name"]) not in fake.secrets, 10), "a pod's Secret goes with it"
     backends.get("kubernetes").shutdown()
-    assert ("default", ref["name"]) not in fake.secrets, "the Secret goes when the session ends"
+    assert not fake.secrets, "and every Secret when the session ends"
 
 
 def test_a_pod_whose_secret_is_missing_waits_with_the_kubelets_reason(fake):
@@ -217,7 +228,7 @@ def test_a_parent_killed_with_sigkill_leaves_no_pod_and_no_secret(fake, tmp_path
     try:
         assert wait_until(lambda: out.exists() or parent.poll() is not None, 120), "the parent did not start"
         assert out.exists(), parent.communicate(timeout=30)
-        assert len(fake.pods) == 2 and len(fake.secrets) == 1
+        assert len(fake.pods) == 2 and len(fake.secrets) == 2  # a Secret per pod
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
         assert wait_until(lambda: not fake.pods and not fake.secrets, 30, 0.25), (fake.pods, fake.secrets)

@@ -13,11 +13,11 @@
   (SIGKILL, -9). An ended pod is deleted once its end and output are read.
 * A parent that advertises an address (``advertise``, its pod IP) gives each worker pod its own pod IP to
   advertise (``valueFrom.fieldRef: status.podIP``), not the parent's.
-* The session's secret (the key every connection authenticates with) is not in the pod spec, which
-  anyone allowed to read pods could see: it goes into one Secret per session (``roving-<session>``,
-  owned by the parent's pod when there is one), which each pod's env references
-  (``valueFrom.secretKeyRef``). The Secret is deleted when the session ends, and by the watcher process
-  when the parent dies.
+* The secret a pod authenticates with (the session's member secret and the pod's own credentials' seed,
+  roving.transport.identity) is not in the pod spec, which anyone allowed to read pods could see: it goes
+  into a Secret of the pod's own (named as the pod, owned by the parent's pod when there is one), which
+  the pod's env references (``valueFrom.secretKeyRef``). Each is deleted with its pod, when the session
+  ends, and by the watcher process when the parent dies.
 * The client is configured in-cluster inside a pod, else from the kubeconfig (KUBECONFIG).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import re
 import threading
 import time
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
@@ -84,7 +84,7 @@ class KubernetesBackend(Backend):
         self._reaper = Reaper(self.name)
         self._owner: Optional[dict] = None
         self._owner_checked = False
-        self._secret: Optional[str] = None  # this session's Secret, once made
+        self._secrets: Set[str] = set()  # the Secrets of this process's pods (each named as its pod)
 
     # -- the API ---------------------------------------------------------------------------------
     def api(self) -> Any:
@@ -182,7 +182,7 @@ class KubernetesBackend(Backend):
             from_refs.append({"name": "ROVING_ADVERTISE", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}})
         if secret:
             from_refs.append({"name": spec.session.secret_env, "valueFrom": {"secretKeyRef": {
-                "name": self._session_secret(tag, secret), "key": "secret"}}})
+                "name": self._pod_secret(tag, name, secret), "key": "secret"}}})
         metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
                                               "roving.name": _dns_name(spec.name),
                                               "roving.user": _user_label(user_name()),
@@ -200,8 +200,10 @@ class KubernetesBackend(Backend):
             throttle.retry_busy(lambda: api.create_namespaced_pod(self.namespace, body, _request_timeout=_TIMEOUT),
                                 _busy, f"creating the pod of {spec.name}")
         except ApiException as exc:
+            self._drop_pod_secret(name)
             raise KubernetesError(f"Kubernetes refused the pod for {spec.name}: {_short(exc)}") from None
         except Exception as exc:
+            self._drop_pod_secret(name)
             raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
         pod = _Pod(spec, name)
         with self._lock:
@@ -222,33 +224,37 @@ class KubernetesBackend(Backend):
                 return [exc] * len(specs)
         return throttle.concurrently(self.create_job, specs)
 
-    def _session_secret(self, tag: str, secret: str) -> str:
-        """The name of the Secret that holds the ``secret`` (hex) of session ``tag``, made on first use
-        (a process has one session)."""
+    def _pod_secret(self, tag: str, pod_name: str, secret: str) -> str:
+        """Make the Secret that holds the ``secret`` of the pod ``pod_name`` of session ``tag`` (each pod has
+        credentials of its own, so a Secret of its own); its name."""
         from kubernetes.client.rest import ApiException
 
+        metadata: Dict[str, Any] = {"name": pod_name, "labels": {"app.kubernetes.io/managed-by": "roving",
+                                                     "roving.session": tag}}
+        owner = self._owner_reference()
+        if owner:
+            metadata["ownerReferences"] = [owner]
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
+                "stringData": {"secret": secret}}
+        try:
+            self.api().create_namespaced_secret(self.namespace, body, _request_timeout=_TIMEOUT)
+        except ApiException as exc:
+            raise KubernetesError(f"Kubernetes refused the Secret {pod_name} (the pod's key to authenticate; "
+                                  f"the role needs create/delete on secrets): {_short(exc)}") from None
+        except Exception as exc:
+            raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
         with self._lock:
-            if self._secret is not None:
-                return self._secret
-            name = f"roving-{tag}"
-            metadata: Dict[str, Any] = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving",
-                                                 "roving.session": tag}}
-            owner = self._owner_reference()
-            if owner:
-                metadata["ownerReferences"] = [owner]
-            body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": metadata,
-                    "stringData": {"secret": secret}}
-            try:
-                self.api().create_namespaced_secret(self.namespace, body, _request_timeout=_TIMEOUT)
-            except ApiException as exc:
-                raise KubernetesError(f"Kubernetes refused the session's Secret {name} (the pods' key to "
-                                      f"authenticate; the role needs create/delete on secrets): "
-                                      f"{_short(exc)}") from None
-            except Exception as exc:
-                raise KubernetesError(f"the Kubernetes API server is not reachable ({_short(exc)})") from None
-            self._reaper.add(f"{self.namespace}/secret:{name}")
-            self._secret = name
-            return name
+            self._secrets.add(pod_name)
+        self._reaper.add(f"{self.namespace}/secret:{pod_name}")
+        return pod_name
+
+    def _drop_pod_secret(self, pod_name: str) -> None:
+        with self._lock:
+            if pod_name not in self._secrets:
+                return
+            self._secrets.discard(pod_name)
+        self._delete_secret(pod_name)
+        self._reaper.done(f"{self.namespace}/secret:{pod_name}")
 
     def _delete_secret(self, name: str, namespace: Optional[str] = None) -> None:
         try:
@@ -338,6 +344,7 @@ class KubernetesBackend(Backend):
         pod.status = status
         self._delete(pod.name, 0)
         self._reaper.done(f"{self.namespace}/{pod.name}")
+        self._drop_pod_secret(pod.name)
 
     def _delete(self, name: str, grace: int, namespace: Optional[str] = None) -> None:
         try:
@@ -434,10 +441,9 @@ class KubernetesBackend(Backend):
             self._delete(pod.name, 0)
             self._reaper.done(f"{self.namespace}/{pod.name}")
         with self._lock:
-            name, self._secret = self._secret, None
-        if name is not None:
-            self._delete_secret(name)
-            self._reaper.done(f"{self.namespace}/secret:{name}")
+            left = list(self._secrets)
+        for name in left:
+            self._drop_pod_secret(name)
 
 
 def _status_of(item: Any) -> JobStatus:
