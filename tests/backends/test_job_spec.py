@@ -40,7 +40,9 @@ def test_a_child_gets_the_secret_in_the_sessions_variable_and_its_bootstrap_hold
     assert p.exitcode == 0
     (spec,) = [s for s in specs if s.name == "carrier"]
     assert spec.session == backends.JobSession(session.tag, _session.SECRET_ENV, _session.SECRET_FILE_ENV)
-    assert spec.env[spec.session.secret_env] == session.secret.hex()
+    # the member secret, then the child's own credentials' seed (roving.transport.identity)
+    member, _, seed = spec.env[spec.session.secret_env].partition(".")
+    assert member == session.secret.hex() and len(seed) >= 32
     assert "secret" not in json.loads(spec.env[_session.CHILD_ENV])
     assert session.secret.hex() not in spec.env[_session.CHILD_ENV]
 
