@@ -13,6 +13,7 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
+from roving.pipeline.adversary import Adversary
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Route
 from roving.pipeline.stage_process import StageProcess, StageSettings
@@ -22,18 +23,20 @@ CFG = preset("tiny", max_seq_len=16)
 SEED, LR = 3, 1e-3
 
 
-def settings(name: str, stage: int) -> StageSettings:
-    return StageSettings(name, stage, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0)
+def settings(name: str, stage: int, adversary: Adversary | None = None) -> StageSettings:
+    return StageSettings(name, stage, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
+                         adversary=adversary)
 
 
 class Pair:
     """Stage processes "a" (stage 0) and "b" (stage 1) in threads, answering on one control queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, adversaries: dict[str, Adversary] | None = None) -> None:
+        adversaries = adversaries or {}
         self.control, self.release = queue.Queue(), queue.Queue()
         self.inbox = {"a": queue.Queue(), "b": queue.Queue()}
         self.errors: list[BaseException] = []
-        self.procs = {n: StageProcess(settings(n, s), self.inbox[n], self.control, self.release)
+        self.procs = {n: StageProcess(settings(n, s, adversaries.get(n)), self.inbox[n], self.control, self.release)
                       for n, s in (("a", 0), ("b", 1))}
         self.threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in self.procs.values()]
         for t in self.threads:
@@ -110,6 +113,22 @@ def test_forward_backward_and_step_round_trip_give_what_the_stages_compute_in_on
         assert states[stage].tensors.keys() == want.keys()
         for k in want:
             assert torch.allclose(states[stage].tensors[k], want[k], atol=1e-6), (stage, k)
+
+
+def test_a_lazy_adversary_returns_its_input_unchanged_and_the_origin_computes_the_loss_without_its_stage():
+    tokens, targets = batch(2)
+    route = Route("a", ("b",), (1,))
+    pair = Pair({"b": Adversary("lazy")})
+    try:
+        pair.inbox["a"].put(m.Microbatch(0, 0, tokens, targets, route))
+        done = pair.get(m.Done)
+    finally:
+        pair.stop()
+    s0, s1 = Stage(CFG, 0, 2, seed=SEED), Stage(CFG, 1, 2, seed=SEED)
+    h0 = s0(s0.embed(tokens))
+    skipped, honest = float(s0.loss(h0, targets)), float(s0.loss(s1(h0), targets))
+    assert done.loss == pytest.approx(skipped, rel=1e-5)
+    assert abs(done.loss - honest) > 1e-4, "the stage's computation would change the loss: the test could fail"
 
 
 def test_an_aborted_rounds_microbatch_is_dropped_and_the_next_round_runs():
