@@ -23,7 +23,8 @@ others (two colluders agreeing on a wrong share still disagree with the honest m
 ``Screen.suspects`` names a node when, at a boundary where at least 3 nodes have ``min_samples``
 observations, a statistic of it is ``z`` standard errors away from the median over the boundary's
 nodes, itself included (so fewer than half the nodes, colluding or not, cannot move it; the error:
-the node's own standard error and the median of all, added in quadrature, with a small floor): both ways for ``norm``, ``mean`` and ``std``, downwards only for ``profile`` and
+the node's own standard error and the median of all, added in quadrature, with a small floor): both
+ways for ``norm``, ``mean`` and ``std``, downwards only for ``profile`` and
 ``cosine``. Honest nodes stay inside the band (``z = 6``: a chance of about 1e-9 per test for a
 statistic that is near normal) -- measured on synthetic data in ``tests/pipeline/test_screen.py``.
 What it cannot see: a lie that keeps every statistic (a node that sends another honest-looking
