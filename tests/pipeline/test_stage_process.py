@@ -186,3 +186,67 @@ def test_messages_pickle_with_their_fields_and_stay_small():
     with pytest.raises(AttributeError):
         msg.round = 4  # frozen
     assert len(pickle.dumps(m.Abort(7), protocol=5)) < 80
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_share_is_outvoted(rule):
+    """Three replicas of stage 0 each run a microbatch (a route through no other stage); "c" sends a tampered share
+    (``weights``). Under ``median`` the honest replicas' averaged gradient is the coordinate-wise
+    median of the three shares as sent (``aggregate.combine``); under ``mean`` the lie drags it."""
+    from roving.pipeline.aggregate import combine
+
+    names = ("a", "b", "c")
+    lie = Adversary("weights", seed=4)
+    control, release = queue.Queue(), queue.Queue()
+    inbox = {n: queue.Queue() for n in names}
+    procs = {n: StageProcess(StageSettings(n, 0, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
+                                           aggregation=rule, adversary=lie if n == "c" else None),
+                             inbox[n], control, release) for n in names}
+    errors: list[BaseException] = []
+
+    def run(p):
+        try:
+            p.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in procs.values()]
+    for t in threads:
+        t.start()
+    try:
+        assert {control.get(timeout=60).sender for _ in names} == set(names)  # Ready
+        for n in names:
+            inbox[n].put(m.Peers(dict(inbox)))
+        for i, n in enumerate(names):
+            tokens, targets = batch(10 + i)
+            inbox[n].put(m.Microbatch(0, i, tokens, targets, Route(n, (), ())))
+            inbox[n].put(m.SyncOrder(0, list(names), 3, 1))
+        got = [control.get(timeout=60) for _ in range(6)]
+        assert not errors, errors
+        norms = {g.sender: g.sq_norm for g in got if isinstance(g, m.Norm)}
+        assert set(norms) == set(names), got
+    finally:
+        for n in names:
+            inbox[n].put(m.Stop(list(names)))
+        for _ in names:
+            control.get(timeout=60)
+            release.put(None)
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors, errors
+
+    shares = []
+    for i, n in enumerate(names):
+        stage = Stage(CFG, 0, 2, seed=SEED)
+        tokens, targets = batch(10 + i)
+        stage.loss(stage(stage.embed(tokens)), targets).backward()
+        flat = torch.cat([p.grad.flatten().float() for p in stage.parameters()])
+        shares.append(lie.tamper("share", flat, n, 0, -1) if n == "c" else flat)
+    want = float(combine(shares, [1, 1, 1], 3, rule).pow(2).sum())
+    honest = float(combine(shares[:2] + [shares[0]], [1, 1, 1], 3, "median").pow(2).sum())
+    for n in ("a", "b"):
+        assert norms[n] == pytest.approx(want, rel=1e-4), (n, norms, want)
+    if rule == "median":
+        assert want < 4 * honest, "the median is not dragged by the tampered share"
+    else:
+        assert want > 4 * honest, "the mean is dragged by it: the comparison could fail"
