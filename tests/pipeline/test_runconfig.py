@@ -19,7 +19,7 @@ def test_every_field_is_in_exactly_one_section_and_the_defaults_are_the_sections
     fields = [f.name for f in dataclasses.fields(TrainConfig)]
     in_sections = [f.name for kind in SECTIONS.values() for f in dataclasses.fields(kind)]
     assert sorted(fields) == sorted(in_sections) and len(set(in_sections)) == len(in_sections)
-    assert set(SECTIONS) == {"model", "data", "plan", "optim", "faults", "checkpoint", "run"}
+    assert set(SECTIONS) == {"model", "data", "plan", "optim", "faults", "checkpoint", "run", "verify"}
     cfg = TrainConfig()
     for name, kind in SECTIONS.items():
         assert cfg.section(name) == kind()
@@ -121,3 +121,41 @@ def test_the_default_run_file_is_the_default_run():
     aside)."""
     cfg = TrainConfig.from_toml(str(next(p for p in EXAMPLES if p.name == "skippipe.toml")))
     assert dataclasses.replace(cfg, metrics="", plot="") == TrainConfig()
+
+
+def test_the_verify_section_defaults_to_training_as_before_and_reads_its_keys(tmp_path):
+    cfg = TrainConfig()
+    assert (cfg.mode, cfg.aggregation, cfg.adversaries) == ("off", "mean", "")
+    f = tmp_path / "v.toml"
+    f.write_text('[verify]\nmode = "spot"\nverify_rate = 0.1\ntolerance = 1e-2\naggregation = "median"\n'
+                 'adversaries = "n01:scale:3:0.5"\n')
+    v = TrainConfig.from_toml(str(f)).section("verify")
+    assert (v.mode, v.verify_rate, v.tolerance, v.aggregation, v.adversaries) == \
+        ("spot", 0.1, 1e-2, "median", "n01:scale:3:0.5")
+    assert SECTION_OF["aggregation"] == "verify"
+
+
+@pytest.mark.parametrize("key, words", [
+    ('mode = "paranoid"', "mode ([verify]) must be one of off, screen, spot, full, got 'paranoid'"),
+    ('aggregation = "krum"', "aggregation must be one of mean, trimmed, median, clip, got 'krum'"),
+    ("verify_rate = 1.5", "verify_rate must be a chance from 0 to 1, got 1.5"),
+    ("tolerance = -1", "tolerance must be a relative difference >= 0, got -1"),
+    ('adversaries = "n01:evil"', "adversaries: 'evil' in 'n01:evil' is not a kind"),
+])
+def test_bad_verify_keys_are_clear_errors(tmp_path, key, words):
+    f = tmp_path / "bad.toml"
+    f.write_text(f"[verify]\n{key}\n")
+    with pytest.raises(PlanError) as err:
+        TrainConfig.from_toml(str(f))
+    assert words in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--verify-rate", "2"], "verify_rate must be a chance from 0 to 1, got 2.0"),
+    (["--adversaries", "n01:evil"], "'evil' in 'n01:evil' is not a kind"),
+    (["--verify", "spot", "--tolerance", "-1"], "tolerance must be a relative difference >= 0"),
+])
+def test_the_verify_flags_reach_the_run_config_and_bad_values_start_nothing(capsys, flags, words):
+    assert main(["pipeline", "train", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err, err

@@ -13,6 +13,7 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
+from roving.pipeline.adversary import Adversary
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Route
 from roving.pipeline.stage_process import StageProcess, StageSettings
@@ -22,18 +23,20 @@ CFG = preset("tiny", max_seq_len=16)
 SEED, LR = 3, 1e-3
 
 
-def settings(name: str, stage: int) -> StageSettings:
-    return StageSettings(name, stage, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0)
+def settings(name: str, stage: int, adversary: Adversary | None = None) -> StageSettings:
+    return StageSettings(name, stage, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
+                         adversary=adversary)
 
 
 class Pair:
     """Stage processes "a" (stage 0) and "b" (stage 1) in threads, answering on one control queue."""
 
-    def __init__(self) -> None:
+    def __init__(self, adversaries: dict[str, Adversary] | None = None) -> None:
+        adversaries = adversaries or {}
         self.control, self.release = queue.Queue(), queue.Queue()
         self.inbox = {"a": queue.Queue(), "b": queue.Queue()}
         self.errors: list[BaseException] = []
-        self.procs = {n: StageProcess(settings(n, s), self.inbox[n], self.control, self.release)
+        self.procs = {n: StageProcess(settings(n, s, adversaries.get(n)), self.inbox[n], self.control, self.release)
                       for n, s in (("a", 0), ("b", 1))}
         self.threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in self.procs.values()]
         for t in self.threads:
@@ -112,6 +115,23 @@ def test_forward_backward_and_step_round_trip_give_what_the_stages_compute_in_on
             assert torch.allclose(states[stage].tensors[k], want[k], atol=1e-6), (stage, k)
 
 
+def test_a_lazy_adversary_returns_its_input_unchanged_and_the_origin_computes_the_loss_without_its_stage():
+    tokens, targets = batch(2)
+    route = Route("a", ("b",), (1,))
+    pair = Pair({"b": Adversary("lazy")})
+    try:
+        pair.inbox["a"].put(m.Microbatch(0, 0, tokens, targets, route))
+        done = pair.get(m.Done)
+    finally:
+        pair.stop()
+    s0, s1 = Stage(CFG, 0, 2, seed=SEED), Stage(CFG, 1, 2, seed=SEED)
+    with torch.no_grad():
+        h0 = s0(s0.embed(tokens))
+        skipped, honest = float(s0.loss(h0, targets)), float(s0.loss(s1(h0), targets))
+    assert done.loss == pytest.approx(skipped, rel=1e-5)
+    assert abs(done.loss - honest) > 1e-4, "the stage's computation would change the loss: the test could fail"
+
+
 def test_an_aborted_rounds_microbatch_is_dropped_and_the_next_round_runs():
     tokens, targets = batch(1)
     route = Route("a", ("b",), (1,))
@@ -167,3 +187,67 @@ def test_messages_pickle_with_their_fields_and_stay_small():
     with pytest.raises(AttributeError):
         msg.round = 4  # frozen
     assert len(pickle.dumps(m.Abort(7), protocol=5)) < 80
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_share_is_outvoted(rule):
+    """Three replicas of stage 0 each run a microbatch (a route through no other stage); "c" sends a tampered share
+    (``weights``). Under ``median`` the honest replicas' averaged gradient is the coordinate-wise
+    median of the three shares as sent (``aggregate.combine``); under ``mean`` the lie drags it."""
+    from roving.pipeline.aggregate import combine
+
+    names = ("a", "b", "c")
+    lie = Adversary("weights", seed=4)
+    control, release = queue.Queue(), queue.Queue()
+    inbox = {n: queue.Queue() for n in names}
+    procs = {n: StageProcess(StageSettings(n, 0, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
+                                           aggregation=rule, adversary=lie if n == "c" else None),
+                             inbox[n], control, release) for n in names}
+    errors: list[BaseException] = []
+
+    def run(p):
+        try:
+            p.run()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,), daemon=True) for p in procs.values()]
+    for t in threads:
+        t.start()
+    try:
+        assert {control.get(timeout=60).sender for _ in names} == set(names)  # Ready
+        for n in names:
+            inbox[n].put(m.Peers(dict(inbox)))
+        for i, n in enumerate(names):
+            tokens, targets = batch(10 + i)
+            inbox[n].put(m.Microbatch(0, i, tokens, targets, Route(n, (), ())))
+            inbox[n].put(m.SyncOrder(0, list(names), 3, 1))
+        got = [control.get(timeout=60) for _ in range(6)]
+        assert not errors, errors
+        norms = {g.sender: g.sq_norm for g in got if isinstance(g, m.Norm)}
+        assert set(norms) == set(names), got
+    finally:
+        for n in names:
+            inbox[n].put(m.Stop(list(names)))
+        for _ in names:
+            control.get(timeout=60)
+            release.put(None)
+        for t in threads:
+            t.join(timeout=30)
+    assert not errors, errors
+
+    shares = []
+    for i, n in enumerate(names):
+        stage = Stage(CFG, 0, 2, seed=SEED)
+        tokens, targets = batch(10 + i)
+        stage.loss(stage(stage.embed(tokens)), targets).backward()
+        flat = torch.cat([p.grad.flatten().float() for p in stage.parameters()])
+        shares.append(lie.tamper("share", flat, n, 0, -1) if n == "c" else flat)
+    want = float(combine(shares, [1, 1, 1], 3, rule).pow(2).sum())
+    honest = float(combine(shares[:2] + [shares[0]], [1, 1, 1], 3, "median").pow(2).sum())
+    for n in ("a", "b"):
+        assert norms[n] == pytest.approx(want, rel=1e-4), (n, norms, want)
+    if rule == "median":
+        assert want < 4 * honest, "the median is not dragged by the tampered share"
+    else:
+        assert want > 4 * honest, "the mean is dragged by it: the comparison could fail"

@@ -173,6 +173,18 @@ def add_train_parser(sub) -> None:
                    help="iterations that count as an hour for --fail-rate (default 100)")
     t.add_argument("--fail-at", help='failure injection, scripted: "10:2,30:1" kills every node of stage 2 at the '
                                      "start of iteration 10, and of stage 1 at 30")
+    t.add_argument("--verify", dest="mode", choices=("off", "screen", "spot", "full"),
+                   help="[verify] mode: what is checked of what the nodes send (default off)")
+    t.add_argument("--verify-rate", type=float,
+                   help="the chance that a microbatch is recomputed by another replica (default 0.05)")
+    t.add_argument("--tolerance", type=float,
+                   help="relative difference a recomputation may have from the original (default 1e-3)")
+    t.add_argument("--aggregation", choices=("mean", "trimmed", "median", "clip"),
+                   help="how a stage's replicas' gradients are combined: the mean (default), a trimmed mean, "
+                        "the coordinate-wise median or centered clipping")
+    t.add_argument("--adversaries",
+                   help='adversary injection: "n03:scale:10:0.5:4,n05:nan" (NODE:KIND[:FROM[:FRACTION[:STRENGTH]]]; '
+                        "kinds noise, scale, signflip, lazy, bias, nan, weights, collude)")
     t.set_defaults(handler=run_train)
     d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
                                          "elsewhere (live), or of a finished run's --metrics file")
@@ -329,7 +341,8 @@ def run_train(args: argparse.Namespace) -> int:
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
               "dead_after", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
-              "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at")
+              "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at",
+              "mode", "verify_rate", "tolerance", "aggregation", "adversaries")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

@@ -190,10 +190,12 @@ class Backward(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class Gradients(RoundMessage):
-    """A replica's summed gradients of the round, flattened."""
+    """A replica's summed gradients of the round, flattened, over ``count`` microbatches (its
+    backward passes of the round; ``aggregate`` weighs replicas by it)."""
 
     sender: str
     flat: Any
+    count: int = 0
 
 
 # -- stage process -> coordinator --------------------------------------------------------------------

@@ -26,6 +26,7 @@ import time
 from typing import Any, Callable
 
 from . import protocol as m
+from .adversary import parse_adversaries
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError
 from .senders import Senders
 from .stage_process import StageSettings, stage_main
@@ -50,6 +51,12 @@ class Roster:
         self.release = roving.Queue()
         self.beats = roving.Queue()
         self.universe = {n.name: n for n in prep.network.nodes}
+        #: adversary injection (``[verify] adversaries``): node -> how it lies
+        self.adversaries = parse_adversaries(self.config.adversaries, self.config.seed)
+        unknown = sorted(set(self.adversaries) - set(self.universe))
+        if unknown:
+            raise PlanError(f"adversaries: no node {', '.join(unknown)} in the run's network "
+                            f"(its nodes: {', '.join(sorted(self.universe))})")
         self.procs: dict[str, Any] = {}
         self.inboxes: dict[str, Any] = {}
         self.incarnation: dict[str, int] = {}
@@ -78,7 +85,8 @@ class Roster:
         s = StageSettings(name, stage, self.config.stages, self.prepared.model, self.config.seed, limit,
                           lr=self.config.lr, weight_decay=self.config.weight_decay, device=self.config.device,
                           bf16=self.config.bf16, threads=self.config.threads, index=index, emulate=emulate,
-                          incarnation=inc, heartbeat=self.config.heartbeat)
+                          incarnation=inc, heartbeat=self.config.heartbeat,
+                          aggregation=self.config.aggregation, adversary=self.adversaries.get(name))
         label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
         proc = roving.Process(target=stage_main, args=(s, self.control, self.release, self.beats),
                               name=label, daemon=True)

@@ -1,7 +1,7 @@
 """What a training run is: ``TrainConfig``, in sections that a TOML run file mirrors.
 
 A run file has one table per section (``[model]``, ``[data]``, ``[plan]``, ``[optim]``, ``[faults]``,
-``[checkpoint]``, ``[run]``), each holding that section's keys (``examples/configs/*.toml``)::
+``[checkpoint]``, ``[run]``, ``[verify]``), each holding that section's keys (``examples/configs/*.toml``)::
 
     [model]
     model = "tiny"
@@ -28,14 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .adversary import parse_adversaries
+from .errors import PlanError
+from .model import LlamaConfig, preset
+from .recovery import POLICIES, parse_fail_at
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # CPython 3.10 (pyproject.toml requires tomli there)
     import tomli as tomllib
-
-from .errors import PlanError
-from .model import LlamaConfig, preset
-from .recovery import POLICIES, parse_fail_at
 
 
 @dataclass
@@ -188,14 +189,36 @@ class RunSection:
     control: str = ""
 
 
+@dataclass
+class VerifySection:
+    """[verify]: what a stage's nodes send is checked, not trusted (issue 32; README, Untrusted nodes).
+    The default, ``mode = "off"`` with ``aggregation = "mean"``, is training as it was."""
+
+    #: "off" (nothing checked), "screen" (running statistics of what crosses each stage boundary,
+    #: ``screen``), "spot" (screening and recomputation of sampled microbatches) or "full" (both, every
+    #: microbatch recomputed). Only the aggregation rule and the adversaries act in training so far.
+    mode: str = "off"
+    #: the chance that a microbatch is recomputed by another replica (mode spot).
+    verify_rate: float = 0.05
+    #: relative difference between a recomputation and the original still taken as equal (float
+    #: nondeterminism).
+    tolerance: float = 1e-3
+    #: how a stage's replicas' gradient shares are combined (``aggregate``): "mean" (as before),
+    #: "trimmed", "median" or "clip" (centered clipping).
+    aggregation: str = "mean"
+    #: adversary injection: "n03:scale:10:0.5" (``adversary``'s NODE:KIND[:FROM[:FRACTION[:STRENGTH]]];
+    #: "": none).
+    adversaries: str = ""
+
+
 #: the sections of a run file, in the order they are written.
 SECTIONS: dict[str, type] = {"model": ModelSection, "data": DataSection, "plan": PlanSection,
                              "optim": OptimSection, "faults": FaultsSection, "checkpoint": CheckpointSection,
-                             "run": RunSection}
+                             "run": RunSection, "verify": VerifySection}
 
 
 @dataclass
-class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, PlanSection, DataSection,
+class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, OptimSection, PlanSection, DataSection,
                   ModelSection):
     """One training run: every field of every section, as flat attributes. ``from_toml`` reads a run
     file, ``from_dict`` its parsed content (sections as tables, or flat keys); flags override both."""
@@ -260,6 +283,7 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise PlanError(f"{name} must be a non-negative integer, got {getattr(self, name)!r}")
         self._check_recovery()
+        self._check_verify()
         if isinstance(self.corpus, str):
             self.corpus = [self.corpus]
 
@@ -284,6 +308,21 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
             raise PlanError("fail_at kills stage 0, which stage_recovery = \"skip\" cannot skip (it holds the "
                             "embedding, head and loss): use another policy or another stage")
 
+    def _check_verify(self) -> None:
+        from .aggregate import RULES
+
+        if self.mode not in MODES:
+            raise PlanError(f"mode ([verify]) must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.aggregation not in RULES:
+            raise PlanError(f"aggregation must be one of {', '.join(RULES)}, got {self.aggregation!r}")
+        r = self.verify_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise PlanError(f"verify_rate must be a chance from 0 to 1, got {r!r}")
+        t = self.tolerance
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
+            raise PlanError(f"tolerance must be a relative difference >= 0, got {t!r}")
+        parse_adversaries(self.adversaries, self.seed)
+
     def lr_at(self, it: int) -> float:
         """The learning rate at iteration ``it``: linear warm-up over ``warmup`` iterations, then a cosine
         down to ``min_lr`` at the last iteration."""
@@ -305,6 +344,8 @@ class TrainConfig(RunSection, CheckpointSection, FaultsSection, OptimSection, Pl
             raise PlanError(f"model: {exc}") from None
 
 
+#: the verification modes, as ``[verify] mode`` names them.
+MODES = ("off", "screen", "spot", "full")
 #: each key's section.
 SECTION_OF: dict[str, str] = {f.name: name for name, kind in SECTIONS.items() for f in dataclasses.fields(kind)}
 _TYPES = {f.name: f.type for kind in SECTIONS.values() for f in dataclasses.fields(kind)}

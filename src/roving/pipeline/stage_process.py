@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from . import protocol as m
+from .adversary import Adversary
+from .aggregate import combine
 from .model import LlamaConfig
 from .network import Link
 from .plan import Route
@@ -69,6 +71,10 @@ class StageSettings:
     incarnation: int = 0
     #: seconds between heartbeats (0: none).
     heartbeat: float = 0.5
+    #: how the stage's replicas' gradient shares are combined (``aggregate.RULES``).
+    aggregation: str = "mean"
+    #: adversary injection: how this process lies about what it sends (None: it does not).
+    adversary: Adversary | None = None
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:
@@ -119,6 +125,7 @@ class StageProcess:
         self.arrivals = 0
         self.stash: dict[tuple[int, int], tuple] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.share_counts: dict[int, dict[str, int]] = {}  # round -> replica -> its microbatches
         self.sync_order: dict[int, tuple[list[str], int, int | None]] = {}
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
@@ -234,6 +241,7 @@ class StageProcess:
 
     def _on_gradients(self, msg: m.Gradients) -> None:
         self.grads.setdefault(msg.round, {})[msg.sender] = msg.flat
+        self.share_counts.setdefault(msg.round, {})[msg.sender] = msg.count
         self._try_sync(msg.round)
 
     def _on_step(self, msg: m.Step) -> None:
@@ -300,7 +308,7 @@ class StageProcess:
                 y = self.stage(x)
             self.stash[rnd, mb] = (x, y, None)
             self._track()
-            self._forward_on(rnd, mb, hop + 1, y, route)
+            self._forward_on(rnd, mb, hop + 1, y, route, given=msg.tensor)
         else:  # Backward
             x, y, _ = self.stash.pop((rnd, mb))
             y.backward(self._in(msg.tensor))
@@ -309,15 +317,25 @@ class StageProcess:
             if msg.hop == -1:
                 self.control.put(m.Done(rnd, self.name, mb, self._losses.pop((rnd, mb))))
             else:
-                self._backward_on(rnd, mb, msg.hop - 1, x.grad, route)
+                self._backward_on(rnd, mb, msg.hop - 1, x.grad, route, given=msg.tensor)
             self._try_sync(rnd)  # after the send: the next process's work does not wait for the averaging
 
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
 
-    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route) -> None:
-        """Send activations to the process at ``hop`` of the route (the origin when past the end)."""
+    def _lie(self, what: str, t: torch.Tensor, rnd: int, mb: int, given: torch.Tensor | None = None) -> torch.Tensor:
+        """``t`` as this process sends it: tampered with when it is an injected adversary
+        (``adversary``), else ``t`` itself."""
+        adv = self.settings.adversary
+        return t if adv is None else adv.tamper(what, t, self.name, rnd, mb, given).contiguous()
+
+    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route,
+                    given: torch.Tensor | None = None) -> None:
+        """Send activations to the process at ``hop`` of the route (the origin when past the end);
+        ``given``: the activations this process was given (an adversary's input)."""
         out = self._out(h)
+        if route.nodes:  # sent to another process (not a loss run here)
+            out = self._lie("activation", out, rnd, mb, given)
         msg = m.Forward(rnd, self.name, mb, hop, out, route)
         if hop == len(route.nodes):
             if not route.nodes:  # a route that visits no other stage: the loss runs here at once
@@ -329,10 +347,12 @@ class StageProcess:
         self.peers.send(dst, msg, out)
 
     def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
-                     loss: float | None = None) -> None:
+                     loss: float | None = None, given: torch.Tensor | None = None) -> None:
         if loss is not None:
             self._losses[rnd, mb] = loss
         out = self._out(g)
+        if route.nodes:  # sent to another process
+            out = self._lie("gradient", out, rnd, mb, given)
         msg = m.Backward(rnd, self.name, mb, hop, out, route)
         if hop == -1 and not route.nodes:
             self._accept(msg)
@@ -357,23 +377,27 @@ class StageProcess:
                 return
             mine = self._flat_grads()
             got[self.name] = mine
+            self.share_counts.setdefault(rnd, {})[self.name] = self.backwards
             out = self._out(mine)
+            if len(replicas) > 1:
+                out = self._lie("share", out, rnd, -1)
             for r in replicas:
                 if r != self.name:
-                    self.peers.send(r, m.Gradients(rnd, self.name, out), out)
+                    self.peers.send(r, m.Gradients(rnd, self.name, out, self.backwards), out)
         if any(r not in got for r in replicas):
             return
-        # Every replica adds the same tensors in the same order: the results are bitwise equal.
-        total = torch.zeros_like(got[self.name])
-        for r in replicas:
-            total += got[r].to(self.device)
-        total /= max(count, 1)
+        # Every replica combines the same tensors in the same order: the results are bitwise equal
+        # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
+        counts = self.share_counts.get(rnd, {})
+        total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
+                        count, self.settings.aggregation)
         offset = 0
         for p in self.params:
             n = p.numel()
             p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
             offset += n
         del self.grads[rnd], self.sync_order[rnd]
+        self.share_counts.pop(rnd, None)
         self.last_sq_norm = float(total.pow(2).sum())
         self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm))
 

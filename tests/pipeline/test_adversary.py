@@ -1,0 +1,79 @@
+"""Adversary injection (``pipeline.adversary``): what each kind does to a tensor, from which round and
+for which fraction of microbatches, that colluders agree, and the errors for a bad ``adversaries``."""
+
+import math
+
+import pytest
+import torch
+
+from roving.pipeline.adversary import KINDS, Adversary, parse_adversaries
+from roving.pipeline.errors import PlanError
+
+
+def tensor(seed: int = 0) -> torch.Tensor:
+    return torch.randn((4, 8, 16), generator=torch.Generator().manual_seed(seed)) + 0.3
+
+
+def test_each_kind_changes_what_it_should_and_leaves_the_rest():
+    t, given = tensor(0), tensor(1)
+    for kind in KINDS:
+        adv = Adversary(kind)
+        for what in ("activation", "gradient", "share"):
+            out = adv.tamper(what, t, "n01", 0, 3, given)
+            assert out.shape == t.shape and out.dtype == t.dtype
+            untouched = (kind == "weights" and what != "share") or (kind == "signflip" and what == "activation")
+            assert torch.equal(out, t) == untouched, (kind, what)
+    assert torch.equal(Adversary("scale").tamper("gradient", t, "n", 0, 0), t * 10)
+    assert torch.equal(Adversary("scale", strength=3).tamper("gradient", t, "n", 0, 0), t * 3)
+    assert torch.equal(Adversary("signflip").tamper("gradient", t, "n", 0, 0), -t)
+    assert torch.equal(Adversary("lazy").tamper("activation", t, "n", 0, 0, given), given)
+    assert torch.equal(Adversary("lazy").tamper("share", t, "n", 0, 0, given), torch.zeros_like(t))
+    assert torch.equal(Adversary("lazy").tamper("activation", t, "n", 0, 0, given[:2]), torch.zeros_like(t))
+    noise = Adversary("noise").tamper("activation", t, "n", 0, 0)
+    assert float(noise.norm()) == pytest.approx(float(t.norm()), rel=1e-5)
+    assert abs(float(torch.nn.functional.cosine_similarity(noise.flatten(), t.flatten(), dim=0))) < 0.1
+    bias = Adversary("bias").tamper("activation", t, "n", 0, 0)
+    rms = float(t.pow(2).mean().sqrt())
+    assert torch.allclose(bias - t, torch.full_like(t, 0.01 * rms), atol=1e-6)
+    assert float(bias.norm()) / float(t.norm()) - 1 < 0.02, "a bias survives a norm check"
+    nan = Adversary("nan").tamper("gradient", t, "n", 0, 0)
+    assert int((~torch.isfinite(nan)).sum()) == 1 and math.isnan(float(nan[~torch.isfinite(nan)][0]))
+    inf = Adversary("nan").tamper("gradient", t, "n", 0, 1)
+    assert float(inf[~torch.isfinite(inf)][0]) == math.inf
+    w = Adversary("weights").tamper("share", t, "n", 0, -1)
+    assert float((w - t).norm()) == pytest.approx(10 * float(t.norm()), rel=1e-4)
+    assert not t.requires_grad and torch.equal(t, tensor(0)), "the original is never changed in place"
+
+
+def test_an_adversary_starts_at_its_round_and_lies_about_the_fraction_of_microbatches_given():
+    t = tensor(2)
+    late = Adversary("scale", start=5)
+    assert all(torch.equal(late.tamper("gradient", t, "n", r, 0), t) for r in range(5))
+    assert not torch.equal(late.tamper("gradient", t, "n", 5, 0), t)
+    part = Adversary("scale", fraction=0.3, seed=7)
+    hits = sum(part.active("n02", r, mb) for r in range(50) for mb in range(20))
+    assert 0.25 < hits / 1000 < 0.35, hits
+    again = sum(Adversary("scale", fraction=0.3, seed=7).active("n02", r, mb) for r in range(50) for mb in range(20))
+    assert again == hits, "drawn from the seed, the node, the round and the microbatch alone"
+
+
+def test_colluders_send_the_same_wrong_tensor_and_plain_noise_differs_by_node():
+    t = tensor(3)
+    a = Adversary("collude", seed=1).tamper("share", t, "n01", 4, -1)
+    b = Adversary("collude", seed=1).tamper("share", t, "n04", 4, -1)
+    assert torch.equal(a, b) and not torch.equal(a, t)
+    assert not torch.equal(a, Adversary("collude", seed=1).tamper("share", t, "n01", 5, -1))
+    x = Adversary("noise", seed=1).tamper("share", t, "n01", 4, -1)
+    y = Adversary("noise", seed=1).tamper("share", t, "n04", 4, -1)
+    assert not torch.equal(x, y)
+
+
+def test_the_adversaries_entry_is_parsed_and_bad_entries_are_named():
+    got = parse_adversaries("n03:scale:10:0.5:4, n05:nan", seed=2)
+    assert got == {"n03": Adversary("scale", 10, 0.5, 4.0, 2), "n05": Adversary("nan", 0, 1.0, 0.0, 2)}
+    assert parse_adversaries("") == {}
+    for bad, why in (("n03", "is not NODE:KIND"), ("n03:evil", "'evil' in 'n03:evil' is not a kind"),
+                     ("n03:scale:x", "FROM must be an integer"), ("n03:scale:1:0", r"FRACTION in \(0, 1\]"),
+                     ("n03:scale,n03:nan", "node n03 is given twice"), ("n03:scale:-1", "FROM must be >= 0")):
+        with pytest.raises(PlanError, match=why):
+            parse_adversaries(bad)

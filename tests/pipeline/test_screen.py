@@ -1,0 +1,109 @@
+"""Screening (``pipeline.screen``) against plain tensors, no processes: every adversary kind of
+``pipeline.adversary`` sent by one node (two for ``collude``) is named within a stated number of
+observations, no honest node is, and clean data gives no suspect over many draws and seeds.
+
+The synthetic boundary: honest nodes send ``P + N(0, 1)`` tensors of shape (4, 64, 128) with a
+per-feature profile ``P`` (N(0, 0.5^2), fixed per boundary), as a stage's outputs share a structure;
+its input to a node is another such tensor. Gradient shares of a round: a common ``G`` (new each
+round) plus N(0, 0.5^2) per replica."""
+
+import pytest
+import torch
+
+from roving.pipeline.adversary import Adversary
+from roving.pipeline.screen import Screen
+
+SHAPE = (4, 64, 128)
+NODES = ["n0", "n1", "n2", "n3", "n4"]
+#: the observations each node sends before the bad one must be named (every kind, fraction 1).
+WITHIN = 60
+
+
+def activations(seed: int, draws: int, shape=SHAPE):
+    """{(draw, node): (output, input)} of honest nodes at one boundary."""
+    g = torch.Generator().manual_seed(seed)
+    profile = torch.randn(shape[-1], generator=g) * 0.5
+    return {(d, n): (profile + torch.randn(shape, generator=g), profile + torch.randn(shape, generator=g))
+            for d in range(draws) for n in NODES}
+
+
+def run_activations(adversaries: dict, what: str, seed: int = 0, draws: int = WITHIN):
+    screen = Screen()
+    first = None
+    for (d, node), (out, given) in activations(seed, draws).items():
+        adv = adversaries.get(node)
+        sent = adv.tamper(what, out, node, d, 0, given) if adv else out
+        screen.observe(("s1", what), node, sent, given)
+        if first is None and screen.suspects():
+            first = d
+    return screen.suspects(), first
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("noise", "activation"), ("scale", "activation"), ("signflip", "gradient"), ("lazy", "activation"),
+    ("bias", "activation"), ("nan", "gradient"), ("collude", "activation"), ("scale", "gradient"),
+])
+def test_each_kind_on_the_boundary_is_named_within_the_stated_observations(kind, what):
+    bad = {"n3", "n1"} if kind == "collude" else {"n3"}
+    suspects, first = run_activations({n: Adversary(kind, seed=5) for n in bad}, what)
+    named = {s.node for s in suspects}
+    assert named == bad, (kind, suspects)
+    assert first is not None and first < WITHIN, first
+
+
+@pytest.mark.parametrize("kind", ["weights", "collude", "signflip", "scale", "noise"])
+def test_a_tampered_gradient_share_is_named_by_its_statistics_or_its_cosine_to_the_other_replicas(kind):
+    g = torch.Generator().manual_seed(11)
+    bad = {"n3", "n1"} if kind == "collude" else {"n3"}
+    adv = Adversary(kind, seed=2)
+    screen = Screen()
+    for rnd in range(WITHIN):
+        common = torch.randn(4096, generator=g)
+        shares = {n: common + 0.5 * torch.randn(4096, generator=g) for n in NODES}
+        sent = {n: adv.tamper("share", s, n, rnd, -1) if n in bad else s for n, s in shares.items()}
+        for n, s in sent.items():
+            screen.observe(("share", 1), n, s)
+        screen.compare(("share", 1), sent)
+    suspects = screen.suspects()
+    assert {s.node for s in suspects} == bad, suspects
+    if kind in ("signflip", "noise", "collude"):  # norms kept: the cosine (or the profile) tells
+        assert {s.check for s in suspects} & {"cosine", "profile"}, suspects
+
+
+def test_an_adversary_that_lies_about_a_fraction_of_its_microbatches_is_named_too():
+    # a fifth of its tensors times 3: its mean log-norm moves by 0.2 ln 3 with a spread of about 0.44
+    # per tensor, so z = 6 takes about (6 * 0.44 / 0.22) ** 2 = 144 observations
+    suspects, first = run_activations({"n2": Adversary("scale", fraction=0.2, strength=3, seed=1)}, "activation",
+                                      draws=250)
+    assert {s.node for s in suspects} == {"n2"}, suspects
+    assert first is not None and first > WITHIN, "a rarer lie takes longer to see: the bound is honest"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_clean_data_gives_no_suspect_over_many_draws(seed):
+    screen = Screen()
+    g = torch.Generator().manual_seed(100 + seed)
+    profile = torch.randn(128, generator=g) * 0.5
+    for d in range(200):
+        common = torch.randn(2048, generator=g)
+        shares = {}
+        for n in NODES:
+            screen.observe("fwd", n, profile + torch.randn((2, 32, 128), generator=g),
+                           profile + torch.randn((2, 32, 128), generator=g))
+            screen.observe("bwd", n, torch.randn((2, 32, 128), generator=g) * 1e-3)
+            shares[n] = common + 0.5 * torch.randn(2048, generator=g)
+            screen.observe("share", n, shares[n])
+        screen.compare("share", shares)
+        if d % 20 == 19:
+            assert screen.suspects() == [], (d, screen.suspects())
+
+
+def test_with_fewer_than_three_nodes_there_is_no_band_but_what_is_found_at_once_still_shows():
+    screen = Screen()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        screen.observe("b", "a", torch.randn(64, generator=g))
+        screen.observe("b", "b", torch.randn(64, generator=g) * 100)
+    assert screen.suspects() == []
+    screen.observe("b", "b", torch.full((64,), float("nan")))
+    assert [(s.node, s.check) for s in screen.suspects()] == [("b", "non-finite")]
