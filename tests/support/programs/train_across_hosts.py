@@ -33,14 +33,14 @@ def main() -> dict:
     prep = prepare(TrainConfig(**CFG))
     with Trainer(prep) as t:
         t.iteration(0)
-        hosts = {name: host_of(p) for name, p in t.procs.items()}
+        hosts = {name: host_of(p) for name, p in t.roster.procs.items()}
         stages = {}
         for name, stage in t.alloc.items():
             stages.setdefault(stage, set()).add(hosts[name])
         victim = next(h for h in sorted(set(hosts.values()))
                       if all(held - {h} for held in stages.values()))
         print("PLACED " + json.dumps({"hosts": hosts, "victim": victim}), flush=True)
-        real = t._recv
+        real = t.roster.recv  # every node message comes in through the roster
         seen = {"done": 0}
 
         def hooked(kind, *args, **kwargs):
@@ -52,11 +52,11 @@ def main() -> dict:
                     sys.stdin.readline()
             return msg
 
-        t._recv = hooked
+        t.roster.recv = hooked  # type: ignore[method-assign]
         try:
             rec = t.iteration(1)
         finally:
-            t._recv = real
+            t.roster.recv = real  # type: ignore[method-assign]
         losses = [rec["train_loss"]] + [t.iteration(it)["train_loss"] for it in (2, 3)]
         dead = [e for e in t.metrics["events"] if e["event"] == "dead"]
         return {"hosts": hosts, "victim": victim, "dead": sorted(n for e in dead for n in e["nodes"]),
