@@ -105,8 +105,8 @@ def _inference_command(name: str):
 
 def add_train_parser(sub) -> None:
     """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields.
-    Longer than 60 lines: a declaration, one ``add_argument`` per flag in ``--help``'s order; split up,
-    the flags of one command would be read in several places."""
+    Its flags in ``--help``'s order: the run's here, then those of [faults] and [verify] (one function
+    each); the commands that act on a running training are made by :func:`_add_run_tool_parsers`."""
     t = sub.add_parser("train", help="train a LLaMA-style model by skip-pipelining across roving processes")
     t.add_argument("--config", default=None,
                    help="TOML run file: [model], [data], [plan], [optim], [faults], [checkpoint] and [run] tables "
@@ -157,6 +157,14 @@ def add_train_parser(sub) -> None:
     t.add_argument("--dashboard", action="store_true",
                    help="serve the live dashboard (roving's `dashboard` option) with this run's pipeline view; "
                         "without --control a fresh temporary control folder is used")
+    _add_fault_flags(t)
+    _add_verify_flags(t)
+    t.set_defaults(handler=run_train)
+    _add_run_tool_parsers(sub)
+
+
+def _add_fault_flags(t: argparse.ArgumentParser) -> None:
+    """`pipeline train`'s flags of stage recovery and failure injection ([faults])."""
     t.add_argument("--stage-recovery", choices=("snapshot", "skip", "neighbours", "auto"),
                    help="where a stage with no live node gets its weights: its snapshot (default), skip it for "
                         "good, CheckFree's average of its neighbours, or auto (neighbours when the snapshot is "
@@ -173,6 +181,10 @@ def add_train_parser(sub) -> None:
                    help="iterations that count as an hour for --fail-rate (default 100)")
     t.add_argument("--fail-at", help='failure injection, scripted: "10:2,30:1" kills every node of stage 2 at the '
                                      "start of iteration 10, and of stage 1 at 30")
+
+
+def _add_verify_flags(t: argparse.ArgumentParser) -> None:
+    """`pipeline train`'s flags of [verify]: checks of what untrusted nodes send, adversary injection."""
     t.add_argument("--verify", dest="mode", choices=("off", "screen", "spot", "full"),
                    help="[verify] mode: what is checked of what the nodes send (default off)")
     t.add_argument("--verify-rate", type=float,
@@ -185,7 +197,10 @@ def add_train_parser(sub) -> None:
     t.add_argument("--adversaries",
                    help='adversary injection: "n03:scale:10:0.5:4,n05:nan" (NODE:KIND[:FROM[:FRACTION[:STRENGTH]]]; '
                         "kinds noise, scale, signflip, lazy, bias, nan, weights, collude)")
-    t.set_defaults(handler=run_train)
+
+
+def _add_run_tool_parsers(sub) -> None:
+    """The commands that watch or change a running `pipeline train`: dashboard, join, status."""
     d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
                                          "elsewhere (live), or of a finished run's --metrics file")
     d.add_argument("--control", default=None, help="the run's --control folder")
