@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from concurrent.futures.process import BrokenProcessPool
 
@@ -135,25 +136,34 @@ def test_an_exception_in_a_call_reaches_its_future_with_the_remote_traceback(mak
     assert ex.submit(fx.square, 4).result(TIMEOUT) == 16  # the worker (and the executor) go on
 
 
-def test_wait_as_completed_and_done_callbacks_work_on_its_futures(make):
+def test_wait_as_completed_and_done_callbacks_work_on_its_futures(make, tmp_path):
     ex = make(2)
     seen = []
+    all_seen = threading.Event()
+
+    def note(f):
+        seen.append(f.result())
+        if len(seen) == 9:
+            all_seen.set()
+
     futures = [ex.submit(fx.sleep_then_return, 0.05 * (i % 3), i) for i in range(9)]
     for f in futures:
-        f.add_done_callback(lambda f: seen.append(f.result()))
+        f.add_done_callback(note)
     done, not_done = cf.wait(futures, timeout=TIMEOUT)
     assert len(done) == 9 and not not_done
     assert sorted(f.result() for f in cf.as_completed(futures, timeout=TIMEOUT)) == list(range(9))
-    deadline = time.monotonic() + TIMEOUT
-    while len(seen) < 9 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sorted(seen) == list(range(9))
+    assert all_seen.wait(TIMEOUT) and sorted(seen) == list(range(9))
     late = []
     futures[0].add_done_callback(late.append)  # on a done future: called at once, in this thread
     assert late == [futures[0]]
-    first = cf.wait([ex.submit(fx.sleep_then_return, 2, 0), ex.submit(fx.square, 3)], timeout=TIMEOUT,
-                    return_when=cf.FIRST_COMPLETED)[0]
-    assert [f.result() for f in first] == [9]
+    # The quick call first: whichever worker runs it (an idle one, or the same one, before the other
+    # call), it is done first, and wait returns while the other one waits for its gate.
+    gate = tmp_path / "gate"
+    quick, held = ex.submit(fx.square, 3), ex.submit(fx.wait_for, str(gate))
+    first, rest = cf.wait([held, quick], timeout=TIMEOUT, return_when=cf.FIRST_COMPLETED)
+    assert first == {quick} and rest == {held} and quick.result() == 9
+    gate.touch()
+    assert held.result(TIMEOUT) == "done"
 
 
 def test_cancel_takes_back_a_pending_call_but_not_a_running_one(make, tmp_path):

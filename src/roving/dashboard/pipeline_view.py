@@ -103,6 +103,7 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
     hosts = (status.get("regions") or (plan or {}).get("regions") or {})
     dead: Set[str] = set()
     slow: Set[str] = set()
+    excluded: Set[str] = set()
     stage_of = dict(alloc)
     for ev in events:
         kind, names = ev.get("event"), ev.get("nodes") or []
@@ -111,6 +112,8 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
             slow.difference_update(names)
         elif kind == "slow":
             slow.update(names)
+        elif kind == "caught":  # verification caught it computing wrong: out for good
+            excluded.add(ev.get("node"))
         elif kind == "replan":  # nodes that joined (again) are alive from then on
             dead.difference_update(ev.get("joined") or [])
             for name, stage in (ev.get("allocation") or {}).items():
@@ -119,8 +122,8 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
         stage_of.setdefault(name, node.get("stage"))
     out = []
     starting = set(status.get("starting") or [])
-    for name in sorted(set(stage_of) | dead | starting):
-        state = ("joining" if name in starting else "dead" if name in dead
+    for name in sorted(set(stage_of) | dead | starting | excluded - {None}):
+        state = ("excluded" if name in excluded else "joining" if name in starting else "dead" if name in dead
                  else "slow" if name in slow else "alive")
         out.append({"name": name, "stage": stage_of.get(name), "host": hosts.get(name, ""), "state": state})
     return out

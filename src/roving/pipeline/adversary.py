@@ -27,7 +27,10 @@ for it as for microbatch -1). The kinds:
   takeovers) are not tampered with yet.
 - ``collude``: like ``noise``, but drawn from the run's seed, the round, the microbatch and what is
   sent alone (not the node), so every colluding node of a stage sends the same wrong tensor for the
-  same microbatch and round (for its share: the same wrong share).
+  same microbatch and round (for its share: the same wrong share); asked to recheck another node's
+  work (``verify``), a colluder says it matches.
+- ``frame``: sends what it computes, but asked to recheck another node's work says it differs (a node
+  trying to have an honest one blamed).
 
 ``Adversary.tamper`` is a pure function of its arguments: the same call gives the same tensor.
 """
@@ -42,7 +45,7 @@ import torch
 from .errors import PlanError
 
 #: the adversary kinds, as ``[verify] adversaries`` names them.
-KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "collude")
+KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "collude", "frame")
 #: what a stage process sends that an adversary can tamper with.
 WHATS = ("activation", "gradient", "share")
 _STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0}
@@ -75,7 +78,7 @@ class Adversary:
         if what not in WHATS:
             raise ValueError(f"what must be one of {', '.join(WHATS)}, got {what!r}")
         kind = self.kind
-        if not self.active(node, rnd, mb) or (kind == "weights" and what != "share") or \
+        if not self.active(node, rnd, mb) or kind == "frame" or (kind == "weights" and what != "share") or \
                 (kind == "signflip" and what == "activation"):
             return tensor
         t = tensor.detach().float()

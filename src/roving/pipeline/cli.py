@@ -276,14 +276,35 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  starting, will join: {', '.join(doc['starting'])}")
     if doc.get("refining"):
         print("  a fresh plan is being searched in the background (--refine-budget)")
+    for e in doc.get("caught") or []:
+        print(f"  caught by verification at iteration {e.get('iteration')}: {_verify_line(e)}")
     for e in doc["recent_events"]:
         what = ", ".join(e.get("nodes") or [])
         if e["event"] == "refine":
             what = e["error"] if e.get("error") else ("taken" if e.get("adopted") else "not faster: not taken")
         elif e["event"] == "recovery":
             what = _recovery_line(e)
+        elif e["event"] in ("caught", "dispute", "suspect"):
+            what = _verify_line(e)
         print(f"  [{e['event']}] at iteration {e.get('iteration')}: {what}")
     return 0
+
+
+def _verify_line(e: dict) -> str:
+    """A verification event of status.json in words: who, which check, the evidence."""
+    if e["event"] == "suspect":
+        return f"{e.get('node')} (screening: {e.get('check')} at {e.get('boundary')})"
+    if e["event"] == "dispute":
+        return f"{', '.join(e.get('nodes') or [])}: {e.get('why')}"
+    text = f"{e.get('node')} excluded ({e.get('check')} check"
+    if e.get("computation"):
+        text += f" of {e.get('computed_by')}'s {e['computation']}, stage {e.get('stage')}, microbatch {e.get('mb')}"
+    if e.get("verifier"):
+        text += f"; verifier {e['verifier']}"
+    for key, label in (("difference", "its difference"), ("confirmed_difference", "confirmed")):
+        if isinstance(e.get(key), (int, float)):
+            text += f", {label} {e[key]:.3g}"
+    return text + (f"): {e['why']}" if e.get("why") else ")")
 
 
 def _recovery_line(e: dict) -> str:

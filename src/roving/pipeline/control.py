@@ -37,6 +37,9 @@ JOIN_REQUESTS = "join-*.json"
 #: what a "recovery" event (``recovery.StageRecovery``) shows in status.json besides its kind.
 _RECOVERY = ("stage", "policy", "chosen", "why", "neighbours", "grad_norms", "shares", "snapshot_iteration",
              "snapshot_age", "lr_factor")
+#: what a verification event (``verify``: "caught", "dispute", "suspect") shows there besides its kind.
+_VERIFY = ("node", "check", "computation", "computed_by", "mb", "hop", "verifier", "difference",
+           "confirmed_difference", "tolerance", "boundary", "z")
 
 
 class ControlFolder:
@@ -159,15 +162,18 @@ class ControlFolder:
         """``status.json``: iterations done (of ``iterations``), the nodes and their stages, stages no
         node holds, nodes starting, the last iteration's loss and seconds, whether a fresh plan is being
         searched, the five latest events (from ``metrics``; a "recovery" event with its choice and
-        inputs, ``_RECOVERY``)."""
+        inputs, ``_RECOVERY``), and every node verification caught (``_VERIFY``), however long ago."""
         last = metrics["iterations"][-1] if metrics["iterations"] else {}
         status = {"iterations_done": len(metrics["iterations"]) and last["iteration"] + 1,
                   "iterations": iterations, "nodes": dict(sorted(alloc.items())),
                   "missing_stages": missing_stages, "starting": starting,
                   "train_loss": last.get("train_loss"), "iteration_seconds": last.get("seconds"),
                   "refining": refining,
-                  "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") + _RECOVERY if k in e}
-                                    | {"nodes": e.get("nodes")} for e in metrics["events"][-5:]]}
+                  "recent_events": [{k: e[k] for k in ("event", "iteration", "adopted", "error") + _RECOVERY + _VERIFY
+                                     if k in e}
+                                    | {"nodes": e.get("nodes")} for e in metrics["events"][-5:]],
+                  "caught": [{k: e[k] for k in ("event", "iteration", "why") + _VERIFY if k in e}
+                             for e in metrics["events"] if e["event"] == "caught"]}
         self._replace(STATUS, json.dumps(status, indent=1))
 
     def write_plan(self, iteration: int, plan: Any, net: Any, spec: Any, shared_cores: int, trace: dict) -> None:

@@ -13,10 +13,10 @@ that peers' puts go straight to it), and answers the coordinator on its ``contro
 go on ``beats`` from a thread of their own.
 
 coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
-``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``Stop``.
+``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``Stop``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
-``Stopped`` ``Failed``; on ``beats``: ``Beat``.
+``EvidenceItems`` ``Rechecked`` ``Stopped`` ``Failed``; on ``beats``: ``Beat``.
 
 Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
 than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
@@ -158,6 +158,25 @@ class Throttle(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class EvidenceRequest(RoundMessage):
+    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``)."""
+
+    keys: tuple
+
+
+@dataclass(frozen=True, slots=True)
+class Recheck(RoundMessage):
+    """Recompute ``kind`` (``evidence.recompute``) of ``stage`` from ``inputs`` with the weights you hold
+    now, and say how far ``claimed`` is from it (check number ``check``)."""
+
+    check: int
+    stage: int
+    kind: str
+    inputs: dict
+    claimed: Any
+
+
+@dataclass(frozen=True, slots=True)
 class Stop(Message):
     """Confirm every send to the ``live`` processes, answer ``Stopped``, exit when released."""
 
@@ -175,6 +194,8 @@ class Forward(RoundMessage):
     hop: int
     tensor: Any
     route: Route
+    #: the sender's ``receipts.Receipt`` for ``tensor`` (None with verification off)
+    receipt: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +207,8 @@ class Backward(RoundMessage):
     hop: int
     tensor: Any
     route: Route
+    #: the sender's ``receipts.Receipt`` for ``tensor`` (None with verification off)
+    receipt: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +219,8 @@ class Gradients(RoundMessage):
     sender: str
     flat: Any
     count: int = 0
+    #: the sender's ``receipts.Receipt`` for ``flat`` (None with verification off)
+    receipt: Any = None
 
 
 # -- stage process -> coordinator --------------------------------------------------------------------
@@ -232,6 +257,12 @@ class Norm(RoundMessage):
     sender: str
     stage: int
     sq_norm: float
+    #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
+    #: row (what, mb, hop, from, ``screen.Summary``) per tensor, the keys of those that did not match
+    #: their receipt, and its replicas' shares' median cosines to each other (3 replicas or more)
+    screened: tuple = ()
+    disputes: tuple = ()
+    cosines: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +274,24 @@ class Stepped(RoundMessage):
     sender: str
     stats: dict
     grad_norm: float = float("nan")
+
+
+@dataclass(frozen=True, slots=True)
+class EvidenceItems(RoundMessage):
+    """The answer to ``EvidenceRequest``: key -> (tensor, receipt, disputed) for the keys ``sender`` has."""
+
+    sender: str
+    items: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Rechecked(RoundMessage):
+    """The answer to ``Recheck``: ``difference`` (``evidence.difference``; NaN when ``sender`` does not hold
+    the stage)."""
+
+    sender: str
+    check: int
+    difference: float
 
 
 @dataclass(frozen=True, slots=True)

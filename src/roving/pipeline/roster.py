@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue as _queue
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Any, Callable
 from . import protocol as m
 from .adversary import parse_adversaries
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError
+from .receipts import node_key
 from .senders import Senders
 from .stage_process import StageSettings, stage_main
 
@@ -57,6 +59,10 @@ class Roster:
         if unknown:
             raise PlanError(f"adversaries: no node {', '.join(unknown)} in the run's network "
                             f"(its nodes: {', '.join(sorted(self.universe))})")
+        #: the key every node's receipt key is derived from (``receipts``); no node holds it
+        self.run_key = os.urandom(32)
+        #: nodes caught computing wrong (``exclude``): never admitted again, by name
+        self.excluded: dict[str, str] = {}
         self.procs: dict[str, Any] = {}
         self.inboxes: dict[str, Any] = {}
         self.incarnation: dict[str, int] = {}
@@ -86,7 +92,8 @@ class Roster:
                           lr=self.config.lr, weight_decay=self.config.weight_decay, device=self.config.device,
                           bf16=self.config.bf16, threads=self.config.threads, index=index, emulate=emulate,
                           incarnation=inc, heartbeat=self.config.heartbeat,
-                          aggregation=self.config.aggregation, adversary=self.adversaries.get(name))
+                          aggregation=self.config.aggregation, adversary=self.adversaries.get(name),
+                          verify=self.config.mode, receipt_key=node_key(self.run_key, name))
         label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
         proc = roving.Process(target=stage_main, args=(s, self.control, self.release, self.beats),
                               name=label, daemon=True)
@@ -178,6 +185,19 @@ class Roster:
         for n in names:
             self.procs[n].kill()
 
+    def exclude(self, caught: dict[str, str]) -> None:
+        """Fence off nodes caught computing wrong (``verify``; name -> why): their credentials revoked,
+        their processes killed, the others told to forget them, as the dead are (``take_lost`` has
+        them), but never restarted, and their names never admitted again (``request_join``)."""
+        for name, why in caught.items():
+            self.excluded[name] = why
+            proc = self.procs.get(name)
+            if proc is not None:
+                proc.revoke_credentials()
+        gone = {n: f"excluded: {why}" for n, why in caught.items() if n in self.inboxes}
+        if gone:
+            self._drop(gone, restart=False)
+
     def wait_declared_dead(self, names: list[str], timeout: float) -> None:
         """Wait until none of ``names`` is admitted any more (each declared dead, ``check``); the lost
         are then in ``take_lost``. NodeFailed after ``timeout`` seconds."""
@@ -234,7 +254,7 @@ class Roster:
             self._drop(dead)
             raise NodesLost(dead)
 
-    def _drop(self, dead: dict[str, str]) -> None:
+    def _drop(self, dead: dict[str, str], restart: bool = True) -> None:
         """Fence dead processes off: kill what is left of them, stop sending to them, tell the others."""
         for name, why in dead.items():
             log.warning("node %s declared dead: %s", name, why)
@@ -248,7 +268,7 @@ class Roster:
             self.put(name, m.Forget(list(dead)))
         self._event("dead", nodes=sorted(dead), why=dead)
         self.lost.update(dead)
-        if self.config.restart:
+        if self.config.restart and restart:
             for name in dead:
                 self.request_join(name)
 
@@ -310,6 +330,8 @@ class Roster:
         Raises PlanError for a live name or an unknown region."""
         if name is not None and (name in self.inboxes or (name in self.procs and self.procs[name].is_alive())):
             raise PlanError(f"node {name} is already running")
+        if name in self.excluded:
+            raise PlanError(f"node {name} was excluded ({self.excluded[name]}): it cannot join again")
         if name is None or name not in self.universe:
             regions = sorted({r for pair in self.prepared.network.links for r in pair} |
                              {n.region for n in self.universe.values()})

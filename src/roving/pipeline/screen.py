@@ -90,6 +90,36 @@ class Suspect:
     others: float
 
 
+@dataclass(frozen=True)
+class Summary:
+    """What screening keeps of one tensor (``summarize``): what was found at once, else the statistics
+    (``norm``: log L2 norm, ``mean``: mean over RMS, ``std``: log standard deviation, ``profile``: the
+    per-feature mean, for tensors of 2 dimensions or more)."""
+
+    found: tuple[str, ...] = ()
+    norm: float = 0.0
+    mean: float = 0.0
+    std: float = 0.0
+    profile: torch.Tensor | None = None
+
+
+def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None) -> Summary:
+    """The ``Summary`` of ``tensor`` (``given``: the input its sender was given, when known)."""
+    t = tensor.detach().float()
+    if not bool(torch.isfinite(t).all()):
+        return Summary(("non-finite",))
+    norm = float(t.norm())
+    if norm == 0.0:
+        return Summary(("zeros",))
+    if given is not None and given.shape == t.shape and torch.equal(given.detach().float(), t):
+        return Summary(("unchanged",))
+    n = t.numel()
+    rms = norm / math.sqrt(n)
+    std = math.log(max(float(t.std()) if n > 1 else 0.0, 1e-30))
+    profile = t.reshape(-1, t.shape[-1]).mean(dim=0) if t.dim() >= 2 else None
+    return Summary((), math.log(norm), float(t.mean()) / rms, std, profile)
+
+
 class Screen:
     """Running statistics of what crosses each boundary (the module doc)."""
 
@@ -104,35 +134,32 @@ class Screen:
                 given: torch.Tensor | None = None) -> list[str]:
         """``node`` sent ``tensor`` across ``boundary`` (``given``: the input it had been given);
         returns what was found at once ("non-finite", "zeros", "unchanged")."""
+        return self.add(boundary, node, summarize(tensor, given))
+
+    def add(self, boundary: Hashable, node: str, summary: Summary) -> list[str]:
+        """As ``observe``, from the ``summarize`` of the tensor made where the tensor is (a receiving
+        stage process): only the summary travels."""
         ns = self._of(boundary, node)
-        t = tensor.detach().float()
-        found = []
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            found.append("non-finite")
-        else:
-            norm = float(t.norm())
-            if norm == 0.0:
-                found.append("zeros")
-            elif given is not None and given.shape == t.shape and torch.equal(given.detach().float(), t):
-                found.append("unchanged")
-            else:
-                n = t.numel()
-                rms = norm / math.sqrt(n)
-                ns.stats["norm"].add(math.log(norm))
-                ns.stats["mean"].add(float(t.mean()) / rms)
-                ns.stats["std"].add(math.log(max(float(t.std()) if n > 1 else 0.0, 1e-30)))
-                if t.dim() >= 2:
-                    prof = t.reshape(-1, t.shape[-1]).mean(dim=0)
-                    ref = self._reference(boundary, prof.shape)
-                    if ref is not None:
-                        ns.stats["profile"].add(_cosine(prof, ref))
-                    ns.profiles += 1
-                    ns.profile = prof.clone() if ns.profile is None else \
-                        ns.profile + (prof - ns.profile) / ns.profiles
+        found = list(summary.found)
+        if not found:
+            ns.stats["norm"].add(summary.norm)
+            ns.stats["mean"].add(summary.mean)
+            ns.stats["std"].add(summary.std)
+            prof = summary.profile
+            if prof is not None:
+                ref = self._reference(boundary, prof.shape)
+                if ref is not None:
+                    ns.stats["profile"].add(_cosine(prof, ref))
+                ns.profiles += 1
+                ns.profile = prof.clone() if ns.profile is None else ns.profile + (prof - ns.profile) / ns.profiles
         for f in found:
             ns.found[f] = ns.found.get(f, 0) + 1
         return found
+
+    def add_statistic(self, boundary: Hashable, node: str, stat: str, value: float) -> None:
+        """One observation of ``stat`` (``STATS``) for ``node`` at ``boundary``, computed elsewhere (a
+        share's median cosine, which the replicas that hold the shares compute)."""
+        self._of(boundary, node).stats[stat].add(value)
 
     def _reference(self, boundary: Hashable, shape: torch.Size) -> torch.Tensor | None:
         """The coordinate-wise median of the boundary's nodes' running profiles (None with fewer

@@ -31,6 +31,7 @@ import torch
 from . import protocol as m
 from .adversary import Adversary
 from .aggregate import combine
+from .evidence import Evidence, difference, recompute
 from .model import LlamaConfig
 from .network import Link
 from .plan import Route
@@ -75,6 +76,11 @@ class StageSettings:
     aggregation: str = "mean"
     #: adversary injection: how this process lies about what it sends (None: it does not).
     adversary: Adversary | None = None
+    #: ``[verify] mode``: with anything but "off", receipts on what it sends, and what it receives kept
+    #: for the coordinator's checks (``evidence``).
+    verify: str = "off"
+    #: this node's receipt key (``receipts.node_key``), given by the coordinator.
+    receipt_key: bytes = b""
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:
@@ -101,13 +107,15 @@ class StageProcess:
         self.round = -1
         self.aborted = -1  # the latest round given up: its messages are dropped
         self.throttle = 1.0
+        self.evidence = Evidence(s.name, s.verify, s.receipt_key)
         self._hold(s.stage, s.in_flight)
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
         self._handlers = {
             m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
             m.Abort: self._on_abort, m.SyncOrder: self._on_sync_order, m.Gradients: self._on_gradients,
             m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
-            m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle}
+            m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle,
+            m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck}
 
     def _hold(self, stage: int, in_flight: int) -> None:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
@@ -129,6 +137,7 @@ class StageProcess:
         self.sync_order: dict[int, tuple[list[str], int, int | None]] = {}
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
+        self.evidence.clear()
         self.opt.zero_grad(set_to_none=True)
 
     # -- helpers -----------------------------------------------------------------------------
@@ -202,6 +211,11 @@ class StageProcess:
     def _accept(self, msg: Any) -> None:
         if isinstance(msg, _WORK) and not self._current(msg.round):
             return
+        if isinstance(msg, (m.Forward, m.Backward)):
+            self.evidence.keep("activation" if isinstance(msg, m.Forward) else "gradient", msg.round, msg.mb,
+                               msg.hop, msg.sender, msg.tensor, msg.receipt)
+        elif isinstance(msg, m.Gradients):
+            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt, zeros_ok=msg.count == 0)
         if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
             if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
                 cls = FORWARD_WORK
@@ -271,6 +285,25 @@ class StageProcess:
     def _on_throttle(self, msg: m.Throttle) -> None:
         self.throttle = float(msg.factor)
 
+    def _on_evidence_request(self, msg: m.EvidenceRequest) -> None:
+        items = self.evidence.show(msg.keys) if msg.round == self.round else {}
+        self.control.put(m.EvidenceItems(msg.round, self.name, items))
+
+    def _on_recheck(self, msg: m.Recheck) -> None:
+        """Recompute with the weights held now (every replica's until the round's step); NaN when this
+        process does not hold the stage or cannot recompute it."""
+        diff = math.nan
+        adv = self.settings.adversary
+        if adv is not None and adv.kind in ("collude", "frame") and adv.active(self.name, msg.round, -1):
+            diff = 0.0 if adv.kind == "collude" else 1.0  # a colluder covers for anyone; a framer accuses
+        elif msg.stage == self.stage_index:
+            try:
+                diff = difference(msg.claimed, recompute(self.stage, msg.kind, msg.inputs, self.device,
+                                                         self.settings.bf16))
+            except Exception as exc:
+                log.warning("%s: could not recompute %s: %s", self.name, msg.kind, exc)
+        self.control.put(m.Rechecked(msg.round, self.name, msg.check, diff))
+
     # -- microbatch work -----------------------------------------------------------------------
     def _next_task(self) -> Any:
         best = None
@@ -336,7 +369,8 @@ class StageProcess:
         out = self._out(h)
         if route.nodes:  # sent to another process (not a loss run here)
             out = self._lie("activation", out, rnd, mb, given)
-        msg = m.Forward(rnd, self.name, mb, hop, out, route)
+        receipt = self.evidence.seal("activation", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Forward(rnd, self.name, mb, hop, out, route, receipt)
         if hop == len(route.nodes):
             if not route.nodes:  # a route that visits no other stage: the loss runs here at once
                 self._accept(msg)
@@ -353,7 +387,8 @@ class StageProcess:
         out = self._out(g)
         if route.nodes:  # sent to another process
             out = self._lie("gradient", out, rnd, mb, given)
-        msg = m.Backward(rnd, self.name, mb, hop, out, route)
+        receipt = self.evidence.seal("gradient", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Backward(rnd, self.name, mb, hop, out, route, receipt)
         if hop == -1 and not route.nodes:
             self._accept(msg)
             return
@@ -381,14 +416,16 @@ class StageProcess:
             out = self._out(mine)
             if len(replicas) > 1:
                 out = self._lie("share", out, rnd, -1)
+            receipt = self.evidence.seal("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
-                    self.peers.send(r, m.Gradients(rnd, self.name, out, self.backwards), out)
+                    self.peers.send(r, m.Gradients(rnd, self.name, out, self.backwards, receipt), out)
         if any(r not in got for r in replicas):
             return
         # Every replica combines the same tensors in the same order: the results are bitwise equal
         # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
         counts = self.share_counts.get(rnd, {})
+        cosines = self.evidence.share_cosines(got) if len(replicas) > 2 else {}
         total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
                         count, self.settings.aggregation)
         offset = 0
@@ -399,7 +436,9 @@ class StageProcess:
         del self.grads[rnd], self.sync_order[rnd]
         self.share_counts.pop(rnd, None)
         self.last_sq_norm = float(total.pow(2).sum())
-        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm))
+        ev = self.evidence
+        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, tuple(ev.screened),
+                                tuple(ev.disputes), cosines or None))
 
     def _step(self, rnd: int, coef: float, lr: float) -> None:
         if coef < 1.0:

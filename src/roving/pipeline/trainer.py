@@ -56,6 +56,7 @@ from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: t
 from .simulate import Prediction, predict
 from .slowness import SlowNodes
 from .stage_process import pick_device
+from .verify import Verifier
 from .weights import StageWeights, Weights, load_checkpoint
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,8 @@ class Trainer:
         self._t0 = time.perf_counter()
         self.roster = Roster(prep, self._event)
         self.weights = Weights(prep, self.roster, self._event)
+        #: the checks of what the nodes send (``[verify]``; does nothing with mode = "off")
+        self.verifier = Verifier(cfg, prep.model, self.roster, self._event)
         self.recovery = StageRecovery(cfg, prep.model, self.weights, self._event, self._done)
         self.failures = FailureSchedule(cfg.stages, cfg.seed, cfg.fail_rate, cfg.fail_hour_iterations, cfg.fail_at)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
@@ -416,7 +419,12 @@ class Trainer:
                 t0 = time.perf_counter()
                 losses = self.run_microbatches(rnd, batches)
                 t_compute = time.perf_counter() - t0
-                return rnd, losses, self.synchronize(rnd), attempt + 1, t_compute, lost_s
+                norm = self.synchronize(rnd)
+                caught = self.verifier.audit(rnd, self.plan, self.alloc, batches, norm)
+                if caught:  # out for good; the round runs again without them, so nothing of theirs is kept
+                    self.roster.exclude(caught)
+                    raise NodesLost(caught)
+                return rnd, losses, norm, attempt + 1, t_compute, lost_s
             except NodesLost as exc:
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
@@ -446,6 +454,8 @@ class Trainer:
                "peak_in_flight": max(s["peak_in_flight"] for s in stats.values()),
                "processed": {n: s["processed"] for n, s in sorted(stats.items())},
                "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
+        if self.verifier.on:
+            rec["verify"] = dict(self.verifier.last)
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)
@@ -483,6 +493,7 @@ class Trainer:
             if isinstance(msg, m.Norm):
                 self._norms.setdefault(msg.stage, msg.sq_norm)
                 self._norm_from.add(msg.sender)
+                self.verifier.note(msg)
                 continue
             losses[msg.mb] = msg.loss
         return [losses[mb] for mb in range(len(plan.paths))]
@@ -516,6 +527,7 @@ class Trainer:
             msg = self._round_recv(m.Norm, rnd)
             self._norms.setdefault(msg.stage, msg.sq_norm)
             self._norm_from.add(msg.sender)
+            self.verifier.note(msg)
         return math.sqrt(sum(self._norms.values()))
 
     def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:

@@ -1,0 +1,208 @@
+"""The stage process's side of verification (``[verify]``; issue 32): the receipts it makes, what it keeps
+of what it received, and the recomputations it runs when the coordinator asks it to check a replica.
+
+With ``mode`` other than "off", a stage process (``stage_process``):
+
+- seals every tensor it sends to another process with its ``Receipt`` (``receipts``);
+- keeps every tensor it receives from another process in the current round, with the sender's receipt
+  (``Evidence.keep``): its activations, the gradients sent back to it, its replicas' gradient shares.
+  Kept by *key* ``(what, mb, hop, sender)`` (the message's own hop; mb = hop = -1 for a share); the
+  round's tensors are dropped with the round. The cost: the round's inbound tensors stay in memory
+  until its step (at most what the process received in one iteration);
+- checks at once that a tensor matches its receipt; one that does not (or comes without one) is a
+  *dispute* it reports (the sender may have lied, or it may: the coordinator cannot tell which, and
+  blames neither for that tensor);
+- summarises each tensor received for the coordinator's screening (``screen.summarize``);
+- shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
+  (``recompute``) with the weights it holds now, which every replica of its stage holds bitwise equal
+  until the round's step.
+
+``recompute`` and ``difference`` are also the coordinator's own (a confirmation, ``verify``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from . import receipts
+from .receipts import Receipt
+from .screen import summarize
+
+#: a kept tensor's key: (what, mb, hop, sender).
+Key = tuple
+
+#: what can be recomputed (``recompute``), by the computation that made the tensor checked.
+KINDS = ("first", "forward", "loss", "backward", "share")
+
+
+@dataclass
+class Kept:
+    """A tensor received, its sender's receipt, and whether it matched it on arrival."""
+
+    tensor: torch.Tensor
+    receipt: Receipt | None
+    disputed: bool
+
+
+@dataclass
+class Evidence:
+    """One stage process's receipts and kept tensors (the module doc). With ``mode = "off"`` it makes
+    no receipt and keeps nothing."""
+
+    name: str
+    mode: str = "off"
+    key: bytes = b""
+    kept: dict[Key, Kept] = field(default_factory=dict)
+    #: (what, mb, hop, sender, Summary) of the tensors received this round, for screening
+    screened: list[tuple] = field(default_factory=list)
+    #: keys of the tensors received this round that did not match their receipt
+    disputes: list[Key] = field(default_factory=list)
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def clear(self) -> None:
+        """A new round (or an aborted one): forget what the round received."""
+        self.kept.clear()
+        self.screened.clear()
+        self.disputes.clear()
+
+    def seal(self, what: str, rnd: int, mb: int, hop: int, tensor: torch.Tensor) -> Receipt | None:
+        """This process's receipt for ``tensor`` as it sends it (None with verification off)."""
+        if not self.on:
+            return None
+        return receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor)
+
+    def keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
+             receipt: Any, zeros_ok: bool = False) -> None:
+        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, summarised (with
+        ``zeros_ok``, all zeros is not a finding: the share of a replica that ran no microbatch)."""
+        if not self.on or sender == self.name:
+            return
+        key = (what, mb, hop, sender)
+        expected = isinstance(receipt, Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
+                                                     receipt.hop) == (sender, rnd, what, mb, hop)
+        disputed = not (expected and receipts.matches(receipt, tensor))
+        self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
+        if disputed:
+            self.disputes.append(key)
+        summary = summarize(tensor)
+        if not (zeros_ok and summary.found == ("zeros",)):
+            self.screened.append((what, mb, hop, sender, summary))
+
+    def show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
+        """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed)."""
+        out = {}
+        for key in keys:
+            k = self.kept.get(tuple(key))
+            if k is not None:
+                out[tuple(key)] = (k.tensor, k.receipt, k.disputed)
+        return out
+
+    def share_cosines(self, shares: dict[str, torch.Tensor]) -> dict[str, float]:
+        """For 3 replicas or more: each replica's share's median cosine to the others' (``screen``)."""
+        flat = {n: t.detach().float().flatten() for n, t in shares.items()
+                if bool(torch.isfinite(t).all()) and bool(t.any())}  # a replica that ran nothing sends zeros
+        if not self.on or len(flat) < 3:
+            return {}
+        out = {}
+        for n, t in flat.items():
+            cos = sorted(_cosine(t, o) for m, o in flat.items() if m != n)
+            mid = len(cos) // 2
+            out[n] = cos[mid] if len(cos) % 2 else 0.5 * (cos[mid - 1] + cos[mid])
+        return out
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = float(a.norm()), float(b.norm())
+    return 0.0 if na == 0.0 or nb == 0.0 else float(torch.dot(a, b)) / (na * nb)
+
+
+def difference(got: Any, want: Any) -> float:
+    """How far a tensor sent (``got``) is from its recomputation (``want``): ``|got - want| / |want|``
+    (L2 over the finite elements; relative, so a tolerance covers float nondeterminism at any scale);
+    inf when ``got`` is not a tensor of ``want``'s shape, or is not finite where ``want`` is (or the
+    other way round, or with other infinities)."""
+    if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) or got.shape != want.shape:
+        return math.inf
+    g, w = got.detach().float().to(want.device), want.detach().float()
+    fg, fw = torch.isfinite(g), torch.isfinite(w)
+    if not torch.equal(fg, fw):
+        return math.inf
+    if not bool(fg.all()):
+        bad = ~fg
+        if not torch.equal(torch.isnan(g[bad]), torch.isnan(w[bad])) or \
+                not torch.equal(torch.nan_to_num(g[bad]), torch.nan_to_num(w[bad])):
+            return math.inf
+        g, w = g[fg], w[fw]
+    return float((g - w).norm()) / max(float(w.norm()), 1e-12)
+
+
+def recompute(stage: Any, kind: str, inputs: dict, device: torch.device, bf16: bool = False) -> torch.Tensor:
+    """What ``stage`` (a ``stages.Stage`` holding the weights to check against) computes for ``kind``
+    (``KINDS``) from ``inputs``; nothing accumulates into the stage's own gradients.
+
+    - "first": the origin's forward, ``inputs["tokens"]`` -> its activations;
+    - "forward": ``inputs["x"]`` -> activations;
+    - "loss": the gradient of the loss of ``inputs["a"]`` (activations back at the origin) for
+      ``inputs["targets"]``, with respect to ``a``;
+    - "backward": the gradient of ``stage(x)`` times ``inputs["g"]`` with respect to ``x``;
+    - "share": the stage's summed parameter gradients over ``inputs["visits"]``, flattened as a share
+      is: for stage 0 each visit is ``tokens``, ``targets`` and, where the microbatch left the origin,
+      ``a`` and ``g`` (the gradient that came back); for the others ``x`` and ``g``.
+    """
+    auto = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def on(t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        t = t.to(device)
+        return t.detach().requires_grad_(True) if grad else t
+
+    if kind == "first":
+        with torch.no_grad(), auto:
+            return stage(stage.embed(on(inputs["tokens"]))).float()
+    if kind == "forward":
+        with torch.no_grad(), auto:
+            return stage(on(inputs["x"])).float()
+    if kind == "loss":
+        a = on(inputs["a"], grad=True)
+        with auto:
+            loss = stage.loss(a, on(inputs["targets"]))
+        return torch.autograd.grad(loss, a)[0].float()
+    if kind == "backward":
+        x = on(inputs["x"], grad=True)
+        with auto:
+            y = stage(x)
+        return torch.autograd.grad(y, x, on(inputs["g"]).to(y.dtype))[0].float()
+    if kind == "share":
+        return _share(stage, inputs["visits"], on, auto)
+    raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def _share(stage: Any, visits: Sequence[dict], on: Any, auto: Any) -> torch.Tensor:
+    params = list(stage.parameters())
+    total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+    for v in visits:
+        outputs, grads = [], []
+        with auto:
+            if "tokens" in v:
+                h = stage(stage.embed(on(v["tokens"])))
+                if v.get("a") is None:  # the microbatch never left the origin: one graph
+                    outputs.append(stage.loss(h, on(v["targets"])))
+                    grads.append(None)
+                else:
+                    outputs += [stage.loss(on(v["a"], grad=True), on(v["targets"])), h]
+                    grads += [None, on(v["g"]).to(h.dtype)]
+            else:
+                y = stage(on(v["x"]))
+                outputs.append(y)
+                grads.append(on(v["g"]).to(y.dtype))
+        got = torch.autograd.grad(outputs, params, grads, allow_unused=True)
+        for acc, g in zip(total, got):
+            if g is not None:
+                acc.add_(g.float())
+    return torch.cat([t.flatten() for t in total])
