@@ -17,6 +17,8 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import receipts
+from roving.dashboard.pipeline_view import PipelineWatch
+from roving.pipeline.errors import PlanError
 from roving.pipeline.evidence import Evidence, difference, recompute
 from roving.pipeline.model import preset
 from roving.pipeline.stages import Stage
@@ -212,6 +214,8 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
     assert all(e["check"] == "false mismatch" and e["computed_by"] not in liars for e in frames)
     assert len(metrics["iterations"]) == 5 and all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
     assert not set(liars) & set(t.alloc) and set(t.roster.excluded) == set(liars)
+    with pytest.raises(PlanError, match="was excluded"):
+        t.roster.request_join(next(iter(liars)))
     last = metrics["iterations"][-1]["verify"]
     assert last["checks"] > 0 and last["caught"] == []
 
@@ -231,7 +235,7 @@ def test_spot_checks_catch_a_liar_within_the_stated_iterations_and_screening_alo
     """Spot mode at rate 0.3: a node lying about every tensor has about 4 computations an iteration here,
     so it escapes an iteration with chance 0.7**4 = 0.24: it is caught within 10 (all but 6e-7). Screen
     mode recomputes nothing, but a non-finite tensor computed from finite inputs is the sender's fault;
-    the catch shows in `roving pipeline status`."""
+    the catch shows in `roving pipeline status` and the dashboard."""
     from roving.cli import main as roving_main
 
     metrics, liars, _ = train({1: ["scale"]}, nodes=6, iterations=12, mode="spot", rate=0.3, start=2)
@@ -243,4 +247,8 @@ def test_spot_checks_catch_a_liar_within_the_stated_iterations_and_screening_alo
     out = io.StringIO()
     with redirect_stdout(out):
         assert roving_main(["pipeline", "status", "--control", str(tmp_path)]) == 0
-    assert f"caught by verification at iteration 1: {next(iter(liars))} excluded (non-finite check" in out.getvalue()
+    liar = next(iter(liars))
+    assert f"caught by verification at iteration 1: {liar} excluded (non-finite check" in out.getvalue()
+    shown = PipelineWatch(str(tmp_path), None).read()  # the dashboard's pipeline view
+    assert [n["state"] for n in shown["nodes"] if n["name"] == liar] == ["excluded"]
+    assert any(e.get("event") == "caught" and e.get("node") == liar for e in shown["events"])

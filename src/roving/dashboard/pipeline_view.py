@@ -113,7 +113,7 @@ def _nodes(status: Dict[str, Any], events: List[Dict[str, Any]],
         elif kind == "slow":
             slow.update(names)
         elif kind == "caught":  # verification caught it computing wrong: out for good
-            excluded.add(ev.get("node"))
+            excluded.add(str(ev.get("node")))
         elif kind == "replan":  # nodes that joined (again) are alive from then on
             dead.difference_update(ev.get("joined") or [])
             for name, stage in (ev.get("allocation") or {}).items():

@@ -186,9 +186,12 @@ def _add_fault_flags(t: argparse.ArgumentParser) -> None:
 def _add_verify_flags(t: argparse.ArgumentParser) -> None:
     """`pipeline train`'s flags of [verify]: checks of what untrusted nodes send, adversary injection."""
     t.add_argument("--verify", dest="mode", choices=("off", "screen", "spot", "full"),
-                   help="[verify] mode: what is checked of what the nodes send (default off)")
+                   help="[verify] mode: what is checked of what the nodes send: nothing (off, the default), "
+                        "screening statistics (screen), sampled recomputations too (spot), every computation "
+                        "recomputed (full)")
     t.add_argument("--verify-rate", type=float,
-                   help="the chance that a microbatch is recomputed by another replica (default 0.05)")
+                   help="mode spot: the chance that each computation a node sends the result of is recomputed "
+                        "by another replica of its stage (default 0.05)")
     t.add_argument("--tolerance", type=float,
                    help="relative difference a recomputation may have from the original (default 1e-3)")
     t.add_argument("--aggregation", choices=("mean", "trimmed", "median", "clip"),
@@ -196,7 +199,7 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
                         "the coordinate-wise median or centered clipping")
     t.add_argument("--adversaries",
                    help='adversary injection: "n03:scale:10:0.5:4,n05:nan" (NODE:KIND[:FROM[:FRACTION[:STRENGTH]]]; '
-                        "kinds noise, scale, signflip, lazy, bias, nan, weights, collude)")
+                        "kinds noise, scale, signflip, lazy, bias, nan, weights, collude, frame)")
 
 
 def _add_run_tool_parsers(sub) -> None:

@@ -187,7 +187,8 @@ def _share(stage: Any, visits: Sequence[dict], on: Any, auto: Any) -> torch.Tens
     params = list(stage.parameters())
     total = [torch.zeros_like(p, dtype=torch.float32) for p in params]
     for v in visits:
-        outputs, grads = [], []
+        outputs: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
         with auto:
             if "tokens" in v:
                 h = stage(stage.embed(on(v["tokens"])))

@@ -194,11 +194,12 @@ class VerifySection:
     """[verify]: what a stage's nodes send is checked, not trusted (issue 32; README, Untrusted nodes).
     The default, ``mode = "off"`` with ``aggregation = "mean"``, is training as it was."""
 
-    #: "off" (nothing checked), "screen" (running statistics of what crosses each stage boundary,
-    #: ``screen``), "spot" (screening and recomputation of sampled microbatches) or "full" (both, every
-    #: microbatch recomputed). Only the aggregation rule and the adversaries act in training so far.
+    #: "off" (nothing checked), "screen" (receipts, and running statistics of what crosses each stage
+    #: boundary: ``screen``), "spot" (screening and recomputation of sampled computations) or "full"
+    #: (every computation recomputed); ``verify`` has what each checks and does.
     mode: str = "off"
-    #: the chance that a microbatch is recomputed by another replica (mode spot).
+    #: mode spot: the chance that each computation a node sends the result of is recomputed by another
+    #: replica of its stage (a screening suspect's: at least ``verify.SUSPECT_RATE``).
     verify_rate: float = 0.05
     #: relative difference between a recomputation and the original still taken as equal (float
     #: nondeterminism).

@@ -525,6 +525,7 @@ class Trainer:
             self._order_sync(rnd, None)
         while not set(self.alloc) <= self._norm_from:
             msg = self._round_recv(m.Norm, rnd)
+            assert isinstance(msg, m.Norm)
             self._norms.setdefault(msg.stage, msg.sq_norm)
             self._norm_from.add(msg.sender)
             self.verifier.note(msg)

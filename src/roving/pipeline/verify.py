@@ -118,7 +118,10 @@ class Verifier:
         self._check_id = 0
         #: the latest audit's figures (checks run, rechecks, seconds), for the iteration's record
         self.last: dict[str, Any] = {}
-        self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "seconds": 0.0}
+        #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
+        #: (what float nondeterminism amounts to here, against ``tolerance``)
+        self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "seconds": 0.0,
+                       "max_difference": 0.0}
 
     @property
     def on(self) -> bool:
@@ -208,7 +211,8 @@ class Verifier:
             if s.node in alloc and math.isfinite(s.z) and mark not in self._suspected:
                 self._suspected.add(mark)
                 self.suspects.add(s.node)
-                self._event("suspect", node=s.node, boundary=list(s.boundary), check=s.check,
+                self._event("suspect", node=s.node, boundary=list(s.boundary) if isinstance(s.boundary, tuple)
+                            else s.boundary, check=s.check,
                             z=s.z if math.isfinite(s.z) else None, value=s.value, others=s.others)
         return flagged
 
@@ -222,36 +226,9 @@ class Verifier:
         """Every computation of the round whose output another process received (the module doc)."""
         out: list[Check] = []
         visits: dict[str, list[dict]] = {}
-        for mb, r in enumerate(plan.paths):
+        for mb, route in enumerate(plan.paths):
             tokens, targets = batches[mb]
-            o, nodes, n = r.origin, r.nodes, len(r.nodes)
-            if not n:
-                visits.setdefault(o, []).append({"tokens": Source(value=tokens), "targets": Source(value=targets)})
-                continue
-
-            def fwd(h: int) -> tuple:  # the activations sent at hop h, as their receiver keeps them
-                return ("activation", mb, h, o if h == 0 else nodes[h - 1])
-
-            def bwd(h: int) -> tuple:  # the gradients sent at hop h
-                return ("gradient", mb, h, o if h == n - 1 else nodes[h + 1])
-
-            def at(h: int) -> str:  # who receives hop h
-                return nodes[h] if 0 <= h < n else o
-
-            out.append(Check(o, 0, "first", mb, 0, Source(at(0), fwd(0)), {"tokens": Source(value=tokens)}))
-            for h in range(1, n + 1):
-                out.append(Check(nodes[h - 1], r.stages[h - 1], "forward", mb, h, Source(at(h), fwd(h)),
-                                 {"x": Source(nodes[h - 1], fwd(h - 1))}))
-            out.append(Check(o, 0, "loss", mb, n - 1, Source(at(n - 1), bwd(n - 1)),
-                             {"a": Source(o, fwd(n)), "targets": Source(value=targets)}))
-            for h in range(n - 2, -2, -1):
-                x = nodes[h + 1]
-                out.append(Check(x, r.stages[h + 1], "backward", mb, h, Source(at(h), bwd(h)),
-                                 {"x": Source(x, fwd(h + 1)), "g": Source(x, bwd(h + 1))}))
-            visits.setdefault(o, []).append({"tokens": Source(value=tokens), "targets": Source(value=targets),
-                                             "a": Source(o, fwd(n)), "g": Source(o, bwd(-1))})
-            for h, x in enumerate(nodes):
-                visits.setdefault(x, []).append({"x": Source(x, fwd(h)), "g": Source(x, bwd(h))})
+            out += _route_checks(mb, route, tokens, targets, visits)
         replicas: dict[int, list[str]] = {}
         for name, stage in sorted(alloc.items()):
             replicas.setdefault(stage, []).append(name)
@@ -357,6 +334,7 @@ class Verifier:
             c, claimed, inputs, verifier = asked[msg.check]
             d = msg.difference
             if isinstance(d, (int, float)) and d <= self.tolerance:
+                self.totals["max_difference"] = max(self.totals["max_difference"], d)
                 continue
             confirm.append((c, claimed, inputs, verifier, d))
         for c, claimed, inputs, verifier, d in confirm:
@@ -408,8 +386,43 @@ class Verifier:
             return
         caught[node] = f"{check}: {reason}"
         log.warning("verification: node %s caught: %s", node, reason)
-        self._event("caught", node=node, nodes=[node], check=check, why=reason, **{**c.describe(), "computed_by": c.node,
-                                                                       **evidence})
+        fields = {**c.describe(), "computed_by": c.node, **evidence}
+        self._event("caught", node=node, nodes=[node], check=check, why=reason, **fields)
+
+
+def _route_checks(mb: int, route: Any, tokens: torch.Tensor, targets: torch.Tensor,
+                  visits: dict[str, list[dict]]) -> list[Check]:
+    """The checks of microbatch ``mb``'s computations along ``route``; adds what each node's share was
+    computed from to ``visits`` (node -> its visits' inputs)."""
+    o, nodes, n = route.origin, route.nodes, len(route.nodes)
+    if not n:
+        visits.setdefault(o, []).append({"tokens": Source(value=tokens), "targets": Source(value=targets)})
+        return []
+
+    def fwd(h: int) -> tuple:  # the activations sent at hop h, as their receiver keeps them
+        return ("activation", mb, h, o if h == 0 else nodes[h - 1])
+
+    def bwd(h: int) -> tuple:  # the gradients sent at hop h
+        return ("gradient", mb, h, o if h == n - 1 else nodes[h + 1])
+
+    def at(h: int) -> str:  # who receives hop h
+        return nodes[h] if 0 <= h < n else o
+
+    out = [Check(o, 0, "first", mb, 0, Source(at(0), fwd(0)), {"tokens": Source(value=tokens)})]
+    for h in range(1, n + 1):
+        out.append(Check(nodes[h - 1], route.stages[h - 1], "forward", mb, h, Source(at(h), fwd(h)),
+                         {"x": Source(nodes[h - 1], fwd(h - 1))}))
+    out.append(Check(o, 0, "loss", mb, n - 1, Source(at(n - 1), bwd(n - 1)),
+                     {"a": Source(o, fwd(n)), "targets": Source(value=targets)}))
+    for h in range(n - 2, -2, -1):
+        x = nodes[h + 1]
+        out.append(Check(x, route.stages[h + 1], "backward", mb, h, Source(at(h), bwd(h)),
+                         {"x": Source(x, fwd(h + 1)), "g": Source(x, bwd(h + 1))}))
+    visits.setdefault(o, []).append({"tokens": Source(value=tokens), "targets": Source(value=targets),
+                                     "a": Source(o, fwd(n)), "g": Source(o, bwd(-1))})
+    for h, x in enumerate(nodes):
+        visits.setdefault(x, []).append({"x": Source(x, fwd(h)), "g": Source(x, bwd(h))})
+    return out
 
 
 def _tensors(inputs: dict) -> list[torch.Tensor]:

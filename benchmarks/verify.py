@@ -1,0 +1,248 @@
+"""Verification of untrusted nodes (issue 32), measured on this machine: what each adversary does to
+training with verification off and on, how soon it is caught, whether honest nodes are ever blamed, and
+what verification costs. Everything side by side in one run:
+
+    PYTHONPATH=src python benchmarks/verify.py all --out benchmarks/results
+
+``adversaries``: one clean run, then for each adversary kind (``adversary.KINDS``) the same run with one
+node of 8 lying from iteration ``--start`` on (``collude``: the two nodes of stage 1, which has 2 replicas
+in this plan, so the two are the whole stage: what verification cannot catch, shown as such), once with
+verification off and once on (``mode = "spot"``, ``verify_rate`` 0.05, the defaults). Same plan, data
+and seed for all (the planner shares out a fixed count of evaluations). Figures: the final validation
+loss (whole model), the final loss with half of the stages after 0 dropped (``evaluate``), how many
+iterations after it started lying the node was caught, and the blames of honest nodes.
+
+``clean``: honest runs of ``--clean-iterations`` (200) in mode "full" (every computation recomputed:
+the most chances of a false blame) for 3 seeds on each of 2 networks (gcp12 and aws10: different plans,
+so different routes, replicas and stage loads; links not emulated); counts the blames (target: 0). To
+fit this machine, a smaller run (``CLEAN``: 6 nodes, 3 stages, 4 microbatches of 2 samples of 16 tokens).
+
+``overhead``: the same honest run in modes off, screen, and spot at 1%, 5% and 10% (and full), in turn,
+``--rounds`` times; the median iteration time of each, after ``WARMUP`` iterations.
+
+``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
+replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
+median time to combine them, and, with one replica sending ``scale`` (x100), ``signflip``, ``noise`` (x10
+the norm) or a NaN, how far the result lands from the honest replicas' mean, over the honest
+replicas' spread (their mean distance to it).
+
+Writes ``verify_<what>.json`` (every run's figures) under ``--out`` and prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from roving.pipeline.adversary import KINDS
+from roving.pipeline.aggregate import RULES, combine
+from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+
+BASE = dict(model="tiny", layers=8, dim=64, seq_len=32, samples=4, network="gcp12", nodes=8, stages=4, skip=0.25,
+            microbatches=8, in_flight=2, emulate_network=False, eval_every=1000, eval_batches=8, lr=3e-3,
+            min_lr=3e-4, warmup=3, planner_budget=30.0, planner_evals=800, replan_budget=5.0, replan_evals=200,
+            speed=2e-4, clip=1.0, timeout=300.0, threads=1)
+WARMUP = 3
+CLEAN = dict(layers=6, nodes=6, stages=3, microbatches=4, samples=2, seq_len=16, eval_batches=2)
+
+
+def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, liars: str = "",
+          **over) -> dict:
+    """One run: its metrics, plus who was caught when, and seconds."""
+    cfg = TrainConfig(**{**BASE, **over, "iterations": iterations, "seed": seed, "mode": mode,
+                         "verify_rate": rate})
+    prep = prepare(cfg)
+    if callable(liars):
+        liars = liars(prep.plan.allocation)
+    prep.config.adversaries = liars
+    t0 = time.time()
+    with Trainer(prep) as t:
+        metrics = t.train()
+        totals = dict(t.verifier.totals)
+    caught = {e["node"]: e["iteration"] for e in metrics["events"] if e["event"] == "caught"}
+    its = metrics["iterations"]
+    times = [r["seconds"] for r in its[WARMUP:]] or [r["seconds"] for r in its]
+    final = metrics["evaluations"][-1]
+    return {"mode": mode, "rate": rate, "seed": seed, "liars": liars, "caught": caught, "totals": totals,
+            "val_loss": final["val_loss"], "val_loss_dropped": final["val_loss_half_stages_dropped"],
+            "dropped_stages": final["dropped_stages"], "iteration_s": statistics.median(times),
+            "train_loss": [r["train_loss"] for r in its], "wall_s": time.time() - t0,
+            "allocation": dict(prep.plan.allocation),
+            "disputes": sum(1 for e in metrics["events"] if e["event"] == "dispute"),
+            "suspects": sorted({e["node"] for e in metrics["events"] if e["event"] == "suspect"})}
+
+
+def liars_for(kind: str, start: int):
+    """The adversaries of ``kind``: the first node of stage 1 (``collude``: both nodes of stage 1)."""
+    def pick(alloc: dict[str, int]) -> str:
+        stage1 = sorted(n for n, s in alloc.items() if s == 1)
+        chosen = stage1[:2] if kind == "collude" else stage1[:1]
+        return ", ".join(f"{n}:{kind}:{start}" for n in chosen)
+    return pick
+
+
+def adversaries(iterations: int, start: int, seed: int) -> dict:
+    out = {"clean": train(iterations, seed, "off")}
+    print(f"clean: val loss {out['clean']['val_loss']:.4f} ({out['clean']['wall_s']:.0f} s)", flush=True)
+    for kind in KINDS:
+        for mode in ("off", "spot"):
+            r = out[f"{kind} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start))
+            print(f"{kind} {mode}: val loss {r['val_loss']:.4f}, caught {r['caught']} ({r['wall_s']:.0f} s)",
+                  flush=True)
+    return out
+
+
+def clean(iterations: int, seeds: list[int]) -> dict:
+    out = {}
+    for network in ("gcp12", "aws10"):
+        for seed in seeds:
+            r = out[f"{network} seed {seed}"] = train(iterations, seed, "full", network=network, **CLEAN)
+            print(f"clean {network} seed {seed}: blamed {r['caught'] or 'nobody'}, disputes {r['disputes']}, "
+                  f"{r['totals']['checks']} checks ({r['wall_s']:.0f} s)", flush=True)
+    return out
+
+
+OVERHEAD = [("off", 0.0), ("screen", 0.0), ("spot", 0.01), ("spot", 0.05), ("spot", 0.10), ("full", 1.0)]
+
+
+def overhead(iterations: int, rounds: int, seed: int) -> dict:
+    out: dict[str, list] = {}
+    for rnd in range(rounds):
+        for mode, rate in OVERHEAD:
+            name = mode if mode != "spot" else f"spot {rate:.0%}"
+            r = train(iterations, seed, mode, rate)
+            out.setdefault(name, []).append(r)
+            print(f"round {rnd}: {name}: {r['iteration_s'] * 1000:.0f} ms per iteration, "
+                  f"{r['totals']['rechecks']} rechecks", flush=True)
+    return out
+
+
+def aggregation(size: int = 1_000_000, repeats: int = 7) -> dict:
+    out: dict = {}
+    gen = torch.Generator().manual_seed(0)
+    common = torch.randn(size, generator=gen)
+    for n in (3, 5, 8):
+        honest = [common + torch.randn(size, generator=gen) for _ in range(n)]
+        mean = torch.stack(honest).mean(0)
+        spread = statistics.mean(float((h - mean).norm()) for h in honest)
+        row: dict = {}
+        for rule in RULES:
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                combine(honest, [1] * n, n, rule)
+                times.append(time.perf_counter() - t0)
+            attacks = {}
+            for kind in ("scale", "signflip", "noise", "nan"):
+                bad = honest[0].clone()
+                if kind == "scale":
+                    bad *= 100
+                elif kind == "signflip":
+                    bad = -bad * 10
+                elif kind == "noise":
+                    bad = torch.randn(size, generator=gen) * 10 * float(bad.norm()) / size ** 0.5
+                else:
+                    bad[7] = math.nan
+                got = combine([bad] + honest[1:], [1] * n, n, rule)
+                honest_mean = torch.stack(honest[1:]).mean(0)
+                dist = float((got - honest_mean).norm())
+                attacks[kind] = dist / spread if math.isfinite(dist) else math.inf
+            row[rule] = {"seconds": statistics.median(times), "off_by": attacks}
+        out[str(n)] = row
+        print(f"aggregation, {n} replicas: " + ", ".join(f"{r} {v['seconds'] * 1000:.1f} ms" for r, v in row.items()),
+              flush=True)
+    return out
+
+
+def tables(res: dict, start: int) -> None:
+    if "adversaries" in res:
+        a = res["adversaries"]
+        c = a["clean"]
+        print("\n| adversary | val loss off | val loss on | on vs clean | off vs clean "
+              "| caught (iterations after start) | honest blamed | loss, half the stages dropped: on vs clean |")
+        print("|---|---|---|---|---|---|---|---|")
+        print(f"| none (clean) | {c['val_loss']:.4f} | | | | | | {c['val_loss_dropped']:.4f} |")
+        for kind in KINDS:
+            off, on = a[f"{kind} off"], a[f"{kind} spot"]
+            liars = [e.split(":")[0] for e in on["liars"].split(", ")]
+            late = [on["caught"][n] - start for n in liars if n in on["caught"]]
+            honest = sorted(set(on["caught"]) - set(liars))
+            caught = ", ".join(str(x) for x in late) if late else "not caught"
+            if len(late) < len(liars) and late:
+                caught += f" ({len(liars) - len(late)} not caught)"
+            print(f"| {kind} | {_loss(off['val_loss'])} | {_loss(on['val_loss'])} "
+                  f"| {_pct(on['val_loss'], c['val_loss'])} "
+                  f"| {_pct(off['val_loss'], c['val_loss'])} | {caught} | {len(honest)} "
+                  f"| {_pct(on['val_loss_dropped'], c['val_loss_dropped'])} |")
+    if "clean" in res:
+        print("\n| clean run | iterations | checks | rechecks | blamed | disputes | largest difference passed |")
+        print("|---|---|---|---|---|---|---|")
+        for name, r in res["clean"].items():
+            print(f"| {name} | {len(r['train_loss'])} | {r['totals']['checks']} | {r['totals']['rechecks']} "
+                  f"| {len(r['caught'])} | {r['disputes']} | {r['totals']['max_difference']:.2g} |")
+    if "aggregation" in res:
+        print("\n| replicas | rule | combine (ms) | one bad replica: distance from the honest mean / honest spread "
+              "(scale, signflip, noise, nan) |")
+        print("|---|---|---|---|")
+        for n, row in res["aggregation"].items():
+            for rule, v in row.items():
+                off = ", ".join(f"{x:.2f}" if math.isfinite(x) else "inf" for x in v["off_by"].values())
+                print(f"| {n} | {rule} | {v['seconds'] * 1000:.1f} | {off} |")
+    if "overhead" in res:
+        o = res["overhead"]
+        base = statistics.median(r["iteration_s"] for r in o["off"])
+        print("\n| mode | median iteration (ms) | vs off | rechecks per iteration |")
+        print("|---|---|---|---|")
+        for name, runs in o.items():
+            s = statistics.median(r["iteration_s"] for r in runs)
+            per = statistics.mean(r["totals"]["rechecks"] / max(1, len(r["train_loss"])) for r in runs)
+            print(f"| {name} | {s * 1000:.0f} | {s / base - 1:+.1%} | {per:.1f} |")
+
+
+def _loss(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else str(x)
+
+
+def _pct(x: float, ref: float) -> str:
+    return f"{x / ref - 1:+.1%}" if math.isfinite(x) else "diverged (not finite)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "aggregation", "all"))
+    ap.add_argument("--iterations", type=int, default=40, help="iterations of each adversary run")
+    ap.add_argument("--start", type=int, default=5, help="the iteration adversaries start lying at")
+    ap.add_argument("--clean-iterations", type=int, default=200)
+    ap.add_argument("--seeds", default="1,2,3")
+    ap.add_argument("--overhead-iterations", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    res: dict = {"command": " ".join(["python", "benchmarks/verify.py"] + (argv if argv is not None else sys.argv[1:])),
+                 "base": BASE}
+    if args.what in ("aggregation", "all"):
+        res["aggregation"] = aggregation()
+    if args.what in ("adversaries", "all"):
+        res["adversaries"] = adversaries(args.iterations, args.start, args.seed)
+    if args.what in ("overhead", "all"):
+        res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed)
+    if args.what in ("clean", "all"):
+        res["clean"] = clean(args.clean_iterations, [int(s) for s in args.seeds.split(",")])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"verify_{args.what}.json").write_text(json.dumps(res, indent=1, default=str))
+    tables(res, args.start)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
