@@ -40,7 +40,7 @@ def _timed_request(server: Server, path: str = "/metrics") -> float:
 def _own_threads(board) -> list:
     """The dashboard threads of ``board`` (those that did not exist before it started)."""
     return [t.name for t in threading.enumerate()
-            if t.name.startswith("roving-dashboard") and t.ident not in board.test_threads_before]
+            if t.name.startswith("roving-dashboard") and t not in board.test_threads_before]
 
 
 def _closed_by_peer(sock: socket.socket, within: float) -> bool:
@@ -56,8 +56,9 @@ def _closed_by_peer(sock: socket.socket, within: float) -> bool:
 
 @pytest.fixture
 def https_board():
-    # threads of dashboards an earlier test left (still stopping, or running) are not this one's
-    others = {t.ident for t in threading.enumerate() if t.name.startswith("roving-dashboard")}
+    # threads of dashboards an earlier test left (still stopping, or running) are not this one's; kept as
+    # thread objects, not idents: a thread that ends now frees its ident for one of this dashboard's
+    others = {t for t in threading.enumerate() if t.name.startswith("roving-dashboard")}
     server = Server(Views(), "127.0.0.1", tls=True, limits=Limits(handshake_s=1.5, request_s=2.0)).start()
     server.test_threads_before = others
     yield server

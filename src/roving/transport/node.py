@@ -64,7 +64,7 @@ import os
 import selectors
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import zmq
 from zmq.utils import monitor as zmq_monitor
@@ -146,6 +146,9 @@ class Node(Boxes):
         self._tokens = self._door.tokens
         self._at_close: List[Callable[[], None]] = []
         self._undeliverable: List[Callable[[], None]] = []
+        #: node ids revoked and not yet applied; checked before every message is served, so that nothing
+        #: sent after :func:`.identity.revoke` returned is served
+        self._revoking: Deque[str] = collections.deque()
         self._services: Dict[str, Any] = {}
         self._services_lock = threading.Lock()
         # Streams (roving.transport.stream) that processes opened to this node, served by the I/O thread.
@@ -241,9 +244,14 @@ class Node(Boxes):
 
     def revoked(self, node_id: str) -> None:
         """``node_id``'s credentials were revoked (:func:`.identity.revoke`): its connections to this
-        node are closed (on the I/O thread, soon); any thread."""
+        node are closed (on the I/O thread, before it serves another message); any thread."""
         if self._running:
-            self._defer(functools.partial(self._close_revoked, node_id))
+            self._revoking.append(node_id)
+            self._wake()
+
+    def _apply_revocations(self) -> None:
+        while self._revoking:
+            self._close_revoked(self._revoking.popleft())
 
     def _close_revoked(self, node_id: str) -> None:
         closed = self._door.revoke(node_id)
@@ -409,6 +417,8 @@ class Node(Boxes):
                 continue
             self._peers[peer.fd] = peer
             self._selector.register(peer.fd, selectors.EVENT_READ)
+        if self._revoking:
+            self._apply_revocations()
         self._flush_outbox()
         if self._monitor in ready:
             self._read_monitor()
@@ -489,6 +499,10 @@ class Node(Boxes):
                 self._selector.modify(peer.fd, selectors.EVENT_READ)
         if not events & selectors.EVENT_READ:
             return
+        if self._revoking:
+            self._apply_revocations()
+            if peer.closed or self._peers.get(peer.fd) is not peer:
+                return
         messages, ended = peer.pump()
         for kind, frames in messages:
             try:
@@ -534,6 +548,8 @@ class Node(Boxes):
                     box.cancel(waiter, status)
 
     def _handle(self, frames: List[zmq.Frame]) -> None:
+        if self._revoking:
+            self._apply_revocations()
         ident = frames[0].bytes
         known = self._authenticated.get(ident)
         if known is None or frames[1].get("User-Id") != known:
