@@ -135,6 +135,7 @@ class FakeRoster:
 def verifier(mode: str = "full") -> tuple[Verifier, list]:
     events = []
     config = types.SimpleNamespace(mode=mode, verify_rate=0.05, tolerance=1e-3, stages=2, seed=0, bf16=False,
+                                   aggregation="mean",
                                    timeout=5.0)
     return Verifier(config, CFG, FakeRoster(), lambda kind, **f: events.append((kind, f))), events
 

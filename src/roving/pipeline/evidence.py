@@ -35,6 +35,9 @@ from .screen import summarize
 #: a kept tensor's key: (what, mb, hop, sender).
 Key = tuple
 
+#: the key under which a process shows the gradient it combined from its stage's shares.
+COMBINED = ("combined", -1, -1, "")
+
 #: what can be recomputed (``recompute``), by the computation that made the tensor checked.
 KINDS = ("first", "forward", "loss", "backward", "share")
 
@@ -61,6 +64,8 @@ class Evidence:
     screened: list[tuple] = field(default_factory=list)
     #: keys of the tensors received this round that did not match their receipt
     disputes: list[Key] = field(default_factory=list)
+    #: the gradient this process combined from its stage's shares this round (``combined``)
+    total: torch.Tensor | None = None
 
     @property
     def on(self) -> bool:
@@ -71,6 +76,7 @@ class Evidence:
         self.kept.clear()
         self.screened.clear()
         self.disputes.clear()
+        self.total = None
 
     def seal(self, what: str, rnd: int, mb: int, hop: int, tensor: torch.Tensor) -> Receipt | None:
         """This process's receipt for ``tensor`` as it sends it (None with verification off)."""
@@ -95,10 +101,23 @@ class Evidence:
         if not (zeros_ok and summary.found == ("zeros",)):
             self.screened.append((what, mb, hop, sender, summary))
 
+    def combined(self, total: torch.Tensor) -> bytes | None:
+        """This process combined ``total`` from its stage's shares this round: kept (shown under the key
+        ``COMBINED``), and its digest returned for the coordinator (None with verification off)."""
+        if not self.on:
+            return None
+        self.total = total.detach().to("cpu")
+        return receipts.digest(self.total)
+
     def show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
-        """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed)."""
-        out = {}
+        """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed); its own
+        combined gradient under ``COMBINED`` (no receipt)."""
+        out: dict[Key, tuple] = {}
         for key in keys:
+            if tuple(key) == COMBINED:
+                if self.total is not None:
+                    out[COMBINED] = (self.total, None, False)
+                continue
             k = self.kept.get(tuple(key))
             if k is not None:
                 out[tuple(key)] = (k.tensor, k.receipt, k.disputed)

@@ -263,6 +263,9 @@ class Norm(RoundMessage):
     screened: tuple = ()
     disputes: tuple = ()
     cosines: Any = None
+    #: with verification on and other replicas: the digest of the gradient it combined from the
+    #: replicas' shares (``evidence.Evidence.combined``), which every replica's must equal
+    combined: Any = None
 
 
 @dataclass(frozen=True, slots=True)

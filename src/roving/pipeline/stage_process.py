@@ -437,8 +437,9 @@ class StageProcess:
         self.share_counts.pop(rnd, None)
         self.last_sq_norm = float(total.pow(2).sum())
         ev = self.evidence
+        combined = ev.combined(total) if len(replicas) > 1 else None
         self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, tuple(ev.screened),
-                                tuple(ev.disputes), cosines or None))
+                                tuple(ev.disputes), cosines or None, combined))
 
     def _step(self, rnd: int, coef: float, lr: float) -> None:
         if coef < 1.0:

@@ -26,6 +26,12 @@ with its sender's receipt), so the node checked cannot choose what it is checked
    not there and is caught instead (so nobody can be framed by a false report); unequal weights are a
    dispute.
 
+The replicas' averaging. Every replica reports a digest of the gradient it combined from its stage's
+shares (``Norm.combined``); when a stage's replicas' digests differ, the coordinator combines the shares
+itself, each as its sender's receipt names it, and catches each replica whose gradient differs from that
+(one that combined another share than was sent, its own included, would step to other weights than its
+replicas, and later checks could no longer compare them). Every round, in every mode but "off".
+
 Which computations. ``full``: all. ``spot``: each with probability ``verify_rate``, drawn here from the
 operating system's randomness after the round's tensors were sent (so no node can know which of its
 tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``. Any mode but "off":
@@ -54,7 +60,8 @@ import torch
 
 from . import protocol as m
 from . import receipts
-from .evidence import difference, recompute
+from .aggregate import combine
+from .evidence import COMBINED, difference, recompute
 from .screen import Screen
 from .stages import Stage
 
@@ -105,6 +112,7 @@ class Verifier:
 
     def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None]) -> None:
         self.mode, self.rate, self.tolerance = config.mode, config.verify_rate, config.tolerance
+        self.aggregation = config.aggregation
         self.stages, self.seed, self.bf16 = config.stages, config.seed, config.bf16
         self.timeout = config.timeout
         self.model, self.roster, self._event = model, roster, event
@@ -151,6 +159,8 @@ class Verifier:
         chosen = [c for c in checks if every or c.claimed.key in flagged or self._draw(c)]
         caught: dict[str, str] = {}
         rechecks = confirmations = 0
+        self._combined(rnd, norms, plan, alloc, caught)
+        chosen = [c for c in chosen if c.node not in caught]
         if chosen:
             shown = self._gather(rnd, chosen)
             judged = []
@@ -248,6 +258,9 @@ class Verifier:
             for src in c.sources():
                 if src.holder:
                     wanted.setdefault(src.holder, set()).add(src.key)
+        return self._ask(rnd, wanted)
+
+    def _ask(self, rnd: int, wanted: dict[str, set]) -> dict[str, dict]:
         for holder, keys in wanted.items():
             self.roster.put(holder, m.EvidenceRequest(rnd, tuple(sorted(keys))))
         shown: dict[str, dict] = {}
@@ -256,52 +269,98 @@ class Verifier:
             shown[msg.sender] = msg.items if isinstance(msg.items, dict) else {}
         return shown
 
-    def _evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str]) -> tuple | None:
-        """The check's tensors (claimed, inputs, visits) once each is covered by its sender's receipt;
-        None, after blaming or recording a dispute, when one is not."""
-        def one(src: Source) -> Any:
-            if not src.holder:
-                return src.value
-            got = shown.get(src.holder, {}).get(src.key)
-            sender = src.key[3]
-            if got is None or not isinstance(got, tuple) or len(got) != 3:
-                self._catch(caught, src.holder, "evidence", c, reason=f"did not show the tensor {list(src.key)} "
-                            f"it received from {sender}")
-                return None
-            tensor, receipt, disputed = got
-            if disputed:
-                self._dispute([sender, src.holder], "a tensor did not match its sender's receipt on arrival",
-                              key=list(src.key))
-                return None
-            what, mb, hop, _ = src.key
-            fields = isinstance(receipt, receipts.Receipt) and (receipt.sender, receipt.what, receipt.mb,
-                                                                 receipt.hop) == (sender, what, mb, hop)
-            if not fields or not receipts.matches(receipt, tensor):
-                self._catch(caught, src.holder, "evidence", c, reason=f"showed a tensor {list(src.key)} that "
-                            f"{sender}'s receipt does not name")
-                return None
-            if not receipts.genuine(self._key(sender), receipt):
-                self._dispute([sender, src.holder], "a receipt's MAC is not its sender's", key=list(src.key))
-                return None
-            return tensor
+    def _shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check) -> Any:
+        """The tensor of ``src`` once it is covered by its sender's receipt; None, after blaming the holder
+        or recording a dispute, when it is not (the module doc, Evidence)."""
+        if not src.holder:
+            return src.value
+        got = shown.get(src.holder, {}).get(src.key)
+        sender = src.key[3]
+        if got is None or not isinstance(got, tuple) or len(got) != 3:
+            self._catch(caught, src.holder, "evidence", c, reason=f"did not show the tensor {list(src.key)} "
+                        f"it received from {sender}")
+            return None
+        tensor, receipt, disputed = got
+        if disputed:
+            self._dispute([sender, src.holder], "a tensor did not match its sender's receipt on arrival",
+                          key=list(src.key))
+            return None
+        what, mb, hop, _ = src.key
+        fields = isinstance(receipt, receipts.Receipt) and (receipt.sender, receipt.what, receipt.mb,
+                                                             receipt.hop) == (sender, what, mb, hop)
+        if not fields or not receipts.matches(receipt, tensor):
+            self._catch(caught, src.holder, "evidence", c, reason=f"showed a tensor {list(src.key)} that "
+                        f"{sender}'s receipt does not name")
+            return None
+        if not receipts.genuine(self._key(sender), receipt):
+            self._dispute([sender, src.holder], "a receipt's MAC is not its sender's", key=list(src.key))
+            return None
+        return tensor
 
-        claimed = one(c.claimed)
+    def _evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str]) -> tuple | None:
+        """The check's tensors (claimed, inputs) once each is covered by its sender's receipt; None, after
+        blaming or recording a dispute, when one is not."""
+        claimed = self._shown(c.claimed, shown, caught, c)
         if claimed is None:
             return None
         inputs = {}
         for name, src in c.inputs.items():
-            inputs[name] = one(src)
+            inputs[name] = self._shown(src, shown, caught, c)
             if inputs[name] is None:
                 return None
         visits = []
         for v in c.visits:
-            got = {name: one(src) for name, src in v.items()}
+            got = {name: self._shown(src, shown, caught, c) for name, src in v.items()}
             if any(t is None for t in got.values()):
                 return None
             visits.append(got)
         if c.kind == "share":
             inputs = {"visits": visits}
         return claimed, inputs
+
+    # -- the replicas' averaging ------------------------------------------------------------------------
+    def _combined(self, rnd: int, norms: list[m.Norm], plan: Any, alloc: dict[str, int],
+                  caught: dict[str, str]) -> None:
+        """Every replica of a stage must combine the shares as they were sent (so that they hold equal
+        weights after the step): when the digests of what they combined (``Norm.combined``) differ, the
+        coordinator combines the shares itself, each as its sender's receipt names it, and catches every
+        replica whose gradient differs from that by more than ``tolerance``."""
+        digests = {msg.sender: msg.combined for msg in norms}
+        groups: dict[int, list[str]] = {}
+        for name, stage in sorted(alloc.items()):
+            groups.setdefault(stage, []).append(name)
+        split = {s: names for s, names in groups.items()
+                 if len(names) > 1 and len({digests.get(n) for n in names}) > 1}
+        if not split:
+            return
+        wanted: dict[str, set] = {}
+        for names in split.values():
+            for r in names:
+                holder = next(o for o in names if o != r)
+                wanted.setdefault(holder, set()).add(("share", -1, -1, r))
+                wanted.setdefault(r, set()).add(COMBINED)
+        shown = self._ask(rnd, wanted)
+        counts, visits = plan.backward_counts(), plan.stage_visits()
+        for stage, names in split.items():
+            shares = []
+            for r in names:
+                holder = next(o for o in names if o != r)
+                c = Check(r, stage, "share", -1, -1, Source(holder, ("share", -1, -1, r)))
+                share = self._shown(c.claimed, shown, caught, c)
+                if share is None:
+                    break
+                shares.append(share.float())
+            if len(shares) < len(names):
+                continue  # a share not shown, or disputed: dealt with above
+            want = combine(shares, [counts.get(r, 0) for r in names], visits[stage], self.aggregation)
+            for r in names:
+                got = shown.get(r, {}).get(COMBINED)
+                c = Check(r, stage, "combine", -1, -1, Source(r, COMBINED))
+                d = difference(got[0] if isinstance(got, tuple) and got else None, want)
+                if d > self.tolerance:
+                    self._catch(caught, r, "combine", c, reason=f"combined its stage's shares into a gradient "
+                                f"that differs by {d:.3g} from the shares as their senders sent them",
+                                difference=d if math.isfinite(d) else None, tolerance=self.tolerance)
 
     def _key(self, name: str) -> bytes:
         return receipts.node_key(self.roster.run_key, name)
