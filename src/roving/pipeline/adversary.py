@@ -23,7 +23,9 @@ for it as for microbatch -1). The kinds:
 - ``nan``: one element in each tampered tensor becomes NaN (every other tampered one: +Inf).
 - ``weights``: only its share is tampered with: STRENGTH (default 10) times a random direction of the
   share's norm added to it (a tampered share of the stage's averaging: replicas average gradients,
-  not weights, before each step); microbatch traffic is honest. The weights a node exports (snapshots,
+  not weights, before each step); microbatch traffic is honest. It averages its own true share (the
+  other kinds average the share they sent, as their replicas do), so it steps to other weights than
+  its replicas. The weights a node exports (snapshots,
   takeovers) are not tampered with yet.
 - ``collude``: like ``noise``, but drawn from the run's seed, the round, the microbatch and what is
   sent alone (not the node), so every colluding node of a stage sends the same wrong tensor for the

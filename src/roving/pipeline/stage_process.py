@@ -413,9 +413,14 @@ class StageProcess:
             mine = self._flat_grads()
             got[self.name] = mine
             self.share_counts.setdefault(rnd, {})[self.name] = self.backwards
-            out = self._out(mine)
+            out = honest = self._out(mine)
             if len(replicas) > 1:
-                out = self._lie("share", out, rnd, -1)
+                out = self._lie("share", honest, rnd, -1)
+                adv = self.settings.adversary
+                if out is not honest and adv is not None and adv.kind != "weights":
+                    # a liar that averages what it sent, as its replicas do: its weights stay theirs
+                    # (``weights`` keeps its own true share: the replicas' averaging check catches that)
+                    got[self.name] = out.to(self.device)
             receipt = self.evidence.seal("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
