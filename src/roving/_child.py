@@ -50,6 +50,9 @@ def main() -> int:
     raise_open_files()  # at boot, before the first connection (a login's soft limit is often 1024)
     session = _session.current()
     info = _session.child_info()
+    if info is None:
+        raise RuntimeError("roving._child runs only in a process roving started (its environment tells it "
+                           "its parent)")
     timeout = float(info.get("connect_timeout") or _config.current().connect_timeout)
     try:  # the environment check and the program's code, before anything of the parent's is unpickled
         refused = _boot.before_work(session.endpoint(info["parent"], timeout), info, timeout)
@@ -85,7 +88,7 @@ def main() -> int:
         # As multiprocessing's children do: the process ends once its non-daemonic threads have ended
         # (and concurrent.futures' executors are told to finish), while the parent is still watched.
         if _process.joins_threads_at_end():
-            threading._shutdown()
+            threading._shutdown()  # type: ignore[attr-defined]  # (private: not in typeshed's stub)
         return code
     finally:
         _stop_watching.set()

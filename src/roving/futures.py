@@ -60,7 +60,8 @@ from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
 # the standard library's executor sets this as a remote exception's __cause__; roving's sets it too
 from concurrent.futures.process import _RemoteTraceback
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback
+from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in typeshed's stub)
+    ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback)
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from . import pool as _pool
@@ -108,6 +109,12 @@ class _Call:
     """One submitted call: its future, what to hand the pool, and what the pool calls back with."""
 
     __slots__ = ("ex", "future", "fn", "args", "kwargs")
+    # None once let go of: ex and future once the call is done, fn, args and kwargs once handed to the pool
+    ex: Optional["Executor"]
+    future: Optional[Future]
+    fn: Optional[Callable[..., Any]]
+    args: Optional[Tuple[Any, ...]]
+    kwargs: Optional[dict]
 
     def __init__(self, ex: "Executor", future: Future, fn: Callable[..., Any], args: Tuple[Any, ...],
                  kwargs: dict) -> None:
@@ -117,11 +124,13 @@ class _Call:
     # this call) a while longer, and that must not keep an executor nobody uses from being collected.
     def ok(self, value: Any) -> None:
         ex, future, self.ex, self.future = self.ex, self.future, None, None
+        assert ex is not None and future is not None, "the pool calls back once per call"
         future.set_result(value)
         ex._finished()
 
     def failed(self, exc: BaseException) -> None:
         ex, future, self.ex, self.future = self.ex, self.future, None, None
+        assert ex is not None and future is not None, "the pool calls back once per call"
         if isinstance(exc, PoolStartError):
             ex._break(exc)
         if ex._broken is not None and not isinstance(exc.__cause__, RemoteTraceback):
@@ -221,7 +230,7 @@ class Executor(_StdExecutor):
         progress bar on stderr (items done of the total, rate, time left), as :meth:`roving.Pool.map`."""
         if chunksize < 1:
             raise ValueError("chunksize must be >= 1.")
-        end = None if timeout is None else timeouts.limit(timeout) + time.monotonic()
+        end = timeouts.deadline(timeout)  # None: no end (None, inf, or beyond timeouts.LONGEST)
         calls = zip(*iterables)
         if chunksize == 1:
             futures = [self._submit(fn, args, {}, 1) for args in calls]
@@ -233,12 +242,17 @@ class Executor(_StdExecutor):
                     break
                 futures.append(self._submit(_run_chunk, (fn, chunk), {}, len(chunk)))
         if progress:
-            total = len(futures) if chunksize == 1 else sum(f._roving_size for f in futures)
+            total = (len(futures) if chunksize == 1
+                     else sum(f._roving_size for f in futures))  # type: ignore[attr-defined]
             bar = Progress(total, getattr(fn, "__qualname__", None) or type(fn).__qualname__)
             if total == 0:
                 bar.finish()
+
+            def count(f: Future[Any], bar: Progress = bar) -> None:
+                bar.update(f._roving_size)  # type: ignore[attr-defined]
+
             for f in futures:
-                f.add_done_callback(lambda f, bar=bar: bar.update(f._roving_size))
+                f.add_done_callback(count)
         return _results(futures, end, chunksize > 1)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False,
@@ -257,8 +271,10 @@ class Executor(_StdExecutor):
             if idle:
                 self._idle.notify_all()
         for call in cancelled:  # outside the lock: done callbacks run here
-            call.future.cancel()
-            call.future.set_running_or_notify_cancel()
+            future = call.future
+            assert future is not None, "a call not handed to the pool is not done"
+            future.cancel()
+            future.set_running_or_notify_cancel()
         if pool is None:
             return
         if idle:
@@ -293,8 +309,9 @@ class Executor(_StdExecutor):
 
     # -- submitting ----------------------------------------------------------------------------
     def _submit(self, fn: Callable[..., Any], args: Tuple[Any, ...], kwargs: dict, size: int) -> Future:
-        future = Future()
-        future._roving_size = size  # items it stands for (map's progress bar)
+        future: Future[Any] = Future()
+        # items it stands for (map's progress bar): roving's own attribute, on the standard library's Future
+        future._roving_size = size  # type: ignore[attr-defined]
         call = _Call(self, future, fn, args, kwargs)
         with self._lock:
             if self._broken is not None:
@@ -343,10 +360,12 @@ class Executor(_StdExecutor):
         cancelled meanwhile, or the pool refused it), so that the caller counts it finished. ``raising``
         (the caller is its ``submit``): a RuntimeError of the pool (no thread can be made) is raised."""
         future = call.future
+        assert future is not None, "a call not handed to the pool is not done"
         if not future.set_running_or_notify_cancel():
             return False
         fn, args, kwargs = call.fn, call.args, call.kwargs
         call.fn = call.args = call.kwargs = None
+        assert fn is not None and args is not None and kwargs is not None, "a call is handed to the pool once"
         try:
             pool.apply_async(fn, args, kwargs, callback=call.ok, error_callback=call.failed)
         except PoolStartError as exc:
@@ -376,13 +395,17 @@ class Executor(_StdExecutor):
                 idle = not self._pending and self._running == 0
                 if idle:
                     self._idle.notify_all()
-            done = sum(1 for call in take if not self._hand(pool, call))
+            done = 0
+            if take:
+                assert pool is not None, "calls were handed to the pool: it started"
+                done = sum(1 for call in take if not self._hand(pool, call))
             if idle and self._shutdown and pool is not None:
                 pool.close()
 
     # -- broken --------------------------------------------------------------------------------
     def _broken_error(self) -> BrokenProcessPool:
         broken = self._broken
+        assert broken is not None, "called once the executor is broken"
         err = BrokenProcessPool(broken.args[0])
         err.__cause__ = broken.__cause__
         return err
@@ -405,8 +428,10 @@ class Executor(_StdExecutor):
             pool = self._pool
         log.error("roving executor: %s", broken)
         for call in pending:
-            if call.future.set_running_or_notify_cancel():
-                call.future.set_exception(self._broken_error())
+            future = call.future
+            assert future is not None, "a call not handed to the pool is not done"
+            if future.set_running_or_notify_cancel():
+                future.set_exception(self._broken_error())
         with self._lock:
             if self._running == 0:
                 self._idle.notify_all()

@@ -233,7 +233,7 @@ class Shared:
         return self._token, self._owner, self._machine, self.nbytes, self._check
 
     def __setstate__(self, state: tuple) -> None:
-        self.__init__(*state)
+        type(self).__init__(self, *state)
 
     def __repr__(self) -> str:
         return f"<roving.Shared {self._token} {self.nbytes} bytes>"

@@ -80,6 +80,14 @@ def test_map_yields_results_in_input_order_even_when_later_items_finish_first(ma
     assert list(ex.map(fx.sleep_then_return, delays, range(6), timeout=TIMEOUT)) == list(range(6))
 
 
+def test_map_with_an_infinite_timeout_waits_as_long_as_it_takes():
+    # (the standard library's map does `timeout + time.monotonic()` and then waits on that: not compared)
+    roving.init(backend="local")
+    with Executor(2) as ex:
+        assert list(ex.map(fx.square, range(5), timeout=float("inf"))) == [0, 1, 4, 9, 16]
+        assert list(ex.map(fx.square, [], timeout=float("inf"))) == []
+
+
 def test_map_zips_several_iterables_and_stops_at_the_shortest(make):
     ex = make(2)
     assert list(ex.map(fx.add, range(10), range(100, 105))) == [100, 102, 104, 106, 108]

@@ -79,8 +79,9 @@ def test_a_killed_worker_is_found_through_its_sentinel_and_replaced(monkeypatch)
 def test_silent_worker_is_found_at_its_heartbeat_deadline(monkeypatch):
     """SIGSTOP keeps the job running (no sentinel fires): the heartbeat deadline finds it, and checks
     grow with deadlines (one per worker per timeout), not with rounds times workers."""
+    # 4 heartbeats' time: a loaded machine delays some beats of healthy workers by more than one
     monkeypatch.setattr(roving.config, "_current",
-                        roving.config.current().replace("test", pool_heartbeat_timeout=4.0))  # 4 beats: a loaded machine delays some
+                        roving.config.current().replace("test", pool_heartbeat_timeout=4.0))
     rounds, _ = _counting(monkeypatch)
     with roving.Pool(WORKERS) as pool:
         assert wait_until(lambda: _connected(pool), TIMEOUT)

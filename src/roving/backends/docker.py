@@ -182,7 +182,7 @@ class DockerBackend(Backend):
         try:
             if job.spec.output == "files":
                 data = client.api.logs(cid, stdout=True, stderr=True)
-                with open_private(job.spec.log_path) as f:
+                with open_private(job.spec.log_file()) as f:
                     f.write(data)
                 job.output[:] = data[-_KEEP_LOG:]
             elif job.spec.output == "prefix":

@@ -183,11 +183,12 @@ class KubernetesBackend(Backend):
         if secret:
             from_refs.append({"name": spec.session.secret_env, "valueFrom": {"secretKeyRef": {
                 "name": self._pod_secret(tag, name, secret), "key": "secret"}}})
-        metadata = {"name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
-                                              "roving.name": _dns_name(spec.name),
-                                              "roving.user": _user_label(user_name()),
-                                              "roving.owner": owner_label()},
-                    "annotations": {"roving.process-name": spec.name}}
+        metadata: Dict[str, Any] = {
+            "name": name, "labels": {"app.kubernetes.io/managed-by": "roving", "roving.session": tag,
+                                     "roving.name": _dns_name(spec.name),
+                                     "roving.user": _user_label(user_name()),
+                                     "roving.owner": owner_label()},
+            "annotations": {"roving.process-name": spec.name}}
         owner = self._owner_reference()
         if owner:
             metadata["ownerReferences"] = [owner]
@@ -337,7 +338,7 @@ class KubernetesBackend(Backend):
         if pod.spec.output == "files":
             text = self._read_log(pod.name) or pod.output
             pod.output = text
-            with open_private(pod.spec.log_path, "a") as f:
+            with open_private(pod.spec.log_file(), "a") as f:
                 f.write(text)
         elif pod.spec.output == "prefix" and pod.deleted_with is None:
             pod.output = self._read_log(pod.name) or pod.output

@@ -49,7 +49,7 @@ class LocalBackend(Backend):
         elif spec.output == "off":
             stdout = stderr = subprocess.DEVNULL
         elif spec.output == "files":
-            log_file = open_private(spec.log_path)
+            log_file = open_private(spec.log_file())
             stdout, stderr = log_file, subprocess.STDOUT
         try:
             proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
@@ -66,6 +66,7 @@ class LocalBackend(Backend):
                 if self._pump is None:
                     self._pump = OutputPump()
             prefix = f"[{spec.name}] "
+            assert proc.stdout is not None and proc.stderr is not None, "started with stdout=stderr=PIPE"
             self._pump.add(proc.stdout, prefix, False)
             self._pump.add(proc.stderr, prefix, True)
         job = Job(self, str(proc.pid))

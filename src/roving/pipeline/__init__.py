@@ -13,6 +13,8 @@ Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (mode
 
 from __future__ import annotations
 
+from typing import Any
+
 from .baselines import full_pipeline, full_pipeline_planned, random_skip
 from .costs import MODEL_PRESETS, ModelSpec, microbatches_in_flight, model_preset, stage_memory
 from .errors import PipelineError, PlanError
@@ -26,7 +28,7 @@ _TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "Train
              "Trainer": "trainer", "prepare": "runspec", "train": "trainer"}
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """The training names, imported on first use so that planning never needs PyTorch."""
     if name in _TRAINING:
         import importlib

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from .costs import ModelSpec, stage_layers, stage_memory, transfer_time
 from .errors import PlanError
@@ -52,14 +52,18 @@ def _need(model: ModelSpec, stages: int, s: int) -> str:
             f"{m.per_microbatch_bytes / 2**20:.0f} MB of activations for one microbatch")
 
 
-def stage_matching(can: dict[str, frozenset[int]], stages: int) -> tuple[dict[int, str], list[int], list[str]]:
+#: A node as stage_matching sees it: its name, or its index (dtfm's cost matrix)
+_Node = TypeVar("_Node", str, int)
+
+
+def stage_matching(can: dict[_Node, frozenset[int]], stages: int) -> tuple[dict[int, _Node], list[int], list[_Node]]:
     """A distinct node for every stage it can (Kuhn's augmenting paths). Returns (stage -> node, and
     when some stage is left out: a set of stages and the only nodes that can hold any of them, fewer
     than the stages; else two empty lists)."""
-    owner: dict[str, int] = {}
+    owner: dict[_Node, int] = {}
     names = list(can)
     for s in range(stages):
-        seen_nodes: set[str] = set()
+        seen_nodes: set[_Node] = set()
         seen_stages: list[int] = []
 
         def grab(st: int) -> bool:
@@ -130,7 +134,8 @@ def assign(order: Sequence[str], labels: Sequence[int], can: dict[str, frozenset
                 if i in seen:
                     continue
                 seen.add(i)
-                if node_at[i] is None or place(node_at[i], None):
+                held = node_at[i]
+                if held is None or place(held, None):
                     node_at[i] = v
                     return True
             return False
@@ -223,7 +228,7 @@ def spread_labels(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def initial_allocation(network: Network, counts: Sequence[int], cost) -> dict[str, int]:
+def initial_allocation(network: Network, counts: Sequence[int], cost: dict[tuple[str, str], float]) -> dict[str, int]:
     order = tour_order(network, cost)
     return dict(zip(order, spread_labels(counts)))
 

@@ -149,7 +149,7 @@ def plain(obj: Any) -> Any:
         return obj
     for kind in (bool, int, float, str, bytes):  # numpy's float64 is a float, but pickles as numpy's
         if isinstance(obj, kind):
-            return kind(obj)
+            return kind(obj)  # type: ignore[arg-type]  # obj is a `kind`; mypy tries each kind with each type
     if isinstance(obj, dict):
         out = {plain(k): plain(v) for k, v in obj.items()}
         if isinstance(obj, OrderedDict):  # a state_dict: keep its kind and its version metadata

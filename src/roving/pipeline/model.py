@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +59,7 @@ class LlamaConfig:
 PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**ARCHITECTURES[name]) for name in TRAINING}
 
 
-def preset(name: str, **overrides) -> LlamaConfig:
+def preset(name: str, **overrides: Any) -> LlamaConfig:
     if name not in PRESETS:
         raise PlanError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
@@ -140,10 +140,10 @@ class Layers(nn.ModuleDict):
     are the whole model's); indexed by that number, iterated in order."""
 
     def __getitem__(self, i: int | str) -> Block:
-        return super().__getitem__(str(i))
+        return cast(Block, super().__getitem__(str(i)))  # it holds Blocks only
 
-    def __iter__(self) -> Iterator[Block]:
-        return iter(self.values())
+    def __iter__(self) -> Iterator[Block]:  # type: ignore[override]  # its blocks, not their keys (see above)
+        return cast(Iterator[Block], iter(self.values()))
 
     def __contains__(self, i: object) -> bool:
         return super().__contains__(str(i))
@@ -182,9 +182,10 @@ class Llama(nn.Module):
             # Layers first: a part's parameters keep the order they had in checkpoints, where the
             # optimizer state is matched to them by position.
             self.layers = Layers({str(i): Block(cfg) for i in range(cfg.n_layers)})
-            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+            # None in a part without the ends (below)
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+            self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         for i in set(range(cfg.n_layers)) - set(held):
             del self.layers[str(i)]
         if not ends:
@@ -207,11 +208,14 @@ class Llama(nn.Module):
         for i in self.layer_ids:
             init_part(self.layers[i], self.cfg, seed, i)
         if self.ends:
+            assert self.tok_embeddings is not None and self.norm is not None and self.output is not None, \
+                "the ends are held together"
             init_part(self.tok_embeddings, self.cfg, seed, -1)
             init_part(self.norm, self.cfg, seed, -2)
             init_part(self.output, self.cfg, seed, -2)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.tok_embeddings is not None, "a part without the ends has no embedding"
         return self.tok_embeddings(tokens)
 
     def run_layers(self, h: torch.Tensor, layers: Sequence[int] | None = None) -> torch.Tensor:
@@ -223,6 +227,7 @@ class Llama(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm and head: (batch, seq, vocab)."""
+        assert self.output is not None and self.norm is not None, "a part without the ends has no head"
         return self.output(self.norm(h))
 
     def loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -173,7 +173,7 @@ def load_network_doc(spec: str) -> tuple[dict[str, Any], str]:
     """Read a preset name (gcp12, aws10) or a JSON file path; a file that is not a JSON object with
     regions and links is a PlanError naming it."""
     if spec in PRESETS:
-        text = resources.files("roving.pipeline").joinpath("data", f"{spec}.json").read_text()
+        text = resources.files("roving.pipeline").joinpath("data").joinpath(f"{spec}.json").read_text()
         return json.loads(text), spec
     path = Path(spec)
     if not path.is_file():

@@ -126,7 +126,7 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     evals += n
     ctx = winner.ctx
     paths, prio, score, n = improve_routes(ctx, winner.paths, skip, cap, rng, allow_swaps, priority=winner.priority,
-                                           max_evals=max(1, max_evals - evals) if by_count else None,
+                                           max_evals=max(1, max_evals - evals) if max_evals is not None else None,
                                            on_best=lambda v: report("paths", v))
     evals += n
     if sync_bytes is not None:  # the search's score also weighs the phase: report the makespan itself
@@ -239,7 +239,8 @@ def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, bu
     for k, search in enumerate(searches):
         judged: dict[tuple[str, ...], float] = {}
 
-        def judge(slots: list[str], labs=search.labels, judged=judged) -> float:
+        def judge(slots: list[str], labs: list[int] = search.labels,
+                  judged: dict[tuple[str, ...], float] = judged) -> float:
             v = problem.judge(labs, slots)
             judged.setdefault(tuple(slots), v)
             return v
@@ -248,7 +249,7 @@ def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, bu
         deadline = cap if by_count else \
             time.perf_counter() + max(0.0, alloc_end - time.perf_counter()) * search.share / left
         swap_search(search.first, search.labels, judge, deadline, rng,
-                    max_evals=int(ALLOC_FRAC * max_evals * search.share) if by_count else None,
+                    max_evals=int(ALLOC_FRAC * max_evals * search.share) if max_evals is not None else None,
                     ok=(lambda n, s: s in problem.can[n]) if limited else None)
         # Greedy paths judge an allocation only roughly: the allocation that is best with them is often
         # not the best once its paths are searched (on the training benchmark's network the third of the
@@ -266,7 +267,6 @@ def _race(problem: _Problem, allocations: list[tuple[list[int], list[str]]], t0:
           rng: random.Random, max_evals: int | None, report: Callable[..., None]) -> tuple[_Contender, int]:
     """Successive halving of path searches over ``allocations`` (``plan``'s race phase); the winner
     and the evaluations made."""
-    by_count = max_evals is not None
     cap = t0 + budget_s
     skip, allow_swaps = problem.skip, problem.allow_swaps
     pool = []
@@ -281,7 +281,7 @@ def _race(problem: _Problem, allocations: list[tuple[list[int], list[str]]], t0:
     for r in range(rounds):
         round_end = t0 + (ALLOC_FRAC + RACE_FRAC * (r + 1) / rounds) * budget_s
         for k, member in enumerate(pool):
-            if by_count:
+            if max_evals is not None:  # a budget of evaluations
                 deadline, count = cap, max(1, int(RACE_FRAC * max_evals / rounds) // len(pool))
             else:
                 deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)

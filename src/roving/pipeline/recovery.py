@@ -43,7 +43,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 import torch
 
@@ -105,7 +105,7 @@ def neighbour_weights(target_layers: range, neighbours: Mapping[int, Mapping[str
                 raise PlanError(f"neighbour stage {s} holds no layers")
             parts.append((share[s], by_layer[have[min(k, len(have) - 1)]]))
         for name in parts[0][1]:
-            acc = sum(w * p[name].double() for w, p in parts)
+            acc = cast(torch.Tensor, sum(w * p[name].double() for w, p in parts))  # parts is not empty: not 0
             out[f"layers.{layer}.{name}"] = acc.to(parts[0][1][name].dtype)
     return out, share
 
@@ -180,7 +180,7 @@ class StageRecovery:
 
     def lr(self, stage: int | None, lr: float) -> float:
         """The learning rate of ``stage`` when the schedule's is ``lr``."""
-        return lr * self.lr_factor.get(stage, 1.0)
+        return lr * (self.lr_factor.get(stage, 1.0) if stage is not None else 1.0)
 
     def skip_lost(self, lost: list[int], replicas: Mapping[int, list[str]]) -> bool:
         """Stages ``lost`` lost every replica (``replicas``: their nodes). Under ``skip`` they are

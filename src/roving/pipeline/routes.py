@@ -122,14 +122,14 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
     increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
     the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
     # dp[(count, node)] = (cost, previous key)
-    dp: dict[tuple[int, str], tuple[float, tuple | None]] = {}
+    dp: dict[tuple[int, str], tuple[float, tuple[int, str] | None]] = {}
     by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for s in allowed:
         lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
         for n in ctx.replicas[s]:
             here = node_cost(n) + press[s]
             for c in range(1, visits + 1):
-                best = None
+                best: tuple[float, tuple[int, str] | None] | None = None
                 if c == 1 and lo == 0:
                     best = (edge(origin, n) + here, None)
                 else:
@@ -144,7 +144,7 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
                     dp[(c, n)] = best
                     by_stage[s].append((c, n))
     last_forced = max(forced, default=0)
-    end = None
+    end: tuple[float, tuple[int, str]] | None = None
     for s in allowed:
         if s < last_forced:
             continue
@@ -155,20 +155,21 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
                     end = (v, key)
     assert end is not None, "quotas always leave a feasible stage set"
     nodes: list[str] = []
-    key = end[1]
-    while key is not None:
-        nodes.append(key[1])
-        key = dp[key][1]
+    at: tuple[int, str] | None = end[1]
+    while at is not None:
+        nodes.append(at[1])
+        at = dp[at][1]
     nodes.reverse()
     return nodes
 
 
-def _tour_cost(origin: str, nodes: Sequence[str], edge) -> float:
+def _tour_cost(origin: str, nodes: Sequence[str], edge: Callable[[str, str], float]) -> float:
     hops = [origin, *nodes, origin]
     return sum(edge(a, b) for a, b in zip(hops, hops[1:]))
 
 
-def _improve_by_swaps(nodes: list[str], origin: str, edge, allocation) -> list[str]:
+def _improve_by_swaps(nodes: list[str], origin: str, edge: Callable[[str, str], float],
+                      allocation: dict[str, int]) -> list[str]:
     current, cur_cost = list(nodes), _tour_cost(origin, nodes, edge)
     for _ in range(MAX_SWAPS):
         best = None
@@ -334,7 +335,7 @@ def repair_routes(ctx: SearchContext, paths: Sequence[Route]) -> list[Route]:
         for s in p.stages:
             visits_of[s] += 1
     fair = {n: visits_of[alloc[n]] / len(ctx.replicas[alloc[n]]) for n in alloc if alloc[n] != 0}
-    origin_use = defaultdict(int)
+    origin_use: defaultdict[str, int] = defaultdict(int)
     for p in paths:
         if alloc.get(p.origin) == 0:
             origin_use[p.origin] += 1

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -43,7 +44,7 @@ def calibrate(cfg: LlamaConfig, samples: int, seq_len: int, threads: int = 1, de
         x = torch.randn(samples, seq_len, cfg.dim, device=dev)
         tokens = torch.randint(0, cfg.vocab_size, (samples, seq_len), device=dev)
 
-        def timed(fn) -> float:
+        def timed(fn: Callable[[], None]) -> float:
             fn()
             runs = []
             for _ in range(repeats):

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from .costs import ModelSpec, StageCosts, stage_costs
 from .errors import PlanError
@@ -278,7 +278,7 @@ class Simulation:
                 self.cpu_event(b, t)
         return self.result()
 
-    def push(self, t: float, kind: EventKind, a, b) -> None:
+    def push(self, t: float, kind: EventKind, a: Any, b: Any) -> None:  # what a and b are depends on kind
         self.counter += 1
         heapq.heappush(self.heap, (t, self.counter, kind, a, b))
 
@@ -309,7 +309,7 @@ class Simulation:
                     self.timeline[key[0]].append(Event("send", start, t + ls.latency, mb, key[1]))
         self.reschedule(ls, key, t)
 
-    def arrived(self, what, t: float) -> None:
+    def arrived(self, what: int | tuple[str, str, str], t: float) -> None:
         """Microbatch ``what`` arrived at its next node, or (a sync key) a replica's gradients."""
         if isinstance(what, tuple):
             st = self.alloc[what[1]]
@@ -404,7 +404,7 @@ class Simulation:
             least = min(v.left for v in active.values())
             self.push(t + max(least, 0.0) * len(active) / ls.bandwidth, _LINK, key, ls.version)
 
-    def send_bytes(self, key: tuple[str, str], ident, nb: float, t: float) -> None:
+    def send_bytes(self, key: tuple[str, str], ident: int | tuple[str, str, str], nb: float, t: float) -> None:
         ls = self.links.get(key)
         if ls is None:
             link = self.network.link(key[0], key[1])
@@ -416,6 +416,7 @@ class Simulation:
     # -- microbatches and replicas -------------------------------------------------------------------
     def start_sync(self, node: str, t: float) -> None:
         """``node`` ran its last backward: its gradients go to each other replica of its stage."""
+        assert self.sync_bytes is not None, "only a simulation given sync_bytes has backward passes to count"
         st = self.alloc[node]
         for peer in self.group[st]:
             if peer != node:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar, cast
 
 from . import checkpoint_file
 from . import protocol as m
@@ -24,6 +24,10 @@ from .errors import NodesLost, PlanError
 from .model import Llama
 from .roster import Roster
 from .stages import merge_state_dicts
+
+
+#: The answers ``Weights.ask`` collects (each names its ``sender``).
+_Answer = TypeVar("_Answer", m.State, m.Exported)
 
 
 @dataclass
@@ -56,17 +60,17 @@ class Weights:
         self.snapshot: dict | None = None
 
     # -- asking the stage processes ---------------------------------------------------------------
-    def ask(self, request: m.Message, kind: type, names: list[str]) -> dict[str, m.Message]:
+    def ask(self, request: m.Message, kind: type[_Answer], names: list[str]) -> dict[str, _Answer]:
         """Send ``request`` to ``names`` and collect their ``kind`` answers by sender; processes that
         die meanwhile are left out."""
         roster = self.roster
         waiting = {n for n in names if n in roster.inboxes}
         for n in sorted(waiting):
             roster.put(n, request)
-        out: dict[str, m.Message] = {}
+        out: dict[str, _Answer] = {}
         while waiting:
             try:
-                msg = roster.recv(kind, names=waiting)
+                msg = cast(_Answer, roster.recv(kind, names=waiting))  # a message of type `kind`
             except NodesLost as exc:
                 waiting -= set(exc.names)
                 continue
@@ -74,9 +78,9 @@ class Weights:
             waiting.discard(msg.sender)
         return out
 
-    def ask_each_stage(self, request: m.Message, kind: type) -> dict[str, m.Message]:
+    def ask_each_stage(self, request: m.Message, kind: type[_Answer]) -> dict[str, _Answer]:
         """``request`` to one live process holding each stage; another replica when one dies."""
-        out: dict[str, m.Message] = {}
+        out: dict[str, _Answer] = {}
         covered: set[int] = set()
         while True:
             holders: dict[int, str] = {}
@@ -121,6 +125,7 @@ class Weights:
         held = {stage for stage, _ in states.values()}
         for s in range(self.config.stages):
             if s not in held:
+                assert self.snapshot is not None, "a snapshot is taken at the start of the run"
                 parts.append(self.snapshot["stages"][s]["params"])
         model = Llama(self.prepared.model)
         model.load_state_dict(merge_state_dicts(parts))
@@ -140,12 +145,12 @@ class Weights:
     def checkpoint(self, it: int, metrics: dict) -> None:
         """A snapshot, written to ``checkpoint`` atomically: the whole model, each stage's weights and
         optimizer state, ``metrics`` (enough for ``resume``)."""
-        self.take_snapshot(it)
-        parts = [st["params"] for st in self.snapshot["stages"].values()]
+        snapshot = self.take_snapshot(it)
+        parts = [st["params"] for st in snapshot["stages"].values()]
         checkpoint_file.save({"format": 2, "model": merge_state_dicts(parts),
                               "model_config": dataclasses.asdict(self.prepared.model),
                               "config": dataclasses.asdict(self.config),
-                              "iteration": it, "stages": self.snapshot["stages"], "metrics": metrics},
+                              "iteration": it, "stages": snapshot["stages"], "metrics": metrics},
                              self.config.checkpoint)
 
     def resume_from(self, ck: dict) -> None:
@@ -185,6 +190,7 @@ class Weights:
             if stage in rebuilt:
                 states[stage] = rebuilt[stage]
                 continue
+            assert self.snapshot is not None, "a snapshot is taken at the start of the run"
             snap = self.snapshot["stages"][stage]
             states[stage] = StageWeights(snap["params"], snap["optimizer"],
                                          f"snapshot of iteration {snap['iteration']}")
@@ -207,7 +213,7 @@ class Weights:
             roster.put(name, m.Load(stage, limit(name, stage), st["params"], st["optimizer"]))
         while waiting:
             try:
-                msg = roster.recv(m.Loaded, names=waiting)
+                msg = cast(m.Loaded, roster.recv(m.Loaded, names=waiting))  # a message of type Loaded
             except NodesLost as exc:
                 waiting -= set(exc.names)
                 continue

@@ -32,7 +32,7 @@ import logging
 import threading
 import time
 import types
-from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .. import observe
 from . import _rerun
@@ -485,6 +485,7 @@ class Dispatcher:
         if self._batch:
             # One message per worker for all the units it was given this time.
             for w, frames in self._batch.items():
+                assert w.ident is not None, "a worker is given units once it said HELLO"
                 self.node.send_to(w.ident, frames, w.undeliverable)
             self._batch.clear()
 
@@ -506,6 +507,7 @@ class Dispatcher:
                 if not unit.revoked:
                     unit.revoked = True
                     idle -= 1
+                    assert w.ident is not None, "a worker is given units once it said HELLO"
                     self.node.send_to(w.ident, P.control(P.REVOKE, unit.chunk.id), w.undeliverable)
 
     def _send_unit(self, w: WorkerState, unit: _Unit) -> bool:
@@ -563,6 +565,7 @@ class Dispatcher:
         alive. What was sent either way over it may be lost, so its units go back to the front of the
         line, none blamed (it did not die; items done meanwhile count once), and it starts afresh
         (functions sent again, no credit until it asks) (lock held)."""
+        assert w.ident is not None, "called on a worker's second HELLO"
         self.by_ident.pop(w.ident, None)
         units, w.units = list(w.units.values()), {}
         again = [_Unit(u.chunk, left) for u in units if (left := _unfinished(u))]
@@ -613,7 +616,7 @@ class Dispatcher:
                 if offsets:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
-            again_n += sum(len(u.offsets) for u in again)
+            again_n += sum(len(cast(List[int], u.offsets)) for u in again)  # each made with its offsets
             if units and w.ending:
                 self.handed_back += again_n
                 log.info("roving pool: worker %s ended as it said it would (exit code %s); %d unfinished item(s) "

@@ -199,6 +199,7 @@ class AsyncResult:
 
     def _finish(self) -> None:
         fn = self._callback if self._success else self._error_callback
+        assert fn is not None, "submitted only when there is a callback"
         try:
             fn(self._value)
         except Exception:

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from multiprocessing.pool import ExceptionWithTraceback
+from multiprocessing.pool import ExceptionWithTraceback  # type: ignore[attr-defined]  # (not in typeshed's stub)
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config

@@ -22,7 +22,7 @@ import socket
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import zmq
 from zmq.utils import monitor as zmq_monitor
@@ -221,7 +221,7 @@ class _ZmqConnection(_Connection):
         try:
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not monitor.poll(left * 1000):
+                if left <= 0 or not monitor.poll(int(left * 1000)):  # (as pyzmq makes a float timeout)
                     return
                 event = zmq_monitor.recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -425,7 +425,7 @@ class Endpoint:
         return _ZmqConnection(self.address, self._secret, timeout)
 
     def call(self, op: bytes, box_id: int, timeout: float = -1,
-             payload: Frames = ()) -> Tuple[int, Frames]:
+             payload: Sequence[Any] = ()) -> Tuple[int, Frames]:
         if self.local is not None:
             flush_sent()
             status, frames = self.local.call_local(op, box_id, timeout, _own(payload))
@@ -437,7 +437,7 @@ class Endpoint:
         guard = None if wait < 0 else wait + 30.0
         return conn.call(op, box_id, timeout, list(payload), guard)
 
-    def tell(self, op: bytes, box_id: int, payload: Frames = ()) -> None:
+    def tell(self, op: bytes, box_id: int, payload: Sequence[Any] = ()) -> None:
         if self.local is not None:
             flush_sent()
             status, frames = self.local.call_local(op, box_id, 0, _own(payload))
@@ -458,7 +458,7 @@ class Endpoint:
             return False
 
 
-def _own(payload: Frames) -> Frames:
+def _own(payload: Sequence[Any]) -> Sequence[Any]:
     """Out-of-band buffers share memory with the caller's objects; a mailbox of this process keeps a
     copy, so that changing an object after put() does not change what was put (as over a socket).
     The memory of a bytes object cannot change: it is kept as it is."""

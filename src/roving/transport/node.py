@@ -137,7 +137,7 @@ class Node(Boxes):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         self._wake_pending = False
-        self._outbox: "collections.deque[Frames]" = collections.deque()
+        self._outbox: "collections.deque[Tuple[Frames, Optional[Callable[[], None]]]]" = collections.deque()
         self._deadlines: List[Tuple[float, int, int, Waiter, int]] = []
         self._seq = itertools.count()
         # Who may talk to this node over ZeroMQ (roving.transport.auth); its peers read inline on the hot path.
@@ -388,9 +388,9 @@ class Node(Boxes):
 
     def _serve_once(self) -> None:
         poller, router, wake = self._poller, self._router, self._wake_r
-        timeout_ms = None
-        if self._deadlines:
-            timeout_ms = max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000)
+        timeout_ms: Optional[int] = None
+        if self._deadlines:  # (int() as pyzmq makes a float timeout)
+            timeout_ms = int(max(0.0, (self._deadlines[0][0] - time.monotonic()) * 1000))
         if self._door.ending:  # ends reported mid-turn: applied on the next look at the router, now
             timeout_ms = 0
         try:
@@ -437,13 +437,13 @@ class Node(Boxes):
             self._flush_outbox()
         if self._selector.fileno() in ready:
             for key, events in self._selector.select(0):
-                peer = self._peers.get(key.fd)
-                if peer is not None:
+                served = self._peers.get(key.fd)
+                if served is not None:
                     try:
-                        self._serve_peer(peer, events)
+                        self._serve_peer(served, events)
                     except Exception:
                         log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
-                        self._drop_peer(peer)
+                        self._drop_peer(served)
         while self._writable:
             peer = self._writable.popleft()
             if self._peers.get(peer.fd) is peer:
@@ -504,6 +504,11 @@ class Node(Boxes):
             if peer.closed or self._peers.get(peer.fd) is not peer:
                 return
         messages, ended = peer.pump()
+
+        def answer(out: Frames, undeliverable: Optional[Callable[[], None]]) -> None:
+            if not peer.write(ANSWER, out, undeliverable) and undeliverable is not None:
+                self._defer(undeliverable)  # the stream has ended: taken back on the I/O thread
+
         for kind, frames in messages:
             try:
                 if kind == MESSAGE:
@@ -511,9 +516,7 @@ class Node(Boxes):
                     continue
                 if kind != REQUEST or len(frames) < 2:
                     raise ValueError(f"unexpected stream message {kind!r}")
-                self._request(bytes(frames[0]), frames[1], frames[2:],
-                              lambda out, undeliverable: peer.write(ANSWER, out, undeliverable)
-                              or (undeliverable is not None and self._defer(undeliverable)))
+                self._request(bytes(frames[0]), frames[1], frames[2:], answer)
             except ValueError as exc:
                 log.warning("roving node: dropped a malformed stream message: %s", exc)
             except Exception:  # a bad message must never stop the node
@@ -547,7 +550,7 @@ class Node(Boxes):
                 if box is not None:
                     box.cancel(waiter, status)
 
-    def _handle(self, frames: List[zmq.Frame]) -> None:
+    def _handle(self, frames: Frames) -> None:  # zmq.Frames; after PIECES, the pieces joined
         if self._revoking:
             self._apply_revocations()
         ident = frames[0].bytes

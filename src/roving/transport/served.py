@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 from . import tls
 from .framing import Reader, advance, encode
@@ -72,6 +72,7 @@ class ServedStream:
     def write(self, kind: bytes, frames: Sequence[Any],
               undeliverable: Optional[Callable[[], None]] = None) -> bool:
         """Send or queue one message; False (nothing sent) when the stream has ended."""
+        todo: Union[List[Any], Deque[Any]]  # a deque once partly written
         todo = encode(kind, frames)
         size = sum(len(v) for v in todo)
         notify = False
