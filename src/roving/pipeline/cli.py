@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 from .control import STATUS, ControlFolder
 from .costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
@@ -22,7 +23,7 @@ from .simulate import SimResult, simulate
 DEFAULT_MEMORY_MB = 24576
 
 
-def add_pipeline_parser(subparsers) -> None:
+def add_pipeline_parser(subparsers: Any) -> None:
     """Register `pipeline plan` and `pipeline train` on an argparse subparsers object."""
     pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
     sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
@@ -61,7 +62,7 @@ def add_pipeline_parser(subparsers) -> None:
     add_inference_parsers(sub)
 
 
-def add_inference_parsers(sub) -> None:
+def add_inference_parsers(sub: Any) -> None:
     """Register `pipeline eval` and `pipeline generate` on the pipeline subparsers object. Their module
     (roving.pipeline.inference) needs torch, the `pipeline` extra: it is imported when one of them runs, so
     that every other `roving` command works where torch is not installed."""
@@ -94,7 +95,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     which.add_argument("--stages", default=None, metavar="LIST", help="drop these stages, e.g. 1,3")
 
 
-def _inference_command(name: str):
+def _inference_command(name: str) -> Callable[[argparse.Namespace], int]:
     def handler(args: argparse.Namespace) -> int:
         from . import inference
 
@@ -103,7 +104,7 @@ def _inference_command(name: str):
     return handler
 
 
-def add_train_parser(sub) -> None:
+def add_train_parser(sub: Any) -> None:
     """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields.
     Its flags in ``--help``'s order: the run's here, then those of [faults] and [verify] (one function
     each); the commands that act on a running training are made by :func:`_add_run_tool_parsers`."""
@@ -202,7 +203,7 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
                         "kinds noise, scale, signflip, lazy, bias, nan, weights, collude, frame)")
 
 
-def _add_run_tool_parsers(sub) -> None:
+def _add_run_tool_parsers(sub: Any) -> None:
     """The commands that watch or change a running `pipeline train`: dashboard, join, status."""
     d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
                                          "elsewhere (live), or of a finished run's --metrics file")
@@ -231,7 +232,7 @@ def run_dashboard(args: argparse.Namespace) -> int:
     return dashboard.serve_pipeline(args.control, args.metrics, args.host, args.port)
 
 
-def _start_dashboard(cfg):
+def _start_dashboard(cfg: Any) -> Any:
     """`pipeline train --dashboard`: the dashboard of this process, watching the run's control folder
     (a temporary one when none was given); the configuration with that folder."""
     import dataclasses
@@ -328,7 +329,7 @@ _STATUS_KEYS = {"iterations_done": int, "iterations": int, "nodes": dict, "missi
                 "starting": list, "recent_events": list}
 
 
-def _status_problem(doc) -> str:
+def _status_problem(doc: Any) -> str:
     """What is wrong with a status.json document for `pipeline status`, or "" when nothing is."""
     if not isinstance(doc, dict):
         return f"it holds a JSON {type(doc).__name__}, not an object"
@@ -416,7 +417,7 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resolved_run(cfg, source: str | None) -> str:
+def _resolved_run(cfg: Any, source: str | None) -> str:
     """What `pipeline train` is about to run, defaults filled in: one line for stderr."""
     from .. import config as _config
 
@@ -427,7 +428,7 @@ def _resolved_run(cfg, source: str | None) -> str:
             f" ({'from ' + source + ' and flags' if source else 'flags and defaults'})")
 
 
-def _show_progress(total: int):
+def _show_progress(total: int) -> Callable[[dict], None]:
     def show(rec: dict) -> None:
         if rec["event"] == "fault":
             shown = {k: v for k, v in rec.items() if k in ("nodes", "why", "failed", "joined", "moved",
@@ -512,7 +513,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
     return net, model, m, failed
 
 
-def _baseline_times(args: argparse.Namespace, net, model, m: int, best) -> dict:
+def _baseline_times(args: argparse.Namespace, net: Any, model: Any, m: int, best: Any) -> dict:
     """The baselines' predicted iteration times on ``net`` (None: the baseline put a stage on a node
     whose memory cannot hold it; DT-FM ignores memory), each with half of ``--budget``."""
     base_budget = args.budget / 2
@@ -552,7 +553,7 @@ def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _plan_progress(what: str):
+def _plan_progress(what: str) -> Callable[..., None]:
     """A ``plan(progress=...)`` that tells stderr how the search goes: each phase as it ends, better
     plans of the last phase at most once a second, and the result."""
     last = [-1.0]

@@ -51,8 +51,9 @@ class Message:
     """The base of every message."""
 
     def __reduce__(self) -> tuple:
-        # pickled as the class and its field values in order (cheaper than the slots' state dict)
-        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))
+        # pickled as the class and its field values in order (cheaper than the slots' state dict); the
+        # ignore: a class is hashable, but typeshed's Hashable protocol misses it for this frozen dataclass
+        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))  # type: ignore[arg-type]
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import os
 import queue as _queue
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from . import protocol as m
 from .adversary import parse_adversaries
@@ -129,7 +129,7 @@ class Roster:
         for name in sorted(self.ready):
             inc, inbox = self.ready.pop(name)
             self.inboxes[name] = inbox
-            self._out.add(name, inbox)
+            self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
         for name in self.inboxes:
             self.put(name, m.Peers(self.inboxes))
@@ -178,7 +178,13 @@ class Roster:
 
     def put(self, name: str, msg: m.Message) -> None:
         """To a process's inbox, from a sender thread per process: one that died never blocks us."""
-        self._out.put(name, msg)
+        self._senders().put(name, msg)
+
+    def _senders(self) -> Senders:
+        """The coordinator's senders to the stage processes (made by ``open``)."""
+        if self._out is None:
+            raise NodeFailed("the roster sends to stage processes only once it is open (Roster.open)")
+        return self._out
 
     def kill(self, names: list[str]) -> None:
         """kill -9 the processes of ``names``."""
@@ -263,7 +269,7 @@ class Roster:
                 proc.kill()
             self.inboxes.pop(name, None)
             self.last_beat.pop(name, None)
-        self._out.forget(list(dead))
+        self._senders().forget(list(dead))
         for name in self.inboxes:
             self.put(name, m.Forget(list(dead)))
         self._event("dead", nodes=sorted(dead), why=dead)
@@ -320,7 +326,7 @@ class Roster:
                 continue  # from a process declared dead
             if not isinstance(msg, kinds) or (names is not None and sender not in names):
                 raise NodeFailed(str(m.unexpected(msg, "the coordinator", what)))
-            return msg
+            return cast(m.Message, msg)
 
     # -- joining -----------------------------------------------------------------------------------
     def request_join(self, name: str | None = None, region: str | None = None) -> str:
@@ -378,7 +384,7 @@ class Roster:
                 link = everyone.link(other, name) if self.config.emulate_network else None
                 self.put(other, m.PeerJoined(name, inbox, link))
             self.inboxes[name] = inbox
-            self._out.add(name, inbox)
+            self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
             self.put(name, m.Peers(self.inboxes))
         return joined

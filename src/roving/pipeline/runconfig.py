@@ -349,7 +349,7 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
 MODES = ("off", "screen", "spot", "full")
 #: each key's section.
 SECTION_OF: dict[str, str] = {f.name: name for name, kind in SECTIONS.items() for f in dataclasses.fields(kind)}
-_TYPES = {f.name: f.type for kind in SECTIONS.values() for f in dataclasses.fields(kind)}
+_TYPES = {f.name: str(f.type) for kind in SECTIONS.values() for f in dataclasses.fields(kind)}  # annotations: strings
 
 
 def flatten(doc: dict, source: str = "config") -> dict[str, Any]:

@@ -24,7 +24,7 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -110,7 +110,7 @@ class StageProcess:
         self.evidence = Evidence(s.name, s.verify, s.receipt_key)
         self._hold(s.stage, s.in_flight)
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
-        self._handlers = {
+        self._handlers: dict[type, Callable[[Any], None]] = {
             m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
             m.Abort: self._on_abort, m.SyncOrder: self._on_sync_order, m.Gradients: self._on_gradients,
             m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
@@ -237,11 +237,17 @@ class StageProcess:
             for name, q in msg.inboxes.items():
                 self.peers.add(name, q)
 
+    def _senders(self) -> Senders:
+        """The senders to the peers; ProtocolError before the coordinator's ``Peers``."""
+        if self.peers is None:
+            raise m.ProtocolError(f"stage process {self.name}: a message that needs its peers came before Peers")
+        return self.peers
+
     def _on_peer_joined(self, msg: m.PeerJoined) -> None:
-        self.peers.add(msg.name, msg.inbox, msg.link)
+        self._senders().add(msg.name, msg.inbox, msg.link)
 
     def _on_forget(self, msg: m.Forget) -> None:
-        self.peers.forget(msg.names)
+        self._senders().forget(msg.names)
 
     def _on_abort(self, msg: m.Abort) -> None:
         if msg.round >= self.round:
@@ -334,6 +340,7 @@ class StageProcess:
                 with self._autocast():
                     loss = self.stage.loss(x, targets)
                 loss.backward()
+                assert x.grad is not None  # x requires grad and the loss is computed from it
                 self._backward_on(rnd, mb, hop - 1, x.grad, route, loss=float(loss.detach()))
                 return
             x = self._in(msg.tensor, grad=True)
@@ -378,7 +385,7 @@ class StageProcess:
             dst = route.origin
         else:
             dst = route.nodes[hop]
-        self.peers.send(dst, msg, out)
+        self._senders().send(dst, msg, out)
 
     def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
                      loss: float | None = None, given: torch.Tensor | None = None) -> None:
@@ -393,7 +400,7 @@ class StageProcess:
             self._accept(msg)
             return
         dst = route.origin if hop == -1 else route.nodes[hop]
-        self.peers.send(dst, msg, out)
+        self._senders().send(dst, msg, out)
 
     # -- replica averaging and the optimizer step ----------------------------------------------
     def _flat_grads(self) -> torch.Tensor:
@@ -424,7 +431,7 @@ class StageProcess:
             receipt = self.evidence.seal("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
-                    self.peers.send(r, m.Gradients(rnd, self.name, out, self.backwards, receipt), out)
+                    self._senders().send(r, m.Gradients(rnd, self.name, out, self.backwards, receipt), out)
         if any(r not in got for r in replicas):
             return
         # Every replica combines the same tensors in the same order: the results are bitwise equal

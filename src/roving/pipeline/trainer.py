@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -246,7 +246,7 @@ class Trainer:
 
     # -- re-planning and moving weights ----------------------------------------------------------
     def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
-                joined: list[str] = (), why: str = "") -> None:
+                joined: Sequence[str] = (), why: str = "") -> None:
         """A new plan for the live nodes (``planner.replan_or_hold``); nodes whose stage changes get its
         weights and optimizer state (``_move_weights``). NodeFailed when no plan can be made."""
         failed = dict(failed or {})
@@ -431,7 +431,8 @@ class Trainer:
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
             except RoundStalled as exc:
-                lost_s += time.perf_counter() - t0
+                if t0 is not None:
+                    lost_s += time.perf_counter() - t0
                 aborted = True
                 log.warning("iteration %d: the round stalled (%s); it is run again", it, exc)
                 self._event("stalled", attempt=attempt, why=str(exc), seconds_lost=lost_s)
@@ -495,6 +496,7 @@ class Trainer:
                 self._norm_from.add(msg.sender)
                 self.verifier.note(msg)
                 continue
+            assert isinstance(msg, m.Done)
             losses[msg.mb] = msg.loss
         return [losses[mb] for mb in range(len(plan.paths))]
 
@@ -541,6 +543,7 @@ class Trainer:
         while set(self.roster.inboxes) - set(stats):
             try:
                 msg = self.roster.recv(m.Stepped, rnd=rnd)
+                assert isinstance(msg, m.Stepped)
                 stats[msg.sender] = msg.stats
                 self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
