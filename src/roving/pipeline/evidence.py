@@ -85,9 +85,10 @@ class Evidence:
         return receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor)
 
     def keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
-             receipt: Any, zeros_ok: bool = False) -> None:
-        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, summarised (with
-        ``zeros_ok``, all zeros is not a finding: the share of a replica that ran no microbatch)."""
+             receipt: Any, count: int | None = None) -> None:
+        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, summarised. A share
+        comes with its ``count`` of microbatches: summarised per microbatch, so that replicas of unequal
+        loads compare, and all zeros is no finding when it ran none."""
         if not self.on or sender == self.name:
             return
         key = (what, mb, hop, sender)
@@ -97,8 +98,8 @@ class Evidence:
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
-        summary = summarize(tensor)
-        if not (zeros_ok and summary.found == ("zeros",)):
+        summary = summarize(tensor if not count else tensor / count)
+        if not (count == 0 and summary.found == ("zeros",)):
             self.screened.append((what, mb, hop, sender, summary))
 
     def combined(self, total: torch.Tensor) -> bytes | None:

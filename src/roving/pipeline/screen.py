@@ -106,18 +106,21 @@ class Summary:
 def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None) -> Summary:
     """The ``Summary`` of ``tensor`` (``given``: the input its sender was given, when known)."""
     t = tensor.detach().float()
-    if not bool(torch.isfinite(t).all()):
+    flat = t.reshape(-1)
+    sq = float(torch.dot(flat, flat)) if flat.numel() else 0.0  # one pass for the norm and the variance
+    if not math.isfinite(sq) and not bool(torch.isfinite(t).all()):  # (a finite tensor can overflow sq)
         return Summary(("non-finite",))
-    norm = float(t.norm())
-    if norm == 0.0:
+    if sq == 0.0:
         return Summary(("zeros",))
     if given is not None and given.shape == t.shape and torch.equal(given.detach().float(), t):
         return Summary(("unchanged",))
-    n = t.numel()
+    n = flat.numel()
+    total = float(flat.sum())
+    norm = math.sqrt(sq) if math.isfinite(sq) else float(t.norm())
     rms = norm / math.sqrt(n)
-    std = math.log(max(float(t.std()) if n > 1 else 0.0, 1e-30))
+    var = max(0.0, (norm * norm - total * total / n) / (n - 1)) if n > 1 else 0.0
     profile = t.reshape(-1, t.shape[-1]).mean(dim=0) if t.dim() >= 2 else None
-    return Summary((), math.log(norm), float(t.mean()) / rms, std, profile)
+    return Summary((), math.log(norm), total / n / rms, math.log(max(math.sqrt(var), 1e-30)), profile)
 
 
 class Screen:

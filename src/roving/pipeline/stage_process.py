@@ -215,7 +215,7 @@ class StageProcess:
             self.evidence.keep("activation" if isinstance(msg, m.Forward) else "gradient", msg.round, msg.mb,
                                msg.hop, msg.sender, msg.tensor, msg.receipt)
         elif isinstance(msg, m.Gradients):
-            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt, zeros_ok=msg.count == 0)
+            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt, count=msg.count)
         if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
             if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
                 cls = FORWARD_WORK

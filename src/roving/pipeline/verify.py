@@ -205,7 +205,10 @@ class Verifier:
                 stage = alloc.get(sender)
                 if stage is None:
                     continue
-                if self.screen.add((what, stage), sender, summary):
+                # comparable tensors: of one stage, at one position on the routes (the residual stream
+                # grows along a route, and a route may skip stages)
+                boundary = (what, stage) if what == "share" else (what, stage, hop)
+                if self.screen.add(boundary, sender, summary):
                     flagged.add((what, mb, hop, sender))
             for key in msg.disputes:
                 self._dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
