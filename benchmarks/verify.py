@@ -18,7 +18,9 @@ so different routes, replicas and stage loads; links not emulated); counts the b
 fit this machine, a smaller run (``CLEAN``: 6 nodes, 3 stages, 4 microbatches of 2 samples of 16 tokens).
 
 ``overhead``: the same honest run in modes off, screen, and spot at 1%, 5% and 10% (and full), in turn,
-``--rounds`` times; the median iteration time of each, after ``WARMUP`` iterations.
+``--rounds`` times; the median iteration time of each, after ``WARMUP`` iterations. ``--overhead-model
+large`` runs it on a wider model (``LARGE``: dim 256, 128 tokens, 8 samples a microbatch), where a
+stage's compute, not the per-message costs, makes up the iteration.
 
 ``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
 replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
@@ -50,6 +52,7 @@ BASE = dict(model="tiny", layers=8, dim=64, seq_len=32, samples=4, network="gcp1
             min_lr=3e-4, warmup=3, planner_budget=30.0, planner_evals=800, replan_budget=5.0, replan_evals=200,
             speed=2e-4, clip=1.0, timeout=300.0, threads=1)
 WARMUP = 3
+LARGE = dict(dim=256, seq_len=128, samples=8, microbatches=8)
 CLEAN = dict(layers=6, nodes=6, stages=3, microbatches=4, samples=2, seq_len=16, eval_batches=2)
 
 
@@ -112,12 +115,13 @@ def clean(iterations: int, seeds: list[int]) -> dict:
 OVERHEAD = [("off", 0.0), ("screen", 0.0), ("spot", 0.01), ("spot", 0.05), ("spot", 0.10), ("full", 1.0)]
 
 
-def overhead(iterations: int, rounds: int, seed: int) -> dict:
+def overhead(iterations: int, rounds: int, seed: int, model: str = "small") -> dict:
     out: dict[str, list] = {}
+    over = LARGE if model == "large" else {}
     for rnd in range(rounds):
         for mode, rate in OVERHEAD:
             name = mode if mode != "spot" else f"spot {rate:.0%}"
-            r = train(iterations, seed, mode, rate)
+            r = train(iterations, seed, mode, rate, **over)
             out.setdefault(name, []).append(r)
             print(f"round {rnd}: {name}: {r['iteration_s'] * 1000:.0f} ms per iteration, "
                   f"{r['totals']['rechecks']} rechecks", flush=True)
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--overhead-iterations", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--overhead-model", choices=("small", "large"), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
@@ -234,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("adversaries", "all"):
         res["adversaries"] = adversaries(args.iterations, args.start, args.seed)
     if args.what in ("overhead", "all"):
-        res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed)
+        res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed, args.overhead_model)
     if args.what in ("clean", "all"):
         res["clean"] = clean(args.clean_iterations, [int(s) for s in args.seeds.split(",")])
     out = Path(args.out)

@@ -9,9 +9,9 @@ With ``mode`` other than "off", a stage process (``stage_process``):
   Kept by *key* ``(what, mb, hop, sender)`` (the message's own hop; mb = hop = -1 for a share); the
   round's tensors are dropped with the round. The cost: the round's inbound tensors stay in memory
   until its step (at most what the process received in one iteration);
-- checks at once that a tensor matches its receipt; one that does not (or comes without one) is a
-  *dispute* it reports (the sender may have lied, or it may: the coordinator cannot tell which, and
-  blames neither for that tensor);
+- takes a tensor that comes without its receipt, or with one for another message, as a *dispute* it
+  reports at once, and one that does not match its receipt's digest as a dispute when it is shown (the
+  sender may have lied, or it may: the coordinator cannot tell which, and blames neither for it);
 - summarises each tensor received for the coordinator's screening (``screen.summarize``);
 - shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
   (``recompute``) with the weights it holds now, which every replica of its stage holds bitwise equal
@@ -94,7 +94,10 @@ class Evidence:
         key = (what, mb, hop, sender)
         expected = isinstance(receipt, Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
                                                      receipt.hop) == (sender, rnd, what, mb, hop)
-        disputed = not (expected and receipts.matches(receipt, tensor))
+        # A receipt that names another message is a dispute at once; whether the tensor matches its digest
+        # is checked when the tensor is shown (``show``): the kept tensor is the one that came, so the
+        # answer is the same, and a tensor never shown is never hashed twice.
+        disputed = not expected
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
@@ -121,6 +124,9 @@ class Evidence:
                 continue
             k = self.kept.get(tuple(key))
             if k is not None:
+                if not k.disputed and not receipts.matches(k.receipt, k.tensor):
+                    k.disputed = True
+                    self.disputes.append(tuple(key))
                 out[tuple(key)] = (k.tensor, k.receipt, k.disputed)
         return out
 
