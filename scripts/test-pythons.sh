@@ -23,8 +23,9 @@
 #     roving), test_main_namespace (the __main__ module as each Python's spawn makes it);
 #   - pickling: test_pickling_errors (the exception types pickle raises), tests/transport/test_serialize
 #     (pickle protocol 5 out-of-band buffers, cloudpickle, io.BytesIO: 3.12.0-3.12.1's GC crash).
-# 66 test functions (those and their parameters); the figures and the command: benchmarks/RESULTS.md,
-# section "Pythons".
+# 66 test functions, on the standard library and the local backend (their Slurm parameters, the same code
+# of roving's over a job scheduler, run on the main interpreter); the figures and the command:
+# benchmarks/RESULTS.md, section "Pythons".
 # Left to the main interpreter: roving's own API tests (Process, Connection, managers, Pool, queues,
 # locks, shared memory, lifetimes) and the transport's: they test roving's own protocol over its own
 # transport, which is the same on every Python, and are where the time goes; until session 12 they ran
@@ -46,6 +47,7 @@ SELECTION=(
     tests/api/test_futures.py tests/api/test_process_parity.py tests/pool/test_pool_parity.py
     tests/api/test_compat.py tests/api/test_main_namespace.py tests/api/test_pickling_errors.py
     tests/transport/test_serialize.py
+    -k "not slurm"  # the same tests on the embedded local backend: what a backend adds is not CPython's
 )
 if [ "${TEST_PYTHONS_ALL:-0}" = 1 ]; then
     SELECTION=(tests/api tests/pool tests/transport
