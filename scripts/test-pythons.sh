@@ -12,24 +12,25 @@
 # version-sensitive: they run on the main interpreter only, as do the pipeline, backends and hosts suites.
 #
 # Which tests. All of tests/api, tests/pool and tests/transport (less the torch tests) are 514 tests;
-# three more runs of them would take the test command far past its 30-minute budget on this 2-core
-# machine (CPython 3.12.1 took 15.1 min for the first 438 of them). So each other Python runs the files
-# that hold roving against what changes between CPython versions: where a test runs the same program on
-# the standard library and on roving and compares, or checks what CPython itself raises or pickles:
-#   - concurrent.futures: test_futures (the Executor side by side with each Python's own
-#     ProcessPoolExecutor);
-#   - multiprocessing: test_process_parity (CPython's own multiprocessing tests' checks of Process),
-#     test_pool_parity (of Pool), test_compat (one program, same output with multiprocessing and with
-#     roving), test_main_namespace (the __main__ module as each Python's spawn makes it);
+# on this 2-core machine, shared (load average 13-27), CPython 3.12.1 took 15.1 min for the first 438 of
+# them. Three more of those would take the test command (16-21 minutes for the whole suite on 3.11) far
+# past its 30-minute budget. So each other Python runs the files that test the parts of roving that mirror,
+# or lean on, what changes between CPython versions, on the standard library and the embedded local
+# backend (their Slurm parameters, the same roving code over a job scheduler, run on the main interpreter;
+# the figures and the command are in benchmarks/RESULTS.md, section "Pythons"):
+#   - concurrent.futures: test_futures (the Executor side by side with ProcessPoolExecutor, on each
+#     Python's own ProcessPoolExecutor);
+#   - multiprocessing's managers, Process and Connection: test_managers, test_process, test_process_parity
+#     (CPython's own multiprocessing tests' checks), test_connection, test_compat (one program, same output
+#     with multiprocessing and with roving), test_main_namespace;
 #   - pickling: test_pickling_errors (the exception types pickle raises), tests/transport/test_serialize
-#     (pickle protocol 5 out-of-band buffers, cloudpickle, io.BytesIO: 3.12.0-3.12.1's GC crash).
-# 66 test functions, on the standard library and the local backend (their Slurm parameters, the same code
-# of roving's over a job scheduler, run on the main interpreter); the figures and the command:
-# benchmarks/RESULTS.md, section "Pythons".
-# Left to the main interpreter: roving's own API tests (Process, Connection, managers, Pool, queues,
-# locks, shared memory, lifetimes) and the transport's: they test roving's own protocol over its own
-# transport, which is the same on every Python, and are where the time goes; until session 12 they ran
-# here too (255 tests, 4-5 min a version, all passing on 3.10, 3.12 and 3.13: RESULTS.md has the runs).
+#     (pickle protocol 5 out-of-band buffers, cloudpickle, io.BytesIO: 3.12.0-3.12.1's GC crash);
+#   - multiprocessing.pool: tests/pool/test_pool, test_pool_parity;
+#   - the transport's threads and sockets: tests/transport/test_transport, test_channel.
+# Left to the main interpreter: the queues, locks, shared memory and lifetimes (roving's own protocol over
+# its transport, the same on every Python), the dashboard (a browser), the transport's fault-injection,
+# fuzzing, security and addressing tests, the elastic and upkeep pool tests and the examples: they test
+# roving's own protocol and timing, not CPython's, and are where most of the time goes.
 # (Not ROVING_*: those are roving's options, and an unknown one is an error.)
 # TEST_PYTHONS=3.10,3.13 runs only those of the versions found. TEST_PYTHONS_ALL=1 runs the whole of
 # tests/api, tests/pool and tests/transport (no torch tests) instead; pytest arguments given to this
@@ -44,10 +45,12 @@ CACHE=${TEST_PYTHONS_CACHE:-/var/cache/roving-pythons}
 PYENV_DIR=${PYENV_ROOT:-$HOME/.pyenv}
 
 SELECTION=(
-    tests/api/test_futures.py tests/api/test_process_parity.py tests/pool/test_pool_parity.py
-    tests/api/test_compat.py tests/api/test_main_namespace.py tests/api/test_pickling_errors.py
-    tests/transport/test_serialize.py
-    -k "not slurm"  # the same tests on the embedded local backend: what a backend adds is not CPython's
+    tests/api/test_futures.py tests/api/test_managers.py
+    tests/api/test_process.py tests/api/test_process_parity.py tests/api/test_connection.py
+    tests/api/test_pickling_errors.py tests/api/test_compat.py tests/api/test_main_namespace.py
+    tests/pool/test_pool.py tests/pool/test_pool_parity.py
+    tests/transport/test_serialize.py tests/transport/test_transport.py tests/transport/test_channel.py
+    -k "not slurm"  # the local backend: what a job scheduler adds is not CPython's
 )
 if [ "${TEST_PYTHONS_ALL:-0}" = 1 ]; then
     SELECTION=(tests/api tests/pool tests/transport
