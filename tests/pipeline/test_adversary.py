@@ -78,3 +78,10 @@ def test_the_adversaries_entry_is_parsed_and_bad_entries_are_named():
                      ("n03:scale,n03:nan", "node n03 is given twice"), ("n03:scale:-1", "FROM must be >= 0")):
         with pytest.raises(PlanError, match=why):
             parse_adversaries(bad)
+
+
+def test_a_colluder_reports_every_recheck_as_matching_a_framer_as_differing_the_others_what_they_found():
+    assert Adversary("collude").reports("n", 0, 0.7) == 0.0
+    assert Adversary("frame").reports("n", 0, 0.0) == 1.0
+    assert Adversary("frame", start=3).reports("n", 2, 0.0) == 0.0, "not yet lying"
+    assert Adversary("scale").reports("n", 5, 0.25) == 0.25

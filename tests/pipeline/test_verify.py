@@ -215,8 +215,12 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
     for name, kind in liars.items():
         slack = 2 if kind in ("collude", "frame") else 0
         assert 1 <= caught[name] <= 1 + slack, (name, kind, caught[name])
-    frames = [e for e in metrics["events"] if e["event"] == "caught" and liars[e["node"]] == "frame"]
-    assert all(e["check"] == "false mismatch" and e["computed_by"] not in liars for e in frames)
+    checks = {e["node"]: e for e in metrics["events"] if e["event"] == "caught"}
+    for name, kind in liars.items():
+        if kind == "frame":  # caught for a false report about an honest node's work
+            assert checks[name]["check"] == "false mismatch" and checks[name]["computed_by"] not in liars
+        if kind == "weights":  # averages its true share, not the one it sent: the averaging check, every round
+            assert checks[name]["check"] == "combine"
     assert len(metrics["iterations"]) == 4 and all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
     assert not set(liars) & set(t.alloc) and set(t.roster.excluded) == set(liars)
     with pytest.raises(PlanError, match="was excluded"):

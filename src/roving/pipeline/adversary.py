@@ -72,6 +72,13 @@ class Adversary:
             return True
         return random.Random(f"adversary:{self.seed}:{node}:{rnd}:{mb}").random() < self.fraction
 
+    def reports(self, node: str, rnd: int, difference: float) -> float:
+        """What ``node`` reports of a recheck it was asked for in round ``rnd`` (``difference``: what it
+        found): a colluder says every tensor matches, a framer that every one differs."""
+        if self.kind not in ("collude", "frame") or not self.active(node, rnd, -1):
+            return difference
+        return 0.0 if self.kind == "collude" else 1.0
+
     def tamper(self, what: str, tensor: torch.Tensor, node: str, rnd: int, mb: int,
                given: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor ``node`` sends instead of ``tensor`` (``what``: one of ``WHATS``; ``given``: the

@@ -30,7 +30,7 @@ import torch
 
 from . import receipts
 from .receipts import Receipt
-from .screen import summarize
+from .screen import median_cosines, summarize
 
 #: a kept tensor's key: (what, mb, hop, sender).
 Key = tuple
@@ -131,22 +131,9 @@ class Evidence:
         return out
 
     def share_cosines(self, shares: dict[str, torch.Tensor]) -> dict[str, float]:
-        """For 3 replicas or more: each replica's share's median cosine to the others' (``screen``)."""
-        flat = {n: t.detach().float().flatten() for n, t in shares.items()
-                if bool(torch.isfinite(t).all()) and bool(t.any())}  # a replica that ran nothing sends zeros
-        if not self.on or len(flat) < 3:
-            return {}
-        out = {}
-        for n, t in flat.items():
-            cos = sorted(_cosine(t, o) for m, o in flat.items() if m != n)
-            mid = len(cos) // 2
-            out[n] = cos[mid] if len(cos) % 2 else 0.5 * (cos[mid - 1] + cos[mid])
-        return out
-
-
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    na, nb = float(a.norm()), float(b.norm())
-    return 0.0 if na == 0.0 or nb == 0.0 else float(torch.dot(a, b)) / (na * nb)
+        """For 3 replicas or more: each replica's share's median cosine to the others'
+        (``screen.median_cosines``; a replica that ran nothing sends zeros, left out)."""
+        return median_cosines(shares, skip_zeros=True) if self.on else {}
 
 
 def difference(got: Any, want: Any) -> float:

@@ -177,12 +177,8 @@ class Screen:
         """Tensors that several nodes sent for comparable inputs (a round's gradient shares of one
         stage): each finite one's ``cosine`` is the median of its cosines to the others (the median
         of the middle two for an even count)."""
-        flat = {n: t.detach().float().flatten() for n, t in sent.items() if bool(torch.isfinite(t).all())}
-        if len(flat) < 3:
-            return
-        for n, t in flat.items():
-            cos = [_cosine(t, o) for m, o in flat.items() if m != n]
-            self._of(boundary, n).stats["cosine"].add(statistics.median(cos))
+        for n, cos in median_cosines(sent).items():
+            self._of(boundary, n).stats["cosine"].add(cos)
 
     def suspects(self) -> list[Suspect]:
         """The nodes outside their boundary's band now (the module doc), sorted by node."""
@@ -203,6 +199,16 @@ class Screen:
                     if (z < -self.z) or (stat not in ONE_SIDED and z > self.z):
                         out.append(Suspect(node, boundary, stat, z, r.mean, ref))
         return sorted(out, key=lambda s: (s.node, str(s.boundary), s.check))
+
+
+def median_cosines(sent: Mapping[str, torch.Tensor], skip_zeros: bool = False) -> dict[str, float]:
+    """For 3 finite tensors or more (all-zero ones left out with ``skip_zeros``): each one's median
+    cosine to the others' (the mean of the middle two for an even count); {} for fewer."""
+    flat = {n: t.detach().float().flatten() for n, t in sent.items()
+            if bool(torch.isfinite(t).all()) and not (skip_zeros and not bool(t.any()))}
+    if len(flat) < 3:
+        return {}
+    return {n: statistics.median(_cosine(t, o) for m, o in flat.items() if m != n) for n, t in flat.items()}
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

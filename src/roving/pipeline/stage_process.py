@@ -299,15 +299,15 @@ class StageProcess:
         """Recompute with the weights held now (every replica's until the round's step); NaN when this
         process does not hold the stage or cannot recompute it."""
         diff = math.nan
-        adv = self.settings.adversary
-        if adv is not None and adv.kind in ("collude", "frame") and adv.active(self.name, msg.round, -1):
-            diff = 0.0 if adv.kind == "collude" else 1.0  # a colluder covers for anyone; a framer accuses
-        elif msg.stage == self.stage_index:
+        if msg.stage == self.stage_index:
             try:
                 diff = difference(msg.claimed, recompute(self.stage, msg.kind, msg.inputs, self.device,
                                                          self.settings.bf16))
             except Exception as exc:
                 log.warning("%s: could not recompute %s: %s", self.name, msg.kind, exc)
+        adv = self.settings.adversary
+        if adv is not None:  # adversary injection: what a lying verifier says instead
+            diff = adv.reports(self.name, msg.round, diff)
         self.control.put(m.Rechecked(msg.round, self.name, msg.check, diff))
 
     # -- microbatch work -----------------------------------------------------------------------
