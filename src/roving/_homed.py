@@ -10,7 +10,7 @@ authenticated connections, through a :class:`Homed` handle, which is picklable. 
 * every timeout is kept by the home (:meth:`Home.later`), so a waiter that gave up is never handed
   anything afterwards;
 * an object lives as long as its home process; when that process has ended, every operation raises
-  :class:`~roving._rpc.ServerGone` (a ``ConnectionError``) within a few seconds instead of hanging.
+  :class:`~roving.transport.errors.ServerGone` (a ``ConnectionError``) within a few seconds instead of hanging.
 
 A module adds a kind of object with :func:`register_kind`: a factory of the home-side state, which then
 serves the operations its handles send (:meth:`State.serve`, with the home's lock held).

@@ -2,7 +2,7 @@
 method calls run there) and the asynchronous handles of :class:`~roving.managers.AsyncManager`.
 
 Each thread has its own authenticated connection to a server (asynchronous calls share one per server).
-When the server process has ended every call raises :class:`~roving._rpc.ServerGone`: at once in the
+When the server process has ended every call raises :class:`~roving.transport.errors.ServerGone`: at once in the
 process that started it (:func:`note_started`), within a few seconds elsewhere. Proxies are picklable and
 reference-counted at the server (see :mod:`roving.managers`). Public names are re-exported by
 :mod:`roving.managers`, where users import them.

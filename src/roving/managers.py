@@ -11,7 +11,7 @@ Guarantees:
   with the manager's ``address`` and ``authkey``).
 * Each thread has its own authenticated connection to the server, and the server runs each connection's
   calls in order on a thread of its own, so a blocking call (``queue.get()``) blocks only its caller.
-* When the server process has ended, every proxy call raises :class:`~roving._rpc.ServerGone` (a
+* When the server process has ended, every proxy call raises :class:`~roving.transport.errors.ServerGone` (a
   ``ConnectionError``): at once in the process that started the manager (it sees the process end), and
   within a few seconds elsewhere (pings go unanswered) — never a hang.
 * :class:`AsyncManager` creates proxies whose method calls return a :class:`Handle` at once; the calls

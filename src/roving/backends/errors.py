@@ -5,7 +5,7 @@ its backend's module too (``roving.backends.slurm.SlurmError``)."""
 from __future__ import annotations
 
 __all__ = ["BackendError", "UnknownJobError", "LocalError", "SlurmError", "StepError", "DockerError",
-           "KubernetesError"]
+           "KubernetesError", "NotPrivateError"]
 
 
 class BackendError(OSError):
@@ -36,3 +36,10 @@ class DockerError(BackendError):
 
 class KubernetesError(BackendError):
     """The Kubernetes API refused or could not be reached; the message has its words."""
+
+
+class NotPrivateError(BackendError, PermissionError):
+    """A file or folder that roving would use for private data is a link, not this user's, or open to
+    others; the message names it and says what to do. Also a :class:`PermissionError` (what it was
+    before it had a base here); raised by ``roving.backends.private``, which every package that keeps
+    private files (the crash log, the pipeline's control folder, code shipping) uses."""

@@ -19,16 +19,13 @@ import os
 import stat
 from typing import IO, Any
 
+from .errors import NotPrivateError
+
 __all__ = ["NotPrivateError", "private_dir", "open_private", "create_private", "take_private", "private_key"]
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
-
-
-class NotPrivateError(PermissionError):
-    """A file or folder that roving would use for private data is a link, not this user's, or open to
-    others; the message names it and says what to do."""
 
 
 def _refuse(path: str, what: str, fix: str) -> NotPrivateError:

@@ -16,23 +16,18 @@ import queue
 import threading
 import time
 from multiprocessing import TimeoutError
-from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback  # type: ignore[attr-defined]
+from multiprocessing.pool import ExceptionWithTraceback, MaybeEncodingError  # type: ignore[attr-defined]
 from typing import Any, Callable, Dict, List, Optional
 
 from ..transport import timeouts
 from ..transport.serialize import SerializationError, dumps
-from .errors import PoolStartError, WorkerLostError
+from .errors import PoolStartError, UnloadedTraceback, WorkerLostError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
            "WorkerLostError", "PoolStartError", "UnloadedTraceback", "deliver", "fail", "set_length",
            "unloaded", "unencodable"]
-
-
-class UnloadedTraceback(RemoteTraceback):
-    """The ``__cause__`` of the error of an item whose function or arguments could not be unpickled in
-    the worker (the item never ran): the worker's traceback, as a RemoteTraceback is."""
 
 
 # -- what a worker sends for an item that failed outside the task ------------------------------

@@ -20,7 +20,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 from .. import config as _config
 from ..transport import session as _session
 from ._ending import Ending, lifetime_for, signals_named
-from ..transport.channel import Channel, ConnectionLost, TransportError
+from ..transport.channel import Channel
+from ..transport.errors import ConnectionLost, NodeError
 from ..transport.serialize import SerializationError
 from . import _protocol as P
 from . import _results
@@ -121,7 +122,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     beating.start()
     try:
         loop.run(worker_id)
-    except TransportError as exc:  # the parent cannot be reached again: its work is run elsewhere
+    except NodeError as exc:  # the parent cannot be reached again: its work is run elsewhere
         sys.stderr.write(f"roving pool worker {worker_id} exits: {exc}\n")
         raise SystemExit(1) from None
     finally:

@@ -6,8 +6,9 @@ multiprocessing's ``MaybeEncodingError``; a ``get`` that times out is ``multipro
 from __future__ import annotations
 
 from multiprocessing import ProcessError
+from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # typeshed lacks it
 
-__all__ = ["PoolError", "WorkerLostError", "PoolStartError"]
+__all__ = ["PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback"]
 
 
 class PoolError(ProcessError):
@@ -23,3 +24,9 @@ class PoolStartError(PoolError, OSError):
     machines cannot reach this one, or their jobs are refused): the pool gives up; pending results and
     every later call raise it. The message has the last reason and the address workers were to reach.
     Also an :class:`OSError`, as it was before the pool had one base."""
+
+
+class UnloadedTraceback(RemoteTraceback):
+    """The ``__cause__`` of the error of an item whose function or arguments could not be unpickled in
+    the worker (the item never ran): the worker's traceback, as a RemoteTraceback is. Not raised by
+    itself, so not a :class:`PoolError`."""

@@ -1,1 +1,3 @@
-"""The transport: authenticated ZeroMQ endpoints, mailboxes and zero-copy serialization."""
+"""The transport: authenticated ZeroMQ endpoints and streams, mailboxes and zero-copy serialization.
+
+Its errors, one family under ``TransportError``: :mod:`roving.transport.errors`."""

@@ -29,16 +29,13 @@ import socket
 from typing import Any, Callable, Optional, Tuple
 
 from ..config import parse_port_range  # the option's own parser; named here too, as before
+from .errors import AddressError
 
 __all__ = ["Choice", "AddressError", "choose", "route_to", "is_loopback", "parse_port_range", "bind_in_range",
            "set_cluster_route", "cluster_route", "host_of"]
 
 AUTO = "auto"
 _WILDCARDS = ("0.0.0.0", "::")
-
-
-class AddressError(OSError):
-    """No address could be chosen or bound; the message names what was tried and the options that set it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,13 +31,13 @@ import collections
 import hashlib
 import hmac
 import itertools
-import multiprocessing
 import os
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
 from . import identity
+from .errors import AuthenticationError, IdentityError
 
 NONCE_BYTES = 32
 #: The size of a proof (an HMAC-SHA256).
@@ -54,10 +54,6 @@ HELLO, CHALLENGE, PROOF, WELCOME, DENIED = b"hello", b"challenge", b"proof", b"w
 BYE, REAUTH = b"bye", b"reauth"
 #: Connections a node remembers half-way through the handshake, or as told REAUTH.
 MAX_PENDING = 1024
-
-
-class AuthenticationError(multiprocessing.AuthenticationError, ConnectionError):
-    """A peer failed to prove that it knows the session secret (also ``roving.AuthenticationError``)."""
 
 
 def new_secret() -> bytes:
@@ -101,10 +97,10 @@ class ClientHandshake:
             raise AuthenticationError(f"{who} failed to authenticate")
         try:
             peer = self._creds.check(cert, signature, True, self.hello, server_nonce)
-        except identity.IdentityError as exc:
-            raise identity.IdentityError(f"{who} failed to prove its identity: {exc}") from None
+        except IdentityError as exc:
+            raise IdentityError(f"{who} failed to prove its identity: {exc}") from None
         if self._expect is not None and peer.key != self._expect:
-            raise identity.IdentityError(
+            raise IdentityError(
                 f"{who} is the roving process {peer.node_id}, not the node its address names (a connection "
                 "relayed to another node): refused")
         self.peer = peer
@@ -312,9 +308,9 @@ class Door:
             try:
                 handshake = self.handshakes.pop(key)
                 if len(frames) != 4:
-                    raise identity.IdentityError("its proof came without a certificate and signature")
+                    raise IdentityError("its proof came without a certificate and signature")
                 peer = handshake.accepts(frames[1].bytes, frames[2].bytes, frames[3].bytes)
-            except (AuthenticationError, identity.IdentityError) as exc:
+            except (AuthenticationError, IdentityError) as exc:
                 self._refusals.refuse(frames[0].get("Peer-Address"), str(exc))
                 self._send([ident, DENIED])
                 return

@@ -19,10 +19,11 @@ from . import identity
 from . import node as _node
 from . import stream as _stream
 from . import endpoint as _endpoint
-from .endpoint import ConnectionLost, Secret, TransportError, say_bye, stream_listener, zmq_socket
+from .endpoint import Secret, say_bye, stream_listener, zmq_socket
+from .errors import AuthenticationError, ConnectionLost, IdentityError, NodeError, TransportError
 from .wire import MESSAGE, Frames, send_frames, split_frames
 
-__all__ = ["Channel", "ConnectionLost", "TransportError"]
+__all__ = ["Channel", "ConnectionLost", "NodeError", "TransportError"]
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ class Channel:
     ``send([op, *frames])`` reaches the handler the node registered for ``op``
     (:meth:`.node.Node.register_handler`); what that handler sends back with :meth:`.node.Node.send_to` is what
     :meth:`recv` returns, as a list of bytes-like frames. Messages each way arrive in the order sent. Not
-    thread-safe: one thread, one channel. Raises :class:`TransportError` or ``AuthenticationError`` when
+    thread-safe: one thread, one channel. Raises :class:`.errors.NodeError` or ``AuthenticationError`` when
     it cannot connect within ``connect_timeout`` seconds.
 
     With ``stream=True`` the channel is a stream to the node's stream listener where the node has one
@@ -123,7 +124,7 @@ def _open_channel_stream(address: str, listener: str, secret: identity.Credentia
         try:
             return _stream.connect(listener, secret, {"purpose": "node"}, max(0.1, deadline - time.monotonic()),
                                    expect=identity.expected_key(address, secret))
-        except (auth.AuthenticationError, identity.IdentityError):
+        except (AuthenticationError, IdentityError):
             raise
         except (OSError, ConnectionError) as exc:
             # nothing listens there (the node has gone): no use waiting; else (a busy listener closed

@@ -34,13 +34,14 @@ from . import node as _node
 from . import stream as _stream
 from . import timeouts
 from . import wire
+from .errors import AuthenticationError, ConnectionLost, IdentityError, NodeError, TransportError
 from .framing import is_bytes
 from .mailbox import ERROR, OK
 from .node import Node
 from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames, nbytes,
                    send_frames, split_frames)
 
-__all__ = ["Endpoint", "ConnectionLost", "TransportError", "abandon", "close_connections", "flush_sent",
+__all__ = ["Endpoint", "ConnectionLost", "NodeError", "TransportError", "abandon", "close_connections", "flush_sent",
            "stream_listener", "zmq_socket"]
 
 log = logging.getLogger(__name__)
@@ -57,16 +58,6 @@ _HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVEN
 #: Seconds of silence after which a ZeroMQ call that waits for ever pings, to learn whether its
 #: connection was re-made under it (see _ZmqConnection._recv).
 _PROBE_S = 5.0
-
-
-class TransportError(OSError):
-    """A node could not be reached or answered with an error."""
-
-
-class ConnectionLost(TransportError):
-    """The connection to a node broke while the node may still be there (a network drop): an answer
-    awaited on it will not come, and what was sent without an answer may not have arrived. The next
-    call over the same :class:`Endpoint` opens a new authenticated connection."""
 
 
 def _lost(address: str) -> ConnectionLost:
@@ -136,7 +127,7 @@ class _Connection:
                 return False
             try:
                 frames = self._recv(left, "answer")
-            except TransportError:
+            except NodeError:
                 return False
             got, status = REPLY.unpack(frames[0])
             if got == req_id:
@@ -158,7 +149,7 @@ class _Connection:
         while self.pending is not None:
             try:
                 frames = self._recv(0, "answer")
-            except TransportError:
+            except NodeError:
                 return
             got, status = REPLY.unpack(frames[0])
             self._stale(got, status, frames[1:])
@@ -190,7 +181,7 @@ class _ZmqConnection(_Connection):
         key = identity.expected_key(address, creds)
         curve = crypto.zmq_encrypted(crypto.mode(), addressing.host_of(address))
         if curve and key is None:
-            raise identity.IdentityError(f"{address} names no node key (tcp://HOST:PORT#KEY): the roving node "
+            raise IdentityError(f"{address} names no node key (tcp://HOST:PORT#KEY): the roving node "
                                          "meant cannot be told from another")
         self.sock = wire.context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
@@ -229,7 +220,7 @@ class _ZmqConnection(_Connection):
                 if event == zmq.EVENT_CONNECTED:
                     connected = True
                 elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and connected):
-                    raise auth.AuthenticationError(
+                    raise AuthenticationError(
                         f"the roving node at {self.address} ended the encrypted ZeroMQ handshake: it is not "
                         "the node this address names (another process there, or a relay to another "
                         "node), not part of this roving session (another secret), or it runs with "
@@ -250,7 +241,7 @@ class _ZmqConnection(_Connection):
             while not self.sock.poll(_PROBE_S * 1000):
                 self.send(PING, 0, 0, [])
         elif not self.sock.poll(timeout * 1000):
-            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+            raise NodeError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
                                  "(has the process that owns it exited?)")
         frames = self.sock.recv_multipart(copy=copy)
         if auth.is_reauth(frames):
@@ -298,7 +289,7 @@ class _StreamConnection(_Connection):
 
     def _recv(self, timeout: Optional[float], what: str) -> List[Any]:
         if timeout is not None and not self.stream.readable(timeout):
-            raise TransportError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
+            raise NodeError(f"no {what} from the roving node at {self.address} within {timeout:g} s "
                                  "(has the process that owns it exited?)")
         try:
             return self.stream.recv()[1]
@@ -319,7 +310,7 @@ class _StreamConnection(_Connection):
 
 def zmq_socket(address: str, secret: Secret, connect_timeout: float) -> zmq.Socket:
     """An authenticated ZeroMQ DEALER to the node at ``address`` (what :class:`.channel.Channel` runs
-    over when there is no stream); TransportError, AuthenticationError or IdentityError (it is not the
+    over when there is no stream); NodeError, AuthenticationError or IdentityError (it is not the
     node ``address`` names) within ``connect_timeout``."""
     return _ZmqConnection(address, identity.credentials(secret), connect_timeout).sock
 
@@ -332,7 +323,7 @@ _listeners_lock = threading.Lock()
 
 def stream_listener(address: str, secret: Secret, timeout: float) -> str:
     """The address of the stream listener of the node at ``address`` ("" when it has none), asked over
-    ZeroMQ once per process; TransportError or AuthenticationError when the node cannot be reached."""
+    ZeroMQ once per process; NodeError or AuthenticationError when the node cannot be reached."""
     with _listeners_lock:
         known = _listeners.get(address)
     if known is not None:
@@ -341,7 +332,7 @@ def stream_listener(address: str, secret: Secret, timeout: float) -> str:
     try:
         status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
         found = bytes(frames[0]).decode() if status == OK and frames else ""
-    except TransportError:
+    except NodeError:
         found = ""
     finally:
         zconn.close()
@@ -396,7 +387,7 @@ class Endpoint:
         except (zmq.ZMQError, OSError):
             pass
         if not _listening(self.address):
-            raise TransportError(f"nothing listens at {self.address} any more: the process that owned "
+            raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
                                  "it has ended")
 
     def _connect(self, timeout: float) -> _Connection:
@@ -406,7 +397,7 @@ class Endpoint:
             try:
                 status, frames = zconn.call(STREAMS, 0, 0, [], timeout)
                 self._streams = bytes(frames[0]).decode() if status == OK and frames else ""
-            except TransportError:
+            except NodeError:
                 self._streams = ""
             if not _node.streams_enabled or not self._streams:
                 return zconn
@@ -417,7 +408,7 @@ class Endpoint:
                 # not waited for as long as a node that may still be starting.
                 return _StreamConnection(self.address, self._streams, self._secret,
                                          min(timeout, STREAM_OPEN_TIMEOUT))
-            except identity.IdentityError:
+            except IdentityError:
                 raise  # not the node meant: no other way to it is either
             except (OSError, ConnectionError) as exc:
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
@@ -442,7 +433,7 @@ class Endpoint:
             flush_sent()
             status, frames = self.local.call_local(op, box_id, 0, _own(payload))
             if status == ERROR:
-                raise TransportError(bytes(frames[0]).decode() if frames else "error")
+                raise NodeError(bytes(frames[0]).decode() if frames else "error")
             return
         conn = self._conn()
         flush_sent(keep=conn)
@@ -454,7 +445,7 @@ class Endpoint:
             return True
         try:
             return self._conn(connect_timeout=timeout).ping(timeout)
-        except (TransportError, zmq.ZMQError):
+        except (NodeError, zmq.ZMQError):
             return False
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import datetime
-import multiprocessing
 import os
 import shutil
 import ssl
@@ -52,6 +51,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.x509.oid import NameOID
 from zmq.utils import z85
 
+from .errors import IdentityError
+
 #: How long a certificate is valid: a session that runs longer has its processes refused from then on.
 LIFETIME = datetime.timedelta(days=30)
 _SKEW = datetime.timedelta(minutes=10)  # clocks of the session's machines may differ by this much
@@ -60,11 +61,6 @@ _KEY_URI = "roving-node:"  # the certificate's subjectAltName URI that names the
 _AS_NODE, _AS_CLIENT = b"roving-identity-node", b"roving-identity-client"
 SIGNATURE_BYTES = 64
 _CHECKED_MAX = 65536  # certificates whose check is remembered
-
-
-class IdentityError(multiprocessing.AuthenticationError, ConnectionError):
-    """A peer's certificate or proof is not valid for this session, names another node than the one
-    meant, or was revoked (a ``roving.AuthenticationError``, as :class:`.auth.AuthenticationError` is)."""
 
 
 def derive(secret: bytes, label: str, length: int = 32) -> bytes:

@@ -12,6 +12,7 @@ import logging
 from typing import Any, List
 
 from . import identity, rpc
+from .errors import IdentityError
 from .node import Node
 
 log = logging.getLogger(__name__)
@@ -25,12 +26,12 @@ class _Issuer(rpc.Server):
         authority = self.node.credentials.authority
         try:
             if asker is None or identity.is_revoked(asker.node_id):
-                raise identity.IdentityError("the asker's credentials are not valid (revoked?)")
+                raise IdentityError("the asker's credentials are not valid (revoked?)")
             if authority is None:
-                raise identity.IdentityError("this node holds no CA")
+                raise IdentityError("this node holds no CA")
             uid = bytes(frames[0]).decode()
             grant = authority.issue(uid)
-        except (identity.IdentityError, UnicodeDecodeError, IndexError) as exc:
+        except (IdentityError, UnicodeDecodeError, IndexError) as exc:
             self.answer(ident, req_id, rpc.ERR, [str(exc).encode()])
             return
         log.debug("roving: issued credentials for %s, asked by %s", uid, asker.node_id)
@@ -51,10 +52,10 @@ def ask(ca_address: str, creds: identity.Credentials, uid: str, timeout: float) 
     finally:
         caller.close()
     if answer is None:
-        raise identity.IdentityError(f"the session's CA at {ca_address} did not answer within {timeout:g} s")
+        raise IdentityError(f"the session's CA at {ca_address} did not answer within {timeout:g} s")
     status, frames = answer
     if status != rpc.OK:
-        raise identity.IdentityError(f"the session's CA refused credentials for {uid}: "
+        raise IdentityError(f"the session's CA refused credentials for {uid}: "
                                      f"{bytes(frames[0]).decode(errors='replace') if frames else 'no reason'}")
     told = json.loads(bytes(frames[0]))
     return identity.Grant(uid, bytes.fromhex(told["seed"]), told["cert"], told["ca"])

@@ -75,6 +75,7 @@ from .boxes import TIMEOUT_STATUS, Answer, Boxes, RemoteWaiter
 from . import crypto
 from . import identity
 from . import stream as _stream
+from .errors import AddressError, MalformedMessage
 from .served import ServedStream
 from . import timeouts
 from . import wire
@@ -192,8 +193,8 @@ class Node(Boxes):
         was chosen) when it cannot be bound."""
         try:
             node = cls(secret, choice.bind, choice.advertise, choice.port_range)
-        except addressing.AddressError as exc:
-            raise addressing.AddressError(f"{exc} (chosen by {choice.why})") from None
+        except AddressError as exc:
+            raise AddressError(f"{exc} (chosen by {choice.why})") from None
         node.why = choice.why
         return node
 
@@ -568,7 +569,7 @@ class Node(Boxes):
         if op == PIECES:
             try:
                 frames = [frames[0], *wire.join_pieces(frames[2:])]
-            except wire.MalformedMessage as exc:
+            except MalformedMessage as exc:
                 log.warning("roving node %s: dropped a malformed message from the peer at %s (routing id %s): "
                             "%s", self.address, frames[1].get("Peer-Address"), ident.hex(), exc)
                 return

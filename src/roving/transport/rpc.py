@@ -30,7 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 from . import node as _node
 from . import timeouts
 from .channel import Channel
-from .endpoint import ConnectionLost, Secret, TransportError, flush_sent
+from .endpoint import Secret, flush_sent
+from .errors import AuthenticationError, ConnectionLost, IdentityError, ServerGone
 
 log = logging.getLogger(__name__)
 
@@ -45,10 +46,6 @@ PING_EVERY = 1.0
 DEAD_AFTER = 5.0
 
 _dead: Set[str] = set()
-
-
-class ServerGone(ConnectionError):
-    """The process that serves an object has ended or stopped answering."""
 
 
 def mark_dead(address: str) -> None:
@@ -80,8 +77,8 @@ class Caller:
         self._check()
         try:
             self._chan = Channel(address, secret, connect_timeout)
-        except (TransportError, OSError) as exc:
-            if not isinstance(exc, ConnectionError) or "authenticat" not in str(exc):
+        except OSError as exc:  # every error of the transport's that a connect raises is one
+            if not isinstance(exc, (AuthenticationError, IdentityError)):  # refused is not gone
                 mark_dead(address)
             raise self._gone(f"cannot connect: {exc}") from exc
         self._ping_id: Optional[int] = None
@@ -205,7 +202,7 @@ class Caller:
         self._ping_id = None
         try:
             self._chan = Channel(self.address, self._secret, self._connect_timeout)
-        except (TransportError, OSError) as exc:
+        except OSError as exc:
             mark_dead(self.address)
             raise self._gone(f"cannot reconnect: {exc}") from exc
 

@@ -19,18 +19,12 @@ from typing import Any, Dict, List, Sequence
 
 import cloudpickle
 
+from .errors import SerializationError
+
 __all__ = ["dumps", "loads", "OOB_THRESHOLD", "SerializationError", "serialization_error"]
 
 #: Buffers at least this large travel as frames of their own; smaller ones stay inside the pickle.
 OOB_THRESHOLD = 64 * 1024
-
-
-class SerializationError(TypeError):
-    """An object could not be pickled; the message names the object.
-
-    What roving raises is also of the type pickle itself raised (see :func:`serialization_error`):
-    ``except TypeError``, ``except pickle.PicklingError`` or ``except RuntimeError`` catch it as they
-    would under multiprocessing, and ``except SerializationError`` catches every kind."""
 
 
 _error_types: Dict[type, type] = {}

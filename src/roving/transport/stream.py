@@ -58,6 +58,7 @@ from . import addressing, auth
 from . import crypto
 from . import identity
 from . import tls
+from .errors import AddressError, AuthenticationError, IdentityError, StreamError
 from .framing import Reader, advance, encode
 from .guard import Admission, Handshake, Refusals
 
@@ -89,10 +90,6 @@ def keep_alive(sock: socket.socket) -> None:
                         ("TCP_KEEPCNT", KEEPALIVE_COUNT)):
         if hasattr(socket, name):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-class StreamError(ConnectionError):
-    """A stream could not be opened, or the peer refused it."""
 
 
 class Stream:
@@ -277,8 +274,8 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
     The stream's :attr:`Stream.peer` says who answered.
 
     The stream is TLS when ``encrypt`` (default: the ``encrypt`` option) asks for it at this address
-    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or auth.AuthenticationError,
-    identity.IdentityError) when it cannot connect, authenticate or the listener refuses the request,
+    (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or AuthenticationError,
+    IdentityError) when it cannot connect, authenticate or the listener refuses the request,
     all within about ``timeout`` seconds.
     """
     creds = identity.credentials(secret)
@@ -301,7 +298,7 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
             try:
                 link = _tls_handshake(sock, creds, False, deadline)
             except ssl.SSLError as exc:
-                raise auth.AuthenticationError(
+                raise AuthenticationError(
                     f"{who} failed the TLS handshake (not of this session?): {exc}") from exc
             wire = _Timed(link, deadline)
             wire.sendall(handshake.hello)
@@ -315,7 +312,7 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
         except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
             if not tls or "in time" in str(exc):
                 raise
-            raise auth.AuthenticationError(
+            raise AuthenticationError(
                 f"{who} ended the TLS stream after its handshake: it refused this process's certificate "
                 f"(another session's, or revoked?) ({exc})") from exc
         proof, signature = handshake.answer(answer[:auth.NONCE_BYTES],
@@ -327,7 +324,7 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
         verdict = _recv_exact(wire, 1, deadline)
     except OSError as exc:
         link.close()
-        if isinstance(exc, (StreamError, auth.AuthenticationError, identity.IdentityError)):
+        if isinstance(exc, (StreamError, AuthenticationError, IdentityError)):
             raise
         raise StreamError(f"opening a stream to {address} failed: {exc}") from exc
     except BaseException:
@@ -335,7 +332,7 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
         raise
     if verdict == _DENIED:
         link.close()
-        raise auth.AuthenticationError(f"{who} refused this process's secret or identity: is it part of the "
+        raise AuthenticationError(f"{who} refused this process's secret or identity: is it part of the "
                                        "same roving session, and not revoked?")
     if verdict != b"\x01":
         link.close()
@@ -367,9 +364,9 @@ class Listener:
             addressing.bind_in_range(lambda port: self._sock.bind((host, port)), port_range, host)
         except OSError as exc:
             self._sock.close()
-            if isinstance(exc, addressing.AddressError):
+            if isinstance(exc, AddressError):
                 raise
-            raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this "
+            raise AddressError(f"cannot listen on {host} ({exc}): is it an address of this "
                                           "machine?") from None
         self._sock.listen(128)
         port = self._sock.getsockname()[1]
@@ -455,7 +452,7 @@ class Listener:
             proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
             try:
                 peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
-            except (auth.AuthenticationError, identity.IdentityError):
+            except (AuthenticationError, IdentityError):
                 wire.sendall(_DENIED)  # it is told why it gets no stream (it learns nothing else)
                 raise
             (size,) = _LENGTH.unpack(_recv_exact(wire, _LENGTH.size, deadline))

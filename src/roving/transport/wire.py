@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Tuple
 import zmq
 
 from . import addressing
+from .errors import AddressError, MalformedMessage
 
 from .stream import KEEPALIVE_COUNT, KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S
 
@@ -60,11 +61,6 @@ _LAYOUT = "Q"
 HANDSHAKE_IVL_MS = 10_000
 #: Frames smaller than this are copied into ZeroMQ: cheaper than tracking them.
 COPY_BELOW = 65536
-
-
-class MalformedMessage(ValueError):
-    """A message that does not follow the wire format; ``str()`` is a one-line reason, naming the part
-    that was wrong."""
 
 
 def nbytes(frame: Any) -> int:
@@ -173,7 +169,7 @@ def bind_router(sock: zmq.Socket, host: str, port_range: Optional[Tuple[int, int
             return sock.bind_to_random_port(url)
         return addressing.bind_in_range(bind, port_range, host)
     except zmq.ZMQError as exc:
-        raise addressing.AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
+        raise AddressError(f"cannot listen on {host} ({exc}): is it an address of this machine?") from None
 
 
 def recv_message(sock: zmq.Socket) -> List[zmq.Frame]:
