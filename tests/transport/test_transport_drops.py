@@ -117,6 +117,23 @@ def test_reconnecting_to_a_node_that_has_gone_fails_at_once():
     assert finished and isinstance(got, _endpoint.TransportError) and "nothing listens" in str(got), got
 
 
+def test_a_thread_that_first_connects_after_the_node_has_gone_is_told_so_at_once():
+    """A thread with no connection yet to a node whose stream listener and port both refuse: the node
+    has ended, said at once, not waited for on ZeroMQ for ``connect_timeout`` (what a first connection
+    to a node that may still be starting does). Its connection was never broken, so the check made on
+    replacing a broken one does not run: this is the other path to the same answer."""
+    secret = _session.current().secret
+    other = _node.Node(secret)
+    box = other.new_box()
+    ep = _endpoint.Endpoint(other.address, secret, None, connect_timeout=TIMEOUT)
+    assert _OneThread().run(lambda: ep.call(_node.PUT, box, -1, dumps("x"))) == (True, (_node.OK, []))
+    assert ep._streams, "the node was to have a stream listener"  # learnt: the path under test
+    other.close()
+    finished, got = _OneThread().run(lambda: ep.call(_node.GET, box, 1))  # another thread: no connection yet
+    assert finished and isinstance(got, _endpoint.NodeError) and "nothing listens" in str(got), got
+    assert other.address.partition("#")[0] in str(got)
+
+
 def test_a_stranger_is_told_once_that_it_has_not_authenticated_and_nothing_it_sent_is_read(tmp_path):
     q = roving.Queue()
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -388,7 +388,7 @@ class Endpoint:
             pass
         if not _listening(self.address):
             raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
-                                 "it has ended")
+                            "it has ended")
 
     def _connect(self, timeout: float) -> _Connection:
         """A stream connection where the node has a stream listener, else ZeroMQ."""
@@ -411,6 +411,11 @@ class Endpoint:
             except IdentityError:
                 raise  # not the node meant: no other way to it is either
             except (OSError, ConnectionError) as exc:
+                # The listener lives as long as its node: refused there and at the node's own port, the
+                # node has ended (it may have ended after the last connection broke, and that check).
+                if isinstance(exc.__cause__ or exc, ConnectionRefusedError) and not _listening(self.address):
+                    raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
+                                    "it has ended") from exc
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
                 self._streams = ""
         return _ZmqConnection(self.address, self._secret, timeout)
