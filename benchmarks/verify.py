@@ -28,6 +28,10 @@ median time to combine them, and, with one replica sending ``scale`` (x100), ``s
 the norm) or a NaN, how far the result lands from the honest replicas' mean, over the honest
 replicas' spread (their mean distance to it).
 
+``digest``: what screening and receipts cost per tensor, without training: the seconds to digest a tensor
+of 1 MiB (``receipts.digest``, SHA-256) against blake2b (the digest before it), and to summarise it
+(``screen.summarize``), interleaved, the median of ``--repeats``; with the bytes a second of each.
+
 Writes ``verify_<what>.json`` (every run's figures) under ``--out`` and prints Markdown tables.
 """
 
@@ -165,6 +169,35 @@ def aggregation(size: int = 1_000_000, repeats: int = 7) -> dict:
     return out
 
 
+def digests(repeats: int = 30, mib: int = 1) -> dict:
+    """Seconds per tensor of ``mib`` MiB: the receipt's digest (SHA-256), blake2b's, a screening summary."""
+    import hashlib
+
+    from roving.pipeline import receipts
+    from roving.pipeline.screen import summarize
+
+    t = torch.randn(mib * 262144, generator=torch.Generator().manual_seed(0))
+
+    def blake2b(x: torch.Tensor) -> bytes:  # the digest before SHA-256, as it was made
+        h = hashlib.blake2b(f"{x.dtype}:{tuple(x.shape)}".encode(), digest_size=16)
+        h.update(x.view(-1).view(torch.uint8).numpy().data)
+        return h.digest()
+
+    ways = {"sha256 (receipts.digest)": receipts.digest, "blake2b": blake2b, "summarize": summarize}
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for _ in range(repeats):
+        for name, fn in ways.items():
+            t0 = time.perf_counter()
+            fn(t)
+            times[name].append(time.perf_counter() - t0)
+    out = {}
+    for name, ts in times.items():
+        sec = statistics.median(ts)
+        out[name] = {"seconds": sec, "bytes_per_s": t.numel() * 4 / sec}
+        print(f"{name}: {sec * 1000:.3f} ms per {mib} MiB, {t.numel() * 4 / sec / 1e9:.2f} GB/s", flush=True)
+    return out
+
+
 def tables(res: dict, start: int) -> None:
     if "adversaries" in res:
         a = res["adversaries"]
@@ -220,7 +253,7 @@ def _pct(x: float, ref: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "aggregation", "all"))
+    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "aggregation", "digest", "all"))
     ap.add_argument("--iterations", type=int, default=40, help="iterations of each adversary run")
     ap.add_argument("--start", type=int, default=5, help="the iteration adversaries start lying at")
     ap.add_argument("--clean-iterations", type=int, default=200)
@@ -229,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--overhead-model", choices=("small", "large"), default="small")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=30, help="of each digest and summary (digest)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     res: dict = {"command": " ".join(["python", "benchmarks/verify.py"] + (argv if argv is not None else sys.argv[1:])),
                  "base": BASE}
+    if args.what in ("digest", "all"):
+        res["digest"] = digests(args.repeats)
     if args.what in ("aggregation", "all"):
         res["aggregation"] = aggregation()
     if args.what in ("adversaries", "all"):
