@@ -1,10 +1,14 @@
 """Verification of untrusted nodes (issue 32): receipts bind a node to what it sent; the recomputations
 give exactly what the stages computed; evidence that a holder altered or withheld gets the holder caught,
-and a dispute blames nobody; and, in training on local roving processes, every adversary kind is caught
-within the iteration it starts lying in (mode "full"; "spot" within a stated number), honest nodes are
-never blamed (a framer is caught instead), training goes on without the caught nodes, and verification
-changes nothing of a clean run's training."""
+and a dispute blames nobody; an audit (its round's nodes simulated here) that a node it asks dies in
+raises NodesLost naming it, with no answer left on its way; and, in training on local roving processes, every
+adversary kind is caught within the iteration it starts lying in (mode "full"; "spot" within a stated
+number), honest nodes are never blamed (a framer is caught instead), training goes on without the caught
+nodes, a node killed as the audit asks it has the round run again, and verification changes nothing of a
+clean run's training."""
 
+import collections
+import copy
 import dataclasses
 import io
 import math
@@ -16,11 +20,15 @@ import torch
 
 torch.set_num_threads(1)
 
+from roving.pipeline import protocol as m
 from roving.pipeline import receipts
 from roving.dashboard.pipeline_view import PipelineWatch
-from roving.pipeline.errors import PlanError
+from roving.pipeline.adversary import Adversary
+from roving.pipeline.aggregate import combine
+from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
 from roving.pipeline.evidence import Evidence, difference, recompute
 from roving.pipeline.model import preset
+from roving.pipeline.plan import Plan, Route
 from roving.pipeline.stages import Stage
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
 from roving.pipeline.verify import Check, Source, Verifier
@@ -135,12 +143,12 @@ class FakeRoster:
     inboxes: dict = {}
 
 
-def verifier(mode: str = "full") -> tuple[Verifier, list]:
+def verifier(mode: str = "full", rate: float = 0.05, roster: object = None) -> tuple[Verifier, list]:
     events = []
-    config = types.SimpleNamespace(mode=mode, verify_rate=0.05, tolerance=1e-3, stages=2, seed=0, bf16=False,
+    config = types.SimpleNamespace(mode=mode, verify_rate=rate, tolerance=1e-3, stages=2, seed=0, bf16=False,
                                    aggregation="mean",
                                    timeout=5.0)
-    return Verifier(config, CFG, FakeRoster(), lambda kind, **f: events.append((kind, f))), events
+    return Verifier(config, CFG, roster or FakeRoster(), lambda kind, **f: events.append((kind, f))), events
 
 
 def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blames_nobody():
@@ -167,6 +175,169 @@ def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blam
         disputes = [f for kind, f in events if kind == "dispute"]
         assert [d["nodes"] for d in disputes] == ([disputed] if disputed else []), name
         assert v.suspects == set(disputed), name
+
+
+# -- an audit of one round, its stage processes simulated here ------------------------------------------
+class LocalRound:
+    """Round 0 of ``plan`` on ``batches``, its stage processes simulated in this process as ``stage_process``
+    runs them: the replicas of a stage hold equal weights; each node seals what it sends (``Evidence``),
+    keeps what it receives, sends its summed gradients to its stage's other replicas, combines theirs
+    (``aggregate.combine``) and reports a ``Norm`` (``norms``); ``liars``: node -> the ``Adversary`` that
+    tampers with what it sends. Then it is the verifier's roster: ``put`` answers the audit's requests as a
+    stage process does (``EvidenceItems``, ``Rechecked``, ``State``) and ``recv`` hands the answers over in
+    the order they were sent, dropping and refusing what ``Roster.recv`` drops and refuses. ``dies``: (node,
+    message type): the node dies as it is sent its first message of that type, and the next ``recv`` raises
+    NodesLost for it before it hands over anything more (the real roster's check can see a death before
+    the answers already on their way). ``sent``: every message the nodes were sent, in order."""
+
+    run_key = RUN_KEY
+
+    def __init__(self, plan, batches, liars=None, dies=None) -> None:
+        self.plan, self.alloc, self.liars, self.dies, self.rnd = plan, dict(plan.allocation), liars or {}, dies, 0
+        weights = {s: Stage(CFG, s, 2, seed=0) for s in set(self.alloc.values())}
+        self.stage = {n: copy.deepcopy(weights[s]) for n, s in self.alloc.items()}
+        self.evidence = {n: Evidence(n, "spot", receipts.node_key(RUN_KEY, n)) for n in self.alloc}
+        self.backwards = dict.fromkeys(self.alloc, 0)
+        self.inboxes = dict.fromkeys(self.alloc)  # the live nodes, as the verifier reads them
+        self.dying: list[str] = []
+        self.answers: collections.deque = collections.deque()
+        self.sent: list[tuple[str, m.Message]] = []
+        for mb, route in enumerate(plan.paths):
+            self._microbatch(mb, route, *batches[mb])
+        self.norms = self._average()
+
+    def norm(self) -> float:
+        """The round's gradient norm, as the trainer makes it from the Norms (one per stage)."""
+        sq: dict[int, float] = {}
+        for msg in self.norms:
+            sq.setdefault(msg.stage, msg.sq_norm)
+        return math.sqrt(sum(sq.values()))
+
+    def _send(self, sender, what, mb, hop, t, to, given=None, count=None):
+        out = t.detach().contiguous()
+        if sender in self.liars:
+            out = self.liars[sender].tamper(what, out, sender, self.rnd, mb, given).contiguous()
+        receipt = self.evidence[sender].seal(what, self.rnd, mb, hop, out)
+        for r in [to] if isinstance(to, str) else to:
+            self.evidence[r].keep(what, self.rnd, mb, hop, sender, out, receipt, count=count)
+        return out
+
+    def _microbatch(self, mb, route, tokens, targets) -> None:
+        o, nodes = route.origin, route.nodes
+        first = self.stage[o]
+        h = first(first.embed(tokens))
+        self.backwards[o] += 1
+        if not nodes:  # the loss at once, one graph
+            first.loss(h, targets).backward()
+            return
+        t, stash = self._send(o, "activation", mb, 0, h, nodes[0]), []
+        for hop, name in enumerate(nodes):
+            x = t.detach().requires_grad_(True)
+            y = self.stage[name](x)
+            stash.append((x, y))
+            t = self._send(name, "activation", mb, hop + 1, y, nodes[hop + 1] if hop + 1 < len(nodes) else o, given=t)
+        a = t.detach().requires_grad_(True)
+        first.loss(a, targets).backward()
+        g = self._send(o, "gradient", mb, len(nodes) - 1, a.grad, nodes[-1])
+        for hop in range(len(nodes) - 1, -1, -1):
+            x, y = stash[hop]
+            y.backward(g)
+            self.backwards[nodes[hop]] += 1
+            g = self._send(nodes[hop], "gradient", mb, hop - 1, x.grad, nodes[hop - 1] if hop else o, given=g)
+        h.backward(g)
+
+    def _average(self) -> list:
+        norms, visits = [], self.plan.stage_visits()
+        for s in sorted(set(self.alloc.values())):
+            replicas = sorted(n for n, st in self.alloc.items() if st == s)
+            shares = {}
+            for r in replicas:
+                mine = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                                  for p in self.stage[r].parameters()])
+                # a liar combines the share it sent, as its replicas do
+                shares[r] = mine if len(replicas) == 1 else self._send(
+                    r, "share", -1, -1, mine, [o for o in replicas if o != r], count=self.backwards[r])
+            total = combine([shares[r] for r in replicas], [self.backwards[r] for r in replicas], visits[s])
+            for r in replicas:
+                ev = self.evidence[r]
+                norms.append(m.Norm(self.rnd, r, s, float(total.pow(2).sum()), tuple(ev.screened),
+                                    tuple(ev.disputes), None, ev.combined(total) if len(replicas) > 1 else None))
+        return norms
+
+    def put(self, name: str, msg: m.Message) -> None:
+        self.sent.append((name, msg))
+        if name not in self.inboxes or name in self.dying:
+            return
+        if self.dies == (name, type(msg)):
+            self.dying.append(name)
+            return
+        stage = self.alloc[name]
+        if isinstance(msg, m.EvidenceRequest):
+            items = self.evidence[name].show(msg.keys) if msg.round == self.rnd else {}
+            self.answers.append(m.EvidenceItems(msg.round, name, items))
+        elif isinstance(msg, m.Recheck):  # as StageProcess._on_recheck
+            d = math.nan
+            if msg.stage == stage:
+                d = difference(msg.claimed, recompute(self.stage[name], msg.kind, msg.inputs, torch.device("cpu")))
+            if name in self.liars:
+                d = self.liars[name].reports(name, msg.round, d)
+            self.answers.append(m.Rechecked(msg.round, name, msg.check, d))
+        elif isinstance(msg, m.StateRequest):
+            self.answers.append(m.State(name, stage, {k: v.detach().clone()
+                                                      for k, v in self.stage[name].state_dict().items()}))
+        else:
+            raise AssertionError(f"the audit sent {name} a {type(msg).__name__}")
+
+    def recv(self, kind, timeout=None, rnd=None, names=None, check=True) -> m.Message:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        while True:
+            if self.dying:
+                lost = {n: "its process exited with code -9" for n in self.dying}
+                self.dying.clear()
+                for n in lost:
+                    del self.inboxes[n]
+                raise NodesLost(lost)
+            if not self.answers:
+                raise NoMessage(f"no {kinds[0].__name__}: nothing more is on its way")
+            msg = self.answers.popleft()
+            if isinstance(msg, m.RoundMessage) and (not isinstance(msg, kinds) or rnd is not None and msg.round != rnd):
+                continue
+            if msg.sender not in self.inboxes:
+                continue
+            if not isinstance(msg, kinds) or names is not None and msg.sender not in names:
+                raise NodeFailed(f"{type(msg).__name__} from {msg.sender}: not what was waited for")
+            return msg
+
+    def left(self) -> list[str]:
+        """The answers on their way that a later wait would not drop (it refuses them: NodeFailed)."""
+        return [f"{type(msg).__name__} from {msg.sender}" for msg in self.answers
+                if not isinstance(msg, m.RoundMessage) and msg.sender in self.inboxes]
+
+
+#: 2 replicas of each of 2 stages; microbatch 0 goes a -> c -> a, microbatch 1 b -> d -> b
+PLAN = Plan(2, 0.0, {"a": 0, "b": 0, "c": 1, "d": 1}, [Route("a", ("c",), (1,)), Route("b", ("d",), (1,))])
+
+
+@pytest.mark.parametrize("victim, asked", [("a", m.EvidenceRequest), ("d", m.Recheck), ("d", m.StateRequest)],
+                         ids=["evidence", "recheck", "weights"])
+def test_a_node_the_audit_asks_that_dies_meanwhile_makes_it_raise_nodes_lost_naming_it_and_leave_nothing_to_come(
+        victim, asked):
+    """Mode "full", c's activations scaled: the node asked dies as it is asked, and its death is seen before
+    the other nodes' answers arrive: a, for the evidence it holds (c's activations); d, to recheck c's work;
+    d again, for its weights, when the coordinator confirms d's finding that c's work differs (c is asked for
+    its weights too). The audit raises NodesLost naming it (the trainer runs the round again), and no answer
+    is left on its way that the trainer's next wait would refuse: the weights (``State``) belong to no
+    round, so they are waited for before the audit gives up."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=(victim, asked))
+    v, _ = verifier("full", roster=r)
+    for msg in r.norms:
+        v.note(msg)
+    with pytest.raises(NodesLost) as lost:
+        v.audit(0, PLAN, dict(PLAN.allocation), batches, r.norm())
+    assert any(n == victim and isinstance(msg, asked) for n, msg in r.sent), "it was asked"
+    assert list(lost.value.names) == [victim]
+    assert r.left() == []
 
 
 # -- training with adversaries --------------------------------------------------------------------------
@@ -261,3 +432,46 @@ def test_spot_checks_catch_a_liar_within_the_stated_iterations_and_screening_alo
     shown = PipelineWatch(str(tmp_path), None).read()  # the dashboard's pipeline view
     assert [n["state"] for n in shown["nodes"] if n["name"] == liar] == ["excluded"]
     assert any(e.get("event") == "caught" and e.get("node") == liar for e in shown["events"])
+
+
+def test_a_node_killed_as_the_audit_asks_it_has_the_round_run_again_without_it_and_training_goes_on():
+    """4 nodes on 2 stages, every computation checked. In iteration 0 the first node asked for evidence
+    whose stage has another replica is killed as it is asked; in iteration 1 the first node asked to
+    recheck another's work. Each time the audit raises NodesLost naming it, the round is run again without
+    it, and training goes on: both iterations done in 2 attempts on finite losses, nobody caught."""
+    # every node in the run from the start (under load one may take long to start: the run would start
+    # without it, and no stage would have a replica in iteration 0)
+    prep = prepare(TrainConfig(**{**BASE, "stages": 2, "microbatches": 2, "planner_budget": 1.0,
+                                  "start_wait": BASE["timeout"]}, nodes=4, iterations=2, mode="full"))
+    killed: dict[int, str] = {}
+    raised: list[tuple[int, dict]] = []
+    with Trainer(prep) as t:
+        put, audit = t.roster.put, t.verifier.audit
+
+        def put_and_kill(name: str, msg: m.Message) -> None:
+            it = t.iteration_no
+            asking = m.EvidenceRequest if it == 0 else m.Recheck
+            if it not in killed and isinstance(msg, asking) and list(t.alloc.values()).count(t.alloc[name]) > 1:
+                killed[it] = name
+                t.roster.kill([name])
+                t.roster.procs[name].join(timeout=30)
+                assert not t.roster.procs[name].is_alive(), f"{name} still runs after kill -9"
+            put(name, msg)
+
+        def audit_and_record(*args, **kwargs):
+            try:
+                return audit(*args, **kwargs)
+            except NodesLost as exc:
+                raised.append((t.iteration_no, dict(exc.names)))
+                raise
+
+        t.roster.put, t.verifier.audit = put_and_kill, audit_and_record
+        metrics = t.train()
+    assert sorted(killed) == [0, 1] and len(set(killed.values())) == 2, killed
+    assert [(it, list(names)) for it, names in raised] == [(0, [killed[0]]), (1, [killed[1]])]
+    aborted = [(e["iteration"], e["lost"]) for e in metrics["events"] if e["event"] == "aborted"]
+    assert aborted == [(0, [killed[0]]), (1, [killed[1]])]
+    assert [r["attempts"] for r in metrics["iterations"]] == [2, 2]
+    assert all(math.isfinite(r["train_loss"]) and r["verify"]["checks"] > 0 for r in metrics["iterations"])
+    assert not set(killed.values()) & set(t.alloc)
+    assert not [e for e in metrics["events"] if e["event"] in ("caught", "dispute")]

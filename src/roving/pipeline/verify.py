@@ -61,6 +61,7 @@ import torch
 from . import protocol as m
 from . import receipts
 from .aggregate import combine
+from .errors import NodesLost
 from .evidence import COMBINED, difference, recompute
 from .screen import Screen
 from .stages import Stage
@@ -434,13 +435,24 @@ class Verifier:
 
     def _states(self, names: list[str]) -> dict[str, tuple[int, dict]]:
         """The weights of ``names``: name -> (stage, state dict); fetched once an audit (they do not change
-        before the step)."""
+        before the step). NodesLost when nodes die meanwhile, raised once every other node asked has
+        answered: a ``State`` belongs to no round, so one left on its way would reach the trainer's next
+        wait, which would refuse it (NodeFailed) instead of running the round again."""
         ask = [n for n in names if n not in self._weights]
         for n in ask:
             self.roster.put(n, m.StateRequest())
-        while set(ask) - set(self._weights):
-            msg = self.roster.recv(m.State, timeout=self.timeout, names=set(ask) - set(self._weights))
+        waiting, lost = set(ask), {}
+        while waiting:
+            try:
+                msg = self.roster.recv(m.State, timeout=self.timeout, names=waiting)
+            except NodesLost as exc:
+                lost.update(exc.names)
+                waiting -= set(exc.names)
+                continue
             self._weights[msg.sender] = (msg.stage, msg.tensors)
+            waiting.discard(msg.sender)
+        if lost:
+            raise NodesLost(lost)
         return {n: self._weights[n] for n in names}
 
     def _catch(self, caught: dict[str, str], node: str, check: str, c: Check, reason: str, **evidence: Any) -> None:
