@@ -1,7 +1,8 @@
 """Verification of untrusted nodes (issue 32): receipts bind a node to what it sent; the recomputations
 give exactly what the stages computed; evidence that a holder altered or withheld gets the holder caught,
 and a dispute blames nobody; an audit (its round's nodes simulated here) that a node it asks dies in
-raises NodesLost naming it, with no answer left on its way; and, in training on local roving processes, every
+raises NodesLost naming it, with no answer left on its way, and a non-finite gradient norm has every
+computation of the round checked, its maker caught; and, in training on local roving processes, every
 adversary kind is caught within the iteration it starts lying in (mode "full"; "spot" within a stated
 number), honest nodes are never blamed (a framer is caught instead), training goes on without the caught
 nodes, a node killed as the audit asks it has the round run again, and verification changes nothing of a
@@ -338,6 +339,36 @@ def test_a_node_the_audit_asks_that_dies_meanwhile_makes_it_raise_nodes_lost_nam
     assert any(n == victim and isinstance(msg, asked) for n, msg in r.sent), "it was asked"
     assert list(lost.value.names) == [victim]
     assert r.left() == []
+
+
+def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():
+    """Mode "spot" at rate 0 (nothing is drawn): c sends a NaN in its activations of microbatch 0, which
+    reaches the loss, the gradients, stage 0's combined gradient and so the norm. Every computation of the
+    round is then checked, each rechecked by the other replica of its stage: 4 a microbatch (the origin's
+    first forward, the forward at stage 1, the loss, the backward at stage 1) and the 4 replicas' shares;
+    c is caught, and no honest node, though a's loss, c's backward and a's and c's shares are NaN too.
+    With a finite norm, the same round has only the tensors screening found non-finite checked."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("nan")})
+    norm = r.norm()
+    assert not math.isfinite(norm), "c's NaN reached the gradient norm"
+    v, events = verifier("spot", rate=0.0, roster=r)
+    for msg in r.norms:
+        v.note(msg)
+    caught = v.audit(0, PLAN, dict(PLAN.allocation), batches, norm)
+    every = sum(2 * len(route.nodes) + 2 for route in PLAN.paths) + len(PLAN.allocation)
+    assert every == 12 and v.last["checks"] == every
+    rechecks = [msg for _, msg in r.sent if isinstance(msg, m.Recheck)]
+    assert collections.Counter(msg.kind for msg in rechecks) == {"first": 2, "forward": 2, "loss": 2,
+                                                                  "backward": 2, "share": 4}
+    assert v.last["rechecks"] == every
+    assert list(caught) == ["c"] and [f["node"] for kind, f in events if kind == "caught"] == ["c"]
+    assert not [f for kind, f in events if kind == "dispute"]
+    v, _ = verifier("spot", rate=0.0, roster=r)  # the same round, its norm finite
+    for msg in r.norms:
+        v.note(msg)
+    assert list(v.audit(0, PLAN, dict(PLAN.allocation), batches, 1.0)) == ["c"]
+    assert 0 < v.last["checks"] < every
 
 
 # -- training with adversaries --------------------------------------------------------------------------
