@@ -374,7 +374,8 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
 # -- training with adversaries --------------------------------------------------------------------------
 BASE = dict(model="tiny", stages=3, skip=0.0, microbatches=4, samples=2, seq_len=16, lr=3e-3, warmup=1,
             eval_every=100, eval_batches=2, planner_budget=5.0, planner_evals=40, replan_budget=1.0,
-            replan_evals=20, speed=1e-3, clip=1.0, timeout=120, in_flight=2, seed=1)
+            replan_evals=20, speed=1e-3, clip=1.0, timeout=120, in_flight=2, seed=1,
+            start_wait=120)  # every node in the plan from iteration 0, however slowly a loaded machine starts it
 
 
 def train(adversaries: dict[int, list[str]], *, nodes: int, iterations: int, mode: str = "full",
@@ -432,12 +433,13 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
 
 
 def test_a_clean_run_blames_nobody_and_verification_changes_nothing_of_its_training():
-    off, _, _ = train({}, nodes=6, iterations=5, mode="off")
-    on, _, _ = train({}, nodes=6, iterations=5, mode="spot", rate=0.5)
+    # one microbatch in flight: each stage takes its microbatches, and sums their gradients, in one order
+    # (with more, arrival order decides it, run to run, and AdamW makes the float differences of two
+    # orders grow to 1e-3 of the loss in a few steps on a loaded machine)
+    off, _, _ = train({}, nodes=6, iterations=5, mode="off", in_flight=1)
+    on, _, _ = train({}, nodes=6, iterations=5, mode="spot", rate=0.5, in_flight=1)
     assert not [e for e in on["events"] if e["event"] in ("caught", "dispute")]
-    # the same losses, up to the order gradients were summed in (which arrival order decides, run to run)
-    assert [r["train_loss"] for r in on["iterations"]] == pytest.approx([r["train_loss"] for r in off["iterations"]],
-                                                                        rel=1e-5)
+    assert [r["train_loss"] for r in on["iterations"]] == [r["train_loss"] for r in off["iterations"]]
     assert sum(r["verify"]["rechecks"] for r in on["iterations"]) > 0
     assert "verify" not in off["iterations"][0]
 
@@ -470,10 +472,10 @@ def test_a_node_killed_as_the_audit_asks_it_has_the_round_run_again_without_it_a
     whose stage has another replica is killed as it is asked; in iteration 1 the first node asked to
     recheck another's work. Each time the audit raises NodesLost naming it, the round is run again without
     it, and training goes on: both iterations done in 2 attempts on finite losses, nobody caught."""
-    # every node in the run from the start (under load one may take long to start: the run would start
-    # without it, and no stage would have a replica in iteration 0)
-    prep = prepare(TrainConfig(**{**BASE, "stages": 2, "microbatches": 2, "planner_budget": 1.0,
-                                  "start_wait": BASE["timeout"]}, nodes=4, iterations=2, mode="full"))
+    # every node in the run from the start (BASE's start_wait: else, under load, the run could start
+    # without one and no stage would have a replica in iteration 0)
+    prep = prepare(TrainConfig(**{**BASE, "stages": 2, "microbatches": 2, "planner_budget": 1.0},
+                               nodes=4, iterations=2, mode="full"))
     killed: dict[int, str] = {}
     raised: list[tuple[int, dict]] = []
     with Trainer(prep) as t:

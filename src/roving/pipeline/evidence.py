@@ -3,7 +3,8 @@ of what it received, and the recomputations it runs when the coordinator asks it
 
 With ``mode`` other than "off", a stage process (``stage_process``):
 
-- seals every tensor it sends to another process with its ``Receipt`` (``receipts``);
+- seals every tensor it sends to another process with its ``Receipt`` (``receipts``), on the thread
+  that sends it (``sealer``);
 - keeps every tensor it receives from another process in the current round, with the sender's receipt
   (``Evidence.keep``): its activations, the gradients sent back to it, its replicas' gradient shares.
   Kept by *key* ``(what, mb, hop, sender)`` (the message's own hop; mb = hop = -1 for a share); the
@@ -22,9 +23,11 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -83,6 +86,23 @@ class Evidence:
         if not self.on:
             return None
         return receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor)
+
+    def sealer(self, what: str, rnd: int, mb: int, hop: int, tensor: torch.Tensor) -> Callable[[Any], Any] | None:
+        """What puts this process's receipt for ``tensor`` on a message (``msg -> msg`` with ``receipt``
+        set), for the sender thread to call just before the message goes out: the digest then runs
+        there, beside this process's next computation (hashlib lets go of the GIL over large buffers),
+        not before it. Made once, however many destinations call it; None with verification off."""
+        if not self.on:
+            return None
+        made: list[Receipt] = []
+        lock = threading.Lock()
+
+        def seal(msg: Any) -> Any:
+            with lock:
+                if not made:
+                    made.append(receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor))
+            return dataclasses.replace(msg, receipt=made[0])
+        return seal
 
     def keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
              receipt: Any, count: int | None = None) -> None:

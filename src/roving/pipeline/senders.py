@@ -108,13 +108,16 @@ class Senders:
         if sender is not None:
             sender.push(lambda q: q.put(msg))
 
-    def send(self, dst: str, msg: Any, payload: torch.Tensor) -> None:
+    def send(self, dst: str, msg: Any, payload: torch.Tensor, finish: Callable[[Any], Any] | None = None) -> None:
+        """Send ``msg``, which carries ``payload``, to ``dst`` (held back by its emulated link, if any);
+        ``finish``: made into what is sent by ``dst``'s sender thread, just before it goes out (a receipt
+        put on it: ``evidence.Evidence.sealer``). Nothing when ``dst`` was forgotten."""
         sender = self.senders.get(dst)
         if sender is None:  # a peer declared dead: the round is being aborted
             return
 
         def put(q: Any) -> None:
-            q.put(msg)
+            q.put(msg if finish is None else finish(msg))
 
         if self.emulator is None or not self.emulator.has_link(dst):
             sender.push(put)

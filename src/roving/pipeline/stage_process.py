@@ -376,8 +376,8 @@ class StageProcess:
         out = self._out(h)
         if route.nodes:  # sent to another process (not a loss run here)
             out = self._lie("activation", out, rnd, mb, given)
-        receipt = self.evidence.seal("activation", rnd, mb, hop, out) if route.nodes else None
-        msg = m.Forward(rnd, self.name, mb, hop, out, route, receipt)
+        seal = self.evidence.sealer("activation", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Forward(rnd, self.name, mb, hop, out, route)
         if hop == len(route.nodes):
             if not route.nodes:  # a route that visits no other stage: the loss runs here at once
                 self._accept(msg)
@@ -385,7 +385,7 @@ class StageProcess:
             dst = route.origin
         else:
             dst = route.nodes[hop]
-        self._senders().send(dst, msg, out)
+        self._senders().send(dst, msg, out, seal)
 
     def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
                      loss: float | None = None, given: torch.Tensor | None = None) -> None:
@@ -394,13 +394,13 @@ class StageProcess:
         out = self._out(g)
         if route.nodes:  # sent to another process
             out = self._lie("gradient", out, rnd, mb, given)
-        receipt = self.evidence.seal("gradient", rnd, mb, hop, out) if route.nodes else None
-        msg = m.Backward(rnd, self.name, mb, hop, out, route, receipt)
+        seal = self.evidence.sealer("gradient", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Backward(rnd, self.name, mb, hop, out, route)
         if hop == -1 and not route.nodes:
             self._accept(msg)
             return
         dst = route.origin if hop == -1 else route.nodes[hop]
-        self._senders().send(dst, msg, out)
+        self._senders().send(dst, msg, out, seal)
 
     # -- replica averaging and the optimizer step ----------------------------------------------
     def _flat_grads(self) -> torch.Tensor:
@@ -428,10 +428,10 @@ class StageProcess:
                     # a liar that averages what it sent, as its replicas do: its weights stay theirs
                     # (``weights`` keeps its own true share: the replicas' averaging check catches that)
                     got[self.name] = out.to(self.device)
-            receipt = self.evidence.seal("share", rnd, -1, -1, out) if len(replicas) > 1 else None
+            seal = self.evidence.sealer("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
-                    self._senders().send(r, m.Gradients(rnd, self.name, out, self.backwards, receipt), out)
+                    self._senders().send(r, m.Gradients(rnd, self.name, out, self.backwards), out, seal)
         if any(r not in got for r in replicas):
             return
         # Every replica combines the same tensors in the same order: the results are bitwise equal
