@@ -183,7 +183,8 @@ def test_auto_takes_the_fresh_snapshot_then_the_neighbours_when_it_is_too_old():
 
 
 def test_skip_drops_a_lost_stage_for_good():
-    cfg = TrainConfig(**dict(CFG, stage_recovery="skip", iterations=8))
+    # four nodes: one more than the stages is enough, the stage dropped needs no spare to take it over
+    cfg = TrainConfig(**dict(CFG, nodes=4, stage_recovery="skip", iterations=8))
     with Trainer(prepare(cfg)) as t:
         for it in range(2):
             t.iteration(it)
