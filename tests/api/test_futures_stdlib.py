@@ -287,8 +287,12 @@ def test_a_submit_at_interpreter_exit_raises_runtime_error(when, tmp_path):
     assert outs["roving"] == outs["stdlib"], outs
 
 
+# ROVING_CONNECT_TIMEOUT=5: where the node's stream listener cannot start a thread for a handshake it drops
+# the connection, which a worker takes for a busy listener and tries again until min(connect_timeout, 10 s)
+# before it keeps to ZeroMQ; the default 30 s would have each such run wait out those 10 s
 _NO_THREADS = """
 import os, sys, threading
+os.environ["ROVING_CONNECT_TIMEOUT"] = "5"
 sys.path[:0] = {path!r}
 import helpers_futures_stdlib as fx
 {make}

@@ -284,7 +284,7 @@ def test_a_primitive_whose_home_process_ended_raises_promptly_instead_of_hanging
     with pytest.raises(ConnectionError) as info:
         lock.acquire()
     assert "gone" in str(info.value)
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 5  # its port refuses: no waiting out connect_timeout (10 s)
     t0 = time.monotonic()
     with pytest.raises(_rpc.ServerGone):
         lock.release()

@@ -1,10 +1,11 @@
 """Inside a Slurm allocation a pool's workers start as one job step (issue 22): a roving program run with
-`sbatch --wait` on the real single-node Slurm (tests/support/programs/slurm_step_program.py) makes a Pool on
-the slurm backend; an `srun` wrapper on PATH logs each call's --ntasks and execs the real srun, and the
-program reads `squeue --steps` itself. Proven here: one srun call (one step of N tasks, named for the
-session) for a pool of N, each worker a task of that step (SLURM_STEP_ID, SLURM_PROCID), each item's
-result and output line once, a killed task replaced by a new step of one task with its items run exactly
-once, `resize` up adding a step, and a pool larger than the allocation a clear error naming the sizes.
+`sbatch` (waited for until its job has ended) on the real single-node Slurm
+(tests/support/programs/slurm_step_program.py) makes a Pool on the slurm backend; an `srun` wrapper on
+PATH logs each call's --ntasks and execs the real srun, and the program reads `squeue --steps` itself.
+Proven here: one srun call (one step of N tasks, named for the session) for a pool of N, each worker a
+task of that step (SLURM_STEP_ID, SLURM_PROCID), each item's result and output line once, a killed task
+replaced by a new step of one task with its items run exactly once, `resize` up adding a step, and a pool
+larger than the allocation a clear error naming the sizes.
 """
 from __future__ import annotations
 
@@ -19,15 +20,38 @@ import sys
 import pytest
 
 import helpers_backends as hb
-from helpers_core import PROGRAMS, SUPPORT_DIR
+from helpers_core import PROGRAMS, SUPPORT_DIR, wait_until
 from roving.backends import slurm_step
 
 T = 240  # bound on one program: its pool's interpreters start on 2 cores
 
 
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+          "DEADLINE"}
+
+
+def _wait_for_job(job: str, timeout: float) -> tuple:
+    """Wait until batch job ``job`` has ended (and is no longer completing); its state and exit code as
+    ``scontrol show job`` says them (``COMPLETED``, ``0:0``). Not ``sbatch --wait``: that polls after 2, 10
+    and 42 s, so a job of 3 s took 10 s and one of 11 s took 42. The job is cancelled if it outlasts
+    ``timeout``."""
+    seen = {}
+
+    def ended() -> bool:
+        shown = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True, timeout=30)
+        seen.update(dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f))
+        seen["said"] = shown.stdout + shown.stderr
+        return seen.get("JobState") in _ENDED
+
+    if not wait_until(ended, timeout, interval=0.1):
+        subprocess.run(["scancel", job], timeout=30)
+        raise AssertionError(f"job {job} not ended after {timeout} s: {seen.get('said')}")
+    return seen["JobState"], seen.get("ExitCode")
+
+
 def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str, then: str = ""):
-    """Run the program with ``sbatch --wait --ntasks=ntasks``; (what it wrote, its output, srun calls:
-    ``--ntasks=N`` of each, or ``kill`` for one that signals a task). With ``then`` (sh), the program runs
+    """Run the program with ``sbatch --ntasks=ntasks`` until its job ends; (what it wrote, its output, srun
+    calls: ``--ntasks=N`` of each, or ``kill`` for one that signals a task). With ``then`` (sh), the program runs
     in the background as $prog, and the batch script goes on with ``then``."""
     hb.require("slurm")
     real = shutil.which("srun")
@@ -48,12 +72,14 @@ def _run_in_allocation(tmp_path, mode: str, n: int, ntasks: int = 8, *extra: str
     env.pop("SLURM_JOB_ID", None)
     command = shlex.join([sys.executable, str(PROGRAMS / "slurm_step_program.py"), str(result), mode, str(n), *extra])
     script = f"{command} & prog=$!\n{then}" if then else command
-    done = subprocess.run(
-        ["sbatch", "--wait", f"--ntasks={ntasks}", "--job-name=roving-step-test", f"--output={out}",
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", f"--ntasks={ntasks}", "--job-name=roving-step-test", f"--output={out}",
          f"--chdir={tmp_path}", "--wrap", script],
-        env=env, capture_output=True, text=True, timeout=T)
+        env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, f"sbatch: {submitted.stdout}{submitted.stderr}"
+    state, exit_code = _wait_for_job(submitted.stdout.strip().split(";")[0], T)
     text = out.read_text() if out.exists() else ""
-    assert done.returncode == 0, f"sbatch: {done.stdout}{done.stderr}\n--- job output:\n{text}"
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"job {state}, exit code {exit_code}\n--- job output:\n{text}"
     assert result.exists(), text
     return json.loads(result.read_text()), text, calls.read_text().split() if calls.exists() else []
 

@@ -1,6 +1,6 @@
 """Pool workers on the real single-node Slurm meet time limits and preemption as real jobs do
-(roving.pool._ending): workers of ``--time=1`` (slurm_time="1") run a map several times longer than a
-worker may live, with every result once and no retry spent; ``scancel --signal=TERM`` of a worker mid-item
+(roving.pool._ending): workers of ``--time=1`` (slurm_time="1") run a map of more work than a generation
+of them can take on, with every result once and no retry spent; ``scancel --signal=TERM`` of a worker mid-item
 hands its item back; the ``--signal`` warning Slurm sends before the limit arrives and ends the worker
 well; preemptions do not exhaust ``max_task_retries`` (the tests run with 1: one counted death would fail
 the item)."""
@@ -28,23 +28,26 @@ def _started(marker_dir, x):
     return sorted(n for n in os.listdir(marker_dir) if n.startswith(f"started-{x}-"))
 
 
-def test_workers_of_one_minute_run_a_map_of_five_minutes_with_every_result_once_and_no_retry():
-    # 320 items of 1 s on 4 workers of slurm_time=1 (a real --time=1: Slurm ends a job at one minute):
+def test_workers_of_one_minute_run_a_map_of_over_three_minutes_with_every_result_once_and_no_retry():
+    # 200 items of 1 s on 4 workers of slurm_time=1 (a real --time=1: Slurm ends a job at one minute):
     # each worker lives 50 s (the limit less 10 s for the job's own start), ends well from 30 s on (its
-    # 20 s of grace), and its replacement starts as it begins to leave
+    # 20 s of grace), and its replacement starts as it begins to leave. A generation of 4 takes on 120 s
+    # of work at most: the other 80 s are its replacements' (20 s each, room for one to start late)
     roving.init(backend="slurm", slurm_time="1", child_output="off")
     with roving.Pool(4, max_task_retries=1) as pool:
-        done = pool.starmap(hp.sleep_then_pid, [(x, 1.0) for x in range(320)], chunksize=1)
+        done = pool.starmap(hp.sleep_then_pid, [(x, 1.0) for x in range(200)], chunksize=1)
         figures = pool._disp.figures()
-    assert [x for x, _ in done] == list(range(320))  # every result, once, in order
-    assert len({pid for _, pid in done}) >= 8  # 80 s of it on 4 workers that live under a minute
+    assert [x for x, _ in done] == list(range(200))  # every result, once, in order
+    assert len({pid for _, pid in done}) >= 8  # 50 s of it on 4 workers that take work for 30 s at most
     assert figures["retried"] == 0 and figures["failed"] == 0 and figures["ended_early"] >= 4
 
 
 def test_scancel_signal_term_of_a_worker_mid_item_hands_the_item_back_and_costs_no_retry(tmp_path):
     roving.init(backend="slurm", worker_grace=2.0, child_output="off")
     with roving.Pool(1, max_task_retries=1) as pool:
-        item = pool.apply_async(hp.started_then_sleep, (0, 20, str(tmp_path)))
+        # 20 s while it is to be preempted (well past worker_grace: it cannot finish in its grace), at once
+        # on the third start, which is left to complete
+        item = pool.apply_async(hp.started_then_sleep_the_first_runs, (0, 20, str(tmp_path), 2))
         for preemption in range(2):  # preempted twice while it runs: twice more than max_task_retries allows
             assert wait_until(lambda: len(_started(tmp_path, 0)) == preemption + 1, T)
             (victim,) = [w for w in pool._pool if w.is_alive()]

@@ -111,6 +111,19 @@ def started_then_sleep(x, seconds, marker_dir):
     return x, os.getpid()
 
 
+def started_then_sleep_the_first_runs(x, seconds, marker_dir, long_runs):
+    """As :func:`started_then_sleep`, but only the first ``long_runs`` runs of item ``x`` (counted by their
+    markers) sleep ``seconds``; a later run returns at once. For a test that ends those first runs mid-item
+    and has no need to wait out the one that completes."""
+    import os
+    import time
+
+    open(os.path.join(marker_dir, f"started-{x}-{os.getpid()}"), "w").close()
+    if sum(1 for n in os.listdir(marker_dir) if n.startswith(f"started-{x}-")) <= long_runs:
+        time.sleep(seconds)
+    return x, os.getpid()
+
+
 def sleep_then_pid(x, seconds):
     import os
     import time

@@ -54,7 +54,8 @@ _LINGER_MS = 10_000  # how long a closing ZeroMQ connection keeps trying to deli
 STREAM_OPEN_TIMEOUT = 10.0
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-_HANDSHAKE_EVENTS = _HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+_HANDSHAKE_EVENTS = (_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                     | zmq.EVENT_CONNECT_RETRIED)
 #: Seconds of silence after which a ZeroMQ call that waits for ever pings, to learn whether its
 #: connection was re-made under it (see _ZmqConnection._recv).
 _PROBE_S = 5.0
@@ -205,8 +206,10 @@ class _ZmqConnection(_Connection):
 
     def _await_curve(self, monitor: zmq.Socket, timeout: float) -> None:
         """Wait up to ``timeout`` s for the CURVE handshake; AuthenticationError when the node ends it
-        unfinished (its key is not this session's, or it refused this process's key). On a timeout the
-        challenge's wait (in _authenticate, with the time left: none) says that nothing answered."""
+        unfinished (its key is not this session's, or it refused this process's key); NodeError at once
+        when its port refuses the connection (ZeroMQ would try again until the timeout: a node listens
+        on its port as long as it lives, so it has ended). On a timeout the challenge's wait (in
+        _authenticate, with the time left: none) says that nothing answered."""
         deadline = time.monotonic() + timeout
         connected = False
         try:
@@ -219,6 +222,9 @@ class _ZmqConnection(_Connection):
                     return
                 if event == zmq.EVENT_CONNECTED:
                     connected = True
+                elif event == zmq.EVENT_CONNECT_RETRIED and not _listening(self.address):
+                    raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
+                                    "it has ended")
                 elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and connected):
                     raise AuthenticationError(
                         f"the roving node at {self.address} ended the encrypted ZeroMQ handshake: it is not "
