@@ -18,7 +18,8 @@ from typing import Sequence
 
 import pytest
 
-CACHE = Path(os.environ.get("ROVING_TEST_ENVS", "/var/cache/roving-test-envs"))
+#: the venvs' folder; TEST_ENVS_CACHE moves it (not a ROVING_ name: roving refuses ROVING_ variables it does not know)
+CACHE = Path(os.environ.get("TEST_ENVS_CACHE", "/var/cache/roving-test-envs"))
 #: roving's own dependencies (pyproject.toml): what a child needs to boot.
 BASE = ("pyzmq", "cloudpickle", "cryptography")
 
