@@ -508,3 +508,23 @@ def test_a_node_killed_as_the_audit_asks_it_has_the_round_run_again_without_it_a
     assert all(math.isfinite(r["train_loss"]) and r["verify"]["checks"] > 0 for r in metrics["iterations"])
     assert not set(killed.values()) & set(t.alloc)
     assert not [e for e in metrics["events"] if e["event"] in ("caught", "dispute")]
+
+
+def test_a_node_caught_before_another_dies_in_the_same_audit_is_in_the_nodes_lost_as_caught(monkeypatch):
+    """The replicas' averaging check catches c (here made to, as a weights liar's tampered share would:
+    LocalRound's replicas all combine what was sent); then a, asked for the evidence it holds, dies. The
+    audit raises NodesLost naming both, with c as ``caught``, so that the trainer excludes it for good as
+    it does a catch without a death; a is only lost."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=("a", m.EvidenceRequest))
+    v, events = verifier("full", roster=r)
+    check = Check("c", 1, "share", -1, -1, Source("d", ("share", -1, -1, "c")))
+    monkeypatch.setattr(v, "_combined", lambda rnd, norms, plan, alloc, caught: v._catch(
+        caught, "c", "averaging", check, reason="its replicas' combined gradients differ"))
+    for msg in r.norms:
+        v.note(msg)
+    with pytest.raises(NodesLost) as lost:
+        v.audit(0, PLAN, dict(PLAN.allocation), batches, r.norm())
+    assert sorted(lost.value.names) == ["a", "c"] and list(lost.value.caught) == ["c"]
+    assert [f["node"] for kind, f in events if kind == "caught"] == ["c"]
+    assert r.left() == []

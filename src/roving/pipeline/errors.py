@@ -53,9 +53,11 @@ class NodesLost(PipelineError):
     """Stage processes were declared dead (their process exited, or their heartbeats stopped);
     ``names``: name -> why. Raised by ``roster.Roster`` and handled by the trainer (it re-plans)."""
 
-    def __init__(self, names: dict[str, str]) -> None:
+    def __init__(self, names: dict[str, str], caught: dict[str, str] | None = None) -> None:
         super().__init__(", ".join(f"{n} ({why})" for n, why in sorted(names.items())))
         self.names = names
+        #: those of ``names`` that verification caught (``verify``): excluded for good, not only lost
+        self.caught = dict(caught or {})
 
 
 class RoundStalled(PipelineError):

@@ -422,10 +422,11 @@ class Trainer:
                 norm = self.synchronize(rnd)
                 caught = self.verifier.audit(rnd, self.plan, self.alloc, batches, norm)
                 if caught:  # out for good; the round runs again without them, so nothing of theirs is kept
-                    self.roster.exclude(caught)
-                    raise NodesLost(caught)
+                    raise NodesLost(caught, caught=caught)
                 return rnd, losses, norm, attempt + 1, t_compute, lost_s
             except NodesLost as exc:
+                if exc.caught:
+                    self.roster.exclude(exc.caught)
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True

@@ -146,7 +146,8 @@ class Verifier:
         """Screen and check round ``rnd`` (run on ``plan`` by the nodes of ``alloc``, on ``batches``; ``norm``:
         its gradient norm, which, when not finite, has every computation checked, so that whoever made
         it so is caught before the step); returns the nodes caught, name -> why (each also an event).
-        Raises NodesLost when a node it asks dies meanwhile (the round is then run again)."""
+        Raises NodesLost when a node it asks dies meanwhile (the round is then run again); those it had
+        caught before are in it too, as its ``caught``, to be excluded all the same."""
         if not self.on:
             return {}
         t0 = time.perf_counter()
@@ -159,6 +160,24 @@ class Verifier:
         every = not math.isfinite(norm)
         chosen = [c for c in checks if every or c.claimed.key in flagged or self._draw(c)]
         caught: dict[str, str] = {}
+        try:
+            chosen, rechecks, confirmations = self._judge(rnd, norms, plan, alloc, chosen, caught)
+        except NodesLost as exc:  # who was caught before it is still out for good
+            if not caught:
+                raise
+            raise NodesLost({**exc.names, **caught}, caught=caught) from exc
+        seconds = time.perf_counter() - t0
+        self.last = {"checks": len(chosen), "rechecks": rechecks, "confirmations": confirmations,
+                     "caught": sorted(caught), "seconds": seconds}
+        for k, v in (("checks", len(chosen)), ("rechecks", rechecks), ("confirmations", confirmations),
+                     ("caught", len(caught)), ("seconds", seconds)):
+            self.totals[k] += v
+        return caught
+
+    def _judge(self, rnd: int, norms: list[m.Norm], plan: Any, alloc: dict[str, int], chosen: list[Check],
+               caught: dict[str, str]) -> tuple[list[Check], int, int]:
+        """The averaging check, then ``chosen``'s evidence and rechecks: adds to ``caught``; returns the
+        checks made, the rechecks and the confirmations."""
         rechecks = confirmations = 0
         self._combined(rnd, norms, plan, alloc, caught)
         chosen = [c for c in chosen if c.node not in caught]
@@ -179,13 +198,7 @@ class Verifier:
                 if self.mode in ("spot", "full"):
                     judged.append((c, tensors))
             rechecks, confirmations = self._recheck(rnd, judged, alloc, caught)
-        seconds = time.perf_counter() - t0
-        self.last = {"checks": len(chosen), "rechecks": rechecks, "confirmations": confirmations,
-                     "caught": sorted(caught), "seconds": seconds}
-        for k, v in (("checks", len(chosen)), ("rechecks", rechecks), ("confirmations", confirmations),
-                     ("caught", len(caught)), ("seconds", seconds)):
-            self.totals[k] += v
-        return caught
+        return chosen, rechecks, confirmations
 
     def _draw(self, c: Check) -> bool:
         if self.mode == "full":
