@@ -349,7 +349,9 @@ def test_the_join_command_adds_a_node_to_a_running_training(tmp_path):
         [sys.executable, "-m", "roving.cli", "pipeline", "train", "--model", "tiny", "--network", "gcp12",
          "--nodes", "4", "--stages", "2", "--skip", "0", "--microbatches", "4", "--samples", "2", "--seq-len", "16",
          "--iterations", "300", "--eval-every", "1000", "--control", str(control), "--metrics",
-         str(tmp_path / "m.json"), "--refine-budget", "2"], env=env, stdout=subprocess.PIPE,
+         str(tmp_path / "m.json"), "--refine-budget", "2",
+         "--start-wait", "120"],  # all four from the start: a re-plan around a late one refines too
+        env=env, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -145,6 +145,9 @@ def add_train_parser(sub: Any) -> None:
                         "over from; default 5)")
     t.add_argument("--dead-after", type=float,
                    help="seconds without a heartbeat before a node is declared dead (default 2)")
+    t.add_argument("--start-wait", type=float,
+                   help="seconds to wait at the start for every node; then the run starts with those ready "
+                        "if they hold every stage, and the others join when they start (default 60)")
     t.add_argument("--stall-after", type=float,
                    help="seconds without any message from the nodes during a round after which it is run "
                         "again on the same plan (a message lost to a network drop; default 60, 0: off)")
@@ -380,7 +383,7 @@ def run_train(args: argparse.Namespace) -> int:
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
+              "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
               "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at",
               "mode", "verify_rate", "tolerance", "aggregation", "adversaries")
     overrides = {f: getattr(args, f) for f in fields}
