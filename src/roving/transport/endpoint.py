@@ -61,6 +61,11 @@ _HANDSHAKE_EVENTS = (_HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVE
 _PROBE_S = 5.0
 
 
+def _gone(address: str) -> NodeError:
+    """Nothing listens at the node's address any more (refused): its process has ended."""
+    return NodeError(f"nothing listens at {address} any more: the process that owned it has ended")
+
+
 def _lost(address: str) -> ConnectionLost:
     return ConnectionLost(f"the connection to the roving node at {address} was re-made after a network drop, "
                           "so the node no longer knows it: what was sent since was dropped unread")
@@ -183,7 +188,7 @@ class _ZmqConnection(_Connection):
         curve = crypto.zmq_encrypted(crypto.mode(), addressing.host_of(address))
         if curve and key is None:
             raise IdentityError(f"{address} names no node key (tcp://HOST:PORT#KEY): the roving node "
-                                         "meant cannot be told from another")
+                                "meant cannot be told from another")
         self.sock = wire.context().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, _LINGER_MS)
         self.sock.setsockopt(zmq.HANDSHAKE_IVL, wire.HANDSHAKE_IVL_MS)
@@ -223,8 +228,7 @@ class _ZmqConnection(_Connection):
                 if event == zmq.EVENT_CONNECTED:
                     connected = True
                 elif event == zmq.EVENT_CONNECT_RETRIED and not _listening(self.address):
-                    raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
-                                    "it has ended")
+                    raise _gone(self.address)
                 elif event & _HANDSHAKE_FAILED or (event == zmq.EVENT_DISCONNECTED and connected):
                     raise AuthenticationError(
                         f"the roving node at {self.address} ended the encrypted ZeroMQ handshake: it is not "
@@ -393,8 +397,7 @@ class Endpoint:
         except (zmq.ZMQError, OSError):
             pass
         if not _listening(self.address):
-            raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
-                            "it has ended")
+            raise _gone(self.address)
 
     def _connect(self, timeout: float) -> _Connection:
         """A stream connection where the node has a stream listener, else ZeroMQ."""
@@ -420,8 +423,7 @@ class Endpoint:
                 # The listener lives as long as its node: refused there and at the node's own port, the
                 # node has ended (it may have ended after the last connection broke, and that check).
                 if isinstance(exc.__cause__ or exc, ConnectionRefusedError) and not _listening(self.address):
-                    raise NodeError(f"nothing listens at {self.address} any more: the process that owned "
-                                    "it has ended") from exc
+                    raise _gone(self.address) from exc
                 log.warning("roving: no stream to the node at %s (%s); using ZeroMQ", self.address, exc)
                 self._streams = ""
         return _ZmqConnection(self.address, self._secret, timeout)
