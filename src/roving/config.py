@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 if sys.version_info >= (3, 11):
@@ -322,14 +323,22 @@ def load(overrides: Optional[Mapping[str, Any]] = None, cwd: Optional[str] = Non
 
 
 _current: Optional[Config] = None
+#: guards the assignments of ``_current``: a thread that resolves the configuration on first use while
+#: another calls ``init()`` must not put its older result over the one ``init()`` set
+_lock = threading.Lock()
 
 
 def current() -> Config:
     """The configuration in force in this process (resolved on first use)."""
     global _current
-    if _current is None:
-        _current = load()
-    return _current
+    config = _current
+    if config is None:
+        loaded = load()  # outside the lock: it may look at the machine (the backend's detector)
+        with _lock:
+            if _current is None:
+                _current = loaded
+            config = _current
+    return config
 
 
 def init(**options: Any) -> Config:
@@ -341,9 +350,10 @@ def init(**options: Any) -> Config:
     """
     global _current, _init_options
     merged = {**_init_options, **options}
-    _current = load(merged)
-    _init_options = merged
-    return _current
+    config = load(merged)
+    with _lock:
+        _current, _init_options = config, merged
+    return config
 
 
 _init_options: Dict[str, Any] = {}
@@ -357,5 +367,7 @@ def adopt(config: Config) -> None:
     process's, but not its address: a child chooses its own (``host``/``advertise`` back to ``auto``; a
     wildcard ``host`` is kept)."""
     global _current
-    _current = dataclasses.replace(
+    adopted = dataclasses.replace(
         config, host=config.host if config.host in _WILDCARD_HOSTS else "auto", advertise="auto")
+    with _lock:
+        _current = adopted

@@ -125,6 +125,32 @@ def test_init_sets_the_current_config_and_a_bad_init_leaves_it_unchanged():
     assert config.current() is cfg
 
 
+def test_a_first_use_resolving_in_another_thread_does_not_undo_an_init_made_meanwhile(monkeypatch):
+    """A thread that resolves the configuration on first use (a slow load: the backend's detector looks
+    at the machine) while init() runs must not put its older result over init()'s."""
+    import threading
+
+    config._current = None
+    loading, release = threading.Event(), threading.Event()
+    real = config.load
+
+    def slow_load(*args, **kwargs):
+        if threading.current_thread().name == "first-use":
+            loading.set()
+            assert release.wait(TIMEOUT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(config, "load", slow_load)
+    seen = []
+    first = threading.Thread(target=lambda: seen.append(config.current()), name="first-use")
+    first.start()
+    assert loading.wait(TIMEOUT)
+    cfg = roving.init(heartbeat_interval=0.5)
+    release.set()
+    first.join(TIMEOUT)
+    assert config.current() is cfg and seen == [cfg]
+
+
 def test_child_receives_the_parents_resolved_config():
     roving.init(heartbeat_interval=0.7, parent_timeout=6.5, child_output="prefix")
     q = roving.Queue()
