@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import subprocess
 import sys
 
@@ -74,18 +75,17 @@ def test_output_pump_copies_each_stream_with_its_prefix_until_its_end(capfd):
     pump = OutputPump()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    pump.add(os.fdopen(out_r, "rb"), "[a] ", False)
-    pump.add(os.fdopen(err_r, "rb"), "[b] ", True)
+    ended = {"out": threading.Event(), "err": threading.Event()}
+    pump.add(os.fdopen(out_r, "rb"), "[a] ", False, on_end=ended["out"].set)
+    pump.add(os.fdopen(err_r, "rb"), "[b] ", True, on_end=ended["err"].set)
     os.write(out_w, b"first\nsecond, no newline")
     os.write(err_w, b"to stderr\n")
     os.close(out_w)
     os.close(err_w)
-    seen_out = seen_err = ""
-    for _ in range(200):
-        captured = capfd.readouterr()
-        seen_out, seen_err = seen_out + captured.out, seen_err + captured.err
-        if seen_out.count("\n") == 2 and seen_err:
-            break
-        pump._thread.join(0.05)
+    # read the capture once, after the pump has written everything (a read while it writes could lose
+    # a line between pytest's read and its truncate of the capture file)
+    assert ended["out"].wait(60) and ended["err"].wait(60), "the pump did not reach the ends of both streams"
+    captured = capfd.readouterr()
+    seen_out, seen_err = captured.out, captured.err
     assert seen_out == "[a] first\n[a] second, no newline\n"
     assert seen_err == "[b] to stderr\n"

@@ -84,11 +84,13 @@ class OutputPump:
         self._watch = SelectorThread("roving-output")
         self._thread = self._watch.thread
 
-    def add(self, stream: IO[bytes], prefix: str, to_stderr: bool) -> None:
-        """Copy ``stream`` until its end, to stderr with ``to_stderr``, else to stdout. Returns at once."""
-        self._watch.watch(stream, functools.partial(self._copy, stream, LineSplitter(prefix, to_stderr)))
+    def add(self, stream: IO[bytes], prefix: str, to_stderr: bool,
+            on_end: Optional[Callable[[], None]] = None) -> None:
+        """Copy ``stream`` until its end, to stderr with ``to_stderr``, else to stdout. Returns at once;
+        ``on_end()`` is called (in the pump's thread) once every line of it has been written and it is closed."""
+        self._watch.watch(stream, functools.partial(self._copy, stream, LineSplitter(prefix, to_stderr), on_end))
 
-    def _copy(self, stream: IO[bytes], splitter: LineSplitter) -> None:
+    def _copy(self, stream: IO[bytes], splitter: LineSplitter, on_end: Optional[Callable[[], None]]) -> None:
         """``stream`` is readable (in the pump's thread): copy what came, or end at its end."""
         try:
             chunk = os.read(stream.fileno(), 65536)
@@ -98,11 +100,13 @@ class OutputPump:
             splitter.close()  # end of output: flush what is left, stop watching
         except Exception as exc:
             log.warning("roving: stopped copying the output of %s: %s", splitter.prefix.strip(), exc)
-        self._watch.forget(stream, functools.partial(_close, stream))
+        self._watch.forget(stream, functools.partial(_close, stream, on_end))
 
 
-def _close(stream: IO[bytes]) -> None:
+def _close(stream: IO[bytes], on_end: Optional[Callable[[], None]]) -> None:
     try:
         stream.close()
     except OSError:
         pass
+    if on_end is not None:
+        on_end()
