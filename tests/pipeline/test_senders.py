@@ -1,9 +1,17 @@
-"""Senders: forgetting a dead peer gives up what was sent to it, through the queue's public API."""
+"""Senders: forgetting a dead peer gives up what was sent to it, through the queue's public API, and
+frees a sender thread blocked on it."""
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import sys
+import threading
 
+import helpers_targets as h
+import roving
+from helpers_core import TIMEOUT, wait_until
 from roving.pipeline.senders import Senders
 
 
@@ -39,3 +47,42 @@ def test_forgetting_a_peer_whose_queue_cannot_be_abandoned_is_fine():
         assert plain.empty()
     finally:
         senders.close()
+
+
+def _writing_a_stream(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside a stream's send (roving.transport.stream.Stream.send)."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "send" and frame.f_code.co_filename.endswith("stream.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_forgetting_a_peer_that_stopped_reading_frees_the_sender_thread_blocked_writing_to_it():
+    """A peer that stops reading (its host cut off; SIGSTOP here) leaves its sender thread blocked in a
+    write once the kernel's buffers are full. Forgetting the peer wakes that thread, so that none is
+    left inside the transport when the process exits (one was, in a CI run whose coordinator then
+    aborted at exit after training around a cut-off host)."""
+    back, release = roving.Queue(), roving.Event()
+    p = roving.Process(target=h.home_a_queue_until, args=(back, release))
+    p.start()
+    senders = None
+    try:
+        peer = back.get(timeout=TIMEOUT)
+        senders = Senders("me", {"peer": peer}, None)
+        senders.put("peer", "hello")  # the sender thread's own connection, made while the peer reads
+        assert back.get(timeout=TIMEOUT) == ("got", "hello")
+        os.kill(p.pid, signal.SIGSTOP)
+        thread = senders.senders["peer"].thread
+        senders.put("peer", b"x" * (64 << 20))  # more than the kernel's buffers hold: the write blocks
+        assert wait_until(lambda: _writing_a_stream(thread), TIMEOUT), "the sender never wrote to the stream"
+        senders.forget(["peer"])
+        thread.join(TIMEOUT)
+        assert not thread.is_alive(), "the sender thread is still blocked writing to a forgotten peer"
+    finally:
+        os.kill(p.pid, signal.SIGCONT)
+        release.set()
+        p.join(TIMEOUT)
+        if senders is not None:
+            senders.close()

@@ -230,3 +230,12 @@ def tell_node_who_i_am(address, op, stream, q):
         chan.close()
     q.put({"uid": me.uid, "node_id": me.credentials.node_id, "holds_ca": me.credentials.authority is not None,
            "answered": answer is not None, "address": me.node().address})
+
+
+def home_a_queue_until(back, release):
+    """Makes a Queue (homed in this process), hands it back on ``back``, takes the first item put on it
+    and hands that back too, then stays until ``release`` is set."""
+    q = roving.Queue()
+    back.put(q)
+    back.put(("got", q.get(timeout=120)))
+    release.wait(600)

@@ -45,6 +45,9 @@ class _Sender:
             try:
                 fn(self.q)
             except Exception:  # a dead peer: the coordinator finds out by its heartbeats
+                if self._closed:  # forgotten as dead (Senders.forget), or closing: expected
+                    log.debug("send to %s given up", self.dst, exc_info=True)
+                    return
                 log.warning("send to %s failed", self.dst, exc_info=True)
 
     def confirm(self, timeout: float) -> bool:

@@ -90,6 +90,13 @@ class _Connection:
         self.broken = False
         self.thread: Callable[[], Optional[threading.Thread]] = lambda: None  # the thread it serves
 
+    def interrupt(self) -> None:
+        """From any thread: the node is known to be gone. The connection is replaced before its next
+        use; a thread blocked on it returns at once with ConnectionLost where the connection can wake
+        it (a stream: a write to a peer that stopped reading blocks once the kernel's buffers are full).
+        ZeroMQ's sends queue up to the high-water mark instead of blocking on a dead peer."""
+        self.broken = True
+
     def _transmit(self, frames: Frames) -> None:
         raise NotImplementedError
 
@@ -314,6 +321,10 @@ class _StreamConnection(_Connection):
         # (nothing unread on this side, so the close is a FIN, not a reset).
         return self.pending is None
 
+    def interrupt(self) -> None:
+        super().interrupt()
+        self.stream.interrupt()
+
     def close(self) -> None:
         self.stream.close()
 
@@ -527,10 +538,14 @@ def flush_sent(timeout: float = 30.0, keep: Optional["_Connection"] = None) -> N
 
 def abandon(address: str) -> None:
     """The node at ``address`` is known to be gone: what this process sent it without an answer is
-    lost, and exit does not wait for it to answer (``close_connections``)."""
-    for conn in list(_open_connections):
-        if conn.address == address:
-            conn.unacked = False
+    lost, and exit does not wait for it to answer (``close_connections``). A thread of this process
+    blocked sending to it returns with ConnectionLost (``_Connection.interrupt``), so that none is left
+    inside the transport, on a peer that will never read, when the process exits."""
+    with _open_lock:
+        conns = [conn for conn in _open_connections if conn.address == address]
+    for conn in conns:
+        conn.unacked = False
+        conn.interrupt()
 
 
 def _listening(address: str) -> bool:

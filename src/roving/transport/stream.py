@@ -162,6 +162,15 @@ class Stream:
                 raise EOFError(f"the stream broke: {exc}") from exc
         return reader.ready.popleft()
 
+    def interrupt(self) -> None:
+        """From any thread: end the stream both ways, leaving the socket open (its owner closes it); a
+        thread blocked reading or writing it returns (EOFError, OSError). Safe beside the owner's use,
+        as closing the socket under it is not (TLS state in use, a descriptor number reused)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def close(self) -> None:
         """Close; a thread blocked reading or writing it returns (EOFError, OSError)."""
         if not self.closed:
