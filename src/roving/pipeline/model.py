@@ -183,7 +183,11 @@ class Llama(nn.Module):
             # optimizer state is matched to them by position.
             self.layers = Layers({str(i): Block(cfg) for i in range(cfg.n_layers)})
             # None in a part without the ends (below)
-            self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+            # given its (meta) weight, the embedding skips its default initialisation: a normal_() on the
+            # meta device imports torch._dynamo (2.3 s of CPU at every stage process's start), and init_part
+            # writes every weight anyway
+            self.tok_embeddings: nn.Embedding | None = nn.Embedding(
+                cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
             self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
             self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         for i in set(range(cfg.n_layers)) - set(held):

@@ -34,6 +34,7 @@ from .aggregate import combine
 from .evidence import Evidence, difference, recompute
 from .model import LlamaConfig
 from .network import Link
+from .optim import AdamW
 from .plan import Route
 from .senders import Senders
 from .stages import Stage
@@ -123,9 +124,8 @@ class StageProcess:
         self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
         self.stage = Stage(self.settings.model, stage, self.settings.stages, seed=self.settings.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]
-        fused = {"fused": True} if self.device.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
-                                     betas=self.settings.betas, **fused)
+        self.opt = AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+                         betas=self.settings.betas)
         self._clear_round()
 
     def _clear_round(self) -> None:
@@ -138,7 +138,7 @@ class StageProcess:
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
         self.evidence.clear()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
 
     # -- helpers -----------------------------------------------------------------------------
     def _autocast(self) -> torch.autocast:
@@ -458,10 +458,9 @@ class StageProcess:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        self.opt.lr = lr
         self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.opt.zero_grad()
         stats = dict(self.stats)
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
