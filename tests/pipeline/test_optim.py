@@ -131,3 +131,17 @@ def test_a_stage_and_its_optimizer_never_import_torch_dynamo():
     out = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_its_multi_tensor_steps_are_torch_foreach_adamws_bitwise():
+    """The accelerator's path (foreach=None picks it off the CPU), checked on the CPU against torch's own
+    multi-tensor AdamW, with changing learning rates and gradients missing in some steps."""
+    a, b = _params(2), _params(2)
+    mine = AdamW(a, lr=LRS[0], foreach=True, **HYPER)
+    ref = torch.optim.AdamW(b, lr=LRS[0], foreach=True, **HYPER)
+    _run(mine, a, range(6), _mine_lr(mine))
+    _run(ref, b, range(6), _torch_lr(ref))
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    got, want = mine.state_dict()["state"], ref.state_dict()["state"]
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[i][k], want[i][k]) for i in got for k in ("step", "exp_avg", "exp_avg_sq"))

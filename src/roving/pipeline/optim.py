@@ -8,6 +8,13 @@ single-tensor AdamW, operation for operation, so on the CPU its steps are bitwis
 that), and its state dict has torch's layout (``{"state": {index: {"step", "exp_avg", "exp_avg_sq"}},
 "param_groups": [{..., "params": [indices]}]}``), so checkpoints written with either load into either.
 
+On an accelerator the step runs as torch's multi-tensor ("foreach") AdamW does, operation for
+operation (``foreach=None``, the default, picks that wherever a parameter is not on the CPU): one
+kernel per operation for a stage's tensors of a device and dtype rather than one per tensor. On the CPU,
+``foreach=True`` is bitwise ``torch.optim.AdamW(foreach=True)`` (tested); torch's ``fused`` kernel is
+not used (the one step this leaves slower on a GPU, by the kernel launches of a handful of ops per
+step, not per tensor).
+
 One parameter group: a stage's parameters share the learning rate, which the coordinator sets before
 each step (:attr:`AdamW.lr`), and the weight decay.
 """
@@ -28,7 +35,7 @@ class AdamW:
     them by position). ``step()`` updates every parameter that has a gradient, as torch's does."""
 
     def __init__(self, params: Sequence[torch.Tensor], *, lr: float, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2) -> None:
+                 eps: float = 1e-8, weight_decay: float = 1e-2, foreach: bool | None = None) -> None:
         if not lr >= 0.0 or not eps >= 0.0 or not weight_decay >= 0.0:
             raise PlanError(f"AdamW needs lr, eps and weight_decay >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
@@ -36,29 +43,73 @@ class AdamW:
         self.params = list(params)
         self.lr, self.betas, self.eps, self.weight_decay = float(lr), (float(betas[0]), float(betas[1])), \
             float(eps), float(weight_decay)
+        #: whether steps run as multi-tensor operations (None: where a parameter is not on the CPU)
+        self.foreach = foreach
         #: index -> {"step": float32 scalar tensor, "exp_avg", "exp_avg_sq"}; made at a parameter's first step
         self.state: dict[int, dict[str, torch.Tensor]] = {}
 
+    def _state(self, i: int, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        s = self.state.get(i)
+        if s is None:
+            s = self.state[i] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                 "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                 "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        return s
+
     @torch.no_grad()
     def step(self) -> None:
+        """Update every parameter that has a gradient (the others, and their state, are left alone)."""
+        todo = [i for i, p in enumerate(self.params) if p.grad is not None]
+        foreach = self.foreach if self.foreach is not None else any(self.params[i].device.type != "cpu"
+                                                                    for i in todo)
+        if not foreach:
+            for i in todo:
+                self._step_one(i)
+            return
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        for i in todo:
+            groups.setdefault((self.params[i].device, self.params[i].dtype), []).append(i)
+        for indices in groups.values():
+            self._step_many(indices)
+
+    def _step_many(self, indices: list[int]) -> None:
+        """One device's and dtype's parameters, as torch's multi-tensor AdamW steps them."""
         beta1, beta2 = self.betas
-        for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            grad = p.grad
-            s = self.state.get(i)
-            if s is None:
-                s = self.state[i] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                     "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-            s["step"] += 1
-            p.mul_(1 - self.lr * self.weight_decay)
-            s["exp_avg"].lerp_(grad, 1 - beta1)
-            s["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            t = s["step"].item()
-            step_size = self.lr / (1 - beta1 ** t)
-            denom = (s["exp_avg_sq"].sqrt() / (1 - beta2 ** t) ** 0.5).add_(self.eps)
-            p.addcdiv_(s["exp_avg"], denom, value=-step_size)
+        params = [self.params[i] for i in indices]
+        grads = [p.grad for p in params if p.grad is not None]  # every one has a gradient (step)
+        states = [self._state(i, p) for i, p in zip(indices, params)]
+        steps = [s["step"] for s in states]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+        torch._foreach_add_(steps, 1)
+        if self.weight_decay != 0:
+            torch._foreach_mul_(params, 1 - self.lr * self.weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        ts = [t.item() for t in steps]
+        step_size = [(self.lr / (1 - beta1 ** t)) * -1 for t in ts]
+        correction2_sqrt = [(1 - beta2 ** t) ** 0.5 for t in ts]
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, correction2_sqrt)
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+    def _step_one(self, i: int) -> None:
+        """One parameter, as torch's single-tensor AdamW steps it."""
+        beta1, beta2 = self.betas
+        p = self.params[i]
+        grad = p.grad
+        assert grad is not None
+        s = self._state(i, p)
+        s["step"] += 1
+        p.mul_(1 - self.lr * self.weight_decay)
+        s["exp_avg"].lerp_(grad, 1 - beta1)
+        s["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        t = s["step"].item()
+        step_size = self.lr / (1 - beta1 ** t)
+        denom = (s["exp_avg_sq"].sqrt() / (1 - beta2 ** t) ** 0.5).add_(self.eps)
+        p.addcdiv_(s["exp_avg"], denom, value=-step_size)
 
     def zero_grad(self) -> None:
         """Drop every parameter's gradient (``set_to_none``: the next backward writes it afresh)."""
