@@ -228,11 +228,6 @@ def spread_labels(counts: Sequence[int]) -> list[int]:
     return out
 
 
-def initial_allocation(network: Network, counts: Sequence[int], cost: dict[tuple[str, str], float]) -> dict[str, int]:
-    order = tour_order(network, cost)
-    return dict(zip(order, spread_labels(counts)))
-
-
 def swap_search(
     slots: list[str],
     roles: Sequence[int],

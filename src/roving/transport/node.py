@@ -100,7 +100,10 @@ class Node(Boxes):
                  encrypt: Optional[str] = None) -> None:
         """Bind ``host`` (a port of ``port_range``, or any) and advertise ``advertise`` (default: ``host``).
         ``secret``: this process's credentials (:mod:`.identity`; raw bytes: the ad hoc ones they make).
-        AddressError when the address cannot be bound, naming it."""
+        AddressError when the address cannot be bound, naming it.
+
+        Long for a reason: it sets every piece of state the node's I/O thread uses, each with why it is
+        there, in one place (the thread starts at its end)."""
         raise_open_files()  # the first use of the transport in a process: before it holds any connection
         #: Whose node this is (:class:`.identity.Credentials`); its address names their node key.
         self.credentials = creds = identity.credentials(secret)
@@ -408,6 +411,28 @@ class Node(Boxes):
             except BlockingIOError:
                 pass
             self._wake_pending = False
+        if self._adopted:
+            self._adopt_streams()
+        if self._revoking:
+            self._apply_revocations()
+        self._flush_outbox()
+        if self._monitor in ready:
+            self._read_monitor()
+        if router in ready or self._door.ending:
+            self._read_router()
+            self._flush_outbox()
+        if self._selector.fileno() in ready:
+            self._serve_streams()
+        if self._writable:
+            self._rewatch_writable()
+        if self._deadlines:
+            self._expire()
+        if self._undeliverable:
+            self._run_undeliverable()
+            self._flush_outbox()
+
+    def _adopt_streams(self) -> None:
+        """Serve the streams handed over since the last turn (``_on_stream``)."""
         while self._adopted:
             stream = self._adopted.popleft()
             try:
@@ -418,33 +443,34 @@ class Node(Boxes):
                 continue
             self._peers[peer.fd] = peer
             self._selector.register(peer.fd, selectors.EVENT_READ)
-        if self._revoking:
-            self._apply_revocations()
-        self._flush_outbox()
-        if self._monitor in ready:
-            self._read_monitor()
-        if router in ready or self._door.ending:
-            for _ in range(256):
+
+    def _read_router(self) -> None:
+        """Handle up to 256 ZeroMQ messages waiting (then the turn goes on to the streams)."""
+        for _ in range(256):
+            try:
+                frames = wire.recv_message(self._router)
+            except zmq.Again:
+                # Nothing waits: what ended connections sent before their end has all been read.
+                self._door.forget_disconnected()
+                break
+            try:
+                self._handle(frames)
+            except Exception:  # a bad message must never stop the node
+                log.exception("roving node: dropped a message that could not be handled")
+
+    def _serve_streams(self) -> None:
+        """Read and write the streams that are ready; one that fails is dropped, never the node."""
+        for key, events in self._selector.select(0):
+            served = self._peers.get(key.fd)
+            if served is not None:
                 try:
-                    frames = wire.recv_message(router)
-                except zmq.Again:
-                    # Nothing waits: what ended connections sent before their end has all been read.
-                    self._door.forget_disconnected()
-                    break
-                try:
-                    self._handle(frames)
-                except Exception:  # a bad message must never stop the node
-                    log.exception("roving node: dropped a message that could not be handled")
-            self._flush_outbox()
-        if self._selector.fileno() in ready:
-            for key, events in self._selector.select(0):
-                served = self._peers.get(key.fd)
-                if served is not None:
-                    try:
-                        self._serve_peer(served, events)
-                    except Exception:
-                        log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
-                        self._drop_peer(served)
+                    self._serve_peer(served, events)
+                except Exception:
+                    log.exception("roving node %s: a stream could not be served; it is dropped", self.address)
+                    self._drop_peer(served)
+
+    def _rewatch_writable(self) -> None:
+        """Watch for writability exactly the streams that have bytes pending."""
         while self._writable:
             peer = self._writable.popleft()
             if self._peers.get(peer.fd) is peer:
@@ -454,12 +480,6 @@ class Node(Boxes):
                 except Exception:
                     log.exception("roving node %s: a stream could not be watched; it is dropped", self.address)
                     self._drop_peer(peer)
-        if self._deadlines:
-            self._expire()
-        if self._undeliverable:
-            self._run_undeliverable()
-            self._flush_outbox()
-
     def _read_monitor(self) -> None:
         """Take the router's monitor events that have arrived, without waiting (I/O thread only)."""
         while True:

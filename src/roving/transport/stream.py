@@ -286,6 +286,10 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
     (:func:`roving.transport.crypto.stream_encrypted`). Raises StreamError (or AuthenticationError,
     IdentityError) when it cannot connect, authenticate or the listener refuses the request,
     all within about ``timeout`` seconds.
+
+    Long for a reason: the handshake's steps in the order they happen on the wire (connect, the
+    greeting, TLS where asked, the proofs both ways, the request and its verdict), each with the error it raises, read
+    top to bottom beside the listener's side (``Listener._admit``).
     """
     creds = identity.credentials(secret)
     host, _, port = address.rpartition(":")
