@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ def main() -> None:
     runs = []
     for _ in range(args.runs):
         out = subprocess.run([sys.executable, "-c", ONE.replace("MODEL", repr(args.model))], check=True,
-                             capture_output=True, text=True, env=dict(os.environ)).stdout
+                             capture_output=True, text=True).stdout
         runs.append(json.loads(out.strip().splitlines()[-1]))
     print(json.dumps({"optimizer": runs[0]["optimizer"], "runs": len(runs),
                       "cpu_s_median": round(statistics.median(r["cpu_s"] for r in runs), 3),

@@ -145,3 +145,14 @@ def test_its_multi_tensor_steps_are_torch_foreach_adamws_bitwise():
     got, want = mine.state_dict()["state"], ref.state_dict()["state"]
     assert got.keys() == want.keys()
     assert all(torch.equal(got[i][k], want[i][k]) for i in got for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_by_default_the_multi_tensor_step_is_taken_off_the_cpu_and_the_single_tensor_one_on_it(monkeypatch):
+    taken: list[str] = []
+    monkeypatch.setattr(AdamW, "_step_many", lambda self, indices: taken.append("many"))
+    monkeypatch.setattr(AdamW, "_step_one", lambda self, i: taken.append("one"))
+    for device in ("cpu", "meta"):
+        p = torch.zeros(3, device=device, requires_grad=True)
+        p.grad = torch.ones(3, device=device)
+        AdamW([p], lr=1e-3).step()
+    assert taken == ["one", "many"]

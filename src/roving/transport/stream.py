@@ -175,10 +175,7 @@ class Stream:
         """Close; a thread blocked reading or writing it returns (EOFError, OSError)."""
         if not self.closed:
             self.closed = True
-            try:
-                self.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+            self.interrupt()
             try:
                 self.sock.close()
             except OSError:
