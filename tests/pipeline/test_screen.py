@@ -7,11 +7,14 @@ per-feature profile ``P`` (N(0, 0.5^2), fixed per boundary), as a stage's output
 its input to a node is another such tensor. Gradient shares of a round: a common ``G`` (new each
 round) plus N(0, 0.5^2) per replica."""
 
+import math
+import statistics
+
 import pytest
 import torch
 
 from roving.pipeline.adversary import Adversary
-from roving.pipeline.screen import Screen
+from roving.pipeline.screen import Screen, median_cosines, summarize
 
 SHAPE = (4, 64, 128)
 NODES = ["n0", "n1", "n2", "n3", "n4"]
@@ -107,3 +110,42 @@ def test_with_fewer_than_three_nodes_there_is_no_band_but_what_is_found_at_once_
     assert screen.suspects() == []
     screen.observe("b", "b", torch.full((64,), float("nan")))
     assert [(s.node, s.check) for s in screen.suspects()] == [("b", "non-finite")]
+
+
+def test_median_cosines_agree_with_each_pair_computed_on_its_own_and_leave_out_what_they_should():
+    g = torch.Generator().manual_seed(3)
+    common = torch.randn(10_000, generator=g)
+    sent = {f"r{i}": common + torch.randn(10_000, generator=g) * (0.3 + 0.2 * i) for i in range(4)}
+    naive = {n: statistics.median(float(torch.nn.functional.cosine_similarity(t, o, dim=0))
+                                  for m, o in sent.items() if m != n) for n, t in sent.items()}
+    bad = dict(sent, nan=torch.full((10_000,), math.nan), zeros=torch.zeros(10_000),
+               huge=common * 1e30)  # finite, but its squares overflow float32: still a cosine of 1 to common
+    got = median_cosines(sent)
+    assert got.keys() == naive.keys()
+    for n in naive:
+        assert got[n] == pytest.approx(naive[n], rel=1e-5), n
+    with_bad = median_cosines(bad, skip_zeros=True)
+    assert set(with_bad) == set(sent) | {"huge"}  # the non-finite one and the zeros left out
+    alone = median_cosines({**sent, "huge": bad["huge"], "common": common})
+    assert alone["huge"] == pytest.approx(alone["common"], rel=1e-5)  # parallel tensors: the same cosines
+    assert median_cosines({"a": common, "b": common, "nan": bad["nan"]}) == {}  # fewer than 3 finite
+    kept_zero = median_cosines({**sent, "zeros": bad["zeros"]})
+    assert kept_zero["zeros"] == 0.0  # without skip_zeros, zeros has a cosine of 0 to everything
+
+
+def test_a_summary_with_a_divisor_is_the_summary_of_the_divided_tensor():
+    g = torch.Generator().manual_seed(4)
+    for shape in ((50_000,), (4, 64, 128)):
+        t = torch.randn(shape, generator=g) * 3 + 0.5
+        a, b = summarize(t, divisor=7), summarize(t / 7)
+        assert (a.found, b.found) == ((), ())
+        assert (a.norm, a.mean, a.std) == pytest.approx((b.norm, b.mean, b.std), rel=1e-5, abs=1e-6)
+        if len(shape) > 1:
+            assert torch.allclose(a.profile, b.profile, rtol=1e-4, atol=1e-6)
+            assert torch.allclose(a.profile, (t / 7).reshape(-1, shape[-1]).mean(dim=0), rtol=1e-4, atol=1e-6)
+        else:
+            assert a.profile is None
+    huge = summarize(torch.full((100,), 1e30))
+    assert huge.norm == pytest.approx(math.log(1e31), rel=1e-6) and huge.std == pytest.approx(math.log(1e-30))
+    assert summarize(torch.zeros(10), divisor=3).found == ("zeros",)
+    assert summarize(torch.tensor([1.0, math.inf]), divisor=3).found == ("non-finite",)

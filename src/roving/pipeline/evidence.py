@@ -121,7 +121,7 @@ class Evidence:
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
-        summary = summarize(tensor if not count else tensor / count)
+        summary = summarize(tensor, divisor=count or 1)
         if not (count == 0 and summary.found == ("zeros",)):
             self.screened.append((what, mb, hop, sender, summary))
 

@@ -103,8 +103,10 @@ class Summary:
     profile: torch.Tensor | None = None
 
 
-def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None) -> Summary:
-    """The ``Summary`` of ``tensor`` (``given``: the input its sender was given, when known)."""
+def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None, divisor: int = 1) -> Summary:
+    """The ``Summary`` of ``tensor / divisor`` (``given``: the input its sender was given, when known).
+    Two passes over the tensor when it is finite: its squared norm, and its per-feature sums (the profile,
+    whose sum is the total); the ``divisor`` is applied to the statistics, not to the tensor."""
     t = tensor.detach().float()
     flat = t.reshape(-1)
     sq = float(torch.dot(flat, flat)) if flat.numel() else 0.0  # one pass for the norm and the variance
@@ -115,12 +117,19 @@ def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None) -> Summar
     if given is not None and given.shape == t.shape and torch.equal(given.detach().float(), t):
         return Summary(("unchanged",))
     n = flat.numel()
-    total = float(flat.sum())
-    norm = math.sqrt(sq) if math.isfinite(sq) else float(t.norm())
+    profile = None
+    if t.dim() >= 2:
+        sums = t.reshape(-1, t.shape[-1]).sum(dim=0)
+        total = float(sums.sum())
+        profile = sums / (n // t.shape[-1]) / divisor
+    else:
+        total = float(flat.sum())
+    norm = math.sqrt(sq) if math.isfinite(sq) else float(flat.double().norm())  # (overflowed in float32)
     rms = norm / math.sqrt(n)
     var = max(0.0, (norm * norm - total * total / n) / (n - 1)) if n > 1 else 0.0
-    profile = t.reshape(-1, t.shape[-1]).mean(dim=0) if t.dim() >= 2 else None
-    return Summary((), math.log(norm), total / n / rms, math.log(max(math.sqrt(var), 1e-30)), profile)
+    shift = math.log(divisor)  # the norm and the deviation of tensor / divisor, in logs
+    return Summary((), math.log(norm) - shift, total / n / rms, math.log(max(math.sqrt(var), 1e-30)) - shift,
+                   profile)
 
 
 class Screen:
@@ -203,12 +212,33 @@ class Screen:
 
 def median_cosines(sent: Mapping[str, torch.Tensor], skip_zeros: bool = False) -> dict[str, float]:
     """For 3 finite tensors or more (all-zero ones left out with ``skip_zeros``): each one's median
-    cosine to the others' (the mean of the middle two for an even count); {} for fewer."""
-    flat = {n: t.detach().float().flatten() for n, t in sent.items()
-            if bool(torch.isfinite(t).all()) and not (skip_zeros and not bool(t.any()))}
-    if len(flat) < 3:
+    cosine to the others' (the mean of the middle two for an even count); {} for fewer. One pass over
+    each tensor for its norm (which also tells whether it is finite) and one over each pair for their
+    dot product: each cosine is computed once, for both of its tensors."""
+    flat = {n: t.detach().float().reshape(-1) for n, t in sent.items()}
+    sq = {n: float(torch.dot(t, t)) for n, t in flat.items()}
+
+    def taken(n: str) -> bool:
+        # a non-finite sum of squares is a non-finite tensor, or a finite one whose squares overflowed;
+        # a zero one is all zeros, or values whose squares all rounded to zero
+        if not math.isfinite(sq[n]) and not bool(torch.isfinite(flat[n]).all()):
+            return False
+        return not (skip_zeros and sq[n] == 0.0 and not bool(flat[n].any()))
+
+    names = [n for n in flat if taken(n)]
+    if len(names) < 3:
         return {}
-    return {n: statistics.median(_cosine(t, o) for m, o in flat.items() if m != n) for n, t in flat.items()}
+    wide = {n for n in names if not math.isfinite(sq[n])}  # finite, but too large for float32's squares
+    for n in wide:
+        flat[n] = flat[n].double()
+    norms = {n: float(flat[n].norm()) if n in wide else math.sqrt(sq[n]) for n in names}
+    cos: dict[tuple[str, str], float] = {}
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            d = norms[a] * norms[b]
+            x, y = (flat[a].double(), flat[b].double()) if a in wide or b in wide else (flat[a], flat[b])
+            cos[a, b] = cos[b, a] = float(torch.dot(x, y)) / d if d != 0.0 else 0.0
+    return {n: statistics.median(cos[n, o] for o in names if o != n) for n in names}
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
