@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import sys
 import threading
 import time
 import traceback
+from typing import Callable, Optional
 
 from . import config as _config
 from . import boot as _boot
@@ -27,15 +29,41 @@ _stop_watching = threading.Event()
 def _watch_parent(info: dict, cfg: _config.Config) -> None:
     """Exit when the parent is gone: it stops answering pings, or (local backend) we were re-parented."""
     endpoint = _session.current().endpoint(info["parent"])
-    parent_pid = info.get("parent_pid") if info.get("local") else None
+    parent_gone = _exit_of(info.get("parent_pid")) if info.get("local") else None
     last_answer = time.monotonic()
     while not _stop_watching.wait(cfg.heartbeat_interval):
-        if parent_pid is not None and os.getppid() != parent_pid:
+        if parent_gone is not None and parent_gone():
             _die("its parent process exited")
         if endpoint.ping(cfg.heartbeat_interval):
             last_answer = time.monotonic()
         elif time.monotonic() - last_answer > cfg.parent_timeout:
             _die(f"its parent has not answered for {cfg.parent_timeout:g} s")
+
+
+def _exit_of(pid: Optional[int]) -> Optional[Callable[[], bool]]:
+    """What tells whether local process ``pid`` (the parent, which may not be this process's own parent
+    when the local backend's starter forked it) has exited: its pidfd, else whether this process was
+    re-parented (or, forked by the starter, whether ``pid`` is still there)."""
+    if pid is None:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    if fd is not None:
+        return lambda: bool(select.select([fd], [], [], 0)[0])
+    if os.getppid() == pid:
+        return lambda: os.getppid() != pid
+
+    def gone() -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+    return gone
 
 
 def _die(why: str) -> None:

@@ -104,6 +104,7 @@ class Process:
         self._boot: Optional[_boot.Prepared] = None  # its start-up checks' mailboxes (roving.boot)
         self._environment: Optional[_environment.Report] = None  # what the child said of its environment
         self._environment_error: Optional[_environment.EnvironmentMismatchError] = None  # join() raises it
+        self._finishing = threading.Lock()  # one _finished at a time: its callers return once it is done
 
     # -- what runs in the child ------------------------------------------------------------
     def run(self) -> None:
@@ -225,13 +226,14 @@ class Process:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer"):
+        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer", "_finishing"):
             state.pop(key, None)
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._job = self._backend = self._sentinel = None
+        self._finishing = threading.Lock()
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until the process ends, or ``timeout`` seconds pass (then exitcode stays None).
@@ -336,6 +338,12 @@ class Process:
                 "there, set the roving options host= and advertise= to an address it can reach.")
 
     def _finished(self, code: Optional[int]) -> None:
+        # the sentinel's watcher and a join() can both see the end: the second returns once the first
+        # has done all of it (the child out of active_children, its crash log kept)
+        with self._finishing:
+            self._finish(code)
+
+    def _finish(self, code: Optional[int]) -> None:
         if self._exitcode is not None:
             return
         report = self._environment_report()

@@ -7,29 +7,12 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import helpers_browser as hb
+from helpers_core import roving_children
 from roving.dashboard import Server, Views
 
 TIMEOUT = 120
-
-
-def _node_pids(parent: int) -> list:
-    """The pids of the roving children (the nodes) of process ``parent``."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"roving._child" in cmd:
-            out.append(int(entry))
-    return sorted(out)
 
 
 def _points(driver, chart: str) -> int:
@@ -59,7 +42,7 @@ def test_pipeline_view_shows_a_killed_node_dead_the_replan_and_the_loss_curve_mo
             "return [...document.querySelectorAll('tr.node')].filter(r => r.dataset.state === 'alive').length") == 4,
             TIMEOUT, tmp_path / "no-nodes.png")
         hb.wait_for(driver, "a loss curve", lambda: _points(driver, "loss-0") >= 3, TIMEOUT, tmp_path / "no-loss.png")
-        nodes = _node_pids(train.pid)
+        nodes = roving_children(train.pid)
         assert len(nodes) == 4, nodes
         os.kill(nodes[-1], signal.SIGKILL)
         dead = hb.wait_for(driver, "a dead node", lambda: driver.execute_script(

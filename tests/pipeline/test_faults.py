@@ -18,7 +18,7 @@ torch.set_num_threads(1)
 
 from roving.pipeline.protocol import Done, Export, Exported, Load, Microbatch, Stepped
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
-from helpers_core import wait_until
+from helpers_core import roving_children, wait_until
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
@@ -229,19 +229,6 @@ def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_sl
         assert not t.roster.procs[stopped].is_alive(), "a node declared dead is killed (fenced off)"
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(d))
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
-
-
 def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
     """A full-pipeline run (every microbatch visits every stage, so losses do not depend on the
     plan) killed with -9 after a checkpoint, then resumed, computes the same losses as a run that was
@@ -268,7 +255,8 @@ def test_resume_after_the_coordinator_is_killed_continues_exactly(tmp_path):
                 if done >= 3:
                     break
             time.sleep(0.02)
-        nodes = _children(run.pid)
+        nodes = roving_children(run.pid)
+        assert len(nodes) == 4, nodes  # its nodes (forked by its starter)
         run.kill()
         run.wait()
     finally:

@@ -70,3 +70,27 @@ def finish(*procs):
     for p in procs:
         p.join(TIMEOUT)
         assert p.exitcode == 0, p
+
+
+def _proc_table() -> dict:
+    """{pid: (ppid, cmdline bytes)} of every process now."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    table[int(entry)] = (ppid, f.read())
+            except (OSError, IndexError, ValueError):
+                pass
+    return table
+
+
+def roving_children(parent: int) -> list:
+    """The pids of the roving children of process ``parent`` on the local backend: its own children that
+    run ``roving._child``, and the children of its starter (``local_preload``), which are forked there."""
+    table = _proc_table()
+    starters = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and b"roving.backends.starter" in cmd}
+    return sorted(pid for pid, (ppid, cmd) in table.items()
+                  if (ppid == parent and b"roving._child" in cmd) or ppid in starters)

@@ -239,3 +239,24 @@ def home_a_queue_until(back, release):
     back.put(q)
     back.put(("got", q.get(timeout=120)))
     release.wait(600)
+
+
+def report_process(q, probe_module=None, variable=None):
+    """Puts what a child was started with: its pid and parent's, directory, first sys.path entry, a
+    variable of its environment, whether ``probe_module`` was imported before its target ran, two random
+    draws (``random`` and, when imported, numpy's) and its argv."""
+    import random
+    import sys
+
+    numpy = sys.modules.get("numpy")
+    q.put({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "path0": sys.path[0],
+           "variable": os.environ.get(variable) if variable else None,
+           "probe": probe_module in sys.modules if probe_module else None,
+           "random": random.random(), "numpy": float(numpy.random.random()) if numpy else None,
+           "argv": list(sys.argv), "main": sys.modules["__main__"].__name__})
+    print(f"reported from {os.getpid()}", flush=True)
+
+
+def exit_after(seconds, code):
+    time.sleep(seconds)
+    sys.exit(code)

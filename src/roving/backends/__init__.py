@@ -16,11 +16,11 @@ from typing import Dict, Optional, Tuple
 
 from .. import config as _config
 from .base import Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, user_name
-from .errors import (BackendError, DockerError, KubernetesError, LocalError, SlurmError, StepError,
+from .errors import (BackendError, DockerError, KubernetesError, LocalError, SlurmError, StarterError, StepError,
                      UnknownJobError)
 
 __all__ = ["Backend", "Job", "JobInfo", "JobSession", "JobSpec", "JobState", "JobStatus", "Resources",
-           "BackendError", "UnknownJobError", "LocalError", "SlurmError", "StepError", "DockerError",
+           "BackendError", "UnknownJobError", "LocalError", "StarterError", "SlurmError", "StepError", "DockerError",
            "KubernetesError", "get", "detect", "towards", "user_name", "NAMES"]
 
 NAMES = ("local", "slurm", "docker", "kubernetes")

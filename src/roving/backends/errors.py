@@ -21,6 +21,11 @@ class LocalError(BackendError):
     """A local job could not be started (its command is not there, or not executable)."""
 
 
+class StarterError(LocalError):
+    """The local backend's starter (``local_preload``) could not be started, could not import what it
+    preloads (the message names the modules and the error), or went away."""
+
+
 class SlurmError(BackendError):
     """Slurm refused or could not be asked; the message has Slurm's own words."""
 

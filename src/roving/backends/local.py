@@ -5,14 +5,17 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 from typing import Any, Dict, Optional
 
+from .. import config as roving_config
 from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles
 from .errors import LocalError, UnknownJobError
 from .output import OutputPump
 from .private import open_private
+from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +32,17 @@ def _has_exited(pid: int) -> bool:
 
 
 class LocalBackend(Backend):
-    """Jobs are subprocesses. ``terminate_job`` sends SIGTERM, with ``force`` SIGKILL."""
+    """Jobs are subprocesses: fresh interpreters, or, with ``local_preload`` set, forked from a starter
+    that has those modules imported (roving.backends.starter). ``terminate_job`` sends SIGTERM, with
+    ``force`` SIGKILL."""
 
     name = "local"
 
     def __init__(self) -> None:
-        self._procs: Dict[str, subprocess.Popen] = {}
+        self._procs: Dict[str, Any] = {}  # job id -> subprocess.Popen or starter.ForkedChild
         self._pump: Optional[OutputPump] = None
         self._lock = threading.Lock()
+        self._starters: Dict[tuple, Starter] = {}  # (preload, interpreter settings) -> its starter
 
     def create_job(self, spec: JobSpec) -> Job:
         env = dict(_SECRETS.moved(spec).env)  # the secret in a private file, not the environment
@@ -52,8 +58,13 @@ class LocalBackend(Backend):
             log_file = open_private(spec.log_file())
             stdout, stderr = log_file, subprocess.STDOUT
         try:
-            proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
-                                    stdout=stdout, stderr=stderr, close_fds=True)
+            starter = self._starter_for(spec.command, env)
+            proc: Any
+            if starter is not None:
+                proc = self._fork(starter, spec, env, stdout, stderr)
+            else:
+                proc = subprocess.Popen(spec.command, env=env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                                        stdout=stdout, stderr=stderr, close_fds=True)
         except OSError as exc:
             err = LocalError(f"cannot start {spec.name} ({spec.command[0]!r} in {spec.cwd!r}): {exc}")
             err.errno = exc.errno  # a caller can still tell a missing command (ENOENT) from EACCES
@@ -74,13 +85,78 @@ class LocalBackend(Backend):
             self._procs[job.id] = proc
         return job
 
-    def _proc(self, job: Job) -> subprocess.Popen:
+    def _starter_for(self, command: list, env: Dict[str, str]) -> Optional[Starter]:
+        """The starter that forks this command's process (made on first use), or None: no
+        ``local_preload``, or not this interpreter running roving's child."""
+        preload = roving_config.current().local_preload
+        if not preload or list(command[:3]) != [sys.executable, "-m", CHILD_MODULE]:
+            return None
+        key = (preload, interpreter_settings(env))
+        with self._lock:
+            starter = self._starters.get(key)
+            if starter is not None and not starter.alive:
+                del self._starters[key]
+                starter = None
+            if starter is None:
+                # the starter's environment: the interpreter's settings of the child, roving's own
+                # variables of this process (never the child's secret)
+                base = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "ROVING"))}
+                starter = self._starters[key] = Starter(preload, {**base, **dict(key[1])})
+        return starter
+
+    def _fork(self, starter: Starter, spec: JobSpec, env: Dict[str, str], stdout: Any, stderr: Any) -> ForkedChild:
+        """``spec``'s process forked by ``starter``, its streams as ``Popen``'s would be."""
+        opened: list = []  # descriptors made here, closed once the starter has its copies
+
+        def fd_for(target: Any, default: int) -> int:
+            if target is None:
+                return default
+            if target == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                opened.append(fd)
+                return fd
+            return target.fileno()
+
+        ends: Dict[str, Any] = {}
+        try:
+            fds = [fd_for(subprocess.DEVNULL, 0)]
+            for name, target, default in (("stdout", stdout, 1), ("stderr", stderr, 2)):
+                if target == subprocess.PIPE:
+                    r, w = os.pipe()
+                    ends[name] = os.fdopen(r, "rb")
+                    opened.append(w)
+                    fds.append(w)
+                elif target == subprocess.STDOUT:
+                    fds.append(fds[1])
+                else:
+                    fds.append(fd_for(target, default))
+            pid = starter.start(spec.command, env, spec.cwd, (fds[0], fds[1], fds[2]))
+        except BaseException:
+            for f in ends.values():
+                f.close()
+            raise
+        finally:
+            for fd in opened:
+                os.close(fd)
+        child = ForkedChild(pid, ends.get("stdout"), ends.get("stderr"))
+        starter.adopt(child)
+        return child
+
+    def close_starters(self) -> None:
+        """End this backend's starters (``local_preload``), releasing what they hold in memory; the
+        children they forked run on, and the next start makes a new one."""
+        with self._lock:
+            starters, self._starters = list(self._starters.values()), {}
+        for starter in starters:
+            starter.close()
+
+    def _proc(self, job: Job) -> Any:
         return self._procs[job.id]
 
     def job_status(self, job: Job) -> JobStatus:
         proc = self._proc(job)
         code = proc.poll()
-        if code is None and _has_exited(proc.pid):
+        if code is None and isinstance(proc, subprocess.Popen) and _has_exited(proc.pid):
             # poll() answers None while another thread (the reaper) is inside wait(): that wait is
             # about to return, so wait too rather than report a finished process as running.
             code = proc.wait()

@@ -1,0 +1,114 @@
+"""How long the local backend takes to start children, with and without its starter (``local_preload``),
+side by side with multiprocessing's own start methods (spawn, forkserver with the same preload).
+
+    python3 benchmarks/local_start.py --children 8 --rounds 5
+
+Each round starts ``--children`` processes at once in each way in turn (the ways interleaved, round after
+round), each running a target from a module that imports torch (as a SkipPipe stage's does) and sending
+one value back; timed from the first start to the last value received (wall), and the CPU seconds of the
+children (their user + system time, from the kernel's accounting of this process's waited-for children,
+which includes a starter's and forkserver's once they end: each way makes its own and ends it). Prints
+the median of the rounds per way, and the JSON of every round with ``--out``.
+
+Ways:
+- ``roving fresh``: ``roving.Process`` on the local backend, each child a fresh interpreter;
+- ``roving starter``: the same with ``local_preload="torch"`` (a new starter each round, its start
+  included in the round's time);
+- ``mp spawn``: ``multiprocessing`` with the spawn context and a ``multiprocessing.Queue``;
+- ``mp forkserver``: the forkserver context with ``set_forkserver_preload(["torch"])`` (a new forkserver
+  each round: its start is included).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import local_start_target as target  # (imports torch, as a stage module does)
+
+
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def roving_round(n: int, preload: str) -> dict:
+    import roving
+    from roving import backends
+
+    roving.init(local_preload=preload, child_output="off")
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    q = roving.Queue()
+    procs = [roving.Process(target=target.answer, args=(q, i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=300) for _ in procs)
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(60)
+    backends.get("local").close_starters()  # its CPU is counted once it has ended
+    assert got == list(range(n)), got
+    return {"wall_s": wall, "cpu_s": _children_cpu() - cpu0}
+
+
+def mp_round(n: int, method: str) -> dict:
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["local_start_target"])
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target.answer, args=(q, i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=300) for _ in procs)
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(60)
+    if method == "forkserver":
+        from multiprocessing import forkserver
+        forkserver._forkserver._stop()  # (the stdlib's own tests' way) a fresh one next round, its CPU counted now
+    assert got == list(range(n)), got
+    return {"wall_s": wall, "cpu_s": _children_cpu() - cpu0}
+
+
+WAYS = {
+    "roving fresh": lambda n: roving_round(n, ""),
+    "roving starter": lambda n: roving_round(n, "torch"),
+    "mp spawn": lambda n: mp_round(n, "spawn"),
+    "mp forkserver": lambda n: mp_round(n, "forkserver"),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--children", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rounds: dict = {w: [] for w in WAYS}
+    for r in range(args.rounds):
+        for way, run in WAYS.items():
+            res = run(args.children)
+            rounds[way].append(res)
+            print(f"round {r}: {way}: {res['wall_s']:.2f} s wall, {res['cpu_s']:.2f} CPU s", flush=True)
+    print(f"\n{args.children} children, each importing torch; median of {args.rounds} rounds")
+    print("| way | wall (s) | children's CPU (s) | CPU per child (s) |")
+    print("|---|---|---|---|")
+    for way, res in rounds.items():
+        wall = statistics.median(x["wall_s"] for x in res)
+        cpu = statistics.median(x["cpu_s"] for x in res)
+        print(f"| {way} | {wall:.2f} | {cpu:.2f} | {cpu / args.children:.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"children": args.children, "rounds": rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
