@@ -5,10 +5,11 @@ side by side with multiprocessing's own start methods (spawn, forkserver with th
 
 Each round starts ``--children`` processes at once in each way in turn (the ways interleaved, round after
 round), each running a target from a module that imports torch (as a SkipPipe stage's does) and sending
-one value back; timed from the first start to the last value received (wall), and the CPU seconds of the
-children (their user + system time, from the kernel's accounting of this process's waited-for children,
-which includes a starter's and forkserver's once they end: each way makes its own and ends it). Prints
-the median of the rounds per way, and the JSON of every round with ``--out``.
+the CPU seconds its process had spent before the target ran (``time.process_time()``: a forked child's
+count starts at its fork). Timed from the first start to the last value received (wall; a starter's or
+forkserver's own start, made afresh each round, is in it). Prints the median of the rounds per way (of
+the wall time, and of the children's mean CPU before their target), and the JSON of every round with
+``--out``.
 
 Ways:
 - ``roving fresh``: ``roving.Process`` on the local backend, each child a fresh interpreter;
@@ -24,19 +25,17 @@ import argparse
 import json
 import multiprocessing
 import os
-import resource
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# multiprocessing's forkserver (3.11) imports its preload with its own sys.path, not its parent's (and
+# passes over an ImportError in silence): the target's folder goes on PYTHONPATH for it
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH")) if p)
 
 import local_start_target as target  # (imports torch, as a stage module does)
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
 
 
 def roving_round(n: int, preload: str) -> dict:
@@ -44,7 +43,7 @@ def roving_round(n: int, preload: str) -> dict:
     from roving import backends
 
     roving.init(local_preload=preload, child_output="off")
-    cpu0, t0 = _children_cpu(), time.perf_counter()
+    t0 = time.perf_counter()
     q = roving.Queue()
     procs = [roving.Process(target=target.answer, args=(q, i)) for i in range(n)]
     for p in procs:
@@ -53,16 +52,16 @@ def roving_round(n: int, preload: str) -> dict:
     wall = time.perf_counter() - t0
     for p in procs:
         p.join(60)
-    backends.get("local").close_starters()  # its CPU is counted once it has ended
-    assert got == list(range(n)), got
-    return {"wall_s": wall, "cpu_s": _children_cpu() - cpu0}
+    backends.get("local").close_starters()  # a fresh one next round
+    assert [i for i, _ in got] == list(range(n)), got
+    return {"wall_s": wall, "cpu_s": statistics.mean(c for _, c in got)}
 
 
 def mp_round(n: int, method: str) -> dict:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["local_start_target"])
-    cpu0, t0 = _children_cpu(), time.perf_counter()
+    t0 = time.perf_counter()
     q = ctx.Queue()
     procs = [ctx.Process(target=target.answer, args=(q, i)) for i in range(n)]
     for p in procs:
@@ -73,9 +72,9 @@ def mp_round(n: int, method: str) -> dict:
         p.join(60)
     if method == "forkserver":
         from multiprocessing import forkserver
-        forkserver._forkserver._stop()  # (the stdlib's own tests' way) a fresh one next round, its CPU counted now
-    assert got == list(range(n)), got
-    return {"wall_s": wall, "cpu_s": _children_cpu() - cpu0}
+        forkserver._forkserver._stop()  # (the stdlib's own tests' way) a fresh one next round
+    assert [i for i, _ in got] == list(range(n)), got
+    return {"wall_s": wall, "cpu_s": statistics.mean(c for _, c in got)}
 
 
 WAYS = {
@@ -97,14 +96,14 @@ def main() -> None:
         for way, run in WAYS.items():
             res = run(args.children)
             rounds[way].append(res)
-            print(f"round {r}: {way}: {res['wall_s']:.2f} s wall, {res['cpu_s']:.2f} CPU s", flush=True)
+            print(f"round {r}: {way}: {res['wall_s']:.2f} s wall, {res['cpu_s']:.3f} CPU s a child", flush=True)
     print(f"\n{args.children} children, each importing torch; median of {args.rounds} rounds")
-    print("| way | wall (s) | children's CPU (s) | CPU per child (s) |")
-    print("|---|---|---|---|")
+    print("| way | wall, all started and answered (s) | CPU a child spent before its target (s) |")
+    print("|---|---|---|")
     for way, res in rounds.items():
         wall = statistics.median(x["wall_s"] for x in res)
         cpu = statistics.median(x["cpu_s"] for x in res)
-        print(f"| {way} | {wall:.2f} | {cpu:.2f} | {cpu / args.children:.2f} |")
+        print(f"| {way} | {wall:.2f} | {cpu:.3f} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"children": args.children, "rounds": rounds}, f, indent=1)
