@@ -22,6 +22,10 @@ fit this machine, a smaller run (``CLEAN``: 6 nodes, 3 stages, 4 microbatches of
 large`` runs it on a wider model (``LARGE``: dim 256, 128 tokens, 8 samples a microbatch), where a
 stage's compute, not the per-message costs, makes up the iteration.
 
+``paired``: the overhead of ``PAIRED`` (screen, spot at 5%: the two with targets), each run between two
+runs with verification off, ``--pairs`` times, on ``--overhead-model`` (its ratio to the two beside it:
+the machine's drift cancels; ``paired``'s docstring).
+
 ``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
 replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
 median time to combine them, and, with one replica sending ``scale`` (x100), ``signflip``, ``noise`` (x10
@@ -130,6 +134,36 @@ def overhead(iterations: int, rounds: int, seed: int, model: str = "small") -> d
             print(f"round {rnd}: {name}: {r['iteration_s'] * 1000:.0f} ms per iteration, "
                   f"{r['totals']['rechecks']} rechecks", flush=True)
     return out
+
+
+PAIRED = [("screen", 0.0), ("spot", 0.05)]
+
+
+def paired(iterations: int, pairs: int, seed: int, model: str = "large") -> dict:
+    """Each mode of ``PAIRED`` run between two runs with verification off, ``pairs`` times (off, screen,
+    off, spot 5%, off, ...): each mode run's ratio to the mean of the two off runs beside it. This
+    machine's speed drifts by a quarter from minute to minute (session 16: off at 2.1 s and 2.9 s an
+    iteration in two rounds of the same command); a ratio to its neighbours cancels the drift slower
+    than a run."""
+    over = LARGE if model == "large" else {}
+    seq: list[tuple[str, float]] = [("off", 0.0)]
+    for _ in range(pairs):
+        for mode in PAIRED:
+            seq += [mode, ("off", 0.0)]
+    runs = []
+    for mode, rate in seq:
+        r = train(iterations, seed, mode, rate, **over)
+        runs.append(r)
+        name = mode if mode != "spot" else f"spot {rate:.0%}"
+        print(f"{name}: {r['iteration_s'] * 1000:.0f} ms per iteration", flush=True)
+    out: dict[str, list] = {}
+    for i in range(1, len(runs), 2):
+        r = runs[i]
+        name = r["mode"] if r["mode"] != "spot" else f"spot {r['rate']:.0%}"
+        beside = (runs[i - 1]["iteration_s"] + runs[i + 1]["iteration_s"]) / 2
+        out.setdefault(name, []).append({"ratio": r["iteration_s"] / beside, "run": r,
+                                         "off_beside_s": beside})
+    return {"runs": runs, "ratios": out}
 
 
 def aggregation(size: int = 1_000_000, repeats: int = 7) -> dict:
@@ -241,6 +275,15 @@ def tables(res: dict, start: int) -> None:
             s = statistics.median(r["iteration_s"] for r in runs)
             per = statistics.mean(r["totals"]["rechecks"] / max(1, len(r["train_loss"])) for r in runs)
             print(f"| {name} | {s * 1000:.0f} | {s / base - 1:+.1%} | {per:.1f} |")
+    if "paired" in res:
+        print("\n| mode | vs the off runs beside it: median (each pair) | its iterations (ms) | off beside (ms) |")
+        print("|---|---|---|---|")
+        for name, pairs in res["paired"]["ratios"].items():
+            med = statistics.median(p["ratio"] for p in pairs)
+            each = ", ".join(f"{p['ratio'] - 1:+.1%}" for p in pairs)
+            its = ", ".join(f"{p['run']['iteration_s'] * 1000:.0f}" for p in pairs)
+            offs = ", ".join(f"{p['off_beside_s'] * 1000:.0f}" for p in pairs)
+            print(f"| {name} | {med - 1:+.1%} ({each}) | {its} | {offs} |")
 
 
 def _loss(x: float) -> str:
@@ -253,13 +296,14 @@ def _pct(x: float, ref: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "aggregation", "digest", "all"))
+    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "paired", "aggregation", "digest", "all"))
     ap.add_argument("--iterations", type=int, default=40, help="iterations of each adversary run")
     ap.add_argument("--start", type=int, default=5, help="the iteration adversaries start lying at")
     ap.add_argument("--clean-iterations", type=int, default=200)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--overhead-iterations", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--pairs", type=int, default=3, help="of each mode between two off runs (paired)")
     ap.add_argument("--overhead-model", choices=("small", "large"), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=30, help="of each digest and summary (digest)")
@@ -276,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         res["adversaries"] = adversaries(args.iterations, args.start, args.seed)
     if args.what in ("overhead", "all"):
         res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed, args.overhead_model)
+    if args.what == "paired":
+        res["paired"] = paired(args.overhead_iterations, args.pairs, args.seed, args.overhead_model)
     if args.what in ("clean", "all"):
         res["clean"] = clean(args.clean_iterations, [int(s) for s in args.seeds.split(",")])
     out = Path(args.out)
