@@ -122,6 +122,7 @@ class Verifier:
         self.device = torch.device("cpu")
         self._norms: dict[int, list[m.Norm]] = {}
         self._weights: dict[str, tuple[int, dict]] = {}  # nodes' weights fetched in the current audit
+        self._built: dict[str, Any] = {}  # the stages built from them (recompute leaves them unchanged)
         self._suspected: set[tuple] = set()
         self.suspects: set[str] = set()
         self._check_id = 0
@@ -154,7 +155,7 @@ class Verifier:
         norms = self._norms.pop(rnd, [])
         for old in [r for r in self._norms if r < rnd]:
             del self._norms[old]
-        self._weights = {}
+        self._weights, self._built = {}, {}
         flagged = self._screen(norms, alloc)
         checks = self._checks(plan, alloc, batches)
         every = not math.isfinite(norm)
@@ -431,9 +432,11 @@ class Verifier:
             if theirs is None or not _equal(mine[1], theirs[1]):
                 self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
                 return
-        stage = Stage(self.model, c.stage, self.stages, seed=self.seed)
-        stage.load_state_dict(mine[1])
-        stage.to(self.device)
+        stage = self._built.get(c.node)
+        if stage is None:  # one build a node an audit, however many of its computations are confirmed
+            stage = self._built[c.node] = Stage(self.model, c.stage, self.stages, seed=self.seed)
+            stage.load_state_dict(mine[1])
+            stage.to(self.device)
         own = difference(claimed, recompute(stage, c.kind, inputs, self.device, self.bf16))
         evidence = {**c.describe(), "verifier": verifier or "coordinator",
                     "difference": reported if verifier and math.isfinite(reported) else None,
