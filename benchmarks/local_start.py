@@ -38,43 +38,42 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, os.environ.get("PYT
 import local_start_target as target  # noqa: E402  (imports torch, as a stage module does)
 
 
+def _round(n: int, make_queue, process) -> dict:
+    """Start ``n`` children (``process(target, args)``) at once, each answering on a queue of
+    ``make_queue()``; the wall time from the queue's making until all answered, and the children's mean
+    CPU before their target."""
+    t0 = time.perf_counter()
+    queue = make_queue()
+    procs = [process(target=target.answer, args=(queue, i)) for i in range(n)]
+    for p in procs:
+        p.start()
+    got = sorted(queue.get(timeout=300) for _ in procs)
+    wall = time.perf_counter() - t0
+    for p in procs:
+        p.join(60)
+    assert [i for i, _ in got] == list(range(n)), got
+    return {"wall_s": wall, "cpu_s": statistics.mean(c for _, c in got)}
+
+
 def roving_round(n: int, preload: str) -> dict:
     import roving
     from roving import backends
 
     roving.init(local_preload=preload, child_output="off")
-    t0 = time.perf_counter()
-    q = roving.Queue()
-    procs = [roving.Process(target=target.answer, args=(q, i)) for i in range(n)]
-    for p in procs:
-        p.start()
-    got = sorted(q.get(timeout=300) for _ in procs)
-    wall = time.perf_counter() - t0
-    for p in procs:
-        p.join(60)
+    res = _round(n, roving.Queue, roving.Process)
     backends.get("local").close_starters()  # a fresh one next round
-    assert [i for i, _ in got] == list(range(n)), got
-    return {"wall_s": wall, "cpu_s": statistics.mean(c for _, c in got)}
+    return res
 
 
 def mp_round(n: int, method: str) -> dict:
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["local_start_target"])
-    t0 = time.perf_counter()
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target.answer, args=(q, i)) for i in range(n)]
-    for p in procs:
-        p.start()
-    got = sorted(q.get(timeout=300) for _ in procs)
-    wall = time.perf_counter() - t0
-    for p in procs:
-        p.join(60)
+    res = _round(n, ctx.Queue, ctx.Process)
     if method == "forkserver":
         from multiprocessing import forkserver
         forkserver._forkserver._stop()  # (the stdlib's own tests' way) a fresh one next round
-    assert [i for i, _ in got] == list(range(n)), got
-    return {"wall_s": wall, "cpu_s": statistics.mean(c for _, c in got)}
+    return res
 
 
 WAYS = {
