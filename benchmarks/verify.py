@@ -24,7 +24,9 @@ stage's compute, not the per-message costs, makes up the iteration.
 
 ``paired``: the overhead of ``PAIRED`` (screen, spot at 5%: the two with targets), each run between two
 runs with verification off, ``--pairs`` times, on ``--overhead-model`` (its ratio to the two beside it:
-the machine's drift cancels; ``paired``'s docstring).
+the machine's drift cancels; ``paired``'s docstring); in time an iteration and in CPU seconds an
+iteration (the coordinator's and every node's, from ``/proc``: on a machine whose cores the nodes share,
+what verification adds to the work, less moved by how the scheduler interleaves it).
 
 ``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
 replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
@@ -44,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -74,7 +77,13 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
         liars = liars(prep.plan.allocation)
     prep.config.adversaries = liars
     t0 = time.time()
-    with Trainer(prep) as t:
+    cpu: dict[int, float] = {}
+
+    def progress(rec: dict) -> None:  # the CPU of the iterations timed: after the warm-up, to the last
+        if rec.get("event") == "iteration" and rec["iteration"] in (min(WARMUP, iterations) - 1, iterations - 1):
+            cpu[rec["iteration"]] = cpu_seconds(t)
+
+    with Trainer(prep, progress) as t:
         metrics = t.train()
         totals = dict(t.verifier.totals)
     caught = {e["node"]: e["iteration"] for e in metrics["events"] if e["event"] == "caught"}
@@ -85,9 +94,26 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
             "val_loss": final["val_loss"], "val_loss_dropped": final["val_loss_half_stages_dropped"],
             "dropped_stages": final["dropped_stages"], "iteration_s": statistics.median(times),
             "train_loss": [r["train_loss"] for r in its], "wall_s": time.time() - t0,
+            "cpu_s": (cpu[iterations - 1] - cpu[min(WARMUP, iterations) - 1]) / max(1, iterations - WARMUP)
+            if len(cpu) == 2 else math.nan,
             "allocation": dict(prep.plan.allocation),
             "disputes": sum(1 for e in metrics["events"] if e["event"] == "dispute"),
             "suspects": sorted({e["node"] for e in metrics["events"] if e["event"] == "suspect"})}
+
+
+def cpu_seconds(t: Trainer) -> float:
+    """The CPU seconds the run's processes used so far: this one (the coordinator) and every node's
+    (``/proc``: a node's process is not this one's child, so its time is read there)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for proc in t.roster.procs.values():
+        try:
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue  # gone (or never started): counted up to where it was last read
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
 
 
 def liars_for(kind: str, start: int):
@@ -155,14 +181,16 @@ def paired(iterations: int, pairs: int, seed: int, model: str = "large") -> dict
         r = train(iterations, seed, mode, rate, **over)
         runs.append(r)
         name = mode if mode != "spot" else f"spot {rate:.0%}"
-        print(f"{name}: {r['iteration_s'] * 1000:.0f} ms per iteration", flush=True)
+        print(f"{name}: {r['iteration_s'] * 1000:.0f} ms per iteration, {r['cpu_s']:.2f} CPU s", flush=True)
     out: dict[str, list] = {}
     for i in range(1, len(runs), 2):
         r = runs[i]
         name = r["mode"] if r["mode"] != "spot" else f"spot {r['rate']:.0%}"
         beside = (runs[i - 1]["iteration_s"] + runs[i + 1]["iteration_s"]) / 2
+        cpu_beside = (runs[i - 1]["cpu_s"] + runs[i + 1]["cpu_s"]) / 2
         out.setdefault(name, []).append({"ratio": r["iteration_s"] / beside, "run": r,
-                                         "off_beside_s": beside})
+                                         "off_beside_s": beside, "cpu_ratio": r["cpu_s"] / cpu_beside,
+                                         "cpu_beside_s": cpu_beside})
     return {"runs": runs, "ratios": out}
 
 
@@ -276,14 +304,22 @@ def tables(res: dict, start: int) -> None:
             per = statistics.mean(r["totals"]["rechecks"] / max(1, len(r["train_loss"])) for r in runs)
             print(f"| {name} | {s * 1000:.0f} | {s / base - 1:+.1%} | {per:.1f} |")
     if "paired" in res:
-        print("\n| mode | vs the off runs beside it: median (each pair) | its iterations (ms) | off beside (ms) |")
-        print("|---|---|---|---|")
+        print("\n| mode | time vs the off runs beside it: median (each pair) | its iterations (ms) | off beside (ms) "
+              "| CPU vs the off runs beside it: median (each pair) | its CPU an iteration (s) | audit after the "
+              "averaging (s an iteration) |")
+        print("|---|---|---|---|---|---|---|")
         for name, pairs in res["paired"]["ratios"].items():
             med = statistics.median(p["ratio"] for p in pairs)
             each = ", ".join(f"{p['ratio'] - 1:+.1%}" for p in pairs)
             its = ", ".join(f"{p['run']['iteration_s'] * 1000:.0f}" for p in pairs)
             offs = ", ".join(f"{p['off_beside_s'] * 1000:.0f}" for p in pairs)
-            print(f"| {name} | {med - 1:+.1%} ({each}) | {its} | {offs} |")
+            cmed = statistics.median(p["cpu_ratio"] for p in pairs)
+            ceach = ", ".join(f"{p['cpu_ratio'] - 1:+.1%}" for p in pairs)
+            cpu = ", ".join(f"{p['run']['cpu_s']:.2f}" for p in pairs)
+            audit = ", ".join(f"{p['run']['totals']['seconds'] / max(1, len(p['run']['train_loss'])):.2f}"
+                              for p in pairs)
+            print(f"| {name} | {med - 1:+.1%} ({each}) | {its} | {offs} | {cmed - 1:+.1%} ({ceach}) | {cpu} | "
+                  f"{audit} |")
 
 
 def _loss(x: float) -> str:

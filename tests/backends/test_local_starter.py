@@ -57,6 +57,25 @@ def test_without_local_preload_children_are_fresh_interpreters():
     assert got["ppid"] == os.getpid() and got["probe"] is False
 
 
+def test_a_child_whose_interpreter_settings_differ_gets_a_starter_of_its_own(monkeypatch):
+    """An interpreter reads its ``PYTHON*`` variables as it starts, so a forked child has its starter's:
+    children with other values of them are forked by another starter, started with those values, and
+    hash as a fresh interpreter with them does."""
+    roving.init(local_preload=PROBE)
+    monkeypatch.setenv("PYTHONHASHSEED", "1")
+    _, one = _report(variable="PYTHONHASHSEED")
+    _, again = _report(variable="PYTHONHASHSEED")
+    monkeypatch.setenv("PYTHONHASHSEED", "2")
+    _, two = _report(variable="PYTHONHASHSEED")
+    assert one["ppid"] == again["ppid"] != two["ppid"] and os.getpid() not in (one["ppid"], two["ppid"])
+    assert (one["variable"], two["variable"]) == ("1", "2")
+    fresh = {seed: int(subprocess.run([sys.executable, "-c", "print(hash('roving'))"], capture_output=True,
+                                      text=True, check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout)
+             for seed in ("1", "2")}
+    assert (one["hash"], again["hash"], two["hash"]) == (fresh["1"], fresh["1"], fresh["2"])
+    assert fresh["1"] != fresh["2"]
+
+
 def test_a_forked_childs_exit_code_signal_and_end_are_as_a_fresh_childs():
     roving.init(local_preload=PROBE)
     exits = roving.Process(target=h.exit_with, args=(3,))

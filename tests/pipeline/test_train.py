@@ -2,6 +2,7 @@
 and bad input refused before any node starts."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from roving.pipeline.errors import DataError, PlanError
 from roving.pipeline.stages import Stage, merge_state_dicts, run_path
 from roving.pipeline.roster import Roster
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from roving import config as roving_config
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=8, samples=4, seq_len=32,
            iterations=12, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,
@@ -20,6 +22,11 @@ CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=8, samples=4
 # start_wait = timeout: every node of the plan takes part from the start (a loaded machine can take over
 # the default 60 s to start six; nodes not ready by then would be re-planned around, and the update
 # checked against prep.plan computed on another plan)
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:  # pid (command) state ppid ...: the command may hold spaces
+        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +37,8 @@ def run():
     prep = prepare(TrainConfig(**CFG))
     out = {"prep": prep}
     with Trainer(prep) as t:
+        out["preload"] = roving_config.current().local_preload
+        out["parents"] = {name: _parent(proc.pid) for name, proc in t.roster.procs.items()}
         out["init"] = t.stage_states(all_replicas=True)
         out["val0"] = t.evaluate(0)["val_loss"]
         t.run_microbatches(0)
@@ -65,6 +74,16 @@ def run():
         out["val1"] = t.evaluate(CFG["iterations"])["val_loss"]
         out["predicted"] = t.prepared.predicted_s
     return out
+
+
+def test_on_the_local_backend_the_nodes_are_forked_from_one_starter_that_imported_their_module(run):
+    """The trainer sets ``local_preload`` to its stage module when the run left it unset: every node is
+    then forked from one starter (torch imported there once), not started as a fresh interpreter."""
+    assert run["preload"] == ("roving.pipeline.stage_process",)
+    parents = set(run["parents"].values())
+    assert len(run["parents"]) == CFG["nodes"] and len(parents) == 1 and os.getpid() not in parents
+    with open(f"/proc/{parents.pop()}/cmdline", "rb") as f:
+        assert b"roving.backends.starter" in f.read()
 
 
 def test_plan_skips_stages_and_uses_replicas(run):

@@ -185,7 +185,7 @@ class LocalRound:
     keeps what it receives, sends its summed gradients to its stage's other replicas, combines theirs
     (``aggregate.combine``) and reports a ``Norm`` (``norms``); ``liars``: node -> the ``Adversary`` that
     tampers with what it sends. Then it is the verifier's roster: ``put`` answers the audit's requests as a
-    stage process does (``EvidenceItems``, ``Rechecked``, ``State``) and ``recv`` hands the answers over in
+    stage process does (``EvidenceItems``, ``Rechecked``, ``WeightsShown``) and ``recv`` hands the answers over in
     the order they were sent, dropping and refusing what ``Roster.recv`` drops and refuses. ``dies``: (node,
     message type): the node dies as it is sent its first message of that type, and the next ``recv`` raises
     NodesLost for it before it hands over anything more (the real roster's check can see a death before
@@ -275,7 +275,7 @@ class LocalRound:
         stage = self.alloc[name]
         if isinstance(msg, m.EvidenceRequest):
             items = self.evidence[name].show(msg.keys) if msg.round == self.rnd else {}
-            self.answers.append(m.EvidenceItems(msg.round, name, items))
+            self.answers.append(m.EvidenceItems(msg.round, name, items, msg.ask))
         elif isinstance(msg, m.Recheck):  # as StageProcess._on_recheck
             d = math.nan
             if msg.stage == stage:
@@ -283,9 +283,9 @@ class LocalRound:
             if name in self.liars:
                 d = self.liars[name].reports(name, msg.round, d)
             self.answers.append(m.Rechecked(msg.round, name, msg.check, d))
-        elif isinstance(msg, m.StateRequest):
-            self.answers.append(m.State(name, stage, {k: v.detach().clone()
-                                                      for k, v in self.stage[name].state_dict().items()}))
+        elif isinstance(msg, m.ShowWeights):
+            self.answers.append(m.WeightsShown(msg.round, name, stage, {
+                k: v.detach().clone() for k, v in self.stage[name].state_dict().items()}))
         else:
             raise AssertionError(f"the audit sent {name} a {type(msg).__name__}")
 
@@ -319,7 +319,7 @@ class LocalRound:
 PLAN = Plan(2, 0.0, {"a": 0, "b": 0, "c": 1, "d": 1}, [Route("a", ("c",), (1,)), Route("b", ("d",), (1,))])
 
 
-@pytest.mark.parametrize("victim, asked", [("a", m.EvidenceRequest), ("d", m.Recheck), ("d", m.StateRequest)],
+@pytest.mark.parametrize("victim, asked", [("a", m.EvidenceRequest), ("d", m.Recheck), ("d", m.ShowWeights)],
                          ids=["evidence", "recheck", "weights"])
 def test_a_node_the_audit_asks_that_dies_meanwhile_makes_it_raise_nodes_lost_naming_it_and_leave_nothing_to_come(
         victim, asked):
@@ -327,18 +327,87 @@ def test_a_node_the_audit_asks_that_dies_meanwhile_makes_it_raise_nodes_lost_nam
     the other nodes' answers arrive: a, for the evidence it holds (c's activations); d, to recheck c's work;
     d again, for its weights, when the coordinator confirms d's finding that c's work differs (c is asked for
     its weights too). The audit raises NodesLost naming it (the trainer runs the round again), and no answer
-    is left on its way that the trainer's next wait would refuse: the weights (``State``) belong to no
-    round, so they are waited for before the audit gives up."""
+    is left on its way that the trainer's next wait would refuse (every answer belongs to the round, and a
+    later round's wait drops it)."""
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=(victim, asked))
     v, _ = verifier("full", roster=r)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:
         v.note(msg)
     with pytest.raises(NodesLost) as lost:
-        v.audit(0, PLAN, dict(PLAN.allocation), batches, r.norm())
+        v.audit(0, r.norm())
     assert any(n == victim and isinstance(msg, asked) for n, msg in r.sent), "it was asked"
     assert list(lost.value.names) == [victim]
     assert r.left() == []
+
+
+def test_an_audit_runs_alongside_its_round_each_check_starting_as_soon_as_what_it_checks_was_sent():
+    """Mode "full", c's tensors scaled. Nothing is asked before a microbatch is done; microbatch 0 done,
+    the evidence of its computations alone is asked for; its answers taken (as the trainer hands them
+    over while it waits for the round's messages), each computation goes to the other replica of its
+    stage to recheck; d's mismatch on c's work has both weights asked for, and the coordinator's
+    confirmation catches c, all before the round's end. A replica's share is drawn once it and the
+    holder of its share have both averaged. The audit's end checks what is left; the work of a node
+    caught is not checked any more."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
+    v, events = verifier("full", roster=r)
+
+    def take_answers() -> None:
+        while r.answers:
+            v.take(r.answers.popleft())
+
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    assert r.sent == []
+    v.finished(0, 0)
+    asked = [msg for _, msg in r.sent]
+    assert asked and all(isinstance(msg, m.EvidenceRequest) for msg in asked)
+    assert {key[1] for msg in asked for key in msg.keys} == {0}, "microbatch 0's tensors only"
+    take_answers()
+    rechecks = [(n, msg) for n, msg in r.sent if isinstance(msg, m.Recheck)]
+    assert sorted(msg.kind for _, msg in rechecks) == ["backward", "first", "forward", "loss"]
+    assert {n for n, msg in rechecks if msg.kind in ("forward", "backward")} == {"d"}, "c's work to d"
+    take_answers()
+    assert {n for n, msg in r.sent if isinstance(msg, m.ShowWeights)} == {"c", "d"}
+    take_answers()
+    assert [(f["node"], f["check"], f["mb"]) for kind, f in events if kind == "caught"] == [("c", "forward", 0)]
+    before = len(r.sent)
+    a, b = (msg for msg in r.norms if msg.sender in ("a", "b"))
+    v.note(a)
+    assert len(r.sent) == before, "a's share is held by b, which has not averaged yet"
+    v.note(b)
+    shares = {key for _, msg in r.sent[before:] if isinstance(msg, m.EvidenceRequest) for key in msg.keys
+              if key[0] == "share"}
+    assert shares == {("share", -1, -1, "a"), ("share", -1, -1, "b")}
+    for msg in r.norms:
+        if msg.sender in ("c", "d"):
+            v.note(msg)
+    assert list(v.audit(0, r.norm())) == ["c"]
+    # every computation of the round but c's share: c was out before its share was drawn
+    assert v.last["checks"] == 11 and v.last["caught"] == ["c"]
+    assert not [f for kind, f in events if kind == "caught" and f["node"] != "c"]
+
+
+def test_a_round_given_up_hands_over_whom_its_audit_caught_so_far_and_drops_the_rest():
+    """c caught while its round runs (as above); the round is then given up (a node lost, or the round
+    stalled): ``abandon`` returns c, for the trainer to exclude all the same; answers of that round that
+    come later are ignored, and its audit cannot be finished."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
+    v, events = verifier("full", roster=r)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    v.finished(0, 0)
+    for _ in range(3):  # evidence, then rechecks, then weights
+        while r.answers:
+            v.take(r.answers.popleft())
+    assert list(v.abandon()) == ["c"]
+    assert v.abandon() == {}
+    v.finished(0, 1)
+    v.take(m.Rechecked(0, "d", 1, math.inf))
+    assert [f["node"] for kind, f in events if kind == "caught"] == ["c"]
+    with pytest.raises(ValueError, match="not told of"):
+        v.audit(0, r.norm())
 
 
 def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():
@@ -353,9 +422,10 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
     norm = r.norm()
     assert not math.isfinite(norm), "c's NaN reached the gradient norm"
     v, events = verifier("spot", rate=0.0, roster=r)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:
         v.note(msg)
-    caught = v.audit(0, PLAN, dict(PLAN.allocation), batches, norm)
+    caught = v.audit(0, norm)
     every = sum(2 * len(route.nodes) + 2 for route in PLAN.paths) + len(PLAN.allocation)
     assert every == 12 and v.last["checks"] == every
     rechecks = [msg for _, msg in r.sent if isinstance(msg, m.Recheck)]
@@ -365,9 +435,10 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
     assert list(caught) == ["c"] and [f["node"] for kind, f in events if kind == "caught"] == ["c"]
     assert not [f for kind, f in events if kind == "dispute"]
     v, _ = verifier("spot", rate=0.0, roster=r)  # the same round, its norm finite
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:
         v.note(msg)
-    assert list(v.audit(0, PLAN, dict(PLAN.allocation), batches, 1.0)) == ["c"]
+    assert list(v.audit(0, 1.0)) == ["c"]
     assert 0 < v.last["checks"] < every
 
 
@@ -422,14 +493,27 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
     for name, kind in liars.items():
         if kind == "frame":  # caught for a false report about an honest node's work
             assert checks[name]["check"] == "false mismatch" and checks[name]["computed_by"] not in liars
-        if kind == "weights":  # averages its true share, not the one it sent: the averaging check, every round
-            assert checks[name]["check"] == "combine"
+        if kind == "weights":  # sent a tampered share: its recheck, or the averaging check (it averages its
+            # true share, not the one it sent), whichever is judged first
+            assert checks[name]["check"] in ("share", "combine")
     assert len(metrics["iterations"]) == 4 and all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
     assert not set(liars) & set(t.alloc) and set(t.roster.excluded) == set(liars)
     with pytest.raises(PlanError, match="was excluded"):
         t.roster.request_join(next(iter(liars)))
     last = metrics["iterations"][-1]["verify"]
     assert last["checks"] > 0 and last["caught"] == []
+
+
+def test_a_replica_that_averages_another_share_than_it_sent_is_caught_by_the_averaging_check_every_round():
+    """Spot mode at rate 0 (no computation drawn): a ``weights`` liar sends its replicas a tampered share
+    and averages its true one, so its combined gradient differs from theirs; the averaging check, which
+    runs every round, catches it in the iteration it starts, and nobody else."""
+    metrics, liars, t = train({1: ["weights"]}, nodes=6, iterations=3, mode="spot", rate=0.0, start=1)
+    liar = next(iter(liars))
+    caught = [e for e in metrics["events"] if e["event"] == "caught"]
+    assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, "combine", 1)]
+    assert all(r["verify"]["rechecks"] == 0 for r in metrics["iterations"])
+    assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
 
 
 def test_a_clean_run_blames_nobody_and_verification_changes_nothing_of_its_training():
@@ -471,16 +555,16 @@ def test_spot_checks_catch_a_liar_within_the_stated_iterations_and_screening_alo
 def test_a_node_killed_as_the_audit_asks_it_has_the_round_run_again_without_it_and_training_goes_on():
     """4 nodes on 2 stages, every computation checked. In iteration 0 the first node asked for evidence
     whose stage has another replica is killed as it is asked; in iteration 1 the first node asked to
-    recheck another's work. Each time the audit raises NodesLost naming it, the round is run again without
-    it, and training goes on: both iterations done in 2 attempts on finite losses, nobody caught."""
+    recheck another's work. Each time the round is aborted naming it (the audit runs alongside the round:
+    the death is seen by the round's wait or by the audit's), run again without it, and training goes on:
+    both iterations done in 2 attempts on finite losses, nobody caught."""
     # every node in the run from the start (BASE's start_wait: else, under load, the run could start
     # without one and no stage would have a replica in iteration 0)
     prep = prepare(TrainConfig(**{**BASE, "stages": 2, "microbatches": 2, "planner_budget": 1.0},
                                nodes=4, iterations=2, mode="full"))
     killed: dict[int, str] = {}
-    raised: list[tuple[int, dict]] = []
     with Trainer(prep) as t:
-        put, audit = t.roster.put, t.verifier.audit
+        put = t.roster.put
 
         def put_and_kill(name: str, msg: m.Message) -> None:
             it = t.iteration_no
@@ -492,17 +576,9 @@ def test_a_node_killed_as_the_audit_asks_it_has_the_round_run_again_without_it_a
                 assert not t.roster.procs[name].is_alive(), f"{name} still runs after kill -9"
             put(name, msg)
 
-        def audit_and_record(*args, **kwargs):
-            try:
-                return audit(*args, **kwargs)
-            except NodesLost as exc:
-                raised.append((t.iteration_no, dict(exc.names)))
-                raise
-
-        t.roster.put, t.verifier.audit = put_and_kill, audit_and_record
+        t.roster.put = put_and_kill
         metrics = t.train()
     assert sorted(killed) == [0, 1] and len(set(killed.values())) == 2, killed
-    assert [(it, list(names)) for it, names in raised] == [(0, [killed[0]]), (1, [killed[1]])]
     aborted = [(e["iteration"], e["lost"]) for e in metrics["events"] if e["event"] == "aborted"]
     assert aborted == [(0, [killed[0]]), (1, [killed[1]])]
     assert [r["attempts"] for r in metrics["iterations"]] == [2, 2]
@@ -520,12 +596,13 @@ def test_a_node_caught_before_another_dies_in_the_same_audit_is_in_the_nodes_los
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=("a", m.EvidenceRequest))
     v, events = verifier("full", roster=r)
     check = Check("c", 1, "share", -1, -1, Source("d", ("share", -1, -1, "c")))
-    monkeypatch.setattr(v, "_combined", lambda rnd, norms, plan, alloc, caught: v._catch(
-        caught, "c", "averaging", check, reason="its replicas' combined gradients differ"))
+    monkeypatch.setattr(v, "_combined", lambda a: v._catch(
+        a.caught, "c", "averaging", check, reason="its replicas' combined gradients differ"))
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:
         v.note(msg)
     with pytest.raises(NodesLost) as lost:
-        v.audit(0, PLAN, dict(PLAN.allocation), batches, r.norm())
+        v.audit(0, r.norm())
     assert sorted(lost.value.names) == ["a", "c"] and list(lost.value.caught) == ["c"]
     assert [f["node"] for kind, f in events if kind == "caught"] == ["c"]
     assert r.left() == []

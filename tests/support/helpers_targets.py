@@ -244,7 +244,7 @@ def home_a_queue_until(back, release):
 def report_process(q, probe_module=None, variable=None):
     """Puts what a child was started with: its pid and parent's, directory, first sys.path entry, a
     variable of its environment, whether ``probe_module`` was imported before its target ran, two random
-    draws (``random`` and, when imported, numpy's) and its argv."""
+    draws (``random`` and, when imported, numpy's), its argv, and a string's hash (``PYTHONHASHSEED``'s)."""
     import random
     import sys
 
@@ -253,7 +253,7 @@ def report_process(q, probe_module=None, variable=None):
            "variable": os.environ.get(variable) if variable else None,
            "probe": probe_module in sys.modules if probe_module else None,
            "random": random.random(), "numpy": float(numpy.random.random()) if numpy else None,
-           "argv": list(sys.argv), "main": sys.modules["__main__"].__name__})
+           "argv": list(sys.argv), "main": sys.modules["__main__"].__name__, "hash": hash("roving")})
     print(f"reported from {os.getpid()}", flush=True)
 
 

@@ -13,10 +13,11 @@ that peers' puts go straight to it), and answers the coordinator on its ``contro
 go on ``beats`` from a thread of their own.
 
 coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
-``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``Stop``.
+``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``ShowWeights``
+``Stop``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
-``EvidenceItems`` ``Rechecked`` ``Stopped`` ``Failed``; on ``beats``: ``Beat``.
+``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Failed``; on ``beats``: ``Beat``.
 
 Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
 than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
@@ -160,9 +161,11 @@ class Throttle(Message):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceRequest(RoundMessage):
-    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``)."""
+    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``); ``ask``
+    numbers the request, for its answer to name."""
 
     keys: tuple
+    ask: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,12 @@ class Recheck(RoundMessage):
     kind: str
     inputs: dict
     claimed: Any
+
+
+@dataclass(frozen=True, slots=True)
+class ShowWeights(RoundMessage):
+    """Send the weights of the stage you hold now, for a check of round ``round`` (answered by
+    ``WeightsShown``; a round's message, so that an answer left from an aborted round is dropped)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -282,10 +291,12 @@ class Stepped(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceItems(RoundMessage):
-    """The answer to ``EvidenceRequest``: key -> (tensor, receipt, disputed) for the keys ``sender`` has."""
+    """The answer to ``EvidenceRequest`` number ``ask``: key -> (tensor, receipt, disputed) for the keys
+    ``sender`` has."""
 
     sender: str
     items: dict
+    ask: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,6 +307,15 @@ class Rechecked(RoundMessage):
     sender: str
     check: int
     difference: float
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsShown(RoundMessage):
+    """The answer to ``ShowWeights``: ``sender``'s stage and its weights by parameter name."""
+
+    sender: str
+    stage: int
+    tensors: dict
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,7 +116,8 @@ class StageProcess:
             m.Abort: self._on_abort, m.SyncOrder: self._on_sync_order, m.Gradients: self._on_gradients,
             m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
             m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle,
-            m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck}
+            m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck,
+            m.ShowWeights: self._on_show_weights}
 
     def _hold(self, stage: int, in_flight: int) -> None:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
@@ -293,7 +294,11 @@ class StageProcess:
 
     def _on_evidence_request(self, msg: m.EvidenceRequest) -> None:
         items = self.evidence.show(msg.keys) if msg.round == self.round else {}
-        self.control.put(m.EvidenceItems(msg.round, self.name, items))
+        self.control.put(m.EvidenceItems(msg.round, self.name, items, msg.ask))
+
+    def _on_show_weights(self, msg: m.ShowWeights) -> None:
+        sd = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+        self.control.put(m.WeightsShown(msg.round, self.name, self.stage_index, sd))
 
     def _on_recheck(self, msg: m.Recheck) -> None:
         """Recompute with the weights held now (every replica's until the round's step); NaN when this

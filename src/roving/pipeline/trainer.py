@@ -424,18 +424,23 @@ class Trainer:
                 losses = self.run_microbatches(rnd, batches)
                 t_compute = time.perf_counter() - t0
                 norm = self.synchronize(rnd)
-                caught = self.verifier.audit(rnd, self.plan, self.alloc, batches, norm)
+                caught = self.verifier.audit(rnd, norm)
                 if caught:  # out for good; the round runs again without them, so nothing of theirs is kept
                     raise NodesLost(caught, caught=caught)
                 return rnd, losses, norm, attempt + 1, t_compute, lost_s
             except NodesLost as exc:
-                if exc.caught:
-                    self.roster.exclude(exc.caught)
+                # caught by the round's audit so far, or at its end: out for good whatever ended the round
+                caught = {**self.verifier.abandon(), **exc.caught}
+                if caught:
+                    self.roster.exclude(caught)
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
             except RoundStalled as exc:
+                caught = self.verifier.abandon()
+                if caught:
+                    self.roster.exclude(caught)
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
@@ -488,6 +493,8 @@ class Trainer:
         order = plan.priority or list(range(len(plan.paths)))
         if batches is None:
             batches = [next(self._batches) for _ in plan.paths]
+        verifier = self.verifier
+        verifier.begin(rnd, plan, self.alloc, batches)
         for mb in order:
             path = plan.paths[mb]
             tokens, targets = batches[mb]
@@ -495,15 +502,20 @@ class Trainer:
         self._order_sync(rnd, plan.backward_counts())
         losses: dict[int, float] = {}
         while len(losses) < len(plan.paths):
-            msg = self._round_recv((m.Done, m.Norm), rnd)
+            msg = self._round_recv((m.Done, m.Norm) + verifier.kinds, rnd)
             if isinstance(msg, m.Norm):
-                self._norms.setdefault(msg.stage, msg.sq_norm)
-                self._norm_from.add(msg.sender)
-                self.verifier.note(msg)
-                continue
-            assert isinstance(msg, m.Done)
-            losses[msg.mb] = msg.loss
+                self._take_norm(msg)
+            elif isinstance(msg, m.Done):
+                losses[msg.mb] = msg.loss
+                verifier.finished(rnd, msg.mb)  # its computations' checks start while the others run
+            else:
+                verifier.take(msg)
         return [losses[mb] for mb in range(len(plan.paths))]
+
+    def _take_norm(self, msg: m.Norm) -> None:
+        self._norms.setdefault(msg.stage, msg.sq_norm)
+        self._norm_from.add(msg.sender)
+        self.verifier.note(msg)
 
     def _round_recv(self, kind: type | tuple[type, ...], rnd: int) -> m.Message:
         """The next ``kind`` message of round ``rnd``; raises RoundStalled after ``stall_after`` seconds
@@ -531,11 +543,11 @@ class Trainer:
         if self._sync_round != rnd:
             self._order_sync(rnd, None)
         while not set(self.alloc) <= self._norm_from:
-            msg = self._round_recv(m.Norm, rnd)
-            assert isinstance(msg, m.Norm)
-            self._norms.setdefault(msg.stage, msg.sq_norm)
-            self._norm_from.add(msg.sender)
-            self.verifier.note(msg)
+            msg = self._round_recv((m.Norm,) + self.verifier.kinds, rnd)
+            if isinstance(msg, m.Norm):
+                self._take_norm(msg)
+            else:
+                self.verifier.take(msg)
         return math.sqrt(sum(self._norms.values()))
 
     def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:

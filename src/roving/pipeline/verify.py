@@ -1,8 +1,16 @@
-"""The coordinator's side of verification (``[verify]``; issue 32): after a round's microbatches and
-averaging, before its step, it screens what every node reported receiving, spot-checks sampled
-computations by having another replica of the same stage recompute them, confirms every mismatch
-itself, and names the nodes caught. The trainer excludes them and runs the round again without them
-(``trainer``), so nothing they computed in the round reaches the weights.
+"""The coordinator's side of verification (``[verify]``; issue 32): it screens what every node reported
+receiving, spot-checks sampled computations by having another replica of the same stage recompute them,
+confirms every mismatch itself, and names the nodes caught, all before the round's step. The trainer
+excludes them and runs the round again without them (``trainer``), so nothing they computed in the
+round reaches the weights.
+
+When. An audit runs alongside its round, not after it: a microbatch's computations are drawn as soon as
+its origin reports it done (every tensor of it was sent and received by then), a replica's share once
+the replica and the holder of its share have both averaged; the evidence of those drawn is asked for at
+once, each recheck sent as its evidence is judged, each confirmation run as its weights come, while the
+round's other microbatches run (a node answers between its tasks). What is left after the replicas'
+averaging is the round's end: screening (a tensor found bad is checked then), the averaging check, the
+computations of a round whose gradient norm is not finite, and the answers still on their way.
 
 What is checked. Every tensor a node sends is the result of one *computation* by that node, from
 inputs that others sent it (or the coordinator: tokens and targets): an origin's first forward
@@ -33,7 +41,7 @@ itself, each as its sender's receipt names it, and catches each replica whose gr
 replicas, and later checks could no longer compare them). Every round, in every mode but "off".
 
 Which computations. ``full``: all. ``spot``: each with probability ``verify_rate``, drawn here from the
-operating system's randomness after the round's tensors were sent (so no node can know which of its
+operating system's randomness after the tensors it checks were sent (so no node can know which of its
 tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``. Any mode but "off":
 every computation whose output a receiver found non-finite or all zero when screening it. In "screen"
 mode those are judged without recomputation: non-finite outputs from finite inputs are the node's fault.
@@ -48,13 +56,14 @@ computation, microbatch and hop, the verifier and both differences), "dispute" a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -107,9 +116,71 @@ class Check:
         return {"computation": self.kind, "stage": self.stage, "mb": self.mb, "hop": self.hop}
 
 
+@dataclass
+class _Ask:
+    """One request for evidence: the holders still to answer, what those that did showed, and what is
+    done with it once every holder has answered (``then``)."""
+
+    waiting: set[str]
+    then: Callable[[dict[str, dict]], None]
+    shown: dict[str, dict] = field(default_factory=dict)
+
+
+@dataclass
+class _Confirmation:
+    """A computation the coordinator recomputes itself once it holds the weights of the node checked and
+    of ``verifier`` (None: the stage had no other replica to recheck it)."""
+
+    check: Check
+    claimed: Any
+    inputs: dict
+    verifier: str | None
+    reported: float
+
+    def needs(self) -> list[str]:
+        return [self.check.node] + ([self.verifier] if self.verifier else [])
+
+
+@dataclass
+class _Audit:
+    """An audit of one round while it runs (``Verifier.begin`` to ``Verifier.audit``): its computations
+    (a microbatch's by its number, a share's by its node), which were drawn, and what is on its way."""
+
+    rnd: int
+    plan: Any
+    alloc: dict[str, int]
+    by_mb: dict[int, list[Check]]
+    shares: dict[str, Check]
+    decided: set[tuple] = field(default_factory=set)  # claimed keys whose draw is made
+    drawn: set[tuple] = field(default_factory=set)  # those checked
+    norms: list[m.Norm] = field(default_factory=list)
+    caught: dict[str, str] = field(default_factory=dict)
+    asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
+    rechecks: dict[int, tuple] = field(default_factory=dict)  # unanswered: id -> (check, claimed, inputs, verifier)
+    confirming: list[_Confirmation] = field(default_factory=list)  # waiting for weights
+    weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
+    weights_asked: set[str] = field(default_factory=set)
+    built: dict[str, Any] = field(default_factory=dict)  # stages built from ``weights`` (recompute leaves them be)
+    sent_rechecks: int = 0
+    confirmations: int = 0
+    overlapped: float = 0.0  # seconds of the audit's own work while the round ran
+
+    def awaited(self) -> set[str]:
+        """The nodes an answer is awaited from."""
+        names = {r[3] for r in self.rechecks.values()} | (self.weights_asked - set(self.weights))
+        for a in self.asks.values():
+            names |= a.waiting
+        return names
+
+    def every(self) -> list[Check]:
+        return [c for checks in self.by_mb.values() for c in checks] + list(self.shares.values())
+
+
 class Verifier:
-    """The checks of one training run (the module doc). ``note`` takes every ``Norm`` of a round;
-    ``audit`` runs the round's checks and returns the nodes caught (name -> why)."""
+    """The checks of one training run (the module doc). Per round: ``begin`` (before its microbatches
+    go out), ``finished`` as each microbatch is done, ``note`` for each ``Norm``, ``take`` for each
+    answer of ``kinds`` that comes meanwhile, then ``audit``, which returns the nodes caught (name ->
+    why); ``abandon`` when the round is given up."""
 
     def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None]) -> None:
         self.mode, self.rate, self.tolerance = config.mode, config.verify_rate, config.tolerance
@@ -120,86 +191,162 @@ class Verifier:
         self.screen = Screen()
         self.rng = random.SystemRandom()
         self.device = torch.device("cpu")
-        self._norms: dict[int, list[m.Norm]] = {}
-        self._weights: dict[str, tuple[int, dict]] = {}  # nodes' weights fetched in the current audit
-        self._built: dict[str, Any] = {}  # the stages built from them (recompute leaves them unchanged)
+        self._audit: _Audit | None = None
         self._suspected: set[tuple] = set()
         self.suspects: set[str] = set()
-        self._check_id = 0
-        #: the latest audit's figures (checks run, rechecks, seconds), for the iteration's record
+        self._check_id = self._ask_id = 0
+        #: the messages of the nodes that an audit takes (``take``) while the trainer waits for the round's
+        self.kinds: tuple[type, ...] = (m.EvidenceItems, m.Rechecked, m.WeightsShown) if self.on else ()
+        #: the latest audit's figures (checks run, rechecks, confirmations, nodes caught; ``seconds``: its
+        #: time after the replicas' averaging, on the round's critical path; ``overlapped_seconds``: its
+        #: own work while the round's microbatches ran), for the iteration's record
         self.last: dict[str, Any] = {}
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
         self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "seconds": 0.0,
-                       "max_difference": 0.0}
+                       "overlapped_seconds": 0.0, "max_difference": 0.0}
 
     @property
     def on(self) -> bool:
         return self.mode != "off"
 
-    def note(self, msg: m.Norm) -> None:
-        """A ``Norm`` of the round: its screening rows, disputes and share cosines are kept for ``audit``."""
-        if self.on:
-            self._norms.setdefault(msg.round, []).append(msg)
+    # -- one round, as it runs ------------------------------------------------------------------------
+    def begin(self, rnd: int, plan: Any, alloc: dict[str, int], batches: list) -> None:
+        """Round ``rnd`` starts, run on ``plan`` by the nodes of ``alloc``, on ``batches``: its computations
+        are listed, to be drawn as they are done."""
+        if not self.on:
+            return
+        by_mb: dict[int, list[Check]] = {}
+        shares: dict[str, Check] = {}
+        for c in self._checks(plan, alloc, batches):
+            if c.kind == "share":
+                shares[c.node] = c
+            else:
+                by_mb.setdefault(c.mb, []).append(c)
+        self._audit = _Audit(rnd, plan, dict(alloc), by_mb, shares)
 
-    # -- one round --------------------------------------------------------------------------------
-    def audit(self, rnd: int, plan: Any, alloc: dict[str, int], batches: list, norm: float = 0.0) -> dict[str, str]:
-        """Screen and check round ``rnd`` (run on ``plan`` by the nodes of ``alloc``, on ``batches``; ``norm``:
-        its gradient norm, which, when not finite, has every computation checked, so that whoever made
-        it so is caught before the step); returns the nodes caught, name -> why (each also an event).
-        Raises NodesLost when a node it asks dies meanwhile (the round is then run again); those it had
-        caught before are in it too, as its ``caught``, to be excluded all the same."""
+    def finished(self, rnd: int, mb: int) -> None:
+        """Microbatch ``mb`` of round ``rnd`` is done (its origin's ``Done``): every tensor of its
+        computations was sent and received, so they are drawn now, and the evidence of those drawn asked
+        for, while the round's other microbatches run."""
+        a = self._current(rnd)
+        if a is not None:
+            with self._overlapped(a):
+                self._decide(a, a.by_mb.get(mb, []))
+
+    def note(self, msg: m.Norm) -> None:
+        """A ``Norm`` of the round: kept for ``audit`` (screening rows, disputes, share cosines). A
+        replica's share is drawn once its own and its share's holder's ``Norm`` came (the holder combined
+        it, so it has it)."""
+        a = self._current(msg.round)
+        if a is None:
+            return
+        with self._overlapped(a):
+            a.norms.append(msg)
+            normed = {n.sender for n in a.norms}
+            self._decide(a, [c for c in a.shares.values() if c.node in normed and c.claimed.holder in normed])
+
+    def take(self, msg: m.Message) -> None:
+        """An answer of ``kinds`` that came while the trainer waited for the round's own messages."""
+        a = self._current(getattr(msg, "round", None))
+        if a is not None:
+            with self._overlapped(a):
+                self._take(a, msg)
+
+    def abandon(self) -> dict[str, str]:
+        """The round is given up (a node lost, or it stalled): its audit is dropped; returns the nodes it
+        caught so far (out for good all the same: what they sent is evidence of its own)."""
+        a, self._audit = self._audit, None
+        return dict(a.caught) if a is not None else {}
+
+    def _current(self, rnd: Any) -> _Audit | None:
+        a = self._audit
+        return a if a is not None and a.rnd == rnd else None
+
+    @contextlib.contextmanager
+    def _overlapped(self, a: _Audit) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            a.overlapped += time.perf_counter() - t0
+
+    # -- the round's end -------------------------------------------------------------------------------
+    def audit(self, rnd: int, norm: float = 0.0) -> dict[str, str]:
+        """Finish the audit of round ``rnd``, once its replicas averaged (every ``Norm`` noted): screen,
+        check the averaging, draw what is left (``norm``: the round's gradient norm; not finite, it has
+        every computation checked, so that whoever made it so is caught before the step), wait for every
+        answer; returns the nodes caught, name -> why (each also an event). Raises NodesLost when a node
+        dies meanwhile (the round is then run again); those caught before are in it too, as its
+        ``caught``, to be excluded all the same."""
         if not self.on:
             return {}
+        a = self._current(rnd)
+        if a is None:
+            raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
         t0 = time.perf_counter()
-        norms = self._norms.pop(rnd, [])
-        for old in [r for r in self._norms if r < rnd]:
-            del self._norms[old]
-        self._weights, self._built = {}, {}
-        flagged = self._screen(norms, alloc)
-        checks = self._checks(plan, alloc, batches)
+        flagged = self._screen(a.norms, a.alloc)
+        self._combined(a)
         every = not math.isfinite(norm)
-        chosen = [c for c in checks if every or c.claimed.key in flagged or self._draw(c)]
-        caught: dict[str, str] = {}
+        rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
+            every or c.claimed.key in flagged or (c.claimed.key not in a.decided and self._draw(c)))]
+        a.decided.update(c.claimed.key for c in rest)
+        self._examine(a, rest)
         try:
-            chosen, rechecks, confirmations = self._judge(rnd, norms, plan, alloc, chosen, caught)
+            self._wait(a)
         except NodesLost as exc:  # who was caught before it is still out for good
-            if not caught:
+            if not a.caught:
                 raise
-            raise NodesLost({**exc.names, **caught}, caught=caught) from exc
+            raise NodesLost({**exc.names, **a.caught}, caught=dict(a.caught)) from exc
         seconds = time.perf_counter() - t0
-        self.last = {"checks": len(chosen), "rechecks": rechecks, "confirmations": confirmations,
-                     "caught": sorted(caught), "seconds": seconds}
-        for k, v in (("checks", len(chosen)), ("rechecks", rechecks), ("confirmations", confirmations),
-                     ("caught", len(caught)), ("seconds", seconds)):
+        self.last = {"checks": len(a.drawn), "rechecks": a.sent_rechecks, "confirmations": a.confirmations,
+                     "caught": sorted(a.caught), "seconds": seconds, "overlapped_seconds": a.overlapped}
+        for k, v in (("checks", len(a.drawn)), ("rechecks", a.sent_rechecks), ("confirmations", a.confirmations),
+                     ("caught", len(a.caught)), ("seconds", seconds), ("overlapped_seconds", a.overlapped)):
             self.totals[k] += v
-        return caught
+        return dict(a.caught)
 
-    def _judge(self, rnd: int, norms: list[m.Norm], plan: Any, alloc: dict[str, int], chosen: list[Check],
-               caught: dict[str, str]) -> tuple[list[Check], int, int]:
-        """The averaging check, then ``chosen``'s evidence and rechecks: adds to ``caught``; returns the
-        checks made, the rechecks and the confirmations."""
-        rechecks = confirmations = 0
-        self._combined(rnd, norms, plan, alloc, caught)
-        chosen = [c for c in chosen if c.node not in caught]
-        if chosen:
-            shown = self._gather(rnd, chosen)
-            judged = []
-            for c in chosen:
-                tensors = self._evidence(c, shown, caught)
-                if tensors is None:
-                    continue
-                claimed = tensors[0]
-                if not bool(torch.isfinite(claimed).all()) and all(
-                        bool(torch.isfinite(t).all()) for t in _tensors(tensors[1]) if t.is_floating_point()):
-                    if self.mode == "screen":
-                        self._catch(caught, c.node, "non-finite", c, reason="sent non-finite values computed from "
-                                    "finite inputs")
-                        continue
-                if self.mode in ("spot", "full"):
-                    judged.append((c, tensors))
-            rechecks, confirmations = self._recheck(rnd, judged, alloc, caught)
-        return chosen, rechecks, confirmations
+    def _wait(self, a: _Audit) -> None:
+        """Take answers until none is awaited (each may ask for more: weights for a confirmation)."""
+        while True:
+            self._confirm_ready(a)
+            names = a.awaited()
+            if not names:
+                return
+            self._take(a, self.roster.recv(self.kinds, timeout=self.timeout, rnd=a.rnd, names=names))
+
+    def _take(self, a: _Audit, msg: m.Message) -> None:
+        if isinstance(msg, m.EvidenceItems):
+            ask = a.asks.get(msg.ask)
+            if ask is None or msg.sender not in ask.waiting:
+                return
+            ask.shown[msg.sender] = msg.items if isinstance(msg.items, dict) else {}
+            ask.waiting.discard(msg.sender)
+            if not ask.waiting:
+                del a.asks[msg.ask]
+                ask.then(ask.shown)
+        elif isinstance(msg, m.Rechecked):
+            asked = a.rechecks.get(msg.check)
+            if asked is None or asked[3] != msg.sender:
+                return
+            del a.rechecks[msg.check]
+            c, claimed, inputs, verifier = asked
+            d = msg.difference
+            if isinstance(d, (int, float)) and d <= self.tolerance:
+                self.totals["max_difference"] = max(self.totals["max_difference"], d)
+            else:
+                self._confirmation(a, _Confirmation(c, claimed, inputs, verifier, d))
+        elif isinstance(msg, m.WeightsShown):
+            if msg.sender in a.weights_asked and msg.sender not in a.weights:
+                a.weights[msg.sender] = (msg.stage, msg.tensors)
+        self._confirm_ready(a)
+
+    # -- which computations are checked -----------------------------------------------------------------
+    def _decide(self, a: _Audit, checks: list[Check]) -> None:
+        """Draw each of ``checks`` not drawn for yet; examine those drawn."""
+        drawn = [c for c in checks if c.claimed.key not in a.decided and self._draw(c)]
+        a.decided.update(c.claimed.key for c in checks)
+        self._examine(a, drawn)
 
     def _draw(self, c: Check) -> bool:
         if self.mode == "full":
@@ -208,6 +355,23 @@ class Verifier:
             return False
         rate = max(self.rate, SUSPECT_RATE) if c.node in self.suspects else self.rate
         return self.rng.random() < rate
+
+    def _checks(self, plan: Any, alloc: dict[str, int], batches: list) -> list[Check]:
+        """Every computation of the round whose output another process received (the module doc)."""
+        out: list[Check] = []
+        visits: dict[str, list[dict]] = {}
+        for mb, route in enumerate(plan.paths):
+            tokens, targets = batches[mb]
+            out += _route_checks(mb, route, tokens, targets, visits)
+        replicas: dict[int, list[str]] = {}
+        for name, stage in sorted(alloc.items()):
+            replicas.setdefault(stage, []).append(name)
+        for name, stage in sorted(alloc.items()):
+            others = [r for r in replicas[stage] if r != name]
+            if others:  # a share is sent only to other replicas (zeros by one that ran no microbatch)
+                out.append(Check(name, stage, "share", -1, -1, Source(others[0], ("share", -1, -1, name)),
+                                 visits=visits.get(name, [])))
+        return out
 
     # -- screening ----------------------------------------------------------------------------------
     def _screen(self, norms: list[m.Norm], alloc: dict[str, int]) -> set[tuple]:
@@ -249,43 +413,48 @@ class Verifier:
         self.totals["disputes"] += 1
         self._event("dispute", nodes=sorted(set(nodes)), why=why, **evidence)
 
-    # -- which computations ---------------------------------------------------------------------------
-    def _checks(self, plan: Any, alloc: dict[str, int], batches: list) -> list[Check]:
-        """Every computation of the round whose output another process received (the module doc)."""
-        out: list[Check] = []
-        visits: dict[str, list[dict]] = {}
-        for mb, route in enumerate(plan.paths):
-            tokens, targets = batches[mb]
-            out += _route_checks(mb, route, tokens, targets, visits)
-        replicas: dict[int, list[str]] = {}
-        for name, stage in sorted(alloc.items()):
-            replicas.setdefault(stage, []).append(name)
-        for name, stage in sorted(alloc.items()):
-            others = [r for r in replicas[stage] if r != name]
-            if others:  # a share is sent only to other replicas (zeros by one that ran no microbatch)
-                out.append(Check(name, stage, "share", -1, -1, Source(others[0], ("share", -1, -1, name)),
-                                 visits=visits.get(name, [])))
-        return out
-
     # -- evidence -------------------------------------------------------------------------------------
-    def _gather(self, rnd: int, checks: list[Check]) -> dict[str, dict]:
-        """Ask each holder for the kept tensors the checks need; holder -> key -> (tensor, receipt,
-        disputed)."""
+    def _ask(self, a: _Audit, wanted: dict[str, set], then: Callable[[dict[str, dict]], None]) -> None:
+        """Ask each holder of ``wanted`` (holder -> keys) for its kept tensors; ``then`` gets them (holder
+        -> key -> (tensor, receipt, disputed)) once every holder answered."""
+        if not wanted:
+            then({})
+            return
+        self._ask_id += 1
+        for holder, keys in wanted.items():
+            self.roster.put(holder, m.EvidenceRequest(a.rnd, tuple(sorted(keys)), self._ask_id))
+        a.asks[self._ask_id] = _Ask(set(wanted), then)
+
+    def _examine(self, a: _Audit, checks: list[Check]) -> None:
+        """Check each of ``checks`` (of nodes not caught): their evidence asked for, then judged."""
+        checks = [c for c in checks if c.node not in a.caught]
+        if not checks:
+            return
+        a.drawn.update(c.claimed.key for c in checks)
         wanted: dict[str, set] = {}
         for c in checks:
             for src in c.sources():
                 if src.holder:
                     wanted.setdefault(src.holder, set()).add(src.key)
-        return self._ask(rnd, wanted)
+        self._ask(a, wanted, lambda shown: self._judge(a, checks, shown))
 
-    def _ask(self, rnd: int, wanted: dict[str, set]) -> dict[str, dict]:
-        for holder, keys in wanted.items():
-            self.roster.put(holder, m.EvidenceRequest(rnd, tuple(sorted(keys))))
-        shown: dict[str, dict] = {}
-        while set(wanted) - set(shown):
-            msg = self.roster.recv(m.EvidenceItems, timeout=self.timeout, rnd=rnd, names=set(wanted) - set(shown))
-            shown[msg.sender] = msg.items if isinstance(msg.items, dict) else {}
-        return shown
+    def _judge(self, a: _Audit, checks: list[Check], shown: dict[str, dict]) -> None:
+        """Each check's evidence, then (modes "spot" and "full") its recheck; in mode "screen", non-finite
+        values computed from finite inputs are their sender's fault."""
+        for c in checks:
+            if c.node in a.caught:
+                continue
+            tensors = self._evidence(c, shown, a.caught)
+            if tensors is None:
+                continue
+            claimed, inputs = tensors
+            if self.mode == "screen":
+                if not bool(torch.isfinite(claimed).all()) and all(
+                        bool(torch.isfinite(t).all()) for t in _tensors(inputs) if t.is_floating_point()):
+                    self._catch(a.caught, c.node, "non-finite", c, reason="sent non-finite values computed "
+                                "from finite inputs")
+                continue
+            self._recheck(a, c, claimed, inputs)
 
     def _shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check) -> Any:
         """The tensor of ``src`` once it is covered by its sender's receipt; None, after blaming the holder
@@ -337,15 +506,14 @@ class Verifier:
         return claimed, inputs
 
     # -- the replicas' averaging ------------------------------------------------------------------------
-    def _combined(self, rnd: int, norms: list[m.Norm], plan: Any, alloc: dict[str, int],
-                  caught: dict[str, str]) -> None:
+    def _combined(self, a: _Audit) -> None:
         """Every replica of a stage must combine the shares as they were sent (so that they hold equal
         weights after the step): when the digests of what they combined (``Norm.combined``) differ, the
         coordinator combines the shares itself, each as its sender's receipt names it, and catches every
         replica whose gradient differs from that by more than ``tolerance``."""
-        digests = {msg.sender: msg.combined for msg in norms}
+        digests = {msg.sender: msg.combined for msg in a.norms}
         groups: dict[int, list[str]] = {}
-        for name, stage in sorted(alloc.items()):
+        for name, stage in sorted(a.alloc.items()):
             groups.setdefault(stage, []).append(name)
         split = {s: names for s, names in groups.items()
                  if len(names) > 1 and len({digests.get(n) for n in names}) > 1}
@@ -357,14 +525,16 @@ class Verifier:
                 holder = next(o for o in names if o != r)
                 wanted.setdefault(holder, set()).add(("share", -1, -1, r))
                 wanted.setdefault(r, set()).add(COMBINED)
-        shown = self._ask(rnd, wanted)
-        counts, visits = plan.backward_counts(), plan.stage_visits()
+        self._ask(a, wanted, lambda shown: self._judge_combined(a, split, shown))
+
+    def _judge_combined(self, a: _Audit, split: dict[int, list[str]], shown: dict[str, dict]) -> None:
+        counts, visits = a.plan.backward_counts(), a.plan.stage_visits()
         for stage, names in split.items():
             shares = []
             for r in names:
                 holder = next(o for o in names if o != r)
                 c = Check(r, stage, "share", -1, -1, Source(holder, ("share", -1, -1, r)))
-                share = self._shown(c.claimed, shown, caught, c)
+                share = self._shown(c.claimed, shown, a.caught, c)
                 if share is None:
                     break
                 shares.append(share.float())
@@ -376,7 +546,7 @@ class Verifier:
                 c = Check(r, stage, "combine", -1, -1, Source(r, COMBINED))
                 d = difference(got[0] if isinstance(got, tuple) and got else None, want)
                 if d > self.tolerance:
-                    self._catch(caught, r, "combine", c, reason=f"combined its stage's shares into a gradient "
+                    self._catch(a.caught, r, "combine", c, reason=f"combined its stage's shares into a gradient "
                                 f"that differs by {d:.3g} from the shares as their senders sent them",
                                 difference=d if math.isfinite(d) else None, tolerance=self.tolerance)
 
@@ -384,92 +554,69 @@ class Verifier:
         return receipts.node_key(self.roster.run_key, name)
 
     # -- recomputation and confirmation -----------------------------------------------------------------
-    def _recheck(self, rnd: int, judged: list[tuple], alloc: dict[str, int], caught: dict[str, str]) -> tuple[int, int]:
-        """Have a replica recompute each check, confirm each mismatch (the module doc); returns (rechecks
-        sent to replicas, confirmations by the coordinator)."""
-        asked: dict[int, tuple] = {}
-        confirm: list[tuple] = []
-        for c, (claimed, inputs) in judged:
-            if c.node in caught:
-                continue
-            others = [n for n, s in alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
-                      and n not in caught]
-            if not others:
-                confirm.append((c, claimed, inputs, None, math.nan))
-                continue
-            verifier = self.rng.choice(sorted(others))
-            self._check_id += 1
-            asked[self._check_id] = (c, claimed, inputs, verifier)
-            self.roster.put(verifier, m.Recheck(rnd, self._check_id, c.stage, c.kind, inputs, claimed))
-        pending = set(asked)
-        while pending:
-            names = {asked[i][3] for i in pending}
-            msg = self.roster.recv(m.Rechecked, timeout=self.timeout, rnd=rnd, names=names)
-            if msg.check not in pending or asked[msg.check][3] != msg.sender:
-                continue
-            pending.discard(msg.check)
-            c, claimed, inputs, verifier = asked[msg.check]
-            d = msg.difference
-            if isinstance(d, (int, float)) and d <= self.tolerance:
-                self.totals["max_difference"] = max(self.totals["max_difference"], d)
-                continue
-            confirm.append((c, claimed, inputs, verifier, d))
-        for c, claimed, inputs, verifier, d in confirm:
-            if c.node not in caught and (verifier is None or verifier not in caught):
-                self._confirm(c, claimed, inputs, verifier, d, caught)
-        return len(asked), len(confirm)
-
-    def _confirm(self, c: Check, claimed: Any, inputs: dict, verifier: str | None, reported: float,
-                 caught: dict[str, str]) -> None:
-        """The coordinator recomputes ``c`` itself, with the node's weights (equal to the verifier's)."""
-        states = self._states([c.node] + ([verifier] if verifier else []))
-        mine = states.get(c.node)
-        if mine is None or mine[0] != c.stage:
-            self._catch(caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
+    def _recheck(self, a: _Audit, c: Check, claimed: Any, inputs: dict) -> None:
+        """Have a replica of ``c``'s stage, chosen at random, recompute it; with none, the coordinator
+        does (a confirmation)."""
+        others = [n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
+                  and n not in a.caught]
+        if not others:
+            self._confirmation(a, _Confirmation(c, claimed, inputs, None, math.nan))
             return
-        if verifier is not None:
-            theirs = states.get(verifier)
-            if theirs is None or not _equal(mine[1], theirs[1]):
-                self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
-                return
-        stage = self._built.get(c.node)
+        verifier = self.rng.choice(sorted(others))
+        self._check_id += 1
+        a.rechecks[self._check_id] = (c, claimed, inputs, verifier)
+        a.sent_rechecks += 1
+        self.roster.put(verifier, m.Recheck(a.rnd, self._check_id, c.stage, c.kind, inputs, claimed))
+
+    def _confirmation(self, a: _Audit, k: _Confirmation) -> None:
+        """``k`` waits for the weights it needs (asked for once an audit: they do not change before the
+        step)."""
+        a.confirming.append(k)
+        for n in k.needs():
+            if n not in a.weights_asked:
+                a.weights_asked.add(n)
+                self.roster.put(n, m.ShowWeights(a.rnd))
+
+    def _confirm_ready(self, a: _Audit) -> None:
+        """Run the confirmations whose weights came (dropping those of nodes caught meanwhile)."""
+        waiting = []
+        for k in list(a.confirming):
+            if any(n in a.caught for n in k.needs()):
+                continue
+            if all(n in a.weights for n in k.needs()):
+                a.confirmations += 1
+                self._confirm(a, k)
+            else:
+                waiting.append(k)
+        a.confirming = waiting
+
+    def _confirm(self, a: _Audit, k: _Confirmation) -> None:
+        """The coordinator recomputes ``k`` itself, with the node's weights (equal to the verifier's)."""
+        c, verifier, reported = k.check, k.verifier, k.reported
+        mine = a.weights[c.node]
+        if mine[0] != c.stage:
+            self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
+            return
+        if verifier is not None and not _equal(mine[1], a.weights[verifier][1]):
+            self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
+            return
+        stage = a.built.get(c.node)
         if stage is None:  # one build a node an audit, however many of its computations are confirmed
-            stage = self._built[c.node] = Stage(self.model, c.stage, self.stages, seed=self.seed)
+            stage = a.built[c.node] = Stage(self.model, c.stage, self.stages, seed=self.seed)
             stage.load_state_dict(mine[1])
             stage.to(self.device)
-        own = difference(claimed, recompute(stage, c.kind, inputs, self.device, self.bf16))
+        own = difference(k.claimed, recompute(stage, c.kind, k.inputs, self.device, self.bf16))
         evidence = {**c.describe(), "verifier": verifier or "coordinator",
                     "difference": reported if verifier and math.isfinite(reported) else None,
                     "confirmed_difference": own if math.isfinite(own) else None, "tolerance": self.tolerance}
         if own > self.tolerance:
             what = "share of the round" if c.kind == "share" else f"{c.kind} of microbatch {c.mb}"
-            self._catch(caught, c.node, c.kind, c, reason=f"its {what} differs from the recomputation by {own:.3g} "
-                        f"(tolerance {self.tolerance:g})", **evidence)
+            self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} differs from the recomputation by "
+                        f"{own:.3g} (tolerance {self.tolerance:g})", **evidence)
         elif verifier is not None and not (isinstance(reported, float) and math.isnan(reported)):
-            self._catch(caught, verifier, "false mismatch", c, reason=f"reported that {c.node}'s {c.kind} differs "
-                        f"by {reported:.3g}; the coordinator's recomputation differs by {own:.3g}", **evidence)
-
-    def _states(self, names: list[str]) -> dict[str, tuple[int, dict]]:
-        """The weights of ``names``: name -> (stage, state dict); fetched once an audit (they do not change
-        before the step). NodesLost when nodes die meanwhile, raised once every other node asked has
-        answered: a ``State`` belongs to no round, so one left on its way would reach the trainer's next
-        wait, which would refuse it (NodeFailed) instead of running the round again."""
-        ask = [n for n in names if n not in self._weights]
-        for n in ask:
-            self.roster.put(n, m.StateRequest())
-        waiting, lost = set(ask), {}
-        while waiting:
-            try:
-                msg = self.roster.recv(m.State, timeout=self.timeout, names=waiting)
-            except NodesLost as exc:
-                lost.update(exc.names)
-                waiting -= set(exc.names)
-                continue
-            self._weights[msg.sender] = (msg.stage, msg.tensors)
-            waiting.discard(msg.sender)
-        if lost:
-            raise NodesLost(lost)
-        return {n: self._weights[n] for n in names}
+            self._catch(a.caught, verifier, "false mismatch", c, reason=f"reported that {c.node}'s {c.kind} "
+                        f"differs by {reported:.3g}; the coordinator's recomputation differs by {own:.3g}",
+                        **evidence)
 
     def _catch(self, caught: dict[str, str], node: str, check: str, c: Check, reason: str, **evidence: Any) -> None:
         if node in caught:
