@@ -160,7 +160,7 @@ class _Audit:
     confirming: list[_Confirmation] = field(default_factory=list)  # waiting for weights
     weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
     weights_asked: set[str] = field(default_factory=set)
-    built: dict[str, Any] = field(default_factory=dict)  # stages built from ``weights`` (recompute leaves them be)
+    loaded: dict[int, str] = field(default_factory=dict)  # stage -> whose weights its module holds this audit
     sent_rechecks: int = 0
     confirmations: int = 0
     overlapped: float = 0.0  # seconds of the audit's own work while the round ran
@@ -192,6 +192,7 @@ class Verifier:
         self.rng = random.SystemRandom()
         self.device = torch.device("cpu")
         self._audit: _Audit | None = None
+        self._modules: dict[int, Stage] = {}  # one a stage, built once a run, loaded with the weights to confirm
         self._suspected: set[tuple] = set()
         self.suspects: set[str] = set()
         self._check_id = self._ask_id = 0
@@ -600,11 +601,12 @@ class Verifier:
         if verifier is not None and not _equal(mine[1], a.weights[verifier][1]):
             self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
             return
-        stage = a.built.get(c.node)
-        if stage is None:  # one build a node an audit, however many of its computations are confirmed
-            stage = a.built[c.node] = Stage(self.model, c.stage, self.stages, seed=self.seed)
+        stage = self._modules.get(c.stage)
+        if stage is None:  # built once a run (building initialises every weight); loaded once a node an audit
+            stage = self._modules[c.stage] = Stage(self.model, c.stage, self.stages, seed=self.seed).to(self.device)
+        if a.loaded.get(c.stage) != c.node:  # recompute leaves the weights as loaded
             stage.load_state_dict(mine[1])
-            stage.to(self.device)
+            a.loaded[c.stage] = c.node
         own = difference(k.claimed, recompute(stage, c.kind, k.inputs, self.device, self.bf16))
         evidence = {**c.describe(), "verifier": verifier or "coordinator",
                     "difference": reported if verifier and math.isfinite(reported) else None,
