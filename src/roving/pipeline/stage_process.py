@@ -268,9 +268,12 @@ class StageProcess:
     def _on_step(self, msg: m.Step) -> None:
         self._step(msg.round, msg.clip_coef, msg.lr)
 
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """This stage's weights by parameter name, on the CPU (to travel)."""
+        return {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+
     def _on_export(self, msg: m.Export) -> None:
-        params = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
-        self.control.put(m.Exported(self.name, self.stage_index, params, _to_cpu(self.opt.state_dict())))
+        self.control.put(m.Exported(self.name, self.stage_index, self._weights(), _to_cpu(self.opt.state_dict())))
 
     def _on_load(self, msg: m.Load) -> None:
         if msg.stage != self.stage_index or msg.optimizer is None:  # None: a fresh optimizer state
@@ -286,7 +289,7 @@ class StageProcess:
         if msg.grads:  # for checks: the gradients as they are now
             sd = {n: p.grad.detach().to("cpu") for n, p in self.stage.named_parameters() if p.grad is not None}
         else:
-            sd = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+            sd = self._weights()
         self.control.put(m.State(self.name, self.stage_index, sd))
 
     def _on_throttle(self, msg: m.Throttle) -> None:
@@ -297,8 +300,7 @@ class StageProcess:
         self.control.put(m.EvidenceItems(msg.round, self.name, items, msg.ask))
 
     def _on_show_weights(self, msg: m.ShowWeights) -> None:
-        sd = {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
-        self.control.put(m.WeightsShown(msg.round, self.name, self.stage_index, sd))
+        self.control.put(m.WeightsShown(msg.round, self.name, self.stage_index, self._weights()))
 
     def _on_recheck(self, msg: m.Recheck) -> None:
         """Recompute with the weights held now (every replica's until the round's step); NaN when this

@@ -429,24 +429,26 @@ class Trainer:
                     raise NodesLost(caught, caught=caught)
                 return rnd, losses, norm, attempt + 1, t_compute, lost_s
             except NodesLost as exc:
-                # caught by the round's audit so far, or at its end: out for good whatever ended the round
-                caught = {**self.verifier.abandon(), **exc.caught}
-                if caught:
-                    self.roster.exclude(caught)
+                self._exclude_caught(exc.caught)
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
             except RoundStalled as exc:
-                caught = self.verifier.abandon()
-                if caught:
-                    self.roster.exclude(caught)
+                self._exclude_caught({})
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
                 log.warning("iteration %d: the round stalled (%s); it is run again", it, exc)
                 self._event("stalled", attempt=attempt, why=str(exc), seconds_lost=lost_s)
         raise NodeFailed(f"iteration {it} failed {self.config.max_retries + 1} times; giving up")
+
+    def _exclude_caught(self, caught: dict[str, str]) -> None:
+        """The round is given up: the nodes its audit caught, so far or at its end (``caught``), are out
+        for good whatever ended it."""
+        caught = {**self.verifier.abandon(), **caught}
+        if caught:
+            self.roster.exclude(caught)
 
     def _record(self, it: int, stats: dict[str, dict], *, losses: list[float], seconds: float, compute: float,
                 lost: float, attempts: int, norm: float, lr: float) -> dict:

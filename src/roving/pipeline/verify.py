@@ -309,11 +309,7 @@ class Verifier:
 
     def _wait(self, a: _Audit) -> None:
         """Take answers until none is awaited (each may ask for more: weights for a confirmation)."""
-        while True:
-            self._confirm_ready(a)
-            names = a.awaited()
-            if not names:
-                return
+        while names := a.awaited():
             self._take(a, self.roster.recv(self.kinds, timeout=self.timeout, rnd=a.rnd, names=names))
 
     def _take(self, a: _Audit, msg: m.Message) -> None:
