@@ -332,7 +332,7 @@ def test_kill_9_of_a_worker_during_a_map_of_5000_calls_loses_and_repeats_nothing
             i, pid = line.split()
             runs[int(i)].append(int(pid))
     assert sorted(runs) == list(range(n))  # every call ran
-    first_workers = {pid for i in range(100) for pid in runs[i]}
+    first_workers = {pid for i in range(1000) for pid in runs[i]}
     assert killed in first_workers and any(set(runs[i]) - first_workers for i in range(1000, n))  # a replacement
     repeated = {i: pids for i, pids in runs.items() if len(pids) > 1}
     # a call ran twice only when its first run was on the killed worker (its result never left it)
