@@ -78,9 +78,16 @@ def test_a_receiver_keeps_what_it_got_and_reports_a_tensor_that_does_not_match_i
     assert list(shown) == [("activation", 0, 1, "a"), ("activation", 1, 1, "a")]
     assert torch.equal(shown[("activation", 0, 1, "a")][0], t) and shown[("activation", 0, 1, "a")][2] is False
     assert shown[("activation", 1, 1, "a")][2] is True and ("activation", 1, 1, "a") in ev.disputes
-    assert len(ev.screened) == 4
+    # summarised in idle moments (one at a time, oldest first), every one before the round's report
+    assert ev.screened == [] and len(ev.unsummarised) == 4
+    assert ev.summarize_one() and [row[:4] for row in ev.screened] == [("activation", 0, 1, "a")]
+    rows = ev.summaries()
+    assert [row[:4] for row in rows] == [("activation", 0, 1, "a"), ("activation", 1, 1, "a"),
+                                          ("gradient", 0, 0, "a"), ("activation", 2, 1, "a")]
+    assert not ev.unsummarised and not ev.summarize_one()
+    ev.keep("activation", 4, 3, 1, "a", t, None)
     ev.clear()
-    assert not ev.kept and not ev.disputes and not ev.screened
+    assert not ev.kept and not ev.disputes and not ev.screened and not ev.unsummarised
     off = Evidence("b")
     assert off.seal("activation", 0, 0, 0, t) is None
     off.keep("activation", 0, 0, 0, "a", t, None)
@@ -106,9 +113,13 @@ def test_recomputations_give_what_the_stages_computed_along_a_route():
         y1.backward(a.grad)
         h0.backward(x1.grad)
         assert difference(h0, recompute(s0, "first", {"tokens": tokens}, cpu)) < 1e-6
-        assert difference(y1, recompute(s1, "forward", {"x": x1.detach()}, cpu)) < 1e-6
+        visit = recompute(s1, "visit", {"x": x1.detach(), "g": a.grad}, cpu)  # forward and backward, at once
+        assert difference((y1, x1.grad), visit) < 1e-6
         assert difference(a.grad, recompute(s0, "loss", {"a": a.detach(), "targets": targets}, cpu)) < 1e-6
-        assert difference(x1.grad, recompute(s1, "backward", {"x": x1.detach(), "g": a.grad}, cpu)) < 1e-6
+        # a visit's difference is its worse part's; a lie in either part shows
+        assert difference((y1, -x1.grad), visit) == pytest.approx(2.0, rel=1e-5)
+        assert difference((y1 * 3, x1.grad), visit) == pytest.approx(2.0, rel=1e-5)
+        assert difference(y1, visit) == math.inf and difference((y1,), visit) == math.inf
         visits0.append({"tokens": tokens, "targets": targets, "a": a.detach(), "g": x1.grad})
         visits1.append({"x": x1.detach(), "g": a.grad})
     for stage, visits in ((s0, visits0), (s1, visits1)):
@@ -157,7 +168,7 @@ def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blam
     t = torch.randn(2, 3)
     key = ("activation", 0, 1, "a")
     r = receipts.seal(ka, "a", 7, "activation", 0, 1, t)
-    check = Check("a", 1, "forward", 0, 1, Source("c", key), {"x": Source(value=t)})
+    check = Check("a", 0, "first", 0, 0, Source("c", key), {"tokens": Source(value=t)})
     cases = {
         "shown": ({"c": {key: (t, r, False)}}, None, []),
         "withheld": ({"c": {}}, "c", []),
@@ -261,7 +272,7 @@ class LocalRound:
             total = combine([shares[r] for r in replicas], [self.backwards[r] for r in replicas], visits[s])
             for r in replicas:
                 ev = self.evidence[r]
-                norms.append(m.Norm(self.rnd, r, s, float(total.pow(2).sum()), tuple(ev.screened),
+                norms.append(m.Norm(self.rnd, r, s, float(total.pow(2).sum()), ev.summaries(),
                                     tuple(ev.disputes), None, ev.combined(total) if len(replicas) > 1 else None))
         return norms
 
@@ -366,12 +377,14 @@ def test_an_audit_runs_alongside_its_round_each_check_starting_as_soon_as_what_i
     assert {key[1] for msg in asked for key in msg.keys} == {0}, "microbatch 0's tensors only"
     take_answers()
     rechecks = [(n, msg) for n, msg in r.sent if isinstance(msg, m.Recheck)]
-    assert sorted(msg.kind for _, msg in rechecks) == ["backward", "first", "forward", "loss"]
-    assert {n for n, msg in rechecks if msg.kind in ("forward", "backward")} == {"d"}, "c's work to d"
+    assert sorted(msg.kind for _, msg in rechecks) == ["first", "loss", "visit"]
+    assert {n for n, msg in rechecks if msg.kind == "visit"} == {"d"}, "c's work to d"
     take_answers()
     assert {n for n, msg in r.sent if isinstance(msg, m.ShowWeights)} == {"c", "d"}
     take_answers()
-    assert [(f["node"], f["check"], f["mb"]) for kind, f in events if kind == "caught"] == [("c", "forward", 0)]
+    assert [(f["node"], f["check"], f["mb"]) for kind, f in events if kind == "caught"] == [("c", "visit", 0)]
+    assert [f["why"][:48] for kind, f in events if kind == "caught"] == [
+        "its forward and backward of microbatch 0 differ "], "c scales all it sends: both parts"
     before = len(r.sent)
     a, b = (msg for msg in r.norms if msg.sender in ("a", "b"))
     v.note(a)
@@ -385,7 +398,7 @@ def test_an_audit_runs_alongside_its_round_each_check_starting_as_soon_as_what_i
             v.note(msg)
     assert list(v.audit(0, r.norm())) == ["c"]
     # every computation of the round but c's share: c was out before its share was drawn
-    assert v.last["checks"] == 11 and v.last["caught"] == ["c"]
+    assert v.last["checks"] == 9 and v.last["caught"] == ["c"]
     assert not [f for kind, f in events if kind == "caught" and f["node"] != "c"]
 
 
@@ -413,8 +426,8 @@ def test_a_round_given_up_hands_over_whom_its_audit_caught_so_far_and_drops_the_
 def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():
     """Mode "spot" at rate 0 (nothing is drawn): c sends a NaN in its activations of microbatch 0, which
     reaches the loss, the gradients, stage 0's combined gradient and so the norm. Every computation of the
-    round is then checked, each rechecked by the other replica of its stage: 4 a microbatch (the origin's
-    first forward, the forward at stage 1, the loss, the backward at stage 1) and the 4 replicas' shares;
+    round is then checked, each rechecked by the other replica of its stage: 3 a microbatch (the origin's
+    first forward, the visit at stage 1: its forward and backward, the loss) and the 4 replicas' shares;
     c is caught, and no honest node, though a's loss, c's backward and a's and c's shares are NaN too.
     With a finite norm, the same round has only the tensors screening found non-finite checked."""
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
@@ -426,11 +439,10 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
     for msg in r.norms:
         v.note(msg)
     caught = v.audit(0, norm)
-    every = sum(2 * len(route.nodes) + 2 for route in PLAN.paths) + len(PLAN.allocation)
-    assert every == 12 and v.last["checks"] == every
+    every = sum(len(route.nodes) + 2 for route in PLAN.paths) + len(PLAN.allocation)
+    assert every == 10 and v.last["checks"] == every
     rechecks = [msg for _, msg in r.sent if isinstance(msg, m.Recheck)]
-    assert collections.Counter(msg.kind for msg in rechecks) == {"first": 2, "forward": 2, "loss": 2,
-                                                                  "backward": 2, "share": 4}
+    assert collections.Counter(msg.kind for msg in rechecks) == {"first": 2, "visit": 2, "loss": 2, "share": 4}
     assert v.last["rechecks"] == every
     assert list(caught) == ["c"] and [f["node"] for kind, f in events if kind == "caught"] == ["c"]
     assert not [f for kind, f in events if kind == "dispute"]

@@ -13,7 +13,10 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 - takes a tensor that comes without its receipt, or with one for another message, as a *dispute* it
   reports at once, and one that does not match its receipt's digest as a dispute when it is shown (the
   sender may have lied, or it may: the coordinator cannot tell which, and blames neither for it);
-- summarises each tensor received for the coordinator's screening (``screen.summarize``);
+- summarises each tensor received for the coordinator's screening (``screen.summarize``), in the
+  process's idle moments (``summarize_one``, when no work is ready and no message waiting) rather than
+  as it arrives, so that no computation waits on a summary; what is left is summarised before the
+  round's report (``summaries``);
 - shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
   (``recompute``) with the weights it holds now, which every replica of its stage holds bitwise equal
   until the round's step.
@@ -42,7 +45,7 @@ Key = tuple
 COMBINED = ("combined", -1, -1, "")
 
 #: what can be recomputed (``recompute``), by the computation that made the tensor checked.
-KINDS = ("first", "forward", "loss", "backward", "share")
+KINDS = ("first", "visit", "loss", "share")
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Evidence:
     kept: dict[Key, Kept] = field(default_factory=dict)
     #: (what, mb, hop, sender, Summary) of the tensors received this round, for screening
     screened: list[tuple] = field(default_factory=list)
+    #: (what, mb, hop, sender, tensor, count) received this round and not summarised yet
+    unsummarised: list[tuple] = field(default_factory=list)
     #: keys of the tensors received this round that did not match their receipt
     disputes: list[Key] = field(default_factory=list)
     #: the gradient this process combined from its stage's shares this round (``combined``)
@@ -78,6 +83,7 @@ class Evidence:
         """A new round (or an aborted one): forget what the round received."""
         self.kept.clear()
         self.screened.clear()
+        self.unsummarised.clear()
         self.disputes.clear()
         self.total = None
 
@@ -106,9 +112,10 @@ class Evidence:
 
     def keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
              receipt: Any, count: int | None = None) -> None:
-        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, summarised. A share
-        comes with its ``count`` of microbatches: summarised per microbatch, so that replicas of unequal
-        loads compare, and all zeros is no finding when it ran none."""
+        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, and queued to be
+        summarised (``summarize_one``). A share comes with its ``count`` of microbatches: summarised per
+        microbatch, so that replicas of unequal loads compare, and all zeros is no finding when it ran
+        none."""
         if not self.on or sender == self.name:
             return
         key = (what, mb, hop, sender)
@@ -121,9 +128,24 @@ class Evidence:
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
+        self.unsummarised.append((what, mb, hop, sender, tensor, count))
+
+    def summarize_one(self) -> bool:
+        """Summarise the oldest tensor not summarised yet; whether there was one."""
+        if not self.unsummarised:
+            return False
+        what, mb, hop, sender, tensor, count = self.unsummarised.pop(0)
         summary = summarize(tensor, divisor=count or 1)
         if not (count == 0 and summary.found == ("zeros",)):
             self.screened.append((what, mb, hop, sender, summary))
+        return True
+
+    def summaries(self) -> tuple:
+        """Every summary of the round's tensors (those left summarised now): the screening rows the
+        round's ``Norm`` carries."""
+        while self.summarize_one():
+            pass
+        return tuple(self.screened)
 
     def combined(self, total: torch.Tensor) -> bytes | None:
         """This process combined ``total`` from its stage's shares this round: kept (shown under the key
@@ -160,7 +182,12 @@ def difference(got: Any, want: Any) -> float:
     """How far a tensor sent (``got``) is from its recomputation (``want``): ``|got - want| / |want|``
     (L2 over the finite elements; relative, so a tolerance covers float nondeterminism at any scale);
     inf when ``got`` is not a tensor of ``want``'s shape, or is not finite where ``want`` is (or the
-    other way round, or with other infinities)."""
+    other way round, or with other infinities). For a tuple of tensors (a visit's two outputs), the
+    largest of its parts' differences (inf when ``got`` is not a tuple of as many)."""
+    if isinstance(want, tuple):
+        if not isinstance(got, tuple) or len(got) != len(want):
+            return math.inf
+        return max((difference(g, w) for g, w in zip(got, want)), default=0.0)
     if not isinstance(got, torch.Tensor) or not isinstance(want, torch.Tensor) or got.shape != want.shape:
         return math.inf
     g, w = got.detach().float().to(want.device), want.detach().float()
@@ -176,15 +203,19 @@ def difference(got: Any, want: Any) -> float:
     return float((g - w).norm()) / max(float(w.norm()), 1e-12)
 
 
-def recompute(stage: Any, kind: str, inputs: dict, device: torch.device, bf16: bool = False) -> torch.Tensor:
+def recompute(stage: Any, kind: str, inputs: dict, device: torch.device,
+              bf16: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """What ``stage`` (a ``stages.Stage`` holding the weights to check against) computes for ``kind``
     (``KINDS``) from ``inputs``; nothing accumulates into the stage's own gradients.
 
     - "first": the origin's forward, ``inputs["tokens"]`` -> its activations;
-    - "forward": ``inputs["x"]`` -> activations;
+    - "visit": a visited stage's two computations for one microbatch, from the activations it got
+      (``inputs["x"]``) and the gradient that came back for its output (``inputs["g"]``): the pair
+      (its activations ``stage(x)``, the gradient of ``stage(x)`` times ``g`` with respect to ``x``),
+      from one forward (checking the backward needs the forward anyway: the two cost what the
+      backward alone does);
     - "loss": the gradient of the loss of ``inputs["a"]`` (activations back at the origin) for
       ``inputs["targets"]``, with respect to ``a``;
-    - "backward": the gradient of ``stage(x)`` times ``inputs["g"]`` with respect to ``x``;
     - "share": the stage's summed parameter gradients over ``inputs["visits"]``, flattened as a share
       is: for stage 0 each visit is ``tokens``, ``targets`` and, where the microbatch left the origin,
       ``a`` and ``g`` (the gradient that came back); for the others ``x`` and ``g``.
@@ -198,19 +229,16 @@ def recompute(stage: Any, kind: str, inputs: dict, device: torch.device, bf16: b
     if kind == "first":
         with torch.no_grad(), auto:
             return stage(stage.embed(on(inputs["tokens"]))).float()
-    if kind == "forward":
-        with torch.no_grad(), auto:
-            return stage(on(inputs["x"])).float()
     if kind == "loss":
         a = on(inputs["a"], grad=True)
         with auto:
             loss = stage.loss(a, on(inputs["targets"]))
         return torch.autograd.grad(loss, a)[0].float()
-    if kind == "backward":
+    if kind == "visit":
         x = on(inputs["x"], grad=True)
         with auto:
             y = stage(x)
-        return torch.autograd.grad(y, x, on(inputs["g"]).to(y.dtype))[0].float()
+        return y.detach().float(), torch.autograd.grad(y, x, on(inputs["g"]).to(y.dtype))[0].float()
     if kind == "share":
         return _share(stage, inputs["visits"], on, auto)
     raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 import traceback
@@ -170,7 +171,14 @@ class StageProcess:
         while True:
             task = self._next_task()
             if task is None:
-                msg = self.inbox.get()
+                if self.evidence.unsummarised:  # an idle moment: a summary, unless a message waits
+                    try:
+                        msg = self.inbox.get_nowait()
+                    except queue.Empty:
+                        self.evidence.summarize_one()
+                        continue
+                else:
+                    msg = self.inbox.get()
                 if isinstance(msg, m.Stop):
                     break
                 self._accept(msg)
@@ -457,7 +465,7 @@ class StageProcess:
         self.last_sq_norm = float(total.pow(2).sum())
         ev = self.evidence
         combined = ev.combined(total) if len(replicas) > 1 else None
-        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, tuple(ev.screened),
+        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, ev.summaries(),
                                 tuple(ev.disputes), cosines or None, combined))
 
     def _step(self, rnd: int, coef: float, lr: float) -> None:

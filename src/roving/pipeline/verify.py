@@ -14,10 +14,12 @@ computations of a round whose gradient norm is not finite, and the answers still
 
 What is checked. Every tensor a node sends is the result of one *computation* by that node, from
 inputs that others sent it (or the coordinator: tokens and targets): an origin's first forward
-("first"), a forward at a visited stage ("forward"), the origin's loss gradient ("loss"), a backward
-at a visited stage ("backward"), and a replica's summed gradients ("share"). A *check* of one
-computation gathers the tensors it needs from the nodes that received them (``evidence``: each kept
-with its sender's receipt), so the node checked cannot choose what it is checked on:
+("first"), a visited stage's forward and, from the same activations and the gradient that came back,
+its backward (the two are one "visit": rechecking the backward redoes the forward anyway, so both are
+checked together for the price of the backward), the origin's loss gradient ("loss"), and a replica's
+summed gradients ("share"). A *check* gathers the tensors it needs from the nodes that received them
+(``evidence``: each kept with its sender's receipt), so the node checked cannot choose what it is
+checked on:
 
 1. *Evidence.* Each tensor shown must be covered by its sender's receipt (``receipts``): a holder that
    shows a tensor its sender's receipt does not name, or shows nothing, is caught itself (an honest one
@@ -40,7 +42,9 @@ itself, each as its sender's receipt names it, and catches each replica whose gr
 (one that combined another share than was sent, its own included, would step to other weights than its
 replicas, and later checks could no longer compare them). Every round, in every mode but "off".
 
-Which computations. ``full``: all. ``spot``: each with probability ``verify_rate``, drawn here from the
+Which computations. ``full``: all. ``spot``: each with probability ``verify_rate`` (a visit's forward and
+backward together, as the issue's spot check has it: a microbatch's forward "and, for gradients, the
+backward" on the same input), drawn here from the
 operating system's randomness after the tensors it checks were sent (so no node can know which of its
 tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``. Any mode but "off":
 every computation whose output a receiver found non-finite or all zero when screening it. In "screen"
@@ -94,8 +98,9 @@ class Source:
 @dataclass
 class Check:
     """One computation to check: by ``node`` holding ``stage``, of ``kind`` (``evidence.KINDS``), for
-    microbatch ``mb`` (-1: a share) at ``hop``; its output ``claimed`` and its ``inputs`` (by the name
-    ``evidence.recompute`` reads; a share's ``visits`` are a list of such dicts)."""
+    microbatch ``mb`` (-1: a share) at ``hop`` (a visit's: the hop of the activations it received); its
+    output ``claimed`` (a visit's forward output; ``also``: its backward output) and its ``inputs`` (by the
+    name ``evidence.recompute`` reads; a share's ``visits`` are a list of such dicts)."""
 
     node: str
     stage: int
@@ -105,9 +110,14 @@ class Check:
     claimed: Source
     inputs: dict = field(default_factory=dict)
     visits: list = field(default_factory=list)
+    also: Source | None = None
+
+    def outputs(self) -> tuple[Source, ...]:
+        """The tensors it sent that the check compares (one; a visit's two)."""
+        return (self.claimed,) if self.also is None else (self.claimed, self.also)
 
     def sources(self) -> Iterable[Source]:
-        yield self.claimed
+        yield from self.outputs()
         yield from self.inputs.values()
         for v in self.visits:
             yield from v.values()
@@ -290,7 +300,8 @@ class Verifier:
         self._combined(a)
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
-            every or c.claimed.key in flagged or (c.claimed.key not in a.decided and self._draw(c)))]
+            every or any(o.key in flagged for o in c.outputs())
+            or (c.claimed.key not in a.decided and self._draw(c)))]
         a.decided.update(c.claimed.key for c in rest)
         self._examine(a, rest)
         try:
@@ -446,7 +457,8 @@ class Verifier:
                 continue
             claimed, inputs = tensors
             if self.mode == "screen":
-                if not bool(torch.isfinite(claimed).all()) and all(
+                outputs = claimed if isinstance(claimed, tuple) else (claimed,)
+                if not all(bool(torch.isfinite(t).all()) for t in outputs) and all(
                         bool(torch.isfinite(t).all()) for t in _tensors(inputs) if t.is_floating_point()):
                     self._catch(a.caught, c.node, "non-finite", c, reason="sent non-finite values computed "
                                 "from finite inputs")
@@ -484,9 +496,10 @@ class Verifier:
     def _evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str]) -> tuple | None:
         """The check's tensors (claimed, inputs) once each is covered by its sender's receipt; None, after
         blaming or recording a dispute, when one is not."""
-        claimed = self._shown(c.claimed, shown, caught, c)
-        if claimed is None:
+        outputs = [self._shown(src, shown, caught, c) for src in c.outputs()]
+        if any(t is None for t in outputs):
             return None
+        claimed = outputs[0] if len(outputs) == 1 else tuple(outputs)
         inputs = {}
         for name, src in c.inputs.items():
             inputs[name] = self._shown(src, shown, caught, c)
@@ -603,13 +616,16 @@ class Verifier:
         if a.loaded.get(c.stage) != c.node:  # recompute leaves the weights as loaded
             stage.load_state_dict(mine[1])
             a.loaded[c.stage] = c.node
-        own = difference(k.claimed, recompute(stage, c.kind, k.inputs, self.device, self.bf16))
+        want = recompute(stage, c.kind, k.inputs, self.device, self.bf16)
+        own = difference(k.claimed, want)
         evidence = {**c.describe(), "verifier": verifier or "coordinator",
                     "difference": reported if verifier and math.isfinite(reported) else None,
                     "confirmed_difference": own if math.isfinite(own) else None, "tolerance": self.tolerance}
         if own > self.tolerance:
-            what = "share of the round" if c.kind == "share" else f"{c.kind} of microbatch {c.mb}"
-            self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} differs from the recomputation by "
+            what = "share of the round" if c.kind == "share" else \
+                f"{_what(c, k.claimed, want, self.tolerance)} of microbatch {c.mb}"
+            verb = "differ" if " and " in what else "differs"
+            self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} {verb} from the recomputation by "
                         f"{own:.3g} (tolerance {self.tolerance:g})", **evidence)
         elif verifier is not None and not (isinstance(reported, float) and math.isnan(reported)):
             self._catch(a.caught, verifier, "false mismatch", c, reason=f"reported that {c.node}'s {c.kind} "
@@ -644,20 +660,26 @@ def _route_checks(mb: int, route: Any, tokens: torch.Tensor, targets: torch.Tens
         return nodes[h] if 0 <= h < n else o
 
     out = [Check(o, 0, "first", mb, 0, Source(at(0), fwd(0)), {"tokens": Source(value=tokens)})]
-    for h in range(1, n + 1):
-        out.append(Check(nodes[h - 1], route.stages[h - 1], "forward", mb, h, Source(at(h), fwd(h)),
-                         {"x": Source(nodes[h - 1], fwd(h - 1))}))
+    for h, x in enumerate(nodes):  # it got fwd(h) and bwd(h); it sent fwd(h + 1) and bwd(h - 1)
+        out.append(Check(x, route.stages[h], "visit", mb, h, Source(at(h + 1), fwd(h + 1)),
+                         {"x": Source(x, fwd(h)), "g": Source(x, bwd(h))}, also=Source(at(h - 1), bwd(h - 1))))
     out.append(Check(o, 0, "loss", mb, n - 1, Source(at(n - 1), bwd(n - 1)),
                      {"a": Source(o, fwd(n)), "targets": Source(value=targets)}))
-    for h in range(n - 2, -2, -1):
-        x = nodes[h + 1]
-        out.append(Check(x, route.stages[h + 1], "backward", mb, h, Source(at(h), bwd(h)),
-                         {"x": Source(x, fwd(h + 1)), "g": Source(x, bwd(h + 1))}))
     visits.setdefault(o, []).append({"tokens": Source(value=tokens), "targets": Source(value=targets),
                                      "a": Source(o, fwd(n)), "g": Source(o, bwd(-1))})
     for h, x in enumerate(nodes):
         visits.setdefault(x, []).append({"x": Source(x, fwd(h)), "g": Source(x, bwd(h))})
     return out
+
+
+def _what(c: Check, claimed: Any, want: Any, tolerance: float) -> str:
+    """Which of a check's computations differ beyond ``tolerance`` (a visit's forward, backward, or both)."""
+    if c.kind != "visit" or not isinstance(want, tuple):
+        return c.kind
+    parts = ("forward", "backward")
+    bad = [p for p, g, w in zip(parts, claimed if isinstance(claimed, tuple) else (None, None), want)
+           if difference(g, w) > tolerance]
+    return " and ".join(bad or parts)
 
 
 def _tensors(inputs: dict) -> list[torch.Tensor]:
