@@ -79,14 +79,6 @@ class Adversary:
             return difference
         return 0.0 if self.kind == "collude" else 1.0
 
-    def recomputed(self, node: str, rnd: int, tensor: torch.Tensor) -> torch.Tensor:
-        """What ``node`` sends of a part of a share it recomputed (``tensor``), asked in round ``rnd``: a
-        framer sends it negated (a colluder cannot do better than the truth: it does not know the other
-        parts, so the sum can only match the share its partner sent when that share is right)."""
-        if self.kind != "frame" or not self.active(node, rnd, -1):
-            return tensor
-        return -tensor
-
     def tamper(self, what: str, tensor: torch.Tensor, node: str, rnd: int, mb: int,
                given: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor ``node`` sends instead of ``tensor`` (``what``: one of ``WHATS``; ``given``: the

@@ -171,8 +171,7 @@ class EvidenceRequest(RoundMessage):
 @dataclass(frozen=True, slots=True)
 class Recheck(RoundMessage):
     """Recompute ``kind`` (``evidence.recompute``) of ``stage`` from ``inputs`` with the weights you hold
-    now, and say how far ``claimed`` is from it (check number ``check``); ``claimed`` None (a part of a
-    share's visits): send what you computed instead."""
+    now, and say how far ``claimed`` is from it (check number ``check``)."""
 
     check: int
     stage: int
@@ -303,12 +302,11 @@ class EvidenceItems(RoundMessage):
 @dataclass(frozen=True, slots=True)
 class Rechecked(RoundMessage):
     """The answer to ``Recheck``: ``difference`` (``evidence.difference``; NaN when ``sender`` does not hold
-    the stage, or was asked for what it computed: then ``computed``, None when it could not)."""
+    the stage)."""
 
     sender: str
     check: int
     difference: float
-    computed: Any = None
 
 
 @dataclass(frozen=True, slots=True)

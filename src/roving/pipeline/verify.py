@@ -137,36 +137,18 @@ class _Ask:
 
 
 @dataclass
-class _Split:
-    """A share's recheck split over several replicas of its stage by its visits (``parts``: each verifier
-    and the visits it recomputes): each sends the summed gradients of its part (``computed``, by the
-    part's index), and the parts' sum is compared with the share."""
-
-    check: Check
-    claimed: Any
-    inputs: dict
-    parts: list[tuple[str, list]]
-    computed: dict[int, Any] = field(default_factory=dict)
-
-
-@dataclass
 class _Confirmation:
     """A computation the coordinator recomputes itself once it holds the weights of the node checked and
-    of ``verifier`` (None: the stage had no other replica to recheck it), or of every verifier of a
-    split share's ``parts`` (verifier, visits, what it computed)."""
+    of ``verifier`` (None: the stage had no other replica to recheck it)."""
 
     check: Check
     claimed: Any
     inputs: dict
     verifier: str | None
     reported: float
-    parts: list[tuple[str, list, Any]] = field(default_factory=list)
 
     def needs(self) -> list[str]:
-        return [self.check.node] + ([self.verifier] if self.verifier else []) + [v for v, _, _ in self.parts]
-
-    def verifiers(self) -> str:
-        return ", ".join(self.needs()[1:]) or "coordinator"
+        return [self.check.node] + ([self.verifier] if self.verifier else [])
 
 
 @dataclass
@@ -185,7 +167,6 @@ class _Audit:
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
     rechecks: dict[int, tuple] = field(default_factory=dict)  # unanswered: id -> (check, claimed, inputs, verifier)
-    splits: dict[int, tuple[_Split, int]] = field(default_factory=dict)  # unanswered parts: id -> (split, index)
     confirming: list[_Confirmation] = field(default_factory=list)  # waiting for weights
     weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
     weights_asked: set[str] = field(default_factory=set)
@@ -197,7 +178,6 @@ class _Audit:
     def awaited(self) -> set[str]:
         """The nodes an answer is awaited from."""
         names = {r[3] for r in self.rechecks.values()} | (self.weights_asked - set(self.weights))
-        names |= {split.parts[i][0] for split, i in self.splits.values()}
         for a in self.asks.values():
             names |= a.waiting
         return names
@@ -353,13 +333,6 @@ class Verifier:
             if not ask.waiting:
                 del a.asks[msg.ask]
                 ask.then(ask.shown)
-        elif isinstance(msg, m.Rechecked) and msg.check in a.splits:
-            split, i = a.splits[msg.check]
-            if split.parts[i][0] == msg.sender:
-                del a.splits[msg.check]
-                split.computed[i] = msg.computed
-                if len(split.computed) == len(split.parts):
-                    self._summed(a, split)
         elif isinstance(msg, m.Rechecked):
             asked = a.rechecks.get(msg.check)
             if asked is None or asked[3] != msg.sender:
@@ -593,46 +566,17 @@ class Verifier:
     # -- recomputation and confirmation -----------------------------------------------------------------
     def _recheck(self, a: _Audit, c: Check, claimed: Any, inputs: dict) -> None:
         """Have a replica of ``c``'s stage, chosen at random, recompute it; with none, the coordinator
-        does (a confirmation). A share of several visits, in a stage of several other replicas, is split
-        over them by visits (a share is the sum of its visits' gradients), so that its recheck, the
-        longest of all (a replica's every visit of the round), takes a part of that each, side by side."""
-        others = sorted(n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
-                        and n not in a.caught)
+        does (a confirmation)."""
+        others = [n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
+                  and n not in a.caught]
         if not others:
             self._confirmation(a, _Confirmation(c, claimed, inputs, None, math.nan))
             return
-        visits = inputs.get("visits", []) if c.kind == "share" else []
-        if len(others) > 1 and len(visits) > 1:
-            chosen = self.rng.sample(others, min(len(others), len(visits)))
-            split = _Split(c, claimed, inputs, [(v, visits[i::len(chosen)]) for i, v in enumerate(chosen)])
-            for i, (v, part) in enumerate(split.parts):
-                self._check_id += 1
-                a.splits[self._check_id] = (split, i)
-                a.sent_rechecks += 1
-                self.roster.put(v, m.Recheck(a.rnd, self._check_id, c.stage, "share", {"visits": part}, None))
-            return
-        verifier = self.rng.choice(others)
+        verifier = self.rng.choice(sorted(others))
         self._check_id += 1
         a.rechecks[self._check_id] = (c, claimed, inputs, verifier)
         a.sent_rechecks += 1
         self.roster.put(verifier, m.Recheck(a.rnd, self._check_id, c.stage, c.kind, inputs, claimed))
-
-    def _summed(self, a: _Audit, split: _Split) -> None:
-        """Every part of a split share came: their sum against the share (a confirmation when it differs,
-        or when a part is missing or of another shape)."""
-        parts = [split.computed[i] for i in range(len(split.parts))]
-        d = math.nan
-        if isinstance(split.claimed, torch.Tensor) and all(
-                isinstance(t, torch.Tensor) and t.shape == split.claimed.shape for t in parts):
-            total = parts[0].float().clone()
-            for t in parts[1:]:
-                total += t.float()
-            d = difference(split.claimed, total)
-        if d <= self.tolerance:
-            self.totals["max_difference"] = max(self.totals["max_difference"], d)
-            return
-        self._confirmation(a, _Confirmation(split.check, split.claimed, split.inputs, None, d, parts=[
-            (v, visits, got) for (v, visits), got in zip(split.parts, parts)]))
 
     def _confirmation(self, a: _Audit, k: _Confirmation) -> None:
         """``k`` waits for the weights it needs (asked for once an audit: they do not change before the
@@ -663,21 +607,18 @@ class Verifier:
         if mine[0] != c.stage:
             self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
             return
-        for other in k.needs()[1:]:
-            if not _equal(mine[1], a.weights[other][1]):
-                self._dispute([c.node, other], "the weights of two replicas of a stage differ", **c.describe())
-                return
+        if verifier is not None and not _equal(mine[1], a.weights[verifier][1]):
+            self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
+            return
         stage = self._modules.get(c.stage)
         if stage is None:  # built once a run (building initialises every weight); loaded once a node an audit
             stage = self._modules[c.stage] = Stage(self.model, c.stage, self.stages, seed=self.seed).to(self.device)
         if a.loaded.get(c.stage) != c.node:  # recompute leaves the weights as loaded
             stage.load_state_dict(mine[1])
             a.loaded[c.stage] = c.node
-        own_parts = [recompute(stage, "share", {"visits": visits}, self.device, self.bf16) for _, visits, _ in k.parts]
-        want = sum(own_parts[1:], own_parts[0]) if own_parts else recompute(stage, c.kind, k.inputs, self.device,
-                                                                              self.bf16)
+        want = recompute(stage, c.kind, k.inputs, self.device, self.bf16)
         own = difference(k.claimed, want)
-        evidence = {**c.describe(), "verifier": k.verifiers(),
+        evidence = {**c.describe(), "verifier": verifier or "coordinator",
                     "difference": reported if verifier and math.isfinite(reported) else None,
                     "confirmed_difference": own if math.isfinite(own) else None, "tolerance": self.tolerance}
         if own > self.tolerance:
@@ -686,14 +627,6 @@ class Verifier:
             verb = "differ" if " and " in what else "differs"
             self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} {verb} from the recomputation by "
                         f"{own:.3g} (tolerance {self.tolerance:g})", **evidence)
-        elif k.parts:  # the share is right: a part that differs from the coordinator's was sent wrong
-            for (part_verifier, visits, got), part in zip(k.parts, own_parts):
-                d = difference(got, part)
-                if got is not None and d > self.tolerance:
-                    n = f"{len(visits)} visit{'s' if len(visits) != 1 else ''}"
-                    self._catch(a.caught, part_verifier, "false mismatch", c, reason=f"sent its part ({n}) of "
-                                f"{c.node}'s share recomputed, {d:.3g} from the coordinator's recomputation of it",
-                                **{**evidence, "difference": d if math.isfinite(d) else None})
         elif verifier is not None and not (isinstance(reported, float) and math.isnan(reported)):
             self._catch(a.caught, verifier, "false mismatch", c, reason=f"reported that {c.node}'s {c.kind} "
                         f"differs by {reported:.3g}; the coordinator's recomputation differs by {own:.3g}",
