@@ -27,7 +27,7 @@ from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.adversary import Adversary
 from roving.pipeline.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
-from roving.pipeline.evidence import Evidence, difference, recompute
+from roving.pipeline.evidence import Evidence, difference, recheck, recompute
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Plan, Route
 from roving.pipeline.stages import Stage
@@ -288,12 +288,8 @@ class LocalRound:
             items = self.evidence[name].show(msg.keys) if msg.round == self.rnd else {}
             self.answers.append(m.EvidenceItems(msg.round, name, items, msg.ask))
         elif isinstance(msg, m.Recheck):  # as StageProcess._on_recheck
-            d = math.nan
-            if msg.stage == stage:
-                d = difference(msg.claimed, recompute(self.stage[name], msg.kind, msg.inputs, torch.device("cpu")))
-            if name in self.liars:
-                d = self.liars[name].reports(name, msg.round, d)
-            self.answers.append(m.Rechecked(msg.round, name, msg.check, d))
+            self.answers.append(recheck(self.stage[name], stage, msg, torch.device("cpu"),
+                                        adversary=self.liars.get(name), name=name))
         elif isinstance(msg, m.ShowWeights):
             self.answers.append(m.WeightsShown(msg.round, name, stage, {
                 k: v.detach().clone() for k, v in self.stage[name].state_dict().items()}))

@@ -27,6 +27,7 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 from dataclasses import dataclass, field
@@ -34,9 +35,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import protocol as m
 from . import receipts
 from .receipts import Receipt
 from .screen import median_cosines, summarize
+
+log = logging.getLogger(__name__)
 
 #: a kept tensor's key: (what, mb, hop, sender).
 Key = tuple
@@ -242,6 +246,23 @@ def recompute(stage: Any, kind: str, inputs: dict, device: torch.device,
     if kind == "share":
         return _share(stage, inputs["visits"], on, auto)
     raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+def recheck(stage: Any, held: int, msg: m.Recheck, device: torch.device, bf16: bool = False,
+            adversary: Any = None, name: str = "") -> m.Rechecked:
+    """A stage process's answer to ``msg`` (a ``Recheck``), as process ``name`` holding ``stage`` (a
+    ``stages.Stage``) of index ``held``: the difference of ``msg.claimed`` from its recomputation; NaN
+    when it does not hold the stage or cannot recompute it. ``adversary``: what a lying verifier says
+    instead (fault injection)."""
+    diff = math.nan
+    if msg.stage == held:
+        try:
+            diff = difference(msg.claimed, recompute(stage, msg.kind, msg.inputs, device, bf16))
+        except Exception as exc:
+            log.warning("%s: could not recompute %s: %s", name, msg.kind, exc)
+    if adversary is not None:
+        diff = adversary.reports(name, msg.round, diff)
+    return m.Rechecked(msg.round, name, msg.check, diff)
 
 
 def _share(stage: Any, visits: Sequence[dict], on: Any, auto: Any) -> torch.Tensor:

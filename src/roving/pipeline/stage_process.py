@@ -32,7 +32,7 @@ import torch
 from . import protocol as m
 from .adversary import Adversary
 from .aggregate import combine
-from .evidence import Evidence, difference, recompute
+from .evidence import Evidence, recheck
 from .model import LlamaConfig
 from .network import Link
 from .optim import AdamW
@@ -311,19 +311,9 @@ class StageProcess:
         self.control.put(m.WeightsShown(msg.round, self.name, self.stage_index, self._weights()))
 
     def _on_recheck(self, msg: m.Recheck) -> None:
-        """Recompute with the weights held now (every replica's until the round's step); NaN when this
-        process does not hold the stage or cannot recompute it."""
-        diff = math.nan
-        if msg.stage == self.stage_index:
-            try:
-                diff = difference(msg.claimed, recompute(self.stage, msg.kind, msg.inputs, self.device,
-                                                         self.settings.bf16))
-            except Exception as exc:
-                log.warning("%s: could not recompute %s: %s", self.name, msg.kind, exc)
-        adv = self.settings.adversary
-        if adv is not None:  # adversary injection: what a lying verifier says instead
-            diff = adv.reports(self.name, msg.round, diff)
-        self.control.put(m.Rechecked(msg.round, self.name, msg.check, diff))
+        """Recompute with the weights held now (every replica's until the round's step): ``evidence.recheck``."""
+        self.control.put(recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
+                                 self.settings.adversary, self.name))
 
     # -- microbatch work -----------------------------------------------------------------------
     def _next_task(self) -> Any:
