@@ -28,6 +28,7 @@ import base64
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import tempfile
@@ -186,6 +187,7 @@ class FakeKubernetes:
                 if pod.proc is not None and pod.proc.poll() is None:
                     os.killpg(pod.proc.pid, signal.SIGKILL)
                     pod.proc.wait()
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # the pods' logs: read through the API while it ran
 
     def kubeconfig(self, path: str) -> str:
         config = {"apiVersion": "v1", "kind": "Config", "current-context": "fake",
