@@ -2,7 +2,7 @@
 
 With verification on, each activation, gradient and gradient share a stage process sends travels with a
 ``Receipt``: who sent it, for which round, microbatch and hop, a digest of the tensor's bytes as sent
-(its dtype and shape included), and an HMAC-SHA256 over all of that under the sender's *receipt key*.
+(BLAKE3, its dtype and shape included), and an HMAC-SHA256 over all of that under the sender's *receipt key*.
 The coordinator derives one receipt key per node from a random run key that only it holds
 (``node_key``) and gives each node its own in its start-up settings, which travel over roving's
 authenticated, encrypted channel. So:
@@ -24,6 +24,7 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
+import blake3
 import torch
 
 from .protocol import Message
@@ -51,13 +52,15 @@ def node_key(run_key: bytes, name: str) -> bytes:
 
 
 def digest(tensor: torch.Tensor) -> bytes:
-    """A digest of ``tensor``'s dtype, shape and bytes (SHA-256; of a CPU copy when it is elsewhere)."""
+    """A digest of ``tensor``'s dtype, shape and bytes (BLAKE3, 32 bytes; of a CPU copy when it is
+    elsewhere). Every process of a run hashes with it, sender and receiver alike."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    # SHA-256: with the SHA extensions of today's x86 and ARM CPUs, 2.5 times blake2b's speed here
-    h = hashlib.sha256(f"{t.dtype}:{tuple(t.shape)}".encode())
+    # BLAKE3 (one thread; it lets go of the GIL over large buffers): on this project's machines 2 to 5
+    # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md, session 19); every tensor sent is hashed
+    h = blake3.blake3(f"{t.dtype}:{tuple(t.shape)}".encode())
     if t.numel():
         h.update(t.view(-1).view(torch.uint8).numpy().data)
     return h.digest()
