@@ -35,7 +35,7 @@ the norm) or a NaN, how far the result lands from the honest replicas' mean, ove
 replicas' spread (their mean distance to it).
 
 ``digest``: what screening and receipts cost per tensor, without training: the seconds to digest a tensor
-of 1 MiB (``receipts.digest``, SHA-256) against blake2b (the digest before it), and to summarise it
+of 1 MiB (``receipts.digest``, BLAKE3) against SHA-256 and blake2b (the digests before it), and to summarise it
 (``screen.summarize``), interleaved, the median of ``--repeats``; with the bytes a second of each.
 
 Writes ``verify_<what>.json`` (every run's figures) under ``--out`` and prints Markdown tables.
@@ -232,7 +232,8 @@ def aggregation(size: int = 1_000_000, repeats: int = 7) -> dict:
 
 
 def digests(repeats: int = 30, mib: int = 1) -> dict:
-    """Seconds per tensor of ``mib`` MiB: the receipt's digest (SHA-256), blake2b's, a screening summary."""
+    """Seconds per tensor of ``mib`` MiB: the receipt's digest (BLAKE3), SHA-256's and blake2b's (the
+    digests before it, made as they were), a screening summary."""
     import hashlib
 
     from roving.pipeline import receipts
@@ -240,12 +241,18 @@ def digests(repeats: int = 30, mib: int = 1) -> dict:
 
     t = torch.randn(mib * 262144, generator=torch.Generator().manual_seed(0))
 
-    def blake2b(x: torch.Tensor) -> bytes:  # the digest before SHA-256, as it was made
+    def blake2b(x: torch.Tensor) -> bytes:  # the digest before SHA-256 (sessions 1-12)
         h = hashlib.blake2b(f"{x.dtype}:{tuple(x.shape)}".encode(), digest_size=16)
         h.update(x.view(-1).view(torch.uint8).numpy().data)
         return h.digest()
 
-    ways = {"sha256 (receipts.digest)": receipts.digest, "blake2b": blake2b, "summarize": summarize}
+    def sha256(x: torch.Tensor) -> bytes:  # the digest before BLAKE3 (sessions 13-18)
+        h = hashlib.sha256(f"{x.dtype}:{tuple(x.shape)}".encode())
+        h.update(x.view(-1).view(torch.uint8).numpy().data)
+        return h.digest()
+
+    ways = {"blake3 (receipts.digest)": receipts.digest, "sha256": sha256, "blake2b": blake2b,
+            "summarize": summarize}
     times: dict[str, list[float]] = {k: [] for k in ways}
     for _ in range(repeats):
         for name, fn in ways.items():
