@@ -26,7 +26,9 @@ stage's compute, not the per-message costs, makes up the iteration.
 runs with verification off, ``--pairs`` times, on ``--overhead-model`` (its ratio to the two beside it:
 the machine's drift cancels; ``paired``'s docstring); in time an iteration and in CPU seconds an
 iteration (the coordinator's and every node's, from ``/proc``: on a machine whose cores the nodes share,
-what verification adds to the work, less moved by how the scheduler interleaves it).
+what verification adds to the work, less moved by how the scheduler interleaves it); and verification's
+own CPU as the run counts it (``Evidence.cpu`` of every node by part, the coordinator's audit), against the
+CPU of the off runs beside it: the work verification adds, without the runs' drift.
 
 ``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
 replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
@@ -88,6 +90,11 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
         totals = dict(t.verifier.totals)
     caught = {e["node"]: e["iteration"] for e in metrics["events"] if e["event"] == "caught"}
     its = metrics["iterations"]
+    own: dict[str, float] = {}  # verification's own CPU an iteration, as the run counts it, by part
+    for r in its[WARMUP:]:
+        v = r.get("verify", {})
+        for part, sec in [("audit", v.get("cpu_seconds", 0.0)), *v.get("node_cpu_seconds", {}).items()]:
+            own[part] = own.get(part, 0.0) + sec / max(1, len(its) - WARMUP)
     times = [r["seconds"] for r in its[WARMUP:]] or [r["seconds"] for r in its]
     final = metrics["evaluations"][-1]
     return {"mode": mode, "rate": rate, "seed": seed, "liars": liars, "caught": caught, "totals": totals,
@@ -96,7 +103,7 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
             "train_loss": [r["train_loss"] for r in its], "wall_s": time.time() - t0,
             "cpu_s": (cpu[iterations - 1] - cpu[min(WARMUP, iterations) - 1]) / max(1, iterations - WARMUP)
             if len(cpu) == 2 else math.nan,
-            "allocation": dict(prep.plan.allocation),
+            "verify_cpu_s": own, "allocation": dict(prep.plan.allocation),
             "disputes": sum(1 for e in metrics["events"] if e["event"] == "dispute"),
             "suspects": sorted({e["node"] for e in metrics["events"] if e["event"] == "suspect"})}
 
@@ -327,6 +334,18 @@ def tables(res: dict, start: int) -> None:
                               for p in pairs)
             print(f"| {name} | {med - 1:+.1%} ({each}) | {its} | {offs} | {cmed - 1:+.1%} ({ceach}) | {cpu} | "
                   f"{audit} |")
+        # what the run itself counted as verification's CPU (the nodes' by part, the coordinator's audit):
+        # its share of the CPU of the off runs beside it is the added work, without the drift between runs
+        print("\n| mode | verification's own CPU an iteration, of the off runs' CPU beside it: median (each) "
+              "| its parts, median (ms an iteration) |")
+        print("|---|---|---|")
+        for name, pairs in res["paired"]["ratios"].items():
+            shares = [sum(p["run"]["verify_cpu_s"].values()) / p["cpu_beside_s"] for p in pairs]
+            parts = sorted({k for p in pairs for k in p["run"]["verify_cpu_s"]})
+            each = ", ".join(f"{x:.1%}" for x in shares)
+            split = ", ".join(f"{k} {statistics.median(p['run']['verify_cpu_s'].get(k, 0.0) for p in pairs) * 1000:.0f}"
+                              for k in parts)
+            print(f"| {name} | {statistics.median(shares):.1%} ({each}) | {split} |")
 
 
 def _loss(x: float) -> str:

@@ -524,17 +524,26 @@ def test_a_replica_that_averages_another_share_than_it_sent_is_caught_by_the_ave
     assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
 
 
-def test_a_clean_run_blames_nobody_and_verification_changes_nothing_of_its_training():
+def test_a_clean_run_blames_nobody_verification_changes_nothing_of_its_training_and_says_what_it_cost():
     # one microbatch an iteration: each stage replica then sums its gradients in one order (with more,
     # even one in flight per node, a replica gets its microbatches' gradients from several downstream
     # replicas in arrival order, and AdamW makes float differences of two orders grow past 1e-7 of the
     # loss in a few steps on a loaded machine: the CI failure)
     off, _, _ = train({}, nodes=6, iterations=5, mode="off", microbatches=1)
-    on, _, _ = train({}, nodes=6, iterations=5, mode="spot", rate=0.5, microbatches=1)
+    on, _, t = train({}, nodes=6, iterations=5, mode="spot", rate=0.5, microbatches=1)
     assert not [e for e in on["events"] if e["event"] in ("caught", "dispute")]
     assert [r["train_loss"] for r in on["iterations"]] == [r["train_loss"] for r in off["iterations"]]
     assert sum(r["verify"]["rechecks"] for r in on["iterations"]) > 0
     assert "verify" not in off["iterations"][0]
+    # what it cost, in each iteration's record: the coordinator's CPU for the audit, and the nodes' own
+    # by part; every tensor sent was sealed and every one received kept and summarised, a stage of
+    # several replicas digested what it combined, and the rechecks took CPU where there were any
+    replicated = len(set(t.alloc.values())) < len(t.alloc)
+    for r in on["iterations"]:
+        cost = r["verify"]["node_cpu_seconds"]
+        assert r["verify"]["cpu_seconds"] > 0 and cost["receipts"] > 0 and cost["screening"] > 0, cost
+        assert (cost.get("combined", 0) > 0) == replicated, (cost, t.alloc)
+        assert (cost.get("rechecks", 0) > 0) == (r["verify"]["rechecks"] > 0), r["verify"]
 
 
 def test_spot_checks_catch_a_liar_within_the_stated_iterations_and_screening_alone_catches_non_finite_values(tmp_path):

@@ -26,12 +26,14 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -78,10 +80,35 @@ class Evidence:
     disputes: list[Key] = field(default_factory=list)
     #: the gradient this process combined from its stage's shares this round (``combined``)
     total: torch.Tensor | None = None
+    #: the CPU seconds of this process's verification work since ``spent`` was last called, by part
+    #: (``timed``): "receipts" (the digest and MAC of each tensor sent, on its sender threads),
+    #: "screening" (keeping and summarising what it got, its shares' cosines), "combined" (the digest of
+    #: its combined gradient), "evidence" (kept tensors shown, their digests checked), "rechecks"
+    #: (recomputations asked of it). What verification costs a node, in its own figures.
+    cpu: dict[str, float] = field(default_factory=dict)
+    _cpu_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def on(self) -> bool:
         return self.mode != "off"
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Count the CPU time of the calling thread inside the block as ``part`` of ``cpu`` (torch's own
+        worker threads, where a node runs with more than one, are not counted)."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            spent = time.thread_time() - t0
+            with self._cpu_lock:
+                self.cpu[part] = self.cpu.get(part, 0.0) + spent
+
+    def spent(self) -> dict[str, float]:
+        """``cpu`` as it is now, which starts again from nothing (a process reports it with each step)."""
+        with self._cpu_lock:
+            out, self.cpu = self.cpu, {}
+        return out
 
     def clear(self) -> None:
         """A new round (or an aborted one): forget what the round received."""
@@ -110,7 +137,8 @@ class Evidence:
         def seal(msg: Any) -> Any:
             with lock:
                 if not made:
-                    made.append(receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor))
+                    with self.timed("receipts"):
+                        made.append(receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor))
             return dataclasses.replace(msg, receipt=made[0])
         return seal
 
@@ -122,6 +150,11 @@ class Evidence:
         none."""
         if not self.on or sender == self.name:
             return
+        with self.timed("screening"):
+            self._keep(what, rnd, mb, hop, sender, tensor, receipt, count)
+
+    def _keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
+              receipt: Any, count: int | None) -> None:
         key = (what, mb, hop, sender)
         expected = isinstance(receipt, Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
                                                      receipt.hop) == (sender, rnd, what, mb, hop)
@@ -139,7 +172,8 @@ class Evidence:
         if not self.unsummarised:
             return False
         what, mb, hop, sender, tensor, count = self.unsummarised.pop(0)
-        summary = summarize(tensor, divisor=count or 1)
+        with self.timed("screening"):
+            summary = summarize(tensor, divisor=count or 1)
         if not (count == 0 and summary.found == ("zeros",)):
             self.screened.append((what, mb, hop, sender, summary))
         return True
@@ -156,12 +190,17 @@ class Evidence:
         ``COMBINED``), and its digest returned for the coordinator (None with verification off)."""
         if not self.on:
             return None
-        self.total = total.detach().to("cpu")
-        return receipts.digest(self.total)
+        with self.timed("combined"):
+            self.total = total.detach().to("cpu")
+            return receipts.digest(self.total)
 
     def show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
         """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed); its own
         combined gradient under ``COMBINED`` (no receipt)."""
+        with self.timed("evidence"):
+            return self._show(keys)
+
+    def _show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
         out: dict[Key, tuple] = {}
         for key in keys:
             if tuple(key) == COMBINED:
@@ -179,7 +218,10 @@ class Evidence:
     def share_cosines(self, shares: dict[str, torch.Tensor]) -> dict[str, float]:
         """For 3 replicas or more: each replica's share's median cosine to the others'
         (``screen.median_cosines``; a replica that ran nothing sends zeros, left out)."""
-        return median_cosines(shares, skip_zeros=True) if self.on else {}
+        if not self.on:
+            return {}
+        with self.timed("screening"):
+            return median_cosines(shares, skip_zeros=True)
 
 
 def difference(got: Any, want: Any) -> float:

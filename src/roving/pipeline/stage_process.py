@@ -312,8 +312,10 @@ class StageProcess:
 
     def _on_recheck(self, msg: m.Recheck) -> None:
         """Recompute with the weights held now (every replica's until the round's step): ``evidence.recheck``."""
-        self.control.put(recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
-                                 self.settings.adversary, self.name))
+        with self.evidence.timed("rechecks"):
+            answer = recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
+                             self.settings.adversary, self.name)
+        self.control.put(answer)
 
     # -- microbatch work -----------------------------------------------------------------------
     def _next_task(self) -> Any:
@@ -466,7 +468,7 @@ class StageProcess:
         self.opt.lr = lr
         self.opt.step()
         self.opt.zero_grad()
-        stats = dict(self.stats)
+        stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
         self.control.put(m.Stepped(rnd, self.name, stats, norm))

@@ -468,7 +468,13 @@ class Trainer:
                "processed": {n: s["processed"] for n, s in sorted(stats.items())},
                "node_compute_seconds": {n: s["compute_s"] for n, s in sorted(stats.items())}}
         if self.verifier.on:
-            rec["verify"] = dict(self.verifier.last)
+            # what verification cost: the audit's figures, and the nodes' own CPU seconds of it by part
+            # (``evidence.Evidence.cpu``), summed over the nodes
+            parts: dict[str, float] = {}
+            for s in stats.values():
+                for part, sec in s.get("verify_cpu_s", {}).items():
+                    parts[part] = parts.get(part, 0.0) + sec
+            rec["verify"] = dict(self.verifier.last, node_cpu_seconds=dict(sorted(parts.items())))
         self.last_trace = {n: [(k, mb, a - self._wall0, b - self._wall0) for k, mb, a, b in s["trace"]]
                            for n, s in stats.items()}
         self.metrics["iterations"].append(rec)

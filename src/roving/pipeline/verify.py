@@ -174,6 +174,7 @@ class _Audit:
     sent_rechecks: int = 0
     confirmations: int = 0
     overlapped: float = 0.0  # seconds of the audit's own work while the round ran
+    cpu: float = 0.0  # the coordinator's CPU seconds of the audit's own work (its thread's)
 
     def awaited(self) -> set[str]:
         """The nodes an answer is awaited from."""
@@ -210,12 +211,13 @@ class Verifier:
         self.kinds: tuple[type, ...] = (m.EvidenceItems, m.Rechecked, m.WeightsShown) if self.on else ()
         #: the latest audit's figures (checks run, rechecks, confirmations, nodes caught; ``seconds``: its
         #: time after the replicas' averaging, on the round's critical path; ``overlapped_seconds``: its
-        #: own work while the round's microbatches ran), for the iteration's record
+        #: own work while the round's microbatches ran; ``cpu_seconds``: the CPU time of all of its own
+        #: work on the coordinator, waits not counted), for the iteration's record
         self.last: dict[str, Any] = {}
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
         self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "seconds": 0.0,
-                       "overlapped_seconds": 0.0, "max_difference": 0.0}
+                       "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
 
     @property
     def on(self) -> bool:
@@ -227,6 +229,7 @@ class Verifier:
         are listed, to be drawn as they are done."""
         if not self.on:
             return
+        t0 = time.thread_time()
         by_mb: dict[int, list[Check]] = {}
         shares: dict[str, Check] = {}
         for c in self._checks(plan, alloc, batches):
@@ -235,6 +238,7 @@ class Verifier:
             else:
                 by_mb.setdefault(c.mb, []).append(c)
         self._audit = _Audit(rnd, plan, dict(alloc), by_mb, shares)
+        self._audit.cpu = time.thread_time() - t0
 
     def finished(self, rnd: int, mb: int) -> None:
         """Microbatch ``mb`` of round ``rnd`` is done (its origin's ``Done``): every tensor of its
@@ -276,11 +280,12 @@ class Verifier:
 
     @contextlib.contextmanager
     def _overlapped(self, a: _Audit) -> Iterator[None]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             a.overlapped += time.perf_counter() - t0
+            a.cpu += time.thread_time() - c0
 
     # -- the round's end -------------------------------------------------------------------------------
     def audit(self, rnd: int, norm: float = 0.0) -> dict[str, str]:
@@ -295,7 +300,7 @@ class Verifier:
         a = self._current(rnd)
         if a is None:
             raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         flagged = self._screen(a.norms, a.alloc)
         self._combined(a)
         every = not math.isfinite(norm)
@@ -311,10 +316,13 @@ class Verifier:
                 raise
             raise NodesLost({**exc.names, **a.caught}, caught=dict(a.caught)) from exc
         seconds = time.perf_counter() - t0
+        a.cpu += time.thread_time() - c0
         self.last = {"checks": len(a.drawn), "rechecks": a.sent_rechecks, "confirmations": a.confirmations,
-                     "caught": sorted(a.caught), "seconds": seconds, "overlapped_seconds": a.overlapped}
+                     "caught": sorted(a.caught), "seconds": seconds, "overlapped_seconds": a.overlapped,
+                     "cpu_seconds": a.cpu}
         for k, v in (("checks", len(a.drawn)), ("rechecks", a.sent_rechecks), ("confirmations", a.confirmations),
-                     ("caught", len(a.caught)), ("seconds", seconds), ("overlapped_seconds", a.overlapped)):
+                     ("caught", len(a.caught)), ("seconds", seconds), ("overlapped_seconds", a.overlapped),
+                     ("cpu_seconds", a.cpu)):
             self.totals[k] += v
         return dict(a.caught)
 
