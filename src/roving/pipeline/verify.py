@@ -8,8 +8,9 @@ When. An audit runs alongside its round, not after it: a microbatch's computatio
 its origin reports it done (every tensor of it was sent and received by then), a replica's share once
 the replica and the holder of its share have both averaged; the evidence of those drawn is asked for at
 once, each recheck sent as its evidence is judged, each confirmation run as its weights come, while the
-round's other microbatches run (a node answers between its tasks). What is left after the replicas'
-averaging is the round's end: screening (a tensor found bad is checked then), the averaging check, the
+round's other microbatches run (a node answers between its tasks); each node's screening rows are
+screened as its ``Norm`` comes. What is left after the replicas' averaging is the round's end: the last
+``Norm``'s rows, the screening band (a tensor found bad is checked then), the averaging check, the
 computations of a round whose gradient norm is not finite, and the answers still on their way.
 
 What is checked. Every tensor a node sends is the result of one *computation* by that node, from
@@ -164,6 +165,8 @@ class _Audit:
     decided: set[tuple] = field(default_factory=set)  # claimed keys whose draw is made
     drawn: set[tuple] = field(default_factory=set)  # those checked
     norms: list[m.Norm] = field(default_factory=list)
+    flagged: set[tuple] = field(default_factory=set)  # keys of tensors screening found bad at once
+    cosines: dict[str, list[float]] = field(default_factory=dict)  # node -> its share's cosines, as reported
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
     rechecks: dict[int, tuple] = field(default_factory=dict)  # unanswered: id -> (check, claimed, inputs, verifier)
@@ -258,6 +261,7 @@ class Verifier:
             return
         with self._overlapped(a):
             a.norms.append(msg)
+            self._screen(a, msg)
             normed = {n.sender for n in a.norms}
             self._decide(a, [c for c in a.shares.values() if c.node in normed and c.claimed.holder in normed])
 
@@ -301,7 +305,8 @@ class Verifier:
         if a is None:
             raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
         t0, c0 = time.perf_counter(), time.thread_time()
-        flagged = self._screen(a.norms, a.alloc)
+        self._suspects(a)
+        flagged = a.flagged
         self._combined(a)
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
@@ -390,39 +395,41 @@ class Verifier:
         return out
 
     # -- screening ----------------------------------------------------------------------------------
-    def _screen(self, norms: list[m.Norm], alloc: dict[str, int]) -> set[tuple]:
-        """Feed the round's screening rows to the screen; the keys of tensors found bad at once. Disputes
-        and new suspects become events."""
-        flagged: set[tuple] = set()
-        cosines: dict[str, list[float]] = {}
-        for msg in norms:
-            for what, mb, hop, sender, summary in msg.screened:
-                stage = alloc.get(sender)
-                if stage is None:
-                    continue
-                # comparable tensors: of one stage, at one position on the routes (the residual stream
-                # grows along a route, and a route may skip stages)
-                boundary = (what, stage) if what == "share" else (what, stage, hop)
-                if self.screen.add(boundary, sender, summary):
-                    flagged.add((what, mb, hop, sender))
-            for key in msg.disputes:
-                self._dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
-                              key=list(key))
-            for name, cos in (msg.cosines or {}).items():
-                cosines.setdefault(name, []).append(cos)
-        for name, values in cosines.items():  # the median of the replicas' reports: liars are outvoted
-            if name in alloc:
-                self.screen.add_statistic(("share", alloc[name]), name, "cosine", statistics.median(values))
+    def _screen(self, a: _Audit, msg: m.Norm) -> None:
+        """Feed a ``Norm``'s screening rows to the screen as it comes (so that only the last one's are
+        left for the round's end): the keys of tensors found bad at once go to ``a.flagged``, disputes
+        become events, its share cosines are kept for ``_suspects``. (The rows of a round later given up
+        count too: those tensors were sent.)"""
+        for what, mb, hop, sender, summary in msg.screened:
+            stage = a.alloc.get(sender)
+            if stage is None:
+                continue
+            # comparable tensors: of one stage, at one position on the routes (the residual stream
+            # grows along a route, and a route may skip stages)
+            boundary = (what, stage) if what == "share" else (what, stage, hop)
+            if self.screen.add(boundary, sender, summary):
+                a.flagged.add((what, mb, hop, sender))
+        for key in msg.disputes:
+            self._dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
+                          key=list(key))
+        for name, cos in (msg.cosines or {}).items():
+            a.cosines.setdefault(name, []).append(cos)
+
+    def _suspects(self, a: _Audit) -> None:
+        """The round's end of screening: each share's cosine (the median of its replicas' reports: liars
+        are outvoted), then the nodes out of their boundary's band, each new one an event."""
+        for name, values in a.cosines.items():
+            if name in a.alloc:
+                self.screen.add_statistic(("share", a.alloc[name]), name, "cosine", statistics.median(values))
         for s in self.screen.suspects():
             mark = (s.node, str(s.boundary), s.check)
             # what is found at once is checked at once (``flagged``): a suspect is one out of the band
-            if s.node in alloc and math.isfinite(s.z) and mark not in self._suspected:
+            if s.node in a.alloc and math.isfinite(s.z) and mark not in self._suspected:
                 self._suspected.add(mark)
                 self.suspects.add(s.node)
                 self._event("suspect", node=s.node, boundary=list(s.boundary) if isinstance(s.boundary, tuple)
                             else s.boundary, check=s.check,
                             z=s.z if math.isfinite(s.z) else None, value=s.value, others=s.others)
-        return flagged
 
     def _dispute(self, nodes: list[str], why: str, **evidence: Any) -> None:
         self.suspects.update(nodes)
