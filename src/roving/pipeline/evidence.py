@@ -187,7 +187,9 @@ class Evidence:
 
     def combined(self, total: torch.Tensor) -> bytes | None:
         """This process combined ``total`` from its stage's shares this round: kept (shown under the key
-        ``COMBINED``), and its digest returned for the coordinator (None with verification off)."""
+        ``COMBINED``), and its digest returned for the coordinator (None with verification off). Kept by
+        reference, not copied: the parameters' gradients are views of it, so it is what was combined
+        until the step (whose clipping scales them in place), which ends every audit of the round."""
         if not self.on:
             return None
         with self.timed("combined"):
