@@ -306,11 +306,10 @@ class Verifier:
             raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
         t0, c0 = time.perf_counter(), time.thread_time()
         self._suspects(a)
-        flagged = a.flagged
         self._combined(a)
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
-            every or any(o.key in flagged for o in c.outputs())
+            every or any(o.key in a.flagged for o in c.outputs())
             or (c.claimed.key not in a.decided and self._draw(c)))]
         a.decided.update(c.claimed.key for c in rest)
         self._examine(a, rest)
