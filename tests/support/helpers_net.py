@@ -15,9 +15,17 @@ class CuttingProxy:
     open now, on both
     sides (each side sees the connection end, as after a dropped link); new connections are forwarded
     as before, so a client that reconnects reaches the target again, over a new TCP connection. A node
-    address's key (``#KEY``) is kept: a client through the forwarder still expects that node."""
+    address's key (``#KEY``) is kept: a client through the forwarder still expects that node.
 
-    def __init__(self, target: str) -> None:
+    ``spoil``: the first ``spoil`` connections have one byte of what their client sends changed, at
+    :data:`SPOIL_AT` (for a TLS stream: inside the client's encrypted handshake records, past the
+    greeting and the hello), as a stray write into the connection would; later ones are forwarded as
+    they are."""
+
+    #: Where in what a spoiled connection's client sends its byte is changed.
+    SPOIL_AT = 400
+
+    def __init__(self, target: str, spoil: int = 0) -> None:
         scheme = "tcp://" if target.startswith("tcp://") else ""  # ZeroMQ's form, or a stream's host:port
         target, mark, key = target.partition("#")
         host, _, port = target[len(scheme):].rpartition(":")
@@ -28,6 +36,9 @@ class CuttingProxy:
         self._pairs: List[Tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self.accepted = 0
+        self._spoil = spoil
+        #: Connections whose byte was changed.
+        self.spoiled = 0
         self._closed = False
         threading.Thread(target=self._accept, name="cutting-proxy", daemon=True).start()
 
@@ -46,16 +57,24 @@ class CuttingProxy:
             with self._lock:
                 self._pairs.append((client, server))
                 self.accepted += 1
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                spoil = self.accepted <= self._spoil
+            threading.Thread(target=self._pump, args=(client, server, spoil), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, spoil: bool = False) -> None:
+        seen = 0
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
+                if spoil and seen <= self.SPOIL_AT < seen + len(data):
+                    changed = bytearray(data)
+                    changed[self.SPOIL_AT - seen] ^= 0x01
+                    data = bytes(changed)
+                    with self._lock:
+                        self.spoiled += 1
+                seen += len(data)
                 dst.sendall(data)
         except OSError:
             pass

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import roving
 from helpers_core import SUPPORT_DIR, TIMEOUT, run_script, wait_until, PROGRAMS
-from helpers_net import tcp_payloads
+from helpers_net import CuttingProxy, tcp_payloads
 from roving.transport import auth, crypto, identity, zap
 from roving.transport import channel as _channel
 from roving.transport import endpoint as _endpoint
@@ -153,6 +153,39 @@ def test_bytes_altered_or_injected_into_a_tls_stream_are_never_delivered(how):
         client.close()
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("opener", ["endpoint", "channel"])
+def test_a_stream_whose_handshake_is_spoiled_on_the_way_is_opened_again_not_left_for_zeromq(opener, monkeypatch,
+                                                                                             caplog):
+    """A TLS record that does not decrypt ends its connection at the listener (bad_record_mac), and the
+    opener sees that connection end: neither says anything of the opener's certificate, so it opens a
+    new one (neither ZeroMQ nor AuthenticationError). A CI run saw one such handshake between two test
+    hosts, and the pipe's ends fell back to ZeroMQ."""
+    monkeypatch.setattr(crypto, "mode", lambda: "always")  # this process's option, as its node's
+    secret = os.urandom(32)
+    node = _node.Node(secret, encrypt="always")
+    listener = node.streams()
+    proxy = CuttingProxy(listener.address, spoil=2)
+    try:
+        if opener == "endpoint":
+            endpoint = _endpoint.Endpoint(node.address, secret, None, TIMEOUT)
+            endpoint._streams = proxy.address
+            assert endpoint.ping(TIMEOUT)
+            stream = endpoint._threads.conn.stream
+        else:
+            monkeypatch.setitem(_endpoint._listeners, node.address, proxy.address)
+            chan = _channel.Channel(node.address, secret, TIMEOUT, stream=True)
+            assert chan.over_stream
+            stream = chan._stream
+            chan.close()
+        assert stream.encrypted and stream.peer.node_id == node.credentials.node_id
+        assert (proxy.accepted, proxy.spoiled) == (3, 2)  # two spoiled handshakes, then the stream
+        assert listener.refusals.count == 2  # the listener refused the records it could not decrypt
+        assert "using ZeroMQ" not in caplog.text
+    finally:
+        proxy.close()
+        node.close()
 
 
 # -- trust belongs to the connection ------------------------------------------------------------

@@ -11,15 +11,13 @@ ZeroMQ (CURVE and the node's door).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 from . import auth
 from . import identity
 from . import node as _node
 from . import stream as _stream
-from . import endpoint as _endpoint
-from .endpoint import Secret, say_bye, stream_listener, zmq_socket
+from .endpoint import Secret, open_stream, say_bye, stream_listener, zmq_socket
 from .errors import AuthenticationError, ConnectionLost, IdentityError, NodeError, TransportError
 from .wire import MESSAGE, Frames, send_frames, split_frames
 
@@ -116,22 +114,12 @@ class Channel:
 def _open_channel_stream(address: str, listener: str, secret: identity.Credentials,
                          timeout: float) -> Optional[_stream.Stream]:
     """A stream for a channel to the node at ``address``, or None (then ZeroMQ) when the listener does
-    not take one within ``endpoint.STREAM_OPEN_TIMEOUT``. A listener busy with other handshakes (it admits only
-    so many at once from one address) closes the connection: that is tried again, with back-off."""
-    deadline = time.monotonic() + min(timeout, _endpoint.STREAM_OPEN_TIMEOUT)
-    pause = 0.02
-    while True:
-        try:
-            return _stream.connect(listener, secret, {"purpose": "node"}, max(0.1, deadline - time.monotonic()),
-                                   expect=identity.expected_key(address, secret))
-        except (AuthenticationError, IdentityError):
-            raise
-        except (OSError, ConnectionError) as exc:
-            # nothing listens there (the node has gone): no use waiting; else (a busy listener closed
-            # the connection during the handshake, a slow one) again until the deadline
-            if time.monotonic() + pause >= deadline or isinstance(exc.__cause__, ConnectionRefusedError):
-                log.warning("roving: no stream to the node at %s (listener %s: %s); using ZeroMQ",
-                            address, listener, exc)
-                return None
-            time.sleep(pause)
-            pause = min(0.5, pause * 2)
+    not take one within ``endpoint.STREAM_OPEN_TIMEOUT`` (:func:`.endpoint.open_stream` tries again
+    meanwhile) or nothing listens there."""
+    try:
+        return open_stream(address, listener, secret, timeout)
+    except (AuthenticationError, IdentityError):
+        raise
+    except (OSError, ConnectionError) as exc:
+        log.warning("roving: no stream to the node at %s (listener %s: %s); using ZeroMQ", address, listener, exc)
+        return None

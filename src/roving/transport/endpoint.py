@@ -42,7 +42,7 @@ from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, RE
                    send_frames, split_frames)
 
 __all__ = ["Endpoint", "ConnectionLost", "NodeError", "TransportError", "abandon", "close_connections", "flush_sent",
-           "stream_listener", "zmq_socket"]
+           "open_stream", "stream_listener", "zmq_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -287,15 +287,43 @@ def say_bye(sock: zmq.Socket) -> None:  # public for roving.transport.channel
         pass
 
 
+def open_stream(address: str, listener: str, secret: Secret, timeout: float) -> _stream.Stream:
+    """A stream to the node at ``address`` through its stream listener at ``listener``, opened within
+    ``min(timeout, STREAM_OPEN_TIMEOUT)`` seconds.
+
+    A connection that ends or is spoiled during its handshake is opened again, with back-off, until
+    then: a listener closes handshakes it cannot take on now (it admits only so many at once from one
+    address, and evicts the oldest of a source that floods it), and a TLS record that does not decrypt
+    ends the connection it came on, never the next one. Raises at once AuthenticationError and
+    IdentityError (no other try would pass: the listener refused this process, or it is not the node
+    meant), and StreamError when nothing listens at ``listener`` (refused) or the time is up; the
+    StreamError is the last try's.
+    """
+    creds = identity.credentials(secret)
+    deadline = time.monotonic() + min(timeout, STREAM_OPEN_TIMEOUT)
+    pause = 0.02
+    while True:
+        try:
+            return _stream.connect(listener, creds, {"purpose": "node"}, max(0.1, deadline - time.monotonic()),
+                                   expect=identity.expected_key(address, creds))
+        except (AuthenticationError, IdentityError):
+            raise
+        except (OSError, ConnectionError) as exc:
+            if time.monotonic() + pause >= deadline or isinstance(exc.__cause__, ConnectionRefusedError):
+                raise
+            log.debug("roving: a stream to the node at %s ended during its handshake (%s); trying again",
+                      address, exc)
+            time.sleep(pause)
+            pause = min(0.5, pause * 2)
+
+
 class _StreamConnection(_Connection):
     """Over a stream to the node's stream listener, read and written by the calling thread."""
 
     def __init__(self, address: str, stream_address: str, secret: Secret, connect_timeout: float) -> None:
         super().__init__()
-        creds = identity.credentials(secret)
         self.address = address
-        self.stream = _stream.connect(stream_address, creds, {"purpose": "node"}, connect_timeout,
-                                      expect=identity.expected_key(address, creds))
+        self.stream = open_stream(address, stream_address, secret, connect_timeout)
 
     def _transmit(self, frames: Frames) -> None:
         try:

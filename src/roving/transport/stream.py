@@ -199,6 +199,17 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
     return bytes(data)
 
 
+#: OpenSSL's reasons for a TLS record that did not decrypt, seen here or told by the peer's alert.
+_SPOILED = ("BAD_RECORD_MAC", "DECRYPTION_FAILED")
+
+
+def _spoiled(exc: ssl.SSLError) -> bool:
+    """Whether a TLS error is a record that did not decrypt (changed on the way, or bytes that something
+    else wrote into the connection): that connection is no use, but it says nothing of this process's
+    certificate, and a new connection may well pass."""
+    return any(part in (exc.reason or "") for part in _SPOILED)
+
+
 def _tls_handshake(sock: socket.socket, creds: identity.Credentials, server: bool,
                    deadline: float) -> tls.TlsSocket:
     """Run the TLS 1.3 handshake over ``sock`` before ``deadline``; the TLS stream, or OSError."""
@@ -308,6 +319,8 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
             try:
                 link = _tls_handshake(sock, creds, False, deadline)
             except ssl.SSLError as exc:
+                if _spoiled(exc):
+                    raise
                 raise AuthenticationError(
                     f"{who} failed the TLS handshake (not of this session?): {exc}") from exc
             wire = _Timed(link, deadline)
@@ -319,8 +332,8 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
             answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
             (size,) = _CERT_LENGTH.unpack(answer[-_CERT_LENGTH.size:])
             proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
-        except (ssl.SSLError, ConnectionResetError, StreamError) as exc:
-            if not tls or "in time" in str(exc):
+        except ssl.SSLError as exc:
+            if _spoiled(exc):
                 raise
             raise AuthenticationError(
                 f"{who} ended the TLS stream after its handshake: it refused this process's certificate "
