@@ -17,15 +17,15 @@ class CuttingProxy:
     as before, so a client that reconnects reaches the target again, over a new TCP connection. A node
     address's key (``#KEY``) is kept: a client through the forwarder still expects that node.
 
-    ``spoil``: the first ``spoil`` connections have one byte of what their client sends changed, at
-    :data:`SPOIL_AT` (for a TLS stream: inside the client's encrypted handshake records, past the
-    greeting and the hello), as a stray write into the connection would; later ones are forwarded as
-    they are."""
+    ``spoil``: the first ``spoil`` connections have one byte changed of what their client sends (or,
+    with ``spoil_replies``, of what the target answers), at :data:`SPOIL_AT`: for a TLS stream, inside
+    the encrypted handshake records (past the client's greeting and hello, or the server's hello), as a
+    stray write into the connection would. Later connections are forwarded as they are."""
 
     #: Where in what a spoiled connection's client sends its byte is changed.
     SPOIL_AT = 400
 
-    def __init__(self, target: str, spoil: int = 0) -> None:
+    def __init__(self, target: str, spoil: int = 0, spoil_replies: bool = False) -> None:
         scheme = "tcp://" if target.startswith("tcp://") else ""  # ZeroMQ's form, or a stream's host:port
         target, mark, key = target.partition("#")
         host, _, port = target[len(scheme):].rpartition(":")
@@ -36,7 +36,7 @@ class CuttingProxy:
         self._pairs: List[Tuple[socket.socket, socket.socket]] = []
         self._lock = threading.Lock()
         self.accepted = 0
-        self._spoil = spoil
+        self._spoil, self._spoil_replies = spoil, spoil_replies
         #: Connections whose byte was changed.
         self.spoiled = 0
         self._closed = False
@@ -58,8 +58,10 @@ class CuttingProxy:
                 self._pairs.append((client, server))
                 self.accepted += 1
                 spoil = self.accepted <= self._spoil
-            threading.Thread(target=self._pump, args=(client, server, spoil), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, server, spoil and not self._spoil_replies),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, spoil and self._spoil_replies),
+                             daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, spoil: bool = False) -> None:
         seen = 0
