@@ -11,13 +11,14 @@ CPUS=${SETUP_SLURM_CPUS:-32}
 HOST=$(hostname -s)
 
 if [ "${1:-}" = --down ]; then
-    # the daemons of this network namespace (hosts.sh runs others in the test hosts'), the config, the state
-    pkill --ns $$ --nslist net -x 'slurmctld|slurmd' || true
+    # the daemons of this network namespace (hosts.sh runs others in the test hosts'), the config, the state;
+    # the pattern is under 16 characters: pgrep says a longer one can match no process name whenever none matches
+    pkill --ns $$ --nslist net -x 'slurm(ctld|d)' || true
     for _ in $(seq 100); do
-        pgrep --ns $$ --nslist net -x 'slurmctld|slurmd' >/dev/null || break
+        pgrep --ns $$ --nslist net -x 'slurm(ctld|d)' >/dev/null || break
         sleep 0.1
     done
-    ! pgrep --ns $$ --nslist net -x 'slurmctld|slurmd' >/dev/null || { echo "slurm: daemons still running" >&2; exit 1; }
+    ! pgrep --ns $$ --nslist net -x 'slurm(ctld|d)' >/dev/null || { echo "slurm: daemons still running" >&2; exit 1; }
     rm -rf "$STATE" "$CONF"
     echo "slurm: down (daemons stopped; $STATE and $CONF removed)"
     exit 0
