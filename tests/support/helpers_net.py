@@ -22,7 +22,8 @@ class CuttingProxy:
     the encrypted handshake records (past the client's greeting and hello, or the server's hello), as a
     stray write into the connection would. Later connections are forwarded as they are."""
 
-    #: Where in what a spoiled connection's client sends its byte is changed.
+    #: The offset, in the bytes of the spoiled direction (what the client sends, or what the target
+    #: answers), of the byte that is changed.
     SPOIL_AT = 400
 
     def __init__(self, target: str, spoil: int = 0, spoil_replies: bool = False) -> None:
