@@ -6,7 +6,8 @@ what verification costs. Everything side by side in one run:
 
 ``adversaries``: one clean run, then for each adversary kind (``adversary.KINDS``) the same run with one
 node of 8 lying from iteration ``--start`` on (``collude``: the two nodes of stage 1, which has 2 replicas
-in this plan, so the two are the whole stage: what verification cannot catch, shown as such), once with
+in this plan, so the two are the whole stage: what verification cannot catch, shown as such; ``drift``:
+a node of the stage with the most replicas; ``--kinds`` runs only those named), once with
 verification off and once on (``mode = "spot"``, ``verify_rate`` 0.05, the defaults). Same plan, data
 and seed for all (the planner shares out a fixed count of evaluations). Figures: the final validation
 loss (whole model), the final loss with half of the stages after 0 dropped (``evaluate``), how many
@@ -124,18 +125,24 @@ def cpu_seconds(t: Trainer) -> float:
 
 
 def liars_for(kind: str, start: int):
-    """The adversaries of ``kind``: the first node of stage 1 (``collude``: both nodes of stage 1)."""
+    """The adversaries of ``kind``: the first node of stage 1 (``collude``: both nodes of stage 1;
+    ``drift``: the first node of the stage with the most replicas, which the replicas' weights check
+    needs 3 of)."""
     def pick(alloc: dict[str, int]) -> str:
-        stage1 = sorted(n for n, s in alloc.items() if s == 1)
-        chosen = stage1[:2] if kind == "collude" else stage1[:1]
+        stage = 1
+        if kind == "drift":
+            sizes = {s: sum(1 for x in alloc.values() if x == s) for s in sorted(set(alloc.values()))}
+            stage = max(sizes, key=lambda s: (sizes[s], -s))
+        nodes = sorted(n for n, s in alloc.items() if s == stage)
+        chosen = nodes[:2] if kind == "collude" else nodes[:1]
         return ", ".join(f"{n}:{kind}:{start}" for n in chosen)
     return pick
 
 
-def adversaries(iterations: int, start: int, seed: int) -> dict:
+def adversaries(iterations: int, start: int, seed: int, kinds: list[str] | None = None) -> dict:
     out = {"clean": train(iterations, seed, "off")}
     print(f"clean: val loss {out['clean']['val_loss']:.4f} ({out['clean']['wall_s']:.0f} s)", flush=True)
-    for kind in KINDS:
+    for kind in kinds or KINDS:
         for mode in ("off", "spot"):
             r = out[f"{kind} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start))
             print(f"{kind} {mode}: val loss {r['val_loss']:.4f}, caught {r['caught']} ({r['wall_s']:.0f} s)",
@@ -282,7 +289,7 @@ def tables(res: dict, start: int) -> None:
               "| caught (iterations after start) | honest blamed | loss, half the stages dropped: on vs clean |")
         print("|---|---|---|---|---|---|---|---|")
         print(f"| none (clean) | {c['val_loss']:.4f} | | | | | | {c['val_loss_dropped']:.4f} |")
-        for kind in KINDS:
+        for kind in (k for k in KINDS if f"{k} off" in a):
             off, on = a[f"{kind} off"], a[f"{kind} spot"]
             liars = [e.split(":")[0] for e in on["liars"].split(", ")]
             late = [on["caught"][n] - start for n in liars if n in on["caught"]]
@@ -361,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("what", choices=("adversaries", "clean", "overhead", "paired", "aggregation", "digest", "all"))
     ap.add_argument("--iterations", type=int, default=40, help="iterations of each adversary run")
     ap.add_argument("--start", type=int, default=5, help="the iteration adversaries start lying at")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="the adversary kinds to run (adversaries)")
     ap.add_argument("--clean-iterations", type=int, default=200)
     ap.add_argument("--seeds", default="1,2,3")
     ap.add_argument("--overhead-iterations", type=int, default=20)
@@ -379,7 +387,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("aggregation", "all"):
         res["aggregation"] = aggregation()
     if args.what in ("adversaries", "all"):
-        res["adversaries"] = adversaries(args.iterations, args.start, args.seed)
+        kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
+        if set(kinds) - set(KINDS):
+            bad = ", ".join(sorted(set(kinds) - set(KINDS)))
+            ap.error(f"--kinds: {bad} not a kind; the kinds are {', '.join(KINDS)}")
+        res["adversaries"] = adversaries(args.iterations, args.start, args.seed, kinds)
     if args.what in ("overhead", "all"):
         res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed, args.overhead_model)
     if args.what == "paired":

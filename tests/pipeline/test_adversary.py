@@ -22,7 +22,7 @@ def test_each_kind_changes_what_it_should_and_leaves_the_rest():
             out = adv.tamper(what, t, "n01", 0, 3, given)
             assert out.shape == t.shape and out.dtype == t.dtype
             untouched = (kind == "weights" and what != "share") or (kind == "signflip" and what == "activation") \
-                or kind == "frame"  # a framer lies only when asked to recheck (test_verify)
+                or kind in ("frame", "drift")  # a framer lies only when asked to recheck, a drifter as it steps
             assert torch.equal(out, t) == untouched, (kind, what)
     assert torch.equal(Adversary("scale").tamper("gradient", t, "n", 0, 0), t * 10)
     assert torch.equal(Adversary("scale", strength=3).tamper("gradient", t, "n", 0, 0), t * 3)
@@ -44,6 +44,17 @@ def test_each_kind_changes_what_it_should_and_leaves_the_rest():
     w = Adversary("weights").tamper("share", t, "n", 0, -1)
     assert float((w - t).norm()) == pytest.approx(10 * float(t.norm()), rel=1e-4)
     assert not t.requires_grad and torch.equal(t, tensor(0)), "the original is never changed in place"
+
+
+def test_a_drifter_steps_with_a_gradient_of_its_own_from_its_round_on_and_the_others_with_theirs():
+    g = tensor(3).flatten()
+    drift = Adversary("drift", start=2)
+    assert drift.stepped(g, "n", 1) is g, "before its round it steps honestly"
+    own = drift.stepped(g, "n", 2)
+    assert float((own - g).norm()) == pytest.approx(10 * float(g.norm()), rel=1e-4)
+    assert torch.equal(own, drift.stepped(g, "n", 2)) and not torch.equal(own, drift.stepped(g, "n", 3))
+    assert torch.equal(g, tensor(3).flatten()), "never changed in place"
+    assert all(Adversary(k).stepped(g, "n", 5) is g for k in KINDS if k != "drift")
 
 
 def test_an_adversary_starts_at_its_round_and_lies_about_the_fraction_of_microbatches_given():

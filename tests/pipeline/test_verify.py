@@ -450,6 +450,60 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
     assert 0 < v.last["checks"] < every
 
 
+def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_odd_one_two_are_a_dispute():
+    """After each step every replica of a stage with others reports the digest of its weights: equal digests
+    pass; where they differ, a strict majority of 3 or more names the others (a missing digest counts as
+    a different one), caught for check "weights"; 2 replicas that differ, or no majority, are a dispute
+    that blames nobody; a stage of one replica, or a node that did not step, is not compared; mode "off"
+    compares nothing."""
+    alloc = {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1, "f": 2, "g": 3, "h": 3, "i": 3, "j": 3}
+    good, bad, other = b"w" * 32, b"x" * 32, b"y" * 32
+    v, events = verifier("screen")
+    assert v.stepped(0, alloc, dict.fromkeys(alloc, good)) == {} and events == []
+    caught = v.stepped(1, alloc, {"a": good, "b": bad, "c": good, "d": good, "e": bad, "f": None,
+                                  "g": good, "h": good, "i": None})  # j did not step (it died)
+    assert sorted(caught) == ["b", "i"]
+    found = {f["node"]: f for kind, f in events if kind == "caught"}
+    assert set(found) == {"b", "i"} and all(f["check"] == "weights" for f in found.values())
+    assert found["b"]["agreeing"] == ["a", "c"]
+    assert "other weights than 2 of the 3 replicas of stage 0" in found["b"]["why"]
+    assert "reported no digest" in found["i"]["why"] and found["i"]["agreeing"] == ["g", "h"]
+    disputes = [f for kind, f in events if kind == "dispute"]
+    assert [(f["nodes"], f["stage"]) for f in disputes] == [(["d", "e"], 1)], "two replicas: who is right is unknown"
+    assert v.held["a"] == (0, good) and v.held["e"] == (1, bad) and "b" not in v.held and "f" not in v.held
+    events.clear()
+    assert v.stepped(2, {"a": 0, "b": 0, "c": 0}, {"a": good, "b": bad, "c": other}) == {}
+    assert [f["nodes"] for kind, f in events] == [["a", "b", "c"]], "no majority: a dispute"
+    v.stepped(3, {"a": 0, "d": 1}, {"a": None, "d": None})
+    assert "a" not in v.held and "d" not in v.held, "stepped alone: what it holds now is not known"
+    off, events = verifier("off")
+    assert off.stepped(0, alloc, {"a": good, "b": bad, "c": good}) == {} and events == []
+
+
+@pytest.mark.parametrize("who", ["c", "d"])
+def test_a_confirmation_catches_a_node_whose_weights_shown_are_not_those_it_reported_after_its_step(who):
+    """c's visit differs (it scales what it sends), d rechecks it and reports the mismatch, and the
+    coordinator asks both for their weights: a node (the one checked or its verifier) that shows other
+    weights than the digest it reported after its latest step is caught for check "weights" (it may
+    compute with other weights than it shows); the other is not blamed for it."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
+    v, events = verifier("full", roster=r)
+    honest = receipts.weights_digest(r.stage["d"].state_dict())
+    v.held.update(c=(1, honest), d=(1, honest))
+    v.held[who] = (1, b"z" * 32)  # what it reported after its step is not what it shows now
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    for msg in r.norms:
+        v.note(msg)
+    caught = v.audit(0, r.norm())
+    checks = {f["node"]: f["check"] for kind, f in events if kind == "caught"}
+    assert checks[who] == "weights" and who in caught
+    assert "showed other weights of stage 1 than it reported" in caught[who]
+    if who == "d":  # c's own lie is still caught by the recomputation of another of its computations
+        assert set(caught) <= {"c", "d"}
+    assert not set(checks) - {"c", "d"}
+
+
 # -- training with adversaries --------------------------------------------------------------------------
 BASE = dict(model="tiny", stages=3, skip=0.0, microbatches=4, samples=2, seq_len=16, lr=3e-3, warmup=1,
             eval_every=100, eval_batches=2, planner_budget=5.0, planner_evals=40, replan_budget=1.0,
@@ -522,6 +576,22 @@ def test_a_replica_that_averages_another_share_than_it_sent_is_caught_by_the_ave
     assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, "combine", 1)]
     assert all(r["verify"]["rechecks"] == 0 for r in metrics["iterations"])
     assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
+
+
+def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_training_goes_on_without_it():
+    """Spot mode at rate 0 (no computation drawn), 3 replicas a stage: a ``drift`` liar sends and combines
+    honestly but steps with another gradient from iteration 1; the replicas' weights check after that
+    step catches it (check "weights") before anything reads its weights, nobody else is blamed, and the
+    run goes on without it (its stage re-planned with the replicas left)."""
+    metrics, liars, t = train({1: ["drift"]}, nodes=9, iterations=3, mode="spot", rate=0.0, start=1)
+    liar = next(iter(liars))
+    caught = [e for e in metrics["events"] if e["event"] == "caught"]
+    assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, "weights", 1)]
+    assert len(caught[0]["agreeing"]) == 2 and liar not in caught[0]["agreeing"]
+    assert not [e for e in metrics["events"] if e["event"] == "dispute"]
+    assert metrics["iterations"][1]["verify"]["caught"] == [liar]
+    assert liar in t.roster.excluded and liar not in t.alloc and len(metrics["iterations"]) == 3
+    assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
 
 
 def test_a_clean_run_blames_nobody_verification_changes_nothing_of_its_training_and_says_what_it_cost():

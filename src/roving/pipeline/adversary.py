@@ -27,6 +27,11 @@ for it as for microbatch -1). The kinds:
   other kinds average the share they sent, as their replicas do), so it steps to other weights than
   its replicas. The weights a node exports (snapshots,
   takeovers) are not tampered with yet.
+- ``drift``: sends everything honestly and combines its stage's shares as sent, but steps with another
+  gradient (``stepped``: STRENGTH, default 10, times a random direction of the gradient's norm added
+  before its optimizer step), so its weights leave its replicas' from that step on, and with them
+  everything it computes later. It reports the digest of the weights it holds (``verify``: the
+  replicas' weights check).
 - ``collude``: like ``noise``, but drawn from the run's seed, the round, the microbatch and what is
   sent alone (not the node), so every colluding node of a stage sends the same wrong tensor for the
   same microbatch and round (for its share: the same wrong share); asked to recheck another node's
@@ -47,10 +52,10 @@ import torch
 from .errors import PlanError
 
 #: the adversary kinds, as ``[verify] adversaries`` names them.
-KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "collude", "frame")
+KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "drift", "collude", "frame")
 #: what a stage process sends that an adversary can tamper with.
 WHATS = ("activation", "gradient", "share")
-_STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0}
+_STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0, "drift": 10.0}
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,7 @@ class Adversary:
         if what not in WHATS:
             raise ValueError(f"what must be one of {', '.join(WHATS)}, got {what!r}")
         kind = self.kind
-        if not self.active(node, rnd, mb) or kind == "frame" or (kind == "weights" and what != "share") or \
+        if not self.active(node, rnd, mb) or kind in ("frame", "drift") or (kind == "weights" and what != "share") or \
                 (kind == "signflip" and what == "activation"):
             return tensor
         t = tensor.detach().float()
@@ -108,11 +113,26 @@ class Adversary:
                 out.view(-1)[random.Random(f"nan:{self.seed}:{node}:{rnd}:{mb}").randrange(out.numel())] = bad
         else:  # noise, collude, weights: a random direction
             key = f"{self.seed}:{rnd}:{mb}:{what}" if kind == "collude" else f"{self.seed}:{node}:{rnd}:{mb}:{what}"
-            gen = torch.Generator().manual_seed(random.Random(key).getrandbits(63))
-            r = torch.randn(t.shape, generator=gen)
-            r = r * (t.norm() / r.norm().clamp_min(1e-30))
+            r = _direction(key, t)
             out = t + (self.strength or _STRENGTH["weights"]) * r if kind == "weights" else r
         return out.to(tensor.dtype)
+
+    def stepped(self, gradient: torch.Tensor, node: str, rnd: int) -> torch.Tensor:
+        """The gradient ``node`` steps with in round ``rnd`` instead of ``gradient`` (the one it combined,
+        flattened): a ``drift`` liar's own, ``gradient`` itself otherwise (as ``tamper``: drawn for
+        microbatch -1, never changed in place)."""
+        if self.kind != "drift" or not self.active(node, rnd, -1):
+            return gradient
+        t = gradient.detach().float()
+        out = t + (self.strength or _STRENGTH["drift"]) * _direction(f"{self.seed}:{node}:{rnd}:step", t)
+        return out.to(gradient.dtype)
+
+
+def _direction(key: str, like: torch.Tensor) -> torch.Tensor:
+    """A random tensor of ``like``'s shape and norm, drawn from ``key`` alone."""
+    gen = torch.Generator().manual_seed(random.Random(key).getrandbits(63))
+    r = torch.randn(like.shape, generator=gen)
+    return r * (like.norm() / r.norm().clamp_min(1e-30))
 
 
 def parse_adversaries(text: str, seed: int = 0) -> dict[str, Adversary]:

@@ -203,7 +203,7 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
                         "the coordinate-wise median or centered clipping")
     t.add_argument("--adversaries",
                    help='adversary injection: "n03:scale:10:0.5:4,n05:nan" (NODE:KIND[:FROM[:FRACTION[:STRENGTH]]]; '
-                        "kinds noise, scale, signflip, lazy, bias, nan, weights, collude, frame)")
+                        "kinds noise, scale, signflip, lazy, bias, nan, weights, drift, collude, frame)")
 
 
 def _add_run_tool_parsers(sub: Any) -> None:

@@ -17,6 +17,8 @@ With ``mode`` other than "off", a stage process (``stage_process``):
   process's idle moments (``summarize_one``, when no work is ready and no message waiting) rather than
   as it arrives, so that no computation waits on a summary; what is left is summarised before the
   round's report (``summaries``);
+- after each step where its stage had other replicas, reports a digest of the weights it stepped to
+  (``stepped``), which the coordinator compares with theirs;
 - shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
   (``recompute``) with the weights it holds now, which every replica of its stage holds bitwise equal
   until the round's step.
@@ -195,6 +197,14 @@ class Evidence:
         with self.timed("combined"):
             self.total = total.detach().to("cpu")
             return receipts.digest(self.total)
+
+    def stepped(self, weights: dict[str, torch.Tensor]) -> bytes | None:
+        """This process stepped to ``weights`` (its stage's state dict): their digest for the coordinator
+        (``receipts.weights_digest``; None with verification off), which compares it with its replicas'."""
+        if not self.on:
+            return None
+        with self.timed("weights"):
+            return receipts.weights_digest(weights)
 
     def show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
         """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed); its own

@@ -287,6 +287,9 @@ class Stepped(RoundMessage):
     sender: str
     stats: dict
     grad_norm: float = float("nan")
+    #: with verification on, where its stage had other replicas in the round: the digest of the weights
+    #: it holds after the step (``receipts.weights_digest``), which every replica's must equal (``verify``)
+    weights: Any = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,9 @@ authenticated, encrypted channel. So:
 
 The receipts are what the coordinator's checks (``verify``) read: "X sent this tensor for that hop" is
 proven by X's receipt, whoever shows it.
+
+``weights_digest`` is the same digest over a stage's weights: what a replica reports of the weights it
+holds after each step (``protocol.Stepped.weights``), for ``verify`` to compare with its replicas'.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from dataclasses import dataclass
+from typing import Any, Mapping
 
 import blake3
 import torch
@@ -60,10 +64,27 @@ def digest(tensor: torch.Tensor) -> bytes:
     t = t.contiguous()
     # BLAKE3 (one thread; it lets go of the GIL over large buffers): on this project's machines 2 to 5
     # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md, session 19); every tensor sent is hashed
-    h = blake3.blake3(f"{t.dtype}:{tuple(t.shape)}".encode())
+    h = blake3.blake3()
+    _update(h, t)
+    return h.digest()
+
+
+def weights_digest(state: Mapping[str, torch.Tensor]) -> bytes:
+    """A digest of a stage's weights as ``state`` holds them (a state dict: every name, and each tensor's
+    dtype, shape and bytes, by name), BLAKE3 like ``digest``: two processes hold bitwise equal weights
+    exactly when their digests are equal (but for a collision)."""
+    h = blake3.blake3()
+    for name in sorted(state):
+        h.update(name.encode() + b"\0")
+        t = state[name].detach()
+        _update(h, (t.to("cpu") if t.device.type != "cpu" else t).contiguous())
+    return h.digest()
+
+
+def _update(h: Any, t: torch.Tensor) -> None:
+    h.update(f"{t.dtype}:{tuple(t.shape)}".encode())
     if t.numel():
         h.update(t.view(-1).view(torch.uint8).numpy().data)
-    return h.digest()
 
 
 def _body(sender: str, rnd: int, what: str, mb: int, hop: int, dig: bytes) -> bytes:

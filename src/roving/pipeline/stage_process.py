@@ -124,6 +124,7 @@ class StageProcess:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
         self.stage_index, self.in_flight = stage, in_flight
         self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
+        self.replicated = False  # whether other replicas averaged with it since its latest step
         self.stage = Stage(self.settings.model, stage, self.settings.stages, seed=self.settings.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]
         self.opt = AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
@@ -444,6 +445,7 @@ class StageProcess:
         # Every replica combines the same tensors in the same order: the results are bitwise equal
         # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
         counts = self.share_counts.get(rnd, {})
+        self.replicated = len(replicas) > 1
         cosines = self.evidence.share_cosines(got) if len(replicas) > 2 else {}
         total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
                         count, self.settings.aggregation)
@@ -465,13 +467,32 @@ class StageProcess:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
+        self._drift(rnd)
         self.opt.lr = lr
         self.opt.step()
         self.opt.zero_grad()
+        # replicas step bitwise alike (the same gradient, coefficient and optimizer state): what each
+        # holds now is compared (``verify``), where there are replicas to compare with
+        replicated, self.replicated = self.replicated, False
+        weights = self.evidence.stepped(self.stage.state_dict()) if replicated else None
         stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
-        self.control.put(m.Stepped(rnd, self.name, stats, norm))
+        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights))
+
+    def _drift(self, rnd: int) -> None:
+        """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""
+        adv = self.settings.adversary
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if adv is None or adv.kind != "drift" or not grads:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        own = adv.stepped(flat, self.name, rnd)
+        if own is not flat:
+            offset = 0
+            for g in grads:
+                g.copy_(own[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -286,6 +286,7 @@ class Trainer:
         latest snapshot (``Weights.move``). Returns the nodes moved (name -> stage) and where each
         stage's weights came from."""
         moved = {n: s for n, s in self.alloc.items() if self.roster.holding.get(n) != s}
+        self.verifier.loaded(moved)
         takeover = self.weights.gather(moved, self.alloc)
         rebuilt: dict[int, StageWeights] = {}
         for stage, nodes in takeover.orphans.items():
@@ -561,18 +562,25 @@ class Trainer:
     def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:
         """Every node scales its gradients by ``coef`` and steps; returns each node's statistics. A
         node that dies now is not waited for (the others step all the same); the plan is remade at
-        the next boundary."""
+        the next boundary. With verification on, the replicas' weights are compared (``Verifier.stepped``)
+        before anything reads them: a replica caught stepping to other weights is excluded now, and
+        planned around at the next boundary, as a node lost."""
         for name in self.roster.inboxes:
             self.roster.put(name, m.Step(rnd, coef, self.recovery.lr(self.roster.holding.get(name), lr)))
         stats: dict[str, dict] = {}
+        digests: dict[str, Any] = {}
         while set(self.roster.inboxes) - set(stats):
             try:
                 msg = self.roster.recv(m.Stepped, rnd=rnd)
                 assert isinstance(msg, m.Stepped)
                 stats[msg.sender] = msg.stats
+                digests[msg.sender] = msg.weights
                 self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
+        caught = self.verifier.stepped(rnd, self.alloc, digests)
+        if caught:
+            self.roster.exclude(caught)
         return stats
 
     def _watch_speed(self, stats: dict[str, dict]) -> None:

@@ -43,6 +43,15 @@ itself, each as its sender's receipt names it, and catches each replica whose gr
 (one that combined another share than was sent, its own included, would step to other weights than its
 replicas, and later checks could no longer compare them). Every round, in every mode but "off".
 
+The replicas' weights. Replicas that combined one gradient step bitwise alike, so after every step
+each replica of a stage with others reports a digest of the weights it stepped to (``Stepped.weights``;
+``stepped``). Where a stage's digests differ, a strict majority of at least 3 names the others, caught
+("weights"; one that steps with another gradient than it combined, or reports no digest); with no such
+majority (2 replicas) it is a dispute. Every round, in every mode but "off", before the weights are
+snapshotted or evaluated. A confirmation then holds each node to its report: weights shown that are
+not the ones it reported after its latest step (of the stage it holds now) have it caught ("weights"),
+so a node cannot compute with other weights than it reported and show the honest ones.
+
 Which computations. ``full``: all. ``spot``: each with probability ``verify_rate`` (a visit's forward and
 backward together, as the issue's spot check has it: a microbatch's forward "and, for gradients, the
 backward" on the same input), drawn here from the
@@ -61,6 +70,7 @@ computation, microbatch and hop, the verifier and both differences), "dispute" a
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -209,6 +219,9 @@ class Verifier:
         self._modules: dict[int, Stage] = {}  # one a stage, built once a run, loaded with the weights to confirm
         self._suspected: set[tuple] = set()
         self.suspects: set[str] = set()
+        #: name -> (stage, digest of the weights it reported after its latest step): what it holds until
+        #: its next step (a process's weights change only when it steps, or loads another stage's)
+        self.held: dict[str, tuple[int, bytes]] = {}
         self._check_id = self._ask_id = 0
         #: the messages of the nodes that an audit takes (``take``) while the trainer waits for the round's
         self.kinds: tuple[type, ...] = (m.EvidenceItems, m.Rechecked, m.WeightsShown) if self.on else ()
@@ -435,6 +448,58 @@ class Verifier:
         self.totals["disputes"] += 1
         self._event("dispute", nodes=sorted(set(nodes)), why=why, **evidence)
 
+    # -- the replicas' weights -------------------------------------------------------------------------
+    def stepped(self, rnd: int, alloc: dict[str, int], digests: dict[str, Any]) -> dict[str, str]:
+        """The nodes of ``alloc`` stepped after round ``rnd``; ``digests``: name -> the digest of the weights
+        each reported (``Stepped.weights``; those that did not step are left out). Compares the replicas
+        of each stage (the module doc) and returns the nodes caught, name -> why (each also an event),
+        for the trainer to exclude."""
+        if not self.on:
+            return {}
+        for name, d in digests.items():  # what each holds now (none known: it stepped alone)
+            if isinstance(d, bytes) and name in alloc:
+                self.held[name] = (alloc[name], d)
+            else:
+                self.held.pop(name, None)
+        groups: dict[int, dict[str, Any]] = {}
+        for name, stage in alloc.items():
+            groups.setdefault(stage, {})
+            if name in digests:
+                groups[stage][name] = digests[name]
+        caught: dict[str, str] = {}
+        for stage, got in sorted(groups.items()):
+            if sum(1 for n, s in alloc.items() if s == stage) < 2:
+                continue
+            votes = collections.Counter(d if isinstance(d, bytes) else None for d in got.values())
+            if len(votes) < 2:
+                continue
+            top, n = votes.most_common(1)[0]
+            if len(got) >= 3 and 2 * n > len(got) and top is not None:
+                for name in sorted(got):
+                    d = got[name]
+                    if d != top:
+                        c = Check(name, stage, "weights", -1, -1, Source(name, ()))
+                        self._catch(caught, name, "weights", c, reason=(
+                            f"stepped to other weights than {n} of the {len(got)} replicas of stage {stage} "
+                            if isinstance(d, bytes) else "reported no digest of the weights it stepped to ")
+                            + f"after round {rnd}", round=rnd,
+                            agreeing=sorted(o for o, x in got.items() if x == top))
+            else:
+                self._dispute(sorted(got), f"the replicas of stage {stage} stepped to different weights after "
+                              f"round {rnd}, with no majority of 3 or more", stage=stage, round=rnd)
+        for name in caught:
+            self.held.pop(name, None)
+        self.totals["caught"] += len(caught)
+        if caught:
+            self.last = {**self.last, "caught": sorted(set(self.last.get("caught", [])) | set(caught))}
+        return caught
+
+    def loaded(self, names: Iterable[str]) -> None:
+        """``names`` load other weights (a stage taken over): what they reported after their latest step is
+        no longer what they hold."""
+        for name in names:
+            self.held.pop(name, None)
+
     # -- evidence -------------------------------------------------------------------------------------
     def _ask(self, a: _Audit, wanted: dict[str, set], then: Callable[[dict[str, dict]], None]) -> None:
         """Ask each holder of ``wanted`` (holder -> keys) for its kept tensors; ``then`` gets them (holder
@@ -620,6 +685,14 @@ class Verifier:
         mine = a.weights[c.node]
         if mine[0] != c.stage:
             self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
+            return
+        for n in k.needs():
+            held = self.held.get(n)
+            if held is not None and held[0] == c.stage and a.weights[n][0] == c.stage and \
+                    receipts.weights_digest(a.weights[n][1]) != held[1]:
+                self._catch(a.caught, n, "weights", c, reason=f"showed other weights of stage {c.stage} than "
+                            "it reported after its latest step")
+        if any(n in a.caught for n in k.needs()):
             return
         if verifier is not None and not _equal(mine[1], a.weights[verifier][1]):
             self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
