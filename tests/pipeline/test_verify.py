@@ -419,6 +419,34 @@ def test_a_round_given_up_hands_over_whom_its_audit_caught_so_far_and_drops_the_
         v.audit(0, r.norm())
 
 
+def test_the_screening_rows_of_a_round_given_up_still_count_for_their_senders():
+    """Each Norm's screening rows are screened as it comes (``Verifier.note``); when the round is then given
+    up, what was noted stays in each sender's running statistics (those tensors were sent), and the next
+    round's rows add to them."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches)
+    v, _ = verifier("screen", roster=r)
+    rows = collections.Counter((row[0], row[3]) for msg in r.norms for row in msg.screened)
+    assert rows, "every node reports what it received"
+
+    def counted() -> collections.Counter:
+        out: collections.Counter = collections.Counter()
+        for boundary, nodes in v.screen.nodes.items():
+            for n, ns in nodes.items():
+                out[boundary[0], n] += ns.stats["norm"].count + sum(ns.found.values())
+        return out
+
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    for msg in r.norms:
+        v.note(msg)
+    v.abandon()
+    assert counted() == rows
+    v.begin(1, PLAN, dict(PLAN.allocation), batches)
+    for msg in r.norms:
+        v.note(dataclasses.replace(msg, round=1))
+    assert counted() == rows + rows
+
+
 def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():
     """Mode "spot" at rate 0 (nothing is drawn): c sends a NaN in its activations of microbatch 0, which
     reaches the loss, the gradients, stage 0's combined gradient and so the norm. Every computation of the
