@@ -112,3 +112,21 @@ def test_a_preemption_notice_from_a_metadata_url_ends_the_worker_well():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_worker_that_says_it_will_end_once_its_pool_terminates_is_not_counted_as_ended_early():
+    """Slurm's cancel, even ``scancel --signal=KILL``, sends SIGTERM before SIGKILL (and Kubernetes deletes
+    a pod the same way), so a worker its own pool kills says it will end: once the pool terminates, that
+    end is the pool's, not one that ended early (a time limit, a preemption). Here the pool is told it
+    terminates as ``terminate`` tells it first, and its worker gets the SIGTERM such a kill sends."""
+    roving.init(worker_grace=1.0, child_output="off")
+    pool = roving.Pool(1, max_task_retries=1)
+    try:
+        pid = pool.apply(os.getpid)
+        (worker,) = pool._disp.workers_now()
+        pool._disp.terminating()
+        os.kill(pid, signal.SIGTERM)
+        assert wait_until(lambda: worker.ending, 60), "the worker did not say it would end"
+        assert pool._disp.figures()["ended_early"] == 0
+    finally:
+        pool.terminate()

@@ -21,7 +21,8 @@ Guarantees:
   fails with :class:`WorkerLostError` naming it.
 * A worker that says it will end (ENDING: a time limit, a preemption, its lifetime) gets no more work and
   is replaced at once; what it hands back or leaves unfinished goes back in line with no one blamed: a
-  preemption never counts against ``max_task_retries``.
+  preemption never counts against ``max_task_retries``. (Once the pool terminates, the end a worker
+  announces is the pool's own kill: it is neither counted nor replaced.)
 """
 from __future__ import annotations
 
@@ -177,6 +178,7 @@ class Dispatcher:
         self.done = self.failed = self.retried = 0
         self.handed_back = 0  # items of workers told they would end, run again elsewhere (not retries)
         self.ended_early = 0  # workers that said they would end (time limit, preemption, lifetime)
+        self._terminating = False  # the pool kills its workers (``terminating``): their ends are its own
         self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
 
     def attach(self) -> None:
@@ -351,6 +353,8 @@ class Dispatcher:
                 if w is not None and not w.gone and not w.ending:
                     w.ending = True
                     self._retire(w)  # no more work; the upkeep starts its replacement now
+                    if self._terminating:  # the signal of the pool's own kill (Slurm sends TERM first)
+                        return
                     self.ended_early += 1
                     observe.event("worker-ending", f"pool {self.pool_id}", f"worker {w.id} will end within {key} s: "
                                   "it hands back its work (no retry counted); a replacement starts",
@@ -628,6 +632,13 @@ class Dispatcher:
                 log.warning("roving pool: worker %s ended (exit code %s) holding work; its unfinished "
                             "items go to other workers", w.id, exitcode)
             self._dispatch()
+
+    def terminating(self) -> None:
+        """The pool kills its workers now: a worker that then says it will end (the kill's own signal:
+        Slurm's cancel sends SIGTERM before SIGKILL, Kubernetes deletes a pod the same way) is not one
+        that ended early, and nothing replaces it."""
+        with self.lock:
+            self._terminating = True
 
     def fail_all(self, error: Union[str, BaseException]) -> None:
         """Terminate: every result not yet delivered fails with ``error`` (text: a RuntimeError)."""

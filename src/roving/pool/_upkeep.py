@@ -165,6 +165,7 @@ class Upkeep:
         """Kill the workers now; every result not yet delivered fails."""
         with self.lock:
             self.state = TERMINATE
+        self.disp.terminating()
         workers = self.disp.workers_now()
         self.keep(pool)
         for w in workers:
