@@ -174,6 +174,8 @@ def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blam
         "withheld": ({"c": {}}, "c", []),
         "altered": ({"c": {key: (t + 1, r, False)}}, "c", []),
         "another hop's receipt": ({"c": {key: (t, dataclasses.replace(r, hop=2), False)}}, "c", []),
+        "another round's tensor": ({"c": {key: (t + 1, receipts.seal(ka, "a", 6, "activation", 0, 1, t + 1), False)}},
+                                   "c", []),
         "disputed on arrival": ({"c": {key: (t + 1, r, True)}}, None, ["a", "c"]),
         "a MAC not a's": ({"c": {key: (t, receipts.seal(b"x" * 32, "a", 7, "activation", 0, 1, t), False)}},
                           None, ["a", "c"]),
@@ -181,7 +183,7 @@ def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blam
     for name, (shown, culprit, disputed) in cases.items():
         v, events = verifier()
         caught: dict = {}
-        got = v._evidence(check, shown, caught)
+        got = v._evidence(check, shown, caught, 7)
         assert (got is not None) == (name == "shown"), name
         assert list(caught) == ([culprit] if culprit else []), name
         disputes = [f for kind, f in events if kind == "dispute"]
@@ -620,6 +622,23 @@ def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_traini
     assert metrics["iterations"][1]["verify"]["caught"] == [liar]
     assert liar in t.roster.excluded and liar not in t.alloc and len(metrics["iterations"]) == 3
     assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
+
+
+def test_each_round_reports_the_screening_rows_of_its_own_tensors_and_no_earlier_rounds(monkeypatch):
+    """A stage process forgets a round's evidence when the next round starts: each round's Norms carry the
+    summaries of the tensors received in that round alone (the same plan every round: as many each
+    round), so nothing is screened twice and no dispute is reported again in a later round."""
+    rows: collections.Counter = collections.Counter()
+    note = Verifier.note
+
+    def counting(self, msg):
+        rows[msg.round] += len(msg.screened)
+        return note(self, msg)
+
+    monkeypatch.setattr(Verifier, "note", counting)
+    metrics, _, _ = train({}, nodes=6, iterations=4, mode="screen")
+    assert sorted(rows) == [0, 1, 2, 3] and len(set(rows.values())) == 1 and rows[0] > 0, rows
+    assert not [e for e in metrics["events"] if e["event"] in ("caught", "dispute")]
 
 
 def test_a_clean_run_blames_nobody_verification_changes_nothing_of_its_training_and_says_what_it_cost():

@@ -214,6 +214,8 @@ class StageProcess:
         if rnd > self.round:
             if self.stash or self.pending or self.grads or self.sync_order:
                 self._clear_round()
+            else:  # the previous round ended with its step (its audit before it): its evidence goes
+                self.evidence.clear()
             self.round = rnd
             self.backwards = 0
         return True

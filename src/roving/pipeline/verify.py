@@ -531,7 +531,7 @@ class Verifier:
         for c in checks:
             if c.node in a.caught:
                 continue
-            tensors = self._evidence(c, shown, a.caught)
+            tensors = self._evidence(c, shown, a.caught, a.rnd)
             if tensors is None:
                 continue
             claimed, inputs = tensors
@@ -544,9 +544,11 @@ class Verifier:
                 continue
             self._recheck(a, c, claimed, inputs)
 
-    def _shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check) -> Any:
-        """The tensor of ``src`` once it is covered by its sender's receipt; None, after blaming the holder
-        or recording a dispute, when it is not (the module doc, Evidence)."""
+    def _shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check, rnd: int) -> Any:
+        """The tensor of ``src`` once it is covered by its sender's receipt for round ``rnd``; None, after
+        blaming the holder or recording a dispute, when it is not (the module doc, Evidence). A tensor
+        under the receipt of another round is not this round's (its sender's work of another round is
+        not checked against this round's inputs): its holder is caught."""
         if not src.holder:
             return src.value
         got = shown.get(src.holder, {}).get(src.key)
@@ -561,8 +563,8 @@ class Verifier:
                           key=list(src.key))
             return None
         what, mb, hop, _ = src.key
-        fields = isinstance(receipt, receipts.Receipt) and (receipt.sender, receipt.what, receipt.mb,
-                                                             receipt.hop) == (sender, what, mb, hop)
+        fields = isinstance(receipt, receipts.Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
+                                                             receipt.hop) == (sender, rnd, what, mb, hop)
         if not fields or not receipts.matches(receipt, tensor):
             self._catch(caught, src.holder, "evidence", c, reason=f"showed a tensor {list(src.key)} that "
                         f"{sender}'s receipt does not name")
@@ -572,21 +574,21 @@ class Verifier:
             return None
         return tensor
 
-    def _evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str]) -> tuple | None:
+    def _evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str], rnd: int) -> tuple | None:
         """The check's tensors (claimed, inputs) once each is covered by its sender's receipt; None, after
         blaming or recording a dispute, when one is not."""
-        outputs = [self._shown(src, shown, caught, c) for src in c.outputs()]
+        outputs = [self._shown(src, shown, caught, c, rnd) for src in c.outputs()]
         if any(t is None for t in outputs):
             return None
         claimed = outputs[0] if len(outputs) == 1 else tuple(outputs)
         inputs = {}
         for name, src in c.inputs.items():
-            inputs[name] = self._shown(src, shown, caught, c)
+            inputs[name] = self._shown(src, shown, caught, c, rnd)
             if inputs[name] is None:
                 return None
         visits = []
         for v in c.visits:
-            got = {name: self._shown(src, shown, caught, c) for name, src in v.items()}
+            got = {name: self._shown(src, shown, caught, c, rnd) for name, src in v.items()}
             if any(t is None for t in got.values()):
                 return None
             visits.append(got)
@@ -623,7 +625,7 @@ class Verifier:
             for r in names:
                 holder = next(o for o in names if o != r)
                 c = Check(r, stage, "share", -1, -1, Source(holder, ("share", -1, -1, r)))
-                share = self._shown(c.claimed, shown, a.caught, c)
+                share = self._shown(c.claimed, shown, a.caught, c, a.rnd)
                 if share is None:
                     break
                 shares.append(share.float())
