@@ -504,6 +504,12 @@ def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_o
     events.clear()
     assert v.stepped(2, {"a": 0, "b": 0, "c": 0}, {"a": good, "b": bad, "c": other}) == {}
     assert [f["nodes"] for kind, f in events] == [["a", "b", "c"]], "no majority: a dispute"
+    events.clear()
+    mixed = {"a": 0, "b": 0, "c": 0, "d": 0, "e": 0}
+    on = {"a": "cpu:AVX2", "b": "cpu:AVX2", "c": "cpu:AVX2", "d": "cuda:X", "e": "cuda:X"}
+    caught = v.stepped(3, mixed, {"a": good, "b": good, "c": bad, "d": other, "e": other}, on)
+    assert list(caught) == ["c"], "compared within a platform: d and e step to other bits, as their platform does"
+    assert not [f for kind, f in events if kind == "dispute"]
     v.stepped(3, {"a": 0, "d": 1}, {"a": None, "d": None})
     assert "a" not in v.held and "d" not in v.held, "stepped alone: what it holds now is not known"
     off, events = verifier("off")

@@ -236,6 +236,21 @@ class Evidence:
             return median_cosines(shares, skip_zeros=True)
 
 
+def platform(device: torch.device) -> str:
+    """What a process's arithmetic runs on, as far as it decides the bits of an optimizer step: the
+    device's kind and model (the CPU's vector unit, as torch dispatches to it; the GPU's name and compute
+    capability) and torch's version. Replicas on one platform step bitwise alike; across platforms a
+    fused multiply-add or a vector width may round otherwise."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        kind = f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    elif device.type == "cpu":
+        kind = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    else:
+        kind = device.type
+    return f"{kind}:torch {torch.__version__}"
+
+
 def difference(got: Any, want: Any) -> float:
     """How far a tensor sent (``got``) is from its recomputation (``want``): ``|got - want| / |want|``
     (L2 over the finite elements; relative, so a tolerance covers float nondeterminism at any scale);

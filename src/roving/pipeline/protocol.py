@@ -288,8 +288,11 @@ class Stepped(RoundMessage):
     stats: dict
     grad_norm: float = float("nan")
     #: with verification on, where its stage had other replicas in the round: the digest of the weights
-    #: it holds after the step (``receipts.weights_digest``), which every replica's must equal (``verify``)
+    #: it holds after the step (``receipts.weights_digest``), which every replica's of its ``platform``
+    #: must equal (``verify``)
     weights: Any = None
+    #: what its arithmetic runs on (``evidence.platform``): replicas step bitwise alike on one platform
+    platform: str = ""
 
 
 @dataclass(frozen=True, slots=True)

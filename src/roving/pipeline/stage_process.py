@@ -32,7 +32,7 @@ import torch
 from . import protocol as m
 from .adversary import Adversary
 from .aggregate import combine
-from .evidence import Evidence, recheck
+from .evidence import Evidence, platform, recheck
 from .model import LlamaConfig
 from .network import Link
 from .optim import AdamW
@@ -110,6 +110,7 @@ class StageProcess:
         self.aborted = -1  # the latest round given up: its messages are dropped
         self.throttle = 1.0
         self.evidence = Evidence(s.name, s.verify, s.receipt_key)
+        self.platform = platform(self.device)  # what its weights after a step are compared within
         self._hold(s.stage, s.in_flight)
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
         self._handlers: dict[type, Callable[[Any], None]] = {
@@ -480,7 +481,7 @@ class StageProcess:
         stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
-        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights))
+        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform if replicated else ""))
 
     def _drift(self, rnd: int) -> None:
         """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""

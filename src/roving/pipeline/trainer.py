@@ -569,16 +569,17 @@ class Trainer:
             self.roster.put(name, m.Step(rnd, coef, self.recovery.lr(self.roster.holding.get(name), lr)))
         stats: dict[str, dict] = {}
         digests: dict[str, Any] = {}
+        platforms: dict[str, str] = {}
         while set(self.roster.inboxes) - set(stats):
             try:
                 msg = self.roster.recv(m.Stepped, rnd=rnd)
                 assert isinstance(msg, m.Stepped)
                 stats[msg.sender] = msg.stats
-                digests[msg.sender] = msg.weights
+                digests[msg.sender], platforms[msg.sender] = msg.weights, msg.platform
                 self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
-        caught = self.verifier.stepped(rnd, self.alloc, digests)
+        caught = self.verifier.stepped(rnd, self.alloc, digests, platforms)
         if caught:
             self.roster.exclude(caught)
         return stats

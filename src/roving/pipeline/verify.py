@@ -43,9 +43,10 @@ itself, each as its sender's receipt names it, and catches each replica whose gr
 (one that combined another share than was sent, its own included, would step to other weights than its
 replicas, and later checks could no longer compare them). Every round, in every mode but "off".
 
-The replicas' weights. Replicas that combined one gradient step bitwise alike, so after every step
-each replica of a stage with others reports a digest of the weights it stepped to (``Stepped.weights``;
-``stepped``). Where a stage's digests differ, a strict majority of at least 3 names the others, caught
+The replicas' weights. Replicas that combined one gradient step bitwise alike on one platform (device
+model, torch; ``evidence.platform``), so after every step each replica of a stage with others reports a
+digest of the weights it stepped to (``Stepped.weights``; ``stepped``), compared with those of the
+replicas of its stage on its platform. Where they differ, a strict majority of at least 3 names the others, caught
 ("weights"; one that steps with another gradient than it combined, or reports no digest); with no such
 majority (2 replicas) it is a dispute. Every round, in every mode but "off", before the weights are
 snapshotted or evaluated. A confirmation then holds each node to its report: weights shown that are
@@ -449,27 +450,28 @@ class Verifier:
         self._event("dispute", nodes=sorted(set(nodes)), why=why, **evidence)
 
     # -- the replicas' weights -------------------------------------------------------------------------
-    def stepped(self, rnd: int, alloc: dict[str, int], digests: dict[str, Any]) -> dict[str, str]:
+    def stepped(self, rnd: int, alloc: dict[str, int], digests: dict[str, Any],
+                platforms: dict[str, str] | None = None) -> dict[str, str]:
         """The nodes of ``alloc`` stepped after round ``rnd``; ``digests``: name -> the digest of the weights
-        each reported (``Stepped.weights``; those that did not step are left out). Compares the replicas
-        of each stage (the module doc) and returns the nodes caught, name -> why (each also an event),
-        for the trainer to exclude."""
+        each reported (``Stepped.weights``; those that did not step are left out), ``platforms``: name ->
+        what its arithmetic runs on (``Stepped.platform``; one platform for all when not given). Compares
+        the replicas of each stage on one platform (the module doc) and returns the nodes caught, name ->
+        why (each also an event), for the trainer to exclude."""
         if not self.on:
             return {}
+        platforms = platforms or {}
         for name, d in digests.items():  # what each holds now (none known: it stepped alone)
             if isinstance(d, bytes) and name in alloc:
                 self.held[name] = (alloc[name], d)
             else:
                 self.held.pop(name, None)
-        groups: dict[int, dict[str, Any]] = {}
-        for name, stage in alloc.items():
-            groups.setdefault(stage, {})
-            if name in digests:
-                groups[stage][name] = digests[name]
+        replicated = {s for s in alloc.values() if sum(1 for x in alloc.values() if x == s) > 1}
+        groups: dict[tuple[int, str], dict[str, Any]] = {}
+        for name, stage in sorted(alloc.items()):
+            if name in digests and stage in replicated:
+                groups.setdefault((stage, platforms.get(name, "")), {})[name] = digests[name]
         caught: dict[str, str] = {}
-        for stage, got in sorted(groups.items()):
-            if sum(1 for n, s in alloc.items() if s == stage) < 2:
-                continue
+        for (stage, _), got in sorted(groups.items()):
             votes = collections.Counter(d if isinstance(d, bytes) else None for d in got.values())
             if len(votes) < 2:
                 continue
