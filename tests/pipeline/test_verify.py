@@ -27,7 +27,7 @@ from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.adversary import Adversary
 from roving.pipeline.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
-from roving.pipeline.evidence import Evidence, difference, recheck, recompute
+from roving.pipeline.evidence import Evidence, difference, platform, recheck, recompute
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Plan, Route
 from roving.pipeline.stages import Stage
@@ -514,6 +514,13 @@ def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_o
     assert "a" not in v.held and "d" not in v.held, "stepped alone: what it holds now is not known"
     off, events = verifier("off")
     assert off.stepped(0, alloc, {"a": good, "b": bad, "c": good}) == {} and events == []
+
+
+def test_a_platform_names_the_device_kind_its_model_and_torch():
+    """What a replica's weights are compared within (``evidence.platform``): on the CPU, the vector unit
+    torch dispatches to, and torch's version; replicas differing in either are not compared."""
+    here = platform(torch.device("cpu"))
+    assert here == f"cpu:{torch.backends.cpu.get_cpu_capability()}:torch {torch.__version__}"
 
 
 @pytest.mark.parametrize("who", ["c", "d"])
