@@ -621,12 +621,16 @@ def test_a_replica_that_averages_another_share_than_it_sent_is_caught_by_the_ave
     assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
 
 
-def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_training_goes_on_without_it():
+def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_training_goes_on_without_it(tmp_path):
     """Spot mode at rate 0 (no computation drawn), 3 replicas a stage: a ``drift`` liar sends and combines
     honestly but steps with another gradient from iteration 1; the replicas' weights check after that
     step catches it (check "weights") before anything reads its weights, nobody else is blamed, and the
-    run goes on without it (its stage re-planned with the replicas left)."""
-    metrics, liars, t = train({1: ["drift"]}, nodes=9, iterations=3, mode="spot", rate=0.0, start=1)
+    run goes on without it (its stage re-planned with the replicas left); `roving pipeline status`
+    says so."""
+    from roving.cli import main as roving_main
+
+    metrics, liars, t = train({1: ["drift"]}, nodes=9, iterations=3, mode="spot", rate=0.0, start=1,
+                              control=str(tmp_path))
     liar = next(iter(liars))
     caught = [e for e in metrics["events"] if e["event"] == "caught"]
     assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, "weights", 1)]
@@ -635,6 +639,13 @@ def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_traini
     assert metrics["iterations"][1]["verify"]["caught"] == [liar]
     assert liar in t.roster.excluded and liar not in t.alloc and len(metrics["iterations"]) == 3
     assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert roving_main(["pipeline", "status", "--control", str(tmp_path)]) == 0
+    stage = caught[0]["stage"]
+    said = out.getvalue()
+    assert (f"caught by verification at iteration 1: {liar} excluded (weights check of {liar}'s weights, stage "
+            f"{stage}): stepped to other weights than 2 of the 3 replicas of stage {stage} after round") in said
 
 
 def test_each_round_reports_the_screening_rows_of_its_own_tensors_and_no_earlier_rounds(monkeypatch):

@@ -305,7 +305,9 @@ def _verify_line(e: dict) -> str:
         return f"{', '.join(e.get('nodes') or [])}: {e.get('why')}"
     text = f"{e.get('node')} excluded ({e.get('check')} check"
     if e.get("computation"):
-        text += f" of {e.get('computed_by')}'s {e['computation']}, stage {e.get('stage')}, microbatch {e.get('mb')}"
+        text += f" of {e.get('computed_by')}'s {e['computation']}, stage {e.get('stage')}"
+        if isinstance(e.get("mb"), int) and e["mb"] >= 0:  # (a share's, or weights', is the round's)
+            text += f", microbatch {e['mb']}"
     if e.get("verifier"):
         text += f"; verifier {e['verifier']}"
     for key, label in (("difference", "its difference"), ("confirmed_difference", "confirmed")):

@@ -38,8 +38,8 @@ JOIN_REQUESTS = "join-*.json"
 _RECOVERY = ("stage", "policy", "chosen", "why", "neighbours", "grad_norms", "shares", "snapshot_iteration",
              "snapshot_age", "lr_factor")
 #: what a verification event (``verify``: "caught", "dispute", "suspect") shows there besides its kind.
-_VERIFY = ("node", "check", "computation", "computed_by", "mb", "hop", "verifier", "difference",
-           "confirmed_difference", "tolerance", "boundary", "z")
+_VERIFY = ("node", "check", "computation", "computed_by", "stage", "mb", "hop", "verifier", "difference",
+           "confirmed_difference", "tolerance", "boundary", "z", "agreeing")
 
 
 class ControlFolder:
