@@ -512,6 +512,9 @@ def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_o
     assert not [f for kind, f in events if kind == "dispute"]
     v.stepped(3, {"a": 0, "d": 1}, {"a": None, "d": None})
     assert "a" not in v.held and "d" not in v.held, "stepped alone: what it holds now is not known"
+    assert "b" in v.held
+    v.loaded(["b"])
+    assert "b" not in v.held, "loaded another stage's weights: its report no longer holds"
     off, events = verifier("off")
     assert off.stepped(0, alloc, {"a": good, "b": bad, "c": good}) == {} and events == []
 

@@ -481,7 +481,7 @@ class StageProcess:
         stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
-        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform if replicated else ""))
+        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform))
 
     def _drift(self, rnd: int) -> None:
         """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""

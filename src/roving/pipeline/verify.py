@@ -477,15 +477,12 @@ class Verifier:
                 continue
             top, n = votes.most_common(1)[0]
             if len(got) >= 3 and 2 * n > len(got) and top is not None:
-                for name in sorted(got):
-                    d = got[name]
-                    if d != top:
-                        c = Check(name, stage, "weights", -1, -1, Source(name, ()))
-                        self._catch(caught, name, "weights", c, reason=(
-                            f"stepped to other weights than {n} of the {len(got)} replicas of stage {stage} "
-                            if isinstance(d, bytes) else "reported no digest of the weights it stepped to ")
-                            + f"after round {rnd}", round=rnd,
-                            agreeing=sorted(o for o, x in got.items() if x == top))
+                agreeing = sorted(o for o, x in got.items() if x == top)
+                for name in sorted(set(got) - set(agreeing)):
+                    what = (f"stepped to other weights than {n} of the {len(got)} replicas of stage {stage}"
+                            if isinstance(got[name], bytes) else "reported no digest of the weights it stepped to")
+                    self._catch(caught, name, "weights", Check(name, stage, "weights", -1, -1, Source(name, ())),
+                                reason=f"{what} after round {rnd}", round=rnd, agreeing=agreeing)
             else:
                 self._dispute(sorted(got), f"the replicas of stage {stage} stepped to different weights after "
                               f"round {rnd}, with no majority of 3 or more", stage=stage, round=rnd)

@@ -22,7 +22,7 @@ Guarantees:
 * A worker that says it will end (ENDING: a time limit, a preemption, its lifetime) gets no more work and
   is replaced at once; what it hands back or leaves unfinished goes back in line with no one blamed: a
   preemption never counts against ``max_task_retries``. (Once the pool terminates, the end a worker
-  announces is the pool's own kill: it is neither counted nor replaced.)
+  announces is the pool's own kill: it is not counted, and the terminating upkeep replaces nobody.)
 """
 from __future__ import annotations
 
@@ -636,7 +636,7 @@ class Dispatcher:
     def terminating(self) -> None:
         """The pool kills its workers now: a worker that then says it will end (the kill's own signal:
         Slurm's cancel sends SIGTERM before SIGKILL, Kubernetes deletes a pod the same way) is not one
-        that ended early, and nothing replaces it."""
+        that ended early (and the upkeep, terminating, starts no replacement)."""
         with self.lock:
             self._terminating = True
 
