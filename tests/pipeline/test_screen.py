@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from roving.pipeline.adversary import Adversary
-from roving.pipeline.screen import Screen, median_cosines, summarize
+from roving.pipeline.screen import Screen, Summary, cosines_to, median_cosines, sound, summarize, summarize_squared
 
 SHAPE = (4, 64, 128)
 NODES = ["n0", "n1", "n2", "n3", "n4"]
@@ -131,6 +131,45 @@ def test_median_cosines_agree_with_each_pair_computed_on_its_own_and_leave_out_w
     assert median_cosines({"a": common, "b": common, "nan": bad["nan"]}) == {}  # fewer than 3 finite
     kept_zero = median_cosines({**sent, "zeros": bad["zeros"]})
     assert kept_zero["zeros"] == 0.0  # without skip_zeros, zeros has a cosine of 0 to everything
+
+
+def test_cosines_to_one_tensor_agree_with_each_pair_computed_on_its_own_and_reuse_known_squares():
+    g = torch.Generator().manual_seed(5)
+    common = torch.randn(10_000, generator=g)
+    mine = common + torch.randn(10_000, generator=g)
+    others = {f"r{i}": common + torch.randn(10_000, generator=g) * (0.5 + i) for i in range(3)}
+    naive = {n: float(torch.nn.functional.cosine_similarity(mine, o, dim=0)) for n, o in others.items()}
+    got = cosines_to(mine, others)
+    assert got.keys() == naive.keys() and all(got[n] == pytest.approx(naive[n], rel=1e-5) for n in naive)
+    summary, sq = summarize_squared(others["r0"], divisor=3)
+    assert summary == summarize(others["r0"], divisor=3) and sq == pytest.approx(float(others["r0"].pow(2).sum()))
+    assert cosines_to(mine, others, known={"r0": sq}) == got  # the known square is the one it would compute
+    assert cosines_to(mine, others, known={"r0": 4 * sq})["r0"] == pytest.approx(got["r0"] / 2), "known is used"
+    with_bad = cosines_to(mine, {**others, "nan": torch.full((10_000,), math.nan), "zeros": torch.zeros(10_000),
+                                 "huge": mine * 1e30})
+    assert set(with_bad) == set(others) | {"huge"} and with_bad["huge"] == pytest.approx(1.0, rel=1e-5)
+    assert cosines_to(torch.zeros(10_000), others) == {} and cosines_to(mine * math.nan, others) == {}
+
+
+def test_a_summary_is_sound_only_as_summarize_makes_one_and_a_profile_of_another_shape_is_not_taken():
+    g = torch.Generator().manual_seed(6)
+    made = [summarize(torch.randn(4, 8, 16, generator=g)), summarize(torch.randn(100, generator=g)),
+            summarize(torch.zeros(5)), summarize(torch.full((5,), math.inf)),
+            # finite, but its squares and its sums overflow float32: what a receiver reports of it is sound
+            summarize(torch.full((4, 1024, 16), 3e38)), summarize(torch.full((5000,), -3e38), divisor=7)]
+    assert all(sound(s) for s in made)
+    good = made[0]
+    for bad in ("a summary", Summary(("zeros", "zeros")), Summary(("tampered",)), Summary(found="zeros"),
+                Summary((), math.nan, 0.0, 0.0), Summary((), 1.0, "0", 0.0),
+                Summary((), good.norm, good.mean, good.std, good.profile.reshape(4, 4)),
+                Summary((), good.norm, good.mean, good.std, torch.full((16,), math.inf)),
+                Summary((), good.norm, good.mean, good.std, [0.0] * 16)):
+        assert not sound(bad), bad
+    screen = Screen()
+    screen.add("b", "n", good)
+    screen.add("b", "n", Summary((), good.norm, good.mean, good.std, torch.zeros(32)))  # another shape
+    ns = screen.nodes["b"]["n"]
+    assert ns.stats["norm"].count == 2 and ns.profiles == 1 and ns.profile.shape == (16,)
 
 
 def test_a_summary_with_a_divisor_is_the_summary_of_the_divided_tensor():

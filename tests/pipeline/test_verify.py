@@ -14,6 +14,7 @@ import dataclasses
 import io
 import math
 import types
+from typing import Callable
 from contextlib import redirect_stdout
 
 import pytest
@@ -28,11 +29,12 @@ from roving.pipeline.adversary import Adversary
 from roving.pipeline.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
 from roving.pipeline.evidence import Evidence, difference, platform, recheck, recompute
+from roving.pipeline.screen import Summary, summarize
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Plan, Route
 from roving.pipeline.stages import Stage
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify import Check, Source, Verifier
+from roving.pipeline.verify import Check, Source, Verifier, _Audit
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32
@@ -92,6 +94,37 @@ def test_a_receiver_keeps_what_it_got_and_reports_a_tensor_that_does_not_match_i
     assert off.seal("activation", 0, 0, 0, t) is None
     off.keep("activation", 0, 0, 0, "a", t, None)
     assert not off.kept, "verification off keeps nothing"
+
+
+def test_each_share_is_summarised_by_one_other_replica_in_turn_and_a_replica_reports_its_own_shares_cosines():
+    """4 replicas: d ran no microbatch (its share is zeros). Each round every other share is summarised by
+    exactly one of its receivers (per microbatch: as ``summarize`` with its count), a different one each
+    round; d's zeros make no row and take no part in cosines; each replica reports its own share's cosine to
+    each other taken share (d, whose own is zeros, none)."""
+    g = torch.Generator().manual_seed(2)
+    common = torch.randn(5_000, generator=g)
+    got = {n: common * 3 + torch.randn(5_000, generator=g) for n in "abc"} | {"d": torch.zeros(5_000)}
+    counts = {"a": 3, "b": 2, "c": 1, "d": 0}
+    summarisers: dict[str, list[str]] = {n: [] for n in "abcd"}
+    for rnd in range(3):
+        rows = {}
+        for name in "abcd":
+            ev = Evidence(name, "screen", receipts.node_key(RUN_KEY, name))
+            cosines = ev.shares(rnd, got, counts)
+            for what, mb, hop, sender, summary in ev.summaries():
+                assert (what, mb, hop) == ("share", -1, -1) and sender != name and sender not in rows
+                assert summary == summarize(got[sender], divisor=counts[sender])
+                rows[sender] = name
+                summarisers[sender].append(name)
+            naive = {o: float(torch.nn.functional.cosine_similarity(got[name], got[o], dim=0))
+                     for o in "abc" if o != name}
+            assert cosines.keys() == (naive.keys() if name != "d" else set()), name
+            assert all(cosines[o] == pytest.approx(naive[o], rel=1e-5) for o in cosines)
+        assert sorted(rows) == ["a", "b", "c"], rows  # d ran nothing: its zeros are no finding
+    assert {n: len(set(who)) for n, who in summarisers.items() if n != "d"} == {"a": 3, "b": 3, "c": 3}
+    three = Evidence("a", "screen", receipts.node_key(RUN_KEY, "a"))
+    assert three.shares(0, {n: got[n] for n in "abd"}, counts) == {}, "fewer than 3 shares taken: no cosine"
+    assert Evidence("a").shares(0, got, counts) == {} and Evidence("a").summaries() == ()
 
 
 # -- recomputation ------------------------------------------------------------------------------------
@@ -227,13 +260,13 @@ class LocalRound:
             sq.setdefault(msg.stage, msg.sq_norm)
         return math.sqrt(sum(sq.values()))
 
-    def _send(self, sender, what, mb, hop, t, to, given=None, count=None):
+    def _send(self, sender, what, mb, hop, t, to, given=None):
         out = t.detach().contiguous()
         if sender in self.liars:
             out = self.liars[sender].tamper(what, out, sender, self.rnd, mb, given).contiguous()
         receipt = self.evidence[sender].seal(what, self.rnd, mb, hop, out)
         for r in [to] if isinstance(to, str) else to:
-            self.evidence[r].keep(what, self.rnd, mb, hop, sender, out, receipt, count=count)
+            self.evidence[r].keep(what, self.rnd, mb, hop, sender, out, receipt)
         return out
 
     def _microbatch(self, mb, route, tokens, targets) -> None:
@@ -270,12 +303,14 @@ class LocalRound:
                                   for p in self.stage[r].parameters()])
                 # a liar combines the share it sent, as its replicas do
                 shares[r] = mine if len(replicas) == 1 else self._send(
-                    r, "share", -1, -1, mine, [o for o in replicas if o != r], count=self.backwards[r])
+                    r, "share", -1, -1, mine, [o for o in replicas if o != r])
             total = combine([shares[r] for r in replicas], [self.backwards[r] for r in replicas], visits[s])
             for r in replicas:
                 ev = self.evidence[r]
+                cosines = ev.shares(self.rnd, shares, self.backwards) if len(replicas) > 1 else {}
                 norms.append(m.Norm(self.rnd, r, s, float(total.pow(2).sum()), ev.summaries(),
-                                    tuple(ev.disputes), None, ev.combined(total) if len(replicas) > 1 else None))
+                                    tuple(ev.disputes), cosines or None,
+                                    ev.combined(total) if len(replicas) > 1 else None))
         return norms
 
     def put(self, name: str, msg: m.Message) -> None:
@@ -449,6 +484,45 @@ def test_the_screening_rows_of_a_round_given_up_still_count_for_their_senders():
     assert counted() == rows + rows
 
 
+def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_report_has_its_sender_caught():
+    """A replica's cosine of its own share (its sender has no say on its own) or of another stage's is
+    not taken; the median of the other replicas' reports is. A Norm whose screening report is not one (a
+    row, a summary, a disputed key or a cosine of another shape) has its sender caught ("report"), with
+    nothing of it screened; every Norm that honest nodes make passes."""
+    alloc = {"a": 0, "b": 0, "c": 0, "d": 0, "x": 1}
+    v, events = verifier("screen")
+    a = _Audit(0, None, alloc, {}, {})
+    for sender, cos in (("a", {"a": 1.0, "b": 0.2, "x": -1.0}), ("c", {"b": 0.4}), ("d", {"b": 0.9}),
+                        ("x", {"a": -1.0})):
+        v._screen(a, m.Norm(0, sender, alloc[sender], 1.0, (), (), cos, None))
+    assert a.cosines == {"b": [0.2, 0.4, 0.9]} and not a.caught and not events
+    v._suspects(a)
+    assert v.screen.nodes[("share", 0)]["b"].stats["cosine"].mean == pytest.approx(0.4)
+    good = summarize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    row = ("activation", 0, 1, "a", good)
+    bad = {"a row of 4": dict(screened=(row[:4],)), "rows not a tuple": dict(screened=[row]),
+           "a summary not sound": dict(screened=(row[:4] + (Summary((), math.nan, 0.0, 0.0),),)),
+           "a hop not a number": dict(screened=(("activation", 0, "1", "a", good),)),
+           "a disputed key of 3": dict(disputes=(("activation", 0, 1),)),
+           "cosines not a dict": dict(cosines=[("b", 0.5)]), "a cosine of 3": dict(cosines={"b": 3.0}),
+           "a cosine not a number": dict(cosines={"b": "high"}), "a NaN cosine": dict(cosines={"b": math.nan})}
+    for why, fields in bad.items():
+        v, events = verifier("screen")
+        a = _Audit(0, None, alloc, {}, {})
+        msg = dataclasses.replace(m.Norm(0, "c", 0, 1.0, (row,), (), None, None), **fields)
+        v._screen(a, msg)
+        assert list(a.caught) == ["c"] and a.caught["c"].startswith("report:"), why
+        assert [f["check"] for kind, f in events if kind == "caught"] == ["report"], why
+        assert not v.screen.nodes and not a.cosines, why
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
+    v, _ = verifier("screen", roster=r)
+    a = _Audit(0, PLAN, dict(PLAN.allocation), {}, {})
+    for msg in r.norms:
+        v._screen(a, msg)
+    assert not a.caught and v.screen.nodes
+
+
 def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():
     """Mode "spot" at rate 0 (nothing is drawn): c sends a NaN in its activations of microbatch 0, which
     reaches the loss, the gradients, stage 0's combined gradient and so the norm. Every computation of the
@@ -519,6 +593,31 @@ def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_o
     assert off.stepped(0, alloc, {"a": good, "b": bad, "c": good}) == {} and events == []
 
 
+def test_the_combined_digest_is_asked_only_where_the_weights_check_could_not_name_a_wrong_combiner():
+    """3 replicas or more that reported one platform: no digest of the combined gradient is asked (one that
+    combined another steps to other weights, which the majority names); 2 replicas, platforms unknown or
+    mixed, or a replica that loaded other weights since: asked. A replica is compared on the platform it
+    reported first: a new claim after it does not take it out of its group."""
+    v, events = verifier("spot")
+    alloc = {"a": 0, "b": 0, "c": 0, "d": 1, "e": 1, "f": 2, "g": 2, "h": 2}
+    assert v.combined_needed(["a", "b", "c"]), "no platform reported yet"
+    same = {n: b"w" * 32 for n in alloc}
+    plats = dict.fromkeys(alloc, "cpu avx2 torch 2") | {"h": "cuda H100 sm90 torch 2"}
+    assert v.stepped(0, alloc, same, plats) == {}
+    assert not v.combined_needed(["a", "b", "c"])
+    assert v.combined_needed(["d", "e"]) and v.combined_needed(["f", "g", "h"])
+    # a digest that nobody asked for is no evidence: the others keep no combined gradient to show
+    audit = _Audit(1, None, alloc, {}, {}, norms=[m.Norm(1, n, s, 1.0, (), (), None, b"d" * 32 if n == "a" else None)
+                                                  for n, s in alloc.items()])
+    v._combined(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
+    assert not audit.caught and not audit.asks and not events
+    caught = v.stepped(1, alloc, same | {"c": b"x" * 32}, plats | {"c": "a platform of its own"})
+    assert list(caught) == ["c"] and caught["c"].startswith("weights:"), caught
+    v.loaded(["a"])
+    assert v.combined_needed(["a", "b"]) and v.combined_needed(["a", "b", "g"])
+    assert not verifier("off")[0].combined_needed(["a", "b"])
+
+
 def test_a_platform_names_the_device_kind_its_model_and_torch():
     """What a replica's weights are compared within (``evidence.platform``): on the CPU, the vector unit
     torch dispatches to, and torch's version; replicas differing in either are not compared."""
@@ -557,15 +656,19 @@ BASE = dict(model="tiny", stages=3, skip=0.0, microbatches=4, samples=2, seq_len
             start_wait=120)  # every node in the plan from iteration 0, however slowly a loaded machine starts it
 
 
-def train(adversaries: dict[int, list[str]], *, nodes: int, iterations: int, mode: str = "full",
-          start: int = 1, rate: float = 0.05, control: str = "", **extra) -> tuple[dict, dict[str, str], Trainer]:
-    """Train with adversaries given by stage: {stage: [kind, ...]} lie from iteration ``start`` on; returns
-    the metrics, the adversaries (node -> kind) and the trainer (stopped)."""
+def train(adversaries: dict[int, list[str]] | Callable[[dict], dict[int, list[str]]], *, nodes: int,
+          iterations: int, mode: str = "full", start: int = 1, rate: float = 0.05, control: str = "",
+          **extra) -> tuple[dict, dict[str, str], Trainer]:
+    """Train with adversaries given by stage: {stage: [kind, ...]} (or a function of the plan's stages,
+    stage -> its nodes, that gives it) lie from iteration ``start`` on; returns the metrics, the
+    adversaries (node -> kind) and the trainer (stopped)."""
     prep = prepare(TrainConfig(**{**BASE, **extra}, nodes=nodes, iterations=iterations, mode=mode,
                                verify_rate=rate, control=control))
     by_stage: dict[int, list[str]] = {}
     for name, stage in sorted(prep.plan.allocation.items()):
         by_stage.setdefault(stage, []).append(name)
+    if callable(adversaries):
+        adversaries = adversaries(by_stage)
     liars = {}
     for stage, kinds in adversaries.items():
         for name, kind in zip(by_stage[stage], kinds):
@@ -601,9 +704,9 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
     for name, kind in liars.items():
         if kind == "frame":  # caught for a false report about an honest node's work
             assert checks[name]["check"] == "false mismatch" and checks[name]["computed_by"] not in liars
-        if kind == "weights":  # sent a tampered share: its recheck, or the averaging check (it averages its
-            # true share, not the one it sent), whichever is judged first
-            assert checks[name]["check"] in ("share", "combine")
+        if kind == "weights":  # sent a tampered share: its recheck, in the audit before the step (3 replicas
+            # on one platform: no averaging check; the weights check after the step would be next)
+            assert checks[name]["check"] == "share"
     assert len(metrics["iterations"]) == 4 and all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
     assert not set(liars) & set(t.alloc) and set(t.roster.excluded) == set(liars)
     with pytest.raises(PlanError, match="was excluded"):
@@ -612,14 +715,24 @@ def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adver
     assert last["checks"] > 0 and last["caught"] == []
 
 
-def test_a_replica_that_averages_another_share_than_it_sent_is_caught_by_the_averaging_check_every_round():
-    """Spot mode at rate 0 (no computation drawn): a ``weights`` liar sends its replicas a tampered share
-    and averages its true one, so its combined gradient differs from theirs; the averaging check, which
-    runs every round, catches it in the iteration it starts, and nobody else."""
-    metrics, liars, t = train({1: ["weights"]}, nodes=6, iterations=3, mode="spot", rate=0.0, start=1)
+@pytest.mark.parametrize("replicas, check", [(2, "combine"), (3, "weights")], ids=["2-replicas", "3-or-more"])
+def test_a_replica_that_averages_another_share_than_it_sent_is_caught_in_the_iteration_it_starts(replicas, check):
+    """Spot mode at rate 0 (no computation drawn), 9 nodes: a ``weights`` liar sends its replicas a tampered
+    share and averages its true one, so its combined gradient differs from theirs. In a stage of 2 replicas
+    the averaging check (the replicas' digests of what they combined, every round) catches it; in one of 3
+    or more on one platform no such digest is asked, and the weights check after the step names it (it
+    stepped with another gradient than the others). Either way in the iteration it starts, and nobody else."""
+    def liar(by_stage: dict) -> dict:
+        for stage, names in sorted(by_stage.items()):
+            if len(names) >= 2 and (len(names) >= 3) == (replicas >= 3):
+                return {stage: ["weights"]}
+        raise AssertionError(f"the plan has no stage of {replicas} replicas to test with: {by_stage}")
+
+    metrics, liars, t = train(liar, nodes=9, iterations=3, mode="spot", rate=0.0, start=1,
+                              microbatches=9)  # every replica on a route: none sends a share of zeros
     liar = next(iter(liars))
     caught = [e for e in metrics["events"] if e["event"] == "caught"]
-    assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, "combine", 1)]
+    assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, check, 1)]
     assert all(r["verify"]["rechecks"] == 0 for r in metrics["iterations"])
     assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
 

@@ -13,10 +13,14 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 - takes a tensor that comes without its receipt, or with one for another message, as a *dispute* it
   reports at once, and one that does not match its receipt's digest as a dispute when it is shown (the
   sender may have lied, or it may: the coordinator cannot tell which, and blames neither for it);
-- summarises each tensor received for the coordinator's screening (``screen.summarize``), in the
-  process's idle moments (``summarize_one``, when no work is ready and no message waiting) rather than
-  as it arrives, so that no computation waits on a summary; what is left is summarised before the
-  round's report (``summaries``);
+- summarises each activation and gradient received for the coordinator's screening
+  (``screen.summarize``), in the process's idle moments (``summarize_one``, when no work is ready and no
+  message waiting) rather than as it arrives, so that no computation waits on a summary; what is left is
+  summarised before the round's report (``summaries``);
+- once its stage's gradient shares have all come (``shares``), summarises the ones it is the
+  *summariser* of this round (``summariser``: one receiver per share, another each round, so that each
+  share is one screening row, not one per receiver, and no single receiver speaks for a share every
+  round), and, with 3 replicas or more, reports its own share's cosine to each of the others';
 - after each step where its stage had other replicas, reports a digest of the weights it stepped to
   (``stepped``), which the coordinator compares with theirs;
 - shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
@@ -42,7 +46,7 @@ import torch
 from . import protocol as m
 from . import receipts
 from .receipts import Receipt
-from .screen import median_cosines, summarize
+from .screen import cosines_to, summarize, summarize_squared
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +80,7 @@ class Evidence:
     kept: dict[Key, Kept] = field(default_factory=dict)
     #: (what, mb, hop, sender, Summary) of the tensors received this round, for screening
     screened: list[tuple] = field(default_factory=list)
-    #: (what, mb, hop, sender, tensor, count) received this round and not summarised yet
+    #: (what, mb, hop, sender, tensor) received this round and not summarised yet
     unsummarised: list[tuple] = field(default_factory=list)
     #: keys of the tensors received this round that did not match their receipt
     disputes: list[Key] = field(default_factory=list)
@@ -145,18 +149,16 @@ class Evidence:
         return seal
 
     def keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
-             receipt: Any, count: int | None = None) -> None:
-        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, and queued to be
-        summarised (``summarize_one``). A share comes with its ``count`` of microbatches: summarised per
-        microbatch, so that replicas of unequal loads compare, and all zeros is no finding when it ran
-        none."""
+             receipt: Any) -> None:
+        """``sender`` sent this process ``tensor`` (its ``receipt``): kept, checked, and, unless it is a share
+        (``shares``), queued to be summarised (``summarize_one``)."""
         if not self.on or sender == self.name:
             return
         with self.timed("screening"):
-            self._keep(what, rnd, mb, hop, sender, tensor, receipt, count)
+            self._keep(what, rnd, mb, hop, sender, tensor, receipt)
 
     def _keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
-              receipt: Any, count: int | None) -> None:
+              receipt: Any) -> None:
         key = (what, mb, hop, sender)
         expected = isinstance(receipt, Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
                                                      receipt.hop) == (sender, rnd, what, mb, hop)
@@ -167,17 +169,17 @@ class Evidence:
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
-        self.unsummarised.append((what, mb, hop, sender, tensor, count))
+        if what != "share":  # a share is summarised by one of its receivers, with the others (``shares``)
+            self.unsummarised.append((what, mb, hop, sender, tensor))
 
     def summarize_one(self) -> bool:
         """Summarise the oldest tensor not summarised yet; whether there was one."""
         if not self.unsummarised:
             return False
-        what, mb, hop, sender, tensor, count = self.unsummarised.pop(0)
+        what, mb, hop, sender, tensor = self.unsummarised.pop(0)
         with self.timed("screening"):
-            summary = summarize(tensor, divisor=count or 1)
-        if not (count == 0 and summary.found == ("zeros",)):
-            self.screened.append((what, mb, hop, sender, summary))
+            summary = summarize(tensor)
+        self.screened.append((what, mb, hop, sender, summary))
         return True
 
     def summaries(self) -> tuple:
@@ -227,13 +229,41 @@ class Evidence:
                 out[tuple(key)] = (k.tensor, k.receipt, k.disputed)
         return out
 
-    def share_cosines(self, shares: dict[str, torch.Tensor]) -> dict[str, float]:
-        """For 3 replicas or more: each replica's share's median cosine to the others'
-        (``screen.median_cosines``; a replica that ran nothing sends zeros, left out)."""
+    def shares(self, rnd: int, got: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
+        """Round ``rnd``'s gradient shares of this process's stage have all come (``got``: each replica's,
+        its own included; ``counts``: the microbatches each ran): the screening rows of the shares this
+        process is the ``summariser`` of (each summarised per microbatch, so that replicas of unequal loads
+        compare; all zeros is no finding for one that ran none), and returned, with 3 replicas or more,
+        its own share's cosine to each other replica's (``screen.cosines_to``: one that ran nothing, or
+        sent what is not finite, left out; {} with fewer than 3 taken). The coordinator takes a share's
+        cosine from what its *other* replicas report of it, so its sender has no say on its own.
+        One pass over each share summarised, one over each other share for its norm and one for its dot
+        product with this process's own: nothing is read twice."""
         if not self.on:
             return {}
         with self.timed("screening"):
-            return median_cosines(shares, skip_zeros=True)
+            # its own share may be on its device; the others came to the CPU, where all are compared
+            got = {n: t if t.device.type == "cpu" else t.detach().to("cpu") for n, t in got.items()}
+            names = sorted(got)
+            known: dict[str, float] = {}
+            for sender in names:
+                if sender == self.name or summariser(sender, names, rnd) != self.name:
+                    continue
+                count = counts.get(sender, 0)
+                summary, known[sender] = summarize_squared(got[sender], divisor=count or 1)
+                if not (count == 0 and summary.found == ("zeros",)):
+                    self.screened.append(("share", -1, -1, sender, summary))
+            if self.name not in got or len(names) < 3:
+                return {}
+            out = cosines_to(got[self.name], {n: got[n] for n in names if n != self.name}, known)
+            return out if len(out) >= 2 else {}  # with its own, fewer than 3 shares to compare
+
+
+def summariser(sender: str, replicas: Sequence[str], rnd: int) -> str:
+    """Which of ``sender``'s other replicas summarises its share of round ``rnd`` for screening: each in
+    turn, round after round (``replicas`` sorted the same way by all of them; "" with no other)."""
+    others = [r for r in replicas if r != sender]
+    return others[rnd % len(others)] if others else ""
 
 
 def platform(device: torch.device) -> str:

@@ -108,11 +108,14 @@ class SyncOrder(RoundMessage):
     """Average gradients with ``replicas`` (sorted names of this stage's processes) over ``count``
     microbatches, as soon as this process has run ``expect`` backward passes in the round (sent with
     the round's microbatches, so a stage's replicas average while other stages still work; None: at
-    once)."""
+    once). ``combined``: with verification on, report a digest of the gradient combined
+    (``Norm.combined``; the coordinator asks for it where its replicas' weights check could not name
+    a replica that combined another gradient by itself: ``verify.Verifier.combined_needed``)."""
 
     replicas: list
     count: int
     expect: int | None = None
+    combined: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,12 +272,13 @@ class Norm(RoundMessage):
     sq_norm: float
     #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
     #: row (what, mb, hop, from, ``screen.Summary``) per tensor, the keys of those that did not match
-    #: their receipt, and its replicas' shares' median cosines to each other (3 replicas or more)
+    #: their receipt, and its own gradient share's cosine to each other replica's, by name (3 replicas
+    #: or more)
     screened: tuple = ()
     disputes: tuple = ()
     cosines: Any = None
-    #: with verification on and other replicas: the digest of the gradient it combined from the
-    #: replicas' shares (``evidence.Evidence.combined``), which every replica's must equal
+    #: with verification on, other replicas and ``SyncOrder.combined``: the digest of the gradient it
+    #: combined from the replicas' shares (``evidence.Evidence.combined``), which every replica's must equal
     combined: Any = None
 
 

@@ -103,33 +103,65 @@ class Summary:
     profile: torch.Tensor | None = None
 
 
+#: what ``summarize`` can find at once.
+FOUND = ("non-finite", "zeros", "unchanged")
+
+
+def sound(summary: object) -> bool:
+    """Whether ``summary`` could be what ``summarize`` made (a ``Summary`` of one finding, or finite
+    statistics and a finite 1-D float profile or none): what a coordinator asks of a summary a node
+    reports before its screen takes it."""
+    if not isinstance(summary, Summary) or not isinstance(summary.found, tuple):
+        return False
+    if summary.found:
+        return len(summary.found) == 1 and summary.found[0] in FOUND
+    stats = (summary.norm, summary.mean, summary.std)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in stats):
+        return False
+    p = summary.profile
+    return p is None or (isinstance(p, torch.Tensor) and p.dim() == 1 and p.is_floating_point()
+                         and bool(torch.isfinite(p).all()))
+
+
 def summarize(tensor: torch.Tensor, given: torch.Tensor | None = None, divisor: int = 1) -> Summary:
     """The ``Summary`` of ``tensor / divisor`` (``given``: the input its sender was given, when known).
     Two passes over the tensor when it is finite: its squared norm, and its per-feature sums (the profile,
     whose sum is the total); the ``divisor`` is applied to the statistics, not to the tensor."""
+    return summarize_squared(tensor, given, divisor)[0]
+
+
+def summarize_squared(tensor: torch.Tensor, given: torch.Tensor | None = None,
+                      divisor: int = 1) -> tuple[Summary, float]:
+    """``summarize``, and the sum of the squares of ``tensor``'s elements in float32 that it computed on
+    the way (what ``cosines_to`` takes as ``known``, so that no pass is made twice)."""
     t = tensor.detach().float()
     flat = t.reshape(-1)
     sq = float(torch.dot(flat, flat)) if flat.numel() else 0.0  # one pass for the norm and the variance
-    if not math.isfinite(sq) and not bool(torch.isfinite(t).all()):  # (a finite tensor can overflow sq)
-        return Summary(("non-finite",))
+    if not math.isfinite(sq):
+        if not bool(torch.isfinite(t).all()):
+            return Summary(("non-finite",)), sq
+        # finite, but its squares (and maybe its sums) overflow float32: the rest in float64, so that
+        # a finite tensor always has finite statistics (``sound``), whatever a sender made it of
+        t = t.double()
+        flat = t.reshape(-1)
     if sq == 0.0:
-        return Summary(("zeros",))
-    if given is not None and given.shape == t.shape and torch.equal(given.detach().float(), t):
-        return Summary(("unchanged",))
+        return Summary(("zeros",)), sq
+    if given is not None and given.shape == t.shape and torch.equal(given.detach().to(t.dtype), t):
+        return Summary(("unchanged",)), sq
     n = flat.numel()
     profile = None
     if t.dim() >= 2:
         sums = t.reshape(-1, t.shape[-1]).sum(dim=0)
         total = float(sums.sum())
-        profile = sums / (n // t.shape[-1]) / divisor
+        profile = (sums / (n // t.shape[-1]) / divisor).float()  # a mean of finite float32s: finite
     else:
         total = float(flat.sum())
-    norm = math.sqrt(sq) if math.isfinite(sq) else float(flat.double().norm())  # (overflowed in float32)
+    norm = math.sqrt(sq) if math.isfinite(sq) else float(flat.norm())  # (in float64 where sq overflowed)
     rms = norm / math.sqrt(n)
     var = max(0.0, (norm * norm - total * total / n) / (n - 1)) if n > 1 else 0.0
     shift = math.log(divisor)  # the norm and the deviation of tensor / divisor, in logs
     return Summary((), math.log(norm) - shift, total / n / rms, math.log(max(math.sqrt(var), 1e-30)) - shift,
-                   profile)
+                   profile), sq
 
 
 class Screen:
@@ -158,7 +190,7 @@ class Screen:
             ns.stats["mean"].add(summary.mean)
             ns.stats["std"].add(summary.std)
             prof = summary.profile
-            if prof is not None:
+            if prof is not None and (ns.profile is None or ns.profile.shape == prof.shape):
                 ref = self._reference(boundary, prof.shape)
                 if ref is not None:
                     ns.stats["profile"].add(_cosine(prof, ref))
@@ -217,28 +249,57 @@ def median_cosines(sent: Mapping[str, torch.Tensor], skip_zeros: bool = False) -
     dot product: each cosine is computed once, for both of its tensors."""
     flat = {n: t.detach().float().reshape(-1) for n, t in sent.items()}
     sq = {n: float(torch.dot(t, t)) for n, t in flat.items()}
-
-    def taken(n: str) -> bool:
-        # a non-finite sum of squares is a non-finite tensor, or a finite one whose squares overflowed;
-        # a zero one is all zeros, or values whose squares all rounded to zero
-        if not math.isfinite(sq[n]) and not bool(torch.isfinite(flat[n]).all()):
-            return False
-        return not (skip_zeros and sq[n] == 0.0 and not bool(flat[n].any()))
-
-    names = [n for n in flat if taken(n)]
+    names = [n for n in flat if _taken(flat[n], sq[n], skip_zeros)]
     if len(names) < 3:
         return {}
-    wide = {n for n in names if not math.isfinite(sq[n])}  # finite, but too large for float32's squares
-    for n in wide:
-        flat[n] = flat[n].double()
-    norms = {n: float(flat[n].norm()) if n in wide else math.sqrt(sq[n]) for n in names}
     cos: dict[tuple[str, str], float] = {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            d = norms[a] * norms[b]
-            x, y = (flat[a].double(), flat[b].double()) if a in wide or b in wide else (flat[a], flat[b])
-            cos[a, b] = cos[b, a] = float(torch.dot(x, y)) / d if d != 0.0 else 0.0
+            cos[a, b] = cos[b, a] = _pair_cosine(flat[a], sq[a], flat[b], sq[b])
     return {n: statistics.median(cos[n, o] for o in names if o != n) for n in names}
+
+
+def cosines_to(mine: torch.Tensor, others: Mapping[str, torch.Tensor],
+               known: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The cosine of ``mine`` to each of ``others`` that is finite and not all zeros ({} when ``mine``
+    itself is not): one pass over each tensor for its squared norm, none for those whose float32 sum of
+    squares is ``known`` (by name; ``summarize_squared`` gives it), and one over each pair for their dot
+    product. What one replica reports of its stage's gradient shares: its own share's cosine to each of
+    the others'."""
+    own = mine.detach().float().reshape(-1)
+    own_sq = float(torch.dot(own, own))
+    if not _taken(own, own_sq, skip_zeros=True):
+        return {}
+    known = known or {}
+    out = {}
+    for name, t in others.items():
+        flat = t.detach().float().reshape(-1)
+        sq = known[name] if name in known else float(torch.dot(flat, flat))
+        if _taken(flat, sq, skip_zeros=True):
+            out[name] = _pair_cosine(own, own_sq, flat, sq)
+    return out
+
+
+def _taken(flat: torch.Tensor, sq: float, skip_zeros: bool) -> bool:
+    """Whether a tensor of squared norm ``sq`` takes part in cosines: it is finite (a non-finite sum of
+    squares is a non-finite tensor, or a finite one whose squares overflowed) and, with ``skip_zeros``,
+    not all zeros (a zero sum is all zeros, or values whose squares all rounded to zero)."""
+    if not math.isfinite(sq) and not bool(torch.isfinite(flat).all()):
+        return False
+    return not (skip_zeros and sq == 0.0 and not bool(flat.any()))
+
+
+def _pair_cosine(a: torch.Tensor, sq_a: float, b: torch.Tensor, sq_b: float) -> float:
+    """The cosine of two finite flat tensors of float32 squared norms ``sq_a`` and ``sq_b`` (in float64
+    where a square overflowed float32; 0 where either is all zeros)."""
+    wide = not (math.isfinite(sq_a) and math.isfinite(sq_b))
+    na = math.sqrt(sq_a) if math.isfinite(sq_a) else float(a.double().norm())
+    nb = math.sqrt(sq_b) if math.isfinite(sq_b) else float(b.double().norm())
+    d = na * nb
+    if d == 0.0:
+        return 0.0
+    x, y = (a.double(), b.double()) if wide else (a, b)
+    return float(torch.dot(x, y)) / d
 
 
 def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -138,7 +138,7 @@ class StageProcess:
         self.stash: dict[tuple[int, int], tuple] = {}
         self.grads: dict[int, dict[str, torch.Tensor]] = {}
         self.share_counts: dict[int, dict[str, int]] = {}  # round -> replica -> its microbatches
-        self.sync_order: dict[int, tuple[list[str], int, int | None]] = {}
+        self.sync_order: dict[int, m.SyncOrder] = {}
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
         self.evidence.clear()
@@ -228,7 +228,7 @@ class StageProcess:
             self.evidence.keep("activation" if isinstance(msg, m.Forward) else "gradient", msg.round, msg.mb,
                                msg.hop, msg.sender, msg.tensor, msg.receipt)
         elif isinstance(msg, m.Gradients):
-            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt, count=msg.count)
+            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt)
         if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
             if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
                 cls = FORWARD_WORK
@@ -269,7 +269,7 @@ class StageProcess:
         self.aborted = max(self.aborted, msg.round)
 
     def _on_sync_order(self, msg: m.SyncOrder) -> None:
-        self.sync_order[msg.round] = (msg.replicas, msg.count, msg.expect)
+        self.sync_order[msg.round] = msg
         self._try_sync(msg.round)
 
     def _on_gradients(self, msg: m.Gradients) -> None:
@@ -423,7 +423,8 @@ class StageProcess:
         are all done; average once every replica's have arrived (then report the squared norm)."""
         if rnd not in self.sync_order:
             return
-        replicas, count, expect = self.sync_order[rnd]
+        order = self.sync_order[rnd]
+        replicas, count, expect = order.replicas, order.count, order.expect
         got = self.grads.setdefault(rnd, {})
         if self.name not in got:
             if expect is not None and self.backwards < expect:
@@ -449,7 +450,7 @@ class StageProcess:
         # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
         counts = self.share_counts.get(rnd, {})
         self.replicated = len(replicas) > 1
-        cosines = self.evidence.share_cosines(got) if len(replicas) > 2 else {}
+        cosines = self.evidence.shares(rnd, {r: got[r] for r in replicas}, counts)
         total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
                         count, self.settings.aggregation)
         offset = 0
@@ -461,7 +462,7 @@ class StageProcess:
         self.share_counts.pop(rnd, None)
         self.last_sq_norm = float(total.pow(2).sum())
         ev = self.evidence
-        combined = ev.combined(total) if len(replicas) > 1 else None
+        combined = ev.combined(total) if len(replicas) > 1 and order.combined else None
         self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, ev.summaries(),
                                 tuple(ev.disputes), cosines or None, combined))
 

@@ -544,7 +544,8 @@ class Trainer:
         self._sync_round, self._norms, self._norm_from = rnd, {}, set()
         for name, s in self.alloc.items():
             self.roster.put(name, m.SyncOrder(rnd, self.replicas[s], self.stage_counts[s],
-                                        None if expect is None else expect.get(name, 0)))
+                                              None if expect is None else expect.get(name, 0),
+                                              self.verifier.combined_needed(self.replicas[s])))
 
     def synchronize(self, rnd: int) -> float:
         """Replicas average their gradients over the microbatches their stage processed; returns the

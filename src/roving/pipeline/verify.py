@@ -41,13 +41,16 @@ The replicas' averaging. Every replica reports a digest of the gradient it combi
 shares (``Norm.combined``); when a stage's replicas' digests differ, the coordinator combines the shares
 itself, each as its sender's receipt names it, and catches each replica whose gradient differs from that
 (one that combined another share than was sent, its own included, would step to other weights than its
-replicas, and later checks could no longer compare them). Every round, in every mode but "off".
+replicas, and later checks could no longer compare them). Every round, in every mode but "off", for
+stages of 2 replicas or of replicas on more than one platform; with 3 or more on one platform the
+weights check below names such a replica at the step (``combined_needed``), and no digest is asked for.
 
 The replicas' weights. Replicas that combined one gradient step bitwise alike on one platform (device
 model, torch; ``evidence.platform``), so after every step each replica of a stage with others reports a
 digest of the weights it stepped to (``Stepped.weights``; ``stepped``), compared with those of the
-replicas of its stage on its platform. Where they differ, a strict majority of at least 3 names the others, caught
-("weights"; one that steps with another gradient than it combined, or reports no digest); with no such
+replicas of its stage on its platform (the one it reported first: a later claim does not move it).
+Where they differ, a strict majority of at least 3 names the others, caught ("weights"; one that steps
+with another gradient than it combined, or combined another, or reports no digest); with no such
 majority (2 replicas) it is a dispute. Every round, in every mode but "off", before the weights are
 snapshotted or evaluated. A confirmation then holds each node to its report: weights shown that are
 not the ones it reported after its latest step (of the stage it holds now) have it caught ("weights"),
@@ -79,7 +82,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -88,7 +91,7 @@ from . import receipts
 from .aggregate import combine
 from .errors import NodesLost
 from .evidence import COMBINED, difference, recompute
-from .screen import Screen
+from .screen import Screen, sound
 from .stages import Stage
 
 log = logging.getLogger(__name__)
@@ -223,6 +226,9 @@ class Verifier:
         #: name -> (stage, digest of the weights it reported after its latest step): what it holds until
         #: its next step (a process's weights change only when it steps, or loads another stage's)
         self.held: dict[str, tuple[int, bytes]] = {}
+        #: name -> the platform it first reported since it last loaded weights (``Stepped.platform``): where
+        #: its weights are compared, whatever it claims later (a process's platform does not change)
+        self.platform: dict[str, str] = {}
         self._check_id = self._ask_id = 0
         #: the messages of the nodes that an audit takes (``take``) while the trainer waits for the round's
         self.kinds: tuple[type, ...] = (m.EvidenceItems, m.Rechecked, m.WeightsShown) if self.on else ()
@@ -412,7 +418,13 @@ class Verifier:
         """Feed a ``Norm``'s screening rows to the screen as it comes (so that only the last one's are
         left for the round's end): the keys of tensors found bad at once go to ``a.flagged``, disputes
         become events, its share cosines are kept for ``_suspects``. (The rows of a round later given up
-        count too: those tensors were sent.)"""
+        count too: those tensors were sent.) A report that is not one (a row, a dispute or a cosine of
+        another shape) has its sender caught: only it could have sent it, over its own connection."""
+        if not _well_formed(msg):
+            self._catch(a.caught, msg.sender, "report", Check(msg.sender, a.alloc.get(msg.sender, -1), "report", -1,
+                                                              -1, Source()),
+                        reason="sent a screening report that is not one (its rows, disputes or cosines malformed)")
+            return
         for what, mb, hop, sender, summary in msg.screened:
             stage = a.alloc.get(sender)
             if stage is None:
@@ -425,12 +437,17 @@ class Verifier:
         for key in msg.disputes:
             self._dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
                           key=list(key))
+        # a replica reports its own share's cosine to each of its stage's other replicas' (3 or more): a
+        # share's cosines are those its *other* replicas report, so that nobody speaks for its own
+        stage = a.alloc.get(msg.sender)
         for name, cos in (msg.cosines or {}).items():
-            a.cosines.setdefault(name, []).append(cos)
+            if name != msg.sender and stage is not None and a.alloc.get(name) == stage:
+                a.cosines.setdefault(name, []).append(cos)
 
     def _suspects(self, a: _Audit) -> None:
-        """The round's end of screening: each share's cosine (the median of its replicas' reports: liars
-        are outvoted), then the nodes out of their boundary's band, each new one an event."""
+        """The round's end of screening: each share's cosine (the median of what its other replicas
+        reported of it: one liar of 4 replicas is outvoted, of 3 it moves the mean of two; a suspect is
+        only checked more), then the nodes out of their boundary's band, each new one an event."""
         for name, values in a.cosines.items():
             if name in a.alloc:
                 self.screen.add_statistic(("share", a.alloc[name]), name, "cosine", statistics.median(values))
@@ -459,7 +476,8 @@ class Verifier:
         why (each also an event), for the trainer to exclude."""
         if not self.on:
             return {}
-        platforms = platforms or {}
+        for name, p in (platforms or {}).items():
+            self.platform.setdefault(name, p)
         for name, d in digests.items():  # what each holds now (none known: it stepped alone)
             if isinstance(d, bytes) and name in alloc:
                 self.held[name] = (alloc[name], d)
@@ -469,7 +487,7 @@ class Verifier:
         groups: dict[tuple[int, str], dict[str, Any]] = {}
         for name, stage in sorted(alloc.items()):
             if name in digests and stage in replicated:
-                groups.setdefault((stage, platforms.get(name, "")), {})[name] = digests[name]
+                groups.setdefault((stage, self.platform.get(name, "")), {})[name] = digests[name]
         caught: dict[str, str] = {}
         for (stage, _), got in sorted(groups.items()):
             votes = collections.Counter(d if isinstance(d, bytes) else None for d in got.values())
@@ -494,10 +512,24 @@ class Verifier:
         return caught
 
     def loaded(self, names: Iterable[str]) -> None:
-        """``names`` load other weights (a stage taken over): what they reported after their latest step is
-        no longer what they hold."""
+        """``names`` load other weights (a stage taken over, or a node admitted again, maybe elsewhere):
+        what they reported after their latest step is no longer what they hold, and their platform is
+        taken again from their next report."""
         for name in names:
             self.held.pop(name, None)
+            self.platform.pop(name, None)
+
+    def combined_needed(self, replicas: Sequence[str]) -> bool:
+        """Whether the replicas of a stage (``replicas``) must each report a digest of the gradient they
+        combine this round (``Norm.combined``; the averaging check, ``_combined``): yes with verification
+        on, unless they are 3 or more that all reported one platform. Then a replica that combines another
+        gradient than its replicas steps to other weights than the others, and the weights check after
+        the step names it (``stepped``; by the platform it reported first, so that a new claim cannot take
+        it out of its group); with 2, or across platforms, only the averaging check can."""
+        if not self.on:
+            return False
+        known = {self.platform.get(n) for n in replicas}
+        return len(replicas) < 3 or None in known or len(known) > 1
 
     # -- evidence -------------------------------------------------------------------------------------
     def _ask(self, a: _Audit, wanted: dict[str, set], then: Callable[[dict[str, dict]], None]) -> None:
@@ -605,8 +637,11 @@ class Verifier:
         groups: dict[int, list[str]] = {}
         for name, stage in sorted(a.alloc.items()):
             groups.setdefault(stage, []).append(name)
+        # only where the digests were asked for (``SyncOrder.combined``: the same answer now as at the round's
+        # start, since platforms and weights change only at a step or a load, neither during a round): a
+        # digest nobody asked for is no evidence, and the replicas not asked keep no combined gradient
         split = {s: names for s, names in groups.items()
-                 if len(names) > 1 and len({digests.get(n) for n in names}) > 1}
+                 if len(names) > 1 and self.combined_needed(names) and len({digests.get(n) for n in names}) > 1}
         if not split:
             return
         wanted: dict[str, set] = {}
@@ -727,6 +762,27 @@ class Verifier:
         log.warning("verification: node %s caught: %s", node, reason)
         fields = {**c.describe(), "computed_by": c.node, **evidence}
         self._event("caught", node=node, nodes=[node], check=check, why=reason, **fields)
+
+
+def _well_formed(msg: m.Norm) -> bool:
+    """Whether a ``Norm``'s screening report has the shape a stage process makes: rows (what, mb, hop,
+    sender, ``screen.Summary``), disputed keys (what, mb, hop, sender), and cosines (name -> a number
+    within [-1, 1], give or take far more than rounding), or none."""
+    def key(k: object) -> bool:
+        return (isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], str) and isinstance(k[1], int)
+                and isinstance(k[2], int) and isinstance(k[3], str))
+
+    rows, disputes, cosines = msg.screened, msg.disputes, msg.cosines
+    if not isinstance(rows, tuple) or not isinstance(disputes, tuple):
+        return False
+    if not all(isinstance(r, tuple) and len(r) == 5 and key(r[:4]) and sound(r[4]) for r in rows):
+        return False
+    if not all(key(k) for k in disputes):
+        return False
+    if cosines is None:
+        return True
+    return isinstance(cosines, dict) and all(
+        isinstance(n, str) and isinstance(c, float) and abs(c) <= 1.01 for n, c in cosines.items())
 
 
 def _route_checks(mb: int, route: Any, tokens: torch.Tensor, targets: torch.Tensor,
