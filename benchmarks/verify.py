@@ -31,6 +31,11 @@ what verification adds to the work, less moved by how the scheduler interleaves 
 own CPU as the run counts it (``Evidence.cpu`` of every node by part, the coordinator's audit), against the
 CPU of the off runs beside it: the work verification adds, without the runs' drift.
 
+``parts``: one run in mode "screen" of ``--overhead-iterations`` on ``--overhead-model``: verification's
+own CPU an iteration by part (as ``paired`` counts it), and its share of the run's CPU an iteration (the
+run's own, with verification on: a quick look at where the work goes, not an overhead against an off
+run; ``paired`` is that).
+
 ``aggregation``: the cost and the protection of each rule of ``aggregate`` (no training): for 3, 5 and 8
 replicas' shares of 1,000,000 floats (honest ones: a common gradient plus noise of the same norm), the
 median time to combine them, and, with one replica sending ``scale`` (x100), ``signflip``, ``noise`` (x10
@@ -174,6 +179,15 @@ def overhead(iterations: int, rounds: int, seed: int, model: str = "small") -> d
             print(f"round {rnd}: {name}: {r['iteration_s'] * 1000:.0f} ms per iteration, "
                   f"{r['totals']['rechecks']} rechecks", flush=True)
     return out
+
+
+def parts(iterations: int, seed: int, model: str = "large") -> dict:
+    r = train(iterations, seed, "screen", 0.0, **(LARGE if model == "large" else {}))
+    own = sum(r["verify_cpu_s"].values())
+    print(f"screen: {r['iteration_s'] * 1000:.0f} ms an iteration, {r['cpu_s']:.3f} CPU s an iteration, "
+          f"verification's own {own * 1000:.1f} ms ({own / r['cpu_s']:.2%}): "
+          + ", ".join(f"{k} {v * 1000:.1f}" for k, v in sorted(r["verify_cpu_s"].items())), flush=True)
+    return r
 
 
 PAIRED = [("screen", 0.0), ("spot", 0.05)]
@@ -365,7 +379,8 @@ def _pct(x: float, ref: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "paired", "aggregation", "digest", "all"))
+    ap.add_argument("what", choices=("adversaries", "clean", "overhead", "paired", "parts", "aggregation", "digest",
+                                     "all"))
     ap.add_argument("--iterations", type=int, default=40, help="iterations of each adversary run")
     ap.add_argument("--start", type=int, default=5, help="the iteration adversaries start lying at")
     ap.add_argument("--kinds", default=",".join(KINDS), help="the adversary kinds to run (adversaries)")
@@ -396,6 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed, args.overhead_model)
     if args.what == "paired":
         res["paired"] = paired(args.overhead_iterations, args.pairs, args.seed, args.overhead_model)
+    if args.what == "parts":
+        res["parts"] = parts(args.overhead_iterations, args.seed, args.overhead_model)
     if args.what in ("clean", "all"):
         res["clean"] = clean(args.clean_iterations, [int(s) for s in args.seeds.split(",")])
     out = Path(args.out)

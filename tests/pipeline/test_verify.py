@@ -28,7 +28,7 @@ from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.adversary import Adversary
 from roving.pipeline.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
-from roving.pipeline.evidence import Evidence, difference, platform, recheck, recompute
+from roving.pipeline.evidence import Evidence, difference, platform, recheck, recompute, summariser
 from roving.pipeline.screen import Summary, summarize
 from roving.pipeline.model import preset
 from roving.pipeline.plan import Plan, Route
@@ -121,7 +121,15 @@ def test_each_share_is_summarised_by_one_other_replica_in_turn_and_a_replica_rep
             assert cosines.keys() == (naive.keys() if name != "d" else set()), name
             assert all(cosines[o] == pytest.approx(naive[o], rel=1e-5) for o in cosines)
         assert sorted(rows) == ["a", "b", "c"], rows  # d ran nothing: its zeros are no finding
+        assert len(set(rows.values())) == 3, rows  # one share each (d's would have been the fourth's)
     assert {n: len(set(who)) for n, who in summarisers.items() if n != "d"} == {"a": 3, "b": 3, "c": 3}
+    for n in range(2, 7):
+        names = [f"r{i}" for i in range(n)]
+        turns = {x: [summariser(x, names, rnd) for rnd in range(n - 1)] for x in names}
+        for rnd in range(n - 1):  # each round: every share one summariser, each replica one share
+            assert sorted(t[rnd] for t in turns.values()) == names
+        assert all(sorted(t) == sorted(set(names) - {x}) for x, t in turns.items())  # each other in turn
+    assert summariser("a", ["a"], 0) == "" and summariser("z", ["a", "b"], 0) == ""
     three = Evidence("a", "screen", receipts.node_key(RUN_KEY, "a"))
     assert three.shares(0, {n: got[n] for n in "abd"}, counts) == {}, "fewer than 3 shares taken: no cosine"
     assert Evidence("a").shares(0, got, counts) == {} and Evidence("a").summaries() == ()

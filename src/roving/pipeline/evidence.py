@@ -260,10 +260,14 @@ class Evidence:
 
 
 def summariser(sender: str, replicas: Sequence[str], rnd: int) -> str:
-    """Which of ``sender``'s other replicas summarises its share of round ``rnd`` for screening: each in
-    turn, round after round (``replicas`` sorted the same way by all of them; "" with no other)."""
-    others = [r for r in replicas if r != sender]
-    return others[rnd % len(others)] if others else ""
+    """Which of ``sender``'s other replicas summarises its share of round ``rnd`` for screening (``replicas``
+    in one order for all of them; "" with no other): the one ``k`` places after it, ``k`` going from 1 to
+    ``n - 1`` round after round, so that each replica summarises exactly one share a round and each
+    share is summarised by each of its other replicas in turn."""
+    n = len(replicas)
+    if n < 2 or sender not in replicas:
+        return ""
+    return replicas[(list(replicas).index(sender) + 1 + rnd % (n - 1)) % n]
 
 
 def platform(device: torch.device) -> str:
