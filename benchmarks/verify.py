@@ -6,8 +6,9 @@ what verification costs. Everything side by side in one run:
 
 ``adversaries``: one clean run, then for each adversary kind (``adversary.KINDS``) the same run with one
 node of 8 lying from iteration ``--start`` on (``collude``: the two nodes of stage 1, which has 2 replicas
-in this plan, so the two are the whole stage: what verification cannot catch, shown as such; ``drift``:
-a node of the stage with the most replicas; ``--kinds`` runs only those named), once with
+in this plan, so the two are the whole stage: what verification cannot catch, shown as such; and
+"collude in the largest stage": two replicas of the stage with the most; ``drift``: a node of the stage with
+the most replicas; ``--kinds`` runs only those named), once with
 verification off and once on (``mode = "spot"``, ``verify_rate`` 0.05, the defaults). Same plan, data
 and seed for all (the planner shares out a fixed count of evaluations). Figures: the final validation
 loss (whole model), the final loss with half of the stages after 0 dropped (``evaluate``), how many
@@ -23,13 +24,14 @@ fit this machine, a smaller run (``CLEAN``: 6 nodes, 3 stages, 4 microbatches of
 large`` runs it on a wider model (``LARGE``: dim 256, 128 tokens, 8 samples a microbatch), where a
 stage's compute, not the per-message costs, makes up the iteration.
 
-``paired``: the overhead of ``PAIRED`` (screen, spot at 5%: the two with targets), each run between two
-runs with verification off, ``--pairs`` times, on ``--overhead-model`` (its ratio to the two beside it:
-the machine's drift cancels; ``paired``'s docstring); in time an iteration and in CPU seconds an
-iteration (the coordinator's and every node's, from ``/proc``: on a machine whose cores the nodes share,
-what verification adds to the work, less moved by how the scheduler interleaves it); and verification's
-own CPU as the run counts it (``Evidence.cpu`` of every node by part, the coordinator's audit), against the
-CPU of the off runs beside it: the work verification adds, without the runs' drift.
+``paired``: the overhead of ``--modes`` (by default ``PAIRED``: screen, spot at 5%, the two with
+targets), each run between two runs with verification off, ``--pairs`` times, on ``--overhead-model``
+(its ratio to the two beside it: the machine's drift cancels; ``paired``'s docstring); in time an
+iteration and in CPU seconds an iteration (the coordinator's and every node's, from ``/proc``: on a
+machine whose cores the nodes share, what verification adds to the work, less moved by how the scheduler
+interleaves it); and verification's own CPU as the run counts it (``Evidence.cpu`` of every node by part,
+the coordinator's audit), against the CPU of the off runs beside it: the work verification adds, without
+the runs' drift.
 
 ``parts``: one run in mode "screen" of ``--overhead-iterations`` on ``--overhead-model``: verification's
 own CPU an iteration by part (as ``paired`` counts it), and its share of the run's CPU an iteration (the
@@ -129,13 +131,18 @@ def cpu_seconds(t: Trainer) -> float:
     return total
 
 
-def liars_for(kind: str, start: int):
-    """The adversaries of ``kind``: the first node of stage 1 (``collude``: both nodes of stage 1;
-    ``drift``: the first node of the stage with the most replicas, which the replicas' weights check
-    needs 3 of)."""
+#: the cases of ``adversaries`` beyond one per kind: (name, kind).
+MORE = [("collude in the largest stage", "collude")]
+
+
+def liars_for(kind: str, start: int, largest: bool = False):
+    """The adversaries of ``kind``: the first node of stage 1 (``collude``: both nodes of stage 1, the
+    whole stage in this plan; ``drift``: the first node of the stage with the most replicas, which the
+    replicas' weights check needs 3 of); ``largest``: of the stage with the most replicas (``collude``:
+    its first two)."""
     def pick(alloc: dict[str, int]) -> str:
         stage = 1
-        if kind == "drift":
+        if kind == "drift" or largest:
             sizes = {s: sum(1 for x in alloc.values() if x == s) for s in sorted(set(alloc.values()))}
             stage = max(sizes, key=lambda s: (sizes[s], -s))
         nodes = sorted(n for n, s in alloc.items() if s == stage)
@@ -147,10 +154,12 @@ def liars_for(kind: str, start: int):
 def adversaries(iterations: int, start: int, seed: int, kinds: list[str] | None = None) -> dict:
     out = {"clean": train(iterations, seed, "off")}
     print(f"clean: val loss {out['clean']['val_loss']:.4f} ({out['clean']['wall_s']:.0f} s)", flush=True)
-    for kind in kinds or KINDS:
+    kinds = kinds or KINDS
+    cases = [(k, k, False) for k in kinds] + [(name, k, True) for name, k in MORE if k in kinds]
+    for name, kind, largest in cases:
         for mode in ("off", "spot"):
-            r = out[f"{kind} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start))
-            print(f"{kind} {mode}: val loss {r['val_loss']:.4f}, caught {r['caught']} ({r['wall_s']:.0f} s)",
+            r = out[f"{name} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start, largest))
+            print(f"{name} {mode}: val loss {r['val_loss']:.4f}, caught {r['caught']} ({r['wall_s']:.0f} s)",
                   flush=True)
     return out
 
@@ -193,8 +202,9 @@ def parts(iterations: int, seed: int, model: str = "large") -> dict:
 PAIRED = [("screen", 0.0), ("spot", 0.05)]
 
 
-def paired(iterations: int, pairs: int, seed: int, model: str = "large") -> dict:
-    """Each mode of ``PAIRED`` run between two runs with verification off, ``pairs`` times (off, screen,
+def paired(iterations: int, pairs: int, seed: int, model: str = "large",
+           modes: list[tuple[str, float]] | None = None) -> dict:
+    """Each mode of ``modes`` (``PAIRED``) run between two runs with verification off, ``pairs`` times (off, screen,
     off, spot 5%, off, ...): each mode run's ratio to the mean of the two off runs beside it. This
     machine's speed drifts by a quarter from minute to minute (session 16: off at 2.1 s and 2.9 s an
     iteration in two rounds of the same command); a ratio to its neighbours cancels the drift slower
@@ -202,7 +212,7 @@ def paired(iterations: int, pairs: int, seed: int, model: str = "large") -> dict
     over = LARGE if model == "large" else {}
     seq: list[tuple[str, float]] = [("off", 0.0)]
     for _ in range(pairs):
-        for mode in PAIRED:
+        for mode in modes or PAIRED:
             seq += [mode, ("off", 0.0)]
     runs = []
     for mode, rate in seq:
@@ -303,7 +313,7 @@ def tables(res: dict, start: int) -> None:
               "| caught (iterations after start) | honest blamed | loss, half the stages dropped: on vs clean |")
         print("|---|---|---|---|---|---|---|---|")
         print(f"| none (clean) | {c['val_loss']:.4f} | | | | | | {c['val_loss_dropped']:.4f} |")
-        for kind in (k for k in KINDS if f"{k} off" in a):
+        for kind in (k for k in list(KINDS) + [name for name, _ in MORE] if f"{k} off" in a):
             off, on = a[f"{kind} off"], a[f"{kind} spot"]
             liars = [e.split(":")[0] for e in on["liars"].split(", ")]
             late = [on["caught"][n] - start for n in liars if n in on["caught"]]
@@ -373,6 +383,13 @@ def _loss(x: float) -> str:
     return f"{x:.4f}" if math.isfinite(x) else str(x)
 
 
+def _rate(text: str) -> bool:
+    try:
+        return 0.0 < float(text) <= 1.0
+    except ValueError:
+        return False
+
+
 def _pct(x: float, ref: float) -> str:
     return f"{x / ref - 1:+.1%}" if math.isfinite(x) else "diverged (not finite)"
 
@@ -389,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overhead-iterations", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=3, help="of each mode between two off runs (paired)")
+    ap.add_argument("--modes", default="screen,spot:0.05",
+                    help="the modes of paired: MODE[:RATE], comma-separated (default: screen,spot:0.05)")
     ap.add_argument("--overhead-model", choices=("small", "large"), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=30, help="of each digest and summary (digest)")
@@ -410,7 +429,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.what in ("overhead", "all"):
         res["overhead"] = overhead(args.overhead_iterations, args.rounds, args.seed, args.overhead_model)
     if args.what == "paired":
-        res["paired"] = paired(args.overhead_iterations, args.pairs, args.seed, args.overhead_model)
+        modes = []
+        for item in (x.strip() for x in args.modes.split(",") if x.strip()):
+            mode, _, rate = item.partition(":")
+            if mode not in ("screen", "spot", "full") or (rate and not _rate(rate)):
+                ap.error(f"--modes: {item!r} is not MODE[:RATE] with MODE screen, spot or full and RATE in (0, 1]")
+            modes.append((mode, float(rate) if rate else (1.0 if mode == "full" else 0.0)))
+        res["paired"] = paired(args.overhead_iterations, args.pairs, args.seed, args.overhead_model, modes)
     if args.what == "parts":
         res["parts"] = parts(args.overhead_iterations, args.seed, args.overhead_model)
     if args.what in ("clean", "all"):

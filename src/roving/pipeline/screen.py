@@ -18,7 +18,10 @@ honest nodes' statistics agree in expectation. Per observed tensor (``Screen.obs
 
 ``Screen.compare`` takes the tensors several replicas sent for comparable inputs in one go (their
 gradient shares of a round) and records each one's ``cosine``: the median of its cosines to the
-others (two colluders agreeing on a wrong share still disagree with the honest majority).
+others (two colluders agreeing on a wrong share still disagree with the honest majority). Where the
+tensors are in different processes (a stage's replicas, each holding all the shares), each computes
+its own share's cosines to the others' (``cosines_to``) and the median of a share's is taken over what
+the others computed (``add_statistic``), so that no sender has a say on its own.
 
 ``Screen.suspects`` names a node when, at a boundary where at least 3 nodes have ``min_samples``
 observations, a statistic of it is ``z`` standard errors away from the median over the boundary's

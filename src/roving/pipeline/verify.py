@@ -64,9 +64,12 @@ tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``. 
 every computation whose output a receiver found non-finite or all zero when screening it. In "screen"
 mode those are judged without recomputation: non-finite outputs from finite inputs are the node's fault.
 
-Screening (``screen``): each node reports a summary of every tensor it received (``Norm.screened``),
-kept per boundary (what, the sender's stage) and sender; a node whose statistics leave its boundary's
-band is a *suspect* (an event, a higher check rate; never blamed for that alone).
+Screening (``screen``): each node reports a summary of every activation and gradient it received, and
+of the gradient shares it is the summariser of (``Norm.screened``; ``evidence.summariser``), kept per
+boundary (what, the sender's stage) and sender, and its own share's cosine to each of its replicas'
+(``Norm.cosines``): a share's cosine is the median of what its other replicas report. A node whose
+statistics leave its boundary's band is a *suspect* (an event, a higher check rate; never blamed for
+that alone). A report that is not of the shape a stage process makes has its sender caught ("report").
 
 Every finding is an event (``trainer._event``): "caught" (who, which check, the evidence: the
 computation, microbatch and hop, the verifier and both differences), "dispute" and "suspect".
