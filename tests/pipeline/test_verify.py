@@ -623,6 +623,8 @@ def test_the_combined_digest_is_asked_only_where_the_weights_check_could_not_nam
     assert list(caught) == ["c"] and caught["c"].startswith("weights:"), caught
     v.loaded(["a"])
     assert v.combined_needed(["a", "b"]) and v.combined_needed(["a", "b", "g"])
+    assert v.stepped(2, alloc, same, plats | {"a": ["not", "a", "name"]}) == {}  # (no majority to name it by)
+    assert v.combined_needed(["a", "b", "c"]), "a platform of its own: the averaging check again"
     assert not verifier("off")[0].combined_needed(["a", "b"])
 
 

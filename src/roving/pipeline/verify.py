@@ -424,8 +424,8 @@ class Verifier:
         count too: those tensors were sent.) A report that is not one (a row, a dispute or a cosine of
         another shape) has its sender caught: only it could have sent it, over its own connection."""
         if not _well_formed(msg):
-            self._catch(a.caught, msg.sender, "report", Check(msg.sender, a.alloc.get(msg.sender, -1), "report", -1,
-                                                              -1, Source()),
+            c = Check(msg.sender, a.alloc.get(msg.sender, -1), "report", -1, -1, Source())
+            self._catch(a.caught, msg.sender, "report", c,
                         reason="sent a screening report that is not one (its rows, disputes or cosines malformed)")
             return
         for what, mb, hop, sender, summary in msg.screened:
@@ -479,8 +479,8 @@ class Verifier:
         why (each also an event), for the trainer to exclude."""
         if not self.on:
             return {}
-        for name, p in (platforms or {}).items():
-            self.platform.setdefault(name, p)
+        for name, p in (platforms or {}).items():  # (a platform that is no name is one of its own)
+            self.platform.setdefault(name, p if isinstance(p, str) else f"not a platform: {p!r:.80}")
         for name, d in digests.items():  # what each holds now (none known: it stepped alone)
             if isinstance(d, bytes) and name in alloc:
                 self.held[name] = (alloc[name], d)
