@@ -619,6 +619,10 @@ def test_the_combined_digest_is_asked_only_where_the_weights_check_could_not_nam
                                                   for n, s in alloc.items()])
     v._combined(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
     assert not audit.caught and not audit.asks and not events
+    v._audit = audit  # the round's SyncOrders: the audit remembers which stages were asked
+    assert v.combined_asked(1, ["e", "d"]) and not v.combined_asked(1, ["a", "b", "c"])
+    assert v.combined_asked(2, ["f", "g", "h"])  # (mixed platforms) another round's: not this audit's
+    assert audit.combined == {("d", "e")}
     caught = v.stepped(1, alloc, same | {"c": b"x" * 32}, plats | {"c": "a platform of its own"})
     assert list(caught) == ["c"] and caught["c"].startswith("weights:"), caught
     v.loaded(["a"])

@@ -110,7 +110,7 @@ class SyncOrder(RoundMessage):
     the round's microbatches, so a stage's replicas average while other stages still work; None: at
     once). ``combined``: with verification on, report a digest of the gradient combined
     (``Norm.combined``; the coordinator asks for it where its replicas' weights check could not name
-    a replica that combined another gradient by itself: ``verify.Verifier.combined_needed``)."""
+    a replica that combined another gradient by itself: ``verify.Verifier.combined_asked``)."""
 
     replicas: list
     count: int

@@ -542,10 +542,10 @@ class Trainer:
 
     def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
         self._sync_round, self._norms, self._norm_from = rnd, {}, set()
+        combined = {s: self.verifier.combined_asked(rnd, r) for s, r in self.replicas.items() if r}
         for name, s in self.alloc.items():
             self.roster.put(name, m.SyncOrder(rnd, self.replicas[s], self.stage_counts[s],
-                                              None if expect is None else expect.get(name, 0),
-                                              self.verifier.combined_needed(self.replicas[s])))
+                                              None if expect is None else expect.get(name, 0), combined[s]))
 
     def synchronize(self, rnd: int) -> float:
         """Replicas average their gradients over the microbatches their stage processed; returns the

@@ -191,6 +191,7 @@ class _Audit:
     weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
     weights_asked: set[str] = field(default_factory=set)
     loaded: dict[int, str] = field(default_factory=dict)  # stage -> whose weights its module holds this audit
+    combined: set[tuple] = field(default_factory=set)  # the stages' replicas asked for a combined digest
     sent_rechecks: int = 0
     confirmations: int = 0
     overlapped: float = 0.0  # seconds of the audit's own work while the round ran
@@ -534,6 +535,15 @@ class Verifier:
         known = {self.platform.get(n) for n in replicas}
         return len(replicas) < 3 or None in known or len(known) > 1
 
+    def combined_asked(self, rnd: int, replicas: Sequence[str]) -> bool:
+        """``combined_needed``, for the ``SyncOrder`` of round ``rnd`` to ``replicas``: remembered by the
+        round's audit, whose averaging check compares only the digests it asked for."""
+        needed = self.combined_needed(replicas)
+        a = self._current(rnd)
+        if needed and a is not None:
+            a.combined.add(tuple(sorted(replicas)))
+        return needed
+
     # -- evidence -------------------------------------------------------------------------------------
     def _ask(self, a: _Audit, wanted: dict[str, set], then: Callable[[dict[str, dict]], None]) -> None:
         """Ask each holder of ``wanted`` (holder -> keys) for its kept tensors; ``then`` gets them (holder
@@ -640,11 +650,10 @@ class Verifier:
         groups: dict[int, list[str]] = {}
         for name, stage in sorted(a.alloc.items()):
             groups.setdefault(stage, []).append(name)
-        # only where the digests were asked for (``SyncOrder.combined``: the same answer now as at the round's
-        # start, since platforms and weights change only at a step or a load, neither during a round): a
-        # digest nobody asked for is no evidence, and the replicas not asked keep no combined gradient
+        # only where the digests were asked for (``combined_asked``): a digest nobody asked for is no
+        # evidence, and the replicas not asked keep no combined gradient to show
         split = {s: names for s, names in groups.items()
-                 if len(names) > 1 and self.combined_needed(names) and len({digests.get(n) for n in names}) > 1}
+                 if tuple(names) in a.combined and len({digests.get(n) for n in names}) > 1}
         if not split:
             return
         wanted: dict[str, set] = {}
