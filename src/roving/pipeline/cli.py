@@ -196,6 +196,10 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--verify-rate", type=float,
                    help="mode spot: the chance that each computation a node sends the result of is recomputed "
                         "by another replica of its stage (default 0.05)")
+    t.add_argument("--verifiers", type=int,
+                   help="modes spot and full: how many of a stage's other replicas recompute each computation "
+                        "drawn, where it has that many (default 2: two colluding replicas cannot pass each "
+                        "other's work)")
     t.add_argument("--tolerance", type=float,
                    help="relative difference a recomputation may have from the original (default 1e-3)")
     t.add_argument("--aggregation", choices=("mean", "trimmed", "median", "clip"),
@@ -387,7 +391,7 @@ def run_train(args: argparse.Namespace) -> int:
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
               "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
               "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at",
-              "mode", "verify_rate", "tolerance", "aggregation", "adversaries")
+              "mode", "verify_rate", "verifiers", "tolerance", "aggregation", "adversaries")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

@@ -201,6 +201,11 @@ class VerifySection:
     #: mode spot: the chance that each computation a node sends the result of is recomputed by another
     #: replica of its stage (a screening suspect's: at least ``verify.SUSPECT_RATE``).
     verify_rate: float = 0.05
+    #: modes spot and full: how many of a stage's other replicas (where it has that many) recompute each
+    #: computation drawn. With 1, a node with an accomplice among its replicas escapes each check that
+    #: draws the accomplice; with 2, a pair has no escape (each verifier's answer is held to the
+    #: coordinator's own recomputation once either reports a mismatch).
+    verifiers: int = 2
     #: relative difference between a recomputation and the original still taken as equal (float
     #: nondeterminism).
     tolerance: float = 1e-3
@@ -319,6 +324,9 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
         r = self.verify_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise PlanError(f"verify_rate must be a chance from 0 to 1, got {r!r}")
+        k = self.verifiers
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise PlanError(f"verifiers must be a whole number of replicas >= 1, got {k!r}")
         t = self.tolerance
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < math.inf:
             raise PlanError(f"tolerance must be a relative difference >= 0, got {t!r}")

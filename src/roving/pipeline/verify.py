@@ -27,15 +27,20 @@ checked on:
    kept what it got, and checked its digest when it came). A tensor the holder reported at once as not
    matching its receipt, or a receipt whose MAC is not its sender's, is a *dispute*: the sender or the
    holder lies, and the coordinator cannot tell which; neither is blamed for it, both become suspects.
-2. *Recomputation* (modes "spot" and "full"): a replica of the node's stage, chosen at random after the
-   fact, recomputes the computation with the weights it holds (every replica's weights are bitwise equal
-   until the step: they average the same shares in the same order) and reports the relative difference
-   (``evidence.difference``). With no other replica, the coordinator recomputes.
-3. *Confirmation* of every difference above ``tolerance``: the coordinator fetches the weights of the
-   node and of the verifier, and when they are equal recomputes itself. Its own difference above
-   ``tolerance`` confirms the node's fault; at or below it, the verifier reported a mismatch that was
-   not there and is caught instead (so nobody can be framed by a false report); unequal weights are a
-   dispute.
+2. *Recomputation* (modes "spot" and "full"): ``verifiers`` replicas of the node's stage (as many as it
+   has others), chosen at random after the fact, each recompute the computation with the weights it
+   holds (every replica's weights are bitwise equal until the step: they average the same shares in the
+   same order) and report the relative difference (``evidence.difference``). With no other replica, the
+   coordinator recomputes.
+3. *Confirmation* of the first difference above ``tolerance`` a recheck gets: the coordinator fetches
+   the weights of the node and of its verifiers and recomputes itself, with the node's (which must be
+   those it reported after its latest step). Its own difference above ``tolerance`` confirms the node's
+   fault. Then every verifier's answer is held to it (``_hold``): a mismatch where the coordinator found
+   none is a "false mismatch" (so nobody can be framed by a false report), a match where it found a
+   difference beyond what float nondeterminism allows is a "false match" (an accomplice passing a
+   colluder's work), either caught; a verifier whose weights are not the node's is a dispute instead.
+   With two verifiers, two colluders of a stage of 3 or more escape no check drawn: the other verifier
+   is honest, and the accomplice's match is caught with the colluder.
 
 The replicas' averaging. Every replica reports a digest of the gradient it combined from its stage's
 shares (``Norm.combined``); when a stage's replicas' digests differ, the coordinator combines the shares
@@ -155,18 +160,34 @@ class _Ask:
 
 
 @dataclass
-class _Confirmation:
-    """A computation the coordinator recomputes itself once it holds the weights of the node checked and
-    of ``verifier`` (None: the stage had no other replica to recheck it)."""
+class _Recheck:
+    """A computation sent to its verifiers to recompute: what each answered (``answers``: verifier ->
+    its difference, None until it answers) and, once the coordinator recomputed it, its own difference
+    (``confirmed``), which every answer is then held to."""
 
     check: Check
     claimed: Any
     inputs: dict
-    verifier: str | None
-    reported: float
+    answers: dict[str, float | None]
+    confirming: str | None = None  # the verifier whose mismatch has the coordinator confirm it
+    confirmed: float | None = None
+
+    def verifiers(self) -> list[str]:
+        return list(self.answers)
+
+
+@dataclass
+class _Confirmation:
+    """A computation the coordinator recomputes itself once it holds the weights of the node checked and
+    of each of its verifiers (``recheck`` None: the stage had no other replica to recheck it)."""
+
+    check: Check
+    claimed: Any
+    inputs: dict
+    recheck: _Recheck | None = None
 
     def needs(self) -> list[str]:
-        return [self.check.node] + ([self.verifier] if self.verifier else [])
+        return [self.check.node] + (self.recheck.verifiers() if self.recheck else [])
 
 
 @dataclass
@@ -186,7 +207,7 @@ class _Audit:
     cosines: dict[str, list[float]] = field(default_factory=dict)  # node -> its share's cosines, as reported
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
-    rechecks: dict[int, tuple] = field(default_factory=dict)  # unanswered: id -> (check, claimed, inputs, verifier)
+    rechecks: dict[int, _Recheck] = field(default_factory=dict)  # by number
     confirming: list[_Confirmation] = field(default_factory=list)  # waiting for weights
     weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
     weights_asked: set[str] = field(default_factory=set)
@@ -199,7 +220,8 @@ class _Audit:
 
     def awaited(self) -> set[str]:
         """The nodes an answer is awaited from."""
-        names = {r[3] for r in self.rechecks.values()} | (self.weights_asked - set(self.weights))
+        names = {v for r in self.rechecks.values() for v, d in r.answers.items() if d is None}
+        names |= self.weights_asked - set(self.weights)
         for a in self.asks.values():
             names |= a.waiting
         return names
@@ -216,6 +238,7 @@ class Verifier:
 
     def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None]) -> None:
         self.mode, self.rate, self.tolerance = config.mode, config.verify_rate, config.tolerance
+        self.verifiers = config.verifiers
         self.aggregation = config.aggregation
         self.stages, self.seed, self.bf16 = config.stages, config.seed, config.bf16
         self.timeout = config.timeout
@@ -370,16 +393,9 @@ class Verifier:
                 del a.asks[msg.ask]
                 ask.then(ask.shown)
         elif isinstance(msg, m.Rechecked):
-            asked = a.rechecks.get(msg.check)
-            if asked is None or asked[3] != msg.sender:
-                return
-            del a.rechecks[msg.check]
-            c, claimed, inputs, verifier = asked
-            d = msg.difference
-            if isinstance(d, (int, float)) and d <= self.tolerance:
-                self.totals["max_difference"] = max(self.totals["max_difference"], d)
-            else:
-                self._confirmation(a, _Confirmation(c, claimed, inputs, verifier, d))
+            r = a.rechecks.get(msg.check)
+            if r is not None and r.answers.get(msg.sender, 0.0) is None:
+                self._answered(a, r, msg.sender, msg.difference)
         elif isinstance(msg, m.WeightsShown):
             if msg.sender in a.weights_asked and msg.sender not in a.weights:
                 a.weights[msg.sender] = (msg.stage, msg.tensors)
@@ -692,18 +708,38 @@ class Verifier:
 
     # -- recomputation and confirmation -----------------------------------------------------------------
     def _recheck(self, a: _Audit, c: Check, claimed: Any, inputs: dict) -> None:
-        """Have a replica of ``c``'s stage, chosen at random, recompute it; with none, the coordinator
-        does (a confirmation)."""
+        """Have ``verifiers`` replicas of ``c``'s stage (as many as it has others), chosen at random,
+        recompute it; with none, the coordinator does (a confirmation)."""
         others = [n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
                   and n not in a.caught]
         if not others:
-            self._confirmation(a, _Confirmation(c, claimed, inputs, None, math.nan))
+            self._confirmation(a, _Confirmation(c, claimed, inputs))
             return
-        verifier = self.rng.choice(sorted(others))
+        chosen = self.rng.sample(sorted(others), min(self.verifiers, len(others)))
         self._check_id += 1
-        a.rechecks[self._check_id] = (c, claimed, inputs, verifier)
-        a.sent_rechecks += 1
-        self.roster.put(verifier, m.Recheck(a.rnd, self._check_id, c.stage, c.kind, inputs, claimed))
+        a.rechecks[self._check_id] = _Recheck(c, claimed, inputs, {v: None for v in chosen})
+        for v in chosen:
+            a.sent_rechecks += 1
+            self.roster.put(v, m.Recheck(a.rnd, self._check_id, c.stage, c.kind, inputs, claimed))
+
+    def _answered(self, a: _Audit, r: _Recheck, verifier: str, d: Any) -> None:
+        """``verifier``'s answer ``d`` to ``r``: a difference above the tolerance has the coordinator
+        confirm it (once a recheck), every answer is held to the confirmation once there is one; an
+        answer that is not a difference has its sender caught (only it could have sent it)."""
+        if isinstance(d, bool) or not isinstance(d, (int, float)):
+            r.answers[verifier] = math.nan
+            self._catch(a.caught, verifier, "report", r.check,
+                        reason=f"answered a recheck of {r.check.node}'s {r.check.kind} with {type(d).__name__}, "
+                        "not a difference")
+            return
+        r.answers[verifier] = float(d)
+        if d <= self.tolerance:
+            self.totals["max_difference"] = max(self.totals["max_difference"], d)
+        if r.confirmed is not None:
+            self._hold(a, r, verifier)
+        elif not d <= self.tolerance and r.confirming is None:
+            r.confirming = verifier
+            self._confirmation(a, _Confirmation(r.check, r.claimed, r.inputs, r))
 
     def _confirmation(self, a: _Audit, k: _Confirmation) -> None:
         """``k`` waits for the weights it needs (asked for once an audit: they do not change before the
@@ -715,12 +751,13 @@ class Verifier:
                 self.roster.put(n, m.ShowWeights(a.rnd))
 
     def _confirm_ready(self, a: _Audit) -> None:
-        """Run the confirmations whose weights came (dropping those of nodes caught meanwhile)."""
+        """Run the confirmations whose weights came (a verifier caught meanwhile is not waited for; a node
+        caught meanwhile is not confirmed)."""
         waiting = []
         for k in list(a.confirming):
-            if any(n in a.caught for n in k.needs()):
+            if k.check.node in a.caught:
                 continue
-            if all(n in a.weights for n in k.needs()):
+            if all(n in a.weights or n in a.caught for n in k.needs()):
                 a.confirmations += 1
                 self._confirm(a, k)
             else:
@@ -728,22 +765,21 @@ class Verifier:
         a.confirming = waiting
 
     def _confirm(self, a: _Audit, k: _Confirmation) -> None:
-        """The coordinator recomputes ``k`` itself, with the node's weights (equal to the verifier's)."""
-        c, verifier, reported = k.check, k.verifier, k.reported
+        """The coordinator recomputes ``k`` itself, with the weights the node shows (those it reported
+        after its latest step, or it is caught for them): its own difference above ``tolerance`` has the
+        node caught. Then each verifier's answer is held to it (``_hold``)."""
+        c = k.check
         mine = a.weights[c.node]
         if mine[0] != c.stage:
             self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
             return
-        for n in k.needs():
+        for n in (n for n in k.needs() if n in a.weights):
             held = self.held.get(n)
             if held is not None and held[0] == c.stage and a.weights[n][0] == c.stage and \
                     receipts.weights_digest(a.weights[n][1]) != held[1]:
                 self._catch(a.caught, n, "weights", c, reason=f"showed other weights of stage {c.stage} than "
                             "it reported after its latest step")
-        if any(n in a.caught for n in k.needs()):
-            return
-        if verifier is not None and not _equal(mine[1], a.weights[verifier][1]):
-            self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
+        if c.node in a.caught:
             return
         stage = self._modules.get(c.stage)
         if stage is None:  # built once a run (building initialises every weight); loaded once a node an audit
@@ -753,18 +789,50 @@ class Verifier:
             a.loaded[c.stage] = c.node
         want = recompute(stage, c.kind, k.inputs, self.device, self.bf16)
         own = difference(k.claimed, want)
-        evidence = {**c.describe(), "verifier": verifier or "coordinator",
-                    "difference": reported if verifier and math.isfinite(reported) else None,
-                    "confirmed_difference": own if math.isfinite(own) else None, "tolerance": self.tolerance}
+        r = k.recheck
         if own > self.tolerance:
             what = "share of the round" if c.kind == "share" else \
                 f"{_what(c, k.claimed, want, self.tolerance)} of microbatch {c.mb}"
             verb = "differ" if " and " in what else "differs"
+            reported = r.answers[r.confirming] if r and r.confirming else None
             self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} {verb} from the recomputation by "
-                        f"{own:.3g} (tolerance {self.tolerance:g})", **evidence)
-        elif verifier is not None and not (isinstance(reported, float) and math.isnan(reported)):
+                        f"{own:.3g} (tolerance {self.tolerance:g})", verifier=r.confirming if r else "coordinator",
+                        difference=_finite(reported) if reported is not None else None,
+                        confirmed_difference=_finite(own), tolerance=self.tolerance)
+        if r is not None:
+            r.confirmed = own
+            for v in r.verifiers():
+                self._hold(a, r, v)
+
+    def _hold(self, a: _Audit, r: _Recheck, verifier: str) -> None:
+        """Hold ``verifier``'s answer to ``r`` (if any yet) to the coordinator's own recomputation: with the
+        same weights as the node's, an honest verifier's difference ``d`` is within the tolerance ``t`` of
+        the coordinator's ``own`` (both recomputations are within ``t`` of each other, relatively: so ``d
+        >= (own - t) / (1 + t)``). A mismatch reported where ``own`` is within the tolerance is a "false
+        mismatch" (framing the node); a match reported where ``own`` is beyond that bound a "false match"
+        (passing a wrong computation: an accomplice). A verifier whose weights differ from the node's is
+        a dispute (either may have stepped wrong: the weights check is for that); NaN (it could not
+        recompute) is not judged."""
+        c, d, own = r.check, r.answers.get(verifier), r.confirmed
+        if d is None or own is None or math.isnan(d) or verifier in a.caught or c.node not in a.weights:
+            return
+        t = self.tolerance
+        false_mismatch = d > t and own <= t
+        false_match = d <= t and not own <= t and d < (own - t) / (1 + t)
+        if not (false_mismatch or false_match):
+            return
+        if verifier not in a.weights:  # asked for with the confirmation; a later verifier's may still come
+            return
+        if not _equal(a.weights[c.node][1], a.weights[verifier][1]):
+            self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
+            return
+        evidence = {"verifier": verifier, "difference": d, "confirmed_difference": _finite(own), "tolerance": t}
+        if false_mismatch:
             self._catch(a.caught, verifier, "false mismatch", c, reason=f"reported that {c.node}'s {c.kind} "
-                        f"differs by {reported:.3g}; the coordinator's recomputation differs by {own:.3g}",
+                        f"differs by {d:.3g}; the coordinator's recomputation differs by {own:.3g}", **evidence)
+        else:
+            self._catch(a.caught, verifier, "false match", c, reason=f"reported that {c.node}'s {c.kind} "
+                        f"matches (difference {d:.3g}); the coordinator's recomputation differs by {own:.3g}",
                         **evidence)
 
     def _catch(self, caught: dict[str, str], node: str, check: str, c: Check, reason: str, **evidence: Any) -> None:
@@ -774,6 +842,10 @@ class Verifier:
         log.warning("verification: node %s caught: %s", node, reason)
         fields = {**c.describe(), "computed_by": c.node, **evidence}
         self._event("caught", node=node, nodes=[node], check=check, why=reason, **fields)
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
 
 
 def _well_formed(msg: m.Norm) -> bool:
