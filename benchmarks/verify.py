@@ -6,7 +6,8 @@ what verification costs. Everything side by side in one run:
 
 ``adversaries``: one clean run, then for each adversary kind (``adversary.KINDS``) the same run with one
 node of 8 lying from iteration ``--start`` on (``collude``: the two nodes of stage 1, which has 2 replicas
-in this plan, so the two are the whole stage: what verification cannot catch, shown as such; and
+in this plan, so the two are the whole stage: what the replicas' rechecks cannot catch, shown as such,
+then again with the coordinator confirming half and all of what they pass (``confirm_rate`` 0.5, 1); and
 "collude in the largest stage": two replicas of the stage with the most; ``drift``: a node of the stage with
 the most replicas; ``--kinds`` runs only those named), once with
 verification off and once on (``mode = "spot"``, ``verify_rate`` 0.05, the defaults). Same plan, data
@@ -25,7 +26,7 @@ large`` runs it on a wider model (``LARGE``: dim 256, 128 tokens, 8 samples a mi
 stage's compute, not the per-message costs, makes up the iteration.
 
 ``paired``: the overhead of ``--modes`` (by default ``PAIRED``: screen, spot at 5%, the two with
-targets), each run between two runs with verification off, ``--pairs`` times, on ``--overhead-model``
+targets; ``spot:0.05:1``: spot at 5% with ``confirm_rate`` 1), each run between two runs with verification off, ``--pairs`` times, on ``--overhead-model``
 (its ratio to the two beside it: the machine's drift cancels; ``paired``'s docstring); in time an
 iteration and in CPU seconds an iteration (the coordinator's and every node's, from ``/proc``: on a
 machine whose cores the nodes share, what verification adds to the work, less moved by how the scheduler
@@ -105,7 +106,7 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
             own[part] = own.get(part, 0.0) + sec / max(1, len(its) - WARMUP)
     times = [r["seconds"] for r in its[WARMUP:]] or [r["seconds"] for r in its]
     final = metrics["evaluations"][-1]
-    return {"mode": mode, "rate": rate, "seed": seed, "liars": liars, "caught": caught, "totals": totals,
+    return {"mode": mode, "rate": rate, "confirm_rate": cfg.confirm_rate, "seed": seed, "liars": liars, "caught": caught, "totals": totals,
             "val_loss": final["val_loss"], "val_loss_dropped": final["val_loss_half_stages_dropped"],
             "dropped_stages": final["dropped_stages"], "iteration_s": statistics.median(times),
             "train_loss": [r["train_loss"] for r in its], "wall_s": time.time() - t0,
@@ -131,8 +132,11 @@ def cpu_seconds(t: Trainer) -> float:
     return total
 
 
-#: the cases of ``adversaries`` beyond one per kind: (name, kind).
-MORE = [("collude in the largest stage", "collude")]
+#: the cases of ``adversaries`` beyond one per kind: (name, kind, of the largest stage, settings of the
+#: "on" run besides mode spot).
+MORE = [("collude in the largest stage", "collude", True, {}),
+        ("collude, confirm_rate 0.5", "collude", False, {"confirm_rate": 0.5}),
+        ("collude, confirm_rate 1", "collude", False, {"confirm_rate": 1.0})]
 
 
 def liars_for(kind: str, start: int, largest: bool = False):
@@ -155,10 +159,11 @@ def adversaries(iterations: int, start: int, seed: int, kinds: list[str] | None 
     out = {"clean": train(iterations, seed, "off")}
     print(f"clean: val loss {out['clean']['val_loss']:.4f} ({out['clean']['wall_s']:.0f} s)", flush=True)
     kinds = kinds or KINDS
-    cases = [(k, k, False) for k in kinds] + [(name, k, True) for name, k in MORE if k in kinds]
-    for name, kind, largest in cases:
+    cases = [(k, k, False, {}) for k in kinds] + [case for case in MORE if case[1] in kinds]
+    for name, kind, largest, settings in cases:
         for mode in ("off", "spot"):
-            r = out[f"{name} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start, largest))
+            r = out[f"{name} {mode}"] = train(iterations, seed, mode, liars=liars_for(kind, start, largest),
+                                              **(settings if mode == "spot" else {}))
             print(f"{name} {mode}: val loss {r['val_loss']:.4f}, caught {r['caught']} ({r['wall_s']:.0f} s)",
                   flush=True)
     return out
@@ -199,31 +204,35 @@ def parts(iterations: int, seed: int, model: str = "large") -> dict:
     return r
 
 
-PAIRED = [("screen", 0.0), ("spot", 0.05)]
+PAIRED = [("screen", 0.0, 0.0), ("spot", 0.05, 0.0)]
+
+
+def _mode_name(r: dict) -> str:
+    name = r["mode"] if r["mode"] != "spot" else f"spot {r['rate']:.0%}"
+    return name + (f", confirm_rate {r['confirm_rate']:g}" if r.get("confirm_rate") else "")
 
 
 def paired(iterations: int, pairs: int, seed: int, model: str = "large",
-           modes: list[tuple[str, float]] | None = None) -> dict:
+           modes: list[tuple[str, float, float]] | None = None) -> dict:
     """Each mode of ``modes`` (``PAIRED``) run between two runs with verification off, ``pairs`` times (off, screen,
     off, spot 5%, off, ...): each mode run's ratio to the mean of the two off runs beside it. This
     machine's speed drifts by a quarter from minute to minute (session 16: off at 2.1 s and 2.9 s an
     iteration in two rounds of the same command); a ratio to its neighbours cancels the drift slower
     than a run."""
     over = LARGE if model == "large" else {}
-    seq: list[tuple[str, float]] = [("off", 0.0)]
+    seq: list[tuple[str, float, float]] = [("off", 0.0, 0.0)]
     for _ in range(pairs):
         for mode in modes or PAIRED:
-            seq += [mode, ("off", 0.0)]
+            seq += [mode, ("off", 0.0, 0.0)]
     runs = []
-    for mode, rate in seq:
-        r = train(iterations, seed, mode, rate, **over)
+    for mode, rate, confirm in seq:
+        r = train(iterations, seed, mode, rate, confirm_rate=confirm, **over)
         runs.append(r)
-        name = mode if mode != "spot" else f"spot {rate:.0%}"
-        print(f"{name}: {r['iteration_s'] * 1000:.0f} ms per iteration, {r['cpu_s']:.2f} CPU s", flush=True)
+        print(f"{_mode_name(r)}: {r['iteration_s'] * 1000:.0f} ms per iteration, {r['cpu_s']:.2f} CPU s", flush=True)
     out: dict[str, list] = {}
     for i in range(1, len(runs), 2):
         r = runs[i]
-        name = r["mode"] if r["mode"] != "spot" else f"spot {r['rate']:.0%}"
+        name = _mode_name(r)
         beside = (runs[i - 1]["iteration_s"] + runs[i + 1]["iteration_s"]) / 2
         cpu_beside = (runs[i - 1]["cpu_s"] + runs[i + 1]["cpu_s"]) / 2
         out.setdefault(name, []).append({"ratio": r["iteration_s"] / beside, "run": r,
@@ -313,7 +322,7 @@ def tables(res: dict, start: int) -> None:
               "| caught (iterations after start) | honest blamed | loss, half the stages dropped: on vs clean |")
         print("|---|---|---|---|---|---|---|---|")
         print(f"| none (clean) | {c['val_loss']:.4f} | | | | | | {c['val_loss_dropped']:.4f} |")
-        for kind in (k for k in list(KINDS) + [name for name, _ in MORE] if f"{k} off" in a):
+        for kind in (k for k in list(KINDS) + [case[0] for case in MORE] if f"{k} off" in a):
             off, on = a[f"{kind} off"], a[f"{kind} spot"]
             liars = [e.split(":")[0] for e in on["liars"].split(", ")]
             late = [on["caught"][n] - start for n in liars if n in on["caught"]]
@@ -407,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=3, help="of each mode between two off runs (paired)")
     ap.add_argument("--modes", default="screen,spot:0.05",
-                    help="the modes of paired: MODE[:RATE], comma-separated (default: screen,spot:0.05)")
+                    help="the modes of paired: MODE[:RATE[:CONFIRM_RATE]], comma-separated (default: "
+                         "screen,spot:0.05)")
     ap.add_argument("--overhead-model", choices=("small", "large"), default="small")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=30, help="of each digest and summary (digest)")
@@ -431,10 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.what == "paired":
         modes = []
         for item in (x.strip() for x in args.modes.split(",") if x.strip()):
-            mode, _, rate = item.partition(":")
-            if mode not in ("screen", "spot", "full") or (rate and not _rate(rate)):
-                ap.error(f"--modes: {item!r} is not MODE[:RATE] with MODE screen, spot or full and RATE in (0, 1]")
-            modes.append((mode, float(rate) if rate else (1.0 if mode == "full" else 0.0)))
+            mode, _, rest = item.partition(":")
+            rate, _, confirm = rest.partition(":")
+            if mode not in ("screen", "spot", "full") or (rate and not _rate(rate)) or \
+                    (confirm and not _rate(confirm)):
+                ap.error(f"--modes: {item!r} is not MODE[:RATE[:CONFIRM_RATE]] with MODE screen, spot or full "
+                         "and the rates in (0, 1]")
+            modes.append((mode, float(rate) if rate else (1.0 if mode == "full" else 0.0),
+                          float(confirm) if confirm else 0.0))
         res["paired"] = paired(args.overhead_iterations, args.pairs, args.seed, args.overhead_model, modes)
     if args.what == "parts":
         res["parts"] = parts(args.overhead_iterations, args.seed, args.overhead_model)

@@ -127,11 +127,11 @@ def test_the_verify_section_defaults_to_training_as_before_and_reads_its_keys(tm
     cfg = TrainConfig()
     assert (cfg.mode, cfg.aggregation, cfg.adversaries, cfg.verifiers) == ("off", "mean", "", 2)
     f = tmp_path / "v.toml"
-    f.write_text('[verify]\nmode = "spot"\nverify_rate = 0.1\nverifiers = 1\ntolerance = 1e-2\naggregation = "median"\n'
+    f.write_text('[verify]\nmode = "spot"\nverify_rate = 0.1\nverifiers = 1\nconfirm_rate = 0.5\ntolerance = 1e-2\naggregation = "median"\n'
                  'adversaries = "n01:scale:3:0.5"\n')
     v = TrainConfig.from_toml(str(f)).section("verify")
-    assert (v.mode, v.verify_rate, v.verifiers, v.tolerance, v.aggregation, v.adversaries) == \
-        ("spot", 0.1, 1, 1e-2, "median", "n01:scale:3:0.5")
+    assert (v.mode, v.verify_rate, v.verifiers, v.confirm_rate, v.tolerance, v.aggregation, v.adversaries) == \
+        ("spot", 0.1, 1, 0.5, 1e-2, "median", "n01:scale:3:0.5")
     assert SECTION_OF["aggregation"] == "verify"
 
 
@@ -140,6 +140,7 @@ def test_the_verify_section_defaults_to_training_as_before_and_reads_its_keys(tm
     ('aggregation = "krum"', "aggregation must be one of mean, trimmed, median, clip, got 'krum'"),
     ("verify_rate = 1.5", "verify_rate must be a chance from 0 to 1, got 1.5"),
     ("tolerance = -1", "tolerance must be a relative difference >= 0, got -1"),
+    ("confirm_rate = 2", "confirm_rate must be a chance from 0 to 1, got 2"),
     ("verifiers = 0", "verifiers must be a whole number of replicas >= 1, got 0"),
     ("verifiers = 1.5", "[verify] verifiers must be an integer, got 1.5 (float)"),
     ('adversaries = "n01:evil"', "adversaries: 'evil' in 'n01:evil' is not a kind"),
@@ -156,6 +157,7 @@ def test_bad_verify_keys_are_clear_errors(tmp_path, key, words):
     (["--verify-rate", "2"], "verify_rate must be a chance from 0 to 1, got 2.0"),
     (["--adversaries", "n01:evil"], "'evil' in 'n01:evil' is not a kind"),
     (["--verify", "spot", "--tolerance", "-1"], "tolerance must be a relative difference >= 0"),
+    (["--confirm-rate", "-0.5"], "confirm_rate must be a chance from 0 to 1, got -0.5"),
     (["--verify", "spot", "--verifiers", "0"], "verifiers must be a whole number of replicas >= 1, got 0"),
 ])
 def test_the_verify_flags_reach_the_run_config_and_bad_values_start_nothing(capsys, flags, words):

@@ -197,10 +197,11 @@ class FakeRoster:
 
 
 def verifier(mode: str = "full", rate: float = 0.05, roster: object = None,
-             verifiers: int = 2) -> tuple[Verifier, list]:
+             verifiers: int = 2, confirm_rate: float = 0.0) -> tuple[Verifier, list]:
     events = []
     config = types.SimpleNamespace(mode=mode, verify_rate=rate, tolerance=1e-3, stages=2, seed=0, bf16=False,
-                                   aggregation="mean", verifiers=verifiers, timeout=5.0)
+                                   aggregation="mean", verifiers=verifiers, confirm_rate=confirm_rate,
+                                   timeout=5.0)
     return Verifier(config, CFG, roster or FakeRoster(), lambda kind, **f: events.append((kind, f))), events
 
 
@@ -682,7 +683,8 @@ PLAN3 = Plan(2, 0.0, {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1},
 @pytest.mark.parametrize("verifiers", [1, 2])
 def test_with_two_verifiers_an_accomplice_that_passes_a_wrong_computation_is_caught_with_its_maker(verifiers):
     """Stage 1 has 3 replicas: c scales what it sends, d passes every recheck (an accomplice), e is
-    honest. Mode "full": each computation of c is rechecked by ``verifiers`` of d and e. With 2, e's
+    honest. Mode "full": each computation of c is rechecked by ``verifiers`` of d and e (its share by
+    one). With 2, e's
     mismatch has the coordinator confirm, c is caught for its computation and d for a "false match" (the
     coordinator's difference is far beyond what float nondeterminism could make d's 0), with the evidence;
     e is not blamed. With 1, each computation goes to d or e at random: c is caught where e was drawn
@@ -695,10 +697,13 @@ def test_with_two_verifiers_an_accomplice_that_passes_a_wrong_computation_is_cau
     for msg in r.norms:
         v.note(msg)
     caught = v.audit(0, r.norm())
-    per_check = {s: collections.Counter(msg.check for _, msg in r.sent if isinstance(msg, m.Recheck) and msg.stage == s)
-                 for s in (0, 1)}
-    # as many verifiers a check as asked, where the stage has that many others (stage 0: one other)
-    assert set(per_check[1].values()) == {verifiers} and set(per_check[0].values()) == {1}
+    def per_check(stage: int, shares: bool) -> set[int]:
+        return set(collections.Counter(msg.check for _, msg in r.sent if isinstance(msg, m.Recheck)
+                                       and msg.stage == stage and (msg.kind == "share") == shares).values())
+
+    # as many verifiers a check as asked, where the stage has that many others (stage 0: one other), and
+    # one for a share (its recheck redoes its replica's every visit)
+    assert per_check(1, False) == {verifiers} and per_check(1, True) == per_check(0, False) == {1}
     checks = {f["node"]: f for kind, f in events if kind == "caught"}
     assert "c" not in caught or checks["c"]["check"] in ("visit", "share")
     assert "e" not in caught and not {"a", "b"} & set(caught)
@@ -709,6 +714,27 @@ def test_with_two_verifiers_an_accomplice_that_passes_a_wrong_computation_is_cau
     else:  # c is caught where e was drawn for one of its computations (each drawn for one, at random)
         by_e = any(r.check.node == "c" and "e" in r.answers for r in v._audit.rechecks.values())
         assert ("c" in caught) == by_e and "d" not in caught
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_colluders_that_are_a_whole_stage_pass_each_other_unless_the_coordinator_confirms_what_they_passed(rate):
+    """Stage 1 has 2 replicas: c scales what it sends, d (its only other replica, so the verifier of each
+    of its computations) passes every recheck. With ``confirm_rate`` 0 nothing of c's is ever
+    recomputed by anyone but d: nobody is caught (the limit a whole colluding stage is). At 1 the
+    coordinator recomputes what d passed: c is caught for its computation, d for a "false match"."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
+    v, events = verifier("full", roster=r, confirm_rate=rate)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    for msg in r.norms:
+        v.note(msg)
+    caught = v.audit(0, r.norm())
+    checks = {f["node"]: f for kind, f in events if kind == "caught"}
+    if rate == 0.0:
+        assert caught == {} and v.last["confirmations"] == 0
+    else:
+        assert set(caught) == {"c", "d"} and checks["c"]["check"] in ("visit", "share")
+        assert checks["c"]["verifier"] == "coordinator" and checks["d"]["check"] == "false match"
 
 
 def test_a_verifier_that_answers_a_recheck_with_no_difference_is_caught_and_nobody_else():

@@ -200,6 +200,10 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
                    help="modes spot and full: how many of a stage's other replicas recompute each computation "
                         "drawn, where it has that many (default 2: two colluding replicas cannot pass each "
                         "other's work)")
+    t.add_argument("--confirm-rate", type=float,
+                   help="modes spot and full: the chance that the coordinator recomputes a computation its "
+                        "verifiers all passed, all the same (default 0; what catches colluders that are a "
+                        "whole stage)")
     t.add_argument("--tolerance", type=float,
                    help="relative difference a recomputation may have from the original (default 1e-3)")
     t.add_argument("--aggregation", choices=("mean", "trimmed", "median", "clip"),
@@ -391,7 +395,7 @@ def run_train(args: argparse.Namespace) -> int:
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
               "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
               "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at",
-              "mode", "verify_rate", "verifiers", "tolerance", "aggregation", "adversaries")
+              "mode", "verify_rate", "verifiers", "confirm_rate", "tolerance", "aggregation", "adversaries")
     overrides = {f: getattr(args, f) for f in fields}
     try:
         if args.config:

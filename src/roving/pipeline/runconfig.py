@@ -206,6 +206,11 @@ class VerifySection:
     #: draws the accomplice; with 2, a pair has no escape (each verifier's answer is held to the
     #: coordinator's own recomputation once either reports a mismatch).
     verifiers: int = 2
+    #: modes spot and full: the chance that the coordinator recomputes a computation all its verifiers
+    #: passed, all the same (drawn after their answers), and holds each to its own result: the only
+    #: check of colluders that are all of a stage's replicas (two of a stage of 2), at the price of the
+    #: coordinator's recomputation (and the weights of the node and its verifiers, once an iteration).
+    confirm_rate: float = 0.0
     #: relative difference between a recomputation and the original still taken as equal (float
     #: nondeterminism).
     tolerance: float = 1e-3
@@ -324,6 +329,9 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
         r = self.verify_rate
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise PlanError(f"verify_rate must be a chance from 0 to 1, got {r!r}")
+        r = self.confirm_rate
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise PlanError(f"confirm_rate must be a chance from 0 to 1, got {r!r}")
         k = self.verifiers
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise PlanError(f"verifiers must be a whole number of replicas >= 1, got {k!r}")

@@ -28,8 +28,9 @@ checked on:
    matching its receipt, or a receipt whose MAC is not its sender's, is a *dispute*: the sender or the
    holder lies, and the coordinator cannot tell which; neither is blamed for it, both become suspects.
 2. *Recomputation* (modes "spot" and "full"): ``verifiers`` replicas of the node's stage (as many as it
-   has others), chosen at random after the fact, each recompute the computation with the weights it
-   holds (every replica's weights are bitwise equal until the step: they average the same shares in the
+   has others; one for a share, whose recheck redoes every visit of its replica: a second would cost as
+   much as its replica's round), chosen at random after the fact, each recompute the computation with
+   the weights it holds (every replica's weights are bitwise equal until the step: they average the same shares in the
    same order) and report the relative difference (``evidence.difference``). With no other replica, the
    coordinator recomputes.
 3. *Confirmation* of the first difference above ``tolerance`` a recheck gets: the coordinator fetches
@@ -39,8 +40,12 @@ checked on:
    none is a "false mismatch" (so nobody can be framed by a false report), a match where it found a
    difference beyond what float nondeterminism allows is a "false match" (an accomplice passing a
    colluder's work), either caught; a verifier whose weights are not the node's is a dispute instead.
-   With two verifiers, two colluders of a stage of 3 or more escape no check drawn: the other verifier
-   is honest, and the accomplice's match is caught with the colluder.
+   With two verifiers, two colluders of a stage of 3 or more escape no check drawn of a microbatch's
+   computations: the other verifier is honest, and the accomplice's match is caught with the colluder
+   (a check of a share escapes when its verifier is the accomplice). A recheck that every verifier
+   passed is confirmed all the same with chance ``confirm_rate`` (drawn after their answers): what
+   catches a coalition that is all of a stage's other replicas (a stage of 2 whose replicas collude), at
+   the price of the coordinator's own recomputation.
 
 The replicas' averaging. Every replica reports a digest of the gradient it combined from its stage's
 shares (``Norm.combined``); when a stage's replicas' digests differ, the coordinator combines the shares
@@ -169,7 +174,8 @@ class _Recheck:
     claimed: Any
     inputs: dict
     answers: dict[str, float | None]
-    confirming: str | None = None  # the verifier whose mismatch has the coordinator confirm it
+    confirming: bool = False  # the coordinator recomputes it (or did)
+    mismatch: str | None = None  # the verifier whose mismatch had it do so (None: drawn, ``confirm_rate``)
     confirmed: float | None = None
 
     def verifiers(self) -> list[str]:
@@ -238,7 +244,7 @@ class Verifier:
 
     def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None]) -> None:
         self.mode, self.rate, self.tolerance = config.mode, config.verify_rate, config.tolerance
-        self.verifiers = config.verifiers
+        self.verifiers, self.confirm_rate = config.verifiers, config.confirm_rate
         self.aggregation = config.aggregation
         self.stages, self.seed, self.bf16 = config.stages, config.seed, config.bf16
         self.timeout = config.timeout
@@ -708,14 +714,14 @@ class Verifier:
 
     # -- recomputation and confirmation -----------------------------------------------------------------
     def _recheck(self, a: _Audit, c: Check, claimed: Any, inputs: dict) -> None:
-        """Have ``verifiers`` replicas of ``c``'s stage (as many as it has others), chosen at random,
-        recompute it; with none, the coordinator does (a confirmation)."""
+        """Have ``verifiers`` replicas of ``c``'s stage (as many as it has others; one for a share),
+        chosen at random, recompute it; with none, the coordinator does (a confirmation)."""
         others = [n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
                   and n not in a.caught]
         if not others:
             self._confirmation(a, _Confirmation(c, claimed, inputs))
             return
-        chosen = self.rng.sample(sorted(others), min(self.verifiers, len(others)))
+        chosen = self.rng.sample(sorted(others), min(1 if c.kind == "share" else self.verifiers, len(others)))
         self._check_id += 1
         a.rechecks[self._check_id] = _Recheck(c, claimed, inputs, {v: None for v in chosen})
         for v in chosen:
@@ -737,8 +743,13 @@ class Verifier:
             self.totals["max_difference"] = max(self.totals["max_difference"], d)
         if r.confirmed is not None:
             self._hold(a, r, verifier)
-        elif not d <= self.tolerance and r.confirming is None:
-            r.confirming = verifier
+        elif r.confirming:
+            return
+        elif not d <= self.tolerance:
+            r.confirming, r.mismatch = True, verifier
+            self._confirmation(a, _Confirmation(r.check, r.claimed, r.inputs, r))
+        elif None not in r.answers.values() and self.rng.random() < self.confirm_rate:
+            r.confirming = True  # every verifier passed it: confirmed anyway, drawn after their answers
             self._confirmation(a, _Confirmation(r.check, r.claimed, r.inputs, r))
 
     def _confirmation(self, a: _Audit, k: _Confirmation) -> None:
@@ -794,9 +805,10 @@ class Verifier:
             what = "share of the round" if c.kind == "share" else \
                 f"{_what(c, k.claimed, want, self.tolerance)} of microbatch {c.mb}"
             verb = "differ" if " and " in what else "differs"
-            reported = r.answers[r.confirming] if r and r.confirming else None
+            reported = r.answers[r.mismatch] if r and r.mismatch else None
             self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} {verb} from the recomputation by "
-                        f"{own:.3g} (tolerance {self.tolerance:g})", verifier=r.confirming if r else "coordinator",
+                        f"{own:.3g} (tolerance {self.tolerance:g})", verifier=r.mismatch if r and r.mismatch
+                        else "coordinator",
                         difference=_finite(reported) if reported is not None else None,
                         confirmed_difference=_finite(own), tolerance=self.tolerance)
         if r is not None:
