@@ -26,13 +26,13 @@ large`` runs it on a wider model (``LARGE``: dim 256, 128 tokens, 8 samples a mi
 stage's compute, not the per-message costs, makes up the iteration.
 
 ``paired``: the overhead of ``--modes`` (by default ``PAIRED``: screen, spot at 5%, the two with
-targets; ``spot:0.05:1``: spot at 5% with ``confirm_rate`` 1), each run between two runs with verification off, ``--pairs`` times, on ``--overhead-model``
-(its ratio to the two beside it: the machine's drift cancels; ``paired``'s docstring); in time an
-iteration and in CPU seconds an iteration (the coordinator's and every node's, from ``/proc``: on a
-machine whose cores the nodes share, what verification adds to the work, less moved by how the scheduler
-interleaves it); and verification's own CPU as the run counts it (``Evidence.cpu`` of every node by part,
-the coordinator's audit), against the CPU of the off runs beside it: the work verification adds, without
-the runs' drift.
+targets; ``spot:0.05:1``: spot at 5% with ``confirm_rate`` 1), each run between two runs with
+verification off, ``--pairs`` times, on ``--overhead-model`` (its ratio to the two beside it: the
+machine's drift cancels; ``paired``'s docstring); in time an iteration and in CPU seconds an iteration
+(the coordinator's and every node's, from ``/proc``: on a machine whose cores the nodes share, what
+verification adds to the work, less moved by how the scheduler interleaves it); and verification's own
+CPU as the run counts it (``Evidence.cpu`` of every node by part, the coordinator's audit), against the
+CPU of the off runs beside it: the work verification adds, without the runs' drift.
 
 ``parts``: one run in mode "screen" of ``--overhead-iterations`` on ``--overhead-model``: verification's
 own CPU an iteration by part (as ``paired`` counts it), and its share of the run's CPU an iteration (the
@@ -106,7 +106,8 @@ def train(iterations: int, seed: int, mode: str = "off", rate: float = 0.05, lia
             own[part] = own.get(part, 0.0) + sec / max(1, len(its) - WARMUP)
     times = [r["seconds"] for r in its[WARMUP:]] or [r["seconds"] for r in its]
     final = metrics["evaluations"][-1]
-    return {"mode": mode, "rate": rate, "confirm_rate": cfg.confirm_rate, "seed": seed, "liars": liars, "caught": caught, "totals": totals,
+    return {"mode": mode, "rate": rate, "confirm_rate": cfg.confirm_rate, "seed": seed, "liars": liars,
+            "caught": caught, "totals": totals,
             "val_loss": final["val_loss"], "val_loss_dropped": final["val_loss_half_stages_dropped"],
             "dropped_stages": final["dropped_stages"], "iteration_s": statistics.median(times),
             "train_loss": [r["train_loss"] for r in its], "wall_s": time.time() - t0,

@@ -127,7 +127,8 @@ def test_the_verify_section_defaults_to_training_as_before_and_reads_its_keys(tm
     cfg = TrainConfig()
     assert (cfg.mode, cfg.aggregation, cfg.adversaries, cfg.verifiers) == ("off", "mean", "", 2)
     f = tmp_path / "v.toml"
-    f.write_text('[verify]\nmode = "spot"\nverify_rate = 0.1\nverifiers = 1\nconfirm_rate = 0.5\ntolerance = 1e-2\naggregation = "median"\n'
+    f.write_text('[verify]\nmode = "spot"\nverify_rate = 0.1\nverifiers = 1\nconfirm_rate = 0.5\n'
+                 'tolerance = 1e-2\naggregation = "median"\n'
                  'adversaries = "n01:scale:3:0.5"\n')
     v = TrainConfig.from_toml(str(f)).section("verify")
     assert (v.mode, v.verify_rate, v.verifiers, v.confirm_rate, v.tolerance, v.aggregation, v.adversaries) == \
