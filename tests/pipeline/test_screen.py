@@ -94,6 +94,8 @@ def test_clean_data_gives_no_suspect_over_many_draws(seed):
             screen.observe("fwd", n, profile + torch.randn((2, 32, 128), generator=g),
                            profile + torch.randn((2, 32, 128), generator=g))
             screen.observe("bwd", n, torch.randn((2, 32, 128), generator=g) * 1e-3)
+            if n in NODES[:2]:  # a boundary of two: their gap is never z standard errors wide
+                screen.observe("pair", n, profile + torch.randn((2, 32, 128), generator=g))
             shares[n] = common + 0.5 * torch.randn(2048, generator=g)
             screen.observe("share", n, shares[n])
         screen.compare("share", shares)
@@ -101,15 +103,22 @@ def test_clean_data_gives_no_suspect_over_many_draws(seed):
             assert screen.suspects() == [], (d, screen.suspects())
 
 
-def test_with_fewer_than_three_nodes_there_is_no_band_but_what_is_found_at_once_still_shows():
+def test_two_nodes_apart_are_both_named_one_node_has_no_band_and_what_is_found_at_once_still_shows():
+    """A boundary of 2 nodes has no median: where their statistics are z standard errors apart both are
+    named (one is out, and only a recomputation can tell which), each with its value and the other's;
+    a boundary of one node is compared with nothing; a non-finite tensor is named at once anyway."""
     screen = Screen()
     g = torch.Generator().manual_seed(0)
     for _ in range(20):
         screen.observe("b", "a", torch.randn(64, generator=g))
         screen.observe("b", "b", torch.randn(64, generator=g) * 100)
-    assert screen.suspects() == []
-    screen.observe("b", "b", torch.full((64,), float("nan")))
-    assert [(s.node, s.check) for s in screen.suspects()] == [("b", "non-finite")]
+        screen.observe("alone", "c", torch.randn(64, generator=g) * (100 if _ % 2 else 1))
+    named = {(s.node, s.check) for s in screen.suspects()}
+    assert named == {("a", "norm"), ("b", "norm"), ("a", "std"), ("b", "std")}, named
+    norm = {s.node: s for s in screen.suspects() if s.check == "norm"}
+    assert norm["b"].z > 6 and norm["a"].z == -norm["b"].z and norm["a"].others == norm["b"].value
+    screen.observe("alone", "c", torch.full((64,), float("nan")))
+    assert [(s.node, s.check) for s in screen.suspects() if s.node == "c"] == [("c", "non-finite")]
 
 
 def test_median_cosines_agree_with_each_pair_computed_on_its_own_and_leave_out_what_they_should():

@@ -28,12 +28,14 @@ observations, a statistic of it is ``z`` standard errors away from the median ov
 nodes, itself included (so fewer than half the nodes, colluding or not, cannot move it; the error:
 the node's own standard error and the median of all, added in quadrature, with a small floor): both
 ways for ``norm``, ``mean`` and ``std``, downwards only for ``profile`` and
-``cosine``. Honest nodes stay inside the band (``z = 6``: a chance of about 1e-9 per test for a
+``cosine``. At a boundary of 2 nodes there is no median: where their ``norm``, ``mean`` or ``std``
+are ``z`` standard errors apart, both are named (one of them is out; the spot checks tell which). Honest nodes stay inside the band (``z = 6``: a chance of about 1e-9 per test for a
 statistic that is near normal) -- measured on synthetic data in ``tests/pipeline/test_screen.py``.
 What it cannot see: a lie that keeps every statistic (a node that sends another honest-looking
 tensor of the right profile and norm); a bias smaller than the boundary's own noise needs many
 observations (about ``2 * (z * sd / bias) ** 2``, sd the spread of ``mean`` between tensors); a
-boundary with fewer than 3 nodes has no band. Those are for the spot checks (recomputation).
+boundary of 2 nodes only a gap between them (no ``profile`` or ``cosine``: nothing to take a median
+of), and one of a single node nothing. Those are for the spot checks (recomputation).
 """
 
 from __future__ import annotations
@@ -233,6 +235,8 @@ class Screen:
                     out.append(Suspect(node, boundary, f, math.inf, float(count), 0.0))
             for stat in STATS:
                 ready = {n: ns.stats[stat] for n, ns in nodes.items() if ns.stats[stat].count >= self.min_samples}
+                if len(ready) == 2 and stat not in ONE_SIDED:
+                    out += self._apart(boundary, stat, ready)
                 if len(ready) < 3:
                     continue
                 ref = statistics.median(o.mean for o in ready.values())
@@ -243,6 +247,15 @@ class Screen:
                     if (z < -self.z) or (stat not in ONE_SIDED and z > self.z):
                         out.append(Suspect(node, boundary, stat, z, r.mean, ref))
         return sorted(out, key=lambda s: (s.node, str(s.boundary), s.check))
+
+    def _apart(self, boundary: Hashable, stat: str, pair: dict[str, Running]) -> list[Suspect]:
+        """Two nodes at a boundary (no median to go by): where their means of ``stat`` are ``z``
+        standard errors apart, one of them is out and nobody can tell which: both are suspects."""
+        (a, ra), (b, rb) = sorted(pair.items())
+        z = (ra.mean - rb.mean) / math.sqrt(ra.sq_error + rb.sq_error + self.floor ** 2)
+        if abs(z) <= self.z:
+            return []
+        return [Suspect(a, boundary, stat, z, ra.mean, rb.mean), Suspect(b, boundary, stat, -z, rb.mean, ra.mean)]
 
 
 def median_cosines(sent: Mapping[str, torch.Tensor], skip_zeros: bool = False) -> dict[str, float]:
