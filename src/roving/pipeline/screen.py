@@ -24,13 +24,14 @@ its own share's cosines to the others' (``cosines_to``) and the median of a shar
 the others computed (``add_statistic``), so that no sender has a say on its own.
 
 ``Screen.suspects`` names a node when, at a boundary where at least 3 nodes have ``min_samples``
-observations, a statistic of it is ``z`` standard errors away from the median over the boundary's
-nodes, itself included (so fewer than half the nodes, colluding or not, cannot move it; the error:
-the node's own standard error and the median of all, added in quadrature, with a small floor): both
-ways for ``norm``, ``mean`` and ``std``, downwards only for ``profile`` and
-``cosine``. At a boundary of 2 nodes there is no median: where their ``norm``, ``mean`` or ``std``
-are ``z`` standard errors apart, both are named (one of them is out; the spot checks tell which). Honest nodes stay inside the band (``z = 6``: a chance of about 1e-9 per test for a
-statistic that is near normal) -- measured on synthetic data in ``tests/pipeline/test_screen.py``.
+observations, a statistic of it is ``z`` standard errors away from the median over the boundary's nodes,
+itself included (so fewer than half the nodes, colluding or not, cannot move it; the error: the node's
+own standard error and the median of all, added in quadrature, with a small floor): both ways for
+``norm``, ``mean`` and ``std``, downwards only for ``profile`` and ``cosine``. At a boundary of 2 nodes
+there is no median: where their ``norm``, ``mean`` or ``std`` are ``z`` standard errors apart, both are
+named (one of them is out; the spot checks tell which). Honest nodes stay inside the band (``z = 6``: a
+chance of about 1e-9 per test for a statistic that is near normal) -- measured on synthetic data in
+``tests/pipeline/test_screen.py``.
 What it cannot see: a lie that keeps every statistic (a node that sends another honest-looking
 tensor of the right profile and norm); a bias smaller than the boundary's own noise needs many
 observations (about ``2 * (z * sd / bias) ** 2``, sd the spread of ``mean`` between tensors); a
