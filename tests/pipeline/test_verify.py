@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import io
 import math
-import random
 import types
 from typing import Callable
 from contextlib import redirect_stdout
@@ -35,7 +34,7 @@ from roving.pipeline.model import preset
 from roving.pipeline.plan import Plan, Route
 from roving.pipeline.stages import Stage
 from roving.pipeline.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify import FEWEST, Check, Source, Verifier, _Audit
+from roving.pipeline.verify import Check, Source, Verifier, _Audit
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32
@@ -736,27 +735,6 @@ def test_colluders_that_are_a_whole_stage_pass_each_other_unless_the_coordinator
     else:
         assert set(caught) == {"c", "d"} and checks["c"]["check"] in ("visit", "share")
         assert checks["c"]["verifier"] == "coordinator" and checks["d"]["check"] == "false match"
-
-
-@pytest.mark.parametrize("rate", [0.0, 0.05])
-def test_in_spot_mode_a_node_with_few_computations_is_checked_as_often_as_one_with_fewest(rate):
-    """Each node of PLAN has fewer than FEWEST computations a round: each of them is drawn so that one
-    of the node's is with chance 1 - (1 - rate) ** FEWEST (about 40% at 5%, against 1 - 0.95 ** m for
-    its m computations at the plain rate), which 4,000 rounds of draws (seeded here) bear out; at rate 0
-    nothing is drawn."""
-    batches = [tokens_and_targets(0), tokens_and_targets(1)]
-    v, _ = verifier("spot", rate=rate)
-    v.rng = random.Random(7)
-    v.begin(0, PLAN, dict(PLAN.allocation), batches)
-    a = v._audit
-    mine = collections.defaultdict(list)
-    for c in a.every():
-        mine[c.node].append(c)
-    want = 1 - (1 - rate) ** FEWEST
-    for node, checks in mine.items():
-        assert len(checks) < FEWEST
-        rounds = sum(any([v._draw(a, c) for c in checks]) for _ in range(4000))
-        assert abs(rounds / 4000 - want) < 0.03, (node, len(checks), rounds / 4000, want)
 
 
 def test_a_verifier_that_answers_a_recheck_with_no_difference_is_caught_and_nobody_else():

@@ -66,9 +66,7 @@ snapshotted or evaluated. A confirmation then holds each node to its report: wei
 not the ones it reported after its latest step (of the stage it holds now) have it caught ("weights"),
 so a node cannot compute with other weights than it reported and show the honest ones.
 
-Which computations. ``full``: all. ``spot``: each with probability ``verify_rate`` (more for a node of
-fewer than ``FEWEST`` computations in the round, drawn as if it had that many: a node on few routes
-would otherwise wait many rounds for a draw; a visit's forward and
+Which computations. ``full``: all. ``spot``: each with probability ``verify_rate`` (a visit's forward and
 backward together, as the issue's spot check has it: a microbatch's forward "and, for gradients, the
 backward" on the same input), drawn here from the
 operating system's randomness after the tensors it checks were sent (so no node can know which of its
@@ -113,10 +111,6 @@ log = logging.getLogger(__name__)
 
 #: the least chance that a suspect's computation is checked in mode "spot".
 SUSPECT_RATE = 0.25
-#: mode "spot": a node with fewer computations in a round than this is drawn as if it had this many (its
-#: chance of having one of them checked is the same as such a node's), so that a node with few
-#: computations (a replica on few routes) does not wait many rounds for a draw.
-FEWEST = 10
 
 
 @dataclass(frozen=True)
@@ -225,7 +219,6 @@ class _Audit:
     weights_asked: set[str] = field(default_factory=set)
     loaded: dict[int, str] = field(default_factory=dict)  # stage -> whose weights its module holds this audit
     combined: set[tuple] = field(default_factory=set)  # the stages' replicas asked for a combined digest
-    rates: dict[str, float] = field(default_factory=dict)  # mode spot: each node's chance a computation
     sent_rechecks: int = 0
     confirmations: int = 0
     overlapped: float = 0.0  # seconds of the audit's own work while the round ran
@@ -301,10 +294,6 @@ class Verifier:
             else:
                 by_mb.setdefault(c.mb, []).append(c)
         self._audit = _Audit(rnd, plan, dict(alloc), by_mb, shares)
-        counts = collections.Counter(c.node for c in self._audit.every())
-        # a node of m < FEWEST computations: each drawn so that one of them is with 1 - (1 - rate) ** FEWEST
-        self._audit.rates = {n: 1 - (1 - self.rate) ** (FEWEST / m) if m < FEWEST else self.rate
-                             for n, m in counts.items()}
         self._audit.cpu = time.thread_time() - t0
 
     def finished(self, rnd: int, mb: int) -> None:
@@ -374,7 +363,7 @@ class Verifier:
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
             every or any(o.key in a.flagged for o in c.outputs())
-            or (c.claimed.key not in a.decided and self._draw(a, c)))]
+            or (c.claimed.key not in a.decided and self._draw(c)))]
         a.decided.update(c.claimed.key for c in rest)
         self._examine(a, rest)
         try:
@@ -421,17 +410,16 @@ class Verifier:
     # -- which computations are checked -----------------------------------------------------------------
     def _decide(self, a: _Audit, checks: list[Check]) -> None:
         """Draw each of ``checks`` not drawn for yet; examine those drawn."""
-        drawn = [c for c in checks if c.claimed.key not in a.decided and self._draw(a, c)]
+        drawn = [c for c in checks if c.claimed.key not in a.decided and self._draw(c)]
         a.decided.update(c.claimed.key for c in checks)
         self._examine(a, drawn)
 
-    def _draw(self, a: _Audit, c: Check) -> bool:
+    def _draw(self, c: Check) -> bool:
         if self.mode == "full":
             return True
         if self.mode != "spot":
             return False
-        rate = a.rates.get(c.node, self.rate)
-        rate = max(rate, SUSPECT_RATE) if c.node in self.suspects else rate
+        rate = max(self.rate, SUSPECT_RATE) if c.node in self.suspects else self.rate
         return self.rng.random() < rate
 
     def _checks(self, plan: Any, alloc: dict[str, int], batches: list) -> list[Check]:
