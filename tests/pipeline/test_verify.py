@@ -250,6 +250,7 @@ class LocalRound:
 
     def __init__(self, plan, batches, liars=None, dies=None) -> None:
         self.plan, self.alloc, self.liars, self.dies, self.rnd = plan, dict(plan.allocation), liars or {}, dies, 0
+        self.batches = batches
         weights = {s: Stage(CFG, s, 2, seed=0) for s in set(self.alloc.values())}
         self.stage = {n: copy.deepcopy(weights[s]) for n, s in self.alloc.items()}
         self.evidence = {n: Evidence(n, "spot", receipts.node_key(RUN_KEY, n)) for n in self.alloc}
@@ -664,6 +665,16 @@ def test_a_confirmation_catches_a_node_whose_weights_shown_are_not_those_it_repo
     assert not set(checks) - {"c", "d"}
 
 
+def audited(r: LocalRound, mode: str = "full", **settings) -> tuple[Verifier, list, dict[str, str]]:
+    """The whole audit of ``r``'s round by a verifier of ``mode`` (``settings``: as ``verifier`` takes
+    them): the verifier, its events and whom it caught."""
+    v, events = verifier(mode, roster=r, **settings)
+    v.begin(0, r.plan, dict(r.plan.allocation), r.batches)
+    for msg in r.norms:
+        v.note(msg)
+    return v, events, v.audit(0, r.norm())
+
+
 class Accomplice:
     """A verifier that computes honestly but passes every recheck it is sent (as a colluder does for its
     accomplice's work): the ``Adversary`` interface that ``LocalRound`` and ``evidence.recheck`` call."""
@@ -692,11 +703,8 @@ def test_with_two_verifiers_an_accomplice_that_passes_a_wrong_computation_is_cau
     confirmation: it is not caught, the escape that 2 closes."""
     batches = [tokens_and_targets(i) for i in range(3)]
     r = LocalRound(PLAN3, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
-    v, events = verifier("full", roster=r, verifiers=verifiers)
-    v.begin(0, PLAN3, dict(PLAN3.allocation), batches)
-    for msg in r.norms:
-        v.note(msg)
-    caught = v.audit(0, r.norm())
+    v, events, caught = audited(r, verifiers=verifiers)
+
     def per_check(stage: int, shares: bool) -> set[int]:
         return set(collections.Counter(msg.check for _, msg in r.sent if isinstance(msg, m.Recheck)
                                        and msg.stage == stage and (msg.kind == "share") == shares).values())
@@ -724,11 +732,7 @@ def test_colluders_that_are_a_whole_stage_pass_each_other_unless_the_coordinator
     coordinator recomputes what d passed: c is caught for its computation, d for a "false match"."""
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
-    v, events = verifier("full", roster=r, confirm_rate=rate)
-    v.begin(0, PLAN, dict(PLAN.allocation), batches)
-    for msg in r.norms:
-        v.note(msg)
-    caught = v.audit(0, r.norm())
+    v, events, caught = audited(r, confirm_rate=rate)
     checks = {f["node"]: f for kind, f in events if kind == "caught"}
     if rate == 0.0:
         assert caught == {} and v.last["confirmations"] == 0
@@ -747,11 +751,7 @@ def test_a_verifier_that_answers_a_recheck_with_no_difference_is_caught_and_nobo
 
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"d": Garbler()})
-    v, events = verifier("full", roster=r)
-    v.begin(0, PLAN, dict(PLAN.allocation), batches)
-    for msg in r.norms:
-        v.note(msg)
-    caught = v.audit(0, r.norm())
+    _, events, caught = audited(r)
     assert list(caught) == ["d"] and "with str, not a difference" in caught["d"]
     assert [f["check"] for kind, f in events if kind == "caught"] == ["report"]
 

@@ -30,9 +30,9 @@ checked on:
 2. *Recomputation* (modes "spot" and "full"): ``verifiers`` replicas of the node's stage (as many as it
    has others; one for a share, whose recheck redoes every visit of its replica: a second would cost as
    much as its replica's round), chosen at random after the fact, each recompute the computation with
-   the weights it holds (every replica's weights are bitwise equal until the step: they average the same shares in the
-   same order) and report the relative difference (``evidence.difference``). With no other replica, the
-   coordinator recomputes.
+   the weights it holds (every replica's weights are bitwise equal until the step: they average the same
+   shares in the same order) and report the relative difference (``evidence.difference``). With no other
+   replica, the coordinator recomputes.
 3. *Confirmation* of the first difference above ``tolerance`` a recheck gets: the coordinator fetches
    the weights of the node and of its verifiers and recomputes itself, with the node's (which must be
    those it reported after its latest step). Its own difference above ``tolerance`` confirms the node's
@@ -166,34 +166,22 @@ class _Ask:
 
 @dataclass
 class _Recheck:
-    """A computation sent to its verifiers to recompute: what each answered (``answers``: verifier ->
-    its difference, None until it answers) and, once the coordinator recomputed it, its own difference
-    (``confirmed``), which every answer is then held to."""
+    """A computation sent to its verifiers to recompute (none: the stage had no other replica, and the
+    coordinator recomputes it at once): what each answered (``answers``: verifier -> its difference,
+    None until it answers) and, once the coordinator recomputed it, its own difference (``confirmed``),
+    which every answer is then held to. A confirmation waits for the weights of the node and of each
+    verifier (``needs``)."""
 
     check: Check
     claimed: Any
     inputs: dict
-    answers: dict[str, float | None]
+    answers: dict[str, float | None] = field(default_factory=dict)
     confirming: bool = False  # the coordinator recomputes it (or did)
-    mismatch: str | None = None  # the verifier whose mismatch had it do so (None: drawn, ``confirm_rate``)
+    mismatch: str | None = None  # the verifier whose mismatch had it do so (None: no verifier, or drawn)
     confirmed: float | None = None
 
-    def verifiers(self) -> list[str]:
-        return list(self.answers)
-
-
-@dataclass
-class _Confirmation:
-    """A computation the coordinator recomputes itself once it holds the weights of the node checked and
-    of each of its verifiers (``recheck`` None: the stage had no other replica to recheck it)."""
-
-    check: Check
-    claimed: Any
-    inputs: dict
-    recheck: _Recheck | None = None
-
     def needs(self) -> list[str]:
-        return [self.check.node] + (self.recheck.verifiers() if self.recheck else [])
+        return [self.check.node, *self.answers]
 
 
 @dataclass
@@ -214,7 +202,7 @@ class _Audit:
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
     rechecks: dict[int, _Recheck] = field(default_factory=dict)  # by number
-    confirming: list[_Confirmation] = field(default_factory=list)  # waiting for weights
+    confirming: list[_Recheck] = field(default_factory=list)  # confirmations waiting for weights
     weights: dict[str, tuple[int, dict]] = field(default_factory=dict)  # name -> (stage, state dict)
     weights_asked: set[str] = field(default_factory=set)
     loaded: dict[int, str] = field(default_factory=dict)  # stage -> whose weights its module holds this audit
@@ -400,7 +388,7 @@ class Verifier:
                 ask.then(ask.shown)
         elif isinstance(msg, m.Rechecked):
             r = a.rechecks.get(msg.check)
-            if r is not None and r.answers.get(msg.sender, 0.0) is None:
+            if r is not None and msg.sender in r.answers and r.answers[msg.sender] is None:  # once each
                 self._answered(a, r, msg.sender, msg.difference)
         elif isinstance(msg, m.WeightsShown):
             if msg.sender in a.weights_asked and msg.sender not in a.weights:
@@ -719,7 +707,7 @@ class Verifier:
         others = [n for n, s in a.alloc.items() if s == c.stage and n != c.node and n in self.roster.inboxes
                   and n not in a.caught]
         if not others:
-            self._confirmation(a, _Confirmation(c, claimed, inputs))
+            self._confirmation(a, _Recheck(c, claimed, inputs))
             return
         chosen = self.rng.sample(sorted(others), min(1 if c.kind == "share" else self.verifiers, len(others)))
         self._check_id += 1
@@ -746,15 +734,15 @@ class Verifier:
         elif r.confirming:
             return
         elif not d <= self.tolerance:
-            r.confirming, r.mismatch = True, verifier
-            self._confirmation(a, _Confirmation(r.check, r.claimed, r.inputs, r))
+            r.mismatch = verifier
+            self._confirmation(a, r)
         elif None not in r.answers.values() and self.rng.random() < self.confirm_rate:
-            r.confirming = True  # every verifier passed it: confirmed anyway, drawn after their answers
-            self._confirmation(a, _Confirmation(r.check, r.claimed, r.inputs, r))
+            self._confirmation(a, r)  # every verifier passed it: confirmed anyway, drawn after their answers
 
-    def _confirmation(self, a: _Audit, k: _Confirmation) -> None:
+    def _confirmation(self, a: _Audit, k: _Recheck) -> None:
         """``k`` waits for the weights it needs (asked for once an audit: they do not change before the
         step)."""
+        k.confirming = True
         a.confirming.append(k)
         for n in k.needs():
             if n not in a.weights_asked:
@@ -775,16 +763,16 @@ class Verifier:
                 waiting.append(k)
         a.confirming = waiting
 
-    def _confirm(self, a: _Audit, k: _Confirmation) -> None:
-        """The coordinator recomputes ``k`` itself, with the weights the node shows (those it reported
+    def _confirm(self, a: _Audit, r: _Recheck) -> None:
+        """The coordinator recomputes ``r`` itself, with the weights the node shows (those it reported
         after its latest step, or it is caught for them): its own difference above ``tolerance`` has the
         node caught. Then each verifier's answer is held to it (``_hold``)."""
-        c = k.check
+        c = r.check
         mine = a.weights[c.node]
         if mine[0] != c.stage:
             self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
             return
-        for n in (n for n in k.needs() if n in a.weights):
+        for n in (n for n in r.needs() if n in a.weights):
             held = self.held.get(n)
             if held is not None and held[0] == c.stage and a.weights[n][0] == c.stage and \
                     receipts.weights_digest(a.weights[n][1]) != held[1]:
@@ -798,23 +786,19 @@ class Verifier:
         if a.loaded.get(c.stage) != c.node:  # recompute leaves the weights as loaded
             stage.load_state_dict(mine[1])
             a.loaded[c.stage] = c.node
-        want = recompute(stage, c.kind, k.inputs, self.device, self.bf16)
-        own = difference(k.claimed, want)
-        r = k.recheck
+        want = recompute(stage, c.kind, r.inputs, self.device, self.bf16)
+        own = r.confirmed = difference(r.claimed, want)
         if own > self.tolerance:
             what = "share of the round" if c.kind == "share" else \
-                f"{_what(c, k.claimed, want, self.tolerance)} of microbatch {c.mb}"
+                f"{_what(c, r.claimed, want, self.tolerance)} of microbatch {c.mb}"
             verb = "differ" if " and " in what else "differs"
-            reported = r.answers[r.mismatch] if r and r.mismatch else None
+            reported = r.answers[r.mismatch] if r.mismatch else None
             self._catch(a.caught, c.node, c.kind, c, reason=f"its {what} {verb} from the recomputation by "
-                        f"{own:.3g} (tolerance {self.tolerance:g})", verifier=r.mismatch if r and r.mismatch
-                        else "coordinator",
+                        f"{own:.3g} (tolerance {self.tolerance:g})", verifier=r.mismatch or "coordinator",
                         difference=_finite(reported) if reported is not None else None,
                         confirmed_difference=_finite(own), tolerance=self.tolerance)
-        if r is not None:
-            r.confirmed = own
-            for v in r.verifiers():
-                self._hold(a, r, v)
+        for v in r.answers:
+            self._hold(a, r, v)
 
     def _hold(self, a: _Audit, r: _Recheck, verifier: str) -> None:
         """Hold ``verifier``'s answer to ``r`` (if any yet) to the coordinator's own recomputation: with the
@@ -833,8 +817,7 @@ class Verifier:
         false_match = d <= t and not own <= t and d < (own - t) / (1 + t)
         if not (false_mismatch or false_match):
             return
-        if verifier not in a.weights:  # asked for with the confirmation; a later verifier's may still come
-            return
+        # (its weights came before the confirmation ran, which waited for every verifier not caught)
         if not _equal(a.weights[c.node][1], a.weights[verifier][1]):
             self._dispute([c.node, verifier], "the weights of two replicas of a stage differ", **c.describe())
             return
