@@ -724,6 +724,43 @@ def test_with_two_verifiers_an_accomplice_that_passes_a_wrong_computation_is_cau
         assert ("c" in caught) == by_e and "d" not in caught
 
 
+def test_an_accomplice_is_held_to_the_confirmation_even_when_its_colluder_was_caught_by_another_check_first():
+    """Microbatch 0 done: c's visit goes to d (passes it) and e (a mismatch), and its confirmation waits
+    for the weights. c is caught meanwhile by another check (set here before the weights come): the
+    confirmation still runs, for d's answer, and d is caught for a false match."""
+    batches = [tokens_and_targets(i) for i in range(3)]
+    r = LocalRound(PLAN3, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
+    v, events = verifier("full", roster=r)
+    v.begin(0, PLAN3, dict(PLAN3.allocation), batches)
+    v.finished(0, 0)
+    weights = []
+    while r.answers:  # the evidence and the rechecks; the weights held back
+        msg = r.answers.popleft()
+        (weights.append if isinstance(msg, m.WeightsShown) else v.take)(msg)
+    a = v._audit
+    assert [k.check.node for k in a.confirming] == ["c"] and weights
+    a.caught["c"] = "visit: caught by another check (this test)"
+    for msg in weights:
+        v.take(msg)
+    assert a.caught["d"].startswith("false match: reported that c's visit matches")
+
+
+def test_a_verifier_whose_weights_differ_from_the_nodes_is_a_dispute_and_the_node_is_judged_on_its_own():
+    """As above, c scales what it sends and d passes every recheck, but d's weights have since moved
+    (its held weights are no longer c's): d's match cannot be judged against the coordinator's
+    recomputation with c's weights, so it is a dispute (c and d suspects), not a false match; c is
+    caught all the same, on its own weights (e's mismatch confirmed); e is not blamed."""
+    batches = [tokens_and_targets(i) for i in range(3)]
+    r = LocalRound(PLAN3, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
+    with torch.no_grad():
+        next(r.stage["d"].parameters()).add_(1.0)  # after the round: what it shows and recomputes with now
+    v, events, caught = audited(r)
+    assert set(caught) == {"c"}, caught
+    disputes = [f for kind, f in events if kind == "dispute"]
+    assert disputes and all(f["nodes"] == ["c", "d"] and "weights of two replicas" in f["why"] for f in disputes)
+    assert {"c", "d"} <= v.suspects
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_colluders_that_are_a_whole_stage_pass_each_other_unless_the_coordinator_confirms_what_they_passed(rate):
     """Stage 1 has 2 replicas: c scales what it sends, d (its only other replica, so the verifier of each

@@ -750,13 +750,15 @@ class Verifier:
                 self.roster.put(n, m.ShowWeights(a.rnd))
 
     def _confirm_ready(self, a: _Audit) -> None:
-        """Run the confirmations whose weights came (a verifier caught meanwhile is not waited for; a node
-        caught meanwhile is not confirmed)."""
+        """Run the confirmations whose weights came (a verifier caught meanwhile is not waited for). One of
+        a node caught meanwhile still runs where verifiers answered it: their answers are held to it (an
+        accomplice is not let off because its colluder was caught by another check first)."""
         waiting = []
         for k in list(a.confirming):
-            if k.check.node in a.caught:
+            node = k.check.node
+            if node in a.caught and not k.answers:
                 continue
-            if all(n in a.weights or n in a.caught for n in k.needs()):
+            if node in a.weights and all(n in a.weights or n in a.caught for n in k.answers):
                 a.confirmations += 1
                 self._confirm(a, k)
             else:
@@ -772,13 +774,15 @@ class Verifier:
         if mine[0] != c.stage:
             self._catch(a.caught, c.node, c.kind, c, reason=f"did not show its weights of stage {c.stage}")
             return
+        moved = set()  # those that show other weights than they reported: nothing is judged by them
         for n in (n for n in r.needs() if n in a.weights):
             held = self.held.get(n)
             if held is not None and held[0] == c.stage and a.weights[n][0] == c.stage and \
                     receipts.weights_digest(a.weights[n][1]) != held[1]:
+                moved.add(n)
                 self._catch(a.caught, n, "weights", c, reason=f"showed other weights of stage {c.stage} than "
                             "it reported after its latest step")
-        if c.node in a.caught:
+        if c.node in moved:
             return
         stage = self._modules.get(c.stage)
         if stage is None:  # built once a run (building initialises every weight); loaded once a node an audit
