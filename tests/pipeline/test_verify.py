@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import io
 import math
+import random
 import types
 from typing import Callable
 from contextlib import redirect_stdout
@@ -24,6 +25,7 @@ torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
 from roving.pipeline import receipts
+from roving.pipeline import verify as verify_module
 from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.adversary import Adversary
 from roving.pipeline.aggregate import combine
@@ -130,8 +132,11 @@ def test_each_share_is_summarised_by_one_other_replica_in_turn_and_a_replica_rep
             assert sorted(t[rnd] for t in turns.values()) == names
         assert all(sorted(t) == sorted(set(names) - {x}) for x, t in turns.items())  # each other in turn
     assert summariser("a", ["a"], 0) == "" and summariser("z", ["a", "b"], 0) == ""
-    three = Evidence("a", "screen", receipts.node_key(RUN_KEY, "a"))
-    assert three.shares(0, {n: got[n] for n in "abd"}, counts) == {}, "fewer than 3 shares taken: no cosine"
+    pair = Evidence("a", "screen", receipts.node_key(RUN_KEY, "a"))  # with d's zeros, a pair: its one cosine
+    assert pair.shares(0, {n: got[n] for n in "abd"}, counts) == pytest.approx(
+        {"b": float(torch.nn.functional.cosine_similarity(got["a"], got["b"], dim=0))}, rel=1e-5)
+    alone = Evidence("a", "screen", receipts.node_key(RUN_KEY, "a"))
+    assert alone.shares(0, {n: got[n] for n in "ad"}, counts) == {}, "no other share taken: no cosine"
     assert Evidence("a").shares(0, got, counts) == {} and Evidence("a").summaries() == ()
 
 
@@ -686,6 +691,53 @@ class Accomplice:
         return 0.0
 
 
+class Fixed(random.Random):
+    """Draws that always come out ``x`` (for ``Verifier.rng``; its choices of verifiers as a seeded one's)."""
+
+    def __init__(self, x: float) -> None:
+        super().__init__(0)
+        self.x = x
+
+    def random(self) -> float:
+        return self.x
+
+
+@pytest.mark.parametrize("x, made_up", [(0.21, True), (0.22, False)])
+def test_a_negated_share_is_opposed_and_its_nodes_computations_of_the_round_are_made_up_to_the_suspects_rate(
+        x, made_up):
+    """Mode "spot" at 0.05, c negating its gradients and share, after 4 rounds in which c's and d's shares
+    pointed together (cosines 0.02 and 0.03, given to the screen); every draw comes out ``x``, so none is
+    drawn as the round runs (x > 0.05). At the round's end c's share points away from d's: their cosine is
+    below 0 and 3 standard deviations below those rounds', so both are opposed (with 2 replicas the one
+    cosine is both shares'), and each computation of theirs is drawn again with the chance that makes its
+    whole chance SUSPECT_RATE: (0.25 - 0.05) / (1 - 0.05) = 0.2105, so at 0.21 all of c's and d's are
+    checked and c is caught, at 0.22 none is. Stage 0's pair (a, b), with no earlier rounds, is not opposed
+    whatever its cosine (it got c's negated gradients), and gets no second draw. Without the liar c's and
+    d's cosine is above 0: nobody is opposed, nothing drawn."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    for liars in ({"c": Adversary("signflip")}, {}):
+        r = LocalRound(PLAN, batches, liars=liars)
+        v, events = verifier("spot", rate=0.05, roster=r)
+        for cosine in (0.02, 0.03, 0.02, 0.03):
+            assert not v.screen.cosine(("share", 1), "c", cosine) and not v.screen.cosine(("share", 1), "d", cosine)
+        v.rng = Fixed(x)
+        v.begin(0, PLAN, dict(PLAN.allocation), batches)
+        v.finished(0, 0)
+        v.finished(0, 1)
+        for msg in r.norms:
+            v.note(msg)
+        assert not r.sent, "nothing drawn as the round ran"
+        caught = v.audit(0, r.norm())
+        cosine = next(msg.cosines["c"] for msg in r.norms if msg.sender == "d")
+        if not liars:
+            assert cosine > 0 and v.last["opposed"] == [] and v.last["checks"] == 0 and not caught
+            continue
+        assert cosine < 0 and v.last["opposed"] == ["c", "d"]
+        theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in "cd"]
+        assert v.last["checks"] == (len(theirs) if made_up else 0)
+        assert list(caught) == (["c"] if made_up else [])
+
+
 #: stage 1 has 3 replicas: microbatch 0 goes a -> c -> a, 1 b -> d -> b, 2 a -> e -> a
 PLAN3 = Plan(2, 0.0, {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1},
              [Route("a", ("c",), (1,)), Route("b", ("d",), (1,)), Route("a", ("e",), (1,))])
@@ -877,6 +929,29 @@ def test_a_replica_that_averages_another_share_than_it_sent_is_caught_in_the_ite
     assert [(e["node"], e["check"], e["iteration"]) for e in caught] == [(liar, check, 1)]
     assert all(r["verify"]["rechecks"] == 0 for r in metrics["iterations"])
     assert liar in t.roster.excluded and len(metrics["iterations"]) == 3
+
+
+def test_a_negated_share_has_its_node_opposed_in_the_round_it_starts_and_caught_by_the_checks_that_draws(monkeypatch):
+    """Spot mode at rate 0 (only what opposition makes up is drawn), with an opposed node's chance raised to 1
+    here so that the test waits on no draw: a ``signflip`` liar in a stage of 2 replicas, from iteration 5
+    (after the 4 rounds a baseline needs), sends a share that points away from its replica's (the cosine its
+    replica's stage process reports of it), so both are opposed in iteration 5, and every computation of
+    theirs is checked: the liar is caught there (by whichever of its computations), its honest replica is not,
+    and training goes on without it."""
+    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+
+    def liar(by_stage: dict) -> dict:
+        return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2): ["signflip"]}
+
+    metrics, liars, t = train(liar, nodes=6, iterations=7, mode="spot", rate=0.0, start=5)
+    liar_name = next(iter(liars))
+    assert caught_at(metrics) == {liar_name: 5}
+    # the pair, once, in iteration 5's first run (the record of iteration 5 is its run again without the
+    # liar), and no band suspect that could have had it drawn instead
+    assert t.verifier.totals["opposed"] == 2
+    assert not [e for e in metrics["events"] if e["event"] == "suspect"]
+    assert liar_name in t.roster.excluded and len(metrics["iterations"]) == 7
+    assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
 
 
 def test_a_replica_that_steps_to_other_weights_is_caught_at_that_step_and_training_goes_on_without_it(tmp_path):

@@ -20,7 +20,7 @@ With ``mode`` other than "off", a stage process (``stage_process``):
 - once its stage's gradient shares have all come (``shares``), summarises the ones it is the
   *summariser* of this round (``summariser``: one receiver per share, another each round, so that each
   share is one screening row, not one per receiver, and no single receiver speaks for a share every
-  round), and, with 3 replicas or more, reports its own share's cosine to each of the others';
+  round), and reports its own share's cosine to each of the others';
 - after each step where its stage had other replicas, reports a digest of the weights it stepped to
   (``stepped``), which the coordinator compares with theirs;
 - shows kept tensors on request (``show``), and recomputes what the coordinator asks of it
@@ -233,10 +233,11 @@ class Evidence:
         """Round ``rnd``'s gradient shares of this process's stage have all come (``got``: each replica's,
         its own included; ``counts``: the microbatches each ran): the screening rows of the shares this
         process is the ``summariser`` of (each summarised per microbatch, so that replicas of unequal loads
-        compare; all zeros is no finding for one that ran none), and returned, with 3 replicas or more,
+        compare; all zeros is no finding for one that ran none), and returned, with 2 replicas or more,
         its own share's cosine to each other replica's (``screen.cosines_to``: one that ran nothing, or
-        sent what is not finite, left out; {} with fewer than 3 taken). The coordinator takes a share's
-        cosine from what its *other* replicas report of it, so its sender has no say on its own.
+        sent what is not finite, left out; {} with no other taken, or its own not taken). The
+        coordinator takes a share's cosine from what its *other* replicas report of it, so its sender has
+        no say on its own.
         One pass over each share summarised, one over each other share for its norm and one for its dot
         product with this process's own: nothing is read twice."""
         if not self.on:
@@ -253,10 +254,9 @@ class Evidence:
                 summary, known[sender] = summarize_squared(got[sender], divisor=count or 1)
                 if not (count == 0 and summary.found == ("zeros",)):
                     self.screened.append(("share", -1, -1, sender, summary))
-            if self.name not in got or len(names) < 3:
+            if self.name not in got or len(names) < 2:
                 return {}
-            out = cosines_to(got[self.name], {n: got[n] for n in names if n != self.name}, known)
-            return out if len(out) >= 2 else {}  # with its own, fewer than 3 shares to compare
+            return cosines_to(got[self.name], {n: got[n] for n in names if n != self.name}, known)
 
 
 def summariser(sender: str, replicas: Sequence[str], rnd: int) -> str:

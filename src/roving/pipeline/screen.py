@@ -21,22 +21,32 @@ gradient shares of a round) and records each one's ``cosine``: the median of its
 others (two colluders agreeing on a wrong share still disagree with the honest majority). Where the
 tensors are in different processes (a stage's replicas, each holding all the shares), each computes
 its own share's cosines to the others' (``cosines_to``) and the median of a share's is taken over what
-the others computed (``add_statistic``), so that no sender has a say on its own.
+the others computed (``cosine``), so that no sender has a say on its own.
+
+A share's cosine is also judged round by round (``Screen.cosine``): replicas that hold the same weights
+compute their shares on independent microbatches, so their shares point together in expectation, and a
+negated share points away from its replicas' in every round it is negated. A round's cosine below 0 and
+``round_z`` standard deviations below the mean of the node's earlier rounds (``min_rounds`` of them at
+least) is *opposed*: a lie that starts late is seen in the round it starts, where a running mean over
+the whole run would see it only after as many rounds again. An opposed round does not join that
+baseline, so a liar cannot make its lie the baseline; one that lies from its first round has none, and
+is for the band (below).
 
 ``Screen.suspects`` names a node when, at a boundary where at least 3 nodes have ``min_samples``
 observations, a statistic of it is ``z`` standard errors away from the median over the boundary's nodes,
 itself included (so fewer than half the nodes, colluding or not, cannot move it; the error: the node's
 own standard error and the median of all, added in quadrature, with a small floor): both ways for
 ``norm``, ``mean`` and ``std``, downwards only for ``profile`` and ``cosine``. At a boundary of 2 nodes
-there is no median: where their ``norm``, ``mean`` or ``std`` are ``z`` standard errors apart, both are
-named (one of them is out; the spot checks tell which). Honest nodes stay inside the band (``z = 6``: a
+there is no median: where their ``norm``, ``mean`` or ``std`` are ``z`` standard errors apart, or the
+mean of either's ``cosine`` (the one pair's, as the other reported it) is ``z`` standard errors below 0,
+both are named (one of them is out; the spot checks tell which). Honest nodes stay inside the band (``z = 6``: a
 chance of about 1e-9 per test for a statistic that is near normal) -- measured on synthetic data in
 ``tests/pipeline/test_screen.py``.
 What it cannot see: a lie that keeps every statistic (a node that sends another honest-looking
 tensor of the right profile and norm); a bias smaller than the boundary's own noise needs many
 observations (about ``2 * (z * sd / bias) ** 2``, sd the spread of ``mean`` between tensors); a
-boundary of 2 nodes only a gap between them (no ``profile`` or ``cosine``: nothing to take a median
-of), and one of a single node nothing. Those are for the spot checks (recomputation).
+boundary of 2 nodes only a gap between them or shares pointing apart (no ``profile``: nothing to take a
+median of), and one of a single node nothing. Those are for the spot checks (recomputation).
 """
 
 from __future__ import annotations
@@ -68,6 +78,11 @@ class Running:
         self.m2 += d * (x - self.mean)
 
     @property
+    def variance(self) -> float:
+        """The sample variance (inf below 2 observations)."""
+        return self.m2 / (self.count - 1) if self.count > 1 else math.inf
+
+    @property
     def sq_error(self) -> float:
         """The squared standard error of the mean (inf below 2 observations)."""
         return self.m2 / (self.count - 1) / self.count if self.count > 1 else math.inf
@@ -81,6 +96,7 @@ class NodeStats:
     profile: torch.Tensor | None = None  # the running mean of its tensors' profiles
     profiles: int = 0
     found: dict[str, int] = field(default_factory=dict)  # "non-finite" / "zeros" / "unchanged" -> count
+    baseline: Running = field(default_factory=Running)  # its share's cosines of the rounds not opposed
 
 
 @dataclass(frozen=True)
@@ -173,8 +189,10 @@ def summarize_squared(tensor: torch.Tensor, given: torch.Tensor | None = None,
 class Screen:
     """Running statistics of what crosses each boundary (the module doc)."""
 
-    def __init__(self, z: float = 6.0, min_samples: int = 8, floor: float = 1e-4) -> None:
+    def __init__(self, z: float = 6.0, min_samples: int = 8, floor: float = 1e-4, round_z: float = 3.0,
+                 min_rounds: int = 4) -> None:
         self.z, self.min_samples, self.floor = z, min_samples, floor
+        self.round_z, self.min_rounds = round_z, min_rounds
         self.nodes: dict[Hashable, dict[str, NodeStats]] = {}
 
     def _of(self, boundary: Hashable, node: str) -> NodeStats:
@@ -206,10 +224,18 @@ class Screen:
             ns.found[f] = ns.found.get(f, 0) + 1
         return found
 
-    def add_statistic(self, boundary: Hashable, node: str, stat: str, value: float) -> None:
-        """One observation of ``stat`` (``STATS``) for ``node`` at ``boundary``, computed elsewhere (a
-        share's median cosine, which the replicas that hold the shares compute)."""
-        self._of(boundary, node).stats[stat].add(value)
+    def cosine(self, boundary: Hashable, node: str, value: float) -> bool:
+        """One round's ``cosine`` of ``node``'s share at ``boundary``, computed elsewhere (the median of what
+        its other replicas reported); returns whether it is opposed this round (the module doc): below 0
+        and ``round_z`` standard deviations below the mean of its earlier rounds that were not."""
+        ns = self._of(boundary, node)
+        ns.stats["cosine"].add(value)
+        base = ns.baseline
+        opposed = (value < 0.0 and base.count >= self.min_rounds
+                   and value < base.mean - self.round_z * math.sqrt(base.variance))
+        if not opposed:
+            base.add(value)
+        return opposed
 
     def _reference(self, boundary: Hashable, shape: torch.Size) -> torch.Tensor | None:
         """The coordinate-wise median of the boundary's nodes' running profiles (None with fewer
@@ -236,7 +262,9 @@ class Screen:
                     out.append(Suspect(node, boundary, f, math.inf, float(count), 0.0))
             for stat in STATS:
                 ready = {n: ns.stats[stat] for n, ns in nodes.items() if ns.stats[stat].count >= self.min_samples}
-                if len(ready) == 2 and stat not in ONE_SIDED:
+                if len(ready) == 2 and stat == "cosine":
+                    out += self._below_zero(boundary, ready)
+                elif len(ready) == 2 and stat not in ONE_SIDED:
                     out += self._apart(boundary, stat, ready)
                 if len(ready) < 3:
                     continue
@@ -257,6 +285,15 @@ class Screen:
         if abs(z) <= self.z:
             return []
         return [Suspect(a, boundary, stat, z, ra.mean, rb.mean), Suspect(b, boundary, stat, -z, rb.mean, ra.mean)]
+
+    def _below_zero(self, boundary: Hashable, pair: dict[str, Running]) -> list[Suspect]:
+        """Two nodes' shares at a boundary (each one's ``cosine``: the pair's, as the other reported it):
+        where the mean of either is ``z`` standard errors below 0, their shares point apart, and nobody can
+        tell whose is turned: both are suspects."""
+        z = {n: r.mean / math.sqrt(r.sq_error + self.floor ** 2) for n, r in pair.items()}
+        if min(z.values()) >= -self.z:
+            return []
+        return [Suspect(n, boundary, "cosine", z[n], r.mean, 0.0) for n, r in sorted(pair.items())]
 
 
 def median_cosines(sent: Mapping[str, torch.Tensor], skip_zeros: bool = False) -> dict[str, float]:

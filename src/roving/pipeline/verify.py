@@ -70,7 +70,8 @@ Which computations. ``full``: all. ``spot``: each with probability ``verify_rate
 backward together, as the issue's spot check has it: a microbatch's forward "and, for gradients, the
 backward" on the same input), drawn here from the
 operating system's randomness after the tensors it checks were sent (so no node can know which of its
-tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``. Any mode but "off":
+tensors will be checked); a screening suspect's with at least ``SUSPECT_RATE``, and so are those of a
+round whose share of a node is *opposed* (below). Any mode but "off":
 every computation whose output a receiver found non-finite or all zero when screening it. In "screen"
 mode those are judged without recomputation: non-finite outputs from finite inputs are the node's fault.
 
@@ -79,7 +80,12 @@ of the gradient shares it is the summariser of (``Norm.screened``; ``evidence.su
 boundary (what, the sender's stage) and sender, and its own share's cosine to each of its replicas'
 (``Norm.cosines``): a share's cosine is the median of what its other replicas report. A node whose
 statistics leave its boundary's band is a *suspect* (an event, a higher check rate; never blamed for
-that alone). A report that is not of the shape a stage process makes has its sender caught ("report").
+that alone). A share whose cosine of a round is below 0 and far below its earlier rounds' (it points
+away from its replicas', as a negated one does; ``Screen.cosine``) has its node *opposed* in that round:
+its computations of the round, those already drawn for included, are checked at the suspect's rate; the
+next round starts afresh (a band over the whole run would see a lie that starts late only after many
+rounds, and a suspect stays one). A report that is not of the shape a stage process makes has its
+sender caught ("report").
 
 Every finding is an event (``trainer._event``): "caught" (who, which check, the evidence: the
 computation, microbatch and hop, the verifier and both differences), "dispute" and "suspect".
@@ -194,11 +200,12 @@ class _Audit:
     alloc: dict[str, int]
     by_mb: dict[int, list[Check]]
     shares: dict[str, Check]
-    decided: set[tuple] = field(default_factory=set)  # claimed keys whose draw is made
+    decided: dict[tuple, float] = field(default_factory=dict)  # claimed key -> the chance it was drawn with
     drawn: set[tuple] = field(default_factory=set)  # those checked
     norms: list[m.Norm] = field(default_factory=list)
     flagged: set[tuple] = field(default_factory=set)  # keys of tensors screening found bad at once
     cosines: dict[str, list[float]] = field(default_factory=dict)  # node -> its share's cosines, as reported
+    opposed: set[str] = field(default_factory=set)  # nodes whose share pointed away from its replicas'
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
     rechecks: dict[int, _Recheck] = field(default_factory=dict)  # by number
@@ -260,7 +267,8 @@ class Verifier:
         self.last: dict[str, Any] = {}
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
-        self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "seconds": 0.0,
+        self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "opposed": 0,
+                       "seconds": 0.0,
                        "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
 
     @property
@@ -350,9 +358,8 @@ class Verifier:
         self._combined(a)
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
-            every or any(o.key in a.flagged for o in c.outputs())
-            or (c.claimed.key not in a.decided and self._draw(c)))]
-        a.decided.update(c.claimed.key for c in rest)
+            every or any(o.key in a.flagged for o in c.outputs()) or self._redraw(a, c))]
+        a.decided.update((c.claimed.key, 1.0) for c in rest)
         self._examine(a, rest)
         try:
             self._wait(a)
@@ -363,11 +370,11 @@ class Verifier:
         seconds = time.perf_counter() - t0
         a.cpu += time.thread_time() - c0
         self.last = {"checks": len(a.drawn), "rechecks": a.sent_rechecks, "confirmations": a.confirmations,
-                     "caught": sorted(a.caught), "seconds": seconds, "overlapped_seconds": a.overlapped,
-                     "cpu_seconds": a.cpu}
+                     "caught": sorted(a.caught), "opposed": sorted(a.opposed), "seconds": seconds,
+                     "overlapped_seconds": a.overlapped, "cpu_seconds": a.cpu}
         for k, v in (("checks", len(a.drawn)), ("rechecks", a.sent_rechecks), ("confirmations", a.confirmations),
-                     ("caught", len(a.caught)), ("seconds", seconds), ("overlapped_seconds", a.overlapped),
-                     ("cpu_seconds", a.cpu)):
+                     ("caught", len(a.caught)), ("opposed", len(a.opposed)), ("seconds", seconds),
+                     ("overlapped_seconds", a.overlapped), ("cpu_seconds", a.cpu)):
             self.totals[k] += v
         return dict(a.caught)
 
@@ -398,17 +405,30 @@ class Verifier:
     # -- which computations are checked -----------------------------------------------------------------
     def _decide(self, a: _Audit, checks: list[Check]) -> None:
         """Draw each of ``checks`` not drawn for yet; examine those drawn."""
-        drawn = [c for c in checks if c.claimed.key not in a.decided and self._draw(c)]
-        a.decided.update(c.claimed.key for c in checks)
+        drawn = []
+        for c in checks:
+            if c.claimed.key not in a.decided:
+                a.decided[c.claimed.key] = rate = self._rate(a, c)
+                if self.rng.random() < rate:
+                    drawn.append(c)
         self._examine(a, drawn)
 
-    def _draw(self, c: Check) -> bool:
-        if self.mode == "full":
-            return True
+    def _rate(self, a: _Audit, c: Check) -> float:
+        """The chance that ``c`` is checked: all in mode "full", none in "screen"; in "spot"
+        ``verify_rate``, and at least ``SUSPECT_RATE`` for a suspect's, or an opposed node's this round."""
         if self.mode != "spot":
-            return False
-        rate = max(self.rate, SUSPECT_RATE) if c.node in self.suspects else self.rate
-        return self.rng.random() < rate
+            return 1.0 if self.mode == "full" else 0.0
+        return max(self.rate, SUSPECT_RATE) if c.node in self.suspects or c.node in a.opposed else self.rate
+
+    def _redraw(self, a: _Audit, c: Check) -> bool:
+        """The round's end draw of ``c``, not drawn so far: at its rate if it was not decided yet; if it was,
+        at a lower rate than its node has now (named a suspect, or opposed, at the round's end), with the
+        chance that makes up the difference: so a suspect's computations of the round that named it are
+        checked at the suspect's rate too (``before + (1 - before) * extra == rate``)."""
+        rate, before = self._rate(a, c), a.decided.get(c.claimed.key)
+        if before is None:
+            return self.rng.random() < rate
+        return rate > before and self.rng.random() < (rate - before) / (1.0 - before)
 
     def _checks(self, plan: Any, alloc: dict[str, int], batches: list) -> list[Check]:
         """Every computation of the round whose output another process received (the module doc)."""
@@ -451,7 +471,7 @@ class Verifier:
         for key in msg.disputes:
             self._dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
                           key=list(key))
-        # a replica reports its own share's cosine to each of its stage's other replicas' (3 or more): a
+        # a replica reports its own share's cosine to each of its stage's other replicas': a
         # share's cosines are those its *other* replicas report, so that nobody speaks for its own
         stage = a.alloc.get(msg.sender)
         for name, cos in (msg.cosines or {}).items():
@@ -461,10 +481,15 @@ class Verifier:
     def _suspects(self, a: _Audit) -> None:
         """The round's end of screening: each share's cosine (the median of what its other replicas
         reported of it: one liar of 4 replicas is outvoted, of 3 it moves the mean of two; a suspect is
-        only checked more), then the nodes out of their boundary's band, each new one an event."""
+        only checked more), then the nodes out of their boundary's band, each new one an event. A share
+        whose cosine of the round is opposed (``Screen.cosine``: below 0, and far below its earlier
+        rounds') has its node's computations of the round checked at the suspect's rate (``_redraw``), in
+        this round only: a negated share is opposed in every round it is negated. (With 2 replicas the one
+        cosine is both shares': both are opposed; the checks tell which lied.)"""
         for name, values in a.cosines.items():
             if name in a.alloc:
-                self.screen.add_statistic(("share", a.alloc[name]), name, "cosine", statistics.median(values))
+                if self.screen.cosine(("share", a.alloc[name]), name, statistics.median(values)):
+                    a.opposed.add(name)
         for s in self.screen.suspects():
             mark = (s.node, str(s.boundary), s.check)
             # what is found at once is checked at once (``flagged``): a suspect is one out of the band
