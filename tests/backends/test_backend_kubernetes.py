@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 
 import pytest
@@ -279,3 +280,20 @@ def test_roving_logs_and_cancel_of_an_unknown_pod_say_so_and_fail(fake):
     finally:
         p.kill()
         p.join(T)
+
+
+def test_shutdown_waits_for_the_output_followers_so_a_pods_last_lines_are_printed(monkeypatch, tmp_path, capfd):
+    """With ``child_output="prefix"`` a thread follows each pod's log. The backend's shutdown (at exit) waits
+    for those threads to read the last of it: none is left running (a daemon thread still inside the
+    client's call when the interpreter finalizes is killed there, which aborted a program after its last
+    line, exit code -6: the CI failure of session 24), and the child's last line is printed."""
+    with FakeKubernetes(cpu=8, memory=8 * 2**30) as server:
+        _use(monkeypatch, tmp_path, server, child_output="prefix")
+        p = roving.Process(target=h.print_lines, args=(["the last line of a pod"], []))
+        p.start()
+        p.join(T)
+        assert p.exitcode == 0
+        backends._instances["kubernetes"].shutdown()
+        assert not [t.name for t in threading.enumerate() if t.name.startswith("roving-k8s-output-")]
+    assert "the last line of a pod" in capfd.readouterr().out
+    backends._instances.pop("kubernetes", None)

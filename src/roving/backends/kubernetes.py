@@ -85,6 +85,7 @@ class KubernetesBackend(Backend):
         self._owner: Optional[dict] = None
         self._owner_checked = False
         self._secrets: Set[str] = set()  # the Secrets of this process's pods (each named as its pod)
+        self._followers: List[threading.Thread] = []  # the threads that print or keep pods' output
 
     # -- the API ---------------------------------------------------------------------------------
     def api(self) -> Any:
@@ -211,8 +212,11 @@ class KubernetesBackend(Backend):
             self._pods[name] = pod
         self._reaper.add(f"{self.namespace}/{name}")
         if spec.output in ("prefix", "files"):
-            threading.Thread(target=self._follow, args=(pod,), name=f"roving-k8s-output-{name}",
-                             daemon=True).start()
+            follower = threading.Thread(target=self._follow, args=(pod,), name=f"roving-k8s-output-{name}",
+                                        daemon=True)
+            follower.start()
+            with self._lock:
+                self._followers = [t for t in self._followers if t.is_alive()] + [follower]
         return Job(self, name)
 
     def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
@@ -445,6 +449,16 @@ class KubernetesBackend(Backend):
             left = list(self._secrets)
         for name in left:
             self._drop_pod_secret(name)
+        # every pod has ended or was deleted just now: its follower reads the log once more, prints the
+        # last lines and ends. It must end before the interpreter finalizes, or it is killed inside the
+        # client's call (a daemon thread that wakes then is made to exit, and the forced unwind through
+        # the client's compiled frames, pydantic-core's, aborts the whole process: exit code -6 after a
+        # program that did all it should), and its last lines are lost.
+        with self._lock:
+            followers, self._followers = self._followers, []
+        deadline = time.monotonic() + _TIMEOUT + 2 * _REFRESH_S
+        for follower in followers:
+            follower.join(max(0.0, deadline - time.monotonic()))
 
 
 def _status_of(item: Any) -> JobStatus:
