@@ -733,9 +733,34 @@ def test_a_negated_share_is_opposed_and_its_nodes_computations_of_the_round_are_
             assert cosine > 0 and v.last["opposed"] == [] and v.last["checks"] == 0 and not caught
             continue
         assert cosine < 0 and v.last["opposed"] == ["c", "d"]
-        theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in "cd"]
+        theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("c", "d")]
         assert v.last["checks"] == (len(theirs) if made_up else 0)
         assert list(caught) == (["c"] if made_up else [])
+
+
+def test_a_suspect_named_at_the_rounds_end_has_its_computations_of_that_round_made_up_to_the_suspects_rate():
+    """Mode "spot" at 0.05, an honest round, every draw coming out 0.21 (none drawn as the round runs). Stage
+    0's pair (a, b) had its shares' cosine at -0.5 in 8 earlier rounds (given to the screen: the same each
+    round, so no round is opposed): at this round's end the band names both (their mean cosine far below
+    0), and their computations of this very round are drawn again with the make-up chance 0.2105, so all
+    are checked; stage 1's (c, d), not suspects, are not. Nobody is caught (the round is honest)."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches)
+    v, events = verifier("spot", rate=0.05, roster=r)
+    for _ in range(8):
+        assert not v.screen.cosine(("share", 0), "a", -0.5) and not v.screen.cosine(("share", 0), "b", -0.5)
+    v.rng = Fixed(0.21)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    v.finished(0, 0)
+    v.finished(0, 1)
+    for msg in r.norms:
+        v.note(msg)
+    assert not r.sent and not v.suspects, "nothing drawn as the round ran, nobody a suspect yet"
+    assert v.audit(0, r.norm()) == {}
+    assert v.suspects == {"a", "b"} and v.last["opposed"] == []
+    assert {(f["node"], f["check"]) for kind, f in events if kind == "suspect"} == {("a", "cosine"), ("b", "cosine")}
+    theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("a", "b")]
+    assert v.last["checks"] == len(theirs) > 0
 
 
 #: stage 1 has 3 replicas: microbatch 0 goes a -> c -> a, 1 b -> d -> b, 2 a -> e -> a

@@ -85,7 +85,7 @@ class Running:
     @property
     def sq_error(self) -> float:
         """The squared standard error of the mean (inf below 2 observations)."""
-        return self.m2 / (self.count - 1) / self.count if self.count > 1 else math.inf
+        return self.variance / self.count if self.count > 1 else math.inf
 
 
 @dataclass

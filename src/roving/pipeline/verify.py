@@ -268,8 +268,7 @@ class Verifier:
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
         self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "opposed": 0,
-                       "seconds": 0.0,
-                       "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
+                       "seconds": 0.0, "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
 
     @property
     def on(self) -> bool:
