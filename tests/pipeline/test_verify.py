@@ -763,6 +763,36 @@ def test_a_suspect_named_at_the_rounds_end_has_its_computations_of_that_round_ma
     assert v.last["checks"] == len(theirs) > 0
 
 
+def test_what_a_turned_nodes_verifier_passed_before_the_round_ended_is_confirmed_at_its_end():
+    """Mode "spot" at rate 1 and ``confirm_rate`` 0: stage 1 is c and d, c scales what it sends and d passes
+    every recheck (the whole stage in league). Every computation is drawn as the round runs, and every
+    answer has come (all passed) before the round's end, where screening finds c and d turned (given
+    here: one round cannot have a profile of its own to lose). Those passed rechecks of theirs are then
+    confirmed by the coordinator: c is caught for its computation, d for a false match, nobody else; with
+    no node turned nothing is confirmed and nobody is caught."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    for turned in ({"c": [("activation", 1, 1)], "d": [("activation", 1, 1)]}, {}):
+        r = LocalRound(PLAN, batches, liars={"c": Adversary("scale"), "d": Accomplice()})
+        v, events = verifier("spot", rate=1.0, roster=r)
+        v.screen.turned = lambda: turned
+        v.begin(0, PLAN, dict(PLAN.allocation), batches)
+        v.finished(0, 0)
+        v.finished(0, 1)
+        for msg in r.norms:
+            v.note(msg)
+        while r.answers:  # every answer taken while the round runs
+            v.take(r.recv(v.kinds))
+        passed = [k for k in v._audit.rechecks.values() if k.check.node in ("c", "d")]
+        assert passed and all(not k.confirming and set(k.answers.values()) == {0.0} for k in passed)
+        caught = v.audit(0, r.norm())
+        checks = {f["node"]: f["check"] for kind, f in events if kind == "caught"}
+        if turned:
+            assert set(caught) == {"c", "d"} and checks["d"] == "false match" and v.last["turned"] == ["c", "d"]
+            assert v.last["confirmations"] >= 1
+        else:
+            assert caught == {} and v.last["confirmations"] == 0
+
+
 #: stage 1 has 3 replicas: microbatch 0 goes a -> c -> a, 1 b -> d -> b, 2 a -> e -> a
 PLAN3 = Plan(2, 0.0, {"a": 0, "b": 0, "c": 1, "d": 1, "e": 1},
              [Route("a", ("c",), (1,)), Route("b", ("d",), (1,)), Route("a", ("e",), (1,))])
@@ -976,6 +1006,32 @@ def test_a_negated_share_has_its_node_opposed_in_the_round_it_starts_and_caught_
     assert t.verifier.totals["opposed"] == 2
     assert not [e for e in metrics["events"] if e["event"] == "suspect"]
     assert liar_name in t.roster.excluded and len(metrics["iterations"]) == 7
+    assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0], ids=["drawn-at-the-round-end", "passed-before-it"])
+def test_a_whole_stage_that_colludes_is_turned_in_the_round_it_starts_and_both_are_caught_at_confirm_rate_0(
+        monkeypatch, rate):
+    """A stage of 2 replicas, both ``collude`` from iteration 5 (the same made-up tensors: each is the other's only
+    verifier, and passes it), ``confirm_rate`` 0 (the default). Their outputs' profile turns in iteration 5
+    (``Screen.turned``: one of them at least), so what their verifiers pass that round is confirmed by the
+    coordinator: both are caught in iteration 5 (the liar for its computation, the accomplice for a false match),
+    nobody else, and training goes on without the stage. At spot rate 0 (a turned node's chance raised to 1 here, so
+    that the test waits on no draw) the checks are drawn at the round's end; at rate 1 they are all drawn while the
+    round runs, and confirmed whether their verifiers passed them before its end (then at the end:
+    ``test_what_a_turned_nodes_verifier_passed_before_the_round_ended_is_confirmed_at_its_end``) or after."""
+    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+
+    def pair(by_stage: dict) -> dict:
+        return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2 and s > 0): ["collude", "collude"]}
+
+    metrics, liars, t = train(pair, nodes=6, iterations=7, mode="spot", rate=rate, start=5)
+    assert caught_at(metrics) == {n: 5 for n in liars}
+    checks = sorted(e["check"] for e in metrics["events"] if e["event"] == "caught")
+    assert "false match" in checks and all(e["verifier"] == "coordinator" for e in metrics["events"]
+                                           if e["event"] == "caught" and e["check"] != "false match")
+    assert t.verifier.totals["turned"] >= 1 and t.verifier.totals["confirmations"] >= 1
+    assert not set(liars) & set(t.alloc) and len(metrics["iterations"]) == 7
     assert all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
 
 

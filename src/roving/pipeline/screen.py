@@ -32,6 +32,21 @@ the whole run would see it only after as many rounds again. An opposed round doe
 baseline, so a liar cannot make its lie the baseline; one that lies from its first round has none, and
 is for the band (below).
 
+A node's *profile* is judged round by round too (``Screen.turned``): the profile of what one node sends
+across one boundary is its stage's own, so it stays from round to round while the weights move slowly
+(cosines of 0.95 to 0.99 between a round's mean profile and the node's earlier rounds' in this project's
+runs), where a stage whose replicas all send made-up tensors loses it at once (the cosine of a random
+tensor's profile to any fixed one is about 0), with no replica left to compare it with. A round's mean
+profile whose cosine to the node's *anchor* (its earlier rounds' mean profiles, averaged with the
+weight ``drift`` on the latest, so that it follows the weights) is below ``turn`` and ``round_z``
+spreads (the median absolute deviation, scaled to a standard deviation) below the median of its latest
+``TURNS`` rounds' cosines has the node *turned* in that round -- only where that median is ``steady``
+(0.7) at least: a profile that does not stay (of gradients, whose per-feature means are mostly noise)
+has no turn to take. A turned round joins neither the anchor nor the rounds judged by, and nothing
+is judged before ``min_rounds`` rounds: a stage that lies from its first round has no profile of its own
+to lose. A stage after a turned one may turn too (its inputs did): turned means "check this round
+closely" (``verify``), never a blame.
+
 ``Screen.suspects`` names a node when, at a boundary where at least 3 nodes have ``min_samples``
 observations, a statistic of it is ``z`` standard errors away from the median over the boundary's nodes,
 itself included (so fewer than half the nodes, colluding or not, cannot move it; the error: the node's
@@ -51,6 +66,7 @@ median of), and one of a single node nothing. Those are for the spot checks (rec
 
 from __future__ import annotations
 
+import collections
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -61,6 +77,8 @@ import torch
 #: the running statistics, and the ones where only a fall is suspect.
 STATS = ("norm", "mean", "std", "profile", "cosine")
 ONE_SIDED = ("profile", "cosine")
+#: how many of a node's latest rounds its profile's next round is judged by (``Screen.turned``).
+TURNS = 32
 
 
 @dataclass
@@ -97,6 +115,11 @@ class NodeStats:
     profiles: int = 0
     found: dict[str, int] = field(default_factory=dict)  # "non-finite" / "zeros" / "unchanged" -> count
     baseline: Running = field(default_factory=Running)  # its share's cosines of the rounds not opposed
+    round_sum: torch.Tensor | None = None  # the sum of this round's profiles (``add``), and their count
+    round_count: int = 0
+    anchor: torch.Tensor | None = None  # its rounds' mean profiles, averaged (``turned``), but turned ones
+    #: its latest rounds' cosines to the anchor (``TURNS`` of them), but turned ones
+    turns: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TURNS))
 
 
 @dataclass(frozen=True)
@@ -190,9 +213,10 @@ class Screen:
     """Running statistics of what crosses each boundary (the module doc)."""
 
     def __init__(self, z: float = 6.0, min_samples: int = 8, floor: float = 1e-4, round_z: float = 3.0,
-                 min_rounds: int = 4) -> None:
+                 min_rounds: int = 4, turn: float = 0.5, steady: float = 0.7, drift: float = 0.25) -> None:
         self.z, self.min_samples, self.floor = z, min_samples, floor
         self.round_z, self.min_rounds = round_z, min_rounds
+        self.turn, self.steady, self.drift = turn, steady, drift
         self.nodes: dict[Hashable, dict[str, NodeStats]] = {}
 
     def _of(self, boundary: Hashable, node: str) -> NodeStats:
@@ -220,6 +244,8 @@ class Screen:
                     ns.stats["profile"].add(_cosine(prof, ref))
                 ns.profiles += 1
                 ns.profile = prof.clone() if ns.profile is None else ns.profile + (prof - ns.profile) / ns.profiles
+                ns.round_sum = prof.clone() if ns.round_sum is None else ns.round_sum + prof
+                ns.round_count += 1
         for f in found:
             ns.found[f] = ns.found.get(f, 0) + 1
         return found
@@ -236,6 +262,37 @@ class Screen:
         if not opposed:
             base.add(value)
         return opposed
+
+    def turned(self) -> dict[str, list[Hashable]]:
+        """The round's end for profiles (the module doc): at each boundary, each node's mean profile of the
+        round against its own earlier rounds'; returns the nodes whose profile turned, node -> the
+        boundaries where it did. Starts the next round's profiles afresh."""
+        out: dict[str, list[Hashable]] = {}
+        for boundary, nodes in self.nodes.items():
+            for node, ns in nodes.items():
+                if ns.round_sum is None:
+                    continue
+                now = ns.round_sum / ns.round_count
+                ns.round_sum, ns.round_count = None, 0
+                if ns.anchor is None or ns.anchor.shape != now.shape:
+                    ns.anchor = now
+                    continue
+                value, turns = _cosine(now, ns.anchor), ns.turns
+                if value < self.turn and len(turns) >= self.min_rounds:
+                    mid = statistics.median(turns)
+                    spread = 1.4826 * statistics.median(abs(x - mid) for x in turns)  # ~ sd, for normal ones
+                    if mid >= self.steady and value < mid - self.round_z * max(spread, self.floor):
+                        out.setdefault(node, []).append(boundary)
+                        continue  # a turned round joins neither the anchor nor the rounds it is judged by
+                turns.append(value)
+                ns.anchor = ns.anchor + self.drift * (now - ns.anchor)
+        return out
+
+    def forget_round(self) -> None:
+        """The round is given up: its profiles so far are not a round's (``turned``)."""
+        for nodes in self.nodes.values():
+            for ns in nodes.values():
+                ns.round_sum, ns.round_count = None, 0
 
     def _reference(self, boundary: Hashable, shape: torch.Size) -> torch.Tensor | None:
         """The coordinate-wise median of the boundary's nodes' running profiles (None with fewer

@@ -43,9 +43,10 @@ checked on:
    With two verifiers, two colluders of a stage of 3 or more escape no check drawn of a microbatch's
    computations: the other verifier is honest, and the accomplice's match is caught with the colluder
    (a check of a share escapes when its verifier is the accomplice). A recheck that every verifier
-   passed is confirmed all the same with chance ``confirm_rate`` (drawn after their answers): what
-   catches a coalition that is all of a stage's other replicas (a stage of 2 whose replicas collude), at
-   the price of the coordinator's own recomputation.
+   passed is confirmed all the same with chance ``confirm_rate`` (drawn after their answers), and
+   always where its node is opposed or turned in the round (below): what catches a coalition that is
+   all of a stage's other replicas (a stage of 2 whose replicas collude), at the price of the
+   coordinator's own recomputation -- with ``confirm_rate`` 0, only in the rounds screening singles out.
 
 The replicas' averaging. Every replica reports a digest of the gradient it combined from its stage's
 shares (``Norm.combined``); when a stage's replicas' digests differ, the coordinator combines the shares
@@ -81,11 +82,13 @@ boundary (what, the sender's stage) and sender, and its own share's cosine to ea
 (``Norm.cosines``): a share's cosine is the median of what its other replicas report. A node whose
 statistics leave its boundary's band is a *suspect* (an event, a higher check rate; never blamed for
 that alone). A share whose cosine of a round is below 0 and far below its earlier rounds' (it points
-away from its replicas', as a negated one does; ``Screen.cosine``) has its node *opposed* in that round:
-its computations of the round, those already drawn for included, are checked at the suspect's rate; the
-next round starts afresh (a band over the whole run would see a lie that starts late only after many
-rounds, and a suspect stays one). A report that is not of the shape a stage process makes has its
-sender caught ("report").
+away from its replicas', as a negated one does; ``Screen.cosine``) has its node *opposed* in that round,
+and a node whose outputs' profile of the round left the one it keeps round to round (``Screen.turned``:
+what a whole stage sending made-up tensors does, with no replica left to disagree) is *turned*: either
+way its computations of the round, those already drawn for included, are checked at the suspect's rate,
+and what its verifiers pass is confirmed (above); the next round starts afresh (a band over the whole
+run would see a lie that starts late only after many rounds, and a suspect stays one). A report that is
+not of the shape a stage process makes has its sender caught ("report").
 
 Every finding is an event (``trainer._event``): "caught" (who, which check, the evidence: the
 computation, microbatch and hop, the verifier and both differences), "dispute" and "suspect".
@@ -206,6 +209,7 @@ class _Audit:
     flagged: set[tuple] = field(default_factory=set)  # keys of tensors screening found bad at once
     cosines: dict[str, list[float]] = field(default_factory=dict)  # node -> its share's cosines, as reported
     opposed: set[str] = field(default_factory=set)  # nodes whose share pointed away from its replicas'
+    turned: set[str] = field(default_factory=set)  # nodes whose outputs' profile turned from their own
     caught: dict[str, str] = field(default_factory=dict)
     asks: dict[int, _Ask] = field(default_factory=dict)  # unanswered evidence requests by number
     rechecks: dict[int, _Recheck] = field(default_factory=dict)  # by number
@@ -268,6 +272,7 @@ class Verifier:
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
         self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "opposed": 0,
+                       "turned": 0,
                        "seconds": 0.0, "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
 
     @property
@@ -324,6 +329,7 @@ class Verifier:
         """The round is given up (a node lost, or it stalled): its audit is dropped; returns the nodes it
         caught so far (out for good all the same: what they sent is evidence of its own)."""
         a, self._audit = self._audit, None
+        self.screen.forget_round()
         return dict(a.caught) if a is not None else {}
 
     def _current(self, rnd: Any) -> _Audit | None:
@@ -354,6 +360,7 @@ class Verifier:
             raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
         t0, c0 = time.perf_counter(), time.thread_time()
         self._suspects(a)
+        self._confirm_flagged(a)
         self._combined(a)
         every = not math.isfinite(norm)
         rest = [c for c in a.every() if c.claimed.key not in a.drawn and (
@@ -369,10 +376,12 @@ class Verifier:
         seconds = time.perf_counter() - t0
         a.cpu += time.thread_time() - c0
         self.last = {"checks": len(a.drawn), "rechecks": a.sent_rechecks, "confirmations": a.confirmations,
-                     "caught": sorted(a.caught), "opposed": sorted(a.opposed), "seconds": seconds,
+                     "caught": sorted(a.caught), "opposed": sorted(a.opposed), "turned": sorted(a.turned),
+                     "seconds": seconds,
                      "overlapped_seconds": a.overlapped, "cpu_seconds": a.cpu}
         for k, v in (("checks", len(a.drawn)), ("rechecks", a.sent_rechecks), ("confirmations", a.confirmations),
-                     ("caught", len(a.caught)), ("opposed", len(a.opposed)), ("seconds", seconds),
+                     ("caught", len(a.caught)), ("opposed", len(a.opposed)), ("turned", len(a.turned)),
+                     ("seconds", seconds),
                      ("overlapped_seconds", a.overlapped), ("cpu_seconds", a.cpu)):
             self.totals[k] += v
         return dict(a.caught)
@@ -417,7 +426,8 @@ class Verifier:
         ``verify_rate``, and at least ``SUSPECT_RATE`` for a suspect's, or an opposed node's this round."""
         if self.mode != "spot":
             return 1.0 if self.mode == "full" else 0.0
-        return max(self.rate, SUSPECT_RATE) if c.node in self.suspects or c.node in a.opposed else self.rate
+        flagged = c.node in self.suspects or c.node in a.opposed or c.node in a.turned
+        return max(self.rate, SUSPECT_RATE) if flagged else self.rate
 
     def _redraw(self, a: _Audit, c: Check) -> bool:
         """The round's end draw of ``c``, not drawn so far: at its rate if it was not decided yet; if it was,
@@ -484,11 +494,13 @@ class Verifier:
         whose cosine of the round is opposed (``Screen.cosine``: below 0, and far below its earlier
         rounds') has its node's computations of the round checked at the suspect's rate (``_redraw``), in
         this round only: a negated share is opposed in every round it is negated. (With 2 replicas the one
-        cosine is both shares': both are opposed; the checks tell which lied.)"""
+        cosine is both shares': both are opposed; the checks tell which lied.) Likewise a node whose
+        outputs' profile turned this round (``Screen.turned``)."""
         for name, values in a.cosines.items():
             if name in a.alloc:
                 if self.screen.cosine(("share", a.alloc[name]), name, statistics.median(values)):
                     a.opposed.add(name)
+        a.turned.update(n for n in self.screen.turned() if n in a.alloc)
         for s in self.screen.suspects():
             mark = (s.node, str(s.boundary), s.check)
             # what is found at once is checked at once (``flagged``): a suspect is one out of the band
@@ -760,8 +772,22 @@ class Verifier:
         elif not d <= self.tolerance:
             r.mismatch = verifier
             self._confirmation(a, r)
-        elif None not in r.answers.values() and self.rng.random() < self.confirm_rate:
+        elif None not in r.answers.values() and self.rng.random() < self._confirm_rate(a, r.check):
             self._confirmation(a, r)  # every verifier passed it: confirmed anyway, drawn after their answers
+
+    def _confirm_rate(self, a: _Audit, c: Check) -> float:
+        """The chance that a recheck of ``c`` that every verifier passed is confirmed all the same:
+        ``confirm_rate``, and 1 for a node opposed or turned this round (its verifiers may be all of its
+        stage's other replicas, in league with it)."""
+        return 1.0 if c.node in a.opposed or c.node in a.turned else self.confirm_rate
+
+    def _confirm_flagged(self, a: _Audit) -> None:
+        """The round's end: the rechecks that every verifier passed before their node was found opposed or
+        turned (at the round's end) are confirmed now, as those answered after it are (``_confirm_rate``)."""
+        for r in list(a.rechecks.values()):
+            if (r.check.node in a.opposed or r.check.node in a.turned) and not r.confirming and \
+                    r.answers and None not in r.answers.values():
+                self._confirmation(a, r)
 
     def _confirmation(self, a: _Audit, k: _Recheck) -> None:
         """``k`` waits for the weights it needs (asked for once an audit: they do not change before the
