@@ -203,7 +203,8 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--confirm-rate", type=float,
                    help="modes spot and full: the chance that the coordinator recomputes a computation its "
                         "verifiers all passed, all the same (default 0; what catches colluders that are a "
-                        "whole stage)")
+                        "whole stage where screening does not single them out: where it does, their round's "
+                        "checks are all confirmed)")
     t.add_argument("--tolerance", type=float,
                    help="relative difference a recomputation may have from the original (default 1e-3)")
     t.add_argument("--aggregation", choices=("mean", "trimmed", "median", "clip"),

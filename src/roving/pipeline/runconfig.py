@@ -210,6 +210,8 @@ class VerifySection:
     #: passed, all the same (drawn after their answers), and holds each to its own result: the only
     #: check of colluders that are all of a stage's replicas (two of a stage of 2), at the price of the
     #: coordinator's recomputation (and the weights of the node and its verifiers, once an iteration).
+    #: A node that screening singles out in a round (opposed or turned: ``verify``) has all of that
+    #: round's confirmed whatever this is; this is for the colluders screening does not see.
     confirm_rate: float = 0.0
     #: relative difference between a recomputation and the original still taken as equal (float
     #: nondeterminism).
