@@ -499,6 +499,28 @@ def test_the_screening_rows_of_a_round_given_up_still_count_for_their_senders():
     assert counted() == rows + rows
 
 
+@pytest.mark.parametrize("loads, named", [({"a": 3, "b": 1}, False), ({"a": 1, "b": 1}, True)],
+                         ids=["unequal-loads", "equal-loads"])
+def test_shares_are_screened_per_load_so_honest_replicas_of_unequal_loads_are_not_named(loads, named):
+    """A stage's two replicas, a and b, whose shares are noise-dominated gradients summed over their loads:
+    summarised per microbatch, a share of 3 has a third of the variance of a share of 1, so its log norm
+    stands about log(sqrt(3)) apart from the other's however honest both are (a 200-iteration clean run had
+    such a pair named at iteration 67). Screened per load, they are not compared: 200 rounds name nobody.
+    Of equal loads, shares that far apart are a pair to name (one of them scales its share): both are."""
+    alloc = {"a": 0, "b": 0, "x": 1}
+    v, events = verifier("screen")
+    g = torch.Generator().manual_seed(0)
+    for rnd in range(200):
+        a = _Audit(rnd, None, alloc, {}, {}, loads)
+        rows = tuple(("share", -1, -1, n, summarize(sum(torch.randn(2000, generator=g) for _ in range(k)), divisor=k))
+                     for n, k in (("a", 3), ("b", 1)))
+        v._screen(a, m.Norm(rnd, "x", 1, 1.0, rows, (), None, None))
+        v._suspects(a)
+    suspects = {(f["node"], f["check"]) for kind, f in events if kind == "suspect"}
+    assert not a.caught
+    assert suspects == ({("a", "norm"), ("b", "norm"), ("a", "std"), ("b", "std")} if named else set()), suspects
+
+
 def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_report_has_its_sender_caught():
     """A replica's cosine of its own share (its sender has no say on its own) or of another stage's is
     not taken; the median of the other replicas' reports is. A Norm whose screening report is not one (a

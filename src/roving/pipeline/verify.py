@@ -78,7 +78,8 @@ mode those are judged without recomputation: non-finite outputs from finite inpu
 
 Screening (``screen``): each node reports a summary of every activation and gradient it received, and
 of the gradient shares it is the summariser of (``Norm.screened``; ``evidence.summariser``), kept per
-boundary (what, the sender's stage) and sender, and its own share's cosine to each of its replicas'
+boundary (what, the sender's stage, and the hop, or for a share the microbatches it was summed over) and
+sender, and its own share's cosine to each of its replicas'
 (``Norm.cosines``): a share's cosine is the median of what its other replicas report. A node whose
 statistics leave its boundary's band is a *suspect* (an event, a higher check rate; never blamed for
 that alone). A share whose cosine of a round is below 0 and far below its earlier rounds' (it points
@@ -203,6 +204,7 @@ class _Audit:
     alloc: dict[str, int]
     by_mb: dict[int, list[Check]]
     shares: dict[str, Check]
+    loads: dict[str, int] = field(default_factory=dict)  # node -> the microbatches it runs the backward of
     decided: dict[tuple, float] = field(default_factory=dict)  # claimed key -> the chance it was drawn with
     drawn: set[tuple] = field(default_factory=set)  # those checked
     norms: list[m.Norm] = field(default_factory=list)
@@ -293,7 +295,7 @@ class Verifier:
                 shares[c.node] = c
             else:
                 by_mb.setdefault(c.mb, []).append(c)
-        self._audit = _Audit(rnd, plan, dict(alloc), by_mb, shares)
+        self._audit = _Audit(rnd, plan, dict(alloc), by_mb, shares, plan.backward_counts())
         self._audit.cpu = time.thread_time() - t0
 
     def finished(self, rnd: int, mb: int) -> None:
@@ -473,8 +475,10 @@ class Verifier:
             if stage is None:
                 continue
             # comparable tensors: of one stage, at one position on the routes (the residual stream
-            # grows along a route, and a route may skip stages)
-            boundary = (what, stage) if what == "share" else (what, stage, hop)
+            # grows along a route, and a route may skip stages); shares of one stage and one load (a share
+            # is summarised per microbatch, but where noise makes most of a gradient the norm of a mean
+            # of k falls as 1/sqrt(k): honest replicas of unequal loads would stand apart)
+            boundary = ("share", stage, a.loads.get(sender, -1)) if what == "share" else (what, stage, hop)
             if self.screen.add(boundary, sender, summary):
                 a.flagged.add((what, mb, hop, sender))
         for key in msg.disputes:
