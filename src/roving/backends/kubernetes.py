@@ -282,6 +282,8 @@ class KubernetesBackend(Backend):
             status = self._poll(pod)
             if status.state is not JobState.PENDING and pod.deleted_with is None:
                 text = self._read_log(pod.name)
+                if len(pod.output) > len(text):  # the pod is gone: its log as read before it was deleted
+                    text = pod.output             # (``_ended``, ``shutdown``), which a log only grows to
                 if len(text) > shown:
                     pod.output = text
                     if pod.spec.output == "prefix":
@@ -443,6 +445,11 @@ class KubernetesBackend(Backend):
         with self._lock:
             live = [p for p in self._pods.values() if p.status.state is not JobState.EXITED]
         for pod in live:
+            if pod.spec.output in ("prefix", "files") and pod.deleted_with is None:
+                # its log as it is now, for its follower to print and ``_ended`` to write: once the pod is
+                # deleted there is none to read (a pod whose process this one saw end may not have been
+                # seen ended here yet: its last lines are in it)
+                pod.output = self._read_log(pod.name) or pod.output
             self._delete(pod.name, 0)
             self._reaper.done(f"{self.namespace}/{pod.name}")
         with self._lock:
