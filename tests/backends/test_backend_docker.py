@@ -90,3 +90,30 @@ def test_a_container_gets_only_what_roving_needs_and_forward_env_and_the_secret_
     p.join(60)
     assert p.exitcode == 0
     assert wait_until(lambda: not os.path.exists(folder), 10), "the secret's folder goes with the container"
+
+
+def test_shutdown_waits_for_the_output_followers_so_a_containers_last_lines_are_printed(monkeypatch, capfd):
+    """With ``child_output="prefix"`` a thread follows each container's output. At exit the shutdown
+    removes the containers still running (a daemon child, one never joined); what they printed last may
+    still be in their followers, behind on a loaded machine (here made a second late on every chunk). The
+    shutdown waits for the followers of the containers it removes, so the child's last line is printed
+    before the program ends."""
+    import threading as _threading
+
+    from roving.backends import docker as _docker_backend
+
+    class Late(_docker_backend.LineSplitter):
+        def feed(self, chunk):
+            _threading.Event().wait(1.0)  # a follower a second behind
+            super().feed(chunk)
+
+    monkeypatch.setattr(_docker_backend, "LineSplitter", Late)
+    roving.init(backend="docker", child_output="prefix", **hb.OPTIONS["docker"])
+    printed, go = roving.Queue(), roving.Queue()
+    p = roving.Process(target=h.print_then_wait, args=("the last line of a container", printed, go),
+                       daemon=True)
+    p.start()
+    assert printed.get(timeout=60)
+    p._backend.shutdown()
+    assert "the last line of a container" in capfd.readouterr().out
+    backends._instances.pop("docker", None)

@@ -53,6 +53,14 @@ def print_lines(out_lines, err_lines):
     sys.stderr.flush()
 
 
+def print_then_wait(line, printed, go):
+    """Print ``line``, say so on ``printed``, then wait on ``go`` (for ever, if nothing comes)."""
+    print(line)
+    sys.stdout.flush()
+    printed.put(True)
+    go.get()
+
+
 def report_identity(q):
     me = roving.current_process()
     parent = roving.parent_process()

@@ -41,6 +41,7 @@ from .reaper import Reaper
 
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
+_OUTPUT_WAIT_S = 5.0  # how long shutdown waits for the output followers of the containers it removes
 _SECRET_MOUNT = "/run/roving-session"  # where a container finds the folder holding the session secret
 
 
@@ -469,7 +470,14 @@ class DockerBackend(Backend):
 
     def shutdown(self) -> None:
         with self._lock:
-            live = [cid for cid, s in self._jobs.items() if not s.ended.is_set()]
-        for cid in live:
+            live = [(cid, s) for cid, s in self._jobs.items() if not s.ended.is_set()]
+        for cid, _ in live:
             self._remove(cid)
             self._reaper.done(cid)
+        # a removed container's output stream ends: its follower prints the last lines it holds and is done.
+        # Wait for that (bounded), or the lines of a child whose end this process saw before the engine's
+        # event came are lost with the interpreter.
+        deadline = time.monotonic() + _OUTPUT_WAIT_S
+        for _, state in live:
+            if state.spec.output == "prefix":
+                state.output_done.wait(max(0.0, deadline - time.monotonic()))
