@@ -475,8 +475,8 @@ class DockerBackend(Backend):
             self._remove(cid)
             self._reaper.done(cid)
         # a removed container's output stream ends: its follower prints the last lines it holds and is done.
-        # Wait for that (bounded), or the lines of a child whose end this process saw before the engine's
-        # event came are lost with the interpreter.
+        # Wait for that (bounded), or the last lines of a child still running at exit (a daemon, one never
+        # joined; a joined one was waited for in ``_ended``) are lost with the interpreter.
         deadline = time.monotonic() + _OUTPUT_WAIT_S
         for _, state in live:
             if state.spec.output == "prefix":
