@@ -71,13 +71,13 @@ def prepare(node: _node.Node, cfg: _config.Config, shares_filesystem: bool, uid:
     }, python, paths_for(python))
     try:
         if cfg.env_check != "off":
-            prepared.env_box = node.new_box()
+            prepared.env_box = node.new_box(access=_node.Access(owner=uid))
             prepared.info.update(env=environment.here().to_json(), env_check=cfg.env_check,
                                  env_box=prepared.env_box)
         if ships_code(cfg, shares_filesystem):
             folders = codeship.program_folders()
             archive = codeship.packed(folders, _config.parse_memory(cfg.ship_code_limit))
-            prepared.code_box = node.new_box()
+            prepared.code_box = node.new_box(access=_node.Access(owner=uid))
             node.call_local(_node.PUT, prepared.code_box, 0, [archive.data])
             prepared.info["code"] = {"sha256": archive.sha256, "box": prepared.code_box,
                                      "places": list(archive.places)}

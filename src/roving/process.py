@@ -73,9 +73,14 @@ class Process:
     def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
                  name: Optional[str] = None, args: Iterable[Any] = (),
                  kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None,
-                 resources: Optional[Mapping[str, Any]] = None) -> None:
+                 resources: Optional[Mapping[str, Any]] = None, trusted: bool = True) -> None:
         """``resources`` (roving's addition): what this process's job asks the backend for, as any of
-        ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration."""
+        ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration.
+        ``trusted`` (roving's addition; only the session's root may pass False): False starts a process
+        that must be assumed to run code of its own (a pipeline node on someone else's machine): its
+        credentials are marked untrusted, so that every process of the session serves it only the
+        mailboxes made for it or opened to untrusted writers, and nothing it sends is unpickled there
+        (:class:`roving.transport.mailbox.Access`)."""
         if group is not None:
             raise ValueError("group argument must be None for now")
         parent = current_process()
@@ -90,6 +95,7 @@ class Process:
         if unknown:
             raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
         self._resources = dict(resources or {})
+        self._trusted = bool(trusted)
         self._parent_pid: Optional[int] = os.getpid()
         self._parent_name = parent.name
         self._uid: Optional[str] = None
@@ -141,7 +147,7 @@ class Process:
         node = session.node()
         self._uid = _session.new_uid()
         payload = self._pickle_self()
-        box = node.new_box()
+        box = node.new_box(access=_node.Access(owner=self._uid))  # no other process can take it
         node.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
@@ -151,7 +157,7 @@ class Process:
             node.drop_box(box)
             raise
         env = dict(os.environ)
-        env.update(session.child_env(self._boot.info))
+        env.update(session.child_env(self._boot.info, self._trusted))
         env["PYTHONPATH"] = os.pathsep.join(self._boot.paths)
         want = {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources}
         resources = backends.Resources(

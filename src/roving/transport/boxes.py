@@ -17,7 +17,8 @@ import threading
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, cast
 
 from . import timeouts
-from .mailbox import EMPTY, ERROR, FULL, OK, LocalWaiter, Mailbox, Waiter
+from .identity import Peer
+from .mailbox import EMPTY, ERROR, FULL, OK, SHARED, Access, LocalWaiter, Mailbox, Waiter
 from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
                    SIZE, TASK_DONE, UNCLAIM, UNGATE, Frames)
 
@@ -25,21 +26,46 @@ from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, P
 TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
 
 
-class Boxes:
-    """The mailboxes of one node, by id, and the pipe-end claims made there; thread-safe."""
+#: What an untrusted member may do to a mailbox open to it (:class:`.mailbox.Access`).
+_UNTRUSTED_OPS = frozenset((PUT, PUT_NOREPLY, SIZE))
+#: Answer to an operation the peer may not make: the same whether or not the mailbox exists.
+_REFUSED = b"no such queue or pipe here, or not one this process may use"
 
-    def __init__(self) -> None:
+
+class Boxes:
+    """The mailboxes of one node, by id, and the pipe-end claims made there; thread-safe.
+
+    Access (:class:`.mailbox.Access`): every operation of another process names the peer its
+    connection authenticated (:meth:`dispatch`'s ``peer``); a mailbox with an ``owner`` serves that
+    process alone, an untrusted peer may only put into (and size) a mailbox open to untrusted writers
+    or use one it owns, and is refused everything else with one answer that does not tell whether
+    the mailbox exists. Items put into a stamped mailbox begin with their writer's node id.
+    """
+
+    def __init__(self, node_id: str = "") -> None:
+        #: The node id a local put is stamped with (this process's).
+        self.node_id = node_id
         self.lock = threading.Lock()
         self.boxes: Dict[int, Mailbox] = {}
         self._ids = itertools.count(1)
         # Pipe ends claimed for a direct stream: (inbox or 0, outbox or 0) -> the claim (a dict).
         self.claims: Dict[Tuple[int, int], dict] = {}
 
-    def new_box(self, maxsize: int = 0, track_writers: bool = False) -> int:
+    def new_box(self, maxsize: int = 0, track_writers: bool = False, access: Access = SHARED) -> int:
         with self.lock:
             box_id = next(self._ids)
-            self.boxes[box_id] = Mailbox(maxsize, track_writers)
+            self.boxes[box_id] = Mailbox(maxsize, track_writers, access)
             return box_id
+
+    def overflowed(self, box_id: int) -> Dict[str, int]:
+        """The untrusted writers whose items a mailbox refused for its bound (:class:`.mailbox.Access`),
+        with how many; taken (the count starts again)."""
+        with self.lock:
+            box = self.boxes.get(box_id)
+            if box is None:
+                return {}
+            taken, box.overflowed = box.overflowed, {}
+            return taken
 
     def items_in(self, box_id: int) -> int:
         """How many items a mailbox holds now (0 when there is no such mailbox)."""
@@ -84,14 +110,31 @@ class Boxes:
         return {"answer": "wait"}
 
     def dispatch(self, op: bytes, box_id: int, timeout: float, payload: Frames,
-                 waiter: Waiter) -> Tuple[int, Optional[Frames]]:
-        """Run one operation. Returns (status, frames), or (-1, None) when ``waiter`` now waits."""
+                 waiter: Waiter, peer: Optional[Peer] = None) -> Tuple[int, Optional[Frames]]:
+        """Run one operation, for ``peer`` (None: a thread of this process). Returns (status, frames),
+        or (-1, None) when ``waiter`` now waits."""
         box = self.boxes.get(box_id)
         if box is None:
+            if peer is not None and not peer.trusted:
+                return ERROR, [_REFUSED]
             return ERROR, [b"no such queue or pipe here: the process that created it has closed it"]
+        access = box.access
+        if peer is not None and access is not SHARED:
+            if access.owner is not None:
+                if peer.node_id != access.owner:
+                    return ERROR, [_REFUSED]
+            elif not peer.trusted and not (access.untrusted and op in _UNTRUSTED_OPS):
+                return ERROR, [_REFUSED]
+        elif peer is not None and not peer.trusted:
+            return ERROR, [_REFUSED]
         blocking = timeout != 0
         if op == GET:
             return box.get(waiter if blocking else None)
+        if access.stamp and op in (PUT, PUT_NOREPLY):
+            writer = self.node_id if peer is None else peer.node_id
+            if peer is not None and not peer.trusted and not box.admits(writer, sum(len(f) for f in payload)):
+                return ERROR, [b"this mailbox holds as much of yours as it takes: wait for it to be read"]
+            payload = [writer.encode(), *payload]
         if op in (PUT, PUT_NOREPLY):
             if op == PUT_NOREPLY and box.full():
                 # Only unbounded mailboxes are written without a reply; keep the item regardless.

@@ -57,6 +57,8 @@ from .errors import IdentityError
 LIFETIME = datetime.timedelta(days=30)
 _SKEW = datetime.timedelta(minutes=10)  # clocks of the session's machines may differ by this much
 _KEY_URI = "roving-node:"  # the certificate's subjectAltName URI that names the node key
+#: The subjectAltName URI that marks an untrusted process's certificate (a pipeline node's: see Peer.trusted).
+_UNTRUSTED_URI = "roving-role:untrusted"
 #: What a signature is over, by direction (so that one made as a client is never taken as a node's).
 _AS_NODE, _AS_CLIENT = b"roving-identity-node", b"roving-identity-client"
 SIGNATURE_BYTES = 64
@@ -110,6 +112,11 @@ class Peer:
     node_id: str
     #: Its node key: the CURVE public key of its node, which the node's addresses name.
     key: str
+    #: False for a process its certificate marks untrusted (:meth:`Authority.issue`): one that may run
+    #: code of its own, as a crowdsourced pipeline node. A node serves such a peer only the mailboxes
+    #: made for it or open to untrusted writers (:mod:`.boxes`), and nothing else; the CA issues it
+    #: nothing (:mod:`.issuer`).
+    trusted: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,9 +158,10 @@ class Authority:
         self._issued: Dict[str, str] = {}  # node id -> its node key
         self._lock = threading.Lock()
 
-    def issue(self, node_id: str, seed: Optional[bytes] = None) -> Grant:
-        """Credentials for the process ``node_id`` (made from ``seed``, default: a fresh one);
-        IdentityError when that id was issued before (one process cannot be given another's id)."""
+    def issue(self, node_id: str, seed: Optional[bytes] = None, trusted: bool = True) -> Grant:
+        """Credentials for the process ``node_id`` (made from ``seed``, default: a fresh one), marked
+        untrusted unless ``trusted`` (:attr:`Peer.trusted`); IdentityError when that id was issued
+        before (one process cannot be given another's id)."""
         if not node_id or len(node_id) > 128 or not node_id.isprintable():
             raise IdentityError(f"not a node id: {node_id!r}")
         seed = os.urandom(32) if seed is None else seed
@@ -170,8 +178,9 @@ class Authority:
                 .issuer_name(self._name).public_key(identity_key.public_key())
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(now - _SKEW).not_valid_after(now + LIFETIME)
-                .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(_KEY_URI + key)]),
-                               critical=False)
+                .add_extension(x509.SubjectAlternativeName(
+                    [x509.UniformResourceIdentifier(_KEY_URI + key)]
+                    + ([] if trusted else [x509.UniformResourceIdentifier(_UNTRUSTED_URI)])), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .sign(self._key, None))
         return Grant(node_id, seed, cert.public_bytes(serialization.Encoding.PEM).decode(), self.ca_pem)
@@ -206,6 +215,8 @@ class Credentials:
         mine = self.check_certificate(self.cert_der)
         if mine.key != self.key or mine.node_id != self.node_id:
             raise IdentityError("the certificate given does not name this process's keys")
+        #: False when this process's own certificate marks it untrusted (:attr:`Peer.trusted`).
+        self.trusted = mine.trusted
 
     def private_part(self) -> str:
         """What a child needs, besides the member secret, to be this identity: its seed (hex)."""
@@ -262,7 +273,8 @@ class Credentials:
                 raise IdentityError("the peer's certificate names no roving node")
             if now < _valid_from(cert):
                 raise IdentityError("the peer's certificate is not valid yet (are the clocks apart?)")
-            known = (Peer(str(names[0].value), keys[0]), _valid_to(cert), cert.public_key())
+            known = (Peer(str(names[0].value), keys[0], _UNTRUSTED_URI not in uris), _valid_to(cert),
+                     cert.public_key())
             with self._lock:
                 while len(self._checked) >= _CHECKED_MAX:
                     self._checked.pop(next(iter(self._checked)))

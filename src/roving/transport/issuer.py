@@ -3,7 +3,8 @@
 The root issues its own children's credentials itself (:meth:`.session.Session.child_env`). A child
 that starts processes of its own holds no CA: it asks the root's node for each (:func:`ask`), over a
 connection authenticated with its own credentials. The CA issues each node id once, and to an asker
-whose credentials are not revoked.
+whose credentials are not revoked and are not an untrusted process's (:attr:`.identity.Peer.trusted`):
+a pipeline node holds its own credentials and nothing that mints others.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class _Issuer(rpc.Server):
         try:
             if asker is None or identity.is_revoked(asker.node_id):
                 raise IdentityError("the asker's credentials are not valid (revoked?)")
+            if not asker.trusted:
+                raise IdentityError(f"{asker.node_id} is an untrusted process: it can have no credentials issued")
             if authority is None:
                 raise IdentityError("this node holds no CA")
             uid = bytes(frames[0]).decode()

@@ -11,6 +11,7 @@ the node answers over the transport; the mailbox does not know which.
 from __future__ import annotations
 
 import collections
+import dataclasses
 from _thread import allocate_lock as _allocate_lock
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
@@ -24,6 +25,33 @@ SWITCH = b"\x00roving-switch"
 
 # Reply statuses, shared with the wire protocol.
 OK, EMPTY, FULL, EOF, ERROR = 0, 1, 2, 3, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who, besides the process that holds a mailbox, may use it (checked by :class:`.boxes.Boxes`).
+
+    The default is every trusted member of the session, as multiprocessing's objects are shared.
+    ``owner``: only the process with that node id may (a child's start-up mailboxes: no other process
+    can take what was left there for it). ``untrusted``: untrusted members (:attr:`.identity.Peer.trusted`)
+    may put items and ask the size, nothing more; the bytes they may leave waiting are bounded by
+    ``untrusted_bytes`` (a writer that would pass the bound has its item refused and is counted in
+    :attr:`Mailbox.overflowed`). ``stamp``: every item's first frame is the node id of the process that
+    put it, as its connection authenticated it (this process's own for a local put): a reader knows who
+    wrote each item without trusting anything the item says.
+    An untrusted mailbox is always stamped (the bound is kept per writer).
+    """
+    owner: Optional[str] = None
+    untrusted: bool = False
+    untrusted_bytes: int = 256 << 20
+    stamp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.untrusted and not self.stamp:
+            raise ValueError("a mailbox open to untrusted writers must stamp their items")
+
+
+SHARED = Access()
 
 
 class _Gate(list):
@@ -73,8 +101,13 @@ class LocalWaiter(Waiter):
 class Mailbox:
     """A FIFO of serialized items with waiting readers, waiting writers and (for pipes) end-of-file."""
 
-    def __init__(self, maxsize: int = 0, track_writers: bool = False) -> None:
+    def __init__(self, maxsize: int = 0, track_writers: bool = False, access: Access = SHARED) -> None:
         self.maxsize = maxsize if maxsize > 0 else 0
+        self.access = access
+        #: Bytes of the items waiting here by untrusted writer (each bounded by ``access.untrusted_bytes``).
+        self.untrusted_held: Dict[str, int] = {}
+        #: Untrusted writers whose items were refused for that bound, with how many were.
+        self.overflowed: Dict[str, int] = {}
         self.items: Deque[Frames] = collections.deque()
         self.getters: Deque[Waiter] = collections.deque()
         self.pollers: List[Waiter] = []
@@ -119,20 +152,46 @@ class Mailbox:
                 getter.fulfil(OK, frames)
                 return
         self.items.append(frames)
+        if self.access.untrusted:
+            self._held(frames, 1)
         if self._ready():
             self._wake_pollers(OK)
 
     def put_front(self, frames: Frames) -> None:
         """Return an item that a reader took but could not deliver; it becomes the next one read."""
         self.items.appendleft(frames)
+        if self.access.untrusted:
+            self._held(frames, 1)
         self._serve_ready()
+
+    def admits(self, writer: str, size: int) -> bool:
+        """Whether the untrusted ``writer`` may leave ``size`` bytes more here (``access.untrusted_bytes``);
+        a refusal is counted in :attr:`overflowed`."""
+        if self.untrusted_held.get(writer, 0) + size <= self.access.untrusted_bytes:
+            return True
+        self.overflowed[writer] = self.overflowed.get(writer, 0) + 1
+        return False
+
+    def _held(self, item: Frames, sign: int) -> None:
+        """Count an item (stamped: its first frame is its writer) in or out of its writer's bytes held."""
+        if type(item) is _Gate:
+            return
+        writer = bytes(item[0]).decode(errors="replace")
+        left = self.untrusted_held.get(writer, 0) + sign * sum(len(f) for f in item[1:])
+        if left > 0:
+            self.untrusted_held[writer] = left
+        else:
+            self.untrusted_held.pop(writer, None)
 
     def _serve_ready(self) -> None:
         """Hand readable items to waiting readers, then tell pollers if one is left."""
         while self.getters and self._ready():
             getter = self.getters.popleft()
             if not getter.done:
-                getter.fulfil(OK, self.items.popleft())
+                frames = self.items.popleft()
+                if self.access.untrusted:
+                    self._held(frames, -1)
+                getter.fulfil(OK, frames)
         if self._ready():
             self._wake_pollers(OK)
 
@@ -149,6 +208,8 @@ class Mailbox:
         """Take the oldest item: (OK, frames), (EOF, None), (EMPTY, None) or (-1, None) when queued."""
         if self._ready():
             frames = self.items.popleft()
+            if self.access.untrusted:
+                self._held(frames, -1)
             self._admit_putters()
             return OK, frames
         if self.at_eof():

@@ -81,7 +81,7 @@ from . import timeouts
 from . import wire
 from . import zap
 from .guard import Refusals, Unauthenticated, cap_for_open_files, raise_open_files
-from .mailbox import EMPTY, EOF, ERROR, FULL, OK, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL: for callers)
+from .mailbox import EMPTY, EOF, ERROR, FULL, OK, Access, LocalWaiter, Waiter  # noqa: F401 (EOF, FULL, Access: for callers)
 
 # The operations are the wire format's (roving.transport.wire); they are also names of this module for
 # the layers that call a node's operations (node.PUT, node.GET...), as the statuses are (node.OK...).
@@ -111,7 +111,7 @@ class Node(Boxes):
         self.secret = creds.secret
         #: The ``encrypt`` option this node serves under (roving.transport.crypto).
         self.encrypt = encrypt or crypto.mode()
-        super().__init__()
+        super().__init__(creds.node_id)
         self._handlers: Dict[bytes, Callable[[bytes, Frames], None]] = {}
         ctx = wire.context()
         self._router = ctx.socket(zmq.ROUTER)
@@ -283,6 +283,8 @@ class Node(Boxes):
 
     def _on_stream(self, request: dict, stream: _stream.Stream) -> bool:
         purpose = request.get("purpose")
+        if purpose != "node" and (stream.peer is None or not stream.peer.trusted):
+            return False  # an untrusted process's streams carry requests to the node, nothing else
         if purpose == "node":
             _stream.accept(stream)
             self._adopted.append(stream)
@@ -537,7 +539,9 @@ class Node(Boxes):
                     continue
                 if kind != REQUEST or len(frames) < 2:
                     raise ValueError(f"unexpected stream message {kind!r}")
-                self._request(bytes(frames[0]), frames[1], frames[2:], answer)
+                if peer.peer is None:
+                    raise ValueError("a request on a stream with no peer")
+                self._request(bytes(frames[0]), frames[1], frames[2:], answer, peer.peer)
             except ValueError as exc:
                 log.warning("roving node: dropped a malformed stream message: %s", exc)
             except Exception:  # a bad message must never stop the node
@@ -551,6 +555,8 @@ class Node(Boxes):
         handler = self._handlers.get(bytes(frames[0])) if frames else None
         if handler is None:
             raise ValueError("a channel message for no handler of this node")
+        if peer.peer is None or not peer.peer.trusted:
+            raise ValueError("a channel message from an untrusted process: it may use no service of a node")
         ident = self._channel_of.get(peer.fd)
         if ident is None:
             ident = _CHANNEL_MARK + next(self._channel_ids).to_bytes(8, "little")
@@ -594,22 +600,29 @@ class Node(Boxes):
                             "%s", self.address, frames[1].get("Peer-Address"), ident.hex(), exc)
                 return
             op = frames[1].bytes if type(frames[1]) is zmq.Frame else bytes(frames[1])
-        handler = self._handlers.get(op)
-        if handler is not None:
-            handler(token, frames[2:])
-            return
         if op == BYE:
             self._door.forget(ident)
+            return
+        who = self._door.peer(token)
+        if who is None:
+            return  # forgotten meanwhile (revoked): nothing of it is served
+        handler = self._handlers.get(op)
+        if handler is not None:
+            if who.trusted:
+                handler(token, frames[2:])
+            else:
+                self._refusals.refuse(who.node_id, "an untrusted process may use no service of a node")
             return
         if len(frames) < 3:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
         self._request(op, bytes(frames[2]), frames[3:],
-                      lambda out, undeliverable: self._post([token, *out], undeliverable))
+                      lambda out, undeliverable: self._post([token, *out], undeliverable), who)
 
-    def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer) -> None:
-        """Serve one request of an authenticated peer, over ZeroMQ or a stream alike: ``answer`` (any
-        thread) sends a reply back the way the request came."""
+    def _request(self, op: bytes, header: Any, payload: Frames, answer: Answer, who: identity.Peer) -> None:
+        """Serve one request of the authenticated peer ``who``, over ZeroMQ or a stream alike: ``answer``
+        (any thread) sends a reply back the way the request came. An untrusted peer gets a ping, the
+        stream address and the mailboxes it may use (:class:`.boxes.Boxes`), nothing else."""
         if len(header) != HEADER.size:
             log.warning("roving node: malformed request from an authenticated peer dropped")
             return
@@ -628,11 +641,14 @@ class Node(Boxes):
             return
         notice = self._notices.get(op)
         if notice is not None:
-            notice(payload)
+            if who.trusted:
+                notice(payload)
+            else:
+                self._refusals.refuse(who.node_id, "an untrusted process may send a node no notice")
             return
         waiter = RemoteWaiter(self, answer, req_id, box_id)
         with self.lock:
-            status, out = self.dispatch(op, box_id, timeout, payload, waiter)
+            status, out = self.dispatch(op, box_id, timeout, payload, waiter, who)
             if status == -1:
                 if timeout > 0:
                     heapq.heappush(self._deadlines, (time.monotonic() + timeout, next(self._seq), box_id,
@@ -644,7 +660,11 @@ class Node(Boxes):
                 item = functools.partial(self.put_back, box_id, out)
             answer([REPLY.pack(req_id, status), *(out or ())], item)
         elif status == ERROR:
-            log.warning("roving node: %s", bytes(out[0]).decode() if out else "error")
+            why = bytes(out[0]).decode(errors="replace") if out else "error"
+            if who.trusted:
+                log.warning("roving node: %s", why)
+            else:  # what an untrusted process makes fail is logged at most once a minute
+                self._refusals.refuse(who.node_id, why)
 
     def close(self) -> None:
         """Stop serving. Waiting local callers are answered with an error."""

@@ -72,20 +72,27 @@ class Session:
         """What a backend is told of this session with each job it starts."""
         return backends.JobSession(self.tag, SECRET_ENV, SECRET_FILE_ENV)
 
-    def child_env(self, info: Mapping[str, Any]) -> Dict[str, str]:
+    def child_env(self, info: Mapping[str, Any], trusted: bool = True) -> Dict[str, str]:
         """The variables that make a job a child of this session: ``info`` (what :func:`child_info`
         gives the child, with ``info["uid"]`` its node id), its credentials, issued now by the CA
-        (IdentityError when that uid has had credentials before), and the member secret."""
-        grant = self.issue(str(info["uid"]))
+        (IdentityError when that uid has had credentials before; marked untrusted unless ``trusted``),
+        and the member secret."""
+        grant = self.issue(str(info["uid"]), trusted)
         told = dict(info, identity=grant.public(), ca=self.ca_address or self.node().address)
         return {CHILD_ENV: json.dumps(told), SECRET_ENV: self.secret.hex() + "." + grant.seed.hex()}
 
-    def issue(self, uid: str) -> identity.Grant:
-        """Credentials for a new process ``uid`` of this session: from the CA here, or asked of it."""
+    def issue(self, uid: str, trusted: bool = True) -> identity.Grant:
+        """Credentials for a new process ``uid`` of this session (untrusted unless ``trusted``): from the
+        CA here, or asked of it (which issues only trusted ones to children of children)."""
+        if not self.credentials.trusted:
+            raise identity.IdentityError(f"this process ({self.uid}) is untrusted: it can have no credentials "
+                                         "issued, so it cannot start processes of the session")
         authority = self.credentials.authority
         if authority is not None:
-            return authority.issue(uid)
+            return authority.issue(uid, trusted=trusted)
         assert self.ca_address is not None
+        if not trusted:
+            raise identity.IdentityError("only the session's root can start an untrusted process")
         return issuer.ask(self.ca_address, self.credentials, uid, _config.current().connect_timeout)
 
     def address(self) -> addressing.Choice:
