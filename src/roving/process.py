@@ -407,6 +407,12 @@ class Process:
         return self._exitcode
 
     @property
+    def node_id(self) -> Optional[str]:
+        """(roving's addition) The node id its credentials name, which every connection it makes
+        authenticates (:mod:`roving.transport.identity`); None before it is started."""
+        return self._uid
+
+    @property
     def pid(self) -> Optional[int]:
         self._check_closed()
         if self is _current:  # the main process, or a child asking about itself

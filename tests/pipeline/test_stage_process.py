@@ -33,10 +33,10 @@ class Pair:
 
     def __init__(self, adversaries: dict[str, Adversary] | None = None) -> None:
         adversaries = adversaries or {}
-        self.control, self.release = queue.Queue(), queue.Queue()
+        self.control = queue.Queue()
         self.inbox = {"a": queue.Queue(), "b": queue.Queue()}
         self.errors: list[BaseException] = []
-        self.procs = {n: StageProcess(settings(n, s, adversaries.get(n)), self.inbox[n], self.control, self.release)
+        self.procs = {n: StageProcess(settings(n, s, adversaries.get(n)), self.inbox[n], self.control)
                       for n, s in (("a", 0), ("b", 1))}
         self.threads = [threading.Thread(target=self._run, args=(p,), daemon=True) for p in self.procs.values()]
         for t in self.threads:
@@ -63,8 +63,8 @@ class Pair:
             self.inbox[n].put(m.Stop(["a", "b"]))
         stopped = {self.get(m.Stopped).sender for _ in self.inbox}
         assert stopped == {"a", "b"}
-        for _ in self.inbox:
-            self.release.put(None)
+        for n in self.inbox:
+            self.inbox[n].put(m.Release())
         for t in self.threads:
             t.join(timeout=30)
         assert not self.errors, self.errors
@@ -170,7 +170,7 @@ def test_export_and_load_move_a_stage_between_processes():
 ])
 def test_a_message_a_stage_process_does_not_handle_is_a_clear_error(bad, named):
     control, inbox = queue.Queue(), queue.Queue()
-    proc = StageProcess(settings("a", 0), inbox, control, queue.Queue())
+    proc = StageProcess(settings("a", 0), inbox, control)
     inbox.put(bad)
     with pytest.raises(m.ProtocolError, match=f"stage process a: {named}"):
         proc.run()
@@ -198,11 +198,11 @@ def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_sha
 
     names = ("a", "b", "c")
     lie = Adversary("weights", seed=4)
-    control, release = queue.Queue(), queue.Queue()
+    control = queue.Queue()
     inbox = {n: queue.Queue() for n in names}
     procs = {n: StageProcess(StageSettings(n, 0, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
                                            aggregation=rule, adversary=lie if n == "c" else None),
-                             inbox[n], control, release) for n in names}
+                             inbox[n], control) for n in names}
     errors: list[BaseException] = []
 
     def run(p):
@@ -229,9 +229,9 @@ def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_sha
     finally:
         for n in names:
             inbox[n].put(m.Stop(list(names)))
-        for _ in names:
+        for n in names:
             control.get(timeout=60)
-            release.put(None)
+            inbox[n].put(m.Release())
         for t in threads:
             t.join(timeout=30)
     assert not errors, errors

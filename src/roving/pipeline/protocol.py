@@ -1,20 +1,20 @@
 """The messages between the training coordinator and its stage processes, and between stage processes.
 
-Each message is a small frozen dataclass (``__slots__``: it pickles as its class and its field values,
-so tensors in it travel as the transport's out-of-band frames, without copies). Every message that a
-stage process sends names its ``sender``; every message that belongs to one attempt at an iteration's
+Each message is a small frozen dataclass; it travels as data (``codec``: a JSON header and its tensors'
+raw bytes, never pickled). Every message that a stage process sends has a ``sender``, which is not on
+the wire: the reader's inbox (``mail.Inbox``) sets it from the identity the transport authenticated; every message that belongs to one attempt at an iteration's
 microbatch phase carries its ``round`` (a number that grows with every attempt: when a stage process
 fails, the coordinator aborts the round and runs the iteration again under a new plan in a new round).
 Both ends dispatch on the message's type; a message of a type a receiver does not handle is a
 ``ProtocolError`` naming the type and the receiver.
 
-The messages travel over roving queues: each stage process reads its own inbox (a Queue it creates, so
-that peers' puts go straight to it), and answers the coordinator on its ``control`` queue; heartbeats
-go on ``beats`` from a thread of their own.
+The messages travel through inboxes (``mail``): each stage process reads its own (a postbox of its
+process, so that peers' sends go straight to it), and answers the coordinator in the coordinator's
+``control`` inbox; heartbeats go to its ``beats`` inbox from a thread of their own.
 
 coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
 ``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``ShowWeights``
-``Stop``.
+``Stop`` ``Release``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
 ``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Failed``; on ``beats``: ``Beat``.
@@ -72,9 +72,11 @@ class RoundMessage(Message):
 # -- coordinator -> stage process --------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Peers(Message):
-    """Every admitted stage process's inbox (after all are ready; to a joining one on admission)."""
+    """Every admitted stage process's inbox (a ``PostboxAddress``), and the node id each one's
+    connections authenticate as, by name (after all are ready; to a joining one on admission)."""
 
     inboxes: dict
+    ids: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,8 @@ class PeerJoined(Message):
     name: str
     inbox: Any
     link: Any = None
+    #: the node id its connections authenticate as
+    node_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +198,11 @@ class Stop(Message):
     """Confirm every send to the ``live`` processes, answer ``Stopped``, exit when released."""
 
     live: list | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Message):
+    """After ``Stopped``: every process has stopped sending; exit."""
 
 
 # -- stage process -> stage process ------------------------------------------------------------------
@@ -368,3 +377,8 @@ class Failed(Message):
 
     sender: str
     traceback: str
+
+
+#: The messages only the coordinator sends (a stage process refuses them from anyone else).
+COORDINATOR_MESSAGES = (Peers, PeerJoined, Forget, Microbatch, SyncOrder, Step, Abort, Export, Load, StateRequest,
+                        Throttle, EvidenceRequest, Recheck, ShowWeights, Stop, Release)

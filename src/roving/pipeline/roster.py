@@ -26,9 +26,11 @@ import threading
 import time
 from typing import Any, Callable, cast
 
+from ..transport.session import current as current_session
 from . import protocol as m
 from .adversary import parse_adversaries
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError
+from .mail import Directory, Inbox
 from .receipts import node_key
 from .senders import Senders
 from .stage_process import StageSettings, stage_main
@@ -49,9 +51,10 @@ class Roster:
         import roving
 
         self.prepared, self.config, self.spec, self._event = prep, prep.config, prep.spec, event
-        self.control = roving.Queue()
-        self.release = roving.Queue()
-        self.beats = roving.Queue()
+        #: who is who: the node id each stage process's connections authenticate as, by name
+        self.directory = Directory()
+        self.control = Inbox(self.directory)
+        self.beats = Inbox(self.directory)
         self.universe = {n.name: n for n in prep.network.nodes}
         #: adversary injection (``[verify] adversaries``): node -> how it lies
         self.adversaries = parse_adversaries(self.config.adversaries, self.config.seed)
@@ -93,11 +96,16 @@ class Roster:
                           bf16=self.config.bf16, threads=self.config.threads, index=index, emulate=emulate,
                           incarnation=inc, heartbeat=self.config.heartbeat,
                           aggregation=self.config.aggregation, adversary=self.adversaries.get(name),
-                          verify=self.config.mode, receipt_key=node_key(self.run_key, name))
+                          verify=self.config.mode, receipt_key=node_key(self.run_key, name),
+                          coordinator_id=current_session().uid)
         label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
-        proc = roving.Process(target=stage_main, args=(s, self.control, self.release, self.beats),
-                              name=label, daemon=True)
+        proc = roving.Process(target=stage_main, args=(s, self.control.address, self.beats.address),
+                              name=label, daemon=True, trusted=False)
         proc.start()
+        old = self.procs.get(name)
+        if old is not None:
+            self.directory.drop(name)  # an earlier incarnation's id speaks for it no more
+        self.directory.add(proc.node_id, name)
         self.procs[name] = proc
         self.starting.add(name)
         self.holding[name] = stage if inc == 0 and fresh else None
@@ -132,7 +140,7 @@ class Roster:
             self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
         for name in self.inboxes:
-            self.put(name, m.Peers(self.inboxes))
+            self.put(name, m.Peers(self.inboxes, self._ids()))
         self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
         self._monitor.start()
         return late
@@ -160,9 +168,9 @@ class Roster:
                         continue
                     if isinstance(msg, m.Stopped):
                         waiting.discard(msg.sender)
+                for name in live:
+                    self.put(name, m.Release())
                 self._out.confirm(live, timeout=10.0)
-                for _ in live:
-                    self.release.put(None)
             except Exception as exc:  # a process that failed is killed below
                 log.warning("stage processes did not stop cleanly: %s", exc)
         for proc in self.procs.values():
@@ -175,6 +183,10 @@ class Roster:
             self._out.close()
         if self._monitor is not None:
             self._monitor.join(timeout=2)
+
+    def _ids(self) -> dict[str, str]:
+        """The node id of each admitted process, by name (what its peers check its messages by)."""
+        return {name: self.procs[name].node_id for name in self.inboxes}
 
     def put(self, name: str, msg: m.Message) -> None:
         """To a process's inbox, from a sender thread per process: one that died never blocks us."""
@@ -310,6 +322,9 @@ class Roster:
                     raise NoMessage(f"no {what} message from the nodes within {timeout:g} s") from None
                 continue
             if isinstance(msg, m.Failed):
+                if msg.sender in self.inboxes:  # an admitted node's failure is its own loss, not the run's
+                    self._drop({msg.sender: "it failed: " + (msg.traceback.strip().splitlines() or [""])[-1]})
+                    raise NodesLost({msg.sender: "it failed"})
                 raise NodeFailed(f"node {msg.sender} failed:\n{msg.traceback}")
             if isinstance(msg, m.Ready):
                 if self.incarnation.get(msg.sender) == msg.incarnation and msg.sender in self.starting:
@@ -382,9 +397,9 @@ class Roster:
             everyone = self.prepared.network.with_nodes(list(self.universe.values()))
             for other in self.inboxes:
                 link = everyone.link(other, name) if self.config.emulate_network else None
-                self.put(other, m.PeerJoined(name, inbox, link))
+                self.put(other, m.PeerJoined(name, inbox, link, self.procs[name].node_id))
             self.inboxes[name] = inbox
             self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
-            self.put(name, m.Peers(self.inboxes))
+            self.put(name, m.Peers(self.inboxes, self._ids()))
         return joined

@@ -12,6 +12,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..transport.postbox import PostboxAddress
+from .mail import Outbox
 from .network import Link
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,8 @@ class Senders:
             self.add(name, q)
 
     def add(self, name: str, q: Any, link: Link | None = None) -> None:
+        """Send to ``name`` through ``q``: an inbox's ``PostboxAddress`` (or anything with ``put``, as
+        a test's plain queue), held back by ``link`` when the network is emulated."""
         if name == self.me:
             return
         if self.emulator is not None and link is not None:
@@ -92,7 +96,7 @@ class Senders:
         old = self.senders.pop(name, None)
         if old is not None:
             old.close()
-        self.senders[name] = _Sender(name, q)
+        self.senders[name] = _Sender(name, Outbox(q) if isinstance(q, PostboxAddress) else q)
 
     def forget(self, names: list[str]) -> None:
         """Stop sending to ``names`` (declared dead); exit will not wait for them to answer (a roving

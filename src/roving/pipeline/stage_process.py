@@ -37,6 +37,9 @@ from .model import LlamaConfig
 from .network import Link
 from .optim import AdamW
 from .plan import Route
+from ..transport.identity import revoke
+from ..transport.postbox import PostboxAddress
+from .mail import Directory, Inbox, Outbox, coordinator_only
 from .senders import Senders
 from .stages import Stage
 
@@ -83,6 +86,8 @@ class StageSettings:
     verify: str = "off"
     #: this node's receipt key (``receipts.node_key``), given by the coordinator.
     receipt_key: bytes = b""
+    #: the node id the coordinator's connections authenticate as (its messages are taken from it alone).
+    coordinator_id: str = ""
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:
@@ -100,8 +105,12 @@ def pick_device(want: str = "auto", index: int = 0) -> str:
 class StageProcess:
     """One stage process's state and loop (``run``); ``stage_main`` is the process's target."""
 
-    def __init__(self, s: StageSettings, inbox: Any, control: Any, release: Any, beats: Any = None) -> None:
-        self.settings, self.inbox, self.control, self.release, self.beats = s, inbox, control, release, beats
+    def __init__(self, s: StageSettings, inbox: Any, control: Any, beats: Any = None) -> None:
+        """``inbox``: what it reads (a ``mail.Inbox``, or a plain queue in tests); ``control`` and
+        ``beats``: where it answers the coordinator and sends its heartbeats (anything with ``put``)."""
+        self.settings, self.inbox, self.control, self.beats = s, inbox, control, beats
+        #: who is who among its peers (the inbox's, where it has one): filled from the coordinator's word
+        self.directory: Directory | None = getattr(inbox, "directory", None)
         self.name = s.name
         self.device = torch.device(pick_device(s.device, s.index))
         torch.manual_seed(s.seed)
@@ -169,7 +178,7 @@ class StageProcess:
         if self.beats is not None and self.settings.heartbeat > 0:
             beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
             beating.start()
-        self.control.put(m.Ready(self.name, self.settings.incarnation, self.inbox))
+        self.control.put(m.Ready(self.name, self.settings.incarnation, getattr(self.inbox, "address", self.inbox)))
         while True:
             task = self._next_task()
             if task is None:
@@ -206,7 +215,13 @@ class StageProcess:
         if self.peers is not None:
             self.peers.confirm([n for n in (live if live is not None else self.peers.senders) if n != self.name])
         self.control.put(m.Stopped(self.name))
-        self.release.get(timeout=60)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the coordinator's Release, once every process stopped
+            try:
+                if isinstance(self.inbox.get(timeout=max(0.0, deadline - time.monotonic())), m.Release):
+                    return
+            except queue.Empty:
+                return
 
     def _current(self, rnd: int) -> bool:
         """Whether a message of round ``rnd`` is to be handled (``protocol``, Rounds)."""
@@ -244,6 +259,9 @@ class StageProcess:
 
     # -- control messages ----------------------------------------------------------------------
     def _on_peers(self, msg: m.Peers) -> None:
+        if self.directory is not None:
+            for name, node_id in msg.ids.items():
+                self.directory.add(node_id, name)
         if self.peers is None:
             self.peers = Senders(self.name, msg.inboxes, self.settings.emulate)
         else:
@@ -257,10 +275,20 @@ class StageProcess:
         return self.peers
 
     def _on_peer_joined(self, msg: m.PeerJoined) -> None:
+        if self.directory is not None:
+            self.directory.drop(msg.name)  # an earlier incarnation's id speaks for it no more
+            self.directory.add(msg.node_id, msg.name)
         self._senders().add(msg.name, msg.inbox, msg.link)
 
     def _on_forget(self, msg: m.Forget) -> None:
+        """Dead or excluded peers: no more sends to them, and their credentials refused here from now
+        on (their connections to this process closed), as at the coordinator."""
         self._senders().forget(msg.names)
+        if self.directory is not None:
+            for name in msg.names:
+                for node_id in self.directory.ids_of(name):
+                    revoke(node_id)
+                self.directory.drop(name)
 
     def _on_abort(self, msg: m.Abort) -> None:
         if msg.round >= self.round:
@@ -510,16 +538,15 @@ def _to_cpu(obj: Any) -> Any:
     return obj
 
 
-def stage_main(settings: StageSettings, control: Any, release: Any, beats: Any = None) -> None:
-    """The target of a stage's roving Process."""
-    import roving
-
+def stage_main(settings: StageSettings, control: PostboxAddress, beats: PostboxAddress | None = None) -> None:
+    """The target of a stage's roving Process: ``control`` and ``beats`` are the coordinator's inboxes."""
     torch.set_num_threads(settings.threads)
     warnings.filterwarnings("ignore", message="The given buffer is not writable")
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    to_coordinator = Outbox(control)
     try:
-        inbox = roving.Queue()
-        StageProcess(settings, inbox, control, release, beats).run()
+        inbox = Inbox(Directory({settings.coordinator_id: m.COORDINATOR}), accept=coordinator_only)
+        StageProcess(settings, inbox, to_coordinator, Outbox(beats) if beats is not None else None).run()
     except BaseException:
-        control.put(m.Failed(settings.name, traceback.format_exc()))
+        to_coordinator.put(m.Failed(settings.name, traceback.format_exc()))
         raise
