@@ -144,8 +144,11 @@ def _tensor(t: torch.Tensor, buffers: list[Any]) -> dict:
     if t.device.type != "cpu":
         t = t.to("cpu")
     t = t.contiguous()
-    raw = t.view(torch.uint8) if t.dtype != torch.uint8 and t.numel() else t
-    buffers.append(memoryview(raw.numpy()).cast("B") if t.numel() else b"")
+    if t.numel():
+        raw = t.reshape(-1)
+        buffers.append(memoryview((raw if raw.dtype == torch.uint8 else raw.view(torch.uint8)).numpy()))
+    else:
+        buffers.append(b"")
     return {"$t": len(buffers) - 1, "d": dtype, "s": list(t.shape)}
 
 
