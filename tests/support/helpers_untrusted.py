@@ -52,3 +52,11 @@ def flood(address: postbox.PostboxAddress, items: int, size: int) -> None:
 def claim_to_be(address: postbox.PostboxAddress, name: str) -> None:
     """Send a letter whose content names another process as its writer."""
     _tell(postbox.Slot(address), writer=name)
+
+
+def send_letters(address: postbox.PostboxAddress, letters: list) -> None:
+    """Send each of ``letters`` (a list of frames) as it is, then confirm they arrived."""
+    slot = postbox.Slot(address)
+    for frames in letters:
+        slot.send(frames)
+    slot.confirm(30)

@@ -14,7 +14,6 @@ An :class:`Outbox` writes to one inbox, from its :class:`~roving.transport.postb
 from __future__ import annotations
 
 import logging
-import queue as _queue
 import threading
 import time
 from typing import Callable
@@ -71,7 +70,8 @@ class Inbox:
 
     def get(self, block: bool = True, timeout: float | None = None) -> m.Message:
         """The next message; queue.Empty when none came within ``timeout`` (or at once, without
-        ``block``). Letters that are not messages (refused) are skipped within the same time."""
+        ``block``). Letters that are not messages (refused) are skipped: those already waiting, and
+        those that come within the same time."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 0.0 if not block else (None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -79,8 +79,6 @@ class Inbox:
             msg = self.read(letter)
             if msg is not None:
                 return msg
-            if deadline is not None and time.monotonic() >= deadline:
-                raise _queue.Empty
 
     def get_nowait(self) -> m.Message:
         return self.get(False)

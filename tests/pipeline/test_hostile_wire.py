@@ -1,0 +1,148 @@
+"""What a pipeline node that runs code of its own can put on the wire, and what comes of it.
+
+The writer in each test is a real child process started untrusted (``trusted=False``, as the roster
+starts stage processes) that sends bytes of its choosing to an inbox of this process (``mail.Inbox``);
+the inbox must never run its code, never take it for anyone else, and refuse what does not fit the
+wire's schema, counting it against the writer.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pickle
+import queue
+
+import pytest
+import torch
+
+import roving
+from helpers_core import TIMEOUT
+import helpers_untrusted as hu
+from roving.pipeline import codec, mail
+from roving.pipeline import protocol as m
+from roving.pipeline.plan import Route
+from roving.pipeline.receipts import Receipt
+
+
+class _Marker:
+    """Unpickling it writes a file: the proof that someone unpickled it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _from_untrusted(letters: list, accept=None, name: str = "n1") -> tuple[list, dict]:
+    """Have an untrusted child send ``letters``; what an inbox that knows it as ``name`` makes of them."""
+    directory = mail.Directory()
+    inbox = mail.Inbox(directory, accept)
+    p = roving.Process(target=hu.send_letters, args=(inbox.address, letters), trusted=False, daemon=True)
+    p.start()
+    directory.add(p.node_id, name)
+    p.join(TIMEOUT)
+    assert p.exitcode == 0
+    got = []
+    while True:
+        try:
+            got.append(inbox.get(timeout=0))
+        except queue.Empty:
+            break
+    return got, inbox.refused()
+
+
+def _header(msg: m.Message) -> list:
+    return json.loads(codec.encode(msg)[0])
+
+
+def test_a_pickle_that_would_write_a_file_is_never_unpickled_and_its_writer_is_counted(tmp_path):
+    marker = str(tmp_path / "marker")
+    evil = pickle.dumps(_Marker(marker), protocol=5)
+    got, refused = _from_untrusted([[evil], [b"\x80\x05" + evil[2:], *codec.encode(m.Done(0, "x", 1, 2.0))[1:]]])
+    assert got == []
+    assert refused["n1"][0] == 2 and "JSON" in refused["n1"][1]
+    assert not os.path.exists(marker)
+
+
+def test_the_sender_is_who_the_connection_proved_whatever_the_message_says():
+    forged = _header(m.Done(0, "n2", 1, 2.0))
+    forged[1]["f"]["sender"] = "n2"  # a sender field on the wire is not the wire's
+    got, refused = _from_untrusted([codec.encode(m.Done(0, "n2", 1, 2.0)), [json.dumps(forged).encode()]])
+    assert [(type(g).__name__, g.sender) for g in got] == [("Done", "n1")]
+    assert refused["n1"][0] == 1 and "unknown field" in refused["n1"][1]
+
+
+def test_coordinator_messages_from_a_node_are_refused_by_a_stage_process_inbox():
+    route = Route("n1", (), ())
+    sent = [m.Load(1, 2, {}, None), m.Recheck(0, 1, 1, "forward", {}, None), m.Stop(None), m.Step(0, 1.0, 0.1),
+            m.Abort(3), m.Throttle(5.0), m.Peers({}, {}), m.EvidenceRequest(0, (), 1), m.Release(),
+            m.Microbatch(0, 1, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), route)]
+    got, refused = _from_untrusted([codec.encode(x) for x in sent], accept=mail.coordinator_only)
+    assert got == []
+    assert refused["n1"][0] == len(sent)
+
+
+@pytest.mark.parametrize("bad", [
+    m.Norm(0, "n1", 1, -4.0), m.Norm(0, "n1", 1, math.nan), m.Norm(0, "n1", 1, math.inf),
+    m.Done(0, "n1", 1, math.nan), m.Done(0, "n1", -7, 1.0), m.Done(0, "n1", 1 << 50, 1.0),
+    m.Rechecked(0, "n1", 3, -1.0), m.Stepped(0, "n1", {}, -2.0),
+])
+def test_numbers_out_of_their_bounds_are_refused(bad):
+    got, refused = _from_untrusted([codec.encode(bad)])
+    assert got == [] and refused["n1"][0] == 1 and "out of bounds" in refused["n1"][1] or "whole number" in refused["n1"][1]
+
+
+def test_tensors_of_a_wrong_size_or_dtype_and_oversized_headers_are_refused():
+    frames = codec.encode(m.Gradients(0, "n1", torch.ones(4), 1))
+    short = [frames[0], bytes(frames[1])[:-4]]
+    header = _header(m.Gradients(0, "n1", torch.ones(4), 1))
+    header[1]["f"]["flat"]["d"] = "object"
+    odd = [json.dumps(header).encode(), frames[1]]
+    huge = _header(m.Gradients(0, "n1", torch.ones(4), 1))
+    huge[1]["f"]["flat"]["s"] = [1 << 40, 1 << 40]
+    got, refused = _from_untrusted([short, odd, [json.dumps(huge).encode(), frames[1]],
+                                    [b"[1," * 100_000 + b"]" * 100_000]])
+    assert got == [] and refused["n1"][0] == 4
+
+
+def test_a_receipt_of_another_node_is_refused_in_a_nodes_message():
+    receipt = Receipt("n2", 0, "activation", 1, 0, b"d" * 32, b"m" * 32)
+    msg = m.Forward(0, "n1", 1, 0, torch.ones(2, 3), Route("n0", ("n1",), (1,)), receipt)
+    got, refused = _from_untrusted([codec.encode(msg)])
+    assert got == [] and "receipt of 'n2'" in refused["n1"][1]
+
+
+def test_a_writer_the_directory_does_not_know_is_refused():
+    directory = mail.Directory()
+    inbox = mail.Inbox(directory)
+    p = roving.Process(target=hu.send_letters, args=(inbox.address, [codec.encode(m.Done(0, "x", 1, 1.0))]),
+                       trusted=False, daemon=True)
+    p.start()
+    p.join(TIMEOUT)
+    with pytest.raises(queue.Empty):
+        inbox.get(timeout=0)
+    assert list(inbox.refused()) == [p.node_id]
+
+
+def test_every_message_of_the_protocol_reads_back_as_it_was_sent():
+    from roving.pipeline.screen import Summary
+
+    route = Route("a", ("b",), (1,))
+    receipt = Receipt("a", 1, "activation", 0, 0, b"d" * 32, b"m" * 32)
+    samples = [
+        m.Forward(1, "a", 0, 0, torch.randn(2, 3, 4, dtype=torch.bfloat16), route, receipt),
+        m.Norm(1, "a", 0, 2.5, (("activation", 0, 0, "b", Summary((), 1.0, 0.0, 0.5, torch.randn(4))),),
+               (("activation", 0, 0, "b"),), {"b": 0.25}, b"c" * 32),
+        m.Stepped(1, "a", {"processed": 2, "trace": [("fwd", 0, 1.0, 2.0)]}, math.nan, b"w" * 32, "cpu"),
+        m.EvidenceItems(1, "a", {("activation", 0, 0, "b"): (torch.ones(2), receipt, False)}, 3),
+        m.Exported("a", 0, {"w": torch.ones(2, 2)}, {"state": {0: {"step": torch.tensor(3.0)}},
+                                                     "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]}),
+    ]
+    for msg in samples:
+        back = codec.decode(codec.encode(msg), "a")
+        assert type(back) is type(msg)
+        for name in msg.__dataclass_fields__:
+            a, b = getattr(msg, name), getattr(back, name)
+            assert repr(a) == repr(b) if not isinstance(a, torch.Tensor) else torch.equal(a, b), name
