@@ -158,6 +158,9 @@ def add_train_parser(sub: Any) -> None:
                    help="start dead nodes again at once; they rejoin when ready")
     t.add_argument("--control", help="folder watched for join requests (`roving pipeline join`); "
                                      "status.json is written there every iteration")
+    t.add_argument("--open-join", metavar="HOST:PORT",
+                   help="open a door at HOST:PORT through which nodes that others start (`roving pipeline node`) "
+                        "join with an invitation (`roving pipeline invite`, which needs --control)")
     t.add_argument("--dashboard", action="store_true",
                    help="serve the live dashboard (roving's `dashboard` option) with this run's pipeline view; "
                         "without --control a fresh temporary control folder is used")
@@ -232,6 +235,20 @@ def _add_run_tool_parsers(sub: Any) -> None:
     j.add_argument("--timeout", type=float, default=120.0,
                    help="seconds to wait for the run to take the request (it does between iterations)")
     j.set_defaults(handler=run_join)
+    inv = sub.add_parser("invite", help="make (or revoke) an invitation through a running training's open door")
+    inv.add_argument("--control", required=True, help="the run's --control folder")
+    inv.add_argument("--ttl", type=float, default=None, help="seconds the invitation is valid (default 3600)")
+    inv.add_argument("--revoke", default=None, metavar="ID", help="revoke this invitation (not used yet)")
+    inv.add_argument("--timeout", type=float, default=120.0,
+                     help="seconds to wait for the run to take the request (it does between iterations)")
+    inv.set_defaults(handler=run_invite)
+    nd = sub.add_parser("node", help="serve a running training as one of its nodes, joining through its open door")
+    nd.add_argument("--join", required=True, metavar="HOST:PORT", help="the training's open door")
+    nd.add_argument("--invite", required=True, metavar="TOKEN", help="an invitation (`roving pipeline invite`)")
+    nd.add_argument("--region", default=None, help="the region this node is in (default: the run's choice)")
+    nd.add_argument("--device", default=None, help="auto (CUDA when there is one), cpu, cuda, cuda:N")
+    nd.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: the run's)")
+    nd.set_defaults(handler=run_node)
     st = sub.add_parser("status", help="where a running `pipeline train --control DIR` is: nodes, stages, events")
     st.add_argument("--control", required=True, help="the run's --control folder")
     st.add_argument("--json", action="store_true", help="print the status as JSON")
@@ -388,13 +405,57 @@ def run_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_invite(args: argparse.Namespace) -> int:
+    if args.ttl is not None and not args.ttl > 0:
+        print(f"error: --ttl must be a positive number of seconds, not {args.ttl:g}", file=sys.stderr)
+        return 2
+    doc = ControlFolder(args.control).request_invite(args.ttl, args.revoke, args.timeout)
+    if doc is None:
+        print(f"error: the run did not take the request within {args.timeout:g} s (is it running with "
+              f"--control {args.control} --open-join?)", file=sys.stderr)
+        return 1
+    if "error" in doc:
+        print(f"error: {doc['error']}", file=sys.stderr)
+        return 2
+    if "revoked" in doc:
+        print(f"revoked invitation {doc['revoked']}")
+        return 0
+    print(f"invitation {doc['id']} (single use), for the door at {doc['door']}:")
+    print(f"  roving pipeline node --join {doc['door']} --invite {doc['token']}")
+    return 0
+
+
+def run_node(args: argparse.Namespace) -> int:
+    import dataclasses
+    import os
+
+    from ..transport import session
+    from .door import JoinError, credentials_of, join
+    from .stage_process import stage_main
+
+    seed = os.urandom(32)  # this node's keys: made here, never sent anywhere
+    try:
+        placement = join(args.join, args.invite, seed, args.region)
+    except JoinError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    session.enter(credentials_of(placement, seed), towards=placement.control.node)
+    settings = dataclasses.replace(placement.settings, device=args.device or placement.settings.device,
+                                   threads=args.threads or placement.settings.threads)
+    print(f"joined the training at {args.join} as node {placement.name}; serving until it ends", flush=True)
+    stage_main(settings, placement.control, placement.beats)
+    print(f"node {placement.name}: the training released it", flush=True)
+    return 0
+
+
 def run_train(args: argparse.Namespace) -> int:
     from .trainer import TrainConfig, run
 
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
-              "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "stage_recovery",
+              "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "open_join",
+              "stage_recovery",
               "recovery_lr_factor", "auto_snapshot_age", "fail_rate", "fail_hour_iterations", "fail_at",
               "mode", "verify_rate", "verifiers", "confirm_rate", "tolerance", "aggregation", "adversaries")
     overrides = {f: getattr(args, f) for f in fields}

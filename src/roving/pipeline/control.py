@@ -8,7 +8,10 @@ What the folder holds:
 * ``iterations.jsonl``, ``evaluations.jsonl``, ``events.jsonl``: each iteration, evaluation and event
   as one JSON line, appended (a reader skips a line being written);
 * ``plan.json``: the plan's predicted timeline beside the last iteration's measured one (the dashboard);
-* ``join-*.json``: join requests (written by ``roving pipeline join``), each answered by a ``.done`` file.
+* ``join-*.json``: join requests (written by ``roving pipeline join``), each answered by a ``.done`` file;
+* ``invite-*.json``: requests for invitations through the open door, or their revocation (written by
+  ``roving pipeline invite``), each answered by a ``.done`` file (which holds the token: the folder and
+  its files are its owner's alone).
 
 Whole files are replaced atomically (written to a temporary name, then renamed), so a reader never
 sees half of one. A run without a control folder gets ``NullControlFolder``: the same writer methods,
@@ -33,6 +36,7 @@ EVALUATIONS = "evaluations.jsonl"
 EVENTS = "events.jsonl"
 PLAN = "plan.json"
 JOIN_REQUESTS = "join-*.json"
+INVITE_REQUESTS = "invite-*.json"
 
 #: what a "recovery" event (``recovery.StageRecovery``) shows in status.json besides its kind.
 _RECOVERY = ("stage", "policy", "chosen", "why", "neighbours", "grad_norms", "shares", "snapshot_iteration",
@@ -122,8 +126,17 @@ class ControlFolder:
         """Ask the run for ``count`` nodes (``serve_join_requests`` answers) and wait up to ``timeout``
         seconds for the answer: {"started": [names]} or {"error": why}; None (the request withdrawn)
         when the run did not take it in time."""
-        request = f"join-{uuid.uuid4().hex}.json"
-        self._replace(request, json.dumps({"name": name, "region": region, "count": count}))
+        return self._ask("join", {"name": name, "region": region, "count": count}, timeout)
+
+    def request_invite(self, ttl: float | None, revoke: str | None, timeout: float) -> dict | None:
+        """Ask the run for an invitation valid ``ttl`` seconds (or to revoke invitation ``revoke``) and
+        wait up to ``timeout`` seconds for the answer: {"id", "token", "door"}, {"revoked": id} or
+        {"error": why}; None when the run did not take the request in time."""
+        return self._ask("invite", {"ttl": ttl, "revoke": revoke}, timeout)
+
+    def _ask(self, kind: str, doc: dict, timeout: float) -> dict | None:
+        request = f"{kind}-{uuid.uuid4().hex}.json"
+        self._replace(request, json.dumps(doc))
         answer = _answer_of(request)
         deadline = time.monotonic() + timeout
         while not self.exists(answer):
@@ -152,6 +165,19 @@ class ControlFolder:
                 doc = self.read_json(req.name)
                 names = [request_join(doc.get("name"), doc.get("region")) for _ in range(int(doc.get("count", 1)))]
                 answer = {"started": names}
+            except (PlanError, ValueError, TypeError, AttributeError) as exc:
+                answer = {"error": str(exc)}
+            self._replace(_answer_of(req.name), json.dumps(answer))
+            req.unlink(missing_ok=True)
+
+    def serve_invite_requests(self, invite: Callable[[float | None, str | None], dict]) -> None:
+        """Answer every invitation request with ``invite(ttl, revoke)`` (or the error)."""
+        for req in sorted(self.path.glob(INVITE_REQUESTS)):
+            answer: dict[str, Any]
+            try:
+                doc = self.read_json(req.name)
+                ttl = doc.get("ttl")
+                answer = invite(None if ttl is None else float(ttl), doc.get("revoke"))
             except (PlanError, ValueError, TypeError, AttributeError) as exc:
                 answer = {"error": str(exc)}
             self._replace(_answer_of(req.name), json.dumps(answer))
@@ -217,6 +243,9 @@ class NullControlFolder:
         pass
 
     def serve_join_requests(self, request_join: Callable[[str | None, str | None], str]) -> None:
+        pass
+
+    def serve_invite_requests(self, invite: Callable[[float | None, str | None], dict]) -> None:
         pass
 
     def write_status(self, metrics: dict, iterations: int, alloc: dict[str, int], missing_stages: list[int],

@@ -17,7 +17,7 @@ coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch``
 ``Stop`` ``Release``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
-``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Failed``; on ``beats``: ``Beat``.
+``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Released`` ``Failed``; on ``beats``: ``Beat``.
 
 Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
 than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
@@ -367,6 +367,13 @@ class Loaded(Message):
 @dataclass(frozen=True, slots=True)
 class Stopped(Message):
     """The answer to ``Stop``: every send of ``sender`` to a live process has arrived."""
+
+    sender: str
+
+
+@dataclass(frozen=True, slots=True)
+class Released(Message):
+    """The answer to ``Release``: ``sender`` leaves now (the coordinator need not confirm its sends to it)."""
 
     sender: str
 

@@ -26,10 +26,12 @@ import threading
 import time
 from typing import Any, Callable, cast
 
+from ..transport.identity import revoke
 from ..transport.session import current as current_session
 from . import protocol as m
 from .adversary import parse_adversaries
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError
+from .door import Placement
 from .mail import Directory, Inbox
 from .receipts import node_key
 from .senders import Senders
@@ -86,29 +88,53 @@ class Roster:
         which picks its GPU). ``fresh``: its initial weights are the run's (not on a resume)."""
         import roving
 
+        s = self._settings(name, stage, index)
+        inc = s.incarnation
+        label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
+        proc = roving.Process(target=stage_main, args=(s, self.control.address, self.beats.address),
+                              name=label, daemon=True, trusted=False)
+        proc.start()
+        self._started(name, proc, stage if inc == 0 and fresh else None)
+
+    def _started(self, name: str, proc: Any, holding: int | None) -> None:
+        if name in self.procs:
+            self.directory.drop(name)  # an earlier incarnation's id speaks for it no more
+        self.directory.add(proc.node_id, name)
+        self.procs[name] = proc
+        self.starting.add(name)
+        self.holding[name] = holding
+
+    def enroll(self, region: str | None, identity_public: bytes, node_key: str) -> Placement:
+        """Place a node that came through the open door (``door``): a new name in ``region``, holding
+        stage 0 until the next re-plan gives it its stage, with a certificate for its own keys (marked
+        untrusted). It joins when it reports ready, as a node ``request_join`` started does."""
+        name = self._new_node(None, region)
+        node_id = "door-" + os.urandom(8).hex()
+        authority = current_session().credentials.authority
+        if authority is None:
+            raise PlanError("only the session's root can admit nodes through the open door")
+        cert = authority.certify(node_id, identity_public, node_key, trusted=False)
+        settings = dataclasses.replace(self._settings(name, 0, sorted(self.universe).index(name)), device="auto",
+                                       emulate=None, adversary=None)
+        self._started(name, RemoteProcess(node_id), None)
+        self._event("join-requested", nodes=[name], why="the open door")
+        return Placement(name, node_id, cert, authority.ca_pem, current_session().secret, settings,
+                         self.control.address, self.beats.address)
+
+    def _settings(self, name: str, stage: int, index: int) -> StageSettings:
+        """What the stage process ``name`` is started with (a new incarnation of the name)."""
         everyone = self.prepared.network.with_nodes(list(self.universe.values()))
         emulate = ({o: everyone.link(name, o) for o in self.universe if o != name}
                    if self.config.emulate_network else None)
         limit = max(1, self.universe[name].in_flight(stage, self.spec, self.config.stages))
         inc = self.incarnation[name] = self.incarnation.get(name, -1) + 1
-        s = StageSettings(name, stage, self.config.stages, self.prepared.model, self.config.seed, limit,
+        return StageSettings(name, stage, self.config.stages, self.prepared.model, self.config.seed, limit,
                           lr=self.config.lr, weight_decay=self.config.weight_decay, device=self.config.device,
                           bf16=self.config.bf16, threads=self.config.threads, index=index, emulate=emulate,
                           incarnation=inc, heartbeat=self.config.heartbeat,
                           aggregation=self.config.aggregation, adversary=self.adversaries.get(name),
                           verify=self.config.mode, receipt_key=node_key(self.run_key, name),
-                          coordinator_id=current_session().uid)
-        label = f"stage{stage}-{name}" if inc == 0 else f"{name}-restart{inc}"
-        proc = roving.Process(target=stage_main, args=(s, self.control.address, self.beats.address),
-                              name=label, daemon=True, trusted=False)
-        proc.start()
-        old = self.procs.get(name)
-        if old is not None:
-            self.directory.drop(name)  # an earlier incarnation's id speaks for it no more
-        self.directory.add(proc.node_id, name)
-        self.procs[name] = proc
-        self.starting.add(name)
-        self.holding[name] = stage if inc == 0 and fresh else None
+                             coordinator_id=current_session().uid)
 
     def wait_started(self, alloc: dict[str, int], stages: int, start_wait: float, timeout: float) -> None:
         """Wait for the processes launched (``alloc``: name -> stage) to be ready: all of them, or, after
@@ -158,19 +184,11 @@ class Roster:
             try:
                 for name in live:
                     self.put(name, m.Stop(live))
-                waiting = set(live)
-                deadline = time.monotonic() + 30.0
-                while waiting and time.monotonic() < deadline:
-                    try:
-                        msg = self.control.get(timeout=0.5)
-                    except _queue.Empty:
-                        waiting = {n for n in waiting if self.procs[n].is_alive()}
-                        continue
-                    if isinstance(msg, m.Stopped):
-                        waiting.discard(msg.sender)
-                for name in live:
+                self._await(m.Stopped, live, 30.0)
+                for name in live:  # after everything sent to it, on its sender's one connection
                     self.put(name, m.Release())
-                self._out.confirm(live, timeout=10.0)
+                self._await(m.Released, live, 10.0)
+                self._out.forget(live)  # each answered, so had everything, and is leaving: exit waits for none
             except Exception as exc:  # a process that failed is killed below
                 log.warning("stage processes did not stop cleanly: %s", exc)
         for proc in self.procs.values():
@@ -183,6 +201,19 @@ class Roster:
             self._out.close()
         if self._monitor is not None:
             self._monitor.join(timeout=2)
+
+    def _await(self, kind: type, names: list[str], timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a ``kind`` message from each of ``names`` (or its end)."""
+        waiting = set(names)
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            try:
+                msg = self.control.get(timeout=0.5)
+            except _queue.Empty:
+                waiting = {n for n in waiting if self.procs[n].is_alive()}
+                continue
+            if isinstance(msg, kind):
+                waiting.discard(getattr(msg, "sender", ""))
 
     def _ids(self) -> dict[str, str]:
         """The node id of each admitted process, by name (what its peers check its messages by)."""
@@ -353,6 +384,16 @@ class Roster:
             raise PlanError(f"node {name} is already running")
         if name in self.excluded:
             raise PlanError(f"node {name} was excluded ({self.excluded[name]}): it cannot join again")
+        name = self._new_node(name, region)
+        index = sorted(self.universe).index(name)
+        self.launch(name, 0, index)
+        self.holding[name] = None
+        self._event("join-requested", nodes=[name])
+        return name
+
+    def _new_node(self, name: str | None, region: str | None) -> str:
+        """``name`` if the run knew it, else a new node (named ``name``, or made up) in ``region`` (default:
+        the regions in turn) with the run's compute speed and memory. PlanError for an unknown region."""
         if name is None or name not in self.universe:
             regions = sorted({r for pair in self.prepared.network.links for r in pair} |
                              {n.region for n in self.universe.values()})
@@ -367,10 +408,6 @@ class Roster:
                 name = f"n{k:02d}"
             template = next(iter(self.universe.values()))
             self.universe[name] = dataclasses.replace(template, name=name, region=region)
-        index = sorted(self.universe).index(name)
-        self.launch(name, 0, index)
-        self.holding[name] = None
-        self._event("join-requested", nodes=[name])
         return name
 
     def wait_ready(self, names: list[str], timeout: float) -> None:
@@ -403,3 +440,29 @@ class Roster:
             self.last_beat[name] = time.monotonic()
             self.put(name, m.Peers(self.inboxes, self._ids()))
         return joined
+
+
+class RemoteProcess:
+    """A stage process someone else started (it came through the open door): the coordinator cannot
+    see or end its process, only its heartbeats and its credentials. ``kill`` revokes them (every
+    connection it has to this process is closed; peers refuse it once told to forget it)."""
+
+    exitcode = None
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+        self._ended = False
+
+    def is_alive(self) -> bool:
+        """Until killed (its heartbeats tell whether it still works: ``Roster._dead``)."""
+        return not self._ended
+
+    def kill(self) -> None:
+        self.revoke_credentials()
+        self._ended = True
+
+    def revoke_credentials(self) -> None:
+        revoke(self.node_id)
+
+    def join(self, timeout: float | None = None) -> None:
+        """Nothing to wait for: its process is not this machine's."""

@@ -187,6 +187,9 @@ class RunSection:
     plot: str = ""
     #: a folder watched for join requests (``roving pipeline join``); status.json is written there.
     control: str = ""
+    #: HOST:PORT of the open door (``door``): nodes someone else starts join with an invitation
+    #: (``roving pipeline invite``, which needs ``control``); "": no door.
+    open_join: str = ""
 
 
 @dataclass

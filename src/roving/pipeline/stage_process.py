@@ -219,6 +219,7 @@ class StageProcess:
         while time.monotonic() < deadline:  # the coordinator's Release, once every process stopped
             try:
                 if isinstance(self.inbox.get(timeout=max(0.0, deadline - time.monotonic())), m.Release):
+                    self.control.put(m.Released(self.name))
                     return
             except queue.Empty:
                 return

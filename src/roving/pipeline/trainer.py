@@ -40,10 +40,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..transport.session import current as current_session
 from . import protocol as m
 from .background import Refinement
 from .control import EVALUATIONS, EVENTS, ITERATIONS, ControlFolder
 from .data import train_batches, val_batches
+from .door import Door, Invitations
 from .errors import NodeFailed, NodesLost, NoMessage, PlanError, RoundStalled
 from .evaluate import evaluate_model
 from .network import Network
@@ -149,6 +151,8 @@ class Trainer:
         self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
         self._norm_from: set[str] = set()
         self._resume_from = load_checkpoint(cfg.checkpoint, prep) if cfg.resume else None
+        #: the open door (``[run] open_join``), opened by ``start``
+        self.door: Door | None = None
 
     def _predict(self, plan: Plan, net: Network | None = None) -> Prediction:
         """``simulate.predict`` for ``plan`` on ``net`` (default: the network in use), on this run's
@@ -192,8 +196,33 @@ class Trainer:
         else:
             self.weights.take_snapshot(0)
         self.control.create()
+        if cfg.open_join:
+            self._open_door(cfg.open_join)
         self._write_status()
         self._t0 = time.perf_counter()
+
+    def _open_door(self, where: str) -> None:
+        """Listen at ``where`` (HOST:PORT) for nodes that come with an invitation (``door``)."""
+        host, _, port = where.rpartition(":")
+        if not host or not port.isdigit():
+            raise PlanError(f"open_join: {where!r} is not HOST:PORT")
+        credentials = current_session().credentials
+        self.door = Door(host, int(port), credentials, Invitations(credentials.ca_pem))
+        self._event("door-open", address=self.door.address)
+        log.info("the open door listens at %s", self.door.address)
+
+    def invite(self, ttl: float | None = None, revoke: str | None = None) -> dict:
+        """An invitation through the open door (valid ``ttl`` seconds, default an hour), or the
+        revocation of invitation ``revoke``: what ``roving pipeline invite`` prints. PlanError without a
+        door."""
+        if self.door is None:
+            raise PlanError("this run has no open door (start it with --open-join HOST:PORT)")
+        if revoke is not None:
+            if not self.door.invitations.revoke(str(revoke)):
+                raise PlanError(f"no open invitation {revoke!r}")
+            return {"revoked": revoke}
+        inv_id, token = self.door.invitations.create(3600.0 if ttl is None else ttl)
+        return {"id": inv_id, "token": token, "door": self.door.address}
 
     def _resume(self, ck: dict) -> None:
         """Continue from checkpoint ``ck``: its weights, iteration, metrics and place in the data."""
@@ -210,6 +239,8 @@ class Trainer:
     def stop(self) -> None:
         """Stop the nodes (``Roster.stop``) and any refinement still searching."""
         self.refining.cancel()
+        if self.door is not None:
+            self.door.close()
         self.roster.stop()
 
     def __enter__(self) -> Trainer:
@@ -373,6 +404,9 @@ class Trainer:
         if failed:
             self._replan(failed=failed, why="failure")
         self.control.serve_join_requests(self.roster.request_join)
+        self.control.serve_invite_requests(self.invite)
+        if self.door is not None:
+            self.door.serve(self.roster.enroll)
         self._admit()
         self._take_refined()
 

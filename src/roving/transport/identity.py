@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import datetime
 import os
 import shutil
@@ -132,6 +133,20 @@ class Grant:
         return {"cert": self.cert_pem, "ca": self.ca_pem}
 
 
+def public_keys(seed: bytes) -> Tuple[bytes, str]:
+    """The public halves of the keys made from ``seed``: the Ed25519 identity key (32 raw bytes) and
+    the node key, as :meth:`Authority.certify` takes them."""
+    identity_key, curve_public, _ = _keys(seed)
+    raw = identity_key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return raw, _b64(z85.decode(curve_public))
+
+
+def ca_fingerprint(ca_pem: str) -> str:
+    """The SHA-256 of a CA certificate (hex): what a process that joins from outside is told to expect."""
+    der = x509.load_pem_x509_certificate(ca_pem.encode()).public_bytes(serialization.Encoding.DER)
+    return hashlib.sha256(der).hexdigest()
+
+
 def _keys(seed: bytes) -> Tuple[ed25519.Ed25519PrivateKey, bytes, bytes]:
     """A process's Ed25519 identity key and CURVE key pair (Z85 public, secret), made from its seed."""
     curve_secret = z85.encode(derive(seed, "curve-node"))
@@ -162,11 +177,27 @@ class Authority:
         """Credentials for the process ``node_id`` (made from ``seed``, default: a fresh one), marked
         untrusted unless ``trusted`` (:attr:`Peer.trusted`); IdentityError when that id was issued
         before (one process cannot be given another's id)."""
-        if not node_id or len(node_id) > 128 or not node_id.isprintable():
-            raise IdentityError(f"not a node id: {node_id!r}")
         seed = os.urandom(32) if seed is None else seed
         identity_key, curve_public, _ = _keys(seed)
-        key = _b64(z85.decode(curve_public))
+        cert_pem = self._certify(node_id, identity_key.public_key(), _b64(z85.decode(curve_public)), trusted)
+        return Grant(node_id, seed, cert_pem, self.ca_pem)
+
+    def certify(self, node_id: str, identity_public: bytes, node_key: str, trusted: bool = True) -> str:
+        """A certificate (PEM) for keys a process made itself and holds alone: its Ed25519 identity key
+        (``identity_public``, 32 raw bytes) and its node key (``node_key``, :attr:`Credentials.key`):
+        what a process that joins from outside gets (:func:`public_keys` makes both from its seed).
+        IdentityError when the id was issued before or the keys are not keys."""
+        try:
+            public = ed25519.Ed25519PublicKey.from_public_bytes(bytes(identity_public))
+            if len(_unb64(node_key)) != 32:
+                raise ValueError("a node key is 32 bytes")
+        except (ValueError, TypeError) as exc:
+            raise IdentityError(f"not a process's public keys: {exc}") from None
+        return self._certify(node_id, public, node_key, trusted)
+
+    def _certify(self, node_id: str, public: ed25519.Ed25519PublicKey, key: str, trusted: bool) -> str:
+        if not node_id or len(node_id) > 128 or not node_id.isprintable():
+            raise IdentityError(f"not a node id: {node_id!r}")
         with self._lock:
             if node_id in self._issued:
                 raise IdentityError(f"the node id {node_id!r} was issued already: one process cannot be "
@@ -175,7 +206,7 @@ class Authority:
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
-                .issuer_name(self._name).public_key(identity_key.public_key())
+                .issuer_name(self._name).public_key(public)
                 .serial_number(x509.random_serial_number())
                 .not_valid_before(now - _SKEW).not_valid_after(now + LIFETIME)
                 .add_extension(x509.SubjectAlternativeName(
@@ -183,7 +214,7 @@ class Authority:
                     + ([] if trusted else [x509.UniformResourceIdentifier(_UNTRUSTED_URI)])), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .sign(self._key, None))
-        return Grant(node_id, seed, cert.public_bytes(serialization.Encoding.PEM).decode(), self.ca_pem)
+        return cert.public_bytes(serialization.Encoding.PEM).decode()
 
 
 class Credentials:
@@ -285,6 +316,15 @@ class Credentials:
         if peer.node_id in _revoked:
             raise IdentityError(f"the credentials of {peer.node_id} were revoked")
         return peer, public
+
+    def stranger_server_context(self) -> ssl.SSLContext:
+        """A TLS 1.3 server context with this process's certificate that asks the client for none: for
+        a listener whose clients have no credentials yet (they check this certificate against the CA)."""
+        key_pem = self._identity_key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption())
+        ctx = _tls_context(ssl.PROTOCOL_TLS_SERVER, key_pem, self.cert_pem, self.ca_pem)
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
 
     def tls_contexts(self) -> Tuple[ssl.SSLContext, ssl.SSLContext]:
         """(server, client) TLS 1.3 contexts: mutual, with this process's certificate, the session CA the

@@ -192,5 +192,17 @@ def current() -> Session:
     return _session
 
 
+def enter(credentials: identity.Credentials, towards: str) -> Session:
+    """Make this process a member of a session it was not started by: with ``credentials`` issued to
+    it from outside (a pipeline node that joined with an invitation), its node bound towards the
+    address ``towards`` (the coordinator's). RuntimeError when this process has a session already."""
+    global _session
+    with _session_lock:
+        if _session is not None:
+            raise RuntimeError("this process is a member of a roving session already")
+        _session = Session(credentials, credentials.node_id, towards, towards)
+    return _session
+
+
 def new_uid() -> str:
     return os.urandom(8).hex()
