@@ -293,15 +293,40 @@ class Roster:
         return dead
 
     def check(self, force: bool = False) -> None:
-        """Raise NodesLost (after fencing them off) if admitted processes died; at most every 0.1 s."""
+        """Raise NodesLost (after fencing them off) if admitted processes died or were caught sending what
+        the wire refuses (``_catch_refused``); at most every 0.1 s."""
         now = time.monotonic()
         if not force and now - self._checked < 0.1:
             return
         self._checked = now
+        caught = self._catch_refused()
+        if caught:
+            raise NodesLost(caught)
         dead = self._dead()
         if dead:
             self._drop(dead)
             raise NodesLost(dead)
+
+    def _catch_refused(self) -> dict[str, str]:
+        """Exclude the stage processes that sent what the wire refuses (``mail.Inbox.refused``: a message
+        that does not decode or fit its schema, one a node may not send, more than it may leave unread):
+        no honest stage process does (letters from ids the run does not know are only logged)."""
+        refused = {**self.beats.refused(), **self.control.refused()}
+        caught = {name: f"it sent what the pipeline's wire refuses ({count} time(s); first: {why})"
+                  for name, (count, why) in refused.items() if name in self.procs and name not in self.excluded}
+        if not caught:
+            return {}
+        admitted = {n: f"excluded: {why}" for n, why in caught.items() if n in self.inboxes}
+        for name, why in caught.items():
+            log.warning("node %s caught: %s", name, why)
+            self._event("caught", nodes=[name], why=why)
+            self.starting.discard(name)
+            self.ready.pop(name, None)
+            proc = self.procs[name]
+            if name not in self.inboxes and proc.is_alive():
+                proc.kill()
+        self.exclude(caught)
+        return admitted
 
     def _drop(self, dead: dict[str, str], restart: bool = True) -> None:
         """Fence dead processes off: kill what is left of them, stop sending to them, tell the others."""
@@ -319,7 +344,8 @@ class Roster:
         self.lost.update(dead)
         if self.config.restart and restart:
             for name in dead:
-                self.request_join(name)
+                if not isinstance(self.procs.get(name), RemoteProcess):  # not ours to start again
+                    self.request_join(name)
 
     def take_lost(self) -> dict[str, str]:
         """The processes declared dead since the last call, with why."""

@@ -1,0 +1,120 @@
+"""A pipeline node that attacks: code the coordinator does not control, joining through the open door.
+
+    python hostile_node.py HOST:PORT TOKEN MARKER_PATH
+
+It joins as an honest node would (its own keys, the invitation), reports ready and beats, and once the
+coordinator has told it its peers it tries what the trust boundary says a node cannot do, then prints
+``RESULT <json>``: what each attempt came to, as this node saw it. The test checks the other side: the
+marker file never written, no honest node blamed, this node caught, the training finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+
+import torch
+
+from roving.pipeline import codec, door, mail
+from roving.pipeline import protocol as m
+from roving.pipeline.plan import Route
+from roving.pipeline.receipts import Receipt
+from roving.transport import issuer, postbox, session
+from roving.transport import node as _node
+
+
+class Marker:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def outcome(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # what it raised is the finding
+        return f"refused: {type(exc).__name__}: {str(exc)[:200]}"
+    return "done"
+
+
+def main(address: str, token: str, marker: str) -> None:
+    seed = os.urandom(32)
+    placement = door.join(address, token, seed)
+    here = session.enter(door.credentials_of(placement, seed), towards=placement.control.node)
+    control, beats = postbox.Slot(placement.control), postbox.Slot(placement.beats)
+    inbox = mail.Inbox(mail.Directory({placement.settings.coordinator_id: m.COORDINATOR}))
+    name = placement.name
+    control.send(codec.encode(m.Ready(name, placement.settings.incarnation, inbox.address)))
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            beats.send(codec.encode(m.Beat(name, placement.settings.incarnation)))
+            stop.wait(0.3)
+
+    threading.Thread(target=beat, daemon=True).start()
+    peers = None
+    deadline = time.monotonic() + 120
+    while peers is None and time.monotonic() < deadline:
+        try:
+            msg = inbox.get(timeout=1)
+        except queue.Empty:
+            continue
+        if isinstance(msg, m.Peers):
+            peers = msg
+    result: dict = {"name": name, "admitted": peers is not None}
+    if peers is None:
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    evil = pickle.dumps(Marker(marker), protocol=5)
+    others = {n: postbox.Slot(a) for n, a in peers.inboxes.items() if n != name}
+    # coordinator-only messages to every peer, and a pickle
+    for slot in others.values():
+        for msg in (m.Load(1, 1, {}, None), m.Stop(None), m.Abort(10 ** 6), m.Throttle(50.0),
+                    m.Recheck(0, 1, 0, "forward", {}, None), m.Forget(sorted(others)), m.Release()):
+            slot.send(codec.encode(msg))
+        slot.send([evil])
+    # a stolen start payload: every mailbox id the coordinator's node may have made
+    endpoint = here.endpoint(placement.control.node)
+    stolen = []
+    for box in range(1, 64):
+        if box in (placement.control.box, placement.beats.box):
+            continue
+        status, frames = endpoint.call(_node.GET, box, 0)
+        if status == _node.OK:
+            stolen.append(box)
+    result["stolen"] = stolen
+    # spare credentials
+    result["issued"] = outcome(lambda: here.issue(name + "-spare"))
+    result["asked"] = outcome(lambda: issuer.ask(placement.control.node, here.credentials, name + "-spare", 2))
+    # a receipt in another node's name, and messages that do not fit the wire, to the coordinator
+    other = next(iter(others))
+    receipt = Receipt(other, 0, "activation", 0, 0, b"d" * 32, b"m" * 32)
+    forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0))[0])
+    forged[1]["f"]["sender"] = other
+    for frames in ([evil], [json.dumps(forged).encode()], codec.encode(m.Norm(0, name, 0, -1.0)),
+                   codec.encode(m.Forward(0, name, 0, 0, torch.ones(2), Route(name, (), ()), receipt)),
+                   codec.encode(m.Failed(name, "a failure that ends nothing"))):
+        control.send(frames)
+    # a flood
+    for _ in range(2000):
+        control.send([b"x" * 65536])
+    result["sent"] = "done"
+    print("RESULT " + json.dumps(result), flush=True)
+    # wait to be fenced off: the coordinator revokes its credentials and stops answering it
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not endpoint.ping(2):
+            break
+        time.sleep(0.2)  # its exclusion shows only as silence: there is no message to wait for
+    stop.set()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
