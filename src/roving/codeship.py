@@ -23,10 +23,13 @@ directory is seen at once rather than sent to every machine.
 Guarantees: the archive is checked against its SHA-256 (which the child got with its start-up variables)
 before it is unpacked; unpacking keeps to the target folder (tarfile's ``data`` filter: no absolute
 paths, links out or device files); the folder it is unpacked into is this user's, mode 0700, and is not
-followed through a link; a complete unpacked copy is marked, so an interrupted one is never used.
+followed through a link; a complete unpacked copy is marked, so an interrupted one is never used. When
+the shared name (``$TMPDIR/roving-code-UID``) was taken first by someone else, the child unpacks into a
+new folder of its own (``mkdtemp``, removed at its exit) and says so in a warning: it still runs.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import fnmatch
 import hashlib
@@ -41,9 +44,9 @@ import sys
 import tarfile
 import tempfile
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .backends.private import NotPrivateError, private_dir
+from .backends.private import private_dir_or_own
 
 __all__ = ["Archive", "CodeShipError", "pack", "install", "program_folders"]
 
@@ -271,19 +274,27 @@ def packed(folders: Sequence[str], limit: int) -> Archive:
 
 
 def _private_root() -> str:
-    """This user's folder for unpacked code (``$TMPDIR/roving-code-UID``): made 0700; refused when it is a
-    link, not a folder, not this user's, or open to others."""
-    root = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
-    try:
-        private_dir(root)  # made 0700, not through a link (roving.backends.private)
-    except NotPrivateError as exc:
-        raise CodeShipError(f"{root} is not a private folder of this user: shipped code is not unpacked there "
-                            f"({exc})") from None
+    """This user's folder for unpacked code: ``$TMPDIR/roving-code-UID``, shared by this user's children on
+    the machine (made 0700, not through a link). Where someone else took that name first (a folder of
+    another user, a link, a folder others may write to), a folder of this process's own instead, removed at
+    its exit (:func:`roving.backends.private.private_dir_or_own`): a name in a shared temporary folder must
+    not keep every child from running. CodeShipError when this user's own folder there is open to others."""
+    shared = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
+    root = private_dir_or_own(shared)
+    if root != shared:
+        with _own_roots_lock:
+            if root not in _own_roots:
+                _own_roots.add(root)
+                atexit.register(shutil.rmtree, root, True)
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CodeShipError(f"{root} is not a private folder of this user (a link, another user's, or open to "
-                            "others): shipped code is not unpacked there; remove it")
+        raise CodeShipError(f"{root} is not a private folder of this user (open to others): shipped code is not "
+                            f"unpacked there; run `chmod 700 {root}` or remove it")
     return root
+
+
+_own_roots: Set[str] = set()
+_own_roots_lock = threading.Lock()
 
 
 def cached(sha256: str) -> Optional[str]:

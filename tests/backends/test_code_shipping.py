@@ -127,12 +127,40 @@ def test_unpacking_checks_the_digest_and_keeps_to_a_private_folder(tmp_path, mon
     assert root.stat().st_mode & 0o777 == 0o700
     with pytest.raises(codeship.CodeShipError, match="outside the unpacked code"):
         codeship.paths_in(target, ["0/../../elsewhere"])
-    # a link planted where the private folder goes is refused, not followed
-    shutil.rmtree(root)
-    (tmp_path / "elsewhere").mkdir()
-    root.symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(codeship.CodeShipError, match="not a private folder of this user"):
-        codeship.install(archive.data, archive.sha256)
+
+
+
+def _taken_by_another(root: Path, how: str, elsewhere: Path) -> None:
+    """Make ``root`` as another local user could have made it first: a folder of theirs, a link to a folder
+    of theirs, or a folder anyone may write to."""
+    if how == "link":
+        elsewhere.mkdir()
+        root.symlink_to(elsewhere)
+    else:
+        root.mkdir()
+        root.chmod(0o777 if how == "open to all" else 0o755)
+    if how != "open to all":
+        os.chown(elsewhere if how == "link" else root, 65534, 65534, follow_symlinks=False)  # nobody's
+
+
+@pytest.mark.parametrize("how", ["another user's folder", "link", "open to all"])
+def test_a_code_folder_name_taken_by_another_user_falls_back_to_a_private_folder_of_ones_own(
+        tmp_path, monkeypatch, caplog, how):
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    root = tmp_path / f"roving-code-{os.getuid()}"
+    _taken_by_another(root, how, tmp_path / "elsewhere")
+    _tree(tmp_path / "prog", {"m.py": "v = 2\n"})
+    archive = codeship.pack([str(tmp_path / "prog")], 1 << 20)
+    target = Path(codeship.install(archive.data, archive.sha256))
+    assert (target / "0" / "m.py").read_text() == "v = 2\n"
+    own = target.parent
+    assert own.parent == tmp_path and own.name.startswith(f"roving-code-{os.getuid()}-")
+    st = own.lstat()
+    assert own.is_dir() and not own.is_symlink() and st.st_uid == os.getuid() and st.st_mode & 0o777 == 0o700
+    assert codeship.cached(archive.sha256) == str(target)  # one folder for the whole process
+    assert f"roving refuses {root}" in caplog.text and f"uses a folder of its own instead: {own}" in caplog.text
+    # nothing was written where the other user's name points
+    assert list(root.iterdir() if how != "link" else (tmp_path / "elsewhere").iterdir()) == []
 
 
 def _copy_program(tmp_path: Path) -> Path:
@@ -177,6 +205,28 @@ def test_on_docker_an_over_size_working_directory_is_an_error_naming_the_biggest
     done = _run(program, {**_docker_options(), "ship_code_limit": "1M"}, timeout=120)
     assert done.returncode != 0
     assert "over ship_code_limit=1.0 MiB" in done.stderr and "checkpoint.pt (2.9 MiB)" in done.stderr
+
+
+def test_on_the_fake_kubernetes_children_run_where_another_user_took_the_code_folders_name(tmp_path):
+    from fake_k8s.server import FakeKubernetes
+
+    program = _copy_program(tmp_path)
+    shared_tmp = tmp_path / "tmp"  # the pods' temporary folder (TMPDIR, passed on with forward_env)
+    shared_tmp.mkdir()
+    _taken_by_another(shared_tmp / f"roving-code-{os.getuid()}", "another user's folder", tmp_path / "unused")
+    with FakeKubernetes(cpu=8, memory=8 * 2**30) as fake:
+        env_options = {"backend": "kubernetes", "image": "fake/roving:test", "forward_env": ["TMPDIR"]}
+        kubeconfig = fake.kubeconfig(str(tmp_path / "kubeconfig"))
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "POD_NAME")}
+        env.update(PYTHONPATH=ROVING_SRC, KUBECONFIG=kubeconfig, TMPDIR=str(shared_tmp))
+        done = subprocess.run([sys.executable, str(program / "main.py"), json.dumps(env_options)], cwd=program,
+                              env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["squares"] == [x * x for x in range(6)]
+    for found in [*seen["pool_found"], seen["process_found"]]:
+        assert found.startswith(f"{shared_tmp}/roving-code-{os.getuid()}-") and found.endswith("/helper.py"), found
+    assert f"roving refuses {shared_tmp}/roving-code-{os.getuid()}" in done.stdout + done.stderr
 
 
 def test_on_the_fake_kubernetes_a_program_importing_its_own_helper_gets_it_shipped(tmp_path):
