@@ -21,7 +21,6 @@ from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 log = logging.getLogger(__name__)
 
 
-
 def _has_exited(pid: int) -> bool:
     """Whether child ``pid`` has ended (without reaping it)."""
     try:
