@@ -12,10 +12,33 @@ import os
 import signal
 import sys
 import time
+import unicodedata
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the modules are imported when a command runs: `roving --help` stays quick
     from .config import Config
+
+
+#: Unicode categories never written to the terminal as they are: controls (ESC, CSI, BEL, carriage
+#: return...), format characters (bidirectional overrides, zero-width ones), lone surrogates, line and
+#: paragraph separators.
+_HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}
+
+
+def _shown(text: object, keep: str = "") -> str:
+    """``text`` made safe to print: what a job name, a cluster's answer, a worker's report or a child's
+    output holds comes from others, and a terminal obeys the escape sequences in it (it can be made to
+    rewrite the screen, set the window title, hide lines). Every control or format character is written
+    visibly instead (``\\x1b``, ``\\u202e``), except those in ``keep`` (the newlines and tabs of output)."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c in keep or unicodedata.category(c) not in _HIDDEN else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    code = ord(c)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
@@ -97,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.handler(args)
     except UnknownJobError as exc:
-        print(f"roving: error: unknown job: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        print(f"roving: error: unknown job: {_shown(exc.args[0] if exc.args else exc)}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
-        print(f"roving: error: {exc}", file=sys.stderr)
+        print(f"roving: error: {_shown(exc, keep=chr(10))}", file=sys.stderr)
         return 2
 
 
@@ -178,8 +201,9 @@ def _ps(args: argparse.Namespace) -> int:
     cfg = _configure(args)
     jobs = backends.get(cfg.backend).list_jobs()
     print(f"{'JOB':<20} {'SESSION':<13} {'NAME':<24} {'STATE':<11} REASON")
-    for j in jobs:
-        print(f"{j.id:<20} {j.session:<13} {j.name:<24} {j.state:<11} {j.reason}")
+    for j in jobs:  # every field is the cluster's, and a label or a job's name is anyone's to choose
+        print(f"{_shown(j.id):<20} {_shown(j.session):<13} {_shown(j.name):<24} {_shown(j.state):<11} "
+              f"{_shown(j.reason)}")
     return 0
 
 
@@ -193,7 +217,7 @@ def _logs(args: argparse.Namespace) -> int:
         return _logs_failed()
     cfg = _configure(args)
     backend = backends.get(cfg.backend)
-    sys.stdout.write(backend.logs(backend.job(args.job)))
+    sys.stdout.write(_shown(backend.logs(backend.job(args.job)), keep="\n\t"))
     return 0
 
 
@@ -209,9 +233,9 @@ def _logs_failed() -> int:
         print(f"no crashed children on record (in {crashlog.folder()})")
         return 0
     for rec in found:
-        print(rec.header())
+        print(_shown(rec.header()))
         for line in rec.lines:
-            print(f"  {line}")
+            print(f"  {_shown(line, keep=chr(9))}")
     return 0
 
 
@@ -228,12 +252,12 @@ def _cancel(args: argparse.Namespace) -> int:
     unknown = [] if args.all else backend.unknown_ids(ids)
     if unknown:
         # nothing is cancelled when an id is wrong: a typo must not leave half of a list cancelled
-        print(f"roving: error: unknown job: no roving job {', '.join(unknown)} among those `roving ps` lists "
+        print(f"roving: error: unknown job: no roving job {_shown(', '.join(unknown))} among those `roving ps` lists "
               f"on the {cfg.backend} backend; nothing was cancelled", file=sys.stderr)
         return 1
     backend.cancel_ids(ids)
     for job_id in ids:
-        print(f"cancelled {job_id}")
+        print(f"cancelled {_shown(job_id)}")
     return 0
 
 
@@ -243,7 +267,7 @@ def _info(args: argparse.Namespace) -> int:
     cfg = _configure(args)
     print(f"backend: {cfg.backend} ({_chosen_why(cfg) if not args.backend else 'given with --backend'})")
     for key, value in backends.get(cfg.backend).describe().items():
-        print(f"  {key}: {value}")
+        print(f"  {key}: {_shown(value)}")
     from .transport import session
 
     try:
@@ -265,8 +289,8 @@ def _info_workers(n: int, cfg: Config) -> int:
     from .process import Process, ProcessStartError
 
     here = environment.here()
-    print(f"this machine: Python {here.python} ({here.implementation}, {here.platform}); "
-          + ", ".join(f"{k} {v}" for k, v in here.packages.items()))
+    print(_shown(f"this machine: Python {here.python} ({here.implementation}, {here.platform}); "
+                 + ", ".join(f"{k} {v}" for k, v in here.packages.items())))
     procs = [Process(target=environment.probe, name=f"info-worker-{i + 1}") for i in range(n)]
     for p in procs:
         p.start()
@@ -277,7 +301,7 @@ def _info_workers(n: int, cfg: Config) -> int:
         except environment.EnvironmentMismatchError:
             worst = 1
         except ProcessStartError as exc:
-            print(f"  {p.name}: did not start: {exc}")
+            print(_shown(f"  {p.name}: did not start: {exc}"))
             worst = 1
             continue
         if p.exitcode is None:
@@ -290,12 +314,14 @@ def _info_workers(n: int, cfg: Config) -> int:
             print(f"  {p.name}: exited with code {p.exitcode} before it said anything of its environment")
             worst = 1
             continue
+        # what a worker reports is its own word: shown, never obeyed by the terminal
         f = report.fingerprint
-        print(f"  {p.name} on {report.host}: Python {f.python} ({f.implementation}, {f.platform})")
+        print(_shown(f"  {p.name} on {report.host}: Python {f.python} ({f.implementation}, {f.platform})"))
         if not report.differences:
-            print(f"    same as this machine (env_check={report.policy})")
+            print(_shown(f"    same as this machine (env_check={report.policy})"))
         for d in report.differences:
-            print(f"    differs: {d} ({'an error' if d.fatal else 'a warning'} under env_check={report.policy})")
+            print(_shown(f"    differs: {d} ({'an error' if d.fatal else 'a warning'} under "
+                         f"env_check={report.policy})"))
     return worst
 
 

@@ -8,24 +8,35 @@ archive (:func:`pack`), and each child, before it unpickles anything, fetches it
 transport unless its machine already holds that very archive, unpacks it into a private folder of its
 own user (:func:`install`), and puts the unpacked folders on ``sys.path`` where the parent's were.
 
-What goes in: the files of each folder, except ``.git``, ``__pycache__``, compiled files, virtual
-environments (a folder holding ``pyvenv.cfg``) and what the folder's git repository ignores (``git
-ls-files``; without git, the patterns of the folder's own ``.gitignore``, matched against each path and
-name). An archive larger than ``ship_code_limit`` is an error naming the biggest files, so that a data
-folder under the working directory is seen at once rather than sent to every machine.
+What goes in: what can be imported from each folder and the data of its packages, nothing else — the
+modules at its top (``*.py``, extension modules), and the files of its packages (a top folder whose name
+is a Python identifier and that holds a module, at any depth) and of its distributions' metadata
+(``*.dist-info``, ``*.egg-info``). Left out: every dot-file and dot-folder at any depth (``.ssh``,
+``.kube/config``, ``.env``, ``.roving``, ``.git``...), ``__pycache__``, compiled files, virtual environments
+(a folder holding ``pyvenv.cfg``), what the folder's git repository ignores (``git ls-files``; without git,
+the patterns of the folder's own ``.gitignore``, matched against each path and name), and the other files
+at its top (notes, data, keys). A folder that is a user's home, or holds one (``/home``, ``/``), is
+refused (CodeShipError): whatever else is there is not the program's to send. An archive larger than
+``ship_code_limit`` is an error naming the biggest files, so that a data folder under the working
+directory is seen at once rather than sent to every machine.
 
 Guarantees: the archive is checked against its SHA-256 (which the child got with its start-up variables)
 before it is unpacked; unpacking keeps to the target folder (tarfile's ``data`` filter: no absolute
 paths, links out or device files); the folder it is unpacked into is this user's, mode 0700, and is not
-followed through a link; a complete unpacked copy is marked, so an interrupted one is never used.
+followed through a link; a complete unpacked copy is marked, so an interrupted one is never used. When
+the shared name (``$TMPDIR/roving-code-UID``) was taken first by someone else, the child unpacks into a
+new folder of its own (``mkdtemp``, removed at its exit) and says so in a warning: it still runs.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import fnmatch
 import hashlib
+import importlib.machinery
 import io
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -33,21 +44,23 @@ import sys
 import tarfile
 import tempfile
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .backends.private import NotPrivateError, private_dir
+from .backends.private import private_dir_or_own
 
 __all__ = ["Archive", "CodeShipError", "pack", "install", "program_folders"]
 
-_SKIP_DIRS = {".git", "__pycache__", ".hg", ".svn", ".mypy_cache", ".pytest_cache", ".ruff_cache", ".tox",
-              ".hypothesis"}
+_SKIP_DIRS = {"__pycache__"}  # and every folder whose name starts with a dot
 _SKIP_SUFFIXES = (".pyc", ".pyo")
+#: What a module's file is named: a source, or an extension module of this interpreter.
+_MODULE_SUFFIXES = tuple(importlib.machinery.SOURCE_SUFFIXES + importlib.machinery.EXTENSION_SUFFIXES)
+_METADATA_SUFFIXES = (".dist-info", ".egg-info")
 _DONE = ".roving-complete"
 
 
 class CodeShipError(ValueError):
     """The program's code cannot be shipped: the archive would be over ``ship_code_limit`` (the message
-    names the biggest files), or a folder cannot be read."""
+    names the biggest files), a folder to ship is a user's home (or holds one), or a folder cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,19 +131,56 @@ def _walk(folder: str) -> List[str]:
     files = []
     for root, dirs, names in os.walk(folder):
         rel_root = os.path.relpath(root, folder)
-        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not ignored(os.path.normpath(os.path.join(rel_root, d)))
+        dirs[:] = [d for d in dirs if not _skipped_dir(d) and not ignored(os.path.normpath(os.path.join(rel_root, d)))
                    and not os.path.exists(os.path.join(root, d, "pyvenv.cfg"))]
-        files += [os.path.normpath(os.path.join(rel_root, n)) for n in names]
+        files += [os.path.normpath(os.path.join(rel_root, n)) for n in names if not n.startswith(".")]
     return [f for f in files if not ignored(f)]
 
 
-def _files(folder: str) -> List[Tuple[str, int]]:
-    """(path relative to ``folder``, size) of each regular file to ship."""
+def _skipped_dir(name: str) -> bool:
+    return name.startswith(".") or name in _SKIP_DIRS
+
+
+def _importable(files: Sequence[str], inner: Sequence[str]) -> List[str]:
+    """Those of ``files`` (paths relative to an outermost folder) that are the program's code or its
+    packages' data, as seen from any of the program's folders under it (``inner``: their paths relative to
+    it, "." for itself): a module at the top of one, or a file inside a package at its top (a folder whose
+    name is an identifier and that holds a module, at any depth), or inside a distribution's metadata."""
+    def split(rel: str, prefix: str) -> Optional[List[str]]:
+        if prefix == ".":
+            return rel.split(os.sep)
+        return rel[len(prefix) + 1:].split(os.sep) if rel.startswith(prefix + os.sep) else None
+
+    packages = set()  # (program folder, top folder) pairs that hold a module
+    for rel in files:
+        if rel.endswith(_MODULE_SUFFIXES):
+            for prefix in inner:
+                parts = split(rel, prefix)
+                if parts is not None and len(parts) > 1 and parts[0].isidentifier():
+                    packages.add((prefix, parts[0]))
+
+    def wanted(rel: str) -> bool:
+        for prefix in inner:
+            parts = split(rel, prefix)
+            if parts is None:
+                continue
+            if len(parts) == 1 and rel.endswith(_MODULE_SUFFIXES):
+                return True
+            if len(parts) > 1 and ((prefix, parts[0]) in packages or parts[0].endswith(_METADATA_SUFFIXES)):
+                return True
+        return False
+
+    return [rel for rel in files if wanted(rel)]
+
+
+def _files(folder: str, inner: Sequence[str] = (".",)) -> List[Tuple[str, int]]:
+    """(path relative to ``folder``, size) of each regular file to ship; ``inner``: the program's folders
+    under ``folder``, relative to it ("." for ``folder`` itself)."""
     listed = _git_files(folder)
     chosen = []
-    for rel in (listed if listed is not None else _walk(folder)):
+    for rel in _importable(listed if listed is not None else _walk(folder), inner):
         parts = rel.split(os.sep)
-        if any(p in _SKIP_DIRS for p in parts[:-1]) or rel.endswith(_SKIP_SUFFIXES):
+        if any(_skipped_dir(p) for p in parts[:-1]) or parts[-1].startswith(".") or rel.endswith(_SKIP_SUFFIXES):
             continue
         try:
             st = os.lstat(os.path.join(folder, rel))
@@ -145,11 +195,46 @@ def _files(folder: str) -> List[Tuple[str, int]]:
     return chosen
 
 
+def _homes() -> Dict[str, str]:
+    """Every user's home folder (real path) -> whose it is: this process's ``$HOME`` and each account's."""
+    found: Dict[str, str] = {}
+    try:
+        for account in pwd.getpwall():
+            if account.pw_dir:
+                found.setdefault(os.path.realpath(account.pw_dir), f"user {account.pw_name}")
+    except OSError:  # an account database that cannot be read: $HOME still counts
+        pass
+    home = os.environ.get("HOME") or os.path.expanduser("~")
+    if home and home != "~":
+        found[os.path.realpath(home)] = "this user ($HOME)"
+    return found
+
+
+def _refuse_homes(roots: Sequence[str]) -> None:
+    """CodeShipError when a folder to ship is a user's home, or holds one."""
+    homes = _homes()
+    for root in roots:
+        held = sorted(h for h in homes if h == root or (h + os.sep).startswith(root.rstrip(os.sep) + os.sep))
+        if held:
+            what = (f"the home folder of {homes[root]}" if root in homes
+                    else f"a folder that holds the home folder of {homes[held[0]]} ({held[0]})")
+            raise CodeShipError(
+                f"roving refuses to ship {root} to the workers: it is {what}, where keys and credentials live "
+                "(.ssh, .kube, .env, .roving, a cloud's credentials). Run the program from a folder of its own "
+                "(its script and modules in, say, ~/myproject), or set ship_code=\"off\" where the workers "
+                "see this machine's files")
+
+
 def pack(folders: Sequence[str], limit: int) -> Archive:
-    """Pack ``folders`` (see the module for what is left out). CodeShipError when the files come to more
-    than ``limit`` bytes, naming the biggest."""
-    roots, places = _outermost([os.path.realpath(f) for f in folders])
-    listing = [(i, folder, _files(folder)) for i, folder in enumerate(roots)]
+    """Pack ``folders`` (see the module for what goes in and what is left out). CodeShipError when a folder
+    is a user's home or holds one, or when the files come to more than ``limit`` bytes, naming the
+    biggest."""
+    real = [os.path.realpath(f) for f in folders]
+    roots, places = _outermost(real)
+    _refuse_homes(roots)
+    inner = [[os.path.relpath(f, root) for f in real if f == root or (f + os.sep).startswith(root + os.sep)]
+             for root in roots]
+    listing = [(i, folder, _files(folder, inner[i])) for i, folder in enumerate(roots)]
     total = sum(size for _, _, files in listing for _, size in files)
     if total > limit:
         biggest = sorted(((size, os.path.join(folder, rel)) for _, folder, files in listing for rel, size in files),
@@ -189,19 +274,27 @@ def packed(folders: Sequence[str], limit: int) -> Archive:
 
 
 def _private_root() -> str:
-    """This user's folder for unpacked code (``$TMPDIR/roving-code-UID``): made 0700; refused when it is a
-    link, not a folder, not this user's, or open to others."""
-    root = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
-    try:
-        private_dir(root)  # made 0700, not through a link (roving.backends.private)
-    except NotPrivateError as exc:
-        raise CodeShipError(f"{root} is not a private folder of this user: shipped code is not unpacked there "
-                            f"({exc})") from None
+    """This user's folder for unpacked code: ``$TMPDIR/roving-code-UID``, shared by this user's children on
+    the machine (made 0700, not through a link). Where someone else took that name first (a folder of
+    another user, a link, a folder others may write to), a folder of this process's own instead, removed at
+    its exit (:func:`roving.backends.private.private_dir_or_own`): a name in a shared temporary folder must
+    not keep every child from running. CodeShipError when this user's own folder there is open to others."""
+    shared = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
+    root = private_dir_or_own(shared)
+    if root != shared:
+        with _own_roots_lock:
+            if root not in _own_roots:
+                _own_roots.add(root)
+                atexit.register(shutil.rmtree, root, True)
     st = os.lstat(root)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise CodeShipError(f"{root} is not a private folder of this user (a link, another user's, or open to "
-                            "others): shipped code is not unpacked there; remove it")
+        raise CodeShipError(f"{root} is not a private folder of this user (open to others): shipped code is not "
+                            f"unpacked there; run `chmod 700 {root}` or remove it")
     return root
+
+
+_own_roots: Set[str] = set()
+_own_roots_lock = threading.Lock()
 
 
 def cached(sha256: str) -> Optional[str]:

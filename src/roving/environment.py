@@ -102,7 +102,15 @@ class Difference:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Difference":
-        return cls(str(data["what"]), str(data["parent"]), str(data["child"]), bool(data["fatal"]))
+        """Raises ValueError when ``data`` is not a difference (a field missing or of the wrong kind)."""
+        try:
+            fields = (data["what"], data["parent"], data["child"])
+            fatal = data["fatal"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a difference: {exc!r} missing") from None
+        if not all(isinstance(f, str) for f in fields) or not isinstance(fatal, bool):
+            raise ValueError("not a difference: a field of the wrong kind")
+        return cls(*fields, fatal=fatal)
 
 
 @functools.lru_cache(maxsize=None)
@@ -192,6 +200,10 @@ def describe(differences: Iterable[Difference]) -> str:
     return "; ".join(str(d) for d in differences)
 
 
+#: The largest environment report a parent reads (a real one is a few KiB).
+MAX_REPORT = 1 << 20
+
+
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What a child leaves for its parent when it starts: where it runs, its fingerprint, how it differs
@@ -208,13 +220,24 @@ class Report:
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> "Report":
-        """Raises ValueError when ``raw`` is not a report."""
+        """Raises ValueError when ``raw`` is not a report: not JSON, over :data:`MAX_REPORT` bytes, nested
+        too deeply for the JSON parser, or a field missing or of the wrong kind. Nothing else: it comes from a
+        child not yet trusted, and must not raise into its parent's ``join()`` (RecursionError included)."""
+        if len(raw) > MAX_REPORT:
+            raise ValueError(f"not an environment report: {len(raw)} bytes, over {MAX_REPORT}")
         try:
             data = json.loads(raw)
-            return cls(str(data["host"]), Fingerprint.from_json(data["fingerprint"]),
-                       tuple(Difference.from_json(d) for d in data["differences"]), str(data["policy"]))
-        except (KeyError, TypeError, AttributeError) as exc:
+        except RecursionError:  # json's parser recurses per level: a child sent lists in lists in lists...
+            raise ValueError("not an environment report: its JSON is nested too deeply to be read (a report "
+                             "nests 3 deep)") from None
+        try:
+            host, policy, differences = data["host"], data["policy"], data["differences"]
+            fingerprint = Fingerprint.from_json(data["fingerprint"])
+        except (KeyError, TypeError) as exc:
             raise ValueError(f"not an environment report: {exc!r}") from None
+        if not isinstance(host, str) or not isinstance(policy, str) or not isinstance(differences, list):
+            raise ValueError("not an environment report: a field of the wrong kind")
+        return cls(host, fingerprint, tuple(Difference.from_json(d) for d in differences), policy)
 
     def error(self, name: str) -> EnvironmentMismatchError:
         """The error for child ``name`` that its fatal differences make."""

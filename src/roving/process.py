@@ -36,6 +36,7 @@ from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
+from .backends import private as _private
 from .transport import identity as _identity
 from .transport import node as _node
 from .transport import session as _session
@@ -165,7 +166,14 @@ class Process:
         return backends.JobSpec(
             name=self._name, command=[self._boot.python, "-m", "roving._child"], env=env, cwd=os.getcwd(),
             session=session.job_session(), resources=resources, output=cfg.child_output,
-            log_path=os.path.join(cfg.log_dir, f"{self._name}.log"))
+            log_path=self._log_path())
+
+    def _log_path(self) -> str:
+        """The child's log file (``child_output="files"``): in ``log_dir``, or, where another user took that
+        folder's name first, in a private folder of this process's own (roving.backends.private)."""
+        cfg = self._config
+        folder = _private.private_dir_or_own(cfg.log_dir) if cfg.child_output == "files" else cfg.log_dir
+        return os.path.join(folder, f"{self._name}.log")
 
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
@@ -365,7 +373,7 @@ class Process:
             cfg = self._config
             crashlog.keep(self._name, _session.current().tag, str(self._job.id) if self._job else "",
                           self._backend.name if self._backend else cfg.backend, code, cause, cfg.child_output,
-                          os.path.join(cfg.log_dir, f"{self._name}.log"))
+                          self._log_path())
         with _children_lock:
             _children.discard(self)
         node = _session.current().started_node()

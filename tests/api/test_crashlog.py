@@ -43,6 +43,21 @@ def test_a_crashed_childs_last_lines_are_kept_and_roving_logs_failed_prints_them
     assert "  ValueError: the cause of it all" in done.stdout
 
 
+def test_roving_logs_failed_shows_the_escape_sequences_of_a_childs_output_visibly_not_raw():
+    roving.init(child_output="prefix")
+    # what a child prints is shown to whoever reads the records: a window title, a clear screen, a bell
+    p = roving.Process(target=h.raise_value_error, args=("\x1b]0;owned\x07\x1b[2J\tgone",), name="loud\x1b[5m")
+    p.start()
+    p.join(60)
+    assert p.exitcode == 1
+    assert wait_until(lambda: any("gone" in line for r in crashlog.records() for line in r.lines), 10)
+    done = _logs_failed()
+    assert done.returncode == 0
+    assert "  ValueError: \\x1b]0;owned\\x07\\x1b[2J\tgone" in done.stdout  # a tab stays a tab
+    assert "== loud\\x1b[5m (job " in done.stdout
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+
+
 def test_a_child_killed_by_a_signal_is_kept_and_one_roving_stopped_is_not():
     roving.init(child_output="files")
     fine = roving.Process(target=h.print_lines, args=(["all is well"], []), name="fine")

@@ -164,3 +164,44 @@ def test_roving_info_workers_shows_each_workers_environment_and_its_differences(
     assert done.returncode == 1
     assert done.stdout.count(f"differs: Python {platform.python_version()} in the parent, "
                              f"{_minor_of(other_python)} in the child (an error under env_check=auto)") == 2
+
+
+# -- a report that is not one ---------------------------------------------------------------------------
+
+DEEP = b"[" * 200_000 + b"]" * 200_000  # lists in lists: deeper than json's parser recurses
+
+
+def test_a_report_nested_too_deeply_or_of_the_wrong_kind_is_a_value_error_saying_so():
+    with pytest.raises(ValueError, match="nested too deeply"):
+        environment.Report.from_bytes(DEEP)
+    nested_host = b'{"host": ' + b"[" * 500 + b"]" * 500 + b', "policy": "auto", "differences": [], ' \
+        b'"fingerprint": {"python": "3", "implementation": "c", "platform": "p", "packages": {}}}'
+    with pytest.raises(ValueError, match="of the wrong kind"):
+        environment.Report.from_bytes(nested_host)
+    with pytest.raises(ValueError, match="not a difference"):
+        environment.Report.from_bytes(b'{"host": "h", "policy": "auto", "differences": [[]], "fingerprint": '
+                                      b'{"python": "3", "implementation": "c", "platform": "p", "packages": {}}}')
+    with pytest.raises(ValueError, match="over"):
+        environment.Report.from_bytes(b" " * (environment.MAX_REPORT + 1))
+
+
+def test_a_childs_report_nested_too_deeply_is_refused_and_join_raises_nothing(caplog):
+    import logging
+
+    from roving.transport import node as _node
+    from roving.transport import session
+
+    go, out = roving.Queue(), roving.Queue()
+    p = roving.Process(target=h.echo_once, args=(go, out))
+    p.start()
+    node = session.current().started_node()
+    status, frames = node.call_local(_node.GET, p._boot.env_box, 120)  # the child's own report, once it is there
+    assert status == _node.OK and environment.Report.from_bytes(bytes(frames[0])).host
+    # what a child could leave in its place: lists in lists, deeper than the JSON parser goes
+    node.call_local(_node.PUT, p._boot.env_box, 0, [DEEP])
+    go.put("on")
+    assert out.get(timeout=120) == "on"
+    with caplog.at_level(logging.WARNING, logger="roving.process"):
+        p.join(120)
+        assert p.exitcode == 0 and p.environment is None
+    assert "environment report that cannot be read" in caplog.text and "nested too deeply" in caplog.text

@@ -67,6 +67,52 @@ def test_ps_logs_and_cancel_a_slurm_job_of_this_session():
     assert q.exitcode == -15
 
 
+#: What a job's name, label or output may hold: an OSC window title, a clear screen, a bell, a CSI in its
+#: one-byte form, a right-to-left override. A terminal obeys every one of them when printed raw.
+HOSTILE = "evil\x1b]0;owned\x07\x1b[2J\x9b31m\u202e"
+HOSTILE_SHOWN = "evil\\x1b]0;owned\\x07\\x1b[2J\\x9b31m\\u202e"
+
+
+def test_ps_and_logs_show_the_escape_sequences_of_names_and_output_visibly_not_raw():
+    hb.require("docker")
+    # anyone who can create a container can give it roving's labels: a name of their choosing in our `ps`
+    options = hb.docker_options()
+    volumes = {host: {"bind": inside, "mode": mode}
+               for host, inside, mode in (v.split(":") for v in options["docker_volumes"])}
+    client = roving.backends.get("docker").client()
+    container = client.containers.run(
+        options["image"], ["/usr/bin/printf", "line one\\n\\033[2J\\033]0;owned\\007\\tline two\\n"],
+        labels={"roving.session": "s\x1b[31m", "roving.name": HOSTILE}, volumes=volumes, detach=True)
+    try:
+        assert container.wait(timeout=60)["StatusCode"] == 0
+        r = roving_cmd("ps", "--backend", "docker")
+        assert r.returncode == 0, r.stderr
+        (line,) = [t for t in r.stdout.splitlines() if t.startswith(container.id[:12])]
+        assert HOSTILE_SHOWN in line and "s\\x1b[31m" in line
+        assert not any(c in r.stdout for c in "\x1b\x07\x9b\u202e")
+        r = roving_cmd("logs", "--backend", "docker", container.id[:12])
+        assert r.returncode == 0, r.stderr
+        # the output's own lines and tab stay as they are; its escape sequences are shown, not obeyed
+        assert r.stdout == "line one\n\\x1b[2J\\x1b]0;owned\\x07\tline two\n"
+    finally:
+        container.remove(force=True)
+
+
+def test_info_workers_shows_what_a_worker_reports_visibly_not_raw(tmp_path):
+    # a worker whose host name is hostile (here: made so by a sitecustomize that only children run)
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os, socket\n"
+        "if os.environ.get('ROVING_CHILD'):\n"
+        f"    socket.gethostname = lambda: {HOSTILE!r}\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "ROVING_BACKEND": "local"}
+    env.pop("ROVING_CHILD", None)
+    r = subprocess.run([sys.executable, "-m", "roving", "info", "--workers", "1"], capture_output=True, text=True,
+                       timeout=240, env=env)
+    assert r.returncode == 0, r.stderr
+    assert f"info-worker-1 on {HOSTILE_SHOWN}: Python" in r.stdout
+    assert not any(c in r.stdout for c in "\x1b\x07\x9b\u202e")
+
+
 def test_info_says_which_backend_and_why():
     r = roving_cmd("info")
     assert r.returncode == 0 and "backend: local (detected: no Slurm allocation" in r.stdout

@@ -76,6 +76,29 @@ def test_pod_has_resources_labels_namespace_and_no_restarts(fake, monkeypatch, t
     assert p.exitcode == -15
 
 
+def test_no_pod_roving_starts_mounts_the_namespaces_service_account_token(fake):
+    # a worker that could read the token could act on the cluster with the service account's rights
+    p = roving.Process(target=h.return_normally)
+    p.start()
+    p.join(T)
+    with roving.Pool(2) as pool:
+        assert pool.map(hp.square, range(4)) == [0, 1, 4, 9]
+    assert p.exitcode == 0 and len(fake.created) >= 3
+    assert [pod.name for pod in fake.created if pod.mounts_token] == []
+    assert all(pod.body["spec"]["automountServiceAccountToken"] is False for pod in fake.created)
+
+
+def test_a_process_in_a_pod_without_a_token_is_told_why_it_cannot_start_pods(monkeypatch):
+    # as inside a worker pod: the service's address is set, no token (nor namespace file) is mounted
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.delenv("KUBECONFIG", raising=False)
+    backends._instances.pop("kubernetes", None)
+    roving.init(backend="kubernetes", image="x")
+    with pytest.raises(OSError, match="without a service-account token .* start every process from the parent"):
+        roving.Process(target=h.return_normally).start()
+    backends._instances.pop("kubernetes", None)
+
+
 def test_terminate_and_kill_delete_the_pod_with_minus_sigterm_and_minus_sigkill(fake):
     procs = [roving.Process(target=h.sleep_for, args=(60,)) for _ in range(2)]
     for p in procs:

@@ -140,8 +140,11 @@ def test_every_job_of_a_parent_killed_with_sigkill_is_cancelled(name, tmp_path):
     hb.require(name)
     out = tmp_path / "jobs.txt"
     options = hb.OPTIONS[name]
+    env = dict(os.environ)
+    if name == "slurm":  # its secret files' folder is under ~/.roving/secrets: here, one of this test's own
+        env["HOME"] = str(tmp_path / "home")
     parent = subprocess.Popen([sys.executable, str(PROGRAMS / "backend_parent.py"), str(out), name,
-                               "3", json.dumps(options)], cwd=str(ROOT),
+                               "3", json.dumps(options)], cwd=str(ROOT), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if not wait_until(lambda: out.exists() or parent.poll() is not None, 120):
@@ -156,6 +159,9 @@ def test_every_job_of_a_parent_killed_with_sigkill_is_cancelled(name, tmp_path):
             folders = [m["Source"] for cid in job_ids for m in client.api.inspect_container(cid)["Mounts"]
                        if m["Destination"] == "/run/roving-session"]
             assert len(folders) == 3 and all(os.path.isfile(os.path.join(f, "secret")) for f in folders)
+        else:  # the parent's one folder of secret files (its jobs removed theirs once read)
+            folders = [str(f) for f in (tmp_path / "home" / ".roving" / "secrets").glob("roving-secrets-*")]
+            assert len(folders) == 1
         parent.send_signal(signal.SIGKILL)
         parent.wait(30)
         assert wait_until(lambda: hb.session_jobs_alive(name, job_ids) == [], 15, 0.25), \

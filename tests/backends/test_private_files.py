@@ -49,6 +49,29 @@ def test_a_child_whose_log_file_is_a_planted_link_is_not_started_and_the_link_is
     assert _mode(logs / "linked.log") == 0o600
 
 
+@pytest.mark.parametrize("how", ["another user's folder", "a link to another user's folder"])
+def test_a_log_folder_whose_name_another_user_took_first_gives_way_to_a_private_folder_of_ones_own(
+        tmp_path, caplog, how):
+    logs, theirs = tmp_path / "roving-logs", tmp_path / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)  # nobody's
+    if how == "a link to another user's folder":
+        os.symlink(theirs, logs)
+    else:
+        os.rename(theirs, logs)
+    roving.init(child_output="files", log_dir=str(logs))
+    procs = [roving.Process(target=h.print_lines, args=([f"from {i}"], []), name=f"logged-{i}") for i in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        finish(p)
+    (own,) = [d for d in tmp_path.iterdir() if d.name.startswith("roving-logs-")]  # one for the whole process
+    assert own.is_dir() and not own.is_symlink() and os.lstat(own).st_uid == os.getuid() and _mode(own) == 0o700
+    assert [(own / f"logged-{i}.log").read_text() for i in range(2)] == ["from 0\n", "from 1\n"]
+    assert list(logs.iterdir()) == []  # nothing written where the other user's name points
+    assert f"roving refuses {logs}" in caplog.text and f"uses a folder of its own instead: {own}" in caplog.text
+
+
 def test_a_log_folder_that_is_a_link_or_writable_by_others_is_refused(tmp_path):
     real = tmp_path / "real"
     real.mkdir()

@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
 from .private import create_private, private_dir, private_key
+from .reaper import Reaper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,12 +159,14 @@ class SecretFiles:
     started with, which removing the variable from ``os.environ`` does not clear) nor a cluster's
     record of the job's environment (Slurm's ``--export``) carries it. The child reads the file and
     removes it (:func:`roving.backends.private.take_private`); the files of jobs that never ran go with
-    the folder at this process's exit. ``base`` must be a folder the job's machine sees (a shared home
-    for a cluster). Thread-safe.
+    the folder at this process's exit, or, when this process is killed (SIGKILL), by ``reaper``'s
+    watcher (:meth:`roving.backends.reaper.Reaper.folder`). ``base`` must be a folder the job's machine
+    sees (a shared home for a cluster). Thread-safe.
     """
 
-    def __init__(self, base: str) -> None:
+    def __init__(self, base: str, reaper: Optional[Reaper] = None) -> None:
         self._base = base
+        self._reaper = reaper
         self._folder: Optional[str] = None
         self._lock = threading.Lock()
 
@@ -174,6 +177,8 @@ class SecretFiles:
                     private_dir(self._base)  # made 0700; one that exists (/tmp) holds a folder of ours
                 self._folder = tempfile.mkdtemp(prefix="roving-secrets-", dir=self._base)  # 0700
                 atexit.register(shutil.rmtree, self._folder, True)
+                if self._reaper is not None:  # named before any secret is in it
+                    self._reaper.folder(self._folder)
             return self._folder
 
     def moved(self, spec: JobSpec) -> JobSpec:

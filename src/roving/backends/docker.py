@@ -206,6 +206,7 @@ class DockerBackend(Backend):
             pass
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
+            self._reaper.folder_gone(folder)
             if state is not None:
                 state.secret_dir = None
 
@@ -248,6 +249,7 @@ class DockerBackend(Backend):
         env, secret = container_env(spec, cfg.forward_env)
         secret_dir = _secret_folder(secret) if secret else None
         if secret_dir:
+            self._reaper.folder(secret_dir)  # removed by the watcher if this process is killed
             volumes[secret_dir] = {"bind": _SECRET_MOUNT, "mode": "ro"}
             env[spec.session.secret_file_env] = f"{_SECRET_MOUNT}/secret"
         try:
@@ -261,6 +263,7 @@ class DockerBackend(Backend):
         except BaseException as exc:
             if secret_dir:
                 shutil.rmtree(secret_dir, ignore_errors=True)
+                self._reaper.folder_gone(secret_dir)
             if isinstance(exc, docker.errors.ImageNotFound):
                 raise DockerError(f"the image {cfg.image!r} is not on the Docker host; build it (`roving "
                                   "run --build`, or docker build) or pull it") from None

@@ -18,6 +18,9 @@
   into a Secret of the pod's own (named as the pod, owned by the parent's pod when there is one), which
   the pod's env references (``valueFrom.secretKeyRef``). Each is deleted with its pod, when the session
   ends, and by the watcher process when the parent dies.
+* Worker pods do not mount the namespace's service-account token (``automountServiceAccountToken:
+  false``): what a worker runs cannot use the cluster's API with that account's rights. So a worker cannot
+  start pods of its own: start every process from the parent (a child that tries gets an error saying so).
 * The client is configured in-cluster inside a pod, else from the kubeconfig (KUBECONFIG).
 """
 from __future__ import annotations
@@ -95,6 +98,11 @@ class KubernetesBackend(Backend):
             except ImportError:
                 raise KubernetesError("the kubernetes backend needs the kubernetes client: "
                                       "pip install 'roving[kubernetes]'") from None
+            if (os.environ.get("KUBERNETES_SERVICE_HOST") and not os.path.exists(_NAMESPACE_FILE)
+                    and not os.environ.get("KUBECONFIG")):
+                raise KubernetesError("this process runs in a pod without a service-account token (roving's "
+                                      "worker pods are started without one: automountServiceAccountToken: "
+                                      "false), so it cannot start pods: start every process from the parent")
             try:
                 configuration = kubernetes.client.Configuration()
                 if os.environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(_NAMESPACE_FILE):
@@ -193,8 +201,10 @@ class KubernetesBackend(Backend):
         owner = self._owner_reference()
         if owner:
             metadata["ownerReferences"] = [owner]
+        # A worker is no client of the cluster: without the namespace's service-account token mounted, code
+        # it runs (or a compromised worker) cannot act on the cluster with that account's rights.
         body = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": {
-            "restartPolicy": "Never", "containers": [{
+            "restartPolicy": "Never", "automountServiceAccountToken": False, "containers": [{
                 "name": "roving", "image": cfg.image, "command": list(spec.command), "workingDir": spec.cwd,
                 "env": [{"name": k, "value": v} for k, v in env.items()] + from_refs,
                 "resources": {"requests": amounts, "limits": dict(amounts)}}]}}

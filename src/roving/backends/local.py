@@ -15,12 +15,10 @@ from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles
 from .errors import LocalError, UnknownJobError
 from .output import OutputPump
 from .private import open_private
+from .reaper import Reaper
 from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 
 log = logging.getLogger(__name__)
-
-#: Where local children find the session secret: a private folder under the system's temporary one.
-_SECRETS = SecretFiles(tempfile.gettempdir())
 
 
 def _has_exited(pid: int) -> bool:
@@ -43,9 +41,12 @@ class LocalBackend(Backend):
         self._pump: Optional[OutputPump] = None
         self._lock = threading.Lock()
         self._starters: Dict[tuple, Starter] = {}  # (preload, interpreter settings) -> its starter
+        # Where local children find the session secret: a private folder under the system's temporary one,
+        # which a watcher removes if this process is killed before it can (no jobs of its own to cancel).
+        self._secrets = SecretFiles(tempfile.gettempdir(), Reaper(self.name))
 
     def create_job(self, spec: JobSpec) -> Job:
-        env = dict(_SECRETS.moved(spec).env)  # the secret in a private file, not the environment
+        env = dict(self._secrets.moved(spec).env)  # the secret in a private file, not the environment
         stdout: Any = None
         stderr: Any = None
         log_file = None

@@ -15,13 +15,19 @@ Only the last folder is checked: the folders above it (a home, /tmp) are the sys
 """
 from __future__ import annotations
 
+import logging
 import os
 import stat
-from typing import IO, Any
+import tempfile
+import threading
+from typing import IO, Any, Dict
 
 from .errors import NotPrivateError
 
-__all__ = ["NotPrivateError", "private_dir", "open_private", "create_private", "take_private", "private_key"]
+__all__ = ["NotPrivateError", "private_dir", "private_dir_or_own", "open_private", "create_private", "take_private",
+           "private_key"]
+
+log = logging.getLogger(__name__)
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -93,6 +99,35 @@ def private_dir(path: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         raise _refuse(path, "the folder is a symbolic link", "use the folder it points to, or another")
     _check_dir(path, st)
+
+
+_own_dirs: Dict[str, str] = {}
+_own_dirs_lock = threading.Lock()
+
+
+def private_dir_or_own(path: str) -> str:
+    """``path`` when :func:`private_dir` makes or accepts it; when someone else took that name first (a
+    folder of another user, a link, a folder others may write to: NotPrivateError), a new folder of this
+    process's own instead, made by ``mkdtemp`` beside it (else in the temporary folder): 0700, under a random
+    name that did not exist (so never one planted as a link), the same one for every later call with
+    ``path``; a warning names both. Other errors (no permission to make it) are raised."""
+    path = os.path.abspath(path)
+    try:
+        private_dir(path)
+        return path
+    except NotPrivateError as exc:
+        why = exc
+    with _own_dirs_lock:
+        own = _own_dirs.get(path)
+        if own is None or not os.path.isdir(own):
+            prefix = os.path.basename(path.rstrip(os.sep)) + "-"
+            try:
+                own = tempfile.mkdtemp(prefix=prefix, dir=os.path.dirname(path))
+            except OSError:
+                own = tempfile.mkdtemp(prefix=prefix)
+            _own_dirs[path] = own
+            log.warning("%s; this process uses a folder of its own instead: %s", why, own)
+        return own
 
 
 def _open(path: str, flags: int, mode: str) -> IO[Any]:

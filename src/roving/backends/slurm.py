@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 
 #: Where Slurm jobs find the session secret: a private folder in this user's home (which a cluster's
 #: nodes share), one file per job.
-_SECRETS = SecretFiles(os.path.expanduser("~/.roving/secrets"))
 
 _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED",
             "STOPPED", "RESV_DEL_HOLD", "SIGNALING"}
@@ -139,6 +138,7 @@ class SlurmBackend(Backend):
         self._warned: Set[str] = set()
         self._controller_ok = False
         self._reaper = Reaper(self.name)
+        self._secrets = SecretFiles(os.path.expanduser("~/.roving/secrets"), self._reaper)
         self._steps = slurm_step.Steps(self._watch_step)
         self._towards: Optional[Tuple[str, str]] = None
         self._settings: Optional[Dict[str, str]] = None
@@ -176,7 +176,7 @@ class SlurmBackend(Backend):
 
     def create_job(self, spec: JobSpec) -> Job:
         # the secret in a private file: neither in the job's environment nor in Slurm's record of it
-        spec = _SECRETS.moved(spec)
+        spec = self._secrets.moved(spec)
         if os.environ.get("SLURM_JOB_ID"):
             (job,) = self._start_steps([spec])
             if isinstance(job, Exception):
@@ -260,7 +260,7 @@ class SlurmBackend(Backend):
         at most MaxArraySize tasks; one job each with ``slurm_array = False``, for a single spec, and
         inside an allocation (job steps). Task ids are ``<array>_<index>``. More specs than the cluster's
         MaxJobCount are refused at once, naming it."""
-        specs = [_SECRETS.moved(spec) for spec in specs]  # a file each: a task removes its own once read
+        specs = [self._secrets.moved(spec) for spec in specs]  # a file each: a task removes its own once read
         if os.environ.get("SLURM_JOB_ID"):
             return self._start_steps(specs)
         cfg = _config.current()

@@ -21,6 +21,9 @@ images), so the tests talk to this instead, through the official kubernetes clie
   ``GET`` and ``DELETE .../secrets/NAME``. A container env entry ``valueFrom.secretKeyRef`` is resolved
   when the pod starts, as the kubelet does; a missing Secret or key keeps the pod ``Pending`` with its
   container waiting, reason ``CreateContainerConfigError``.
+* a pod mounts its service account's token unless its spec says ``automountServiceAccountToken: false``
+  (the fake's service account, like a namespace's ``default`` one, does not turn it off): each pod
+  created is kept in ``created``, with ``FakePod.mounts_token`` saying whether the kubelet would mount it.
 """
 from __future__ import annotations
 
@@ -74,6 +77,8 @@ class FakePod:
         self.cpu = cpu_value(requests.get("cpu", "0"))
         self.memory = memory_value(requests.get("memory", "0"))
         self.gpu = int(requests.get("nvidia.com/gpu", 0))
+        #: whether the kubelet would mount the service account's token into the pod's containers
+        self.mounts_token = body["spec"].get("automountServiceAccountToken") is not False
 
     def start(self, secrets: dict) -> None:
         c = self.body["spec"]["containers"][0]
@@ -138,6 +143,7 @@ class FakeKubernetes:
         #: the (start, end) of each, time.monotonic(): tests see whether a client created pods concurrently.
         self.create_delay = 0.0
         self.creations: list = []
+        self.created: list = []  # every FakePod created, in order (pods leaves them when deleted)
         #: The next this many pod creations are refused with 429 Too Many Requests (a rate limit).
         self.refuse_pods = 0
         fake = self
@@ -296,6 +302,7 @@ class FakeKubernetes:
                                                 f'pods "{body["metadata"]["name"]}" already exists'))
                 pod = FakePod(body, namespace, self.log_dir)
                 self.pods[(namespace, pod.name)] = pod
+                self.created.append(pod)
                 self._try_schedule(pod)
                 return h._send(201, pod.json())
             if method == "GET" and name is None:
