@@ -1,0 +1,82 @@
+"""What one pipeline message costs on its way, by how it is written: pickled (roving's serializer, as the
+queues carry objects) against the data-only wire (``roving.pipeline.codec``), for the messages a
+training sends most, at the sizes of a model preset.
+
+    python benchmarks/pipeline_wire.py [--model small] [--repeat 2000]
+
+For each message: microseconds to write it (the sender) and to read it back (the receiver), and its
+bytes; pickled and coded side by side, in one run. The codec's read includes every check of the
+message's schema (types, bounds, the tensor's dtype and length).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from roving.pipeline import codec
+from roving.pipeline import protocol as m
+from roving.pipeline.plan import Route
+from roving.pipeline.model import PRESETS as MODEL_PRESETS
+from roving.pipeline.receipts import Receipt
+from roving.pipeline.screen import Summary
+from roving.transport.serialize import dumps, loads
+
+
+def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Message]:
+    cfg = MODEL_PRESETS[model]
+    dim = cfg.dim
+    act = torch.randn(samples_per_mb, seq_len, dim)
+    route = Route("n00", ("n01", "n02", "n03"), (1, 2, 3))
+    receipt = Receipt("n01", 7, "activation", 3, 1, b"d" * 32, b"m" * 32)
+    share = torch.randn(sum(p.numel() for p in torch.nn.Linear(dim, dim).parameters()) * 4)
+    summary = Summary((), 1.2, 0.01, -0.3, torch.randn(dim))
+    return {
+        "Forward (activation)": m.Forward(7, "n01", 3, 1, act, route, receipt),
+        "Gradients (share)": m.Gradients(7, "n01", share, 4, receipt),
+        "Done": m.Done(7, "n00", 3, 2.71),
+        "Norm (8 summaries)": m.Norm(7, "n01", 1, 3.5, tuple(("activation", i, 1, "n00", summary) for i in range(8)),
+                                     (), {"n05": 0.9}, b"c" * 32),
+        "Stepped": m.Stepped(7, "n01", {"processed": 12, "compute_s": 0.5, "peak_in_flight": 2,
+                                        "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]}, math.nan, b"w" * 32, "cpu"),
+        "Beat": m.Beat("n01", 0),
+    }
+
+
+def timed(fn, repeat: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - t0) / repeat * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="small", choices=sorted(MODEL_PRESETS))
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=2000)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    print(f"model {args.model}, {args.samples} x {args.seq_len} tokens per microbatch; microseconds per message "
+          f"(median of 3 runs of {args.repeat})")
+    print(f"{'message':24s} {'bytes':>10s} {'pickle write':>13s} {'pickle read':>12s} {'codec write':>12s} "
+          f"{'codec read':>11s} {'codec/pickle':>13s}")
+    for name, msg in samples(args.model, args.samples, args.seq_len).items():
+        sender = getattr(msg, "sender", None)
+        pickled, coded = dumps(msg), codec.encode(msg)
+        figures = []
+        for fn in (lambda: dumps(msg), lambda: loads(pickled), lambda: codec.encode(msg),
+                   lambda: codec.decode(coded, sender)):
+            figures.append(sorted(timed(fn, args.repeat) for _ in range(3))[1])
+        size = sum(len(memoryview(f).cast("B")) for f in coded)
+        ratio = (figures[2] + figures[3]) / (figures[0] + figures[1])
+        print(f"{name:24s} {size:10d} {figures[0]:13.1f} {figures[1]:12.1f} {figures[2]:12.1f} {figures[3]:11.1f} "
+              f"{ratio:12.2f}x")
+
+
+if __name__ == "__main__":
+    main()
