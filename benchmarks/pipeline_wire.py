@@ -11,6 +11,7 @@ message's schema (types, bounds, the tensor's dtype and length).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 
@@ -37,10 +38,12 @@ def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Messag
         "Forward (activation)": m.Forward(7, "n01", 3, 1, act, route, receipt),
         "Gradients (share)": m.Gradients(7, "n01", share, 4, receipt),
         "Done": m.Done(7, "n00", 3, 2.71),
-        "Norm (8 summaries)": m.Norm(7, "n01", 1, 3.5, tuple(("activation", i, 1, "n00", summary) for i in range(8)),
+        "Norm (8 summaries)": m.Norm(7, "n01", 1, 3.5,
+                                     tuple(("activation", i, 1, "n00", summary) for i in range(8)),
                                      (), {"n05": 0.9}, b"c" * 32),
         "Stepped": m.Stepped(7, "n01", {"processed": 12, "compute_s": 0.5, "peak_in_flight": 2,
-                                        "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]}, math.nan, b"w" * 32, "cpu"),
+                                        "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]},
+                             math.nan, b"w" * 32, "cpu"),
         "Beat": m.Beat("n01", 0),
     }
 
@@ -69,8 +72,8 @@ def main() -> None:
         sender = getattr(msg, "sender", None)
         pickled, coded = dumps(msg), codec.encode(msg)
         figures = []
-        for fn in (lambda: dumps(msg), lambda: loads(pickled), lambda: codec.encode(msg),
-                   lambda: codec.decode(coded, sender)):
+        for fn in (functools.partial(dumps, msg), functools.partial(loads, pickled),
+                   functools.partial(codec.encode, msg), functools.partial(codec.decode, coded, sender)):
             figures.append(sorted(timed(fn, args.repeat) for _ in range(3))[1])
         size = sum(len(memoryview(f).cast("B")) for f in coded)
         ratio = (figures[2] + figures[3]) / (figures[0] + figures[1])

@@ -46,7 +46,8 @@ def main() -> None:
         for label in ("before", "after"):
             got = one(getattr(args, label), args.iterations, args.verify)
             runs[label].append(got)
-            print(f"pair {i + 1} {label:6s}: iteration {got[0]:.4f} s, microbatch phase (compute_seconds) {got[1]:.4f} s", flush=True)
+            print(f"pair {i + 1} {label:6s}: iteration {got[0]:.4f} s, compute_seconds {got[1]:.4f} s",
+                  flush=True)
     b = [statistics.median(x[k] for x in runs["before"]) for k in (0, 1)]
     a = [statistics.median(x[k] for x in runs["after"]) for k in (0, 1)]
     print(f"median before: iteration {b[0]:.4f} s, phase {b[1]:.4f} s")

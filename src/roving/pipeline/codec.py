@@ -356,7 +356,7 @@ def _enc_screened(rows: Any, buffers: list) -> list:
             n = flat.size
         out.append([what, mb, hop, frm, list(summary.found), summary.norm, summary.mean, summary.std, n])
     joined = numpy.concatenate(profiles) if profiles else numpy.empty(0, numpy.float32)
-    buffers.append(memoryview(joined).cast("B") if joined.size else b"")
+    buffers.append(memoryview(joined).cast("B") if joined.size else b"")  # type: ignore[arg-type]
     return [out, [len(buffers) - 1, "float32", [int(joined.size)]]]
 
 
@@ -483,7 +483,8 @@ class _Reader:
     """What one message's fields are read against: its buffers (each used once) and its sender."""
 
     def __init__(self, buffers: list[Any], sender: str | None) -> None:
-        self.buffers, self.sender, self.used = buffers, sender, set()
+        self.buffers, self.sender = buffers, sender
+        self.used: set[int] = set()
 
     def tensor(self, raw: Any) -> torch.Tensor:
         if type(raw) is not list or len(raw) != 3:

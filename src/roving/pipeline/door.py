@@ -200,7 +200,7 @@ class Door:
     def serve(self, enroll: Enroll) -> list[str]:
         """Place the strangers waiting (on the caller's thread: the trainer's, between iterations);
         the names placed."""
-        placed = []
+        placed: list[str] = []
         while True:
             try:
                 e = self._pending.get_nowait()
@@ -297,7 +297,8 @@ def join(address: str, token: str, seed: bytes, region: str | None = None,
             ca_pem = hello.get("ca") if isinstance(hello, dict) else None
             _check_coordinator(tls, ca_pem, mark, address)
             identity_public, node_key = identity.public_keys(seed)
-            _send_line(tls, {"invite": token, "identity": identity_public.hex(), "node_key": node_key, "region": region})
+            _send_line(tls, {"invite": token, "identity": identity_public.hex(), "node_key": node_key,
+                             "region": region})
             tls.settimeout(max(1.0, deadline - time.monotonic()))
             answer = _read_line(tls, deadline)
     except (OSError, ssl.SSLError, ValueError) as exc:

@@ -2,7 +2,8 @@
 
 Each message is a small frozen dataclass; it travels as data (``codec``: a JSON header and its tensors'
 raw bytes, never pickled). Every message that a stage process sends has a ``sender``, which is not on
-the wire: the reader's inbox (``mail.Inbox``) sets it from the identity the transport authenticated; every message that belongs to one attempt at an iteration's
+the wire: the reader's inbox (``mail.Inbox``) sets it from the identity the transport authenticated;
+every message that belongs to one attempt at an iteration's
 microbatch phase carries its ``round`` (a number that grows with every attempt: when a stage process
 fails, the coordinator aborts the round and runs the iteration again under a new plan in a new round).
 Both ends dispatch on the message's type; a message of a type a receiver does not handle is a

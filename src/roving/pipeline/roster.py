@@ -24,7 +24,7 @@ import os
 import queue as _queue
 import threading
 import time
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from ..transport.identity import revoke
 from ..transport.session import current as current_session
@@ -50,8 +50,6 @@ class Roster:
     whose weights each holds now (None: nothing useful yet)."""
 
     def __init__(self, prep: Any, event: Callable[..., None]) -> None:
-        import roving
-
         self.prepared, self.config, self.spec, self._event = prep, prep.config, prep.spec, event
         #: who is who: the node id each stage process's connections authenticate as, by name
         self.directory = Directory()
@@ -398,7 +396,7 @@ class Roster:
                 continue  # from a process declared dead
             if not isinstance(msg, kinds) or (names is not None and sender not in names):
                 raise NodeFailed(str(m.unexpected(msg, "the coordinator", what)))
-            return cast(m.Message, msg)
+            return msg
 
     # -- joining -----------------------------------------------------------------------------------
     def request_join(self, name: str | None = None, region: str | None = None) -> str:
