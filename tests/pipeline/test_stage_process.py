@@ -251,3 +251,41 @@ def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_sha
         assert want < 4 * honest, "the median is not dragged by the tampered share"
     else:
         assert want > 4 * honest, "the mean is dragged by it: the comparison could fail"
+
+
+def test_a_stage_process_told_to_forget_a_peer_refuses_that_peers_credentials_from_then_on():
+    """Exclusion reaches the peers: ``Forget`` (from the coordinator, through a real inbox) revokes the
+    node id the coordinator's ``Peers`` gave the forgotten name, so its connections here are closed and
+    refused, and its letters are no one's."""
+    from roving.pipeline import mail
+    from roving.transport import identity, session
+
+    directory = mail.Directory({session.current().uid: m.COORDINATOR})
+    inbox = mail.Inbox(directory, accept=mail.coordinator_only)
+    other = mail.Inbox(mail.Directory())
+    control: queue.Queue = queue.Queue()
+    proc = StageProcess(settings("a", 0), inbox, control)
+    errors: list[BaseException] = []
+    thread = threading.Thread(target=lambda: _run_catching(proc, errors), daemon=True)
+    thread.start()
+    to_a = mail.Outbox(inbox.address)  # this process is the coordinator of the directory
+    forgotten = "node-b-" + session.new_uid()
+    try:
+        assert isinstance(control.get(timeout=60), m.Ready)
+        to_a.put(m.Peers({"a": inbox.address, "b": other.address}, {"b": forgotten}))
+        to_a.put(m.Forget(["b"]))
+        to_a.put(m.Stop(["a"]))
+        assert isinstance(control.get(timeout=60), m.Stopped)
+        assert identity.is_revoked(forgotten)
+        assert directory.name(forgotten) is None
+    finally:
+        to_a.put(m.Release())
+        thread.join(timeout=30)
+    assert not errors, errors
+
+
+def _run_catching(proc: StageProcess, errors: list) -> None:
+    try:
+        proc.run()
+    except BaseException as exc:
+        errors.append(exc)

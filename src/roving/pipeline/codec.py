@@ -42,7 +42,7 @@ import torch
 
 from ..transport.postbox import PostboxAddress
 from . import protocol as m
-from .errors import PipelineError
+from .errors import Malformed, PipelineError
 from .network import Link
 from .plan import Route
 from .receipts import Receipt
@@ -58,10 +58,6 @@ MAX_DIMS = 8
 MAX_DEPTH = 16
 MAX_HEADER = 64 << 20
 _VERSION = 1
-
-
-class Malformed(PipelineError, ValueError):
-    """A message that does not fit the pipeline's wire: what was wrong, in words."""
 
 
 #: The types a message may hold, by wire name (their fields are checked as a message's are).

@@ -48,7 +48,7 @@ from cryptography.hazmat.primitives.asymmetric import ed25519
 from ..transport import identity
 from ..transport.guard import Refusals
 from ..transport.postbox import PostboxAddress
-from .errors import PipelineError
+from .errors import JoinError, PipelineError
 from .model import LlamaConfig
 from .stage_process import StageSettings
 
@@ -63,10 +63,6 @@ HANDSHAKE_S = 10.0
 MAX_HANDSHAKES = 8
 #: Seconds a node that sent a valid invitation waits for the run to take it (between iterations).
 ADMISSION_S = 300.0
-
-
-class JoinError(PipelineError, ConnectionError):
-    """Joining through the door failed: what was wrong (the address tried, the invitation refused...)."""
 
 
 # -- invitations --------------------------------------------------------------------------------------

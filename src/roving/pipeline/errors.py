@@ -65,5 +65,15 @@ class RoundStalled(PipelineError):
     Raised and handled inside the trainer (the round is run again)."""
 
 
+class Malformed(PipelineError, ValueError):
+    """A message that does not fit the pipeline's data-only wire (``codec``): what was wrong, in words.
+    Raised by ``codec.decode``; the inbox that read it refuses it and counts it against its writer."""
+
+
+class JoinError(PipelineError, ConnectionError):
+    """Joining a training through its open door failed (``door``): the address tried and why (not
+    reached, not the training the invitation names, the invitation refused)."""
+
+
 class ProtocolError(PipelineError, RuntimeError):
     """A message that its receiver does not handle (a wrong type, or not a protocol message at all)."""

@@ -299,7 +299,7 @@ class Roster:
         self._checked = now
         caught = self._catch_refused()
         if caught:
-            raise NodesLost(caught)
+            raise NodesLost(caught, caught)
         dead = self._dead()
         if dead:
             self._drop(dead)
