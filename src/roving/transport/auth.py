@@ -33,13 +33,17 @@ between two others and then read and change what they send each other:
   holds its legs in two network namespaces needs the machine's root, who reads loopback traffic
   anyway.) Addresses are bound only where both are
   loopback as each side sees them: across hosts a stream is TLS (with ``encrypt="off"``, where address
-  translation would change them, nothing is bound: that mode protects against no one on the path).
-* **ZeroMQ under CURVE** (every ZeroMQ socket unless ``encrypt="off"``) needs nothing more: the client
-  pins the node's own key in CURVE's handshake, so its connection ends at the process that holds that
-  key, under keys only the two ends have (CURVE's short-term keys); a relay cannot read or change it, nor
-  forward a client's proof as its own, since the client signs for the node key it pinned and a node
-  refuses a signature made for another key. A relay in front of a node that connects to it as a CURVE
-  client of its own (all clients share one CURVE key) speaks as itself: it must prove its own identity.
+  translation would change them, nothing is bound: that mode protects against no one on the path). A
+  plain-text connection that one side sees on loopback and the other not (an address translated on the
+  way) has the two sides sign different things, and is refused.
+* **ZeroMQ under CURVE** (every ZeroMQ socket unless ``encrypt="off"``) is bound already: the client
+  pins the node's key (the one its address names) in CURVE's handshake, so its connection ends at the
+  process that holds that key's secret, under short-term keys only the two ends have; knowing the
+  session's shared CURVE client key does not help a relay (it lets it be a client, as itself, not the
+  node to a client, nor a reader of another client's connection). A relay the client was sent to
+  instead (its address, its key) gets a signature for its own key, which the real node refuses, and
+  cannot pass the real node's proof on to the client, which expects the relay's key. With
+  ``encrypt="off"`` ZeroMQ binds nothing, as plain text across hosts does not.
 
 Guarantees of :class:`Door`: a node knows a peer by the user id that its ZAP handler gave the
 connection (:mod:`.zap`), never by the routing id alone, which a peer may choose; a connection that has
