@@ -331,6 +331,23 @@ def test_the_binding_is_what_both_sides_of_one_connection_see_and_differs_betwee
         server.close()
 
 
+def test_the_binding_is_the_same_when_an_ipv6_listener_sees_an_ipv4_opener():
+    """A dual-stack listener sees its IPv4 opener as ::ffff:127.0.0.1; both sides still sign the same."""
+    server = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    try:
+        server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        server.bind(("::ffff:127.0.0.1", 0))
+        server.listen()
+        opener = socket.create_connection(("127.0.0.1", server.getsockname()[1]))
+        there, seen = server.accept()
+        assert seen[0] == "::ffff:127.0.0.1"
+        assert _stream._binding(opener, opener=True) == _stream._binding(there, opener=False) != b""
+        opener.close()
+        there.close()
+    finally:
+        server.close()
+
+
 # -- what a peer may send before it has proven itself -------------------------------------------------
 
 def test_the_bytes_read_before_the_proof_add_up_to_16_kib():
@@ -386,3 +403,30 @@ def test_a_peer_that_would_send_more_than_16_kib_before_its_proof_is_cut_off_unr
     finally:
         link.close()
         served.close()
+
+
+# -- ZeroMQ: CURVE binds already ---------------------------------------------------------------------
+
+def test_a_session_member_cannot_end_curve_for_a_client_that_meant_another_node(session):
+    """A relay's own node, at whose port a client arrives meaning the target (the target's key in the
+    address): the client pins the target's key in CURVE's handshake, which the relay cannot finish (it
+    has its own key, not the target's), so nothing reaches either; the same client reaches the target."""
+    from roving.transport import endpoint as _endpoint
+    from roving.transport import node as _node
+
+    client = session.issue("a")
+    target = _node.Node(session.issue("b"))
+    relay = _node.Node(session.issue("relay"))
+    box = target.new_box()
+    try:
+        posing = identity.bare(relay.address) + "#" + identity.node_key(target.address)
+        ep = _endpoint.Endpoint(posing, client, None, connect_timeout=5)
+        ep._streams = ""  # ZeroMQ only
+        with pytest.raises(auth.AuthenticationError):
+            ep.call(_node.PUT, box, 0, [b"meant for b"])
+        direct = _endpoint.Endpoint(target.address, client, None, connect_timeout=TIMEOUT)
+        direct._streams = ""
+        assert direct.call(_node.PUT, box, 0, [b"meant for b"])[0] == _node.OK
+    finally:
+        relay.close()
+        target.close()

@@ -304,11 +304,13 @@ def _binding(sock: socket.socket, opener: bool) -> bytes:
         ends.reverse()
     named = []
     for host, port, *_ in ends:
-        ip = ipaddress.ip_address(str(host).partition("%")[0])
-        ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1, as a dual-stack socket shows it
-        if not ip.is_loopback:
-            return b""
-        named.append(f"{ip} {port}")
+        if not host.startswith("127."):  # else IPv4 loopback, as the kernel writes it: the usual case, at once
+            ip = ipaddress.ip_address(host.partition("%")[0])
+            ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1, as a dual-stack socket shows it
+            if not ip.is_loopback:
+                return b""
+            host = str(ip)
+        named.append(f"{host} {port}")
     return ("tcp " + " ".join(named)).encode()
 
 
