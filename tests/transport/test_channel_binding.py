@@ -199,7 +199,7 @@ def _open_tls(address: str, creds: identity.Credentials) -> _tls.TlsSocket:
 
 
 @pytest.mark.parametrize("tls_as", ["relay", "a"])
-def test_a_listener_refuses_a_proof_whose_certificate_is_not_the_one_tls_verified(session, tls_as):
+def test_a_listener_refuses_a_proof_whose_certificate_is_not_the_one_tls_verified(session, tls_as, caplog):
     """TLS made with the relay's certificate, then a's own proof (its certificate, its signature over
     this handshake): refused with the one-byte verdict, and the stream never opens. The control: the
     same steps with TLS made as a are taken."""
@@ -229,6 +229,8 @@ def test_a_listener_refuses_a_proof_whose_certificate_is_not_the_one_tls_verifie
         # the verdict is sent before the refusal is counted
         assert wait_until(lambda: served.listener.refusals.count == before + 1, TIMEOUT)
         assert served.opened == []
+        assert ("refused a connection from 127.0.0.1: the peer proved itself with a certificate other than "
+                "the one its TLS connection was made with") in caplog.text
     else:
         assert verdict == b"\x01"
         assert [p.node_id for p in served.opened] == [a.node_id]
