@@ -357,8 +357,9 @@ def _valid_to(cert: x509.Certificate) -> datetime.datetime:
 
 
 def _context(as_node: bool, client_nonce: bytes, node_nonce: bytes, node: str, binding: bytes = b"") -> bytes:
-    # the node key is base64 (never a zero byte), so what follows it cannot be read as part of it
-    return (_AS_NODE if as_node else _AS_CLIENT) + client_nonce + node_nonce + node.encode() + b"\x00" + binding
+    context = (_AS_NODE if as_node else _AS_CLIENT) + client_nonce + node_nonce + node.encode()
+    # the node key is base64 (never a zero byte), so a binding cannot be read as part of it
+    return context + b"\x00" + binding if binding else context
 
 
 def _tls_context(side: int, key_pem: bytes, cert_pem: str, ca_pem: str) -> ssl.SSLContext:
