@@ -14,6 +14,37 @@ The same exchange runs over ZeroMQ (a node's ROUTER socket: :class:`Door` on the
 :class:`ClientHandshake` and :class:`ServerHandshake`). Encryption (CURVE, TLS) is :mod:`.crypto`'s
 and comes underneath; it does not replace this proof.
 
+The proof is bound to the connection it is made on, so that a process of the session on the path (it
+has credentials of its own, so it can end TLS, or run a ZeroMQ client, as itself) cannot relay it
+between two others and then read and change what they send each other:
+
+* **TLS streams**: the certificate in each side's proof must be, byte for byte, the one TLS verified
+  for the peer (``getpeercert(binary_form=True)``), checked before the proof is read further. TLS 1.3
+  proves in its own handshake that the peer holds that certificate's key, and a relay can show only
+  its own certificate there, so a relayed proof names a certificate that is not the channel's.
+  (Python's :mod:`ssl` has no keying-material exporter, and ``tls-unique`` is not defined for TLS 1.3:
+  the certificate is the binding.)
+* **Plain-text streams** (loopback): each side signs, with both nonces, the two endpoints' addresses as
+  it sees them (the opener's and the listener's, IP and port: ``binding`` above). Both sides of one TCP
+  connection see the same pair; a relay's two legs are two connections, and two connections never have
+  the same pair on one machine (the pair names a TCP connection), so each side finds the other's
+  signature made over another connection and refuses it. This also stops a relay that forwards the
+  bytes untouched, which no proof without a binding could tell from a direct connection. (A relay that
+  holds its legs in two network namespaces needs the machine's root, who reads loopback traffic
+  anyway.) Addresses are bound only where both are
+  loopback as each side sees them: across hosts a stream is TLS (with ``encrypt="off"``, where address
+  translation would change them, nothing is bound: that mode protects against no one on the path). A
+  plain-text connection that one side sees on loopback and the other not (an address translated on the
+  way) has the two sides sign different things, and is refused.
+* **ZeroMQ under CURVE** (every ZeroMQ socket unless ``encrypt="off"``) is bound already: the client
+  pins the node's key (the one its address names) in CURVE's handshake, so its connection ends at the
+  process that holds that key's secret, under short-term keys only the two ends have; knowing the
+  session's shared CURVE client key does not help a relay (it lets it be a client, as itself, not the
+  node to a client, nor a reader of another client's connection). A relay the client was sent to
+  instead (its address, its key) gets a signature for its own key, which the real node refuses, and
+  cannot pass the real node's proof on to the client, which expects the relay's key. With
+  ``encrypt="off"`` ZeroMQ binds nothing, as plain text across hosts does not.
+
 Guarantees of :class:`Door`: a node knows a peer by the user id that its ZAP handler gave the
 connection (:mod:`.zap`), never by the routing id alone, which a peer may choose; a connection that has
 not authenticated gets nothing read of what it sends, and is told so once, with the fixed word
@@ -81,10 +112,12 @@ def verify(expected: bytes, received: bytes) -> bool:
 class ClientHandshake:
     """The opening side of one handshake: send :attr:`hello`, then answer the node's challenge with
     :meth:`answer`, which checks the node's proof of the member secret and of its identity first (and,
-    given ``node_key``, that it is the node the client meant to reach)."""
+    given ``node_key``, that it is the node the client meant to reach). ``binding``: the connection's
+    name as this side sees it (see above)."""
 
-    def __init__(self, creds: "bytes | identity.Credentials", node_key: Optional[str] = None) -> None:
-        self._creds, self._expect = identity.credentials(creds), node_key
+    def __init__(self, creds: "bytes | identity.Credentials", node_key: Optional[str] = None,
+                 binding: bytes = b"") -> None:
+        self._creds, self._expect, self._binding = identity.credentials(creds), node_key, binding
         #: The client's nonce: its first message.
         self.hello = new_nonce()
         #: Who answered (set by :meth:`answer`).
@@ -96,7 +129,7 @@ class ClientHandshake:
         if not verify(server_proof(self._creds.secret, self.hello, server_nonce), proof):
             raise AuthenticationError(f"{who} failed to authenticate")
         try:
-            peer = self._creds.check(cert, signature, True, self.hello, server_nonce)
+            peer = self._creds.check(cert, signature, True, self.hello, server_nonce, binding=self._binding)
         except IdentityError as exc:
             raise IdentityError(f"{who} failed to prove its identity: {exc}") from None
         if self._expect is not None and peer.key != self._expect:
@@ -105,21 +138,21 @@ class ClientHandshake:
                 "relayed to another node): refused")
         self.peer = peer
         return (client_proof(self._creds.secret, self.hello, server_nonce),
-                self._creds.prove(False, self.hello, server_nonce, peer.key))
+                self._creds.prove(False, self.hello, server_nonce, peer.key, self._binding))
 
 
 class ServerHandshake:
     """The listening side of one handshake, made from the client's hello: send :attr:`nonce`,
     :attr:`proof` and :attr:`signature` with this process's certificate, then check the client's
-    answer with :meth:`accepts`."""
+    answer with :meth:`accepts`. ``binding``: the connection's name as this side sees it (see above)."""
 
-    def __init__(self, creds: "bytes | identity.Credentials", client_nonce: bytes) -> None:
+    def __init__(self, creds: "bytes | identity.Credentials", client_nonce: bytes, binding: bytes = b"") -> None:
         self._creds = creds = identity.credentials(creds)
-        self._client_nonce = client_nonce
+        self._client_nonce, self._binding = client_nonce, binding
         self.nonce = new_nonce()
         #: The server's nonce and proof, as sent.
         self.proof = server_proof(creds.secret, client_nonce, self.nonce)
-        self.signature = creds.prove(True, client_nonce, self.nonce, creds.key)
+        self.signature = creds.prove(True, client_nonce, self.nonce, creds.key, binding)
 
     @property
     def challenge(self) -> bytes:
@@ -136,7 +169,8 @@ class ServerHandshake:
         IdentityError when its certificate or signature is not valid (or revoked)."""
         if not verify(client_proof(self._creds.secret, self._client_nonce, self.nonce), proof):
             raise AuthenticationError("it failed to prove the session secret")
-        return self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key)
+        return self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key,
+                                 self._binding)
 
 
 def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]],

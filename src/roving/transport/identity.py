@@ -254,20 +254,26 @@ class Credentials:
         return self._seed.hex()
 
     # -- proof on connections ------------------------------------------------------------------------
-    def prove(self, as_node: bool, client_nonce: bytes, node_nonce: bytes, node: str) -> bytes:
-        """This process's signature for one handshake (``node``: the node key the client meant to reach)."""
-        return self._identity_key.sign(_context(as_node, client_nonce, node_nonce, node))
+    def prove(self, as_node: bool, client_nonce: bytes, node_nonce: bytes, node: str,
+              binding: bytes = b"") -> bytes:
+        """This process's signature for one handshake (``node``: the node key the client meant to reach;
+        ``binding``: what names the connection it is made on, as this side sees it, or nothing)."""
+        return self._identity_key.sign(_context(as_node, client_nonce, node_nonce, node, binding))
 
     def check(self, cert_der: bytes, signature: bytes, as_node: bool, client_nonce: bytes,
-              node_nonce: bytes, node: Optional[str] = None) -> Peer:
+              node_nonce: bytes, node: Optional[str] = None, binding: bytes = b"") -> Peer:
         """The peer that signed this handshake with ``cert_der``'s key (``node``: the node key the
-        client signed for; a node signs for its own); IdentityError when the certificate is not the
-        session CA's, has expired or was revoked, or the signature is not over this handshake."""
+        client signed for; a node signs for its own; ``binding``: the connection, as this side sees
+        it, that the signature must name); IdentityError when the certificate is not the session CA's,
+        has expired or was revoked, or the signature is not over this handshake."""
         peer, public = self._checked_peer(cert_der)
         try:
             public.verify(bytes(signature), _context(as_node, client_nonce, node_nonce,
-                                                     peer.key if node is None else node))
+                                                     peer.key if node is None else node, binding))
         except InvalidSignature:
+            if binding:
+                raise IdentityError(f"the peer's signature is not {peer.node_id}'s over this connection (a relay "
+                                    "between the two, whose legs have other addresses, cannot make one)") from None
             raise IdentityError(f"the peer did not prove that it holds the key of {peer.node_id}'s certificate") \
                 from None
         return peer
@@ -350,8 +356,10 @@ def _valid_to(cert: x509.Certificate) -> datetime.datetime:
     return value if value is not None else cert.not_valid_after.replace(tzinfo=datetime.timezone.utc)
 
 
-def _context(as_node: bool, client_nonce: bytes, node_nonce: bytes, node: str) -> bytes:
-    return (_AS_NODE if as_node else _AS_CLIENT) + client_nonce + node_nonce + node.encode()
+def _context(as_node: bool, client_nonce: bytes, node_nonce: bytes, node: str, binding: bytes = b"") -> bytes:
+    context = (_AS_NODE if as_node else _AS_CLIENT) + client_nonce + node_nonce + node.encode()
+    # the node key is base64 (never a zero byte), so a binding cannot be read as part of it
+    return context + b"\x00" + binding if binding else context
 
 
 def _tls_context(side: int, key_pem: bytes, cert_pem: str, ca_pem: str) -> ssl.SSLContext:

@@ -19,6 +19,12 @@ Guarantees:
   credentials were revoked) is told so with one byte, dropped and logged (throttled). An opener that
   names the node it means (``expect``) refuses any other process's listener, of the same session or
   not: a stream relayed elsewhere ends there. Each side's :attr:`Stream.peer` says who the other is.
+* Each side's proof is bound to the connection it came on (:mod:`.auth` says how and why): over TLS the
+  certificate in the proof must be the one TLS verified for the peer, over plain text (loopback) the
+  signatures name both ends' addresses. A process of the session that sits between two others, ends
+  TLS on both sides as itself (or forwards the plain bytes) and relays their proofs is refused by both
+  (IdentityError at the opener, naming the address; a refusal logged at the listener): it can only talk
+  to each as itself.
 * A stream whose address is not loopback (any stream, with ``encrypt="always"``) is TLS 1.3, mutual,
   each side with its own certificate (:mod:`roving.transport.crypto`): what it carries can be neither
   read nor changed on the way; bytes altered or injected make it end (EOFError), never arrive. The opener asks
@@ -26,8 +32,10 @@ Guarantees:
 * Before authentication the listener bounds what a peer can hold: the whole handshake has one deadline
   (:data:`HANDSHAKE_TIMEOUT`), at most :data:`_MAX_HANDSHAKES` run at once, shared fairly between
   source addresses (:class:`.guard.Admission`: a flood from many addresses makes room for a peer from
-  another at once), :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address, and the request read is at most
-  :data:`_MAX_REQUEST` bytes.
+  another at once), :data:`_MAX_HANDSHAKES_PER_SOURCE` per source address; it reads at most
+  :data:`MAX_UNPROVEN` bytes of a peer's own before the peer has proven the member secret and its identity
+  (over TLS, after TLS's handshake, whose messages OpenSSL bounds itself), and the request read after
+  that is at most :data:`_MAX_REQUEST` bytes.
 * A message is one gather write: its frames leave from the caller's buffers without a copy. On the
   receiving side a large frame is read straight into a buffer of its own, which the unpickled object then
   uses as its memory (numpy arrays, tensors, bytearrays).
@@ -42,6 +50,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import ipaddress
 import json
 import logging
 import os
@@ -70,6 +79,12 @@ _LENGTH = struct.Struct("<Q")
 _CERT_LENGTH = struct.Struct("<H")
 _DENIED = b"\x02"  # the listener's verdict on a peer whose proof or identity it refused
 _MAX_REQUEST = 16384
+#: The most bytes a listener reads of a peer before the peer has proven the member secret and its
+#: identity: the greeting, its nonce, its proof, certificate and signature (an opener reads no more of a
+#: listener before checking it). A certificate that would take more is refused unread.
+MAX_UNPROVEN = 16384
+_MAX_CERT = MAX_UNPROVEN - len(_GREETING) - auth.NONCE_BYTES - auth.PROOF_BYTES - _CERT_LENGTH.size \
+    - identity.SIGNATURE_BYTES
 #: Seconds a peer has for the whole handshake (TLS included), however it spreads its bytes.
 HANDSHAKE_TIMEOUT = 10.0
 _MAX_HANDSHAKES = 128  # connections authenticating at once; more are dropped
@@ -281,6 +296,44 @@ def _wait(sock: tls.TlsSocket, want: int, deadline: float) -> bool:
     return bool(poller.poll(left * 1000))
 
 
+def _binding(sock: socket.socket, opener: bool) -> bytes:
+    """What a plain-text stream's proofs are bound to (:mod:`.auth`): the opener's and the listener's
+    address (IP, port), as this side of the connection sees them; nothing unless both are loopback."""
+    ends = [sock.getsockname(), sock.getpeername()]
+    if not opener:
+        ends.reverse()
+    named = []
+    for host, port, *_ in ends:
+        if not host.startswith("127."):  # else IPv4 loopback, as the kernel writes it: the usual case, at once
+            ip = ipaddress.ip_address(host.partition("%")[0])
+            ip = getattr(ip, "ipv4_mapped", None) or ip  # ::ffff:127.0.0.1, as a dual-stack socket shows it
+            if not ip.is_loopback:
+                return b""
+            host = str(ip)
+        named.append(f"{host} {port}")
+    return ("tcp " + " ".join(named)).encode()
+
+
+def _size_of_certificate(header: bytes, who: str) -> int:
+    """The size a peer declares for its certificate; StreamError when it is more than it may send
+    before it has proven itself (:data:`MAX_UNPROVEN`)."""
+    (size,) = _CERT_LENGTH.unpack(header[-_CERT_LENGTH.size:])
+    if size > _MAX_CERT:
+        raise StreamError(f"{who} declared a certificate of {size} bytes, more than a peer may send before it "
+                          f"has proven itself ({MAX_UNPROVEN} bytes in all): refused unread")
+    return size
+
+
+def _check_channel(link: Any, cert: bytes, who: str) -> None:
+    """Over TLS: IdentityError unless ``cert``, the certificate of the peer's proof, is the one TLS verified
+    for the peer (so the proof was made on this connection, not relayed onto it)."""
+    if type(link) is tls.TlsSocket and link.peer_certificate() != bytes(cert):
+        raise IdentityError(
+            f"{who} proved itself with a certificate other than the one its TLS connection was made with: "
+            "a process of the session relaying the stream between two others (it ends TLS on both sides "
+            "as itself); refused")
+
+
 def connect(address: str, secret: "bytes | identity.Credentials", request: dict, timeout: float,
             encrypt: Optional[str] = None, expect: Optional[str] = None) -> Stream:
     """Open a stream to the listener at ``address`` ("host:port") and make ``request`` of it.
@@ -313,7 +366,6 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
     link: Any = sock
     who = f"the roving stream listener at {address}"
     try:
-        handshake = auth.ClientHandshake(creds, expect)
         if tls:
             sock.sendall(_GREETING_TLS)
             try:
@@ -323,14 +375,16 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
                     raise
                 raise AuthenticationError(
                     f"{who} failed the TLS handshake (not of this session?): {exc}") from exc
+            handshake = auth.ClientHandshake(creds, expect)
             wire = _Timed(link, deadline)
             wire.sendall(handshake.hello)
         else:
+            handshake = auth.ClientHandshake(creds, expect, _binding(sock, opener=True))
             wire = _Timed(link, deadline)
             wire.sendall(_GREETING + handshake.hello)
         try:
             answer = _recv_exact(wire, auth.NONCE_BYTES + auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
-            (size,) = _CERT_LENGTH.unpack(answer[-_CERT_LENGTH.size:])
+            size = _size_of_certificate(answer, who)
             proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
         except ssl.SSLError as exc:
             if _spoiled(exc):
@@ -338,6 +392,7 @@ def connect(address: str, secret: "bytes | identity.Credentials", request: dict,
             raise AuthenticationError(
                 f"{who} ended the TLS stream after its handshake: it refused this process's certificate "
                 f"(another session's, or revoked?) ({exc})") from exc
+        _check_channel(link, proven[:size], who)
         proof, signature = handshake.answer(answer[:auth.NONCE_BYTES],
                                             answer[auth.NONCE_BYTES:auth.NONCE_BYTES + auth.PROOF_BYTES],
                                             proven[:size], proven[size:], who)
@@ -458,6 +513,7 @@ class Listener:
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no handshake step waits on an ACK
             greeting = _recv_exact(_Timed(sock, deadline), len(_GREETING), deadline)
+            binding = b""
             if greeting == _GREETING_TLS:
                 link = _tls_handshake(sock, self._creds, True, deadline)
             elif greeting != _GREETING:
@@ -465,15 +521,18 @@ class Listener:
             elif crypto.stream_encrypted(source, self._encrypt):
                 raise StreamError("plain text refused: streams from this address must be encrypted "
                                   f"(encrypt={self._encrypt!r})")
+            else:
+                binding = _binding(sock, opener=False)
             wire = _Timed(link, deadline)
-            handshake = auth.ServerHandshake(self._creds, _recv_exact(wire, auth.NONCE_BYTES, deadline))
+            handshake = auth.ServerHandshake(self._creds, _recv_exact(wire, auth.NONCE_BYTES, deadline), binding)
             cert = handshake.cert
             wire.sendall(handshake.nonce + handshake.proof + _CERT_LENGTH.pack(len(cert)) + cert
                          + handshake.signature)
             answer = _recv_exact(wire, auth.PROOF_BYTES + _CERT_LENGTH.size, deadline)
-            (size,) = _CERT_LENGTH.unpack(answer[auth.PROOF_BYTES:])
+            size = _size_of_certificate(answer, "the peer")
             proven = _recv_exact(wire, size + identity.SIGNATURE_BYTES, deadline)
             try:
+                _check_channel(link, proven[:size], "the peer")
                 peer = handshake.accepts(answer[:auth.PROOF_BYTES], proven[:size], proven[size:])
             except (AuthenticationError, IdentityError):
                 wire.sendall(_DENIED)  # it is told why it gets no stream (it learns nothing else)

@@ -57,6 +57,11 @@ class TlsSocket:
         while view:
             view = view[self.send(view):]
 
+    def peer_certificate(self) -> bytes:
+        """The certificate (DER) that TLS verified for the peer."""
+        with self._lock:
+            return self.ssock.getpeercert(binary_form=True) or b""
+
     def pending(self) -> int:
         with self._lock:
             return self.ssock.pending()
