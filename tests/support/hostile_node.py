@@ -97,7 +97,7 @@ def main(address: str, token: str, marker: str) -> None:
     other = next(iter(others))
     receipt = Receipt(other, 0, "activation", 0, 0, b"d" * 32, b"m" * 32)
     forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0))[0])
-    forged[1]["f"]["sender"] = other
+    forged.append(other)  # a sender of its choosing: one field more than the message has
     for frames in ([evil], [json.dumps(forged).encode()], codec.encode(m.Norm(0, name, 0, -1.0)),
                    codec.encode(m.Forward(0, name, 0, 0, torch.ones(2), Route(name, (), ()), receipt)),
                    codec.encode(m.Failed(name, "a failure that ends nothing"))):
