@@ -5,11 +5,10 @@ import pytest
 
 from roving.pipeline import build_network, full_pipeline, model_preset
 from roving.pipeline.dtfm import _Costs, dtfm_allocation
+from roving.pipeline.presets import PLAN_PRESETS
 
 PAPER_MODEL = model_preset("llama-1.5b-skippipe")
-# the paper's node placement on gcp12 (round-robin in its create_schedule.py's region order)
-PAPER_GCP_ORDER = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon", "Singapore", "Taiwan",
-                   "London", "Australia"]
+GEO = PLAN_PRESETS["skippipe-geo-distributed"]
 
 
 def ring_network():
@@ -61,7 +60,7 @@ def test_the_cost_model_search_makes_exactly_the_evaluations_asked():
 
 
 SETTINGS = [
-    ("gcp12", 20, 6, 30, PAPER_GCP_ORDER),  # SkipPipe's geo-distributed setting
+    (GEO["network"], GEO["nodes"], GEO["stages"], GEO["microbatches"], GEO["regions"]),  # SkipPipe's
     ("gcp12", 20, 6, 30, None),
     ("aws10", 18, 4, 36, None),
 ]
