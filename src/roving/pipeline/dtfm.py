@@ -211,9 +211,10 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
                     judge: Callable[[list[list[str]]], float] | None = None) -> DtfmAllocation:
     """DT-FM's allocation for ``nodes // stages`` pipelines, searched for about ``budget_s`` seconds.
 
-    ``max_evals``: stop after exactly that many evaluations of DT-FM's cost model instead (``budget_s``
-    then only caps the search): the same seed and count give the same allocation on any machine, under
-    any load, unless the cap cuts it short (the result's ``capped`` is then True).
+    ``max_evals``: stop after exactly that many evaluations of DT-FM's cost model instead (at least 2,
+    the first two parents; ``budget_s`` then only caps the search): the same seed and count give the
+    same allocation on any machine, under any load, unless the cap cuts it short (the result's
+    ``capped`` is then True).
 
     ``judge(pipelines)``, when given, is asked about every allocation that lowers the best cost seen so
     far, at the evaluation that finds it (lower is better: the baseline's simulated iteration time); the
