@@ -319,3 +319,19 @@ def test_the_looser_route_rule_is_an_option_by_name():
     assert any(not route_allowed(r.stages) for r in p.paths)
     with pytest.raises(PlanError, match="route rule must be one of skippipe, inversions, got 'any'"):
         plan(net, m, stages, skip, microbatches, budget_s=1.0, route_rule="any")
+
+
+def test_routes_around_a_missing_stage_keep_the_rule_on_the_real_stage_numbers():
+    """``plan_held`` plans the held stages as stages 0, 1, 2, ...: with stage 2 missing, its (2, 1) is the
+    real (3, 1), which SkipPipe's rule refuses (stage 1 falls two behind stage 3)."""
+    from roving.pipeline import model_preset
+    from roving.pipeline.plan import route_allowed
+    from roving.pipeline.planner import plan_held
+    m = model_preset("llama-1.5b-skippipe")
+    net = build_network("gcp12", 12, memory=3)
+    alloc = dict(zip(net.names, [0, 0, 0, 1, 1, 3, 3, 4, 4, 5, 6, 6]))  # no node holds stage 2
+    held = plan_held(net, m, alloc, 7, 0.0, 16, budget_s=60.0, seed=0, max_evals=150)
+    assert held.route_rule == "skippipe" and held.stats["missing_stages"] == [2]
+    assert all(2 not in p.stages and route_allowed(p.stages) for p in held.paths)
+    loose = plan_held(net, m, alloc, 7, 0.0, 16, budget_s=60.0, seed=0, max_evals=150, route_rule="inversions")
+    assert any(not route_allowed(p.stages) for p in loose.paths)  # what the looser rule takes here
