@@ -215,3 +215,33 @@ def test_a_hostile_node_through_the_open_door_gets_nothing_and_is_caught_and_the
     base = json.loads(clean.metrics.read_text())
     ours, theirs = final["evaluations"][-1]["val_loss"], base["evaluations"][-1]["val_loss"]
     assert abs(ours - theirs) / theirs < 0.03, (ours, theirs)
+
+
+def test_a_hostile_started_node_takes_no_other_nodes_start_payload_and_is_caught(monkeypatch, tmp_path):
+    """The coordinator starts the nodes; one of them runs code of its own from its start (its machine is
+    not the coordinator's to trust): while the others start, it asks the coordinator's node for every
+    mailbox id there is, and sends a pickle and a negative norm. Every other node starts (no payload
+    taken), it is caught while starting, and the training runs on without it."""
+    import hostile_node
+    from roving.pipeline import roster as roster_module
+    from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+
+    result = tmp_path / "hostile.json"
+    monkeypatch.setenv("ROVING_TEST_HOSTILE_RESULT", str(result))
+    monkeypatch.setattr(roster_module, "stage_main", hostile_node.started_main)
+    cfg = TrainConfig(model="tiny", network="gcp12", nodes=5, stages=2, skip=0.0, microbatches=4, samples=2,
+                      seq_len=16, iterations=6, eval_every=100, eval_batches=2, planner_budget=0.3, timeout=120,
+                      start_wait=30, seed=2)
+    prep = prepare(cfg)
+    assert hostile_node.HOSTILE in prep.plan.allocation
+    with Trainer(prep) as t:
+        metrics = t.train()
+        caught = [e for e in metrics["events"] if e["event"] == "caught"]
+        assert [e["nodes"] for e in caught] == [[hostile_node.HOSTILE]], caught
+        assert hostile_node.HOSTILE in t.roster.excluded
+        others = set(prep.plan.allocation) - {hostile_node.HOSTILE}
+        assert others <= set(t.alloc), (others, t.alloc)  # every other node started and trains
+    said = json.loads(result.read_text())
+    assert said["stolen"] == [] and said["issued"].startswith("refused")
+    assert not (tmp_path / "hostile.json.marker").exists()
+    assert len(metrics["iterations"]) == 6

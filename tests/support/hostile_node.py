@@ -93,6 +93,12 @@ def main(address: str, token: str, marker: str) -> None:
     # spare credentials
     result["issued"] = outcome(lambda: here.issue(name + "-spare"))
     result["asked"] = outcome(lambda: issuer.ask(placement.control.node, here.credentials, name + "-spare", 2))
+    print("RESULT " + json.dumps(result), flush=True)  # what it found; the rest may be cut short
+    # answers nobody asked for, and announcements out of turn: dropped, never the run's end
+    for msg in (m.Rechecked(0, name, 12345, 0.0), m.EvidenceItems(0, name, {}, 777), m.WeightsShown(0, name, 0, {}),
+                m.Loaded(name, 1), m.Stopped(name), m.Released(name), m.Exported(name, 0, {}, {}),
+                m.Ready(name, 5, inbox.address), m.Done(10 ** 6, name, 0, 1.0)):
+        control.send(codec.encode(msg))
     # a receipt in another node's name, and messages that do not fit the wire, to the coordinator
     other = next(iter(others))
     receipt = Receipt(other, 0, "activation", 0, 0, b"d" * 32, b"m" * 32)
@@ -102,15 +108,21 @@ def main(address: str, token: str, marker: str) -> None:
                    codec.encode(m.Forward(0, name, 0, 0, torch.ones(2), Route(name, (), ()), receipt)),
                    codec.encode(m.Failed(name, "a failure that ends nothing"))):
         control.send(frames)
-    # a flood
-    for _ in range(2000):
-        control.send([b"x" * 65536])
-    result["sent"] = "done"
+    # a flood, until it is cut off (caught for the letters above, its connections closed)
+    try:
+        for _ in range(2000):
+            control.send([b"x" * 65536])
+        result["flood"] = "sent"
+    except OSError as exc:
+        result["flood"] = f"cut off: {type(exc).__name__}"
     print("RESULT " + json.dumps(result), flush=True)
     # wait to be fenced off: the coordinator revokes its credentials and stops answering it
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if not endpoint.ping(2):
+        try:
+            if not endpoint.ping(2):
+                break
+        except OSError:
             break
         time.sleep(0.2)  # its exclusion shows only as silence: there is no message to wait for
     stop.set()
@@ -118,3 +130,36 @@ def main(address: str, token: str, marker: str) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
+
+
+#: The node that ``started_main`` makes hostile; every other runs roving's own stage process.
+HOSTILE = "n01"
+
+
+def started_main(settings, control, beats=None) -> None:
+    """A stage process's target whose node ``HOSTILE`` runs code of its own (a started node whose machine
+    is not the coordinator's to trust): it tries to take the other nodes' start payloads from the
+    coordinator as they start, and sends what the wire refuses; the result is left in the file named by
+    ROVING_TEST_HOSTILE_RESULT."""
+    from roving.pipeline.stage_process import stage_main
+
+    if settings.name != HOSTILE:
+        return stage_main(settings, control, beats)
+    here = session.current()
+    endpoint = here.endpoint(control.node)
+    stolen = []
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(stolen) < 1:  # the siblings' payloads wait while they start
+        for box in range(1, 200):
+            if box in (control.box, getattr(beats, "box", -1)):
+                continue
+            status, _ = endpoint.call(_node.GET, box, 0)
+            if status == _node.OK:
+                stolen.append(box)
+    issued = outcome(lambda: here.issue(settings.name + "-spare"))
+    with open(os.environ["ROVING_TEST_HOSTILE_RESULT"], "w") as f:
+        json.dump({"stolen": stolen, "issued": issued}, f)
+    slot = postbox.Slot(control)
+    slot.send([pickle.dumps(Marker(os.environ["ROVING_TEST_HOSTILE_RESULT"] + ".marker"), protocol=5)])
+    slot.send(codec.encode(m.Norm(0, settings.name, 0, -1.0)))
+    slot.confirm(10)

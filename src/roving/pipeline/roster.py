@@ -75,6 +75,8 @@ class Roster:
         self.holding: dict[str, int | None] = {}
         #: declared dead since the trainer last took them (``take_lost``), with why.
         self.lost: dict[str, str] = {}
+        #: messages dropped as not awaited, by sender (``recv``)
+        self.unexpected: dict[str, int] = {}
         self._out: Senders | None = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -212,6 +214,13 @@ class Roster:
                 continue
             if isinstance(msg, kind):
                 waiting.discard(getattr(msg, "sender", ""))
+
+    def _unexpected(self, sender: str | None, why: str) -> None:
+        """Note a message dropped as unexpected: logged the first time for each sender, counted always."""
+        key = sender or "?"
+        self.unexpected[key] = self.unexpected.get(key, 0) + 1
+        if self.unexpected[key] == 1:
+            log.warning("dropped a message of node %s: %s", key, why)
 
     def _ids(self) -> dict[str, str]:
         """The node id of each admitted process, by name (what its peers check its messages by)."""
@@ -354,10 +363,12 @@ class Roster:
              names: set[str] | None = None, check: bool = True) -> m.Message:
         """The next message of type ``kind`` (or one of the types) from the stage processes (of round
         ``rnd``, from one of ``names``).
-        Raises NodesLost when an admitted process dies meanwhile (with ``check``), NodeFailed when one
-        raised or another message came, NoMessage when nothing came within ``timeout``. Other
-        processes' ``Ready`` messages are kept for joining; round messages of other rounds or not
-        asked for (left from an aborted round), and messages of processes declared dead, are dropped."""
+        Raises NodesLost when an admitted process dies, fails or is caught meanwhile (with ``check``),
+        NodeFailed when one that was starting raised, NoMessage when nothing came within ``timeout``.
+        Other processes' ``Ready`` messages are kept for joining; round messages of other rounds or not
+        asked for (left from an aborted round), messages of processes declared dead, and any other
+        message not awaited (a late answer; what a node sends that nobody asked: ``unexpected``) are
+        dropped: no message of a node ends the run."""
         timeout = self.config.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         kinds = kind if isinstance(kind, tuple) else (kind,)
@@ -365,6 +376,9 @@ class Roster:
         while True:
             if check:
                 self.check()
+            elif time.monotonic() - self._checked >= 0.1:  # while starting: caught, not yet lost
+                self._checked = time.monotonic()
+                self._catch_refused()
             try:
                 msg = self.control.get(timeout=0.1)
             except _queue.Empty:
@@ -395,7 +409,10 @@ class Roster:
             if sender is not None and sender not in self.inboxes:
                 continue  # from a process declared dead
             if not isinstance(msg, kinds) or (names is not None and sender not in names):
-                raise NodeFailed(str(m.unexpected(msg, "the coordinator", what)))
+                # not what is awaited (a late answer, or a node that sends what nobody asked): dropped; a
+                # node's message never ends the run
+                self._unexpected(sender, str(m.unexpected(msg, "the coordinator", what)))
+                continue
             return msg
 
     # -- joining -----------------------------------------------------------------------------------
