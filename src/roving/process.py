@@ -655,6 +655,12 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
+def stop_asked(proc: Process) -> bool:
+    """Whether this process asked ``proc`` to stop (``terminate()``, ``kill()``): an end of its own, which
+    a pool does not report as a worker the cluster ended or one that failed to start."""
+    return proc._stop_asked
+
+
 def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
     """The error an ended ``proc`` left because its environment differs from this process's where
     ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""

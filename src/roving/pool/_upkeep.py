@@ -414,7 +414,7 @@ class Upkeep:
                 mismatch = _process.environment_error(w.proc) if not v.connected else None
                 if mismatch is not None:
                     self._broken_by(mismatch)
-                elif not v.connected and code != 0:
+                elif not v.connected and code != 0 and not _process.stop_asked(w.proc):
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
                 elif v.connected:
                     self._failures = 0
