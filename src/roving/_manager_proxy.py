@@ -156,6 +156,8 @@ class BaseProxy:
 
     def __reduce__(self) -> Any:
         authkey = self._authkey if self._custom_authkey else None
+        if authkey is None:  # the session's: a process that knows the manager's authkey may use it
+            _process.refuse_standard_start(f"manager proxy ({self._token.typeid})")
         cls = AutoProxy if type(self).__dict__.get("_by_exposed") else type(self)
         return _rebuild_proxy, (cls, self._token, authkey, self._exposed_runtime)
 

@@ -655,6 +655,22 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
+def refuse_standard_start(what: str) -> None:
+    """Raise RuntimeError when ``what`` (a roving object, being pickled) goes with the start of a process of
+    the standard library's multiprocessing (its spawn or forkserver ``Process``, as its Pool and
+    ``ProcessPoolExecutor`` start them). Such a process is no member of this roving session: it cannot
+    authenticate to the process that serves the object, so it would fail there while whoever waits on
+    the object here waits until their timeout. Said at once, in this process, instead."""
+    import multiprocessing.context as mp_context
+
+    if mp_context.get_spawning_popen() is not None:
+        raise RuntimeError(
+            f"roving: this {what} cannot be given to a process that the standard library's multiprocessing "
+            "starts: that process is not part of this program's roving session and cannot authenticate to "
+            "use it. Start the process with roving.Process (or roving.get_context(...).Process), or give it a "
+            "multiprocessing object")
+
+
 def stop_asked(proc: Process) -> bool:
     """Whether this process asked ``proc`` to stop (``terminate()``, ``kill()``): an end of its own, which
     a pool does not report as a worker the cluster ended or one that failed to start."""
