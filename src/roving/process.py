@@ -694,8 +694,19 @@ def _reaped(proc: Process) -> None:
     proc._wait(5)
 
 
+_exiting = False
+
+
+def exiting() -> bool:
+    """Whether this process has begun its exit (its exit handler ends its children): a pool then starts
+    no replacement for the workers that ends."""
+    return _exiting
+
+
 def _at_exit() -> None:
     """As multiprocessing does at exit: terminate daemonic children, join the others."""
+    global _exiting
+    _exiting = True
     with _children_lock:
         children = list(_children)
     for child in children:

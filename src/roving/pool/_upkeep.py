@@ -187,7 +187,7 @@ class Upkeep:
     def start_workers(self) -> None:
         """Start as many workers as are missing, unless a backoff after a failure is still running.
         SerializationError if the initializer or its arguments cannot be pickled."""
-        if self.broken is not None:
+        if self.broken is not None or _process.exiting():  # its workers are being ended with the program
             return
         with self.lock:
             want = self.size - self.disp.live()
