@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .transport import rpc as _rpc
 from . import config as _config
+from . import process as _process
 from .transport import session as _session
 from .transport import timeouts
 
@@ -187,6 +188,10 @@ class Homed:
     object's id there). A subclass names its ``_kind`` and calls :meth:`_create` once."""
 
     _kind = ""
+
+    def __getstate__(self) -> Dict[str, Any]:
+        _process.refuse_standard_start(type(self).__name__)
+        return self.__dict__
 
     def _create(self, *args: Any, at: Optional[str] = None) -> None:
         """Make the object at this process's home, or (``at``) at the home with that address."""

@@ -9,6 +9,8 @@ reference-counted at the server (see :mod:`roving.managers`). Public names are r
 """
 from __future__ import annotations
 
+import itertools
+import struct
 import threading
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -22,6 +24,10 @@ from .transport.serialize import dumps, loads
 
 OP = b"mgr"
 PROXY = 2  # answer status: the result is a new shared object (method_to_typeid)
+#: The first frame of an asynchronous call (kind CALL_CONCURRENT): its proxy's lane, unique in the
+#: process; the server runs a lane's calls in order, different lanes concurrently.
+LANE = struct.Struct("<Q")
+_lanes = itertools.count(1)
 
 
 class RemoteError(Exception):
@@ -150,6 +156,8 @@ class BaseProxy:
 
     def __reduce__(self) -> Any:
         authkey = self._authkey if self._custom_authkey else None
+        if authkey is None:  # the session's: a process that knows the manager's authkey may use it
+            _process.refuse_standard_start(f"manager proxy ({self._token.typeid})")
         cls = AutoProxy if type(self).__dict__.get("_by_exposed") else type(self)
         return _rebuild_proxy, (cls, self._token, authkey, self._exposed_runtime)
 
@@ -436,22 +444,28 @@ class Handle:
 class AsyncProxy:
     """Calls the methods of a proxy's referent without waiting: each returns a :class:`Handle`.
 
-    Calls run concurrently in the server, so their order is not guaranteed. ``proxy.sync`` is the
-    ordinary (waiting) proxy. Operators are reached by name: ``aproxy.__getitem__(key)``.
+    The calls of one AsyncProxy run in the server in the order they were made, each after the one
+    before it has returned (as a connection's calls do): ``env.reset()`` then ``env.step(a)`` steps
+    the reset environment, and a call that blocks (``queue.get()``) holds back the proxy's later
+    calls. Calls of different AsyncProxy objects run concurrently, also when they reach the same
+    object (``asynchronous(aproxy.sync)`` is a second one). ``proxy.sync`` is the ordinary (waiting)
+    proxy. Operators are reached by name: ``aproxy.__getitem__(key)``.
     """
 
     def __init__(self, proxy: BaseProxy) -> None:
         self.sync = proxy
+        self._lane = LANE.pack(next(_lanes))
 
     def __getattr__(self, name: str) -> Callable[..., Handle]:
-        proxy = self.sync
+        proxy, lane = self.sync, self._lane
         exposed = proxy._exposed_runtime or proxy._exposed_ or ()
         if name not in exposed:
             raise AttributeError(f"{proxy._token.typeid} proxies expose no method {name!r}")
 
         def call(*args: Any, **kwds: Any) -> Handle:
             caller = _async_caller(proxy._token.address, proxy._key())
-            req_id = caller.submit(dumps(("call", proxy._token.id, name, args, kwds)), _rpc.CALL_CONCURRENT)
+            req_id = caller.submit([lane, *dumps(("call", proxy._token.id, name, args, kwds))],
+                                   _rpc.CALL_CONCURRENT)
             return Handle(proxy, caller, req_id)
         call.__name__ = name
         return call

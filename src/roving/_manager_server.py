@@ -1,11 +1,14 @@
 """The server side of managers: the process that hosts shared objects and runs their methods.
 
 A server is a node of its own (authenticated with the manager's authkey). Calls of one connection run in
-order on a thread of that connection, so a blocking call blocks only its caller; asynchronous calls run
-concurrently on a thread pool. An object is freed when the last proxy to it in any process goes.
+order on a thread of that connection, so a blocking call blocks only its caller. Asynchronous calls come
+in lanes, one per asynchronous proxy (:data:`~roving._manager_proxy.LANE`): a lane's calls run in the
+order they were sent, one after another, as a connection's would; different lanes run concurrently on a
+thread pool. An object is freed when the last proxy to it in any process goes.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import queue
@@ -13,7 +16,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .transport import rpc as _rpc
 from . import process as _process
@@ -41,13 +44,23 @@ class _Server(_rpc.Server):
         self.lock = threading.Lock()
         self._ids = itertools.count(1)
         self._queues: Dict[bytes, "queue.SimpleQueue"] = {}
+        # The asynchronous calls waiting in each lane that has one running, by (connection, lane).
+        self._lanes: Dict[Tuple[bytes, bytes], Deque[Tuple[int, List[Any]]]] = {}
+        self._lanes_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=64, thread_name_prefix="roving-manager-async")
         self.stop = threading.Event()
         super().__init__(node, OP)
 
     def serve(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
         if kind == _rpc.CALL_CONCURRENT:
-            self._pool.submit(self._run, ident, req_id, kind, frames)
+            lane = (ident, bytes(frames[0].bytes))
+            with self._lanes_lock:
+                waiting = self._lanes.get(lane)
+                if waiting is not None:  # the lane runs: this call goes after those before it
+                    waiting.append((req_id, frames[1:]))
+                    return
+                self._lanes[lane] = collections.deque()
+            self._pool.submit(self._run_lane, ident, lane, req_id, frames[1:])
             return
         # Calls of one connection run in order, on that connection's thread.
         with self.lock:
@@ -69,6 +82,17 @@ class _Server(_rpc.Server):
                         return
                 continue
             self._run(ident, req_id, kind, frames)
+
+    def _run_lane(self, ident: bytes, lane: Tuple[bytes, bytes], req_id: int, frames: List[Any]) -> None:
+        """Run a lane's calls one after another, in the order they came, until none waits."""
+        while True:
+            self._run(ident, req_id, _rpc.CALL_CONCURRENT, frames)
+            with self._lanes_lock:
+                waiting = self._lanes[lane]
+                if not waiting:
+                    del self._lanes[lane]
+                    return
+                req_id, frames = waiting.popleft()
 
     def _run(self, ident: bytes, req_id: int, kind: int, frames: List[Any]) -> None:
         try:

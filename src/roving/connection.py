@@ -78,6 +78,7 @@ class Connection:
 
     def __getstate__(self) -> tuple:
         self._check_closed()
+        _process.refuse_standard_start("Pipe's Connection")
         # Hold the writing end in the receiver's name before this copy leaves, so that the sender
         # closing its own copy right after cannot look like end-of-file to the reader.
         holder = _process.pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())

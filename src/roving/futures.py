@@ -65,7 +65,7 @@ from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in type
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
 from . import pool as _pool
-from .context import Context
+from .context import Context, get_context
 from .pool import Pool, PoolStartError, Progress, UnloadedTraceback
 from .process import cpu_count
 from .transport import timeouts
@@ -174,7 +174,9 @@ class Executor(_StdExecutor):
 
     ``max_workers`` defaults to the CPUs the backend offers. ``mp_context`` may be a roving or a
     multiprocessing context (every roving process starts as a fresh interpreter whatever its start
-    method). ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
+    method); as the standard library's, it defaults to roving's ``get_context()``, or its ``"spawn"``
+    context with ``max_tasks_per_child``, which a ``"fork"`` context refuses (ValueError).
+    ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
     ``max_task_retries``: how many dead workers one call may cost before it fails with WorkerLostError.
     ``resources``: what each worker's job asks the backend for (``{"cpu": .., "memory": .., "gpu": ..}``),
     as for :class:`roving.Pool`. Workers start at the first ``submit``.
@@ -199,6 +201,12 @@ class Executor(_StdExecutor):
                 raise TypeError("max_tasks_per_child must be an integer")
             if max_tasks_per_child <= 0:
                 raise ValueError("max_tasks_per_child must be >= 1")
+        if mp_context is None:
+            mp_context = get_context("spawn" if max_tasks_per_child is not None else None)
+        elif max_tasks_per_child is not None and mp_context.get_start_method(allow_none=False) == "fork":
+            raise ValueError("max_tasks_per_child is incompatible with the 'fork' multiprocessing start method; "
+                             "supply a different mp_context.")
+        self._mp_context = mp_context
         if not isinstance(max_task_retries, int) or max_task_retries < 1:
             raise ValueError(f"max_task_retries must be an int of at least 1, not {max_task_retries!r}")
         self._max_workers = max_workers

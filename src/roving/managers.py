@@ -14,9 +14,10 @@ Guarantees:
 * When the server process has ended, every proxy call raises :class:`~roving.transport.errors.ServerGone` (a
   ``ConnectionError``): at once in the process that started the manager (it sees the process end), and
   within a few seconds elsewhere (pings go unanswered) — never a hang.
-* :class:`AsyncManager` creates proxies whose method calls return a :class:`Handle` at once; the calls
-  run concurrently in the server, and each handle gets its own call's result (matched by call id) in
-  whatever order the handles are collected.
+* :class:`AsyncManager` creates proxies whose method calls return a :class:`Handle` at once; each
+  proxy's calls run in the server in the order they were made, one after another (as a connection's
+  would), the calls of different proxies concurrently; each handle gets its own call's result (matched
+  by call id) in whatever order the handles are collected.
 * A started manager's server stops at ``shutdown()``, or when the manager is garbage-collected, or at
   exit, whichever comes first (as multiprocessing's Finalize does): a program that never calls
   ``shutdown()`` still exits.

@@ -655,6 +655,28 @@ def cpu_count() -> int:
     return backends.get(_config.current().backend).cpu_count()
 
 
+def refuse_standard_start(what: str) -> None:
+    """Raise RuntimeError when ``what`` (a roving object, being pickled) goes with the start of a process of
+    the standard library's multiprocessing (its spawn or forkserver ``Process``, as its Pool and
+    ``ProcessPoolExecutor`` start them). Such a process is no member of this roving session: it cannot
+    authenticate to the process that serves the object, so it would fail there while whoever waits on
+    the object here waits until their timeout. Said at once, in this process, instead."""
+    import multiprocessing.context as mp_context
+
+    if mp_context.get_spawning_popen() is not None:
+        raise RuntimeError(
+            f"roving: this {what} cannot be given to a process that the standard library's multiprocessing "
+            "starts: that process is not part of this program's roving session and cannot authenticate to "
+            "use it. Start the process with roving.Process (or roving.get_context(...).Process), or give it a "
+            "multiprocessing object")
+
+
+def stop_asked(proc: Process) -> bool:
+    """Whether this process asked ``proc`` to stop (``terminate()``, ``kill()``): an end of its own, which
+    a pool does not report as a worker the cluster ended or one that failed to start."""
+    return proc._stop_asked
+
+
 def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
     """The error an ended ``proc`` left because its environment differs from this process's where
     ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""
@@ -672,8 +694,19 @@ def _reaped(proc: Process) -> None:
     proc._wait(5)
 
 
+_exiting = False
+
+
+def exiting() -> bool:
+    """Whether this process has begun its exit (its exit handler ends its children): a pool then starts
+    no replacement for the workers that ends."""
+    return _exiting
+
+
 def _at_exit() -> None:
     """As multiprocessing does at exit: terminate daemonic children, join the others."""
+    global _exiting
+    _exiting = True
     with _children_lock:
         children = list(_children)
     for child in children:

@@ -15,6 +15,7 @@ import queue as _queue
 import struct
 from typing import Any, Optional
 
+from . import process as _process
 from .transport import endpoint as _endpoint
 from .transport import node as _node
 from .transport import session as _session
@@ -50,6 +51,7 @@ class Queue:
         self._endpoint = _session.current().endpoint(self._address)
 
     def __getstate__(self) -> tuple:
+        _process.refuse_standard_start(type(self).__name__)
         return self._address, self._box, self._maxsize
 
     def __setstate__(self, state: tuple) -> None:

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from concurrent.futures.process import BrokenProcessPool
 
 import pytest
@@ -18,7 +19,7 @@ import pytest
 import helpers_futures as fx
 import roving
 from helpers_backends import require
-from helpers_core import TIMEOUT
+from helpers_core import TIMEOUT, wait_until
 from roving.futures import Executor
 
 KINDS = ["stdlib", "roving-local", "roving-slurm"]
@@ -259,6 +260,39 @@ def test_max_tasks_per_child_gives_each_call_a_fresh_worker(make):
     ex = make(1, max_tasks_per_child=1)
     pids = [ex.submit(fx.getpid).result(TIMEOUT) for _ in range(3)]
     assert len(set(pids)) == 3, pids
+
+
+def test_max_tasks_per_child_defaults_to_the_spawn_context_and_refuses_a_fork_one_as_the_standard_librarys():
+    executors = [Executor] + ([cf.ProcessPoolExecutor] if sys.version_info >= (3, 11) else [])
+    for make_executor in executors:  # the standard library's has max_tasks_per_child from 3.11 on
+        ex = make_executor(1, max_tasks_per_child=2)
+        try:
+            assert ex._mp_context.get_start_method() == "spawn", make_executor
+        finally:
+            ex.shutdown()
+        for fork in (multiprocessing.get_context("fork"), roving.get_context("fork")):
+            with pytest.raises(ValueError, match="max_tasks_per_child is incompatible with the 'fork'"):
+                make_executor(1, max_tasks_per_child=2, mp_context=fork)
+    ex = Executor(1)
+    try:
+        assert ex._mp_context.get_start_method() == roving.get_context().get_start_method()
+    finally:
+        ex.shutdown()
+
+
+def test_an_argument_is_let_go_once_its_call_is_done_while_its_future_is_kept(make):
+    """The standard library's executor drops a finished call's work item: its future, kept, does not
+    hold the arguments."""
+    ex = make(1)
+    assert ex.submit(fx.square, 2).result(START) == 4
+    for how in ("args", "kwargs"):
+        argument = fx.Argument(an_argument=list(range(10)))
+        ref = weakref.ref(argument)
+        future = (ex.submit(fx.identity, argument) if how == "args" else ex.submit(fx.identity, value=argument))
+        del argument
+        assert future.result(TIMEOUT) == {"an_argument": list(range(10))}
+        # the pool's thread may let go of it just after the result is set: a little time, not for ever
+        assert wait_until(lambda: ref() is None, 5), f"a finished call keeps its argument ({how}) alive"
 
 
 def test_initializer_runs_in_each_worker_before_the_calls(make):

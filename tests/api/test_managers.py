@@ -87,6 +87,25 @@ class Counter:
         return tag
 
 
+class Env:
+    """An environment whose step only makes sense after a reset: the log says what ran, in order."""
+
+    def __init__(self):
+        self.log = None
+
+    def reset(self, delay):
+        time.sleep(delay)  # a reset that takes a while: a step run beside it would come first
+        self.log = []
+        return "reset"
+
+    def step(self, action, delay):
+        time.sleep(delay)
+        if self.log is None:
+            raise RuntimeError("step before reset")
+        self.log.append(action)
+        return list(self.log)
+
+
 class CounterProxy(BaseProxy):
     _exposed_ = ("add", "value", "fail", "child", "slow")
     _method_to_typeid_ = {"child": "Counter"}
@@ -120,6 +139,7 @@ class MyAsyncManager(AsyncManager):
 
 
 MyAsyncManager.register("Counter", Counter, CounterProxy)
+MyAsyncManager.register("Env", Env)
 
 
 def add_from_child(counter, n):
@@ -253,7 +273,7 @@ def test_async_handles_are_collected_out_of_order_each_with_its_own_result():
     with MyAsyncManager() as m:
         counter = m.Counter(0)
         slow = counter.slow(1.0, "slow")
-        fast = counter.slow(0.0, "fast")
+        fast = managers.asynchronous(counter.sync).slow(0.0, "fast")  # another proxy: runs beside it
         assert fast.result(TIMEOUT) == "fast"
         assert not slow.done()  # the slow one is still running: results did not come in call order
         handles = [counter.add(1) for _ in range(10)]
@@ -264,10 +284,37 @@ def test_async_handles_are_collected_out_of_order_each_with_its_own_result():
         with pytest.raises(TimeoutError):
             counter.slow(0.5, "late").result(0.1)
         q = m.Queue()
-        got = q.get(timeout=TIMEOUT)  # would deadlock if async calls ran one after another
-        q.put("item").result(TIMEOUT)
+        got = q.get(timeout=TIMEOUT)  # would deadlock if every proxy's calls ran one after another
+        managers.asynchronous(q.sync).put("item").result(TIMEOUT)
         assert got.result(TIMEOUT) == "item"
         assert counter.sync.value() == 10
+
+
+def test_the_calls_of_one_async_proxy_run_in_the_order_they_were_made():
+    """reset() then step()s: each call runs after the one before it has returned, every time, although
+    the earlier calls take longer (run side by side, the later ones would finish first)."""
+    with MyAsyncManager() as m:
+        env = m.Env()
+        for _ in range(20):
+            reset = env.reset(0.01)
+            steps = [env.step(i, (5 - i) * 0.002) for i in range(5)]
+            assert reset.result(TIMEOUT) == "reset"
+            assert [h.result(TIMEOUT) for h in steps] == [list(range(i + 1)) for i in range(5)]
+
+
+def test_the_calls_of_two_async_proxies_run_concurrently_even_on_one_object():
+    """Both halves of a two-party barrier pass only if the two proxies' waits run at the same time."""
+    with MyAsyncManager() as m:
+        barrier = m.Barrier(2)
+        other = managers.asynchronous(barrier.sync)
+        first, second = barrier.wait(TIMEOUT), other.wait(TIMEOUT)
+        assert sorted([first.result(TIMEOUT), second.result(TIMEOUT)]) == [0, 1]
+        held = m.Queue()
+        got = held.get(timeout=TIMEOUT)  # blocks its own proxy's later calls only
+        beside = managers.asynchronous(held.sync)
+        assert [beside.qsize().result(TIMEOUT) for _ in range(3)] == [0, 0, 0] and not got.done()
+        beside.put("item").result(TIMEOUT)
+        assert got.result(TIMEOUT) == "item"
 
 
 def test_asynchronous_wraps_an_ordinary_proxy_and_rejects_unexposed_names():

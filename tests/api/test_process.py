@@ -4,11 +4,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
+import re
 import select
 import signal
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -409,3 +411,29 @@ def test_child_output_off_discards_output_and_writes_no_files(tmp_path, capfd):
     assert "marker line" in out
     assert "silenced" not in out + err
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_roving_object_given_to_a_process_of_the_standard_librarys_multiprocessing_is_refused_at_its_start():
+    """Such a process is no member of the roving session: it could not authenticate to use the object,
+    and whoever waits on the object here would wait until their timeout. Its start says so at once."""
+    manager = roving.Manager()
+    a, b = roving.Pipe()
+    objects = {"Queue": roving.Queue(), "Pipe's Connection": a, "Lock": roving.Lock(), "Event": roving.Event(),
+               "RawValue": roving.Value("i", 0), "manager proxy (list)": manager.list()}
+    try:
+        for method in ("spawn", "forkserver"):
+            ctx = multiprocessing.get_context(method)
+            for what, obj in objects.items():
+                p = ctx.Process(target=print, args=(obj,))
+                started = time.monotonic()
+                with pytest.raises(RuntimeError, match=rf"this {re.escape(what)} cannot be given to a process that "
+                                                       "the standard library's multiprocessing starts.*roving.Process"):
+                    p.start()
+                assert time.monotonic() - started < 10
+        q = roving.Queue()  # roving's own children still take them
+        p = roving.Process(target=h.put_value, args=(q, "through"))
+        p.start()
+        assert q.get(timeout=TIMEOUT) == "through"
+        p.join(TIMEOUT)
+    finally:
+        manager.shutdown()

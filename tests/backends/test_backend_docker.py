@@ -92,6 +92,31 @@ def test_a_container_gets_only_what_roving_needs_and_forward_env_and_the_secret_
     assert wait_until(lambda: not os.path.exists(folder), 10), "the secret's folder goes with the container"
 
 
+def test_pid_is_the_hosts_number_of_the_childs_python_process_which_os_kill_reaches():
+    """As multiprocessing's, ``pid`` is known once ``start()`` returns and names the child's own process
+    on this machine (not Docker's init): /proc shows it is the child, whose number in its container is
+    what it reports; ``os.kill`` ends it, and the pid stays after the end."""
+    import os
+    import signal
+
+    roving.init(backend="docker", **hb.OPTIONS["docker"])
+    reported, go = roving.Queue(), roving.Queue()
+    p = roving.Process(target=h.report_pid_then_wait, args=(reported, go))
+    p.start()
+    pid = p.pid
+    assert isinstance(pid, int) and p.ident == pid
+    inside = reported.get(timeout=60)
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        assert b"roving._child" in f.read().split(b"\0")
+    with open(f"/proc/{pid}/status") as f:
+        numbers = next(line.split()[1:] for line in f if line.startswith("NSpid:"))
+    assert [int(n) for n in numbers] == [pid, inside]  # this machine's number, then the container's
+    assert inside != pid
+    os.kill(pid, signal.SIGTERM)
+    p.join(60)
+    assert p.exitcode == -signal.SIGTERM and p.pid == pid
+
+
 def test_shutdown_waits_for_the_output_followers_so_a_containers_last_lines_are_printed(monkeypatch, capfd):
     """With ``child_output="prefix"`` a thread follows each container's output. At exit the shutdown
     removes the containers still running (a daemon child, one never joined); what they printed last may

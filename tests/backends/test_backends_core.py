@@ -20,7 +20,7 @@ import helpers_pool as hp
 import helpers_targets as h
 import roving
 from roving import backends
-from helpers_core import read_log, wait_until, PROGRAMS, ROOT
+from helpers_core import read_log, run_script, wait_until, PROGRAMS, ROOT
 
 T = 60
 
@@ -133,6 +133,19 @@ def test_worker_job_killed_from_outside_during_a_pool_map_does_not_change_the_re
         hb.kill_from_outside(backend, busy[0].proc)  # scancel / docker kill / SIGKILL
         assert r.get(T * 2) == [x * x for x in range(400)]
         assert busy[0].proc.exitcode is not None and busy[0].proc.exitcode < 0
+
+
+@pytest.mark.parametrize("name", ["local", "slurm", "docker"])
+def test_a_child_never_joined_runs_to_its_end_because_the_parents_exit_joins_it(name):
+    """As in multiprocessing, a program may end without joining a non-daemonic child: its exit joins it.
+    The child must still find its session secret then (its file is removed only after that join)."""
+    if name != "local":
+        hb.require(name)
+    run = run_script(PROGRAMS / "unjoined_child.py", name, json.dumps(hb.OPTIONS[name]), cwd=str(ROOT),
+                     timeout=180)
+    assert run.returncode == 0, run.stderr
+    assert "[Unjoined] the unjoined child ran to its end" in run.stdout, (run.stdout, run.stderr)
+    assert "session secret" not in run.stdout + run.stderr
 
 
 @pytest.mark.parametrize("name", ["slurm", "docker"])

@@ -14,14 +14,38 @@ import pytest
 import helpers_backends as hb
 import helpers_pool as hp
 import roving
-from helpers_core import wait_until
+from helpers_core import PROGRAMS, ROOT, run_script, wait_until
 
 T = 240
 
 
+@pytest.mark.parametrize("name", ["local", "slurm"])
+def test_pools_ending_their_own_workers_print_nothing_after_the_programs_last_line(name):
+    """A pool in a ``with`` block, one closed and joined, one left running at the program's exit: each
+    ends its own workers (on Slurm by cancelling their jobs, whose first signal is SIGTERM), which is no
+    news to print."""
+    run = run_script(PROGRAMS / "pool_ends.py", name, "own", cwd=str(ROOT), timeout=T)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1:] == ["the program's last line"], run.stdout
+    assert not [line for line in run.stderr.splitlines() if "pool" in line or "will end" in line], run.stderr
+
+
+@pytest.mark.parametrize("name", ["local", "slurm"])
+def test_workers_the_cluster_ends_are_reported_in_one_line_for_their_pool(name):
+    """Both workers of a pool told from outside they will end (SIGTERM, as a time limit or a preemption
+    sends): one line for the pool says so, none per worker, and the pool goes on with replacements."""
+    run = run_script(PROGRAMS / "pool_ends.py", name, "outside", cwd=str(ROOT), timeout=T)
+    assert run.returncode == 0, run.stderr
+    said = [line for line in run.stderr.splitlines() if "the cluster ends its workers" in line]
+    assert len(said) == 1 and said[0].startswith("roving pool 1: the cluster ends its workers (signal SIGTERM: "
+                                                 "a time limit or a preemption), the first within "), run.stderr
+    assert "will end within" not in run.stdout + run.stderr
+    assert run.stdout.splitlines()[-1:] == ["the program's last line"], run.stdout
+
+
 @pytest.fixture(autouse=True)
 def _slurm():
-    hb.require("slurm")
+    hb.require("slurm")  # every test here needs it (those on local too: it runs them on both)
 
 
 def _started(marker_dir, x):
@@ -68,7 +92,7 @@ def test_the_warning_slurm_sends_before_the_time_limit_ends_the_worker_well():
         first = pool.apply(hp.getpid)
         (worker,) = pool._pool
         assert wait_until(lambda: pool._disp.figures()["ended_early"] >= 1, 90)
-        assert wait_until(lambda: any("(signal SIGUSR1): it takes no more work" in line
-                                      for line in roving.observe.lines_of(worker.name)), 30)
+        assert wait_until(lambda: any(e["kind"] == "worker-ending" and "(signal SIGUSR1)" in e["text"]
+                                      for e in roving.observe.events_since(0)), 30)
         assert wait_until(lambda: pool.apply(hp.getpid) != first, T)  # its replacement serves
         assert pool._disp.figures()["retried"] == 0

@@ -89,6 +89,17 @@ def test_meta_that_a_pool_with_resources_cannot_cover_is_an_error():
             roving.meta(memory="lots")
 
 
+def test_meta_takes_memory_with_its_unit_and_refuses_a_bare_number_naming_the_unit_to_write(specs):
+    with roving.Pool(1) as p:
+        assert p.apply(h.square_needing_one_and_a_half_gib, (3,)) == 9
+    assert any(s.resources.memory == int(1.5 * 2**30) and s.resources.cpu == 1 for s in _pool_specs(specs))
+    assert roving.meta(memory="512M", cpu=2, gpu=1)(lambda: None).__roving_meta__ == {
+        "memory": "512M", "cpu": 2, "gpu": 1}  # cpu and gpu are still plain numbers
+    for bare in (1000, 1.5, "1000", " 1000 "):
+        with pytest.raises(ValueError, match=r"has no unit: write it with one, memory=\"1000M\"|memory=\"1.5M\""):
+            roving.meta(memory=bare)
+
+
 def test_process_resources_keyword_reaches_the_job_spec(specs):
     p = roving.Process(target=h.noop, resources={"cpu": 2.5})
     p.start()

@@ -13,6 +13,14 @@ def square(x):
     return x * x
 
 
+def identity(value):
+    return value
+
+
+class Argument(dict):
+    """An argument a weak reference can be made to (a plain dict cannot)."""
+
+
 def add(a, b):
     return a + b
 

@@ -89,6 +89,11 @@ def square_needing_three_cpus(x):
     return x * x
 
 
+@_meta(cpu=1, memory="1.5GiB")
+def square_needing_one_and_a_half_gib(x):
+    return x * x
+
+
 def sleep_square_1(x):
     time.sleep(0.3 if x else 0.0)
     return x * x

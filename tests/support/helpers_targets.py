@@ -53,6 +53,12 @@ def print_lines(out_lines, err_lines):
     sys.stderr.flush()
 
 
+def report_pid_then_wait(reported, go):
+    """Put ``os.getpid()`` (the child's number where it runs) on ``reported``, then wait on ``go``."""
+    reported.put(os.getpid())
+    go.get()
+
+
 def print_then_wait(line, printed, go):
     """Print ``line``, say so on ``printed``, then wait on ``go`` (for ever, if nothing comes)."""
     print(line)

@@ -149,6 +149,28 @@ def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str]
     return out, spec.env.get(spec.session.secret_env, "")
 
 
+_secret_folders: List[str] = []
+_secret_folders_lock = threading.Lock()
+
+
+def _remove_secret_folders() -> None:
+    """At exit: remove the folders of :class:`SecretFiles`, with the files of jobs that never ran.
+
+    Registered when this module is first imported, before roving.process registers the handler that
+    joins a program's unjoined children (handlers run in reverse), so a child started just before its
+    parent's end still finds its file. Registering a handler when a folder is made would run it first,
+    and such a child would die before it ran.
+    """
+    with _secret_folders_lock:
+        folders = list(_secret_folders)
+        _secret_folders.clear()
+    for folder in folders:
+        shutil.rmtree(folder, True)
+
+
+atexit.register(_remove_secret_folders)
+
+
 class SecretFiles:
     """Hands the session secret to jobs in private files, never in their environment.
 
@@ -159,9 +181,9 @@ class SecretFiles:
     started with, which removing the variable from ``os.environ`` does not clear) nor a cluster's
     record of the job's environment (Slurm's ``--export``) carries it. The child reads the file and
     removes it (:func:`roving.backends.private.take_private`); the files of jobs that never ran go with
-    the folder at this process's exit, or, when this process is killed (SIGKILL), by ``reaper``'s
-    watcher (:meth:`roving.backends.reaper.Reaper.folder`). ``base`` must be a folder the job's machine
-    sees (a shared home for a cluster). Thread-safe.
+    the folder at this process's exit, after its children were joined (:func:`_remove_secret_folders`), or,
+    when this process is killed (SIGKILL), by ``reaper``'s watcher (:meth:`roving.backends.reaper.Reaper.folder`).
+    ``base`` must be a folder the job's machine sees (a shared home for a cluster). Thread-safe.
     """
 
     def __init__(self, base: str, reaper: Optional[Reaper] = None) -> None:
@@ -176,7 +198,8 @@ class SecretFiles:
                 if not os.path.isdir(self._base):
                     private_dir(self._base)  # made 0700; one that exists (/tmp) holds a folder of ours
                 self._folder = tempfile.mkdtemp(prefix="roving-secrets-", dir=self._base)  # 0700
-                atexit.register(shutil.rmtree, self._folder, True)
+                with _secret_folders_lock:
+                    _secret_folders.append(self._folder)
                 if self._reaper is not None:  # named before any secret is in it
                     self._reaper.folder(self._folder)
             return self._folder

@@ -13,6 +13,10 @@
   thread follows the engine's ``die`` events of this session for every container's exit code, then the
   container is removed.
 * Output: followed and printed with the process name as prefix, or written to the process's log file.
+* ``Process.pid`` is the host's number for the child's Python process (the one Docker's init runs), as
+  ``os.kill``, ``psutil`` and ``/proc`` on this machine know it, when the engine runs on this machine;
+  None with a remote engine. Inside its container the child has the container's own number
+  (``os.getpid()`` there is another).
 * When this process exits, normally or killed, its containers still there are removed.
 """
 from __future__ import annotations
@@ -100,6 +104,13 @@ def _sdk() -> Any:
     return docker
 
 
+def _remote_engine() -> bool:
+    """Whether the configured engine is another machine's (``docker_url`` or ``DOCKER_HOST`` over a network)."""
+    cfg = _config.current()
+    url = cfg.docker_url or os.environ.get("DOCKER_HOST", "")
+    return "://" in url and urlparse(url).scheme in ("tcp", "http", "https", "ssh")
+
+
 def _exitcode(code: int) -> int:
     # tini (docker's init) exits 128+N when its child was killed by signal N
     return -(code - 128) if 128 < code < 160 else code
@@ -113,6 +124,27 @@ class _Container:
         self.output_done = threading.Event()
         self.ended = threading.Event()
         self.secret_dir: Optional[str] = None  # the host folder of its secret file, removed with it
+        self.init_pid: Optional[int] = None  # the host pid of the container's init (a local engine's)
+        self.pid: Optional[int] = None  # the host pid of the child's Python process, once found
+
+
+def _run_by_init(init_pid: int) -> Optional[int]:
+    """The host pid of the roving child that Docker's init ``init_pid`` runs, read from this machine's
+    /proc; None when /proc does not show it (not forked yet, or ended) or shows other processes under
+    those numbers (an engine in another pid namespace than this process's)."""
+    try:
+        with open(f"/proc/{init_pid}/cmdline", "rb") as f:
+            if os.path.basename(f.read().split(b"\0")[0]) not in (b"docker-init", b"tini"):
+                return None
+        with open(f"/proc/{init_pid}/task/{init_pid}/children") as f:
+            children = [int(word) for word in f.read().split()]
+        for child in children:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"roving._child" in f.read().split(b"\0"):
+                    return child
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def _secret_folder(secret: str) -> str:
@@ -287,6 +319,13 @@ class DockerBackend(Backend):
         if spec.output == "prefix":
             threading.Thread(target=self._follow_output, args=(container.id, job_state),
                              name=f"roving-docker-output-{spec.name}", daemon=True).start()
+        if not _remote_engine():  # known now, as multiprocessing's pid is after start(), even if it ends soon
+            try:
+                job_state.init_pid = int(client.api.inspect_container(container.id)["State"]["Pid"]) or None
+            except Exception:  # ended and removed already
+                log.debug("roving: no pid for container %s", container.id, exc_info=True)
+            if job_state.init_pid:
+                job_state.pid = _run_by_init(job_state.init_pid)
         return Job(self, container.id)
 
     def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
@@ -384,16 +423,23 @@ class DockerBackend(Backend):
         except Exception as exc:
             raise DockerError(f"no logs for container {job.id[:12]}: {exc}") from None
 
+    def pid(self, job: Job) -> Optional[int]:
+        """The host pid of the child's Python process, when the engine runs on this machine (see the
+        module's docstring); None for a remote engine's container or one this process did not start."""
+        state = self._jobs.get(job.id)
+        if state is None:
+            return None
+        if state.pid is None and state.init_pid and not state.ended.is_set():
+            state.pid = _run_by_init(state.init_pid)  # init had not started it yet when the job was made
+        return state.pid
+
     def cpu_count(self) -> int:
         return int(self._info().get("NCPU") or os.cpu_count() or 1)
 
     def shares_filesystem(self) -> bool:
         """Containers see this machine's working directory only when the engine is this machine's and
         the directory is mounted (``docker_mount_cwd``)."""
-        cfg = _config.current()
-        url = cfg.docker_url or os.environ.get("DOCKER_HOST", "")
-        remote = "://" in url and urlparse(url).scheme in ("tcp", "http", "https", "ssh")
-        return cfg.docker_mount_cwd and not remote
+        return _config.current().docker_mount_cwd and not _remote_engine()
 
     def towards(self) -> Optional[Tuple[str, str]]:
         """A remote engine's host (its containers run there); else, on a network other than ``host``,

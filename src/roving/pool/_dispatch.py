@@ -36,6 +36,7 @@ import types
 from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .. import observe
+from .. import process as _process
 from . import _rerun
 from ..transport import session as _session
 from . import _protocol as P
@@ -351,16 +352,27 @@ class Dispatcher:
             with self.lock:
                 w = self.workers.get(arg)
                 if w is not None and not w.gone and not w.ending:
+                    # the first of the workers ending now (a time limit, a preemption ends several at once)
+                    first = not any(o.ending and not o.gone for o in self.workers.values())
                     w.ending = True
                     self._retire(w)  # no more work; the upkeep starts its replacement now
-                    if self._terminating:  # the signal of the pool's own kill (Slurm sends TERM first)
+                    # the signal of the pool's own kill (Slurm sends TERM first), or of this process's own
+                    # terminate() of the worker (at its exit, say): an end of its own, said nowhere
+                    if self._terminating or _process.stop_asked(w.proc):
                         return
                     self.ended_early += 1
-                    observe.event("worker-ending", f"pool {self.pool_id}", f"worker {w.id} will end within {key} s: "
-                                  "it hands back its work (no retry counted); a replacement starts",
+                    reason = P.read_ending_reason(frames) or "told so"
+                    observe.event("worker-ending", f"pool {self.pool_id}", f"worker {w.id} will end within {key} s "
+                                  f"({reason}): it hands back its work (no retry counted); a replacement starts",
                                   pool=self.pool_id, worker=w.id)
-                    log.info("roving pool: worker %s will end within %d s; its work is handed back and a "
-                             "replacement starts", w.id, key)
+                    if first:
+                        log.warning("roving pool %d: the cluster ends its workers (%s: a time limit or a "
+                                    "preemption), the first within %d s: they take no more work, finish or hand "
+                                    "back what they hold (no retry counted) and are replaced", self.pool_id,
+                                    reason, key)
+                    else:
+                        log.info("roving pool %d: worker %s will end within %d s (%s)", self.pool_id, w.id, key,
+                                 reason)
             return
         with self.lock:
             if kind == P.HELLO:

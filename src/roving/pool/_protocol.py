@@ -15,8 +15,9 @@ Worker → parent: ``[OP, header, ...]``, header = :class:`Header` (pool id, kin
 * RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
 * HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
   ``heartbeat_interval`` seconds, also while a task runs.
-* ENDING(worker id, seconds left) — from the heartbeat thread too, at once: the worker was told it will
-  end (a time limit, a preemption; :mod:`roving.pool._ending`). It takes no more work, gives back what it
+* ENDING(worker id, seconds left) — then a frame with what told it (``signal SIGTERM``, ...; UTF-8): from
+  the heartbeat thread too, at once: the worker was told it will end (a time limit, a preemption;
+  :mod:`roving.pool._ending`). It takes no more work, gives back what it
   has not started (RETURNED, unasked), finishes what it runs within that many seconds and says BYE; what it
   leaves unfinished costs no retry.
 
@@ -132,8 +133,18 @@ def read_header(frames: Sequence[Any]) -> Header:
 
 
 def to_parent(pool_id: int, kind: int, arg: int = 0, key: int = 0) -> List[Any]:
-    """A message to the parent that is a header alone (HELLO, READY, BYE, RETURNED, HEARTBEAT, ENDING)."""
+    """A message to the parent that is a header alone (HELLO, READY, BYE, RETURNED, HEARTBEAT)."""
     return [OP, TO_PARENT.pack(pool_id, kind, arg, key)]
+
+
+def ending(pool_id: int, worker_id: int, seconds_left: int, reason: str) -> List[Any]:
+    """ENDING: worker ``worker_id`` will end within ``seconds_left`` s, as ``reason`` told it."""
+    return [OP, TO_PARENT.pack(pool_id, ENDING, worker_id, seconds_left), reason.encode()]
+
+
+def read_ending_reason(frames: Sequence[Any]) -> str:
+    """What told the worker of an ENDING message it will end ("" from a worker that does not say)."""
+    return bytes(frames[1]).decode(errors="replace") if len(frames) > 1 else ""
 
 
 class RunWriter:

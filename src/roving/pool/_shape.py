@@ -18,9 +18,16 @@ _RESOURCE_KEYS = ("cpu", "memory", "gpu")
 
 def meta(*, cpu: Optional[float] = None, memory: Optional[Any] = None,
          gpu: Optional[int] = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declare what a worker running the decorated function needs: ``cpu``, ``memory`` (bytes or a
-    string like ``"2G"``), ``gpu``. A pool it is given to asks the backend for workers of that shape
-    (see :class:`Pool`); what is left out comes from the configuration. ValueError for a bad value."""
+    """Declare what a worker running the decorated function needs: ``cpu``, ``memory`` (a size with
+    its unit: ``"512M"``, ``"1G"``, ``"1.5GiB"``; binary units K, M, G, T), ``gpu``. A pool it is given
+    to asks the backend for workers of that shape (see :class:`Pool`); what is left out comes from the
+    configuration. ValueError for a bad value, and for a memory without a unit (``memory=1000``: bytes
+    to some, megabytes to others), which must say which it means."""
+    if memory is not None and _bare_number(memory):
+        number = str(memory).strip()
+        raise ValueError(f"roving.meta(): memory={memory!r} has no unit: write it with one, "
+                         f"memory=\"{number}M\" for megabytes (what some libraries take a bare number for), "
+                         f"\"{number}G\", \"{number}K\"; units K, M, G, T (binary: 1M is 2**20 bytes)")
     want = resources({"cpu": cpu, "memory": memory, "gpu": gpu}, "roving.meta()")
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -28,6 +35,17 @@ def meta(*, cpu: Optional[float] = None, memory: Optional[Any] = None,
         return func
 
     return mark
+
+
+def _bare_number(value: Any) -> bool:
+    """Whether ``value`` is a number with no unit (``1000``, ``1.5``, ``"1000"``)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return True
+    try:
+        float(str(value).strip())
+    except ValueError:
+        return False
+    return True
 
 
 def resources(given: Any, where: str) -> Dict[str, Any]:

@@ -187,7 +187,7 @@ class Upkeep:
     def start_workers(self) -> None:
         """Start as many workers as are missing, unless a backoff after a failure is still running.
         SerializationError if the initializer or its arguments cannot be pickled."""
-        if self.broken is not None:
+        if self.broken is not None or _process.exiting():  # its workers are being ended with the program
             return
         with self.lock:
             want = self.size - self.disp.live()
@@ -414,7 +414,7 @@ class Upkeep:
                 mismatch = _process.environment_error(w.proc) if not v.connected else None
                 if mismatch is not None:
                     self._broken_by(mismatch)
-                elif not v.connected and code != 0:
+                elif not v.connected and code != 0 and not _process.stop_asked(w.proc):
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
                 elif v.connected:
                     self._failures = 0

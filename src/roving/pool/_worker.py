@@ -162,17 +162,17 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
                 return
         try:
             if ending.event.is_set() and not told:
-                chan.send(P.to_parent(pool_id, P.ENDING, worker_id, max(0, int(ending.left()))))
+                chan.send(P.ending(pool_id, worker_id, max(0, int(ending.left())), ending.reason))
                 told = True
-                sys.stderr.write(f"roving pool worker {worker_id}: will end within {ending.left():.0f} s "
-                                 f"({ending.reason}): it takes no more work\n")
+                # not printed: the parent says it, once per pool, when the end is not the pool's own
+                log.info("roving pool worker %d: will end within %.0f s (%s): it takes no more work",
+                         worker_id, ending.left(), ending.reason)
             chan.send(beat)
         except ConnectionLost:  # the stream ended: the next recv finds that and connects again
             pass
         if told and ending.left() <= 0:
-            sys.stderr.write(f"roving pool worker {worker_id}: its {ending.grace:g} s of grace are over "
-                             f"({ending.reason}); it leaves now: what it runs is run again elsewhere\n")
-            sys.stderr.flush()
+            log.info("roving pool worker %d: its %g s of grace are over (%s); it leaves now: what it runs is "
+                     "run again elsewhere", worker_id, ending.grace, ending.reason)
             chan.close(1.0)
             os._exit(0)
         wake.wait(min(interval, max(0.0, ending.left())) if told else interval)
