@@ -140,7 +140,7 @@ def started_main(settings, control, beats=None) -> None:
     """A stage process's target whose node ``HOSTILE`` runs code of its own (a started node whose machine
     is not the coordinator's to trust): it tries to take the other nodes' start payloads from the
     coordinator as they start, and sends what the wire refuses; the result is left in the file named by
-    ROVING_TEST_HOSTILE_RESULT."""
+    HOSTILE_NODE_RESULT."""
     from roving.pipeline.stage_process import stage_main
 
     if settings.name != HOSTILE:
@@ -148,18 +148,19 @@ def started_main(settings, control, beats=None) -> None:
     here = session.current()
     endpoint = here.endpoint(control.node)
     stolen = []
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(stolen) < 1:  # the siblings' payloads wait while they start
+    open(os.environ["HOSTILE_NODE_RESULT"] + ".attacking", "w").close()  # the test starts the others now
+    deadline = time.monotonic() + 8
+    while time.monotonic() < deadline:  # the siblings' payloads wait at the coordinator while they start
         for box in range(1, 200):
             if box in (control.box, getattr(beats, "box", -1)):
                 continue
-            status, _ = endpoint.call(_node.GET, box, 0)
+            status, frames = endpoint.call(_node.GET, box, 0)
             if status == _node.OK:
-                stolen.append(box)
+                stolen.append(bytes(frames[0])[:1].decode("latin-1") if frames else "")
     issued = outcome(lambda: here.issue(settings.name + "-spare"))
-    with open(os.environ["ROVING_TEST_HOSTILE_RESULT"], "w") as f:
+    with open(os.environ["HOSTILE_NODE_RESULT"], "w") as f:
         json.dump({"stolen": stolen, "issued": issued}, f)
     slot = postbox.Slot(control)
-    slot.send([pickle.dumps(Marker(os.environ["ROVING_TEST_HOSTILE_RESULT"] + ".marker"), protocol=5)])
+    slot.send([pickle.dumps(Marker(os.environ["HOSTILE_NODE_RESULT"] + ".marker"), protocol=5)])
     slot.send(codec.encode(m.Norm(0, settings.name, 0, -1.0)))
     slot.confirm(10)

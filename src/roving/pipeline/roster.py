@@ -77,6 +77,8 @@ class Roster:
         self.lost: dict[str, str] = {}
         #: messages dropped as not awaited, by sender (``recv``)
         self.unexpected: dict[str, int] = {}
+        #: processes that failed or exited before they were admitted, with why (``_start_failed``)
+        self.failed_starts: dict[str, str] = {}
         self._out: Senders | None = None
         self._monitor: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -138,8 +140,9 @@ class Roster:
 
     def wait_started(self, alloc: dict[str, int], stages: int, start_wait: float, timeout: float) -> None:
         """Wait for the processes launched (``alloc``: name -> stage) to be ready: all of them, or, after
-        ``start_wait`` seconds, enough to hold every one of ``stages``. NodeFailed when one fails to
-        start, or when too few are ready within ``timeout``."""
+        ``start_wait`` seconds, enough to hold every one of ``stages``; one that fails or exits first
+        is started without (``failed_starts``). NodeFailed when too few are ready within ``timeout``,
+        or those that failed leave a stage that no ready process can hold."""
         t0 = time.monotonic()
         while self.starting:
             waited = time.monotonic() - t0
@@ -151,6 +154,9 @@ class Roster:
                 self.recv(m.Ready, timeout=0.5, check=False)
             except NoMessage:
                 pass
+        if len({alloc[n] for n in self.ready if n in alloc}) < stages and self.failed_starts:
+            raise NodeFailed("too few nodes started to hold every stage: "
+                             + "; ".join(f"{n}: {why}" for n, why in sorted(self.failed_starts.items())))
 
     def open(self) -> list[str]:
         """After the start: admit the ready processes (every one gets every inbox) and start watching
@@ -383,10 +389,9 @@ class Roster:
                 msg = self.control.get(timeout=0.1)
             except _queue.Empty:
                 if not check:
-                    dead = [n for n in self.starting if not self.procs[n].is_alive()]
-                    if dead:
-                        raise NodeFailed(f"node(s) {', '.join(dead)} exited while the coordinator waited "
-                                         f"for {what}") from None
+                    for name in [n for n in self.starting if not self.procs[n].is_alive()]:
+                        self._start_failed(name, f"its process exited with code {self.procs[name].exitcode} "
+                                                 f"while the coordinator waited for {what}")
                 if time.monotonic() > deadline:
                     raise NoMessage(f"no {what} message from the nodes within {timeout:g} s") from None
                 continue
@@ -394,7 +399,9 @@ class Roster:
                 if msg.sender in self.inboxes:  # an admitted node's failure is its own loss, not the run's
                     self._drop({msg.sender: "it failed: " + (msg.traceback.strip().splitlines() or [""])[-1]})
                     raise NodesLost({msg.sender: "it failed"})
-                raise NodeFailed(f"node {msg.sender} failed:\n{msg.traceback}")
+                if msg.sender in self.starting or msg.sender in self.ready:
+                    self._start_failed(msg.sender, f"it failed:\n{msg.traceback}")
+                continue
             if isinstance(msg, m.Ready):
                 if self.incarnation.get(msg.sender) == msg.incarnation and msg.sender in self.starting:
                     self.starting.discard(msg.sender)
@@ -453,18 +460,32 @@ class Roster:
 
     def wait_ready(self, names: list[str], timeout: float) -> None:
         """Wait until the processes ``names`` are ready (not admitted yet). NodeFailed if one is not
-        within ``timeout`` seconds, or exits first."""
+        within ``timeout`` seconds, or fails or exits first."""
         deadline = time.monotonic() + timeout
         while any(n not in self.ready for n in names):
+            failed = {n: self.failed_starts[n] for n in names if n in self.failed_starts and n not in self.ready}
+            if failed:
+                raise NodeFailed("joining node(s) failed before they were ready: "
+                                 + "; ".join(f"{n}: {why}" for n, why in sorted(failed.items())))
             if time.monotonic() > deadline:
                 raise NodeFailed(f"node(s) {', '.join(n for n in names if n not in self.ready)} not ready "
                                  f"within {timeout:g} s")
             try:
                 self.recv(m.Ready, timeout=max(0.1, deadline - time.monotonic()), check=False)
-            except NodeFailed:
-                gone = [n for n in names if n not in self.ready and not self.procs[n].is_alive()]
-                if gone:
-                    raise NodeFailed(f"joining node(s) {', '.join(gone)} exited before they were ready") from None
+            except NoMessage:
+                pass
+
+    def _start_failed(self, name: str, why: str) -> None:
+        """A process failed or exited before it was admitted: it is no longer waited for (the run starts,
+        or goes on, without it: planned around, as a node that is late), and its process is ended."""
+        log.warning("node %s failed to start: %s", name, why)
+        self._event("join-failed", nodes=[name], why=why.splitlines()[0])
+        self.failed_starts[name] = why
+        self.starting.discard(name)
+        self.ready.pop(name, None)
+        proc = self.procs.get(name)
+        if proc is not None and proc.is_alive():
+            proc.kill()
 
     def admit(self) -> list[str]:
         """Admit the processes that reported ready: peers both ways (the emulated link to each, when

@@ -190,7 +190,11 @@ class Trainer:
         if late:
             log.warning("starting without node(s) %s (not ready after %g s): they join when they start",
                         ", ".join(late), cfg.start_wait)
-            self._replan(failed={n: "not started yet" for n in late}, why="start")
+        # planned around: the late, and those that will not come (exited while starting, or caught)
+        absent = {n: roster.excluded.get(n, "not started yet" if n in late else "exited while starting")
+                  for n in self.alloc if n not in roster.inboxes}
+        if absent:
+            self._replan(failed=absent, why="start")
         if self._resume_from is not None:
             self._resume(self._resume_from)
         else:
