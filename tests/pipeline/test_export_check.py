@@ -302,7 +302,7 @@ def test_an_evaluation_uses_the_honest_replicas_weights_and_the_exporter_is_caug
     final = metrics["evaluations"][-1]
     assert final["iteration"] == 2 and final["val_loss"] == want["val_loss"]
     assert math.isfinite(poison["val_loss"]) and poison["val_loss"] != want["val_loss"], "the poison shows"
-    assert only_caught(t, liar)["iteration"] == 2
+    assert only_caught(t, liar)["iteration"] == 1, "at the evaluation after iteration 1: the one export since"
 
 
 def test_a_joining_node_loads_the_honest_replicas_weights_and_the_exporter_is_caught():
