@@ -57,15 +57,16 @@ stages of 2 replicas or of replicas on more than one platform; with 3 or more on
 weights check below names such a replica at the step (``combined_needed``), and no digest is asked for.
 
 The replicas' weights. Replicas that combined one gradient step bitwise alike on one platform (device
-model, torch; ``evidence.platform``), so after every step each replica of a stage with others reports a
-digest of the weights it stepped to (``Stepped.weights``; ``stepped``), compared with those of the
-replicas of its stage on its platform (the one it reported first: a later claim does not move it).
-Where they differ, a strict majority of at least 3 names the others, caught ("weights"; one that steps
-with another gradient than it combined, or combined another, or reports no digest); with no such
-majority (2 replicas) it is a dispute. Every round, in every mode but "off", before the weights are
-snapshotted or evaluated. A confirmation then holds each node to its report: weights shown that are
-not the ones it reported after its latest step (of the stage it holds now) have it caught ("weights"),
-so a node cannot compute with other weights than it reported and show the honest ones.
+model, torch; ``evidence.platform``), so after every step each replica reports a digest of the weights
+it stepped to (``Stepped.weights``; ``stepped``; a stage's only replica too, for what it exports and
+shows later), compared with those of the replicas of its stage on its platform (the one it reported
+first: a later claim does not move it). Where they differ, a strict majority of at least 3 names the
+others, caught ("weights"; one that steps with another gradient than it combined, or combined another,
+or reports no digest); with no such majority (2 replicas) it is a dispute. Every round, in every mode
+but "off", before the weights are snapshotted or evaluated. A confirmation then holds each node to its
+report: weights shown that are not the ones it reported after its latest step (of the stage it holds
+now) have it caught ("weights"), so a node cannot compute with other weights than it reported and show
+the honest ones.
 
 Weights that leave a node. What the coordinator keeps or hands on of a node's weights (a snapshot, a
 checkpoint, an evaluation, the weights a joining or taking-over node loads, a neighbour's for the
