@@ -129,6 +129,8 @@ def test_an_export_is_held_to_the_digest_its_node_holds_and_to_its_stages_majori
     assert "holds stage 0" in v.exported("b", 0, 1, w1)["b"], "another stage than it holds"
     assert "not a state dict" in v.exported("c", 0, 0, [1, 2])["c"]
     assert sorted(caught(events)) == ["a", "b", "c"] and v.totals["caught"] == 3
+    assert v.exported("d", None, 1, w1) == {}, "where the stage it holds is not known, its digest still is"
+    assert "stepped digest" in v.exported("d", None, 1, poisoned(w1, "d"))["d"]
 
     nodes = Nodes({"a": 0, "b": 0, "c": 0, "d": 1})
     v, events = verifier(nodes)

@@ -617,23 +617,24 @@ class Verifier:
     def exported(self, name: str, holds: int | None, stage: Any, tensors: Any) -> dict[str, str]:
         """Check weights that ``name`` exported (a snapshot, a checkpoint, an evaluation, a stage taken
         over, a neighbour's for the recovery), as stage ``stage``, where the coordinator knows it ``holds``
-        that stage: they must be the stage it holds, with the digest of what it holds (``held``: what it
-        reported after its latest step, or was loaded with, or, in a fresh run before its first step,
-        the stage's initial weights), and the digest a strict majority of its stage's live replicas on its
-        platform hold, where they have one. Returns the node caught (name -> why; also an event, check
-        "export"), for the caller to exclude and to take another replica's export; {} when they pass.
+        that stage (None: not known): they must be of the stage it holds, have the digest of what it holds
+        (``held``: what it reported after its latest step, or was loaded with, or, in a fresh run before
+        its first step, the stage's initial weights), and the digest a strict majority of its stage's live
+        replicas on its platform hold, where there is one. Returns the node caught (name -> why; also an
+        event, check "export"), for the caller to exclude and to take another replica's export; {} when
+        they pass.
 
-        What cannot be checked: weights whose node holds no known digest (verification "off", where
-        nothing is checked at all; a node that reported none after its step, in a stage of 2 replicas,
-        which is a dispute) are taken as they come. A stage of a single replica is held to what it
-        reported and computes with (its computations are checked against the weights it shows, which must
-        be those), not to its step, which no replica repeats. The optimizer state that comes with an
-        export is not checked (the module doc)."""
+        What cannot be checked: with verification "off", nothing; weights whose node holds no known
+        digest and whose stage has no such majority (a node that reported none after its step, in a stage
+        of 2 replicas: a dispute; a single replica that did so) are taken as they come. A stage of a single
+        replica is held to what it reported after its step and computes with (its computations are checked
+        against the weights it shows, which must be those), not to the step itself, which no replica
+        repeats. The optimizer state that comes with an export is not checked (the module doc)."""
         if not self.on:
             return {}
         caught: dict[str, str] = {}
         c = Check(name, stage if isinstance(stage, int) else -1, "export", -1, -1, Source(name, ()))
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage != holds:
+        if not isinstance(stage, int) or isinstance(stage, bool) or (holds is not None and stage != holds):
             self._catch(caught, name, "export", c, reason=f"exported weights of stage {stage!r} while it holds "
                         f"stage {holds}")
         elif not isinstance(tensors, dict) or not all(
