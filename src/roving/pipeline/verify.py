@@ -599,12 +599,9 @@ class Verifier:
         for name, stage in sorted(holding.items()):
             if stage is None:
                 continue
-            if stage not in digests:
-                module = self._modules.get(stage)
-                if module is None:  # (kept for the confirmations, which build it once a run anyway)
-                    module = self._modules[stage] = Stage(self.model, stage, self.stages, seed=self.seed).to(
-                        self.device)
-                digests[stage] = receipts.weights_digest(module.state_dict())
+            if stage not in digests:  # (built on the CPU, and let go: a stage process's are bitwise the same)
+                digests[stage] = receipts.weights_digest(
+                    Stage(self.model, stage, self.stages, seed=self.seed).state_dict())
             self.held[name] = (stage, digests[stage])
 
     def holds(self, name: str, stage: int, tensors: Any) -> None:

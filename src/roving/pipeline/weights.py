@@ -160,8 +160,8 @@ class Weights:
 
     def held_states(self, stages: list[int]) -> dict[int, dict]:
         """The current weights of ``stages`` from one live process holding each, checked (``_passes``: a
-        process caught is excluded, and the next one asked); a stage that no live process holds, or none
-        exports weights of that check out, is left out: stage -> {parameter name: tensor}."""
+        process caught is excluded, and the next one asked); a stage that no live process holds, or none of
+        whose holders exports weights that check out, is left out: stage -> {parameter name: tensor}."""
         out: dict[int, dict] = {}
         for stage in stages:
             holders = sorted(n for n, s in self.roster.holding.items() if s == stage and n in self.roster.inboxes)
@@ -262,9 +262,9 @@ class Weights:
     def load(self, stages: dict[int, dict], targets: dict[str, int], limit: Callable[[str, int], int]) -> None:
         """Each target process loads its stage's weights and optimizer state; ``roster.holding``
         follows, and the verifier hears what it holds (``Verifier.holds``). A target that is dead
-        already, or dies meanwhile, is left out: it is re-planned around
-        at the next attempt's boundary (two processes of one lost machine are often declared dead one
-        after the other, the second while the first one's re-plan moves weights)."""
+        already, or dies meanwhile, is left out: it is re-planned around at the next attempt's boundary
+        (two processes of one lost machine are often declared dead one after the other, the second while
+        the first one's re-plan moves weights)."""
         roster = self.roster
         waiting = {name for name in targets if name in roster.inboxes}
         for name in sorted(waiting):
