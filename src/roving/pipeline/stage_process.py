@@ -509,8 +509,8 @@ class StageProcess:
         self.opt.step()
         self.opt.zero_grad()
         # replicas step bitwise alike (the same gradient, coefficient and optimizer state): what each
-        # holds now is compared (``verify``), where there are replicas to compare with; a single replica's
-        # too is what every weights it exports or shows later is held to
+        # holds now is compared (``verify``), where there are replicas to compare with; every replica's,
+        # a single one's too, is what its weights exported or shown until its next step are held to
         weights = self.evidence.stepped(self.stage.state_dict())
         stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
