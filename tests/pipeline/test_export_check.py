@@ -228,8 +228,8 @@ def test_a_stage_moved_takes_a_keeper_whose_weights_check_out_and_is_an_orphan_w
 
 # -- training with an exporter that lies ----------------------------------------------------------------
 BASE = dict(model="tiny", nodes=6, stages=3, skip=0.0, microbatches=4, samples=2, seq_len=16, lr=3e-3, warmup=1,
-            eval_every=100, eval_batches=2, planner_budget=2.0, planner_evals=40, replan_budget=1.0,
-            replan_evals=20, speed=1e-3, clip=1.0, timeout=120, in_flight=2, seed=1, mode="spot",
+            eval_every=100, eval_batches=2, planner_budget=0.5, planner_evals=20, replan_budget=0.5,
+            replan_evals=10, speed=1e-3, clip=1.0, timeout=120, in_flight=2, seed=1, mode="spot",
             verify_rate=0.0, snapshot_every=0, checkpoint_every=0, start_wait=120)
 
 
