@@ -22,7 +22,8 @@ def test_each_kind_changes_what_it_should_and_leaves_the_rest():
             out = adv.tamper(what, t, "n01", 0, 3, given)
             assert out.shape == t.shape and out.dtype == t.dtype
             untouched = (kind == "weights" and what != "share") or (kind == "signflip" and what == "activation") \
-                or kind in ("frame", "drift")  # a framer lies only when asked to recheck, a drifter as it steps
+                or kind in ("frame", "drift", "export")  # a framer lies only when asked to recheck, a drifter
+            # as it steps, an exporter in the weights it exports
             assert torch.equal(out, t) == untouched, (kind, what)
     assert torch.equal(Adversary("scale").tamper("gradient", t, "n", 0, 0), t * 10)
     assert torch.equal(Adversary("scale", strength=3).tamper("gradient", t, "n", 0, 0), t * 3)
@@ -55,6 +56,22 @@ def test_a_drifter_steps_with_a_gradient_of_its_own_from_its_round_on_and_the_ot
     assert torch.equal(own, drift.stepped(g, "n", 2)) and not torch.equal(own, drift.stepped(g, "n", 3))
     assert torch.equal(g, tensor(3).flatten()), "never changed in place"
     assert all(Adversary(k).stepped(g, "n", 5) is g for k in KINDS if k != "drift")
+
+
+def test_an_exporter_poisons_the_weights_it_exports_from_its_round_on_and_the_others_export_theirs():
+    weights = {"w": tensor(4), "b": tensor(5)[0, 0], "steps": torch.tensor([3])}
+    export = Adversary("export", start=2)
+    assert export.exported(weights, "n", 1) is weights, "before its round it exports honestly"
+    out = export.exported(weights, "n", 2)
+    assert out.keys() == weights.keys() and torch.equal(out["steps"], weights["steps"]), "integers left alone"
+    for name in ("w", "b"):
+        assert out[name].dtype == weights[name].dtype and out[name].shape == weights[name].shape
+        assert float((out[name] - weights[name]).norm()) == pytest.approx(0.1 * float(weights[name].norm()), rel=1e-4)
+    assert torch.equal(out["w"], export.exported(weights, "n", 2)["w"]), "a pure function of its arguments"
+    assert torch.equal(weights["w"], tensor(4)), "never changed in place"
+    assert not torch.equal(Adversary("export").exported(weights, "n", -1)["w"], weights["w"]), \
+        "an export before the first round is round 0's"
+    assert all(Adversary(k).exported(weights, "n", 5) is weights for k in KINDS if k != "export")
 
 
 def test_an_adversary_starts_at_its_round_and_lies_about_the_fraction_of_microbatches_given():

@@ -25,8 +25,7 @@ for it as for microbatch -1). The kinds:
   share's norm added to it (a tampered share of the stage's averaging: replicas average gradients,
   not weights, before each step); microbatch traffic is honest. It averages its own true share (the
   other kinds average the share they sent, as their replicas do), so it steps to other weights than
-  its replicas. The weights a node exports (snapshots,
-  takeovers) are not tampered with yet.
+  its replicas.
 - ``drift``: sends everything honestly and combines its stage's shares as sent, but steps with another
   gradient (``stepped``: STRENGTH, default 10, times a random direction of the gradient's norm added
   before its optimizer step), so its weights leave its replicas' from that step on, and with them
@@ -36,6 +35,11 @@ for it as for microbatch -1). The kinds:
   sent alone (not the node), so every colluding node of a stage sends the same wrong tensor for the
   same microbatch and round (for its share: the same wrong share); asked to recheck another node's
   work (``verify``), a colluder says it matches.
+- ``export``: computes, sends, steps and shows its weights honestly (its digest after each step is that
+  of the weights it holds), but the weights it exports (``Export``: snapshots, checkpoints, a stage taken
+  over or joined; ``StateRequest``: evaluation, a neighbour's for the recovery) have STRENGTH (default
+  0.1) times a random direction of each tensor's norm added (``exported``): a poisoned saved model that
+  no check of its arithmetic would see. An export before its first round counts as round 0's.
 - ``frame``: sends what it computes, but asked to recheck another node's work says it differs (a node
   trying to have an honest one blamed).
 
@@ -52,10 +56,10 @@ import torch
 from .errors import PlanError
 
 #: the adversary kinds, as ``[verify] adversaries`` names them.
-KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "drift", "collude", "frame")
+KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "drift", "collude", "frame", "export")
 #: what a stage process sends that an adversary can tamper with.
 WHATS = ("activation", "gradient", "share")
-_STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0, "drift": 10.0}
+_STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0, "drift": 10.0, "export": 0.1}
 
 
 @dataclass(frozen=True)
@@ -92,8 +96,8 @@ class Adversary:
         if what not in WHATS:
             raise ValueError(f"what must be one of {', '.join(WHATS)}, got {what!r}")
         kind = self.kind
-        if not self.active(node, rnd, mb) or kind in ("frame", "drift") or (kind == "weights" and what != "share") or \
-                (kind == "signflip" and what == "activation"):
+        if not self.active(node, rnd, mb) or kind in ("frame", "drift", "export") or \
+                (kind == "weights" and what != "share") or (kind == "signflip" and what == "activation"):
             return tensor
         t = tensor.detach().float()
         if kind == "scale":
@@ -126,6 +130,24 @@ class Adversary:
         t = gradient.detach().float()
         out = t + (self.strength or _STRENGTH["drift"]) * _direction(f"{self.seed}:{node}:{rnd}:step", t)
         return out.to(gradient.dtype)
+
+
+    def exported(self, weights: dict[str, torch.Tensor], node: str, rnd: int) -> dict[str, torch.Tensor]:
+        """The weights ``node`` exports in round ``rnd`` instead of ``weights`` (its stage's, by name): an
+        ``export`` liar's poisoned (each floating tensor moved by STRENGTH times a random direction of its
+        norm), ``weights`` itself otherwise (drawn for microbatch -1; before the first round, as round 0;
+        never changed in place)."""
+        if self.kind != "export" or not self.active(node, max(rnd, 0), -1):
+            return weights
+        out = {}
+        for name, t in weights.items():
+            if t.is_floating_point() and t.numel():
+                f = t.detach().float()
+                r = _direction(f"{self.seed}:{node}:{rnd}:export:{name}", f)
+                out[name] = (f + (self.strength or _STRENGTH["export"]) * r).to(t.dtype)
+            else:
+                out[name] = t
+        return out
 
 
 def _direction(key: str, like: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ Two families under it, by what the caller should do:
   run, a corpus, a checkpoint or a setting that nothing can be made from; the message says what was
   wrong and what to do. Each is also a ``ValueError``, so code that caught bad input with ``except
   ValueError`` before these classes existed keeps working; the commands print them and exit with 2.
-* **A run that cannot go on** (``NodeFailed``, ``NoMessage``) and the signals between the training
+* **A run that cannot go on** (``NodeFailed``, ``NoMessage``, ``ExportRejected``) and the signals between the training
   coordinator's parts (``NodesLost``, ``RoundStalled``, ``ProtocolError``): raised while training runs.
   ``NodeFailed`` and ``ProtocolError`` are also ``RuntimeError``.
 
@@ -47,6 +47,12 @@ class NodeFailed(PipelineError, RuntimeError):
 
 class NoMessage(NodeFailed):
     """Nothing came from the stage processes in time."""
+
+
+class ExportRejected(NodeFailed):
+    """No replica of a stage exported weights that check out (``verify.Verifier.exported``): every one
+    that was asked was caught exporting other weights than it reported holding. Raised instead of
+    snapshotting, checkpointing or evaluating weights that were not checked."""
 
 
 class NodesLost(PipelineError):

@@ -301,9 +301,9 @@ class Stepped(RoundMessage):
     sender: str
     stats: dict
     grad_norm: float = float("nan")
-    #: with verification on, where its stage had other replicas in the round: the digest of the weights
-    #: it holds after the step (``receipts.weights_digest``), which every replica's of its ``platform``
-    #: must equal (``verify``)
+    #: with verification on: the digest of the weights it holds after the step
+    #: (``receipts.weights_digest``), which every replica's of its ``platform`` must equal, and every
+    #: export of its weights until its next step (``verify``)
     weights: Any = None
     #: what its arithmetic runs on (``evidence.platform``): replicas step bitwise alike on one platform
     platform: str = ""

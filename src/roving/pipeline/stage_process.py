@@ -134,7 +134,6 @@ class StageProcess:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
         self.stage_index, self.in_flight = stage, in_flight
         self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
-        self.replicated = False  # whether other replicas averaged with it since its latest step
         self.stage = Stage(self.settings.model, stage, self.settings.stages, seed=self.settings.seed).to(self.device)
         self.params = [p for p in self.stage.parameters()]
         self.opt = AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
@@ -313,8 +312,15 @@ class StageProcess:
         """This stage's weights by parameter name, on the CPU (to travel)."""
         return {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
 
+    def _exported(self) -> dict[str, torch.Tensor]:
+        """This stage's weights as it exports them (``Export``, ``StateRequest``): poisoned by an ``export``
+        adversary (``adversary``), which shows and steps with its honest ones."""
+        adv = self.settings.adversary
+        weights = self._weights()
+        return weights if adv is None else adv.exported(weights, self.name, self.round)
+
     def _on_export(self, msg: m.Export) -> None:
-        self.control.put(m.Exported(self.name, self.stage_index, self._weights(), _to_cpu(self.opt.state_dict())))
+        self.control.put(m.Exported(self.name, self.stage_index, self._exported(), _to_cpu(self.opt.state_dict())))
 
     def _on_load(self, msg: m.Load) -> None:
         if msg.stage != self.stage_index or msg.optimizer is None:  # None: a fresh optimizer state
@@ -330,7 +336,7 @@ class StageProcess:
         if msg.grads:  # for checks: the gradients as they are now
             sd = {n: p.grad.detach().to("cpu") for n, p in self.stage.named_parameters() if p.grad is not None}
         else:
-            sd = self._weights()
+            sd = self._exported()
         self.control.put(m.State(self.name, self.stage_index, sd))
 
     def _on_throttle(self, msg: m.Throttle) -> None:
@@ -478,7 +484,6 @@ class StageProcess:
         # Every replica combines the same tensors in the same order: the results are bitwise equal
         # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
         counts = self.share_counts.get(rnd, {})
-        self.replicated = len(replicas) > 1
         cosines = self.evidence.shares(rnd, {r: got[r] for r in replicas}, counts)
         total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
                         count, self.settings.aggregation)
@@ -505,9 +510,9 @@ class StageProcess:
         self.opt.step()
         self.opt.zero_grad()
         # replicas step bitwise alike (the same gradient, coefficient and optimizer state): what each
-        # holds now is compared (``verify``), where there are replicas to compare with
-        replicated, self.replicated = self.replicated, False
-        weights = self.evidence.stepped(self.stage.state_dict()) if replicated else None
+        # holds now is compared (``verify``), where there are replicas to compare with; every replica's,
+        # a single one's too, is what its weights exported or shown until its next step are held to
+        weights = self.evidence.stepped(self.stage.state_dict())
         stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan

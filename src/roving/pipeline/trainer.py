@@ -127,9 +127,9 @@ class Trainer:
         self.iteration_no = 0
         self._t0 = time.perf_counter()
         self.roster = Roster(prep, self._event)
-        self.weights = Weights(prep, self.roster, self._event)
-        #: the checks of what the nodes send (``[verify]``; does nothing with mode = "off")
+        #: the checks of what the nodes send and export (``[verify]``; does nothing with mode = "off")
         self.verifier = Verifier(cfg, prep.model, self.roster, self._event)
+        self.weights = Weights(prep, self.roster, self._event, self.verifier)
         self.recovery = StageRecovery(cfg, prep.model, self.weights, self._event, self._done)
         self.failures = FailureSchedule(cfg.stages, cfg.seed, cfg.fail_rate, cfg.fail_hour_iterations, cfg.fail_at)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
@@ -186,6 +186,8 @@ class Trainer:
         for index, (name, stage) in enumerate(sorted(self.alloc.items())):
             roster.launch(name, stage, index, fresh=self._resume_from is None)
         roster.wait_started(self.alloc, cfg.stages, cfg.start_wait, cfg.timeout)
+        if self._resume_from is None:  # each holds its stage's initial weights: their exports are checked
+            self.verifier.started(dict(roster.holding))
         late = roster.open()
         if late:
             log.warning("starting without node(s) %s (not ready after %g s): they join when they start",
@@ -321,8 +323,8 @@ class Trainer:
         latest snapshot (``Weights.move``). Returns the nodes moved (name -> stage) and where each
         stage's weights came from."""
         moved = {n: s for n, s in self.alloc.items() if self.roster.holding.get(n) != s}
+        takeover = self.weights.gather(moved, self.alloc)  # (exports checked by what each held until now)
         self.verifier.loaded(moved)
-        takeover = self.weights.gather(moved, self.alloc)
         rebuilt: dict[int, StageWeights] = {}
         for stage, nodes in takeover.orphans.items():
             weights = self.recovery.rebuild(stage, nodes)

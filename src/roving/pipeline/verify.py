@@ -57,15 +57,31 @@ stages of 2 replicas or of replicas on more than one platform; with 3 or more on
 weights check below names such a replica at the step (``combined_needed``), and no digest is asked for.
 
 The replicas' weights. Replicas that combined one gradient step bitwise alike on one platform (device
-model, torch; ``evidence.platform``), so after every step each replica of a stage with others reports a
-digest of the weights it stepped to (``Stepped.weights``; ``stepped``), compared with those of the
-replicas of its stage on its platform (the one it reported first: a later claim does not move it).
-Where they differ, a strict majority of at least 3 names the others, caught ("weights"; one that steps
-with another gradient than it combined, or combined another, or reports no digest); with no such
-majority (2 replicas) it is a dispute. Every round, in every mode but "off", before the weights are
-snapshotted or evaluated. A confirmation then holds each node to its report: weights shown that are
-not the ones it reported after its latest step (of the stage it holds now) have it caught ("weights"),
-so a node cannot compute with other weights than it reported and show the honest ones.
+model, torch; ``evidence.platform``), so after every step each replica reports a digest of the weights
+it stepped to (``Stepped.weights``; ``stepped``; a stage's only replica too, for what it exports and
+shows later), compared with those of the replicas of its stage on its platform (the one it reported
+first: a later claim does not move it). Where they differ, a strict majority of at least 3 names the
+others, caught ("weights"; one that steps with another gradient than it combined, or combined another,
+or reports no digest); with no such majority (2 replicas) it is a dispute. Every round, in every mode
+but "off", before the weights are snapshotted or evaluated. A confirmation then holds each node to its
+report: weights shown that are not the ones it reported after its latest step (of the stage it holds
+now) have it caught ("weights"), so a node cannot compute with other weights than it reported and show
+the honest ones.
+
+Weights that leave a node. What the coordinator keeps or hands on of a node's weights (a snapshot, a
+checkpoint, an evaluation, the weights a joining or taking-over node loads, a neighbour's for the
+recovery: ``weights.Weights``) is checked by ``exported`` before it is used: the digest of the weights
+exported must be that of the weights the node holds (``held``: what it reported after its latest step
+-- every replica reports one, a stage of one replica too -- or what the coordinator loaded it with, or in
+a fresh run the stage's initial weights, which the coordinator builds from the seed as the processes
+do), and that of a strict majority of its stage's replicas on its platform. A node that exports other
+weights is caught ("export") and excluded, and another replica's export is taken; where none checks
+out, the snapshot, checkpoint or evaluation fails (``errors.ExportRejected``), and a stage to take over
+is left to the recovery policy as one that no live process holds. A single replica's weights are held
+to what it reported and computes with, not to its step, which no replica repeats; with mode "off"
+nothing is checked. The optimizer state exported with the weights is not checked: replicas' moments are
+bitwise equal as their weights are, but a digest of them after every step would hash twice the bytes of
+the weights again (and copy them from the device), for state that only a resume or a takeover reads.
 
 Which computations. ``full``: all. ``spot``: each with probability ``verify_rate`` (a visit's forward and
 backward together, as the issue's spot check has it: a microbatch's forward "and, for gradients, the
@@ -274,7 +290,7 @@ class Verifier:
         #: the run's figures so far; ``max_difference``: the largest difference of a recheck that passed
         #: (what float nondeterminism amounts to here, against ``tolerance``)
         self.totals = {"checks": 0, "rechecks": 0, "confirmations": 0, "caught": 0, "disputes": 0, "opposed": 0,
-                       "turned": 0,
+                       "turned": 0, "exports": 0,
                        "seconds": 0.0, "overlapped_seconds": 0.0, "cpu_seconds": 0.0, "max_difference": 0.0}
 
     @property
@@ -572,6 +588,78 @@ class Verifier:
         for name in names:
             self.held.pop(name, None)
             self.platform.pop(name, None)
+
+    def started(self, holding: dict[str, int | None]) -> None:
+        """A fresh run's processes started (``holding``: name -> the stage each holds, None: not the run's
+        initial weights): each holds its stage's initial weights, which the coordinator builds from the
+        seed as the processes do (``model.init_part``), so what each holds is known before its first step."""
+        if not self.on:
+            return
+        digests: dict[int, bytes] = {}
+        for name, stage in sorted(holding.items()):
+            if stage is None:
+                continue
+            if stage not in digests:  # (built on the CPU, and let go: a stage process's are bitwise the same)
+                digests[stage] = receipts.weights_digest(
+                    Stage(self.model, stage, self.stages, seed=self.seed).state_dict())
+            self.held[name] = (stage, digests[stage])
+
+    def holds(self, name: str, stage: int, tensors: Any) -> None:
+        """``name`` loaded ``tensors`` as its weights of ``stage`` (from the coordinator, which checked
+        them or built them): it holds exactly those until its next step."""
+        if self.on:
+            self.held[name] = (stage, receipts.weights_digest(tensors))
+            self.platform.pop(name, None)
+
+    def exported(self, name: str, holds: int | None, stage: Any, tensors: Any) -> dict[str, str]:
+        """Check weights that ``name`` exported (a snapshot, a checkpoint, an evaluation, a stage taken
+        over, a neighbour's for the recovery), as stage ``stage``, where the coordinator knows it ``holds``
+        that stage (None: not known): they must be of the stage it holds, have the digest of what it holds
+        (``held``: what it reported after its latest step, or was loaded with, or, in a fresh run before
+        its first step, the stage's initial weights), and the digest a strict majority of its stage's live
+        replicas on its platform hold, where there is one. Returns the node caught (name -> why; also an
+        event, check "export"), for the caller to exclude and to take another replica's export; {} when
+        they pass.
+
+        What cannot be checked: with verification "off", nothing; weights whose node holds no known
+        digest and whose stage has no such majority (a node that reported none after its step, in a stage
+        of 2 replicas: a dispute; a single replica that did so) are taken as they come. A stage of a single
+        replica is held to what it reported after its step and computes with (its computations are checked
+        against the weights it shows, which must be those), not to the step itself, which no replica
+        repeats. The optimizer state that comes with an export is not checked (the module doc)."""
+        if not self.on:
+            return {}
+        caught: dict[str, str] = {}
+        c = Check(name, stage if isinstance(stage, int) else -1, "export", -1, -1, Source(name, ()))
+        if not isinstance(stage, int) or isinstance(stage, bool) or (holds is not None and stage != holds):
+            self._catch(caught, name, "export", c, reason=f"exported weights of stage {stage!r} while it holds "
+                        f"stage {holds}")
+        elif not isinstance(tensors, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+            self._catch(caught, name, "export", c, reason=f"exported weights of stage {stage} that are not a "
+                        "state dict of tensors")
+        else:
+            got = receipts.weights_digest(tensors)
+            held = self.held.get(name)
+            own = held[1] if held is not None and held[0] == stage else None
+            where = self.platform.get(name, "")
+            peers = [d for o, (s, d) in self.held.items()
+                     if s == stage and o != name and o in self.roster.inboxes and self.platform.get(o, "") == where]
+            votes = collections.Counter(peers + ([own] if own is not None else []))
+            top, agree = votes.most_common(1)[0] if votes else (None, 0)
+            size = len(peers) + 1
+            if own is not None and got != own:
+                self._catch(caught, name, "export", c, reason=f"exported weights of stage {stage} that differ "
+                            "from its stepped digest (what it reported holding after its latest step, or was "
+                            "loaded with)")
+            elif top is not None and size >= 2 and 2 * agree > size and got != top:
+                self._catch(caught, name, "export", c, reason=f"exported weights of stage {stage} that differ "
+                            f"from those {agree} of its stage's {size} replicas hold")
+        for who in caught:
+            self.held.pop(who, None)
+        self.totals["caught"] += len(caught)
+        self.totals["exports"] += 1
+        return caught
 
     def combined_needed(self, replicas: Sequence[str]) -> bool:
         """Whether the replicas of a stage (``replicas``) must each report a digest of the gradient they
