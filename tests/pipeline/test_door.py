@@ -188,17 +188,18 @@ def test_a_node_started_by_hand_on_another_host_joins_a_running_training_through
     print(f"open join: command to placed in {joined_s:.1f} s")
 
 
-def test_a_hostile_node_through_the_open_door_gets_nothing_and_is_caught_and_the_training_finishes(tmp_path):
+def test_a_hostile_node_through_the_open_door_gets_nothing_and_is_caught_and_the_training_finishes(hosts, tmp_path):
+    """The attacker runs on test host rv-h1 and comes through the door of a training on this host."""
     marker = tmp_path / "marker"
-    clean = Run(tmp_path / "clean", "127.0.0.1", 150)
+    env = dict(os.environ, ROVING_HOST=hh.ROOT.address)
+    clean = Run(tmp_path / "clean", hh.ROOT.address, 150, env=env)
     assert clean.finish() == 0, "".join(clean.lines)[-3000:]
-    run = Run(tmp_path / "attacked", "127.0.0.1", 150)
+    run = Run(tmp_path / "attacked", hh.ROOT.address, 150, env=env)
     hostile = None
     try:
         address, token = run.invite()
-        hostile = subprocess.run([sys.executable, str(SUPPORT / "hostile_node.py"), address, token, str(marker)],
-                                 capture_output=True, text=True, timeout=300,
-                                 env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+        hostile = hh.call_on("rv-h1", [sys.executable, str(SUPPORT / "hostile_node.py"), address, token, str(marker)],
+                             env=hh.program_env(), check=False, timeout=300)
     finally:
         rc = run.finish()
     out = "".join(run.lines)

@@ -85,8 +85,8 @@ def test_coordinator_messages_from_a_node_are_refused_by_a_stage_process_inbox()
 
 
 @pytest.mark.parametrize("bad", [
-    m.Norm(0, "n1", 1, -4.0), m.Norm(0, "n1", 1, math.nan), m.Norm(0, "n1", 1, math.inf),
-    m.Done(0, "n1", 1, math.nan), m.Done(0, "n1", -7, 1.0), m.Done(0, "n1", 1 << 50, 1.0),
+    m.Norm(0, "n1", 1, -4.0), m.Norm(0, "n1", 1, -math.inf), m.Done(0, "n1", 1, -0.5),
+    m.Done(0, "n1", -7, 1.0), m.Done(0, "n1", 1 << 50, 1.0), m.Done(0, "n1", True, 1.0),
     m.Rechecked(0, "n1", 3, -1.0), m.Stepped(0, "n1", {}, -2.0),
 ])
 def test_numbers_out_of_their_bounds_are_refused(bad):

@@ -8,8 +8,9 @@ back only into the types this module knows (the messages, ``Route``, ``Receipt``
 * **Types** from each field's annotation (``int``, ``float``, ``str``, ``bool``, ``bytes``, ``Route``,
   ``tuple[str, ...]``, ``dict``, ``X | None``...); an ``int`` is never a ``bool``.
 * **Bounds** where a number has a meaning (:data:`_BOUNDS`): a round, a microbatch, a count is a whole
-  number from -1 up; a squared norm is finite and not negative; a loss finite; NaN only where the
-  message's docstring gives it a meaning (a gradient norm or a difference that could not be had).
+  number from -1 up; a norm, a loss, a difference is never negative (NaN or infinite where it was
+  computed from NaN or infinite values, which an honest node that received them computes too: the
+  round's checks find whose they were); a learning rate or a link's figures finite.
 * **Tensors** as raw buffers: a dtype of :data:`DTYPES`, at most :data:`MAX_DIMS` dimensions, and a
   buffer exactly as long as its dtype and shape say, so nothing is allocated that the bytes received do
   not already hold (the tensor is a view of them); the receiver checks the shape against its plan.
@@ -80,17 +81,19 @@ def _nonneg(v: float) -> bool:
     return math.isfinite(v) and v >= 0
 
 
-def _nonneg_or_nan(v: float) -> bool:
-    return math.isnan(v) or (math.isfinite(v) and v >= 0)
+def _not_negative(v: float) -> bool:
+    """A norm, a loss, a difference: never below 0; NaN or infinite where what it was computed from was
+    (an honest node that received NaN computes NaN: the checks of the round find whose it was)."""
+    return math.isnan(v) or v >= 0
 
 
 #: Checks of a float field beyond its type (by class name and field; "*" for every class). A float
 #: not named here must be finite.
 _BOUNDS: dict[tuple[str, str], Callable[[float], bool]] = {
-    ("Norm", "sq_norm"): _nonneg,
-    ("Done", "loss"): _nonneg,
-    ("Stepped", "grad_norm"): _nonneg_or_nan,
-    ("Rechecked", "difference"): _nonneg_or_nan,
+    ("Norm", "sq_norm"): _not_negative,
+    ("Done", "loss"): _not_negative,
+    ("Stepped", "grad_norm"): _not_negative,
+    ("Rechecked", "difference"): _not_negative,
     ("Step", "clip_coef"): _nonneg,
     ("Step", "lr"): _nonneg,
     ("Throttle", "factor"): lambda v: math.isfinite(v) and v >= 1,

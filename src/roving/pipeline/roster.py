@@ -332,7 +332,7 @@ class Roster:
         admitted = {n: f"excluded: {why}" for n, why in caught.items() if n in self.inboxes}
         for name, why in caught.items():
             log.warning("node %s caught: %s", name, why)
-            self._event("caught", nodes=[name], why=why)
+            self._event("caught", node=name, nodes=[name], check="wire", why=why)
             self.starting.discard(name)
             self.ready.pop(name, None)
             proc = self.procs[name]
