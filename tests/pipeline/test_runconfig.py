@@ -165,13 +165,3 @@ def test_the_verify_flags_reach_the_run_config_and_bad_values_start_nothing(caps
     assert main(["pipeline", "train", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err, err
-
-
-def test_the_route_rule_is_skippipes_unless_the_run_file_names_the_looser_one(tmp_path):
-    assert TrainConfig().route_rule == "skippipe"
-    f = tmp_path / "run.toml"
-    f.write_text('[plan]\nroute_rule = "inversions"\n')
-    assert TrainConfig.from_toml(str(f)).route_rule == "inversions"
-    f.write_text('[plan]\nroute_rule = "any"\n')
-    with pytest.raises(PlanError, match="route rule must be one of skippipe, inversions, got 'any'"):
-        TrainConfig.from_toml(str(f))

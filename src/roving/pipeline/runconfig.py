@@ -31,7 +31,6 @@ from typing import Any
 from .adversary import parse_adversaries
 from .errors import PlanError
 from .model import LlamaConfig, preset
-from .plan import DEFAULT_ROUTE_RULE, check_route_rule
 from .recovery import POLICIES, parse_fail_at
 
 if sys.version_info >= (3, 11):
@@ -76,11 +75,6 @@ class PlanSection:
     skip: float = 0.33
     #: "skippipe" (this planner, any skip) or "dtfm" (the paper's full-pipeline baseline, skip 0).
     schedule: str = "skippipe"
-    #: the order a microbatch may visit its stages in (``plan.ROUTE_RULES``): "skippipe" (SkipPipe's rule:
-    #: a stage at most one stage number behind the furthest reached, at most two swaps) or "inversions"
-    #: (looser: at most two inversions). Re-plans keep the plan's rule; a background refinement
-    #: (``refine_budget``) plans under SkipPipe's.
-    route_rule: str = DEFAULT_ROUTE_RULE
     microbatches: int = 12
     #: microbatches each node may hold in flight (the memory limit), for nodes whose entry in a nodes
     #: file gives neither memory nor memory_mb; otherwise the node's own (as the simulator has it).
@@ -288,7 +282,6 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
             raise PlanError(f"schedule must be skippipe or dtfm, got {self.schedule!r}")
         if self.schedule == "dtfm" and self.skip:
             raise PlanError("the dtfm schedule is a full pipeline: use skip = 0 with it")
-        check_route_rule(self.route_rule)
         if not 0 < self.heartbeat < self.dead_after:
             raise PlanError(f"heartbeat ({self.heartbeat} s) must be positive and below dead_after "
                             f"({self.dead_after} s)")
