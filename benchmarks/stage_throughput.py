@@ -28,7 +28,9 @@ import torch
 import roving
 from roving.pipeline.model import preset
 from roving.pipeline import protocol as m
+from roving.pipeline import mail
 from roving.pipeline.stage_process import StageSettings, pick_device, stage_main
+from roving.transport import session
 from roving.pipeline.plan import Route
 from roving.pipeline.stages import Stage
 
@@ -55,41 +57,62 @@ def plain(stage: Stage, device: str, bf16: bool, xs: list, gs: list, rounds: int
     return times
 
 
+def _peer(ready, inbox_of_node, rounds: int, xs: list, gs: list, back) -> None:
+    """The node's peer "me" (a process of its own: a node takes work only from a stage process, and its
+    orders only from the coordinator): sends the microbatches, times each round, hands the times back."""
+    mine = mail.Inbox(mail.Directory())
+    ready.put((mine.address, session.current().uid))
+    mine.directory.add(back.get(timeout=300), "n1")  # the node's id, from the coordinator
+    to_node = mail.Outbox(inbox_of_node)
+    path = Route("me", ("n1",), (1,))
+    times = []
+    for r in range(rounds + 1):
+        t0 = time.perf_counter()
+        for mb, x in enumerate(xs):
+            to_node.put(m.Forward(r, "me", mb, 0, x, path))
+        for _ in xs:
+            mine.get(timeout=300)
+        for mb, g in enumerate(gs):
+            to_node.put(m.Backward(r, "me", mb, 0, g, path))
+        for _ in gs:
+            mine.get(timeout=300)
+        if r:
+            times.append(time.perf_counter() - t0)
+    ready.put(times)
+
+
 def via_node(args, cfg, xs: list, gs: list) -> list[float]:
-    control, release, mine = roving.Queue(), roving.Queue(), roving.Queue()
+    control = mail.Inbox(mail.Directory())
     s = StageSettings("n1", 1, args.stages, cfg, 0, in_flight=len(xs), device=args.device, bf16=args.bf16,
-                      threads=args.threads)
-    proc = roving.Process(target=stage_main, args=(s, control, release), name="stage1-n1", daemon=True)
+                      threads=args.threads, coordinator_id=session.current().uid)
+    proc = roving.Process(target=stage_main, args=(s, control.address), name="stage1-n1", daemon=True,
+                          trusted=False)
     proc.start()
+    control.directory.add(proc.node_id, "n1")
+    ready, back = roving.Queue(), roving.Queue()
+    peer = None
     try:
         msg = control.get(timeout=300)
         if isinstance(msg, m.Failed):
             raise RuntimeError(msg.traceback)
         inbox = msg.inbox  # Ready
-        inbox.put(m.Peers({"n1": inbox, "me": mine}))
-        path = Route("me", ("n1",), (1,))
-        times = []
-        for r in range(args.rounds + 1):
-            t0 = time.perf_counter()
-            for mb, x in enumerate(xs):
-                inbox.put(m.Forward(r, "me", mb, 0, x, path))
-            for _ in xs:
-                mine.get(timeout=300)
-            for mb, g in enumerate(gs):
-                inbox.put(m.Backward(r, "me", mb, 0, g, path))
-            for _ in gs:
-                mine.get(timeout=300)
-            if r:
-                times.append(time.perf_counter() - t0)
-        inbox.put(m.Stop())
-        control.get(timeout=60)
-        inbox.qsize()
-        release.put(None)
+        peer = roving.Process(target=_peer, args=(ready, inbox, args.rounds, xs, gs, back), daemon=True)
+        peer.start()
+        mine, me_id = ready.get(timeout=300)
+        back.put(proc.node_id)
+        to_node = mail.Outbox(inbox)
+        to_node.put(m.Peers({"n1": inbox, "me": mine}, {"me": me_id}))
+        times = ready.get(timeout=3600)
+        to_node.put(m.Stop())
+        control.get(timeout=60)  # Stopped
+        to_node.put(m.Release())
         return times
     finally:
-        proc.join(30)
-        if proc.is_alive():
-            proc.kill()
+        for p in (proc, peer):
+            if p is not None:
+                p.join(30)
+                if p.is_alive():
+                    p.kill()
 
 
 def main() -> None:

@@ -971,8 +971,8 @@ def _frame_collude_weights(by_stage: dict[int, list[str]]) -> dict[int, list[str
     _frame_collude_weights,
 ], ids=["signflip-bias-scale-noise-lazy-nan", "frame-collude-weights"])
 def test_every_adversary_kind_is_caught_in_full_mode_and_no_honest_node_is(adversaries):
-    """9 nodes (the planner splits them 4, 2 and 3), 4 or 6 of them lying from iteration 1: each is caught in
-    that iteration (with two verifiers a check, a colluder's work is verified by at least one honest replica, and
+    """9 nodes on 3 stages, 4 or 6 of them lying from iteration 1: each is caught in that iteration (with two
+    verifiers a check, a colluder's work is verified by at least one honest replica, and
     the framer verifies every computation of its stage's others); nobody else is; training runs every
     iteration without them, on finite losses."""
     # 9 microbatches: each replica is on some route in iteration 1 (one on none would send only a share of
