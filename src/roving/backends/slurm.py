@@ -60,6 +60,8 @@ _PENDING = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
 # is not settled yet
 _RUNNING = {"RUNNING", "COMPLETING"}
 _REFRESH_S = 0.2
+#: How long shutdown waits for the output followers of jobs to print their last lines.
+_OUTPUT_WAIT_S = 5.0
 # What slurmstepd writes into a job's error file when the job is cancelled:
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
 _CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ "
@@ -127,6 +129,7 @@ class SlurmBackend(Backend):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._followers: List[threading.Thread] = []  # the output followers of "prefix" jobs
         self._refresh_lock = threading.Lock()
         self._status: Dict[str, JobStatus] = {}
         self._checked_at: Dict[str, float] = {}
@@ -236,8 +239,12 @@ class SlurmBackend(Backend):
             self._pending_since[job_id] = time.monotonic()
         self._reaper.add(job_id)
         if mode == "prefix":
-            threading.Thread(target=self._follow, args=(job, [(output, False), (error, True)], f"[{name}] "),
-                             name=f"roving-slurm-output-{job_id}", daemon=True).start()
+            follower = threading.Thread(target=self._follow, args=(job, [(output, False), (error, True)],
+                                                                    f"[{name}] "),
+                                        name=f"roving-slurm-output-{job_id}", daemon=True)
+            follower.start()
+            with self._lock:
+                self._followers = [t for t in self._followers if t.is_alive()] + [follower]
         return job
 
     def _cluster_settings(self) -> Dict[str, str]:
@@ -568,8 +575,14 @@ class SlurmBackend(Backend):
         with self._lock:
             live = [i for i in self._own if self._status.get(i, JobStatus(JobState.PENDING)).state
                     is not JobState.EXITED]
+            followers = list(self._followers)
         if live:
             self.cancel_ids(live)
             for job_id in live:
                 self._reaper.done(job_id)
         self._steps.stop_all()
+        # the last lines of jobs that ended as the program exits (a child its exit joined) are printed
+        # before it ends: each follower reads its files to their end once it sees its job ended
+        deadline = time.monotonic() + _OUTPUT_WAIT_S
+        for follower in followers:
+            follower.join(max(0.0, deadline - time.monotonic()))
