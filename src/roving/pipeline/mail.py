@@ -22,6 +22,7 @@ from ..transport import postbox
 from ..transport.postbox import PostboxAddress
 from . import codec
 from . import protocol as m
+from .errors import Malformed
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Inbox:
             return None
         try:
             msg = codec.decode(letter.frames, name)
-        except codec.Malformed as exc:
+        except Malformed as exc:
             self._refuse(name, str(exc))
             return None
         why = self._accept(name, msg) if self._accept is not None else None
