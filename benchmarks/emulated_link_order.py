@@ -1,4 +1,4 @@
-"""Whether an emulated link (roving.pipeline.emulate) keeps the order in which one sender sent.
+"""Whether an emulated link (roving.pipeline.runtime.emulate) keeps the order in which one sender sent.
 
 It does not, by design: overlapping transfers share a link's bandwidth (the simulator's model), so a
 small transfer sent just after a large one arrives first. The README records this as one reason the
@@ -12,8 +12,8 @@ import argparse
 import threading
 import time
 
-from roving.pipeline.emulate import LinkEmulator
-from roving.pipeline.network import Link
+from roving.pipeline.runtime.emulate import LinkEmulator
+from roving.pipeline.planning.network import Link
 
 
 def arrivals(big: int, small: int, gap_s: float, bandwidth_bps: float, latency_s: float) -> dict:

@@ -1,5 +1,5 @@
 """What one pipeline message costs on its way, by how it is written: pickled (roving's serializer, as the
-queues carry objects) against the data-only wire (``roving.pipeline.codec``), for the messages a
+queues carry objects) against the data-only wire (``roving.pipeline.runtime.codec``), for the messages a
 training sends most, at the sizes of a model preset.
 
     python benchmarks/pipeline_wire.py [--model small] [--repeat 2000]
@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from roving.pipeline import codec
+from roving.pipeline.runtime import codec
 from roving.pipeline import protocol as m
-from roving.pipeline.plan import Route
-from roving.pipeline.model import PRESETS as MODEL_PRESETS
-from roving.pipeline.receipts import Receipt
-from roving.pipeline.screen import Summary
+from roving.pipeline.planning.plan import Route
+from roving.pipeline.presets import PRESETS as MODEL_PRESETS
+from roving.pipeline.verify.receipts import Receipt
+from roving.pipeline.verify.screen import Summary
 from roving.transport.serialize import dumps, loads
 
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/plan.py --budget 20 --write
 
-Every iteration time is the same simulator's makespan (roving.pipeline.simulate).
+Every iteration time is the same simulator's makespan (roving.pipeline.planning.simulate).
 """
 
 from __future__ import annotations

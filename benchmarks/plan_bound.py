@@ -21,9 +21,9 @@ import math
 from collections import Counter
 
 from roving.pipeline import Plan, Route, build_network, model_preset, simulate
-from roving.pipeline.plan import visits_per_microbatch
-from roving.pipeline.costs import stage_costs, transfer_time
-from roving.pipeline.network import Node
+from roving.pipeline.planning.plan import visits_per_microbatch
+from roving.pipeline.planning.costs import stage_costs, transfer_time
+from roving.pipeline.planning.network import Node
 
 
 def cheapest_walk(net, model, visits: int) -> tuple[float, tuple[str, ...]]:

@@ -25,9 +25,9 @@ import time
 from dataclasses import replace
 
 from roving.pipeline import build_network, model_preset, plan, simulate
-from roving.pipeline.costs import transfer_time
-from roving.pipeline.routes import SearchContext, build_routes, improve_routes
-from roving.pipeline.simulate import Compute, microbatch_steps
+from roving.pipeline.planning.costs import transfer_time
+from roving.pipeline.planning.routes import SearchContext, build_routes, improve_routes
+from roving.pipeline.planning.simulate import Compute, microbatch_steps
 
 TICKS = 10_000  # solver time unit: 0.1 ms; durations are rounded down, so its bound stays a bound
 

@@ -43,10 +43,10 @@ from pathlib import Path
 
 import torch
 
-from roving.pipeline.costs import MODEL_PRESETS, PAPER_SECONDS_PER_SAMPLE_LAYER, stage_params
-from roving.pipeline.recovery import FailureSchedule
-from roving.pipeline.simulate import predict
-from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, prepare
+from roving.pipeline.planning.costs import MODEL_PRESETS, PAPER_SECONDS_PER_SAMPLE_LAYER, stage_params
+from roving.pipeline.faults import FailureSchedule
+from roving.pipeline.planning.simulate import predict
+from roving.pipeline.run.trainer import Trainer, TrainConfig, calibrate, prepare
 
 BASE = dict(model="tiny", layers=6, dim=64, seq_len=32, samples=4, network="gcp12", nodes=3, stages=3,
             skip=0.33, microbatches=6, in_flight=3, lr=3e-3, min_lr=3e-4, warmup=3, clip=1.0,

@@ -5,7 +5,7 @@
 ``drop``: stages missing at inference. Trains the same model twice on the same nodes, data, seed and
 iterations -- once by skip-pipelining (k = 0.33) and once by the full pipeline (the DT-FM baseline,
 k = 0) -- saves both checkpoints, then evaluates each with 0, 25, 33 and 50% of the stages after stage 0
-dropped (``roving.pipeline.inference``: random subsets of that size, averaged). Writes
+dropped (``roving.pipeline.run.inference``: random subsets of that size, averaged). Writes
 ``robustness_drop.json`` (every subset's figures), ``robustness_drop.png`` (perplexity increase against
 the fraction dropped) and prints a Markdown table.
 
@@ -35,8 +35,8 @@ import json
 import time
 from pathlib import Path
 
-from roving.pipeline.inference import drop_subsets, evaluate_drops, load_checkpoint, validation_set
-from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, prepare, run
+from roving.pipeline.run.inference import drop_subsets, evaluate_drops, load_checkpoint, validation_set
+from roving.pipeline.run.trainer import Trainer, TrainConfig, calibrate, prepare, run
 
 from train import BASE as TRAIN_BASE
 

@@ -8,7 +8,7 @@ wall clock measures the other processes.
 import time
 
 from roving.pipeline import build_network, model_preset, random_skip, simulate
-from roving.pipeline.costs import gradient_bytes
+from roving.pipeline.planning.costs import gradient_bytes
 
 VARIANTS = {"record": {}, "fast": {"record": False}, "shared": {"record": False, "shared_cores": 4},
             "sync": {"record": False, "sync_bytes": None}}

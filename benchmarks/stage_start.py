@@ -24,7 +24,7 @@ import json, time
 import torch
 torch.set_num_threads(1)
 cpu, wall = time.process_time(), time.perf_counter()
-from roving.pipeline.model import preset
+from roving.pipeline.presets import preset
 from roving.pipeline.stages import Stage
 try:
     from roving.pipeline.optim import AdamW

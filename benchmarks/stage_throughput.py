@@ -26,12 +26,12 @@ import time
 import torch
 
 import roving
-from roving.pipeline.model import preset
+from roving.pipeline.presets import preset
 from roving.pipeline import protocol as m
-from roving.pipeline import mail
-from roving.pipeline.stage_process import StageSettings, pick_device, stage_main
+from roving.pipeline.runtime import mail
+from roving.pipeline.runtime.stage_process import StageSettings, pick_device, stage_main
 from roving.transport import session
-from roving.pipeline.plan import Route
+from roving.pipeline.planning.plan import Route
 from roving.pipeline.stages import Stage
 
 

@@ -30,12 +30,12 @@ import statistics
 import time
 from pathlib import Path
 
-from roving.pipeline.network import build_network
-from roving.pipeline.simulate import simulate
+from roving.pipeline.planning.network import build_network
+from roving.pipeline.planning.simulate import simulate
 from roving.pipeline.stages import layer_ranges
-from roving.pipeline.data import VOCAB_SIZE
-from roving.pipeline.stage_process import pick_device
-from roving.pipeline.trainer import Trainer, TrainConfig, calibrate, plot_losses, prepare
+from roving.pipeline.run.data import VOCAB_SIZE
+from roving.pipeline.runtime.stage_process import pick_device
+from roving.pipeline.run.trainer import Trainer, TrainConfig, calibrate, plot_losses, prepare
 
 BASE = dict(model="tiny", layers=12, dim=64, seq_len=64, samples=4, network="gcp12", nodes=12, stages=6,
             microbatches=12, in_flight=4, emulate_network=True, eval_every=10, eval_batches=8, lr=3e-3,

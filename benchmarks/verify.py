@@ -65,9 +65,9 @@ from pathlib import Path
 
 import torch
 
-from roving.pipeline.adversary import KINDS
-from roving.pipeline.aggregate import RULES, combine
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.verify.adversary import KINDS
+from roving.pipeline.verify.aggregate import RULES, combine
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 
 BASE = dict(model="tiny", layers=8, dim=64, seq_len=32, samples=4, network="gcp12", nodes=8, stages=4, skip=0.25,
             microbatches=8, in_flight=2, emulate_network=False, eval_every=1000, eval_batches=8, lr=3e-3,
@@ -284,8 +284,8 @@ def digests(repeats: int = 30, mib: int = 1) -> dict:
     digests before it, made as they were), a screening summary."""
     import hashlib
 
-    from roving.pipeline import receipts
-    from roving.pipeline.screen import summarize
+    from roving.pipeline.verify import receipts
+    from roving.pipeline.verify.screen import summarize
 
     t = torch.randn(mib * 262144, generator=torch.Generator().manual_seed(0))
 

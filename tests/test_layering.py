@@ -31,9 +31,19 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # the facade (roving/__init__.py) and the context object expose the API below; the standard
     # interfaces built on it sit beside them
     ("API", ("roving", "roving.context", "roving.futures", "roving.joblib", "roving.rl")),
-    ("pipeline", ("roving.pipeline",)),
-    ("commands and dashboard", ("roving.cli", "roving.__main__", "roving.pipeline.cli",
-                                "roving.pipeline.inference", "roving.dashboard")),
+    # SkipPipe, room by room (docs/ARCHITECTURE.md): the model and the run's vocabulary at its root; the
+    # planning, which needs neither PyTorch nor the runtime; the stages and the messages between them;
+    # the verification of nodes; the runtime that runs stages on nodes; the run that drives it all
+    ("pipeline: the model, its sizes, the faults' vocabulary", (
+        "roving.pipeline.errors", "roving.pipeline.presets", "roving.pipeline.model", "roving.pipeline.optim",
+        "roving.pipeline.faults")),
+    ("pipeline: planning", ("roving.pipeline.planning",)),
+    ("pipeline: stages and their messages", ("roving.pipeline.stages", "roving.pipeline.protocol")),
+    ("pipeline: verification", ("roving.pipeline.verify",)),
+    ("pipeline: runtime", ("roving.pipeline.runtime",)),
+    ("pipeline: the run", ("roving.pipeline.run", "roving.pipeline")),
+    ("commands and dashboard", ("roving.cli", "roving.__main__", "roving.pipeline.run.cli",
+                                "roving.pipeline.run.inference", "roving.dashboard")),
 ]
 
 #: The packages whose private names are theirs alone (the rest of roving's modules form ``roving``).

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                         "platform, package versions) and how it differs from this machine's (env_check)")
     p.set_defaults(handler=_info)
 
-    from roving.pipeline.cli import add_pipeline_parser
+    from roving.pipeline.run.cli import add_pipeline_parser
 
     add_pipeline_parser(subparsers)
     args = parser.parse_args(argv)

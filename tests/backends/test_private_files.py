@@ -12,7 +12,8 @@ import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT, finish
 from roving.backends.private import NotPrivateError, create_private, open_private, private_dir
-from roving.pipeline import checkpoint_file, control
+from roving.pipeline.runtime import checkpoint_file
+from roving.pipeline.runtime import control
 
 
 def _mode(path) -> int:

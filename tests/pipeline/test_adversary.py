@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from roving.pipeline.adversary import KINDS, Adversary, parse_adversaries
+from roving.pipeline.verify.adversary import KINDS, Adversary, parse_adversaries
 from roving.pipeline.errors import PlanError
 
 

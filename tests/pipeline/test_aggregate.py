@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from roving.pipeline.aggregate import RULES, combine, trim_count
+from roving.pipeline.verify.aggregate import RULES, combine, trim_count
 
 D = 257
 

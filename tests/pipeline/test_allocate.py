@@ -8,7 +8,7 @@ import random
 import pytest
 
 from roving.pipeline import ModelSpec, PlanError, build_network
-from roving.pipeline.allocate import (
+from roving.pipeline.planning.allocate import (
     assign,
     check_memory,
     check_sizes,
@@ -22,7 +22,7 @@ from roving.pipeline.allocate import (
     tour_order,
     visits_per_microbatch,
 )
-from roving.pipeline.costs import stage_layers, stage_memory, transfer_time
+from roving.pipeline.planning.costs import stage_layers, stage_memory, transfer_time
 
 MODEL = ModelSpec(n_layers=8, dim=256, seq_len=64, samples_per_microbatch=2, vocab_size=8000, name="m8")
 TWO_REGIONS = {"regions": ["a", "b"], "links": [{"a": "a", "b": "b", "latency_ms": 80, "bandwidth": 0.05}],

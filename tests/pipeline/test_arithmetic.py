@@ -33,7 +33,7 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 
 from roving.pipeline import TrainConfig, Trainer, prepare
-from roving.pipeline.data import train_batches
+from roving.pipeline.run.data import train_batches
 
 ITERATIONS = 20
 BASE = dict(model="tiny", nodes=6, microbatches=6, samples=2, seq_len=32, iterations=ITERATIONS, lr=3e-3,

@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 
 from roving.pipeline import build_network, full_pipeline, model_preset, plan, replan
-from roving.pipeline.dtfm import _Costs, dtfm_allocation
-from roving.pipeline.planner import _count_candidates, _rebalanced
+from roving.pipeline.planning.dtfm import _Costs, dtfm_allocation
+from roving.pipeline.planning.planner import _count_candidates, _rebalanced
 from helpers_pipeline import assert_paths_valid
 
 PAPER_MODEL = model_preset("llama-1.5b-skippipe")
@@ -105,7 +105,7 @@ def _by_permutations(cost):
 def test_bottleneck_matching_equals_trying_every_permutation(seed):
     import math
     import random
-    from roving.pipeline.dtfm import bottleneck_matching
+    from roving.pipeline.planning.dtfm import bottleneck_matching
     rng = random.Random(seed)
     n = rng.randint(1, 6)
     if seed % 2:  # continuous costs: the optimum is unique, so the matching itself must agree

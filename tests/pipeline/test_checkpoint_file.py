@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from roving.pipeline import checkpoint_file
+from roving.pipeline.runtime import checkpoint_file
 from roving.pipeline.errors import PlanError
 from roving.pipeline.errors import InferenceError
-from roving.pipeline.inference import load_checkpoint
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.run.inference import load_checkpoint
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 
 CFG = dict(model="tiny", nodes=4, stages=2, skip=0.0, microbatches=4, samples=4, seq_len=32,
            iterations=4, eval_every=100, planner_budget=0.2, speed=1e-3, timeout=120)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from roving.pipeline.errors import DataError
-from roving.pipeline.data import decode, encode, load_corpus, train_batches, val_batches
+from roving.pipeline.run.data import decode, encode, load_corpus, train_batches, val_batches
 
 
 def test_encode_decode_round_trip_utf8():

@@ -17,8 +17,8 @@ import pytest
 import helpers_hosts as hh
 from helpers_core import wait_until
 from helpers_hosts import hosts  # noqa: F401  (fixture)
-from roving.pipeline import door
-from roving.pipeline.control import ControlFolder
+from roving.pipeline.runtime import door
+from roving.pipeline.runtime.control import ControlFolder
 from roving.transport import session
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"
@@ -224,8 +224,8 @@ def test_a_hostile_started_node_takes_no_other_nodes_start_payload_and_is_caught
     mailbox id there is, and sends a pickle and a negative norm. Every other node starts (no payload
     taken), it is caught while starting, and the training runs on without it."""
     import hostile_node
-    from roving.pipeline import roster as roster_module
-    from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+    from roving.pipeline.runtime import roster as roster_module
+    from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 
     result = tmp_path / "hostile.json"
     monkeypatch.setenv("HOSTILE_NODE_RESULT", str(result))

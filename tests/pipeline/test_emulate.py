@@ -4,8 +4,8 @@ between overlapping transfers, and keeps different links apart (the simulator's 
 import threading
 import time
 
-from roving.pipeline.emulate import LinkEmulator
-from roving.pipeline.network import Link
+from roving.pipeline.runtime.emulate import LinkEmulator
+from roving.pipeline.planning.network import Link
 
 SLACK = 0.15  # the machine is shared: deliveries may come late, never early
 

@@ -15,17 +15,18 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline import checkpoint_file
+from roving.pipeline.runtime import checkpoint_file
 from roving.pipeline import protocol as m
-from roving.pipeline import receipts
-from roving.pipeline.adversary import Adversary
+from roving.pipeline.verify import receipts
+from roving.pipeline.verify.adversary import Adversary
 from roving.pipeline.errors import ExportRejected
-from roving.pipeline.evaluate import evaluate_model
-from roving.pipeline.model import Llama, preset
+from roving.pipeline.run.evaluate import evaluate_model
+from roving.pipeline.model import Llama
+from roving.pipeline.presets import preset
 from roving.pipeline.stages import Stage, merge_state_dicts
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify import Verifier
-from roving.pipeline.weights import Weights
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.verify.verifier import Verifier
+from roving.pipeline.runtime.weights import Weights
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32

@@ -17,7 +17,7 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline.protocol import Done, Export, Exported, Load, Microbatch, Stepped
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 from helpers_core import roving_children, wait_until
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=6, samples=4, seq_len=32,
@@ -207,7 +207,7 @@ def test_a_node_that_stops_answering_is_declared_dead_by_its_heartbeats_and_a_sl
         marks = [e for e in t.metrics["events"] if e["event"] == "slow"]
         assert marks and marks[0]["nodes"] == [slow], t.metrics["events"]
         assert t.net.node(slow).speed > prep.network.node(slow).speed * 2, "re-planned with its measured speed"
-        from roving.pipeline.simulate import simulate
+        from roving.pipeline.planning.simulate import simulate
 
         old = simulate(t.net, prep.spec, prep.plan, record=False).makespan
         assert t.prediction.iteration_s < old, "on the network with the slow node, the new plan is faster than the old"
@@ -301,7 +301,7 @@ def test_a_node_that_starts_late_is_planned_around_and_joins_when_it_starts(monk
     """As a job that a busy cluster keeps pending: the node's process is stopped (SIGSTOP) right
     after it is started, so it is not ready in ``start_wait``; training starts without it, and it
     joins once it runs (SIGCONT), with its replicas' weights."""
-    from roving.pipeline.roster import Roster
+    from roving.pipeline.runtime.roster import Roster
 
     late = {}
     real_launch = Roster.launch

@@ -19,10 +19,11 @@ import torch
 import roving
 from helpers_core import TIMEOUT
 import helpers_untrusted as hu
-from roving.pipeline import codec, mail
+from roving.pipeline.runtime import codec
+from roving.pipeline.runtime import mail
 from roving.pipeline import protocol as m
-from roving.pipeline.plan import Route
-from roving.pipeline.receipts import Receipt
+from roving.pipeline.planning.plan import Route
+from roving.pipeline.verify.receipts import Receipt
 
 
 class _Marker:
@@ -128,7 +129,7 @@ def test_a_writer_the_directory_does_not_know_is_refused():
 
 
 def test_every_message_of_the_protocol_reads_back_as_it_was_sent():
-    from roving.pipeline.screen import Summary
+    from roving.pipeline.verify.screen import Summary
 
     route = Route("a", ("b",), (1,))
     receipt = Receipt("a", 1, "activation", 0, 0, b"d" * 32, b"m" * 32)

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 torch.set_num_threads(1)
 
 from roving.cli import main
-from roving.pipeline.data import decode, encode, load_corpus, val_batches
-from roving.pipeline.evaluate import validation_loss
+from roving.pipeline.run.data import decode, encode, load_corpus, val_batches
+from roving.pipeline.run.evaluate import validation_loss
 from roving.pipeline.errors import InferenceError
-from roving.pipeline.inference import (check_drop, choose_drops, drop_subsets, evaluate_drops,
+from roving.pipeline.run.inference import (check_drop, choose_drops, drop_subsets, evaluate_drops,
                                        generate, load_checkpoint, parse_stages, validation_set)
-from roving.pipeline.model import Llama, LlamaConfig
+from roving.pipeline.model import Llama
+from roving.pipeline.presets import LlamaConfig
 from roving.pipeline.stages import layer_ranges
 
 SRC = Path(__file__).resolve().parents[2] / "src"

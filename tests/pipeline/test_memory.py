@@ -6,8 +6,8 @@ import pytest
 
 from roving.cli import main
 from roving.pipeline import ModelSpec, PlanError, build_network, full_pipeline, plan, replan, simulate, validate
-from roving.pipeline.costs import MIB, microbatches_in_flight, model_preset, stage_memory
-from roving.pipeline.network import Node
+from roving.pipeline.planning.costs import MIB, microbatches_in_flight, model_preset, stage_memory
+from roving.pipeline.planning.network import Node
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 # 12 layers of hidden 256 in 3 stages (4 layers each); a small vocabulary keeps stage 0 close to the

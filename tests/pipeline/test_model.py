@@ -5,7 +5,9 @@ import torch
 
 torch.set_num_threads(1)  # the machine is shared; tiny models gain nothing from more
 
-from roving.pipeline.model import Block, Llama, LlamaConfig, PRESETS, preset
+from roving.pipeline.model import Block, Llama
+
+from roving.pipeline.presets import LlamaConfig, PRESETS, preset
 
 
 def test_logits_shape_and_loss_near_uniform_at_init():
@@ -118,7 +120,7 @@ def test_a_part_names_only_layers_of_the_model():
 
 
 def test_training_and_planning_presets_come_from_one_table():
-    from roving.pipeline.costs import MODEL_PRESETS
+    from roving.pipeline.planning.costs import MODEL_PRESETS
     from roving.pipeline.presets import ARCHITECTURES, PLANNING, TRAINING
 
     assert list(PRESETS) == list(TRAINING)

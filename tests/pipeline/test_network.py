@@ -3,9 +3,9 @@ import json
 import pytest
 
 from roving.pipeline import PlanError, build_network
-from roving.pipeline.allocate import replica_counts, visits_per_microbatch
-from roving.pipeline.costs import model_preset, stage_costs, stage_layers
-from roving.pipeline.network import GIB
+from roving.pipeline.planning.allocate import replica_counts, visits_per_microbatch
+from roving.pipeline.planning.costs import model_preset, stage_costs, stage_layers
+from roving.pipeline.planning.network import GIB
 
 
 def test_presets_load_with_units_converted_to_bytes_per_second():
@@ -93,7 +93,7 @@ def test_replica_counts_give_stage0_its_larger_share():
 def test_as_many_nodes_as_stages_give_one_node_each_whatever_the_shares():
     """The shares' floors can overshoot the node count when stage 0's share is large (a tiny model whose
     head weighs as much as its layers): taking nodes back must never leave a stage with none."""
-    from roving.pipeline.costs import ModelSpec
+    from roving.pipeline.planning.costs import ModelSpec
 
     assert replica_counts(4, 4, 0.33, ModelSpec(n_layers=4, dim=64, seq_len=32, samples_per_microbatch=4,
                                                  bytes_per_activation=4, head_layers=1.0)) == [1, 1, 1, 1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from roving.pipeline.errors import PlanError
-from roving.pipeline.model import preset
+from roving.pipeline.presets import preset
 from roving.pipeline.optim import AdamW
 from roving.pipeline.stages import Stage
 
@@ -119,7 +119,7 @@ def test_a_stage_and_its_optimizer_never_import_torch_dynamo():
     # import torch._dynamo on first use (seconds of CPU at every stage process's start)
     program = (
         "import sys, torch\n"
-        "from roving.pipeline.model import preset\n"
+        "from roving.pipeline.presets import preset\n"
         "from roving.pipeline.optim import AdamW\n"
         "from roving.pipeline.stages import Stage\n"
         "s = Stage(preset('tiny'), 0, 2, seed=1)\n"

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import roving.pipeline as pipeline
-from roving.pipeline.costs import PlanError as PlanErrorFromCosts
-from roving.pipeline.data import DataError
+from roving.pipeline.planning.costs import PlanError as PlanErrorFromCosts
+from roving.pipeline.run.data import DataError
 from roving.pipeline.errors import PipelineError, PlanError
-from roving.pipeline.inference import InferenceError
+from roving.pipeline.run.inference import InferenceError
 
 
 @pytest.mark.parametrize("cls", [PlanError, DataError, InferenceError])

@@ -9,7 +9,7 @@ MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
 def _hand_plan(stages=5, skip=0.0):
     """One node per stage on one region; every microbatch visits the stages after 0 in order."""
     from roving.pipeline import Plan
-    from roving.pipeline.plan import Route
+    from roving.pipeline.planning.plan import Route
     net = small_network(1, [1], [1.0], stages)
     names = net.names
     alloc = {n: i for i, n in enumerate(names)}
@@ -52,7 +52,7 @@ def test_validate_reports_an_origin_that_is_not_a_stage_0_node():
 
 
 def test_validate_reports_a_node_holding_a_stage_it_cannot_hold_in_memory():
-    from roving.pipeline.network import Node
+    from roving.pipeline.planning.network import Node
     net, n, alloc, Plan, Route = _hand_plan()
     net = net.with_nodes([Node(x.name, x.region, x.speed, memory_mb=1.0 if x.name == n[2] else None)
                           for x in net.nodes])

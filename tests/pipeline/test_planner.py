@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from roving.pipeline import (ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, simulate,
                              validate)
-from roving.pipeline.costs import stage_memory
-from roving.pipeline.network import Node
-from roving.pipeline.plan import Plan, Route
-from roving.pipeline.planner import check_inputs, place_joining
+from roving.pipeline.planning.costs import stage_memory
+from roving.pipeline.planning.network import Node
+from roving.pipeline.planning.plan import Plan, Route
+from roving.pipeline.planning.planner import check_inputs, place_joining
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)

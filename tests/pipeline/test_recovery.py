@@ -12,12 +12,13 @@ import torch
 torch.set_num_threads(1)
 
 from roving.cli import main as roving_main
-from roving.pipeline.control import ControlFolder
+from roving.pipeline.runtime.control import ControlFolder
 from roving.pipeline.errors import PlanError
 from roving.pipeline.protocol import Export, Exported
-from roving.pipeline.recovery import FailureSchedule, choose, neighbour_weights, parse_fail_at
-from roving.pipeline.runconfig import TrainConfig
-from roving.pipeline.trainer import Trainer, prepare
+from roving.pipeline.faults import FailureSchedule, parse_fail_at
+from roving.pipeline.runtime.recovery import choose, neighbour_weights
+from roving.pipeline.run.runconfig import TrainConfig
+from roving.pipeline.run.trainer import Trainer, prepare
 
 CFG = dict(model="tiny", nodes=6, stages=3, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=30, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,

@@ -15,9 +15,9 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import PlanError, build_network, model_preset, plan, validate
-from roving.pipeline.background import BackgroundPlan
-from roving.pipeline import background as background_mod
-from roving.pipeline.trainer import REFINE_GAIN, Trainer, TrainConfig, prepare
+from roving.pipeline.planning.background import BackgroundPlan
+from roving.pipeline.planning import background as background_mod
+from roving.pipeline.run.trainer import REFINE_GAIN, Trainer, TrainConfig, prepare
 from test_faults import CFG, kill_mid_iteration, replicas_equal, stage_groups
 
 # 8 nodes over 4 stages: a re-plan without search (replan_budget 0, so it is the same every run) keeps

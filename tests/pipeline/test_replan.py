@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from roving.pipeline import ModelSpec, PlanError, build_network, model_preset, plan, replan
-from roving.pipeline.network import Node
+from roving.pipeline.planning.network import Node
 from helpers_pipeline import assert_memory_respected, assert_paths_valid, small_network
 
 MODEL = ModelSpec(n_layers=12, dim=256, seq_len=256, samples_per_microbatch=2)
@@ -96,7 +96,7 @@ def test_a_stage_that_lost_its_only_node_takes_a_node_the_plan_left_idle():
 
 
 def test_a_replan_by_evaluation_count_is_the_same_whatever_its_budget():
-    from roving.pipeline.planner import plan_held
+    from roving.pipeline.planning.planner import plan_held
 
     net = build_network("gcp12", 12)
     m = model_preset("llama-1.5b")

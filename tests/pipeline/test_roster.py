@@ -14,8 +14,8 @@ torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
 from roving.pipeline.errors import NodesLost
-from roving.pipeline.roster import Roster
-from roving.pipeline.trainer import TrainConfig, prepare
+from roving.pipeline.runtime.roster import Roster
+from roving.pipeline.run.trainer import TrainConfig, prepare
 from helpers_core import wait_until
 
 CFG = dict(model="tiny", nodes=3, stages=2, skip=0.0, microbatches=2, samples=2, seq_len=16, iterations=2,

@@ -13,7 +13,7 @@ def test_planner_is_deterministic_for_a_seed_and_evaluation_count():
     """The seeded path search, stopped by an evaluation count (not the clock), gives the same result
     twice; another seed searches differently."""
     import random
-    from roving.pipeline.routes import SearchContext, build_routes, improve_routes
+    from roving.pipeline.planning.routes import SearchContext, build_routes, improve_routes
     net = small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 9)
     ctx = SearchContext(net, MODEL, {n.name: i % 3 for i, n in enumerate(net.nodes)}, 3)
     start = build_routes(ctx, 10, 1)
@@ -33,7 +33,7 @@ def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_
     """``_accepts``, the rule each move of ``improve_routes`` passes: on a plateau of the makespan the
     microbatches' mean finish decides (a move that lets the other late ones end sooner is taken, one
     that makes them later is not); a deadlocked candidate never replaces a plan that runs."""
-    from roving.pipeline.routes import _accepts
+    from roving.pipeline.planning.routes import _accepts
     inf = math.inf
     assert _accepts(9.0, 8.0, 10.0, 5.0), "a lower makespan is taken even with later finishes"
     assert _accepts(10.0, 4.0, 10.0, 5.0) and _accepts(10.0, 5.0, 10.0, 5.0)

@@ -2,14 +2,16 @@
 example run files, and the errors for bad run files (each naming the file and the key)."""
 
 import dataclasses
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from roving.cli import main
 from roving.pipeline.errors import PlanError
-from roving.pipeline.network import build_network
-from roving.pipeline.runconfig import SECTION_OF, SECTIONS, TrainConfig, flatten
+from roving.pipeline.planning.network import build_network
+from roving.pipeline.run.runconfig import SECTION_OF, SECTIONS, TrainConfig, flatten
 from roving.pipeline.stages import layer_ranges
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.toml"))
@@ -165,3 +167,15 @@ def test_the_verify_flags_reach_the_run_config_and_bad_values_start_nothing(caps
     assert main(["pipeline", "train", *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and words in err, err
+
+
+def test_the_run_configuration_is_read_without_pytorch_or_the_runtime():
+    """A run's configuration is checked (a run file parsed, every field validated) by a process that has
+    imported neither PyTorch nor any module of the runtime."""
+    code = ("import sys\n"
+            "from roving.pipeline.run.runconfig import TrainConfig\n"
+            "TrainConfig(model='tiny', stages=2, nodes=4, adversaries='n01:nan', fail_at='3:1').check()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('roving.pipeline.runtime')))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"imported by the configuration: {out.stdout.strip()}"

@@ -13,8 +13,9 @@ import statistics
 import pytest
 import torch
 
-from roving.pipeline.adversary import Adversary
-from roving.pipeline.screen import Screen, Summary, cosines_to, median_cosines, sound, summarize, summarize_squared
+from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.verify.screen import (Screen, Summary, cosines_to, median_cosines, sound, summarize,
+                                          summarize_squared)
 
 SHAPE = (4, 64, 128)
 NODES = ["n0", "n1", "n2", "n3", "n4"]

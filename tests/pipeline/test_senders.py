@@ -12,7 +12,7 @@ import threading
 import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT, wait_until
-from roving.pipeline.senders import Senders
+from roving.pipeline.runtime.senders import Senders
 
 
 class _RecordingQueue(queue.Queue):

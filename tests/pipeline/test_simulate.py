@@ -176,8 +176,8 @@ def test_gradient_bytes_of_the_cost_model_and_of_a_real_stage_split_agree():
     """``costs.gradient_bytes`` (12 h^2 a layer, embedding and head at stage 0, 4 bytes a value) against
     the parameters a real stage holds (``stages.stage_gradient_bytes``, counted on the meta device): the
     cost model leaves out the norms and the rounding of the MLP width, which weighs most in tiny models."""
-    from roving.pipeline.costs import gradient_bytes
-    from roving.pipeline.model import LlamaConfig, preset
+    from roving.pipeline.planning.costs import gradient_bytes
+    from roving.pipeline.presets import LlamaConfig, preset
     from roving.pipeline.stages import model_spec, stage_gradient_bytes
     for cfg, rel in ((LlamaConfig(dim=64, n_layers=12, vocab_size=260), 0.10), (preset("500m"), 0.05)):
         real = stage_gradient_bytes(cfg, 6)

@@ -1,7 +1,7 @@
 """The slow-node rule on its own: measured over planned compute against the median node, for a number
 of iterations in a row."""
 
-from roving.pipeline.slowness import SlowNodes
+from roving.pipeline.runtime.slowness import SlowNodes
 
 PLANNED = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 2.0, "idle": 0.01}
 

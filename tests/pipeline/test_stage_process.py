@@ -13,10 +13,10 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
-from roving.pipeline.adversary import Adversary
-from roving.pipeline.model import preset
-from roving.pipeline.plan import Route
-from roving.pipeline.stage_process import StageProcess, StageSettings
+from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.presets import preset
+from roving.pipeline.planning.plan import Route
+from roving.pipeline.runtime.stage_process import StageProcess, StageSettings
 from roving.pipeline.stages import Stage
 
 CFG = preset("tiny", max_seq_len=16)
@@ -194,7 +194,7 @@ def test_replicas_combine_their_shares_by_the_aggregation_rule_so_a_tampered_sha
     """Three replicas of stage 0 each run a microbatch (a route through no other stage); "c" sends a tampered share
     (``weights``). Under ``median`` the honest replicas' averaged gradient is the coordinate-wise
     median of the three shares as sent (``aggregate.combine``); under ``mean`` the lie drags it."""
-    from roving.pipeline.aggregate import combine
+    from roving.pipeline.verify.aggregate import combine
 
     names = ("a", "b", "c")
     lie = Adversary("weights", seed=4)
@@ -257,7 +257,7 @@ def test_a_stage_process_told_to_forget_a_peer_refuses_that_peers_credentials_fr
     """Exclusion reaches the peers: ``Forget`` (from the coordinator, through a real inbox) revokes the
     node id the coordinator's ``Peers`` gave the forgotten name, so its connections here are closed and
     refused, and its letters are no one's."""
-    from roving.pipeline import mail
+    from roving.pipeline.runtime import mail
     from roving.transport import identity, session
 
     directory = mail.Directory({session.current().uid: m.COORDINATOR})

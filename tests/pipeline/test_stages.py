@@ -6,7 +6,8 @@ import torch
 torch.set_num_threads(1)  # the machine is shared; tiny models gain nothing from more
 
 from roving.pipeline.errors import PlanError
-from roving.pipeline.model import Llama, preset
+from roving.pipeline.model import Llama
+from roving.pipeline.presets import preset
 from roving.pipeline.stages import Stage, layer_ranges, merge_state_dicts, run_path
 
 
@@ -62,7 +63,7 @@ def test_a_skip_path_runs_only_the_stages_it_names():
 
 
 def test_dropping_stages_runs_the_kept_layers_as_a_path_would():
-    from roving.pipeline.evaluate import half_of_the_stages, kept_layers, validation_loss
+    from roving.pipeline.run.evaluate import half_of_the_stages, kept_layers, validation_loss
 
     cfg = preset("tiny", n_layers=6)
     whole = Llama(cfg, seed=2)

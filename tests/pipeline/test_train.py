@@ -9,11 +9,11 @@ import torch
 
 torch.set_num_threads(1)
 
-from roving.pipeline.data import train_batches
+from roving.pipeline.run.data import train_batches
 from roving.pipeline.errors import DataError, PlanError
 from roving.pipeline.stages import Stage, merge_state_dicts, run_path
-from roving.pipeline.roster import Roster
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.runtime.roster import Roster
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 from roving import config as roving_config
 
 CFG = dict(model="tiny", nodes=6, stages=4, skip=0.33, microbatches=8, samples=4, seq_len=32,
@@ -79,7 +79,7 @@ def run():
 def test_on_the_local_backend_the_nodes_are_forked_from_one_starter_that_imported_their_module(run):
     """The trainer sets ``local_preload`` to its stage module when the run left it unset: every node is
     then forked from one starter (torch imported there once), not started as a fresh interpreter."""
-    assert run["preload"] == ("roving.pipeline.stage_process",)
+    assert run["preload"] == ("roving.pipeline.runtime.stage_process",)
     parents = set(run["parents"].values())
     assert len(run["parents"]) == CFG["nodes"] and len(parents) == 1 and os.getpid() not in parents
     with open(f"/proc/{parents.pop()}/cmdline", "rb") as f:

@@ -44,7 +44,7 @@ def test_bad_input_exits_with_a_clear_error_before_nodes_start(tmp_path, capsys)
 def test_train_with_no_arguments_says_what_it_resolved_before_it_starts(monkeypatch, capsys):
     """The defaults filled in (model, network, nodes, stages, skip, iterations, backend) are on stderr
     before the run starts: the run itself is replaced here, so nothing trains."""
-    import roving.pipeline.trainer as trainer
+    import roving.pipeline.run.trainer as trainer
 
     seen = []
 

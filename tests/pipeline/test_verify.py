@@ -24,19 +24,19 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
-from roving.pipeline import receipts
-from roving.pipeline import verify as verify_module
+from roving.pipeline.verify import receipts
+from roving.pipeline.verify import verifier as verify_module
 from roving.dashboard.pipeline_view import PipelineWatch
-from roving.pipeline.adversary import Adversary
-from roving.pipeline.aggregate import combine
+from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.verify.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
-from roving.pipeline.evidence import Evidence, difference, platform, recheck, recompute, summariser
-from roving.pipeline.screen import Summary, summarize
-from roving.pipeline.model import preset
-from roving.pipeline.plan import Plan, Route
+from roving.pipeline.verify.evidence import Evidence, difference, platform, recheck, recompute, summariser
+from roving.pipeline.verify.screen import Summary, summarize
+from roving.pipeline.presets import preset
+from roving.pipeline.planning.plan import Plan, Route
 from roving.pipeline.stages import Stage
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify import Check, Source, Verifier, _Audit
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
+from roving.pipeline.verify.verifier import Check, Source, Verifier, _Audit
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32

@@ -1,11 +1,11 @@
-"""Independent checks of the SkipPipe path rules, written apart from roving.pipeline.plan.validate."""
+"""Independent checks of the SkipPipe path rules, written apart from roving.pipeline.planning.plan.validate."""
 
 from __future__ import annotations
 
 import math
 
 from roving.pipeline import Network, Plan, simulate
-from roving.pipeline.network import build_network
+from roving.pipeline.planning.network import build_network
 
 
 def small_network(regions: int, latencies_ms, bandwidths, nodes: int, memory: int = 4) -> Network:

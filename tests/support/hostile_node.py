@@ -19,10 +19,14 @@ import time
 
 import torch
 
-from roving.pipeline import codec, door, mail
+from roving.pipeline.runtime import codec
+
+from roving.pipeline.runtime import door
+
+from roving.pipeline.runtime import mail
 from roving.pipeline import protocol as m
-from roving.pipeline.plan import Route
-from roving.pipeline.receipts import Receipt
+from roving.pipeline.planning.plan import Route
+from roving.pipeline.verify.receipts import Receipt
 from roving.transport import issuer, postbox, session
 from roving.transport import node as _node
 
@@ -141,7 +145,7 @@ def started_main(settings, control, beats=None) -> None:
     is not the coordinator's to trust): it tries to take the other nodes' start payloads from the
     coordinator as they start, and sends what the wire refuses; the result is left in the file named by
     HOSTILE_NODE_RESULT."""
-    from roving.pipeline.stage_process import stage_main
+    from roving.pipeline.runtime.stage_process import stage_main
 
     if settings.name != HOSTILE:
         return stage_main(settings, control, beats)

@@ -14,7 +14,7 @@ import json
 import threading
 from typing import Any, Callable, Dict, List, Optional, Set
 
-from ..pipeline.control import EVALUATIONS, EVENTS, ITERATIONS, PLAN, STATUS, ControlFolder
+from ..pipeline.runtime.control import EVALUATIONS, EVENTS, ITERATIONS, PLAN, STATUS, ControlFolder
 
 __all__ = ["PipelineWatch"]
 

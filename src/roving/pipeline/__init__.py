@@ -8,24 +8,24 @@ judges every plan (``simulate()``; ``predict()`` for what a running training kee
 (numpy and matplotlib are not needed here; matplotlib is used lazily by the CLI's --gantt).
 
 Training (needs PyTorch, imported on first use): ``Llama``/``LlamaConfig`` (model.py), ``Stage``
-(stages.py), ``TrainConfig`` and ``prepare`` (runspec.py), ``Trainer`` and ``train`` (trainer.py).
+(stages.py), ``TrainConfig`` and ``prepare`` (run/runspec.py), ``Trainer`` and ``train`` (run/trainer.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .baselines import full_pipeline, full_pipeline_planned, random_skip
-from .costs import MODEL_PRESETS, ModelSpec, microbatches_in_flight, model_preset, stage_memory
+from .planning.baselines import full_pipeline, full_pipeline_planned, random_skip
+from .planning.costs import MODEL_PRESETS, ModelSpec, microbatches_in_flight, model_preset, stage_memory
 from .errors import PipelineError, PlanError
-from .network import Link, Network, Node, build_network
-from .plan import Plan, Route, validate
-from .planner import plan, replan
-from .simulate import Prediction, SimResult, predict, simulate
+from .planning.network import Link, Network, Node, build_network
+from .planning.plan import Plan, Route, validate
+from .planning.planner import plan, replan
+from .planning.simulate import Prediction, SimResult, predict, simulate
 
 
-_TRAINING = {"Llama": "model", "LlamaConfig": "model", "Stage": "stages", "TrainConfig": "runspec",
-             "Trainer": "trainer", "prepare": "runspec", "train": "trainer"}
+_TRAINING = {"Llama": "model", "LlamaConfig": "presets", "Stage": "stages", "TrainConfig": "run.runspec",
+             "Trainer": "run.trainer", "prepare": "run.runspec", "train": "run.trainer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -15,54 +15,14 @@ exactly the weights the whole model would give it, and parameter names are the w
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Iterator, Sequence, cast
+from typing import Iterable, Iterator, Sequence, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .errors import PlanError
-from .presets import ARCHITECTURES, TRAINING
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 4
-    n_heads: int = 4
-    #: SwiGLU hidden size = multiple_of-rounded 2/3 of 4 x dim (LLaMA's rule).
-    multiple_of: int = 32
-    max_seq_len: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-
-    def __post_init__(self) -> None:
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
-            raise PlanError(f"dim {self.dim} must split into {self.n_heads} heads of an even size")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
-            if getattr(self, name) < 1:
-                raise PlanError(f"model {name} must be at least 1, got {getattr(self, name)}")
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
-
-    @property
-    def ffn_dim(self) -> int:
-        hidden = int(2 * 4 * self.dim / 3)
-        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
-
-
-#: the sizes training builds, from the one table of sizes (``presets.py``).
-PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**ARCHITECTURES[name]) for name in TRAINING}
-
-
-def preset(name: str, **overrides: Any) -> LlamaConfig:
-    if name not in PRESETS:
-        raise PlanError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
-    return replace(PRESETS[name], **overrides)
+from .presets import LlamaConfig  # the sizes: plain data, read without PyTorch
 
 
 class RMSNorm(nn.Module):

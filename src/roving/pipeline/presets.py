@@ -3,10 +3,15 @@ Training builds the sizes in ``TRAINING`` (``model.PRESETS``); the planner offer
 ``PLANNING`` as the cost model sees them (``costs.MODEL_PRESETS``), each with the run shape the
 cost model assumes for it. Both tables are made from this one, so a size is written down once.
 
-Plain data and the standard library only: planning never needs PyTorch.
+Plain data and the standard library only: planning and the run's configuration never need PyTorch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .errors import PlanError
 
 #: name -> LlamaConfig's fields. tiny runs the tests on 2 CPU cores; 500m and 1b are the sizes SkipPipe
 #: trains (with LLaMA's 32000-token vocabulary the embedding and head add 82M and 131M parameters); the
@@ -37,3 +42,42 @@ PLANNING: dict[str, tuple[str, dict]] = {
     "llama-1.5b-skippipe": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=1, backward_ratio=1.5)),
 }
 DEFAULT_PLANNING = "llama-1.5b"
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    #: SwiGLU hidden size = multiple_of-rounded 2/3 of 4 x dim (LLaMA's rule).
+    multiple_of: int = 32
+    max_seq_len: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+            raise PlanError(f"dim {self.dim} must split into {self.n_heads} heads of an even size")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "multiple_of"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"model {name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+
+#: the sizes training builds, from the one table of sizes (``presets.py``).
+PRESETS: dict[str, LlamaConfig] = {name: LlamaConfig(**ARCHITECTURES[name]) for name in TRAINING}
+
+
+def preset(name: str, **overrides: Any) -> LlamaConfig:
+    if name not in PRESETS:
+        raise PlanError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
+    return replace(PRESETS[name], **overrides)

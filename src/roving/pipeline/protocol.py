@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import ProtocolError
-from .plan import Route
+from .planning.plan import Route
 
 #: the ``sender`` of the coordinator's messages.
 COORDINATOR = "coordinator"

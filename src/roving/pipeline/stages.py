@@ -15,9 +15,10 @@ from typing import Sequence
 
 import torch
 
-from .costs import ModelSpec, stage_layers
+from .planning.costs import ModelSpec, stage_layers
 from .errors import PlanError
-from .model import Llama, LlamaConfig
+from .model import Llama
+from .presets import LlamaConfig
 
 
 def layer_ranges(cfg: LlamaConfig, stages: int) -> list[range]:

@@ -3,7 +3,7 @@
 A :class:`Postbox` is a mailbox of this process that every member of the session may write to,
 untrusted ones included (:attr:`.identity.Peer.trusted`), and that only this process reads. Its items
 are the writer's frames as they came, never unpickled by the transport: what they mean is the reader's
-to decode (a data-only codec, as :mod:`roving.pipeline.codec`). Each item comes with its writer
+to decode (a data-only codec, as :mod:`roving.pipeline.runtime.codec`). Each item comes with its writer
 (:class:`Letter`), the node id that the writer's connection authenticated: never anything the
 frames say. What one untrusted writer may leave waiting is bounded (``untrusted_bytes``); what it puts
 beyond that is refused and counted (:meth:`Postbox.overflowed`), so a flood from one writer neither

@@ -16,7 +16,7 @@ import torch
 torch.set_num_threads(1)
 
 from roving.pipeline.protocol import Done  # noqa: E402
-from roving.pipeline.trainer import Trainer, TrainConfig, prepare  # noqa: E402
+from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare  # noqa: E402
 
 CFG = dict(model="tiny", nodes=6, stages=3, skip=0.33, microbatches=6, samples=4, seq_len=32,
            iterations=10, lr=3e-3, warmup=1, eval_every=100, eval_batches=4, planner_budget=0.3,

@@ -1,0 +1,558 @@
+"""A stage process: a roving process that holds one stage of the model and serves microbatches along
+their routes, driven by the coordinator's messages (``protocol``: what each message means, and how
+rounds are read).
+
+Each stage process reads its own ``inbox`` (a Queue it creates, so peers' puts go straight to it over
+the transport and tensors travel as out-of-band frames, without copies), answers the coordinator on
+``control`` and sends heartbeats on ``beats`` from a thread of its own (``Beat`` every ``heartbeat``
+seconds, so that a process that stops answering is found even while it computes). Sends to peers go
+through one sender thread per destination (``senders.Senders``).
+
+Serving policy, as the simulator's: backward work (backward and loss) before forward work, then the
+task that arrived first (the coordinator hands microbatches to their origins in the plan's priority
+order, so microbatches ready together are served in that order). At most ``in_flight`` microbatches
+are held (from the start of their forward here to the end of their backward here); a forward that would
+exceed it waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .. import protocol as m
+from ..verify.adversary import Adversary
+from ..verify.aggregate import combine
+from ..verify.evidence import Evidence, platform, recheck
+from ..presets import LlamaConfig
+from ..planning.network import Link
+from ..optim import AdamW
+from ..planning.plan import Route
+from ...transport.identity import revoke
+from ...transport.postbox import PostboxAddress
+from .mail import Directory, Inbox, Outbox, coordinator_only
+from .senders import Senders
+from ..stages import Stage
+
+log = logging.getLogger(__name__)
+
+#: serving classes: backward work (a backward, or the loss that starts one) before forward work.
+BACKWARD_WORK, FORWARD_WORK = 0, 1
+#: messages that belong to the round's work (an aborted round's are dropped).
+_WORK = (m.Microbatch, m.Forward, m.Backward, m.Gradients, m.SyncOrder, m.Step)
+#: how the trace of a process's work names each kind of task.
+_TRACE_KIND = {m.Microbatch: "mb", m.Forward: "fwd", m.Backward: "bwd"}
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What a stage process needs besides its stage: plain values, pickled into the process."""
+
+    name: str
+    stage: int
+    stages: int
+    model: LlamaConfig
+    seed: int
+    in_flight: int
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    device: str = "cpu"
+    bf16: bool = False
+    threads: int = 1
+    #: this process's position among the run's (picks its GPU when several share a machine).
+    index: int = 0
+    #: destination -> link, when the network is emulated (None: send at once).
+    emulate: dict[str, Link] | None = None
+    #: how many times a process of this name was started before (a restarted one is a new incarnation).
+    incarnation: int = 0
+    #: seconds between heartbeats (0: none).
+    heartbeat: float = 0.5
+    #: how the stage's replicas' gradient shares are combined (``aggregate.RULES``).
+    aggregation: str = "mean"
+    #: adversary injection: how this process lies about what it sends (None: it does not).
+    adversary: Adversary | None = None
+    #: ``[verify] mode``: with anything but "off", receipts on what it sends, and what it receives kept
+    #: for the coordinator's checks (``evidence``).
+    verify: str = "off"
+    #: this node's receipt key (``receipts.node_key``), given by the coordinator.
+    receipt_key: bytes = b""
+    #: the node id the coordinator's connections authenticate as (its messages are taken from it alone).
+    coordinator_id: str = ""
+
+
+def pick_device(want: str = "auto", index: int = 0) -> str:
+    """``auto``: a CUDA device when there is one (node ``index`` takes device ``index`` modulo their
+    count, so nodes sharing a machine spread over its GPUs), else the CPU."""
+    if want == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{index % torch.cuda.device_count()}"
+    if want.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device {want!r} asked for, but this node has no CUDA device")
+    return want
+
+
+class StageProcess:
+    """One stage process's state and loop (``run``); ``stage_main`` is the process's target."""
+
+    def __init__(self, s: StageSettings, inbox: Any, control: Any, beats: Any = None) -> None:
+        """``inbox``: what it reads (a ``mail.Inbox``, or a plain queue in tests); ``control`` and
+        ``beats``: where it answers the coordinator and sends its heartbeats (anything with ``put``)."""
+        self.settings, self.inbox, self.control, self.beats = s, inbox, control, beats
+        #: who is who among its peers (the inbox's, where it has one): filled from the coordinator's word
+        self.directory: Directory | None = getattr(inbox, "directory", None)
+        self.name = s.name
+        self.device = torch.device(pick_device(s.device, s.index))
+        torch.manual_seed(s.seed)
+        self.peers: Senders | None = None
+        self.round = -1
+        self.aborted = -1  # the latest round given up: its messages are dropped
+        self.throttle = 1.0
+        self.evidence = Evidence(s.name, s.verify, s.receipt_key)
+        self.platform = platform(self.device)  # what its weights after a step are compared within
+        self._hold(s.stage, s.in_flight)
+        self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
+            m.Abort: self._on_abort, m.SyncOrder: self._on_sync_order, m.Gradients: self._on_gradients,
+            m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
+            m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle,
+            m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck,
+            m.ShowWeights: self._on_show_weights}
+
+    def _hold(self, stage: int, in_flight: int) -> None:
+        """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
+        self.stage_index, self.in_flight = stage, in_flight
+        self.last_sq_norm = math.nan  # the squared norm of the latest averaged gradient (none yet)
+        self.stage = Stage(self.settings.model, stage, self.settings.stages, seed=self.settings.seed).to(self.device)
+        self.params = [p for p in self.stage.parameters()]
+        self.opt = AdamW(self.params, lr=self.settings.lr, weight_decay=self.settings.weight_decay,
+                         betas=self.settings.betas)
+        self._clear_round()
+
+    def _clear_round(self) -> None:
+        self.pending: list[tuple] = []  # (class, arrival, message)
+        self.arrivals = 0
+        self.stash: dict[tuple[int, int], tuple] = {}
+        self.grads: dict[int, dict[str, torch.Tensor]] = {}
+        self.share_counts: dict[int, dict[str, int]] = {}  # round -> replica -> its microbatches
+        self.sync_order: dict[int, m.SyncOrder] = {}
+        self.backwards = 0  # backward passes run in the current round
+        self._losses: dict[tuple[int, int], float] = {}
+        self.evidence.clear()
+        self.opt.zero_grad()
+
+    # -- helpers -----------------------------------------------------------------------------
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.settings.bf16)
+
+    def _in(self, t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        t = t.to(self.device, non_blocking=True)
+        return t.requires_grad_(True) if grad else t
+
+    @staticmethod
+    def _out(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu").contiguous()
+
+    def _beat(self) -> None:
+        while not self._leaving.is_set():
+            self.beats.put(m.Beat(self.name, self.settings.incarnation))
+            self._leaving.wait(self.settings.heartbeat)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until ``Stop``; raises ProtocolError for a message this process does not handle."""
+        self._leaving = threading.Event()
+        beating = None
+        if self.beats is not None and self.settings.heartbeat > 0:
+            beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
+            beating.start()
+        self.control.put(m.Ready(self.name, self.settings.incarnation, getattr(self.inbox, "address", self.inbox)))
+        while True:
+            task = self._next_task()
+            if task is None:
+                if self.evidence.unsummarised:  # an idle moment: a summary, unless a message waits
+                    try:
+                        msg = self.inbox.get_nowait()
+                    except queue.Empty:
+                        self.evidence.summarize_one()
+                        continue
+                else:
+                    msg = self.inbox.get()
+                if isinstance(msg, m.Stop):
+                    break
+                self._accept(msg)
+                continue
+            t0 = time.perf_counter()
+            self._serve(task)
+            t1 = time.perf_counter()
+            if self.throttle > 1.0:  # fault injection: a process slowed down by other work
+                time.sleep((t1 - t0) * (self.throttle - 1.0))
+                t1 = time.perf_counter()
+            self.stats["compute_s"] += t1 - t0
+            # wall-clock spans of the work done (one clock for every process on a machine)
+            self.stats["trace"].append((_TRACE_KIND[type(task)], task.mb, time.time() - (t1 - t0), time.time()))
+        self._leaving.set()
+        if beating is not None:
+            beating.join(timeout=5)
+        self._shut_down(msg.live)
+
+    def _shut_down(self, live: list[str] | None) -> None:
+        """Leave without stranding anyone: every send to a live peer is confirmed (a round trip to each
+        inbox) while all processes are still up, and the process exits only when the coordinator
+        releases it, so no exiting process waits on a peer that has gone."""
+        if self.peers is not None:
+            self.peers.confirm([n for n in (live if live is not None else self.peers.senders) if n != self.name])
+        self.control.put(m.Stopped(self.name))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the coordinator's Release, once every process stopped
+            try:
+                if isinstance(self.inbox.get(timeout=max(0.0, deadline - time.monotonic())), m.Release):
+                    self.control.put(m.Released(self.name))
+                    return
+            except queue.Empty:
+                return
+
+    def _current(self, rnd: int) -> bool:
+        """Whether a message of round ``rnd`` is to be handled (``protocol``, Rounds)."""
+        if rnd < self.round or rnd <= self.aborted:
+            return False
+        if rnd > self.round:
+            if self.stash or self.pending or self.grads or self.sync_order:
+                self._clear_round()
+            else:  # the previous round ended with its step (its audit before it): its evidence goes
+                self.evidence.clear()
+            self.round = rnd
+            self.backwards = 0
+        return True
+
+    def _accept(self, msg: Any) -> None:
+        if isinstance(msg, _WORK) and not self._current(msg.round):
+            return
+        if isinstance(msg, (m.Forward, m.Backward)):
+            self.evidence.keep("activation" if isinstance(msg, m.Forward) else "gradient", msg.round, msg.mb,
+                               msg.hop, msg.sender, msg.tensor, msg.receipt)
+        elif isinstance(msg, m.Gradients):
+            self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt)
+        if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
+            if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
+                cls = FORWARD_WORK
+            else:  # a backward, or activations back at the origin for the loss
+                cls = BACKWARD_WORK
+            self.arrivals += 1
+            self.pending.append((cls, self.arrivals, msg))
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            raise m.unexpected(msg, f"stage process {self.name}")
+        handler(msg)
+
+    # -- control messages ----------------------------------------------------------------------
+    def _on_peers(self, msg: m.Peers) -> None:
+        if self.directory is not None:
+            for name, node_id in msg.ids.items():
+                self.directory.add(node_id, name)
+        if self.peers is None:
+            self.peers = Senders(self.name, msg.inboxes, self.settings.emulate)
+        else:
+            for name, q in msg.inboxes.items():
+                self.peers.add(name, q)
+
+    def _senders(self) -> Senders:
+        """The senders to the peers; ProtocolError before the coordinator's ``Peers``."""
+        if self.peers is None:
+            raise m.ProtocolError(f"stage process {self.name}: a message that needs its peers came before Peers")
+        return self.peers
+
+    def _on_peer_joined(self, msg: m.PeerJoined) -> None:
+        if self.directory is not None:
+            self.directory.drop(msg.name)  # an earlier incarnation's id speaks for it no more
+            self.directory.add(msg.node_id, msg.name)
+        self._senders().add(msg.name, msg.inbox, msg.link)
+
+    def _on_forget(self, msg: m.Forget) -> None:
+        """Dead or excluded peers: no more sends to them, and their credentials refused here from now
+        on (their connections to this process closed), as at the coordinator."""
+        self._senders().forget(msg.names)
+        if self.directory is not None:
+            for name in msg.names:
+                for node_id in self.directory.ids_of(name):
+                    revoke(node_id)
+                self.directory.drop(name)
+
+    def _on_abort(self, msg: m.Abort) -> None:
+        if msg.round >= self.round:
+            self._clear_round()
+            self.round = msg.round
+        self.aborted = max(self.aborted, msg.round)
+
+    def _on_sync_order(self, msg: m.SyncOrder) -> None:
+        self.sync_order[msg.round] = msg
+        self._try_sync(msg.round)
+
+    def _on_gradients(self, msg: m.Gradients) -> None:
+        self.grads.setdefault(msg.round, {})[msg.sender] = msg.flat
+        self.share_counts.setdefault(msg.round, {})[msg.sender] = msg.count
+        self._try_sync(msg.round)
+
+    def _on_step(self, msg: m.Step) -> None:
+        self._step(msg.round, msg.clip_coef, msg.lr)
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """This stage's weights by parameter name, on the CPU (to travel)."""
+        return {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
+
+    def _exported(self) -> dict[str, torch.Tensor]:
+        """This stage's weights as it exports them (``Export``, ``StateRequest``): poisoned by an ``export``
+        adversary (``adversary``), which shows and steps with its honest ones."""
+        adv = self.settings.adversary
+        weights = self._weights()
+        return weights if adv is None else adv.exported(weights, self.name, self.round)
+
+    def _on_export(self, msg: m.Export) -> None:
+        self.control.put(m.Exported(self.name, self.stage_index, self._exported(), _to_cpu(self.opt.state_dict())))
+
+    def _on_load(self, msg: m.Load) -> None:
+        if msg.stage != self.stage_index or msg.optimizer is None:  # None: a fresh optimizer state
+            self._hold(msg.stage, msg.in_flight)
+        self.in_flight = msg.in_flight
+        self.stage.load_state_dict(msg.params)
+        if msg.optimizer is not None:
+            self.opt.load_state_dict(msg.optimizer)
+        self._clear_round()
+        self.control.put(m.Loaded(self.name, msg.stage))
+
+    def _on_state_request(self, msg: m.StateRequest) -> None:
+        if msg.grads:  # for checks: the gradients as they are now
+            sd = {n: p.grad.detach().to("cpu") for n, p in self.stage.named_parameters() if p.grad is not None}
+        else:
+            sd = self._exported()
+        self.control.put(m.State(self.name, self.stage_index, sd))
+
+    def _on_throttle(self, msg: m.Throttle) -> None:
+        self.throttle = float(msg.factor)
+
+    def _on_evidence_request(self, msg: m.EvidenceRequest) -> None:
+        items = self.evidence.show(msg.keys) if msg.round == self.round else {}
+        self.control.put(m.EvidenceItems(msg.round, self.name, items, msg.ask))
+
+    def _on_show_weights(self, msg: m.ShowWeights) -> None:
+        self.control.put(m.WeightsShown(msg.round, self.name, self.stage_index, self._weights()))
+
+    def _on_recheck(self, msg: m.Recheck) -> None:
+        """Recompute with the weights held now (every replica's until the round's step): ``evidence.recheck``."""
+        with self.evidence.timed("rechecks"):
+            answer = recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
+                             self.settings.adversary, self.name)
+        self.control.put(answer)
+
+    # -- microbatch work -----------------------------------------------------------------------
+    def _next_task(self) -> Any:
+        best = None
+        room = len(self.stash) < self.in_flight
+        for i, item in enumerate(self.pending):
+            # a new forward here needs room; a forward at the origin that returns for the loss does not
+            if item[0] == FORWARD_WORK and not room:
+                continue
+            if best is None or item[:2] < self.pending[best][:2]:
+                best = i
+        if best is None:
+            return None
+        return self.pending.pop(best)[2]
+
+    def _serve(self, msg: Any) -> None:
+        rnd, mb, route = msg.round, msg.mb, msg.route
+        if isinstance(msg, m.Microbatch):
+            with self._autocast():
+                h = self.stage(self.stage.embed(self._in(msg.tokens)))
+            self.stash[rnd, mb] = (None, h, self._in(msg.targets))
+            self._track()
+            self._forward_on(rnd, mb, 0, h, route)
+        elif isinstance(msg, m.Forward):
+            hop = msg.hop
+            if hop == len(route.nodes):  # back at the origin: final norm, head and loss
+                x = self._in(msg.tensor, grad=True)
+                _, _, targets = self.stash[rnd, mb]
+                with self._autocast():
+                    loss = self.stage.loss(x, targets)
+                loss.backward()
+                assert x.grad is not None  # x requires grad and the loss is computed from it
+                self._backward_on(rnd, mb, hop - 1, x.grad, route, loss=float(loss.detach()))
+                return
+            x = self._in(msg.tensor, grad=True)
+            with self._autocast():
+                y = self.stage(x)
+            self.stash[rnd, mb] = (x, y, None)
+            self._track()
+            self._forward_on(rnd, mb, hop + 1, y, route, given=msg.tensor)
+        else:  # Backward
+            x, y, _ = self.stash.pop((rnd, mb))
+            y.backward(self._in(msg.tensor))
+            self.stats["processed"] += 1
+            self.backwards += 1
+            if msg.hop == -1:
+                self.control.put(m.Done(rnd, self.name, mb, self._losses.pop((rnd, mb))))
+            else:
+                self._backward_on(rnd, mb, msg.hop - 1, x.grad, route, given=msg.tensor)
+            self._try_sync(rnd)  # after the send: the next process's work does not wait for the averaging
+
+    def _track(self) -> None:
+        self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
+
+    def _lie(self, what: str, t: torch.Tensor, rnd: int, mb: int, given: torch.Tensor | None = None) -> torch.Tensor:
+        """``t`` as this process sends it: tampered with when it is an injected adversary
+        (``adversary``), else ``t`` itself."""
+        adv = self.settings.adversary
+        return t if adv is None else adv.tamper(what, t, self.name, rnd, mb, given).contiguous()
+
+    def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route,
+                    given: torch.Tensor | None = None) -> None:
+        """Send activations to the process at ``hop`` of the route (the origin when past the end);
+        ``given``: the activations this process was given (an adversary's input)."""
+        out = self._out(h)
+        if route.nodes:  # sent to another process (not a loss run here)
+            out = self._lie("activation", out, rnd, mb, given)
+        seal = self.evidence.sealer("activation", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Forward(rnd, self.name, mb, hop, out, route)
+        if hop == len(route.nodes):
+            if not route.nodes:  # a route that visits no other stage: the loss runs here at once
+                self._accept(msg)
+                return
+            dst = route.origin
+        else:
+            dst = route.nodes[hop]
+        self._senders().send(dst, msg, out, seal)
+
+    def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
+                     loss: float | None = None, given: torch.Tensor | None = None) -> None:
+        if loss is not None:
+            self._losses[rnd, mb] = loss
+        out = self._out(g)
+        if route.nodes:  # sent to another process
+            out = self._lie("gradient", out, rnd, mb, given)
+        seal = self.evidence.sealer("gradient", rnd, mb, hop, out) if route.nodes else None
+        msg = m.Backward(rnd, self.name, mb, hop, out, route)
+        if hop == -1 and not route.nodes:
+            self._accept(msg)
+            return
+        dst = route.origin if hop == -1 else route.nodes[hop]
+        self._senders().send(dst, msg, out, seal)
+
+    # -- replica averaging and the optimizer step ----------------------------------------------
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                          for p in self.params])
+
+    def _try_sync(self, rnd: int) -> None:
+        """Send this replica's gradients to the other replicas once its backward passes of the round
+        are all done; average once every replica's have arrived (then report the squared norm)."""
+        if rnd not in self.sync_order:
+            return
+        order = self.sync_order[rnd]
+        replicas, count, expect = order.replicas, order.count, order.expect
+        got = self.grads.setdefault(rnd, {})
+        if self.name not in got:
+            if expect is not None and self.backwards < expect:
+                return
+            mine = self._flat_grads()
+            got[self.name] = mine
+            self.share_counts.setdefault(rnd, {})[self.name] = self.backwards
+            out = honest = self._out(mine)
+            if len(replicas) > 1:
+                out = self._lie("share", honest, rnd, -1)
+                adv = self.settings.adversary
+                if out is not honest and adv is not None and adv.kind != "weights":
+                    # a liar that averages what it sent, as its replicas do: its weights stay theirs
+                    # (``weights`` keeps its own true share: the replicas' averaging check catches that)
+                    got[self.name] = out.to(self.device)
+            seal = self.evidence.sealer("share", rnd, -1, -1, out) if len(replicas) > 1 else None
+            for r in replicas:
+                if r != self.name:
+                    self._senders().send(r, m.Gradients(rnd, self.name, out, self.backwards), out, seal)
+        if any(r not in got for r in replicas):
+            return
+        # Every replica combines the same tensors in the same order: the results are bitwise equal
+        # (``aggregate``; "mean" adds them in this order and divides by ``count``, as always).
+        counts = self.share_counts.get(rnd, {})
+        cosines = self.evidence.shares(rnd, {r: got[r] for r in replicas}, counts)
+        total = combine([got[r].to(self.device) for r in replicas], [counts.get(r, 0) for r in replicas],
+                        count, self.settings.aggregation)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = total[offset:offset + n].view_as(p).to(p.dtype)
+            offset += n
+        del self.grads[rnd], self.sync_order[rnd]
+        self.share_counts.pop(rnd, None)
+        self.last_sq_norm = float(total.pow(2).sum())
+        ev = self.evidence
+        combined = ev.combined(total) if len(replicas) > 1 and order.combined else None
+        self.control.put(m.Norm(rnd, self.name, self.stage_index, self.last_sq_norm, ev.summaries(),
+                                tuple(ev.disputes), cosines or None, combined))
+
+    def _step(self, rnd: int, coef: float, lr: float) -> None:
+        if coef < 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        self._drift(rnd)
+        self.opt.lr = lr
+        self.opt.step()
+        self.opt.zero_grad()
+        # replicas step bitwise alike (the same gradient, coefficient and optimizer state): what each
+        # holds now is compared (``verify``), where there are replicas to compare with; every replica's,
+        # a single one's too, is what its weights exported or shown until its next step are held to
+        weights = self.evidence.stepped(self.stage.state_dict())
+        stats = dict(self.stats, verify_cpu_s=self.evidence.spent())
+        self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
+        norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
+        self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform))
+
+    def _drift(self, rnd: int) -> None:
+        """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""
+        adv = self.settings.adversary
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if adv is None or adv.kind != "drift" or not grads:
+            return
+        flat = torch.cat([g.flatten() for g in grads])
+        own = adv.stepped(flat, self.name, rnd)
+        if own is not flat:
+            offset = 0
+            for g in grads:
+                g.copy_(own[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+
+def _to_cpu(obj: Any) -> Any:
+    """An optimizer state dict with its tensors on the CPU (to travel and to be saved)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    return obj
+
+
+def stage_main(settings: StageSettings, control: PostboxAddress, beats: PostboxAddress | None = None) -> None:
+    """The target of a stage's roving Process: ``control`` and ``beats`` are the coordinator's inboxes."""
+    torch.set_num_threads(settings.threads)
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    to_coordinator = Outbox(control)
+    try:
+        inbox = Inbox(Directory({settings.coordinator_id: m.COORDINATOR}), accept=coordinator_only)
+        StageProcess(settings, inbox, to_coordinator, Outbox(beats) if beats is not None else None).run()
+    except BaseException:
+        to_coordinator.put(m.Failed(settings.name, traceback.format_exc()))
+        raise
