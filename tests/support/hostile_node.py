@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
 import queue
 import sys
 import threading
@@ -163,7 +164,7 @@ def started_main(settings, control, beats=None) -> None:
                 stolen.append(bytes(frames[0])[:1].decode("latin-1") if frames else "")
     issued = outcome(lambda: here.issue(settings.name + "-spare"))
     with open(os.environ["HOSTILE_NODE_RESULT"], "w") as f:
-        json.dump({"stolen": stolen, "issued": issued}, f)
+        json.dump({"stolen": stolen, "issued": issued, "host": socket.gethostname()}, f)
     slot = postbox.Slot(control)
     slot.send([pickle.dumps(Marker(os.environ["HOSTILE_NODE_RESULT"] + ".marker"), protocol=5)])
     slot.send(codec.encode(m.Norm(0, settings.name, 0, -1.0)))

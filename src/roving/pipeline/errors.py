@@ -81,5 +81,10 @@ class JoinError(PipelineError, ConnectionError):
     reached, not the training the invitation names, the invitation refused)."""
 
 
+class CoordinatorLost(PipelineError, ConnectionError):
+    """A node's coordinator stopped answering (its process ended, or it cannot be reached) for longer
+    than the node waits (``StageSettings.coordinator_timeout``): the node left. Names the address."""
+
+
 class ProtocolError(PipelineError, RuntimeError):
     """A message that its receiver does not handle (a wrong type, or not a protocol message at all)."""

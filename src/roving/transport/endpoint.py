@@ -204,7 +204,7 @@ class _ZmqConnection(_Connection):
         try:
             if curve:
                 assert key is not None
-                crypto.curve_client(self.sock, creds.secret, key)
+                crypto.curve_client(self.sock, creds, key)
                 monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
             self.sock.connect(identity.bare(address))
             deadline = time.monotonic() + connect_timeout

@@ -127,7 +127,7 @@ class Node(Boxes):
         curve = crypto.zmq_encrypted(self.encrypt, host)
         if curve:
             crypto.curve_server(self._router, creds)
-        self._zap_domain = zap.register(ctx, crypto.curve_keys(creds.secret).client_public if curve else None)
+        self._zap_domain = zap.register(ctx, crypto.session_client_key(creds) if curve else None)
         self._router.setsockopt(zmq.ZAP_DOMAIN, self._zap_domain)
         port = wire.bind_router(self._router, host, port_range)
         shown = advertise or host

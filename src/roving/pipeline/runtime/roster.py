@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ...transport import zap
+from ...transport.crypto import session_client_key
 from ...transport.identity import revoke
 from ...transport.session import current as current_session
 from .. import protocol as m
@@ -120,8 +122,9 @@ class Roster:
                                        emulate=None, adversary=None)
         self._started(name, RemoteProcess(node_id), None)
         self._event("join-requested", nodes=[name], why="the open door")
-        return Placement(name, node_id, cert, authority.ca_pem, current_session().secret, settings,
-                         self.control.address, self.beats.address)
+        zap.admit(node_key, node_id)  # its connections, under its own key, reach the handshake here
+        return Placement(name, node_id, cert, authority.ca_pem, session_client_key(current_session().credentials),
+                         settings, self.control.address, self.beats.address)
 
     def _settings(self, name: str, stage: int, index: int) -> StageSettings:
         """What the stage process ``name`` is started with (a new incarnation of the name)."""

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as m
+from ..errors import CoordinatorLost
 from ..verify.adversary import Adversary
 from ..verify.aggregate import combine
 from ..verify.evidence import Evidence, platform, recheck
@@ -37,7 +38,8 @@ from ..presets import LlamaConfig
 from ..planning.network import Link
 from ..optim import AdamW
 from ..planning.plan import Route
-from ...transport.identity import revoke
+from ...transport import zap
+from ...transport.identity import node_key, revoke
 from ...transport.postbox import PostboxAddress
 from .mail import Directory, Inbox, Outbox, coordinator_only
 from .senders import Senders
@@ -88,6 +90,10 @@ class StageSettings:
     receipt_key: bytes = b""
     #: the node id the coordinator's connections authenticate as (its messages are taken from it alone).
     coordinator_id: str = ""
+    #: seconds the process waits for an answer from the coordinator (its heartbeats' inbox) before it
+    #: leaves with ``CoordinatorLost`` (0: it never does): a node someone else started has no parent to
+    #: outlive, and must not wait for ever for a training that has gone.
+    coordinator_timeout: float = 60.0
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:
@@ -121,6 +127,8 @@ class StageProcess:
         self.evidence = Evidence(s.name, s.verify, s.receipt_key)
         self.platform = platform(self.device)  # what its weights after a step are compared within
         self._hold(s.stage, s.in_flight)
+        #: why the process leaves without the coordinator's word (its watchdog), once it does
+        self._lost: str | None = None
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
         self._handlers: dict[type, Callable[[Any], None]] = {
             m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
@@ -169,14 +177,43 @@ class StageProcess:
             self.beats.put(m.Beat(self.name, self.settings.incarnation))
             self._leaving.wait(self.settings.heartbeat)
 
+    def _watch(self, timeout: float) -> None:
+        """The coordinator's watchdog: a round trip to its heartbeats' inbox every few heartbeats; when
+        none is answered for ``timeout`` seconds, the process leaves (its inbox closed under its loop,
+        which then raises ``CoordinatorLost`` naming the address)."""
+        answered = time.monotonic()
+        while not self._leaving.wait(max(self.settings.heartbeat, 0.1) * 4):
+            left = timeout - (time.monotonic() - answered)
+            if self.beats.reachable(max(0.1, min(left, 10.0))):
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= timeout:
+                self._lost = (f"stage process {self.name}: the coordinator at {self.beats.address.node} has not "
+                              f"answered for {timeout:g} s (its process ended, or it cannot be reached): leaving")
+                log.error("%s", self._lost)
+                self.inbox.close()
+                return
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``Stop``; raises ProtocolError for a message this process does not handle."""
         self._leaving = threading.Event()
-        beating = None
+        self._beating: threading.Thread | None = None
         if self.beats is not None and self.settings.heartbeat > 0:
-            beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
-            beating.start()
+            self._beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
+            self._beating.start()
+        if hasattr(self.beats, "reachable") and self.settings.coordinator_timeout > 0:
+            threading.Thread(target=self._watch, args=(self.settings.coordinator_timeout,),
+                             name="roving-coordinator-watchdog", daemon=True).start()
+        try:
+            self._loop()
+        except OSError:
+            if self._lost is None:
+                raise
+            raise CoordinatorLost(self._lost) from None
+        finally:
+            self._leaving.set()
+
+    def _loop(self) -> None:
         self.control.put(m.Ready(self.name, self.settings.incarnation, getattr(self.inbox, "address", self.inbox)))
         while True:
             task = self._next_task()
@@ -203,8 +240,8 @@ class StageProcess:
             # wall-clock spans of the work done (one clock for every process on a machine)
             self.stats["trace"].append((_TRACE_KIND[type(task)], task.mb, time.time() - (t1 - t0), time.time()))
         self._leaving.set()
-        if beating is not None:
-            beating.join(timeout=5)
+        if self._beating is not None:
+            self._beating.join(timeout=5)
         self._shut_down(msg.live)
 
     def _shut_down(self, live: list[str] | None) -> None:
@@ -262,6 +299,7 @@ class StageProcess:
         if self.directory is not None:
             for name, node_id in msg.ids.items():
                 self.directory.add(node_id, name)
+                _admit(msg.inboxes.get(name), node_id)
         if self.peers is None:
             self.peers = Senders(self.name, msg.inboxes, self.settings.emulate)
         else:
@@ -278,6 +316,7 @@ class StageProcess:
         if self.directory is not None:
             self.directory.drop(msg.name)  # an earlier incarnation's id speaks for it no more
             self.directory.add(msg.node_id, msg.name)
+            _admit(msg.inbox, msg.node_id)
         self._senders().add(msg.name, msg.inbox, msg.link)
 
     def _on_forget(self, msg: m.Forget) -> None:
@@ -533,6 +572,15 @@ class StageProcess:
                 offset += g.numel()
 
 
+def _admit(inbox: Any, node_id: str) -> None:
+    """Let the peer whose inbox is ``inbox`` reach this process's node under its own node key (what a
+    node that joined through the open door, holding no member secret, connects with: ``zap.admit``);
+    who it is and what it may do are then its certificate's to say."""
+    key = node_key(inbox.node) if isinstance(inbox, PostboxAddress) and node_id else None
+    if key:
+        zap.admit(key, node_id)
+
+
 def _to_cpu(obj: Any) -> Any:
     """An optimizer state dict with its tensors on the CPU (to travel and to be saved)."""
     if isinstance(obj, torch.Tensor):
@@ -553,6 +601,8 @@ def stage_main(settings: StageSettings, control: PostboxAddress, beats: PostboxA
     try:
         inbox = Inbox(Directory({settings.coordinator_id: m.COORDINATOR}), accept=coordinator_only)
         StageProcess(settings, inbox, to_coordinator, Outbox(beats) if beats is not None else None).run()
+    except CoordinatorLost:
+        raise  # nobody to tell
     except BaseException:
         to_coordinator.put(m.Failed(settings.name, traceback.format_exc()))
         raise
