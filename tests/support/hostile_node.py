@@ -169,3 +169,26 @@ def started_main(settings, control, beats=None) -> None:
     slot.send([pickle.dumps(Marker(os.environ["HOSTILE_NODE_RESULT"] + ".marker"), protocol=5)])
     slot.send(codec.encode(m.Norm(0, settings.name, 0, -1.0)))
     slot.confirm(10)
+
+
+#: The node that keeps what it should pass on (``withholding_main``).
+WITHHOLDER = "n01"
+
+
+def withholding_main(settings, control, beats=None) -> None:
+    """A stage process's target whose node ``WITHHOLDER`` keeps, from round 1 on, every microbatch's
+    activations it should send to another process, and says in its account of a stalled round that it
+    sent them (the lie that leaves its word against its peer's); every other node is honest."""
+    from roving.pipeline.runtime import stage_process
+    from roving.pipeline.runtime.stalls import FORWARD, Key
+
+    if settings.name == WITHHOLDER:
+        class Withholding(stage_process.StageProcess):
+            def _forward_on(self, rnd, mb, hop, h, route, given=None):
+                if rnd >= 1 and route.nodes:
+                    self.sent.add(Key(FORWARD, mb, hop))
+                    return
+                super()._forward_on(rnd, mb, hop, h, route, given)
+
+        stage_process.StageProcess = Withholding
+    return stage_process.stage_main(settings, control, beats)

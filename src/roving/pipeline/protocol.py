@@ -14,11 +14,12 @@ process, so that peers' sends go straight to it), and answers the coordinator in
 ``control`` inbox; heartbeats go to its ``beats`` inbox from a thread of their own.
 
 coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
-``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``ShowWeights``
-``Stop`` ``Release``.
+``Abort`` ``ProgressRequest`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest``
+``Recheck`` ``ShowWeights`` ``Stop`` ``Release``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
-``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Released`` ``Failed``; on ``beats``: ``Beat``.
+``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Progress`` ``Stopped`` ``Released`` ``Failed``; on
+``beats``: ``Beat``.
 
 Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
 than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
@@ -134,6 +135,11 @@ class Step(RoundMessage):
 @dataclass(frozen=True, slots=True)
 class Abort(RoundMessage):
     """Drop all work of the round and its gradients."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProgressRequest(RoundMessage):
+    """The round stalled: say what you received and sent in it (``Progress``; ``runtime/stalls.py``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +372,16 @@ class Loaded(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(RoundMessage):
+    """The answer to ``ProgressRequest``: the messages of the round ``sender`` received and sent, each as a
+    (kind, microbatch, hop) triple, flat (``stalls.Key``; kind 0: activations, 1: gradients, 2: Done)."""
+
+    sender: str
+    received: tuple[int, ...] = ()
+    sent: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Stopped(Message):
     """The answer to ``Stop``: every send of ``sender`` to a live process has arrived."""
 
@@ -388,5 +404,5 @@ class Failed(Message):
 
 
 #: The messages only the coordinator sends (a stage process refuses them from anyone else).
-COORDINATOR_MESSAGES = (Peers, PeerJoined, Forget, Microbatch, SyncOrder, Step, Abort, Export, Load, StateRequest,
-                        Throttle, EvidenceRequest, Recheck, ShowWeights, Stop, Release)
+COORDINATOR_MESSAGES = (Peers, PeerJoined, Forget, Microbatch, SyncOrder, Step, Abort, ProgressRequest, Export, Load,
+                        StateRequest, Throttle, EvidenceRequest, Recheck, ShowWeights, Stop, Release)

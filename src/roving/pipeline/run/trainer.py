@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -58,6 +58,7 @@ from ..runtime.roster import Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
 from ..planning.simulate import Prediction, predict
 from ..runtime.slowness import SlowNodes
+from ..runtime.stalls import Stalls
 from ..runtime.stage_process import pick_device
 from ..verify.verifier import Verifier
 from ..runtime.weights import StageWeights, Weights, load_checkpoint
@@ -131,6 +132,7 @@ class Trainer:
         #: the checks of what the nodes send and export (``[verify]``; does nothing with mode = "off")
         self.verifier = Verifier(cfg, prep.model, self.roster, self._event)
         self.weights = Weights(prep, self.roster, self._event, self.verifier)
+        self.stalls = Stalls(self.roster, self._limit, self._event)
         self.recovery = StageRecovery(cfg, prep.model, self.weights, self._event, self._done)
         self.failures = FailureSchedule(cfg.stages, cfg.seed, cfg.fail_rate, cfg.fail_hour_iterations, cfg.fail_at)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
@@ -144,6 +146,7 @@ class Trainer:
         #: the refinement of the latest re-plan (see the class doc, Refining)
         self.refining = Refinement(cfg.refine_budget, cfg.seed, prep.plan_sync_bytes, cfg.planner_evals or None)
         self.round = -1
+        self._done_mbs: Iterable[int] = ()  # the microbatches of the round in flight that are done
         self._batches = train_batches(prep.corpus.train, cfg.samples, cfg.seq_len, cfg.seed)
         self._val = val_batches(prep.corpus.val, cfg.samples, cfg.seq_len, cfg.eval_batches)
         self._train_s = 0.0
@@ -477,7 +480,7 @@ class Trainer:
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
             except RoundStalled as exc:
-                self._exclude_caught({})
+                self._exclude_caught(self.stalls.account(self.round, self.plan, self._done_mbs))
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
@@ -530,8 +533,14 @@ class Trainer:
         for name in self.roster.inboxes:
             self.roster.put(name, m.Abort(self.round))
         failed = self.roster.take_lost()
-        if failed:  # else the round stalled: the same plan runs it again
-            self._replan(failed=failed, why="failure")
+        benched, back = self.stalls.take_change()
+        for name in benched:  # what it holds is stale once the others step without it: loaded on its return
+            self.roster.holding[name] = None
+        if failed or benched or back:  # else the round stalled and nobody's account showed why: the same plan
+            self._replan(failed={**{n: "benched: a broken link (stalls)" for n in benched if n in self.alloc},
+                                 **failed},
+                         joined=sorted(n for n in back if n in self.roster.inboxes),
+                         why="failure" if failed else "stall")
 
     def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
         """Send every microbatch of the plan to its origin, and every node its averaging order; wait
@@ -551,6 +560,7 @@ class Trainer:
             self.roster.put(path.origin, m.Microbatch(rnd, mb, tokens, targets, path))
         self._order_sync(rnd, plan.backward_counts())
         losses: dict[int, float] = {}
+        self._done_mbs = losses.keys()  # what a stalled round's accounts are read against (``stalls``)
         while len(losses) < len(plan.paths):
             msg = self._round_recv((m.Done, m.Norm) + verifier.kinds, rnd)
             if isinstance(msg, m.Norm):

@@ -43,6 +43,7 @@ from ...transport.identity import node_key, revoke
 from ...transport.postbox import PostboxAddress
 from .mail import Directory, Inbox, Outbox, coordinator_only
 from .senders import Senders
+from .stalls import BACKWARD, DONE, FORWARD, Key, flat
 from ..stages import Stage
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ class StageProcess:
             m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
             m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle,
             m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck,
-            m.ShowWeights: self._on_show_weights}
+            m.ShowWeights: self._on_show_weights, m.ProgressRequest: self._on_progress_request}
 
     def _hold(self, stage: int, in_flight: int) -> None:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
@@ -157,6 +158,9 @@ class StageProcess:
         self.sync_order: dict[int, m.SyncOrder] = {}
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
+        #: the round's messages of microbatches received and sent, for a stalled round's account (``stalls``)
+        self.received: set[Key] = set()
+        self.sent: set[Key] = set()
         self.evidence.clear()
         self.opt.zero_grad()
 
@@ -282,6 +286,8 @@ class StageProcess:
         elif isinstance(msg, m.Gradients):
             self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt)
         if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
+            self.received.add(Key(BACKWARD if isinstance(msg, m.Backward) else FORWARD, msg.mb,
+                                  -1 if isinstance(msg, m.Microbatch) else msg.hop))
             if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
                 cls = FORWARD_WORK
             else:  # a backward, or activations back at the origin for the loss
@@ -334,6 +340,12 @@ class StageProcess:
             self._clear_round()
             self.round = msg.round
         self.aborted = max(self.aborted, msg.round)
+
+    def _on_progress_request(self, msg: m.ProgressRequest) -> None:
+        """The round stalled: what this process received and sent in it (nothing, for another round)."""
+        mine = msg.round == self.round and msg.round > self.aborted
+        self.control.put(m.Progress(msg.round, self.name, flat(self.received) if mine else (),
+                                    flat(self.sent) if mine else ()))
 
     def _on_sync_order(self, msg: m.SyncOrder) -> None:
         self.sync_order[msg.round] = msg
@@ -441,6 +453,7 @@ class StageProcess:
             self.backwards += 1
             if msg.hop == -1:
                 self.control.put(m.Done(rnd, self.name, mb, self._losses.pop((rnd, mb))))
+                self.sent.add(Key(DONE, mb, 0))
             else:
                 self._backward_on(rnd, mb, msg.hop - 1, x.grad, route, given=msg.tensor)
             self._try_sync(rnd)  # after the send: the next process's work does not wait for the averaging
@@ -471,6 +484,7 @@ class StageProcess:
         else:
             dst = route.nodes[hop]
         self._senders().send(dst, msg, out, seal)
+        self.sent.add(Key(FORWARD, mb, hop))
 
     def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
                      loss: float | None = None, given: torch.Tensor | None = None) -> None:
@@ -486,6 +500,7 @@ class StageProcess:
             return
         dst = route.origin if hop == -1 else route.nodes[hop]
         self._senders().send(dst, msg, out, seal)
+        self.sent.add(Key(BACKWARD, mb, hop))
 
     # -- replica averaging and the optimizer step ----------------------------------------------
     def _flat_grads(self) -> torch.Tensor:
