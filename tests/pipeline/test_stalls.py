@@ -3,9 +3,11 @@ messages. Honest accounts are made by playing the chain forward to where it stop
 its own. The verdict never blames a node on another's word."""
 from __future__ import annotations
 
-from roving.pipeline.planning.plan import Route
-from roving.pipeline.runtime.stalls import (BACKWARD, COORDINATOR, DONE, FORWARD, Account, Key, attribute, bench,
-                                            chain, flat)
+from roving.pipeline import protocol as m
+from roving.pipeline.errors import NoMessage
+from roving.pipeline.planning.plan import Plan, Route
+from roving.pipeline.runtime.stalls import (BACKWARD, COORDINATOR, DONE, FORWARD, LINK_ROUNDS, Account, Key, Stalls,
+                                            attribute, bench, chain, flat, suspect)
 
 R0 = Route("a", ("b", "c"), (1, 2))
 R1 = Route("d", ("c", "b"), (2, 1))
@@ -94,3 +96,51 @@ def test_the_bench_takes_the_node_with_the_most_broken_links_and_lets_its_partne
     assert bench(later) == {"u"}  # v and w come back
     assert bench(later | {frozenset(("x", "y"))}) in ({"u", "x"}, {"u", "y"})
     assert bench(set()) == set()
+
+
+class _Roster:
+    """The part of a roster ``Stalls`` uses: every node answers with the account given for it."""
+
+    def __init__(self, accounts: dict[str, Account]) -> None:
+        self.inboxes = {n: None for n in "abcd"}
+        self.accounts, self.asked, self.answers = accounts, [], []
+
+    def put(self, name, msg):
+        self.asked.append((name, type(msg).__name__, msg.round))
+        acc = self.accounts.get(name)
+        if acc is not None:
+            self.answers.append(m.Progress(msg.round, name, flat(acc.received), flat(acc.sent)))
+
+    def recv(self, kind, timeout, rnd, names, check):
+        assert kind is m.Progress and not check
+        if not self.answers:
+            raise NoMessage("none")
+        return self.answers.pop(0)
+
+
+def test_a_link_broken_once_keeps_no_one_out_twice_one_node_until_it_is_old_and_then_it_comes_back():
+    routes = {0: R0}
+    accounts = _played(routes, {0: 3})
+    accounts["b"].received -= {Key(FORWARD, 0, 0), Key(FORWARD, 0, 1)}
+    roster, events = _Roster(accounts), []
+    plan = Plan(stages=3, skip=0.0, allocation={"a": 0, "b": 1, "c": 2}, paths=[R0])
+    stalls = Stalls(roster, lambda name, stage: 2, lambda kind, **f: events.append((kind, f)))
+    assert stalls.account(7, plan, done=()) == {}
+    assert sorted(n for n, *_ in roster.asked) == ["a", "b", "c"]  # the nodes on the unfinished route
+    assert events[0][0] == "stall-accounts" and events[0][1]["disputes"] == [["a", "b"]]
+    assert stalls.benched == set() and stalls.take_change() == (set(), set())  # once: a drop, run again
+    assert stalls.account(9, plan, done=()) == {}
+    assert len(stalls.benched) == 1 and stalls.benched < {"a", "b"}
+    assert stalls.take_change() == (stalls.benched, set()) and stalls.take_change() == (set(), set())
+    kept = set(stalls.benched)
+    assert stalls.refresh(7 + LINK_ROUNDS - 1) == set()
+    # the first break ages out: the link was broken once in the last LINK_ROUNDS rounds, and that keeps no one out
+    assert stalls.refresh(7 + LINK_ROUNDS) == kept and stalls.benched == set()
+    assert stalls.take_change() == (set(), kept)
+
+
+def test_a_node_that_breaks_links_with_two_peers_is_kept_out_at_once_its_peers_are_not():
+    broken = {frozenset(("u", "v")): [1], frozenset(("u", "w")): [1]}
+    assert bench(suspect(broken)) == {"u"}
+    assert suspect({frozenset(("u", "v")): [1]}) == set()
+    assert suspect({frozenset(("u", COORDINATOR)): [1], frozenset(("v", COORDINATOR)): [2]}) == set()

@@ -413,6 +413,9 @@ class Trainer:
         failed = self.roster.take_lost()
         if failed:
             self._replan(failed=failed, why="failure")
+        if self.stalls.refresh(self.round):  # links broken long ago mended: who they kept out comes back
+            _, back = self.stalls.take_change()
+            self._replan(joined=sorted(n for n in back if n in self.roster.inboxes), why="links mended")
         self.control.serve_join_requests(self.roster.request_join)
         self.control.serve_invite_requests(self.invite)
         if self.door is not None:

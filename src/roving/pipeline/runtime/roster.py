@@ -176,6 +176,7 @@ class Roster:
             self.last_beat[name] = time.monotonic()
         for name in self.inboxes:
             self.put(name, m.Peers(self.inboxes, self._ids()))
+        self._peers_delivered(list(self.inboxes))
         self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
         self._monitor.start()
         return late
@@ -504,7 +505,17 @@ class Roster:
             self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
             self.put(name, m.Peers(self.inboxes, self._ids()))
+        self._peers_delivered(list(self.inboxes))
         return joined
+
+    def _peers_delivered(self, names: list[str]) -> None:
+        """Wait until every process has its peers: a stage process takes a message only from a writer its
+        directory knows, so work that reached it before its ``Peers`` (sent by other threads, over other
+        connections) would be refused and its round would stall."""
+        late = self._senders().delivered(names, self.config.timeout)
+        if late:
+            log.warning("pipeline: the peers of %s not confirmed delivered within %g s", ", ".join(late),
+                        self.config.timeout)
 
 
 class RemoteProcess:

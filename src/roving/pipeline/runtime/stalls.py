@@ -14,20 +14,22 @@ chain of messages (:func:`chain`) to the first one its receiver does not have:
 * its sender says it sent it: the two accounts disagree, and nothing tells which is true (a network
   drop, a receiver that threw it away, or a sender that lies). The pair's link is *broken*
   (:attr:`Verdict.disputes`); neither is blamed. :func:`bench` then keeps out of the plan a smallest
-  set of nodes that leaves no broken link between two nodes in use (greedily: the node with the most
-  broken links first), recomputed from all broken links at every stall, so a node that disputes with
-  one peer after another is soon the one kept out, and its honest partners come back;
+  set of nodes that leaves no such link between two nodes in use (greedily: the node with the most
+  broken links first), recomputed at every stall, so a node that disputes with one peer after another is
+  soon the one kept out, and its honest partners come back. A link broken once, by a node that broke no
+  other, keeps no one out (:func:`suspect`): a network drop does that too, and the round is simply run
+  again on the same plan;
 * a node that does not answer is taken to have received and sent nothing.
 
 The coordinator (:data:`COORDINATOR`) is trusted: a message it sent and its receiver denies, or one a
-node says it sent it and it does not have, breaks that node's link with the coordinator, which benches
-the node. Nothing here blames a node on another's word.
+node says it sent it and it does not have, breaks that node's link with the coordinator; broken again,
+the node is the one kept out. Nothing here blames a node on another's word.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 from .. import protocol as m
 from ..errors import NoMessage
@@ -158,6 +160,18 @@ def _blocked(name: str, given: Step, chains: Mapping[int, list[Step]], said: Acc
     return held >= limit
 
 
+def suspect(broken: Mapping[frozenset[str], Sequence[int]]) -> set[frozenset[str]]:
+    """The broken links that keep a node out of the plan: one broken more than once, or one of a node
+    that broke links with two peers or more (the coordinator aside). A single broken link is a network
+    drop as often as a lie: the round is run again on the same plan, and only a second time tells."""
+    partners: dict[str, set[str]] = {}
+    for link in broken:
+        for node in link - {COORDINATOR}:
+            partners.setdefault(node, set()).update(link - {node})
+    return {link for link, rounds in broken.items()
+            if len(rounds) > 1 or any(len(partners.get(n, ())) > 1 for n in link - {COORDINATOR})}
+
+
 def bench(disputes: Iterable[frozenset[str]]) -> set[str]:
     """Nodes to keep out of the plan so that no broken link joins two nodes in use: a node with the most
     broken links among those still open first (ties: by name), until none is open; the coordinator is
@@ -180,6 +194,9 @@ def bench(disputes: Iterable[frozenset[str]]) -> set[str]:
 
 #: Seconds the coordinator waits for the nodes' accounts of a stalled round.
 ACCOUNT_WAIT_S = 10.0
+#: Rounds a broken link stays broken: a network drop between two honest nodes keeps one of them out of
+#: the plan no longer than this; a node that breaks links on purpose breaks them again, at one stall each.
+LINK_ROUNDS = 50
 
 
 class Stalls:
@@ -190,8 +207,8 @@ class Stalls:
 
     def __init__(self, roster: Any, limit: Callable[[str, int], int], event: Callable[..., None]) -> None:
         self.roster, self._limit, self._event = roster, limit, event
-        #: every link broken so far (a pair of names), for the rest of the run
-        self.broken: set[frozenset[str]] = set()
+        #: the links broken (a pair of names), each with the rounds it broke in (kept ``LINK_ROUNDS``)
+        self.broken: dict[frozenset[str], list[int]] = {}
         #: the nodes kept out of the plan now (``bench``)
         self.benched: set[str] = set()
         self._change: tuple[set[str], set[str]] = (set(), set())
@@ -217,15 +234,28 @@ class Stalls:
             accounts[msg.sender] = Account.from_flat(msg.received, msg.sent)
         limits = {n: self._limit(n, s) for n, s in plan.allocation.items()}
         verdict = attribute(routes, accounts, limits, done)
-        self.broken |= verdict.disputes
-        benched = bench(self.broken) - set(verdict.held)
+        for link in verdict.disputes:
+            self.broken.setdefault(link, []).append(rnd)
+        back = self._rebench(rnd, exclude=set(verdict.held))
+        self._event("stall-accounts", round=rnd, answered=sorted(accounts), silent=sorted(set(asked) - set(accounts)),
+                    held=verdict.held, disputes=sorted(sorted(d) for d in verdict.disputes),
+                    benched=sorted(self.benched), back=sorted(back))
+        return verdict.held
+
+    def refresh(self, rnd: int) -> set[str]:
+        """Forget the links broken ``LINK_ROUNDS`` rounds before ``rnd``; the nodes that come back from the
+        bench with that (also in :meth:`take_change`)."""
+        old = any(rnd - at >= LINK_ROUNDS for rounds in self.broken.values() for at in rounds)
+        return self._rebench(rnd) if old else set()
+
+    def _rebench(self, rnd: int, exclude: AbstractSet[str] = frozenset()) -> set[str]:
+        kept = {link: [at for at in rounds if rnd - at < LINK_ROUNDS] for link, rounds in self.broken.items()}
+        self.broken = {link: rounds for link, rounds in kept.items() if rounds}
+        benched = bench(suspect(self.broken)) - exclude
         newly, back = benched - self.benched, self.benched - benched
         self.benched = benched
         self._change = (self._change[0] - back | newly, self._change[1] - newly | back)
-        self._event("stall-accounts", round=rnd, answered=sorted(accounts), silent=sorted(set(asked) - set(accounts)),
-                    held=verdict.held, disputes=sorted(sorted(d) for d in verdict.disputes),
-                    benched=sorted(benched), back=sorted(back))
-        return verdict.held
+        return back
 
     def take_change(self) -> tuple[set[str], set[str]]:
         """(nodes newly benched, nodes back from the bench) since the last call: the next plan leaves the
