@@ -18,6 +18,7 @@ SRC = Path(roving.__file__).resolve().parent
 #: The layers, lowest first, as docs/ARCHITECTURE.md draws them. A module belongs to the layer of the
 #: longest prefix that names it; every module must have one (a new top-level module is placed here).
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("errors", ("roving.errors",)),  # the one error family's base, under every package's errors
     ("config", ("roving.config",)),
     ("backends", ("roving.backends",)),
     ("transport", ("roving.transport",)),
@@ -205,14 +206,20 @@ def test_the_private_name_check_sees_an_import_and_an_attribute_of_another_packa
                                     ("roving.pipeline.b", "roving.transport.endpoint._peers", 2)}
 
 
+def _within(target: str, *prefixes: str) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
 def test_no_backend_module_imports_the_transport_or_anything_above_the_configuration():
     files = [m for m in _modules() if _package(m) == "roving.backends"]
     assert len(files) >= 7
     outside = sorted({f"{imp.module} imports {imp.target}" for imp in _all_imports()
-                      if imp.module in files and not imp.target.startswith("roving.backends")
-                      and not (imp.target == "roving.config" or imp.target.startswith("roving.config."))})
+                      if imp.module in files and not _within(imp.target, "roving.backends", "roving.config",
+                                                             "roving.errors")})
     assert outside == []
 
 
-def test_the_configuration_imports_no_other_roving_module():
-    assert [imp.target for imp in _all_imports() if imp.module == "roving.config"] == []
+def test_the_configuration_imports_no_other_roving_module_but_the_error_family():
+    assert [imp.target for imp in _all_imports()
+            if imp.module == "roving.config" and not _within(imp.target, "roving.errors")] == []
+    assert [imp.target for imp in _all_imports() if imp.module == "roving.errors"] == []

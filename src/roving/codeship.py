@@ -47,6 +47,7 @@ import threading
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .backends.private import private_dir_or_own
+from .errors import CodeShipError
 
 __all__ = ["Archive", "CodeShipError", "pack", "install", "program_folders"]
 
@@ -57,10 +58,6 @@ _MODULE_SUFFIXES = tuple(importlib.machinery.SOURCE_SUFFIXES + importlib.machine
 _METADATA_SUFFIXES = (".dist-info", ".egg-info")
 _DONE = ".roving-complete"
 
-
-class CodeShipError(ValueError):
-    """The program's code cannot be shipped: the archive would be over ``ship_code_limit`` (the message
-    names the biggest files), a folder to ship is a user's home (or holds one), or a folder cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)

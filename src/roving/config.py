@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
+from .errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -33,9 +35,6 @@ _CHOICES = {
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
 
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message names it and where it came from."""
 
 
 def _local() -> str:

@@ -17,7 +17,7 @@ Guarantees:
 * A worker that dies (killed, out of memory, its job lost) costs only the calls whose results had not
   reached this process: they run again on other workers, and each future gets its outcome exactly once. A
   call that was running on ``max_task_retries`` workers that died fails with :class:`WorkerLostError`, on
-  its own future only: a subclass of both :class:`roving.WorkerLostError` and the standard library's
+  its own future only: roving's one :class:`roving.WorkerLostError`, also the standard library's
   ``BrokenProcessPool``, so ``except BrokenProcessPool`` catches it. The executor stays usable: a lost
   worker does not break it.
 * A call whose function or arguments cannot be unpickled in the worker fails with ``BrokenProcessPool``
@@ -64,9 +64,8 @@ from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in type
     ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback)
 from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
 
-from . import pool as _pool
 from .context import Context, get_context
-from .pool import Pool, PoolStartError, Progress, UnloadedTraceback
+from .pool import Pool, PoolStartError, Progress, UnloadedTraceback, WorkerLostError
 from .process import cpu_count
 from .transport import timeouts
 
@@ -80,9 +79,6 @@ log = logging.getLogger(__name__)
 EXTRA_QUEUED_CALLS = 1
 
 
-class WorkerLostError(_pool.WorkerLostError, BrokenProcessPool):
-    """A call was running on ``max_task_retries`` workers that died; it is not tried again. Both
-    :class:`roving.WorkerLostError` and the standard library's ``BrokenProcessPool``."""
 
 _live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 _exiting = False
@@ -145,11 +141,7 @@ def _standard(exc: BaseException) -> BaseException:
     """The pool's error for a call as the standard library's executor gives it (see the module
     docstring): its remote traceback a ``_RemoteTraceback``; a result that could not be pickled, the
     pickling error; a call that could not be unpickled in the worker (or its result here),
-    BrokenProcessPool; a lost call, this module's WorkerLostError."""
-    if isinstance(exc, _pool.WorkerLostError) and not isinstance(exc, WorkerLostError):
-        lost = WorkerLostError(*exc.args)
-        lost.__cause__ = exc.__cause__
-        return lost
+    BrokenProcessPool; a lost call, roving's WorkerLostError (a BrokenProcessPool too), as it is."""
     if isinstance(exc, MaybeEncodingError) and isinstance(exc.__cause__, BaseException):
         if isinstance(exc.__cause__.__cause__, RemoteTraceback):
             exc = exc.__cause__  # pickling the result failed in the worker: that error

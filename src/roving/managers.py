@@ -36,9 +36,9 @@ import logging
 import queue
 import threading
 import weakref
-from multiprocessing import ProcessError
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .errors import RovingError
 from .transport import rpc as _rpc
 from . import config as _config
 from . import process as _process
@@ -132,7 +132,7 @@ class BaseManager:
     def start(self, initializer: Optional[Callable[..., Any]] = None, initargs: Sequence[Any] = ()) -> None:
         """Start the server as a roving Process (a job of the configured backend); returns once it serves."""
         if self._state == "started":
-            raise ProcessError("Already started server")
+            raise RovingError("Already started server")
         if self._state == "shutdown":
             raise RuntimeError("Manager has shut down")
         if self._address is not None:

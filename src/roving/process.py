@@ -37,6 +37,7 @@ from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .backends import private as _private
+from .errors import ProcessStartError
 from .transport import identity as _identity
 from .transport import node as _node
 from .transport import session as _session
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Process", "ProcessStartError", "current_process", "parent_process", "active_children", "cpu_count"]
 
-
-class ProcessStartError(OSError):
-    """A started process ended before it reached this process to fetch its work (an unreachable
-    address, or a machine where Python or roving cannot start); the message names the address."""
 
 _counter = itertools.count(1)
 _children: Set["Process"] = set()

@@ -4,11 +4,13 @@ backend. Each message says what was asked and has the cluster's own words; each 
 its backend's module too (``roving.backends.slurm.SlurmError``)."""
 from __future__ import annotations
 
+from ..errors import RovingError
+
 __all__ = ["BackendError", "UnknownJobError", "LocalError", "SlurmError", "StepError", "DockerError",
            "KubernetesError", "NotPrivateError"]
 
 
-class BackendError(OSError):
+class BackendError(RovingError, OSError):
     """A backend could not do what was asked of it; the message names the job and the cluster's words."""
 
 
