@@ -145,14 +145,14 @@ class Process:
         node = session.node()
         self._uid = _session.new_uid()
         payload = self._pickle_self()
-        box = node.new_box(access=_node.Access(owner=self._uid))  # no other process can take it
-        node.call_local(_node.PUT, box, 0, payload)
+        box = node.mailboxes.new_box(access=_node.Access(owner=self._uid))  # no other process can take it
+        node.mailboxes.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
         try:  # its start-up information, with the checks it makes before it unpickles
             self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
         except BaseException:
-            node.drop_box(box)
+            node.mailboxes.drop_box(box)
             raise
         env = dict(os.environ)
         env.update(session.child_env(self._boot.info, self._trusted))
@@ -175,7 +175,7 @@ class Process:
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
         node = _session.current().node()
-        node.drop_box(self._payload_box)
+        node.mailboxes.drop_box(self._payload_box)
         del self._payload_box
         if self._boot is not None:  # made in _prepare, before the backend was asked
             _boot.drop(node, self._boot)
@@ -339,7 +339,7 @@ class Process:
     def _work_unfetched(self) -> bool:
         """Whether the child never took its work from this process (it never reached it)."""
         box = getattr(self, "_payload_box", None)
-        return box is not None and _session.current().node().items_in(box) > 0
+        return box is not None and _session.current().node().mailboxes.items_in(box) > 0
 
     def _unreached_message(self, code: Optional[int]) -> str:
         node = _session.current().node()
@@ -376,8 +376,8 @@ class Process:
         node = _session.current().started_node()
         if node is not None:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
-            node.release_everywhere(self._uid.encode())
-            node.drop_box(self._payload_box)
+            node.mailboxes.release_everywhere(self._uid.encode())
+            node.mailboxes.drop_box(self._payload_box)
             if self._boot is not None:
                 _boot.drop(node, self._boot)
 

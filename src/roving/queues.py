@@ -12,7 +12,6 @@ in order); on a bounded queue it waits for room, up to ``timeout``.
 from __future__ import annotations
 
 import queue as _queue
-import struct
 from typing import Any, Optional
 
 from . import process as _process
@@ -20,6 +19,7 @@ from .transport import endpoint as _endpoint
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
+from .transport import wire as _wire
 from .transport.serialize import dumps, loads
 
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
@@ -43,7 +43,7 @@ class Queue:
         node = _session.current().node()
         self._address = node.address
         self._maxsize = maxsize if maxsize > 0 else 0
-        self._box = node.new_box(self._maxsize)
+        self._box = node.mailboxes.new_box(self._maxsize)
         self._setup()
 
     def _setup(self) -> None:
@@ -95,16 +95,16 @@ class Queue:
     def get_nowait(self) -> Any:
         return self.get(False)
 
-    def _sizes(self) -> tuple:
+    def _sizes(self) -> _wire.Sizes:
         status, frames = self._endpoint.call(_node.SIZE, self._box, 0)
         if status == _node.ERROR:
             raise_error(frames)
-        return struct.unpack("<QQ", bytes(frames[0]))
+        return _wire.unpack_sizes(frames[0])
 
     def qsize(self) -> int:
         """Items in the queue now (those still in flight from other processes are not counted)."""
         self._check_closed()
-        return self._sizes()[0]
+        return self._sizes().items
 
     def empty(self) -> bool:
         return self.qsize() == 0

@@ -329,8 +329,8 @@ def wait_for_waiting_reader(q, p, timeout=TIMEOUT):
     node = roving.transport.session.current().node()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        with node.lock:
-            if node.boxes[q._box].getters:
+        with node.mailboxes.lock:
+            if node.mailboxes.boxes[q._box].getters:
                 return True
         time.sleep(0.02)
     return False

@@ -222,7 +222,7 @@ def test_a_peer_reusing_the_routing_id_of_a_connection_that_left_gets_no_answer(
         owner.connect(identity.bare(node.address))
         _raw_authenticate(owner, secret, identity.node_key(node.address))
         assert _ping(owner, 1) is not None
-        (ident,) = list(node._authenticated)
+        (ident,) = list(node.router.door.authenticated)
         assert ident[:1] == b"\x00" and len(ident) == 5  # libzmq made it, not the peer
         owner.close(0)  # gone without a goodbye
         # Until the node has seen that connection end, libzmq refuses a second one under its routing id
@@ -244,7 +244,7 @@ def test_a_peer_reusing_the_routing_id_of_a_connection_that_left_gets_no_answer(
         answers = [first, _ping(thief, 3)]
         assert answers == [[auth.REAUTH], None], answers  # told once that it is not known, no answer
         # libzmq did give the thief the old routing id: roving refused it anyway
-        assert any(key[0] == ident for key in node._door.told) and ident not in node._authenticated
+        assert any(key[0] == ident for key in node.router.door.told) and ident not in node.router.door.authenticated
         thief.close(0)
     finally:
         node.close()
@@ -265,7 +265,7 @@ def test_a_stranger_with_its_own_curve_keys_never_completes_the_zeromq_handshake
         sock.send_multipart([b"hello", auth.new_nonce()])
         assert not sock.poll(2000)
         assert zap.refusals().count > before
-        assert not node._authenticated and not node._door.handshakes
+        assert not node.router.door.authenticated and not node.router.door.handshakes
     finally:
         sock.close(0)
         node.close()
@@ -280,7 +280,7 @@ def test_a_peer_with_a_wrong_secret_never_gets_in_over_zeromq_or_streams(monkeyp
         with pytest.raises(auth.AuthenticationError):
             _endpoint._ZmqConnection(node.address, os.urandom(32), TIMEOUT)
         # and the node logged it (its ZAP handler: the client's CURVE key is not the session's)
-        assert wait_until(lambda: node._refusals.count > 0 or zap.refusals().count > before, TIMEOUT)
+        assert wait_until(lambda: node.router.refusals.count > 0 or zap.refusals().count > before, TIMEOUT)
         listener = node.streams()
         for mode in ("always", "auto"):
             with pytest.raises(auth.AuthenticationError if mode == "always" else _stream.StreamError):
@@ -484,7 +484,7 @@ _fuzz_state: dict = {}
 def _fuzz_target():
     if not _fuzz_state:
         node = _node.Node(_FUZZ_SECRET)
-        box = node.new_box()
+        box = node.mailboxes.new_box()
         listener = node.streams()
         node.register_stream_purpose("pipe", lambda request, stream: False)
         time.sleep(0.2)
@@ -564,7 +564,7 @@ def test_fuzz_bytes_on_an_authenticated_stream(data, purpose, cut):
 def test_after_the_fuzzing_nothing_leaked_and_the_node_still_serves():
     state = _fuzz_target()
     node = state["node"]
-    assert node._thread.is_alive() and state["listener"]._thread.is_alive()
+    assert node.loop.thread.is_alive() and state["listener"]._thread.is_alive()
     time.sleep(1.0)  # the last dropped connections are closed
     baseline = _fds()
     for _ in range(20):
@@ -580,7 +580,7 @@ def test_after_the_fuzzing_nothing_leaked_and_the_node_still_serves():
     assert wait_until(lambda: _fds() <= baseline + 2, 10), (_fds(), baseline)
     # and against the descriptors open before the first fuzz case (every case closed its own)
     assert wait_until(lambda: _fds() <= state["fds"] + 4, 10), (_fds(), state["fds"])
-    assert len(node._authenticated) < 200  # authenticated fuzz peers left; the node forgot them
+    assert len(node.router.door.authenticated) < 200  # authenticated fuzz peers left; the node forgot them
 
 
 # -- which connections are encrypted ------------------------------------------------------------
