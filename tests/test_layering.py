@@ -19,6 +19,8 @@ SRC = Path(roving.__file__).resolve().parent
 #: longest prefix that names it; every module must have one (a new top-level module is placed here).
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("errors", ("roving.errors",)),  # the one error family's base, under every package's errors
+    # owner-only files and the selector thread: used by the backends and everything above
+    ("system helpers", ("roving.system",)),
     ("config", ("roving.config",)),
     ("backends", ("roving.backends",)),
     ("transport", ("roving.transport",)),
@@ -38,8 +40,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 ]
 
 #: The packages whose private names are theirs alone (the rest of roving's modules form ``roving``).
-PACKAGES = ("roving.backends", "roving.transport", "roving.pool", "roving.pipeline", "roving.dashboard",
-            "roving.rl")
+PACKAGES = ("roving.system", "roving.backends", "roving.transport", "roving.pool", "roving.pipeline",
+            "roving.dashboard", "roving.rl")
 
 #: Upward imports that are allowed, each with its reason; each must be made inside a function, so that
 #: importing the lower module never imports the upper one.
@@ -215,7 +217,7 @@ def test_no_backend_module_imports_the_transport_or_anything_above_the_configura
     assert len(files) >= 7
     outside = sorted({f"{imp.module} imports {imp.target}" for imp in _all_imports()
                       if imp.module in files and not _within(imp.target, "roving.backends", "roving.config",
-                                                             "roving.errors")})
+                                                             "roving.errors", "roving.system")})
     assert outside == []
 
 
@@ -223,3 +225,23 @@ def test_the_configuration_imports_no_other_roving_module_but_the_error_family()
     assert [imp.target for imp in _all_imports()
             if imp.module == "roving.config" and not _within(imp.target, "roving.errors")] == []
     assert [imp.target for imp in _all_imports() if imp.module == "roving.errors"] == []
+
+
+#: Each backend is a plug-in: a module or folder that nothing outside it imports but roving.backends,
+#: which picks one by name (``backends.get``).
+BACKEND_PLUGINS = ("roving.backends.local", "roving.backends.slurm", "roving.backends.docker",
+                   "roving.backends.kubernetes")
+#: Direct imports of a backend from outside it, each with its reason.
+PLUGIN_IMPORTS_KNOWN: Dict[Tuple[str, str], str] = {
+    ("roving.cli", "roving.backends.docker"): "`roving run --build` builds and pushes an image, which only "
+                                              "Docker's backend does",
+}
+
+
+def test_nothing_outside_a_backend_imports_it_but_the_backends_package_that_picks_it_by_name():
+    found = set()
+    for imp in _all_imports():
+        plugin = next((p for p in BACKEND_PLUGINS if _within(imp.target, p)), None)
+        if plugin is not None and not _within(imp.module, plugin) and imp.module != "roving.backends":
+            found.add((imp.module, plugin))
+    assert found == set(PLUGIN_IMPORTS_KNOWN), found

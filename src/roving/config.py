@@ -136,7 +136,7 @@ class Config:
     child_output: str = "prefix"
     log_dir: str = "roving-logs"
     #: Modules the local backend imports once, in a starter process from which it forks its children
-    #: (roving.backends.starter; multiprocessing's forkserver preload): a child whose target imports
+    #: (roving.backends.local.starter; multiprocessing's forkserver preload): a child whose target imports
     #: them (torch: seconds of CPU) starts in milliseconds. A list, or comma-separated in one string;
     #: none (the default): each child is a fresh interpreter. SkipPipe's trainer preloads its stage
     #: processes' module on the local backend when this is not set.

@@ -16,7 +16,7 @@ from multiprocessing import ProcessError
 from typing import Tuple
 
 __all__ = ["RovingError", "ConfigError", "ProcessStartError", "EnvironmentMismatchError", "CodeShipError",
-           "CrashLogError", "RemoteError"]
+           "CrashLogError", "NotPrivateError", "RemoteError"]
 
 
 class RovingError(ProcessError):
@@ -49,6 +49,15 @@ class CodeShipError(RovingError, ValueError):
 
 class CrashLogError(RovingError, OSError):
     """The folder of failure records is not private to this user (a link, another user's, open to others)."""
+
+
+class NotPrivateError(RovingError, PermissionError):
+    """A file or folder that roving would use for private data is a link, not this user's, or open to
+    others; the message names it and says what to do. Also a :class:`PermissionError`; raised by
+    :mod:`roving.system.private`, which every package that keeps private files (the backends' secret
+    files, the crash log, the pipeline's control folder, code shipping) uses. Importable from
+    ``roving.backends.errors`` too, where it was a ``BackendError`` before the system helpers left the
+    backends."""
 
 
 class RemoteError(RovingError):

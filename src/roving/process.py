@@ -36,7 +36,7 @@ from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
-from .backends import private as _private
+from .system import private as _private
 from .errors import ProcessStartError
 from .transport import identity as _identity
 from .transport import node as _node
@@ -167,7 +167,7 @@ class Process:
 
     def _log_path(self) -> str:
         """The child's log file (``child_output="files"``): in ``log_dir``, or, where another user took that
-        folder's name first, in a private folder of this process's own (roving.backends.private)."""
+        folder's name first, in a private folder of this process's own (roving.system.private)."""
         cfg = self._config
         folder = _private.private_dir_or_own(cfg.log_dir) if cfg.child_output == "files" else cfg.log_dir
         return os.path.join(folder, f"{self._name}.log")

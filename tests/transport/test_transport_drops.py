@@ -324,7 +324,8 @@ def test_a_pool_that_recycles_its_workers_leaves_no_connections_known_at_the_par
         pool.join(TIMEOUT)
     # At least 12 workers ran (one item each), each with two connections: before goodbyes, 24 or more
     # identities stayed. A worker killed while it starts (the pool closing) cannot say goodbye: a few may.
-    assert wait_until(lambda: len(node.router.door.authenticated) <= before + 6, TIMEOUT), (before, len(node.router.door.authenticated))
+    known = node.router.door.authenticated
+    assert wait_until(lambda: len(known) <= before + 6, TIMEOUT), (before, len(known))
 
 
 def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch):
@@ -373,7 +374,7 @@ def test_the_node_forgets_a_connection_that_ended_without_a_goodbye_once_it_cann
         ident = next(iter(node.router.door.authenticated))
         conn.sock.close(0)  # a process killed: no goodbye
         # The node learns that the connection has gone when a message to it cannot be sent.
-        assert wait_until(lambda: node.send_to(ident, [b"anyone there?"]) or ident not in node.router.door.authenticated,
-                          TIMEOUT)
+        known = node.router.door.authenticated
+        assert wait_until(lambda: node.send_to(ident, [b"anyone there?"]) or ident not in known, TIMEOUT)
     finally:
         node.close()

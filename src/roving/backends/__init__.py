@@ -16,6 +16,8 @@ from typing import Dict, Optional, Tuple
 
 from .. import config as _config
 from .base import Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, user_name
+# imported with the package, so that its exit handler runs after roving.process's (see the module)
+from . import secret_files  # noqa: F401
 from .errors import (BackendError, DockerError, KubernetesError, LocalError, SlurmError, StarterError, StepError,
                      UnknownJobError)
 

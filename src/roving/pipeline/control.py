@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ..backends.private import create_private, open_private, private_dir
+from ..system.private import create_private, open_private, private_dir
 from .errors import PlanError
 
 STATUS = "status.json"

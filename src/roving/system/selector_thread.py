@@ -2,8 +2,8 @@
 thread, whenever it is readable: what roving's sentinel watcher (:mod:`roving._sentinels`, a job's end)
 and the output pump (:class:`roving.backends.output.OutputPump`, children's pipes) are built on.
 
-It lives with the backends because they are the lowest layer that needs it (the output pump); it imports
-nothing of roving.
+It is one of roving's system helpers (:mod:`roving.system`), below every layer that needs it (the
+backends' output pump is the lowest); it imports nothing of roving.
 """
 from __future__ import annotations
 
