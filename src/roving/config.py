@@ -63,7 +63,7 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 10
           "gib": 1024 ** 3, "t": 1024 ** 4, "tb": 1024 ** 4, "ti": 1024 ** 4, "tib": 1024 ** 4}
 
 
-def parse_memory(value: Any) -> int:
+def parse_memory(value: Union[int, float, str]) -> int:
     """Bytes from an int or a string like ``512M``, ``2G``, ``1.5GiB`` (binary units). ValueError if bad."""
     number: Union[int, float, str]
     if isinstance(value, int) and not isinstance(value, bool):

@@ -185,7 +185,7 @@ class Connection:
             return
         self._endpoint.tell(_node.PUT_NOREPLY, self._outbox, _link.as_item(kind, frames))
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: object) -> None:
         """Send a picklable object. Does not wait for the reader."""
         self._check_writable()
         self._write(_link.DATA, dumps(obj))

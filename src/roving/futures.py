@@ -62,8 +62,9 @@ from concurrent.futures.process import BrokenProcessPool
 from concurrent.futures.process import _RemoteTraceback
 from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in typeshed's stub)
     ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback)
-from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple, Union
 
+from .backends import ResourceRequest
 from .context import Context, get_context
 from .pool import Pool, PoolStartError, Progress, UnloadedTraceback, WorkerLostError
 from .process import cpu_count
@@ -174,10 +175,11 @@ class Executor(_StdExecutor):
     as for :class:`roving.Pool`. Workers start at the first ``submit``.
     """
 
-    def __init__(self, max_workers: Optional[int] = None, *, mp_context: Any = None,
+    def __init__(self, max_workers: Optional[int] = None, *,
+                 mp_context: Union[Context, multiprocessing.context.BaseContext, None] = None,
                  initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
                  max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
-                 resources: Any = None) -> None:
+                 resources: Optional[ResourceRequest] = None) -> None:
         if max_workers is None:
             max_workers = cpu_count() or 1
         elif not isinstance(max_workers, int) or isinstance(max_workers, bool):

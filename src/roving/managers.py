@@ -111,7 +111,7 @@ class BaseManager:
     _registry: Dict[str, tuple] = {}
 
     def __init__(self, address: Any = None, authkey: Optional[bytes] = None, serializer: str = "pickle",
-                 ctx: Any = None, *, shutdown_timeout: float = 1.0) -> None:
+                 ctx: object = None, *, shutdown_timeout: float = 1.0) -> None:
         if authkey is not None and not isinstance(authkey, bytes):
             raise TypeError("authkey should be a bytes string")
         if isinstance(address, tuple):
@@ -265,7 +265,7 @@ class AsyncManager(SyncManager):
         return AsyncProxy(super()._proxy(typeid, proxytype, *args, **kwds))
 
 
-def Manager(*, ctx: Any = None) -> SyncManager:
+def Manager(*, ctx: object = None) -> SyncManager:
     """A started :class:`SyncManager`; see :func:`multiprocessing.Manager`."""
     manager = SyncManager()
     manager.start()

@@ -71,7 +71,7 @@ class Process:
     def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
                  name: Optional[str] = None, args: Iterable[Any] = (),
                  kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None,
-                 resources: Optional[Mapping[str, Any]] = None, trusted: bool = True) -> None:
+                 resources: Optional[backends.ResourceMapping] = None, trusted: bool = True) -> None:
         """``resources`` (roving's addition): what this process's job asks the backend for, as any of
         ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration.
         ``trusted`` (roving's addition; only the session's root may pass False): False starts a process
@@ -92,7 +92,7 @@ class Process:
         unknown = set(resources or ()) - {"cpu", "memory", "gpu"}
         if unknown:
             raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
-        self._resources = dict(resources or {})
+        self._resources: Dict[str, Any] = dict(resources or {})
         self._trusted = bool(trusted)
         self._parent_pid: Optional[int] = os.getpid()
         self._parent_name = parent.name

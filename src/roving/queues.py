@@ -39,7 +39,7 @@ def raise_error(frames: list) -> None:
 class Queue:
     """A process-shared FIFO queue; see :class:`multiprocessing.Queue`."""
 
-    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
+    def __init__(self, maxsize: int = 0, *, ctx: object = None) -> None:
         node = _session.current().node()
         self._address = node.address
         self._maxsize = maxsize if maxsize > 0 else 0
@@ -65,7 +65,7 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
 
-    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+    def put(self, obj: object, block: bool = True, timeout: Optional[float] = None) -> None:
         """Add ``obj``. Raises queue.Full if a bounded queue stays full for ``timeout`` seconds."""
         self._check_closed()
         wait = wait_time(block, timeout)
@@ -79,7 +79,7 @@ class Queue:
         if status == _node.ERROR:
             raise_error(out)
 
-    def put_nowait(self, obj: Any) -> None:
+    def put_nowait(self, obj: object) -> None:
         self.put(obj, False)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
@@ -154,14 +154,14 @@ class JoinableQueue(Queue):
 class SimpleQueue:
     """An unbounded queue with get, put, empty and close; see :class:`multiprocessing.SimpleQueue`."""
 
-    def __init__(self, *, ctx: Any = None) -> None:
+    def __init__(self, *, ctx: object = None) -> None:
         self._queue = Queue()
 
     def _check_closed(self) -> None:
         if self._queue._closed:
             raise OSError("handle is closed")
 
-    def put(self, obj: Any) -> None:
+    def put(self, obj: object) -> None:
         self._check_closed()
         self._queue.put(obj)
 

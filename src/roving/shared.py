@@ -412,7 +412,7 @@ def _creator_let_go(server: _Server, token: str, fd: int, name: str) -> None:
     _let_go(fd, name)
 
 
-def shared(obj: Any) -> Shared:
+def shared(obj: object) -> Shared:
     """Write ``obj`` once into shared memory and return a picklable handle for workers.
 
     Large buffers (numpy arrays, bytes, PyTorch CPU tensors) are copied once, straight into the segment;

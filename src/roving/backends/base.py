@@ -14,7 +14,7 @@ import os
 import pwd
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
 
@@ -26,6 +26,13 @@ class Resources:
     cpu: float = 1
     memory: Optional[int] = None  # bytes
     gpu: int = 0
+
+
+#: Some of a job's resources by name (``cpu``: a number, ``memory``: bytes or a size such as ``"4G"``,
+#: ``gpu``: a count; None: left out), as ``Process(resources=...)`` takes them.
+ResourceMapping = Mapping[str, Union[int, float, str, None]]
+#: What ``Pool(resources=...)`` takes: a :class:`Resources`, or some of its fields by name.
+ResourceRequest = Union[Resources, ResourceMapping]
 
 
 @dataclasses.dataclass(frozen=True)

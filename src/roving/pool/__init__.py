@@ -52,6 +52,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
+from .. import backends
 from ..process import Process, cpu_count
 from ..transport import timeouts
 from ..transport.serialize import SerializationError
@@ -93,7 +94,8 @@ class Pool:
     def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
                  initializer: Optional[Callable[..., Any]] = None,
                  initargs: Iterable[Any] = (), maxtasksperchild: Optional[int] = None,
-                 context: Any = None, *, max_task_retries: int = 3, resources: Any = None,
+                 context: object = None, *, max_task_retries: int = 3,
+                 resources: Optional[backends.ResourceRequest] = None,
                  idle_timeout: float = 10.0) -> None:
         if processes is None:
             processes = cpu_count() or 1

@@ -76,9 +76,9 @@ class Boxes:
         with self.lock:
             self.boxes.pop(box_id, None)
 
-    def release_everywhere(self, key: Any) -> None:
-        """Forget every pipe end that ``key`` (a process that ended) held, claimed or gated here."""
-        uid = key.decode() if isinstance(key, bytes) else key
+    def release_everywhere(self, key: bytes) -> None:
+        """Forget every pipe end that ``key`` (a process that ended: its uid) held, claimed or gated here."""
+        uid = key.decode()
         with self.lock:
             for end in [e for e, c in self.claims.items() if c.get("uid") == uid]:
                 del self.claims[end]
