@@ -21,6 +21,7 @@ from . import codeship
 from . import config as _config
 from . import environment
 from .transport import node as _node
+from .transport.endpoint import Endpoint
 
 __all__ = ["Prepared", "prepare", "report", "drop", "before_work", "paths_for", "ships_code"]
 
@@ -107,7 +108,7 @@ def drop(node: _node.Node, prepared: Prepared) -> None:
 
 # -- in the child ------------------------------------------------------------------------------------
 
-def before_work(endpoint: Any, info: Dict[str, Any], timeout: float) -> Optional[str]:
+def before_work(endpoint: Endpoint, info: Dict[str, Any], timeout: float) -> Optional[str]:
     """In a child, before it fetches its work: the environment check, then the program's code. Returns
     what to say on stderr when the child must not run (a difference the policy makes an error, code that
     cannot be fetched), else None; a warning for differences that are allowed is written here. OSError
