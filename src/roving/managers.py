@@ -129,7 +129,7 @@ class BaseManager:
     def _key(self) -> bytes:
         return self._authkey if self._authkey is not None else _session.current().secret
 
-    def start(self, initializer: Optional[Callable[..., Any]] = None, initargs: Sequence[Any] = ()) -> None:
+    def start(self, initializer: Optional[Callable[..., object]] = None, initargs: Sequence[object] = ()) -> None:
         """Start the server as a roving Process (a job of the configured backend); returns once it serves."""
         if self._state == "started":
             raise RovingError("Already started server")

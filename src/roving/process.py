@@ -68,9 +68,9 @@ class Process:
 
     _start_method = None
 
-    def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
-                 name: Optional[str] = None, args: Iterable[Any] = (),
-                 kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None,
+    def __init__(self, group: None = None, target: Optional[Callable[..., object]] = None,
+                 name: Optional[str] = None, args: Iterable[object] = (),
+                 kwargs: Optional[Mapping[str, object]] = None, *, daemon: Optional[bool] = None,
                  resources: Optional[backends.ResourceMapping] = None, trusted: bool = True) -> None:
         """``resources`` (roving's addition): what this process's job asks the backend for, as any of
         ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration.

@@ -534,7 +534,7 @@ class Barrier(Homed):
 
     _kind = "barrier"
 
-    def __init__(self, parties: int, action: Optional[Callable[[], Any]] = None,
+    def __init__(self, parties: int, action: Optional[Callable[[], object]] = None,
                  timeout: Optional[float] = None, *, ctx: object = None) -> None:
         if parties < 1:
             raise ValueError("parties must be > 0")
