@@ -62,7 +62,7 @@ from concurrent.futures.process import BrokenProcessPool
 from concurrent.futures.process import _RemoteTraceback
 from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in typeshed's stub)
     ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback)
-from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
 from .backends import ResourceRequest
 from .context import Context, get_context
@@ -73,6 +73,9 @@ from .transport import timeouts
 __all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
 
 log = logging.getLogger(__name__)
+
+#: A call's result: what map hands back is what ``fn`` returns.
+T = TypeVar("T")
 
 #: Calls handed to the pool beyond one per worker, at most; the rest wait in the executor, cancellable.
 #: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS). benchmarks/futures_window.py
@@ -220,13 +223,13 @@ class Executor(_StdExecutor):
         _live.add(self)
 
     # -- the concurrent.futures API --------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
         """Schedule ``fn(*args, **kwargs)`` on a worker; returns its Future. RuntimeError after shutdown,
         BrokenProcessPool once the executor is broken (see the module docstring)."""
         return self._submit(fn, args, kwargs, 1)
 
-    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: Optional[float] = None,
-            chunksize: int = 1, progress: bool = False) -> Iterator[Any]:
+    def map(self, fn: Callable[..., T], *iterables: Iterable[object], timeout: Optional[float] = None,
+            chunksize: int = 1, progress: bool = False) -> Iterator[T]:
         """``fn(*args)`` for the items of ``iterables`` taken together, results in input order (see the
         module docstring). ``chunksize`` calls travel as one piece of work; ``progress=True`` draws a
         progress bar on stderr (items done of the total, rate, time left), as :meth:`roving.Pool.map`."""
