@@ -115,6 +115,6 @@ def roving_children(parent: int) -> list:
     """The pids of the roving children of process ``parent`` on the local backend: its own children that
     run ``roving._child``, and the children of its starter (``local_preload``), which are forked there."""
     table = _proc_table()
-    starters = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and b"roving.backends.starter" in cmd}
+    starters = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and b"roving.backends.local.starter" in cmd}
     return sorted(pid for pid, (ppid, cmd) in table.items()
                   if (ppid == parent and b"roving._child" in cmd) or ppid in starters)
