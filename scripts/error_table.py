@@ -22,8 +22,8 @@ from typing import List, Tuple
 BEGIN = "<!-- errors: made by scripts/error_table.py, checked by tests/test_error_table.py -->"
 END = "<!-- /errors -->"
 #: the order of the table: the layers, lowest first (tests/test_layering.py has the full map)
-ORDER = ("roving.config", "roving.backends", "roving.transport", "roving.process", "roving.pool", "roving",
-         "roving.pipeline")
+ORDER = ("roving.errors", "roving.config", "roving.backends", "roving.transport", "roving.process", "roving.pool",
+         "roving", "roving.pipeline")
 
 
 def error_classes() -> List[type]:

@@ -57,9 +57,10 @@ def test_the_table_has_every_error_of_the_error_modules_with_its_bases_and_an_im
                 package, _, attr = public.rpartition(".")
                 assert getattr(importlib.import_module(package), attr) is base
         assert meaning, f"{name} has no docstring to say what it means"
-    assert rows["PoolError"][1] == "multiprocessing.ProcessError" and issubclass(
+    assert rows["RovingError"][1] == "multiprocessing.ProcessError"
+    assert rows["PoolError"][1] == "RovingError" and issubclass(
         pool_errors.WorkerLostError, multiprocessing.ProcessError)
-    assert rows["BackendError"][1] == "OSError"
+    assert rows["BackendError"][1] == "RovingError, OSError"
 
 
 #: each package with an error module, its one base, and what may live outside that module (with why)

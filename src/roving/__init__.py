@@ -19,6 +19,7 @@ from .context import (Context, get_all_start_methods, get_context, get_start_met
 from .managers import AsyncManager, Manager
 from .pool import AsyncResult, MapResult, Pool, PoolStartError, WorkerLostError, meta
 from .environment import EnvironmentMismatchError
+from .errors import RovingError
 from .process import Process, ProcessStartError, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
 from .shared import Shared, shared
@@ -35,7 +36,7 @@ __all__ = [
     "current_process", "parent_process", "active_children", "cpu_count",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
     "init", "Config", "ConfigError", "SerializationError", "ConnectionLost", "ProcessStartError", "PoolStartError",
-    "EnvironmentMismatchError",
+    "EnvironmentMismatchError", "RovingError",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
     "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",

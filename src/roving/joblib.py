@@ -134,7 +134,7 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
         self.parallel = parallel
         return n_jobs
 
-    def submit(self, func: Callable[[], Any], callback: Optional[Callable[[Future], Any]] = None) -> Future:
+    def submit(self, func: Callable[[], object], callback: Optional[Callable[[Future], object]] = None) -> Future:
         assert self._ex is not None, "submit() before configure()"  # joblib configures first
         future = self._ex.submit(func)
         with self._futures_lock:

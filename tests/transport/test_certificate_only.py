@@ -51,10 +51,10 @@ def test_a_certificate_only_process_reaches_a_postbox_once_its_key_is_admitted_a
     status, _ = writer.call(_node.GET, box.address.box, 0)
     assert status != _node.OK
     here = session.current().node()
-    shared = here.new_box()
-    here.call_local(_node.PUT, shared, 0, [b"a member's item"])
+    shared = here.mailboxes.new_box()
+    here.mailboxes.call_local(_node.PUT, shared, 0, [b"a member's item"])
     status, _ = writer.call(_node.GET, shared, 0)
-    assert status != _node.OK and here.items_in(shared) == 1
+    assert status != _node.OK and here.mailboxes.items_in(shared) == 1
 
 
 def test_revoked_certificate_only_credentials_are_refused_and_their_key_withdrawn():
@@ -77,11 +77,11 @@ def test_the_node_of_a_certificate_only_process_takes_a_members_letters():
     creds = _certificate_only()
     served = _node.Node(creds)
     try:
-        box = served.new_box(access=mailbox.Access(untrusted=True, stamp=True))
+        box = served.mailboxes.new_box(access=mailbox.Access(untrusted=True, stamp=True))
         member = Endpoint(served.address, session.current().credentials, None, connect_timeout=TIMEOUT)
         status, _ = member.call(_node.PUT, box, TIMEOUT, [b"from the coordinator"])
         assert status == _node.OK
-        status, frames = served.call_local(_node.GET, box, TIMEOUT)
+        status, frames = served.mailboxes.call_local(_node.GET, box, TIMEOUT)
         assert status == _node.OK
         assert bytes(frames[0]).decode() == session.current().uid
         assert bytes(frames[1]) == b"from the coordinator"

@@ -176,8 +176,8 @@ for f in opened:
 p = roving.Process(target=print, args=("child ran",))
 p.start(); p.join(60)
 q.put("still serving")
-print("FDS", len(os.listdir("/proc/self/fd")), "CAP", node._unauthenticated.cap,
-      "ENDED", node._unauthenticated.ended_for_cap, "EXIT", p.exitcode, q.get(timeout=30), flush=True)
+print("FDS", len(os.listdir("/proc/self/fd")), "CAP", node.router.unauthenticated.cap,
+      "ENDED", node.router.unauthenticated.ended_for_cap, "EXIT", p.exitcode, q.get(timeout=30), flush=True)
 sys.stdin.readline()
 """
 

@@ -16,8 +16,10 @@ included, in ``costs.ModelSpec`` and ``model.LlamaConfig`` alike).
 
 from __future__ import annotations
 
+from ..errors import RovingError
 
-class PipelineError(Exception):
+
+class PipelineError(RovingError):
     """The base of every error the pipeline raises."""
 
 

@@ -50,8 +50,9 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
+from .. import backends
 from ..process import Process, cpu_count
 from ..transport import timeouts
 from ..transport.serialize import SerializationError
@@ -65,6 +66,11 @@ from ._rerun import rerun
 from ._shape import meta, meta_of
 from .errors import PoolError, PoolStartError, WorkerLostError
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
+
+
+#: A call's argument (S) and result (T): what map and apply hand back is what ``func`` returns.
+S = TypeVar("S")
+T = TypeVar("T")
 
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
            "PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback", "meta", "Progress", "rerun"]
@@ -93,7 +99,8 @@ class Pool:
     def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
                  initializer: Optional[Callable[..., Any]] = None,
                  initargs: Iterable[Any] = (), maxtasksperchild: Optional[int] = None,
-                 context: Any = None, *, max_task_retries: int = 3, resources: Any = None,
+                 context: object = None, *, max_task_retries: int = 3,
+                 resources: Optional[backends.ResourceRequest] = None,
                  idle_timeout: float = 10.0) -> None:
         if processes is None:
             processes = cpu_count() or 1
@@ -132,9 +139,10 @@ class Pool:
         self._upkeep.start(self)
 
     # -- the multiprocessing API ---------------------------------------------------------------
-    def apply(self, func: Callable[..., Any], args: Sequence[Any] = (), kwds: Optional[dict] = None) -> Any:
+    def apply(self, func: Callable[..., T], args: Sequence[object] = (),
+              kwds: Optional[Mapping[str, object]] = None) -> T:
         """``func(*args, **kwds)`` in a worker; blocks until done."""
-        return self.apply_async(func, args, kwds).get()
+        return self.apply_async(func, args, None if kwds is None else dict(kwds)).get()
 
     def apply_async(self, func: Callable[..., Any], args: Sequence[Any] = (), kwds: Optional[dict] = None,
                     callback: Optional[Callable[[Any], Any]] = None,
@@ -147,34 +155,34 @@ class Pool:
                      inline=True)
         return result
 
-    def map(self, func: Callable[[Any], Any], iterable: Iterable[Any],
-            chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
+    def map(self, func: Callable[[S], T], iterable: Iterable[S],
+            chunksize: Optional[int] = None, *, progress: bool = False) -> List[T]:
         """``[func(x) for x in iterable]`` across the workers, in order; blocks until done.
         ``progress=True``: a progress bar on stderr (see the module docstring)."""
         return self._map(func, iterable, P.MAP, chunksize, progress)
 
-    def map_async(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: Optional[int] = None,
+    def map_async(self, func: Callable[[S], object], iterable: Iterable[S], chunksize: Optional[int] = None,
                   callback: Optional[Callable] = None, error_callback: Optional[Callable] = None) -> MapResult:
         return self._start_map(func, iterable, P.MAP, chunksize, callback, error_callback)[0]
 
-    def starmap(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
-                chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
+    def starmap(self, func: Callable[..., T], iterable: Iterable[Sequence[object]],
+                chunksize: Optional[int] = None, *, progress: bool = False) -> List[T]:
         """``[func(*args) for args in iterable]``; blocks until done."""
         return self._map(func, iterable, P.STAR, chunksize, progress)
 
-    def starmap_async(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
+    def starmap_async(self, func: Callable[..., object], iterable: Iterable[Sequence[object]],
                       chunksize: Optional[int] = None, callback: Optional[Callable] = None,
                       error_callback: Optional[Callable] = None) -> MapResult:
         return self._start_map(func, iterable, P.STAR, chunksize, callback, error_callback)[0]
 
-    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1, *,
+    def imap(self, func: Callable[[S], object], iterable: Iterable[S], chunksize: int = 1, *,
              progress: bool = False) -> IMapIterator:
         """Results in input order as they come. An iterator is read by a thread of the pool, as the
         caller iterates; an item that cannot be pickled fails that position and ends the reading.
         ``progress=True``: a bar on stderr counting the results that arrived (the total once known)."""
         return self._imap(IMapIterator, func, iterable, chunksize, progress)
 
-    def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any],
+    def imap_unordered(self, func: Callable[[S], object], iterable: Iterable[S],
                        chunksize: int = 1, *, progress: bool = False) -> IMapIterator:
         """Results in the order they finish."""
         return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)

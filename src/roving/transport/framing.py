@@ -45,7 +45,7 @@ def _fresh_buffers() -> Tuple[Callable[[int], Any], Callable[[int], bytearray]]:
 _bytes_to_fill, _bytearray = _fresh_buffers()
 
 
-def is_bytes(frame: Any) -> bool:
+def is_bytes(frame: object) -> bool:
     """Whether a frame is (the memory of) a bytes object: it is rebuilt as one on the other side."""
     return type(frame) is bytes or type(frame) is memoryview and type(frame.obj) is bytes
 

@@ -41,7 +41,7 @@ import ssl
 import tempfile
 import threading
 import weakref
-from typing import Any, Dict, Optional, Tuple, Union, cast
+from typing import Any, Dict, Optional, Protocol, Tuple, Union, cast
 
 import zmq
 from cryptography import x509
@@ -455,7 +455,13 @@ def child(secret: bytes, node_id: str, seed_hex: str, public: Dict[str, str]) ->
 # -- revocation ----------------------------------------------------------------------------------
 
 _revoked: set = set()
-_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class RevocationWatcher(Protocol):
+    """What :func:`on_revoke` calls: a node, which closes the revoked process's connections."""
+
+    def revoked(self, node_id: str) -> None: ...
+
+
+_watchers: "weakref.WeakSet[RevocationWatcher]" = weakref.WeakSet()
 _watch_lock = threading.Lock()
 
 
@@ -475,7 +481,7 @@ def is_revoked(node_id: str) -> bool:
     return node_id in _revoked
 
 
-def on_revoke(watcher: Any) -> None:
+def on_revoke(watcher: RevocationWatcher) -> None:
     """Call ``watcher.revoked(node_id)`` (any thread; it must not block) at each revocation while the
     watcher lives (held weakly)."""
     with _watch_lock:

@@ -121,7 +121,7 @@ class Trainer:
             roving.init(backend=cfg.backend)
         if roving_config.current().backend == "local" and not roving_config.current().local_preload:
             # every node imports torch: forked from a starter that did so once, each starts in
-            # milliseconds instead of seconds of CPU (``local_preload``; roving.backends.starter)
+            # milliseconds instead of seconds of CPU (``local_preload``; roving.backends.local.starter)
             roving.init(local_preload=("roving.pipeline.runtime.stage_process",))
         # nodes of the local backend share this machine's cores: the prediction for this run says so
         self.shared_cores = (max(1, (os.cpu_count() or 1) // max(1, cfg.threads))

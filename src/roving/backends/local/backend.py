@@ -10,12 +10,13 @@ import tempfile
 import threading
 from typing import Any, Dict, Optional
 
-from .. import config as roving_config
-from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles
-from .errors import LocalError, UnknownJobError
-from .output import OutputPump
-from .private import open_private
-from .reaper import Reaper
+from ... import config as roving_config
+from ..base import Backend, Job, JobSpec, JobState, JobStatus
+from ..errors import LocalError, UnknownJobError
+from ..output import OutputPump
+from ...system.private import open_private
+from ..reaper import Reaper
+from ..secret_files import SecretFiles
 from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ def _has_exited(pid: int) -> bool:
 
 class LocalBackend(Backend):
     """Jobs are subprocesses: fresh interpreters, or, with ``local_preload`` set, forked from a starter
-    that has those modules imported (roving.backends.starter). ``terminate_job`` sends SIGTERM, with
+    that has those modules imported (roving.backends.local.starter). ``terminate_job`` sends SIGTERM, with
     ``force`` SIGKILL."""
 
     name = "local"
