@@ -70,7 +70,7 @@ from .pool import Pool, PoolStartError, Progress, UnloadedTraceback
 from .process import cpu_count
 from .transport import timeouts
 
-__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
+__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError", "OutOfMemoryError"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,11 @@ EXTRA_QUEUED_CALLS = 1
 class WorkerLostError(_pool.WorkerLostError, BrokenProcessPool):
     """A call was running on ``max_task_retries`` workers that died; it is not tried again. Both
     :class:`roving.WorkerLostError` and the standard library's ``BrokenProcessPool``."""
+
+class OutOfMemoryError(_pool.OutOfMemoryError, WorkerLostError):
+    """A call ran out of memory on ``max_memory_kills`` workers in a row (see
+    :class:`roving.OutOfMemoryError`); also this module's WorkerLostError (a BrokenProcessPool)."""
+
 
 _live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 _exiting = False
@@ -146,6 +151,10 @@ def _standard(exc: BaseException) -> BaseException:
     docstring): its remote traceback a ``_RemoteTraceback``; a result that could not be pickled, the
     pickling error; a call that could not be unpickled in the worker (or its result here),
     BrokenProcessPool; a lost call, this module's WorkerLostError."""
+    if isinstance(exc, _pool.OutOfMemoryError) and not isinstance(exc, OutOfMemoryError):
+        oom = OutOfMemoryError(str(exc), exc.peak, exc.limit)
+        oom.__cause__ = exc.__cause__
+        return oom
     if isinstance(exc, _pool.WorkerLostError) and not isinstance(exc, WorkerLostError):
         lost = WorkerLostError(*exc.args)
         lost.__cause__ = exc.__cause__
@@ -179,13 +188,17 @@ class Executor(_StdExecutor):
     ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
     ``max_task_retries``: how many dead workers one call may cost before it fails with WorkerLostError.
     ``resources``: what each worker's job asks the backend for (``{"cpu": .., "memory": .., "gpu": ..}``),
-    as for :class:`roving.Pool`. Workers start at the first ``submit``.
+    as for :class:`roving.Pool`. ``worker_memory_limit`` (or ``max_memory_per_child``, loky's name) and
+    ``max_memory_kills``: as for :class:`roving.Pool` (checked there, at the first ``submit``); a call that
+    ran out of memory fails with this module's :class:`OutOfMemoryError`. Workers start at the first
+    ``submit``.
     """
 
     def __init__(self, max_workers: Optional[int] = None, *, mp_context: Any = None,
                  initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
                  max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
-                 resources: Any = None) -> None:
+                 resources: Any = None, worker_memory_limit: Any = None, max_memory_per_child: Any = None,
+                 max_memory_kills: int = 2) -> None:
         if max_workers is None:
             max_workers = cpu_count() or 1
         elif not isinstance(max_workers, int) or isinstance(max_workers, bool):
@@ -214,6 +227,8 @@ class Executor(_StdExecutor):
         self._max_tasks_per_child = max_tasks_per_child
         self._max_task_retries = max_task_retries
         self._resources = resources  # checked by the Pool, at the first submit
+        self._memory = {"worker_memory_limit": worker_memory_limit, "max_memory_per_child": max_memory_per_child,
+                        "max_memory_kills": max_memory_kills}  # the same
         self._window = max_workers + EXTRA_QUEUED_CALLS
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when nothing is outstanding
@@ -357,7 +372,7 @@ class Executor(_StdExecutor):
             threading.Thread(target=_watch_init, args=(weakref.ref(self), self._report),
                              name="roving-executor-init", daemon=True).start()
         self._pool = Pool(self._max_workers, initializer, initargs, self._max_tasks_per_child,
-                          max_task_retries=self._max_task_retries, resources=self._resources)
+                          max_task_retries=self._max_task_retries, resources=self._resources, **self._memory)
         # an executor dropped without shutdown() lets its workers go once their work is done (it cannot be
         # collected before: every call not yet done holds it), as the standard library's does
         weakref.finalize(self, self._pool.close).atexit = False

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from multiprocessing import ProcessError
 from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # typeshed lacks it
+from typing import Any, Optional, Tuple
 
-__all__ = ["PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback"]
+__all__ = ["PoolError", "WorkerLostError", "OutOfMemoryError", "PoolStartError", "UnloadedTraceback"]
 
 
 class PoolError(ProcessError):
@@ -17,6 +18,21 @@ class PoolError(ProcessError):
 
 class WorkerLostError(PoolError):
     """A task was running on ``max_task_retries`` workers that died; it is not tried again."""
+
+
+class OutOfMemoryError(WorkerLostError):
+    """A task ran out of memory: the workers running it were killed for memory (the kernel's OOM killer
+    in their cgroup, Slurm's ``OUT_OF_MEMORY``, Docker's or a pod's ``OOMKilled``) ``max_memory_kills``
+    times in a row (default 2), so it is not tried again on another worker. The message says "out of
+    memory", with the peak memory seen and the limit; :attr:`peak` and :attr:`limit` hold them in bytes
+    (None where not known). A :class:`WorkerLostError`, so code that catches that catches this too."""
+
+    def __init__(self, message: str, peak: Optional[int] = None, limit: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.peak, self.limit = peak, limit
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return type(self), (self.args[0] if self.args else "", self.peak, self.limit)
 
 
 class PoolStartError(PoolError, OSError):
