@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 MiB = 2**20
 _kept = []
@@ -31,9 +32,9 @@ def use_for_a_while(mib: int, seconds: float) -> int:
 
 
 def hog(mib: int, attempts_dir: str) -> int:
-    """Note this attempt (a file named after the pid) and use ``mib`` MiB: past a worker's limit, it is
-    killed for memory."""
-    with open(os.path.join(attempts_dir, str(os.getpid())), "w"):
+    """Note this attempt (a file of its own: containers' pids repeat) and use ``mib`` MiB: past a worker's
+    limit, it is killed for memory."""
+    with open(os.path.join(attempts_dir, uuid.uuid4().hex), "w"):
         pass
     return len(touched(mib))
 
