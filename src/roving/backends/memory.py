@@ -41,8 +41,9 @@ class MemorySample:
     cgroup_peak: Optional[int] = None  #: its memory cgroup's largest usage so far
 
     def peak(self) -> Optional[int]:
-        """The largest figure of what was used: the group's peak, else the process's."""
-        known = [v for v in (self.cgroup_peak, self.rss_peak, self.rss, self.cgroup_usage) if v is not None]
+        """The process's own largest resident set (its cgroup may hold other processes too: a machine's
+        or a session's group; the group's peak is :attr:`cgroup_peak`)."""
+        known = [v for v in (self.rss_peak, self.rss) if v is not None]
         return max(known) if known else None
 
 
