@@ -17,6 +17,13 @@ object (in band), so a parent and a child each hold about twice the array.
 
     PYTHONPATH=src python benchmarks/large_objects.py --sizes 1024 --libs roving,mp
     PYTHONPATH=src python benchmarks/large_objects.py --sizes 5120 --libs roving
+
+``--backend slurm`` runs roving's other process as a Slurm job (the Pool's worker, the child): with
+``SLURM_CONF`` naming the test hosts' multi-node Slurm, on another host, every transfer crossing the
+network (TLS)::
+
+    SLURM_CONF=/etc/slurm-hosts/slurm.conf PYTHONPATH=src python benchmarks/large_objects.py \
+        --sizes 5120 --libs roving --backend slurm --paths arg,result,queue
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import argparse
 import gc
 import json
 import multiprocessing
-import os
+import socket
 import subprocess
 import sys
 import time
@@ -71,8 +78,8 @@ def available() -> int:
     raise LookupError("MemAvailable")
 
 
-def ready() -> int:
-    return os.getpid()
+def ready() -> str:
+    return socket.gethostname()
 
 
 def sum_of(a: Any) -> List[int]:
@@ -85,7 +92,7 @@ def made_here(nbytes: int) -> Any:
 
 def put_made(q: Any, nbytes: int, go: Any) -> None:
     go.get()
-    q.put(make(nbytes))
+    q.put((make(nbytes), socket.gethostname()))
 
 
 def sum_of_shared(handle: Any) -> List[int]:
@@ -102,22 +109,23 @@ def sum_of_segment(name: str, nbytes: int) -> List[int]:
         seg.close()
 
 
-def _api(lib: str) -> Any:
+def _api(lib: str, backend: str) -> Any:
     if lib == "roving":
         import roving
 
-        roving.init(child_output="off")
+        roving.init(child_output="off", backend=backend)
         return roving
     return multiprocessing.get_context("spawn")
 
 
-def one(lib: str, path: str, nbytes: int) -> Dict[str, Any]:
+def one(lib: str, path: str, nbytes: int, backend: str = "local") -> Dict[str, Any]:
     """One measurement in this process (see the module docstring)."""
-    api = _api(lib)
+    api = _api(lib, backend)
     pool = q = go = child = None
+    host = "?"
     if path in ("arg", "result", "shared"):
         pool = api.Pool(1)
-        pool.apply(ready)
+        host = pool.apply(ready)
     else:
         q, go = api.Queue(), api.Queue()
         child = api.Process(target=put_made, args=(q, nbytes, go))
@@ -133,7 +141,9 @@ def one(lib: str, path: str, nbytes: int) -> Dict[str, Any]:
     elif path == "queue":
         started = time.monotonic()
         go.put(1)
-        got = checksum(q.get())
+        array, host = q.get(timeout=1200)
+        got = checksum(array)
+        del array
         child.join()
     else:
         a = make(nbytes)
@@ -158,16 +168,16 @@ def one(lib: str, path: str, nbytes: int) -> Dict[str, Any]:
     if pool is not None:
         pool.close()
         pool.join()
-    return {"seconds": seconds, "peak": peak, "ok": got == expected(nbytes)}
+    return {"seconds": seconds, "peak": peak, "ok": got == expected(nbytes), "host": host}
 
 
-def run(lib: str, path: str, mib: int) -> Dict[str, Any]:
+def run(lib: str, path: str, mib: int, backend: str) -> Dict[str, Any]:
     nbytes = mib * MiB
     need = int(2.5 * nbytes) + 2**30
     if available() < need:
         return {"skipped": f"MemAvailable {available() / 2**30:.1f} GiB < {need / 2**30:.1f} GiB"}
-    done = subprocess.run([sys.executable, __file__, "--one", lib, path, str(mib)], capture_output=True, text=True,
-                          timeout=1800)
+    done = subprocess.run([sys.executable, __file__, "--one", lib, path, str(mib), "--backend", backend],
+                          capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
         return {"skipped": f"failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -178,26 +188,28 @@ def main() -> None:
     ap.add_argument("--sizes", default="1024", help="MiB, comma-separated")
     ap.add_argument("--libs", default="roving,mp")
     ap.add_argument("--paths", default=",".join(PATHS))
+    ap.add_argument("--backend", default="local", help="roving's backend (the standard library's is local)")
     ap.add_argument("--one", nargs=3, metavar=("LIB", "PATH", "MIB"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         lib, path, mib = args.one
-        print(json.dumps(one(lib, path, int(mib) * MiB)))
+        print(json.dumps(one(lib, path, int(mib) * MiB, args.backend)))
         return
-    print(f"python {sys.version.split()[0]}; seconds from the call to the arrival; peak: the parent's VmHWM above "
-          "what it held before, as a multiple of the array")
+    print(f"python {sys.version.split()[0]}; roving backend {args.backend}; seconds from the call to the arrival; "
+          "peak: the parent's VmHWM above what it held before, as a multiple of the array")
     print("| size | path | roving s | roving MiB/s | roving peak | mp s | mp MiB/s | mp peak | roving/mp time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mib in (int(s) for s in args.sizes.split(",")):
         for path in args.paths.split(","):
-            rows = {lib: run(lib, path, mib) for lib in args.libs.split(",")}
+            rows = {lib: run(lib, path, mib, args.backend) for lib in args.libs.split(",")}
             cells = []
             for lib in ("roving", "mp"):
                 r = rows.get(lib)
                 if r is None or "skipped" in r:
                     cells += [r["skipped"] if r else "not run", "", ""]
                     continue
-                mark = "" if r["ok"] else " (WRONG DATA)"
+                mark = ("" if r["ok"] else " (WRONG DATA)") + (f" on {r['host']}" if r["host"] != socket.gethostname()
+                                                               else "")
                 cells += [f"{r['seconds']:.2f}{mark}", f"{mib / r['seconds']:.0f}",
                           f"{r['peak'] / (mib * MiB):.2f}x"]
             ratio = (f"{rows['roving']['seconds'] / rows['mp']['seconds']:.2f}x"

@@ -74,3 +74,23 @@ def test_a_large_queue_item_from_a_child_is_told_as_it_arrives(caplog, monkeypat
     assert len(lines) >= 2, lines
     shares = [int(line.split("(")[1].split("%")[0]) for line in lines]
     assert shares == sorted(shares) and shares[-1] == 100 and " of 200 MiB: " in lines[0]
+
+
+def test_the_peer_of_a_plain_and_of_a_tls_streams_socket_is_named():
+    import socket
+
+    from roving.transport import tls
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    try:
+        where = f"127.0.0.1:{server.getsockname()[1]}"
+        assert progress.peer_of(client) == where
+        wrapped = tls.TlsSocket.__new__(tls.TlsSocket)  # a TLS stream's socket as the stream holds it
+        wrapped.ssock = client
+        assert progress.peer_of(wrapped) == where
+        assert progress.peer_of(object()) == "a peer"
+    finally:
+        for s in (client, conn, server):
+            s.close()

@@ -23,10 +23,11 @@ EVERY_S = 2.0
 
 def peer_of(sock: Any) -> str:
     """``host:port`` of a socket's peer, for the log ("a peer" when the socket cannot say)."""
+    sock = getattr(sock, "ssock", sock)  # a TLS stream's socket (roving.transport.tls.TlsSocket)
     try:
         host, port = sock.getpeername()[:2]
         return f"{host}:{port}"
-    except (OSError, ValueError, TypeError):
+    except (AttributeError, OSError, ValueError, TypeError):
         return "a peer"
 
 
