@@ -188,10 +188,11 @@ class Config:
     #: up: its pending and later calls raise the error (a worker that connects resets the count).
     pool_start_failures: int = 5
 
-    # -- what each process asks the backend for (ignored by local) --------------------------
+    # -- what each process asks the backend for (local: memory only, as a limit) ------------
     #: CPUs per process.
     cpu: float = 1.0
-    #: Memory per process, e.g. "2G" (binary units); none: the cluster's default.
+    #: Memory per process, e.g. "2G" (binary units); none: the cluster's default. The local backend runs
+    #: each process in a memory cgroup of that limit where this machine lets it make one (else it warns).
     memory: Optional[str] = None
     #: GPUs per process.
     gpu: int = 0

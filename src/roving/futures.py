@@ -66,11 +66,11 @@ from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tup
 
 from .backends import ResourceRequest
 from .context import Context, get_context
-from .pool import Pool, PoolStartError, Progress, UnloadedTraceback, WorkerLostError
+from .pool import OutOfMemoryError, Pool, PoolStartError, Progress, UnloadedTraceback, WorkerLostError
 from .process import cpu_count
 from .transport import timeouts
 
-__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
+__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError", "OutOfMemoryError"]
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,6 @@ T = TypeVar("T")
 #: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS). benchmarks/futures_window.py
 #: measured what the former 16 per worker gained: bursts of no-op calls only (RESULTS.md).
 EXTRA_QUEUED_CALLS = 1
-
 
 
 _live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
@@ -175,14 +174,18 @@ class Executor(_StdExecutor):
     ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
     ``max_task_retries``: how many dead workers one call may cost before it fails with WorkerLostError.
     ``resources``: what each worker's job asks the backend for (``{"cpu": .., "memory": .., "gpu": ..}``),
-    as for :class:`roving.Pool`. Workers start at the first ``submit``.
+    as for :class:`roving.Pool`. ``worker_memory_limit`` (or ``max_memory_per_child``, loky's name) and
+    ``max_memory_kills``: as for :class:`roving.Pool` (checked there, at the first ``submit``); a call that
+    ran out of memory fails with this module's :class:`OutOfMemoryError`. Workers start at the first
+    ``submit``.
     """
 
     def __init__(self, max_workers: Optional[int] = None, *,
                  mp_context: Union[Context, multiprocessing.context.BaseContext, None] = None,
                  initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
                  max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
-                 resources: Optional[ResourceRequest] = None) -> None:
+                 resources: Optional[ResourceRequest] = None, worker_memory_limit: Union[int, str, None] = None,
+                 max_memory_per_child: Union[int, str, None] = None, max_memory_kills: int = 2) -> None:
         if max_workers is None:
             max_workers = cpu_count() or 1
         elif not isinstance(max_workers, int) or isinstance(max_workers, bool):
@@ -211,6 +214,8 @@ class Executor(_StdExecutor):
         self._max_tasks_per_child = max_tasks_per_child
         self._max_task_retries = max_task_retries
         self._resources = resources  # checked by the Pool, at the first submit
+        self._memory_limit, self._memory_per_child = worker_memory_limit, max_memory_per_child
+        self._memory_kills = max_memory_kills  # checked by the pool, at the first submit
         self._window = max_workers + EXTRA_QUEUED_CALLS
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when nothing is outstanding
@@ -354,7 +359,9 @@ class Executor(_StdExecutor):
             threading.Thread(target=_watch_init, args=(weakref.ref(self), self._report),
                              name="roving-executor-init", daemon=True).start()
         self._pool = Pool(self._max_workers, initializer, initargs, self._max_tasks_per_child,
-                          max_task_retries=self._max_task_retries, resources=self._resources)
+                          max_task_retries=self._max_task_retries, resources=self._resources,
+                          worker_memory_limit=self._memory_limit, max_memory_per_child=self._memory_per_child,
+                          max_memory_kills=self._memory_kills)
         # an executor dropped without shutdown() lets its workers go once their work is done (it cannot be
         # collected before: every call not yet done holds it), as the standard library's does
         weakref.finalize(self, self._pool.close).atexit = False

@@ -674,6 +674,16 @@ def stop_asked(proc: Process) -> bool:
     return proc._stop_asked
 
 
+def end_status(proc: Process) -> Optional[backends.JobStatus]:
+    """How an ended ``proc``'s job ended, as its backend tells it (its ``out_of_memory`` in particular),
+    or None while it runs, before it started, or once its job handle was released. Asks the backend: for
+    a pool reporting a worker that died, not for a hot path."""
+    if proc._job is None or proc._released or proc._exitcode is None:
+        return None
+    status = proc._job_backend().job_status(proc._job)
+    return status if status.state is backends.JobState.EXITED else None
+
+
 def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:
     """The error an ended ``proc`` left because its environment differs from this process's where
     ``env_check`` does not allow it (it did not run), or None; for a pool deciding whether to go on."""

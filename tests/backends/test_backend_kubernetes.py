@@ -123,6 +123,24 @@ def test_pool_map_completes_when_a_worker_pod_is_deleted_from_outside(fake):
         assert r.get(T * 2) == [x * x for x in range(300)]
 
 
+def test_a_pod_oomkilled_is_an_end_for_memory_and_the_pools_task_fails_saying_out_of_memory(monkeypatch, tmp_path):
+    import helpers_memory as hm
+
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    with FakeKubernetes(cpu=8, memory=8 * 2**30, memory_limits=True) as server:
+        _use(monkeypatch, tmp_path, server, memory="96M")
+        with roving.Pool(1, max_task_retries=5) as pool:
+            with pytest.raises(roving.OutOfMemoryError, match="out of memory.*limit 96 MiB"):
+                pool.apply(hm.hog, (400, str(attempts)))
+            assert pool._disp.figures()["oom_kills"] == 2
+        ended = [p for p in server.created if p.status.get("phase") == "Failed"]
+        reasons = [p.status["containerStatuses"][0]["state"]["terminated"]["reason"] for p in ended]
+        assert reasons.count("OOMKilled") == 2, reasons  # (the pool's own end of its last worker: "Error")
+    assert len(list(attempts.iterdir())) == 2
+    backends._instances.pop("kubernetes", None)
+
+
 def test_more_gpus_than_the_cluster_has_is_an_error_within_seconds(fake, monkeypatch, tmp_path):
     _use(monkeypatch, tmp_path, fake, gpu=4)
     t0 = time.monotonic()

@@ -82,6 +82,13 @@ class JobStatus:
     exitcode: Optional[int] = None
     #: Why a job is pending or how it ended, in the cluster's words, when it says.
     reason: str = ""
+    #: The job ended because it ran out of memory, as its cluster recognised it: its memory cgroup's OOM
+    #: kill (local, with ``memory`` set), Slurm's ``OUT_OF_MEMORY``, Docker's ``OOMKilled``, a pod's
+    #: ``OOMKilled`` reason.
+    out_of_memory: bool = False
+    #: The largest memory the job used, in bytes, where its cluster kept it once it ended (a local job's
+    #: memory cgroup); None elsewhere.
+    memory_peak: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)

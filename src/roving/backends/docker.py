@@ -222,10 +222,18 @@ class DockerBackend(Backend):
                 job.output_done.wait(10)
         except Exception:
             log.debug("roving: could not read the output of container %s", cid, exc_info=True)
-        job.status = JobStatus(JobState.EXITED, _exitcode(code))
+        job.status = JobStatus(JobState.EXITED, _exitcode(code), out_of_memory=self._oom_killed(cid))
         job.ended.set()
         self._reaper.done(cid)
         self._remove(cid)
+
+    def _oom_killed(self, cid: str) -> bool:
+        """Whether the engine says the kernel killed container ``cid`` for memory (``State.OOMKilled``),
+        read before the container is removed."""
+        try:
+            return bool(self.client().api.inspect_container(cid)["State"].get("OOMKilled"))
+        except Exception:  # gone already: the engine no longer says
+            return False
 
     def _remove(self, cid: str) -> None:
         state = self._jobs.get(cid)
@@ -393,7 +401,8 @@ class DockerBackend(Backend):
             return JobStatus(JobState.RUNNING)
         if attrs.get("Status") == "created":
             return JobStatus(JobState.PENDING, reason="created")
-        return JobStatus(JobState.EXITED, _exitcode(attrs.get("ExitCode", 0)))
+        return JobStatus(JobState.EXITED, _exitcode(attrs.get("ExitCode", 0)),
+                         out_of_memory=bool(attrs.get("OOMKilled")))
 
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
         state = self._jobs.get(job.id)

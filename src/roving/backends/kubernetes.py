@@ -493,7 +493,8 @@ def _status_of(item: Any) -> JobStatus:
             code = -terminated.signal
         elif 128 < code < 160:
             code = -(code - 128)
-        return JobStatus(JobState.EXITED, code, f"{phase} {terminated.reason or ''}".strip())
+        return JobStatus(JobState.EXITED, code, f"{phase} {terminated.reason or ''}".strip(),
+                         out_of_memory=terminated.reason == "OOMKilled")
     if phase == "Running":
         return JobStatus(JobState.RUNNING)
     reasons = [f"{c.reason}: {c.message}" for c in item.status.conditions or [] if c.status == "False" and c.reason]

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.pool import RemoteTraceback  # type: ignore[attr-defined]  # typeshed lacks it
+from typing import Any, Optional, Tuple
 
 from ..errors import RovingError
 
-__all__ = ["PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback"]
+__all__ = ["PoolError", "WorkerLostError", "OutOfMemoryError", "PoolStartError", "UnloadedTraceback"]
 
 
 class PoolError(RovingError):
@@ -23,6 +24,21 @@ class WorkerLostError(PoolError, BrokenProcessPool):
     error for it, from a :class:`roving.Pool` as from roving's ``concurrent.futures`` executor: also the standard
     library's ``BrokenProcessPool``, as a ``concurrent.futures`` caller expects (for that call only: the
     pool and the executor go on)."""
+
+
+class OutOfMemoryError(WorkerLostError):
+    """A task ran out of memory: the workers running it were killed for memory (the kernel's OOM killer
+    in their cgroup, Slurm's ``OUT_OF_MEMORY``, Docker's or a pod's ``OOMKilled``) ``max_memory_kills``
+    times in a row (default 2), so it is not tried again on another worker. The message says "out of
+    memory", with the peak memory seen and the limit; :attr:`peak` and :attr:`limit` hold them in bytes
+    (None where not known). A :class:`WorkerLostError`, so code that catches that catches this too."""
+
+    def __init__(self, message: str, peak: Optional[int] = None, limit: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.peak, self.limit = peak, limit
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return type(self), (self.args[0] if self.args else "", self.peak, self.limit)
 
 
 class PoolStartError(PoolError, OSError):

@@ -407,7 +407,7 @@ class SlurmBackend(Backend):
                     status = JobStatus(JobState.RUNNING)
                 else:
                     status = JobStatus(JobState.EXITED, _exitcode(raw, job_id in self._forced, state),
-                                       reason=f"{state} {reason}".strip())
+                                       reason=f"{state} {reason}".strip(), out_of_memory=state == "OUT_OF_MEMORY")
                 self._set(job_id, status, now)
             for job_id in ids - seen:
                 # squeue forgets jobs MinJobAge after they end, and names no unknown id
