@@ -30,7 +30,6 @@ what was left of the aborted attempt, whatever order messages from different sen
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +50,6 @@ def unexpected(msg: Any, receiver: str, waiting_for: str = "") -> ProtocolError:
 @dataclass(frozen=True, slots=True)
 class Message:
     """The base of every message."""
-
-    def __reduce__(self) -> tuple:
-        # pickled as the class and its field values in order (cheaper than the slots' state dict); the
-        # ignore: a class is hashable, but typeshed's Hashable protocol misses it for this frozen dataclass
-        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))  # type: ignore[arg-type]
-
-
-@functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 @dataclass(frozen=True, slots=True)
