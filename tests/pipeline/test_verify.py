@@ -28,6 +28,7 @@ from roving.pipeline.verify import receipts
 from roving.pipeline.verify import verifier as verify_module
 from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.verify.conduct import HONEST
 from roving.pipeline.verify.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
 from roving.pipeline.verify.evidence import Evidence, difference, platform, recheck, recompute, summariser
@@ -341,7 +342,7 @@ class LocalRound:
             self.answers.append(m.EvidenceItems(msg.round, name, items, msg.ask))
         elif isinstance(msg, m.Recheck):  # as StageProcess._on_recheck
             self.answers.append(recheck(self.stage[name], stage, msg, torch.device("cpu"),
-                                        adversary=self.liars.get(name), name=name))
+                                        conduct=self.liars.get(name, HONEST), name=name))
         elif isinstance(msg, m.ShowWeights):
             self.answers.append(m.WeightsShown(msg.round, name, stage, {
                 k: v.detach().clone() for k, v in self.stage[name].state_dict().items()}))

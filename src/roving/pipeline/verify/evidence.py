@@ -45,6 +45,7 @@ import torch
 
 from .. import protocol as m
 from . import receipts
+from .conduct import HONEST, Conduct
 from .receipts import Receipt
 from .screen import cosines_to, summarize, summarize_squared
 
@@ -352,19 +353,18 @@ def recompute(stage: Any, kind: str, inputs: dict, device: torch.device,
 
 
 def recheck(stage: Any, held: int, msg: m.Recheck, device: torch.device, bf16: bool = False,
-            adversary: Any = None, name: str = "") -> m.Rechecked:
+            conduct: Conduct = HONEST, name: str = "") -> m.Rechecked:
     """A stage process's answer to ``msg`` (a ``Recheck``), as process ``name`` holding ``stage`` (a
     ``stages.Stage``) of index ``held``: the difference of ``msg.claimed`` from its recomputation; NaN
-    when it does not hold the stage or cannot recompute it. ``adversary``: what a lying verifier says
-    instead (fault injection)."""
+    when it does not hold the stage or cannot recompute it; what it answers goes through its
+    ``conduct`` (a lying verifier says otherwise)."""
     diff = math.nan
     if msg.stage == held:
         try:
             diff = difference(msg.claimed, recompute(stage, msg.kind, msg.inputs, device, bf16))
         except Exception as exc:
             log.warning("%s: could not recompute %s: %s", name, msg.kind, exc)
-    if adversary is not None:
-        diff = adversary.reports(name, msg.round, diff)
+    diff = conduct.reports(name, msg.round, diff)
     return m.Rechecked(msg.round, name, msg.check, diff)
 
 
