@@ -126,6 +126,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from .. import protocol as m
+from ..dispatch import Dispatch
 from . import receipts
 from .aggregate import combine
 from ..errors import NodesLost
@@ -240,6 +241,7 @@ class _Audit:
     confirmations: int = 0
     overlapped: float = 0.0  # seconds of the audit's own work while the round ran
     cpu: float = 0.0  # the coordinator's CPU seconds of the audit's own work (its thread's)
+    ending: bool = False  # the round's end (``Verifier.audit``) has begun
 
     def awaited(self) -> set[str]:
         """The nodes an answer is awaited from."""
@@ -259,7 +261,10 @@ class Verifier:
     answer of ``kinds`` that comes meanwhile, then ``audit``, which returns the nodes caught (name ->
     why); ``abandon`` when the round is given up."""
 
-    def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None]) -> None:
+    def __init__(self, config: Any, model: Any, roster: Any, event: Callable[..., None],
+                 dispatch: Dispatch | None = None) -> None:
+        """``dispatch``: the coordinator's reader of its control inbox (one of ``roster``'s own when not
+        given), which hands this verifier the answers its audits asked for (``kinds``), whoever reads them."""
         self.mode, self.rate, self.tolerance = config.mode, config.verify_rate, config.tolerance
         self.verifiers, self.confirm_rate = config.verifiers, config.confirm_rate
         self.aggregation = config.aggregation
@@ -282,6 +287,9 @@ class Verifier:
         self._check_id = self._ask_id = 0
         #: the messages of the nodes that an audit takes (``take``) while the trainer waits for the round's
         self.kinds: tuple[type, ...] = (m.EvidenceItems, m.Rechecked, m.WeightsShown) if self.on else ()
+        self.dispatch = Dispatch(roster) if dispatch is None else dispatch
+        if self.kinds:
+            self.dispatch.on(self.kinds, self.take)
         #: the latest audit's figures (checks run, rechecks, confirmations, nodes caught; ``seconds``: its
         #: time after the replicas' averaging, on the round's critical path; ``overlapped_seconds``: its
         #: own work while the round's microbatches ran; ``cpu_seconds``: the CPU time of all of its own
@@ -337,11 +345,16 @@ class Verifier:
             self._decide(a, [c for c in a.shares.values() if c.node in normed and c.claimed.holder in normed])
 
     def take(self, msg: m.Message) -> None:
-        """An answer of ``kinds`` that came while the trainer waited for the round's own messages."""
+        """An answer of ``kinds`` (its handler in ``dispatch``): taken by the round's audit, timed as work
+        overlapped with the round while the round runs."""
         a = self._current(getattr(msg, "round", None))
-        if a is not None:
-            with self._overlapped(a):
-                self._take(a, msg)
+        if a is None:
+            return
+        if a.ending:
+            self._take(a, msg)
+            return
+        with self._overlapped(a):
+            self._take(a, msg)
 
     def abandon(self) -> dict[str, str]:
         """The round is given up (a node lost, or it stalled): its audit is dropped; returns the nodes it
@@ -377,6 +390,7 @@ class Verifier:
         if a is None:
             raise ValueError(f"audit of round {rnd}, which verification was not told of (Verifier.begin)")
         t0, c0 = time.perf_counter(), time.thread_time()
+        a.ending = True
         self._suspects(a)
         self._confirm_flagged(a)
         self._combined(a)
@@ -406,8 +420,7 @@ class Verifier:
 
     def _wait(self, a: _Audit) -> None:
         """Take answers until none is awaited (each may ask for more: weights for a confirmation)."""
-        while names := a.awaited():
-            self._take(a, self.roster.recv(self.kinds, timeout=self.timeout, rnd=a.rnd, names=names))
+        self.dispatch.until(lambda: not a.awaited(), rnd=a.rnd, timeout=self.timeout)
 
     def _take(self, a: _Audit, msg: m.Message) -> None:
         if isinstance(msg, m.EvidenceItems):
