@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
 from roving.pipeline.verify import receipts
-from roving.pipeline.verify import verifier as verify_module
+from roving.pipeline.verify import sampling as sampling_module
 from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.verify.adversary import Adversary
 from roving.pipeline.verify.conduct import HONEST
@@ -37,7 +37,9 @@ from roving.pipeline.presets import preset
 from roving.pipeline.planning.plan import Plan, Route
 from roving.pipeline.stages import Stage
 from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify.verifier import Check, Source, Verifier, _Audit
+from roving.pipeline.verify.audit import Audit
+from roving.pipeline.verify.checks import Check, Source, round_checks
+from roving.pipeline.verify.verifier import Verifier
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32
@@ -231,7 +233,7 @@ def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blam
     for name, (shown, culprit, disputed) in cases.items():
         v, events = verifier()
         caught: dict = {}
-        got = v._evidence(check, shown, caught, 7)
+        got = v.gather.evidence(check, shown, caught, 7)
         assert (got is not None) == (name == "shown"), name
         assert list(caught) == ([culprit] if culprit else []), name
         disputes = [f for kind, f in events if kind == "dispute"]
@@ -512,11 +514,11 @@ def test_shares_are_screened_per_load_so_honest_replicas_of_unequal_loads_are_no
     v, events = verifier("screen")
     g = torch.Generator().manual_seed(0)
     for rnd in range(200):
-        a = _Audit(rnd, None, alloc, {}, {}, loads)
+        a = Audit(rnd, None, alloc, {}, {}, loads)
         rows = tuple(("share", -1, -1, n, summarize(sum(torch.randn(2000, generator=g) for _ in range(k)), divisor=k))
                      for n, k in (("a", 3), ("b", 1)))
-        v._screen(a, m.Norm(rnd, "x", 1, 1.0, rows, (), None, None))
-        v._suspects(a)
+        v.reports.screen_norm(a, m.Norm(rnd, "x", 1, 1.0, rows, (), None, None))
+        v.reports.suspects(a)
     suspects = {(f["node"], f["check"]) for kind, f in events if kind == "suspect"}
     assert not a.caught
     assert suspects == ({("a", "norm"), ("b", "norm"), ("a", "std"), ("b", "std")} if named else set()), suspects
@@ -529,12 +531,12 @@ def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_repor
     nothing of it screened; every Norm that honest nodes make passes."""
     alloc = {"a": 0, "b": 0, "c": 0, "d": 0, "x": 1}
     v, events = verifier("screen")
-    a = _Audit(0, None, alloc, {}, {})
+    a = Audit(0, None, alloc, {}, {})
     for sender, cos in (("a", {"a": 1.0, "b": 0.2, "x": -1.0}), ("c", {"b": 0.4}), ("d", {"b": 0.9}),
                         ("x", {"a": -1.0})):
-        v._screen(a, m.Norm(0, sender, alloc[sender], 1.0, (), (), cos, None))
+        v.reports.screen_norm(a, m.Norm(0, sender, alloc[sender], 1.0, (), (), cos, None))
     assert a.cosines == {"b": [0.2, 0.4, 0.9]} and not a.caught and not events
-    v._suspects(a)
+    v.reports.suspects(a)
     assert v.screen.nodes[("share", 0)]["b"].stats["cosine"].mean == pytest.approx(0.4)
     good = summarize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
     row = ("activation", 0, 1, "a", good)
@@ -546,18 +548,18 @@ def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_repor
            "a cosine not a number": dict(cosines={"b": "high"}), "a NaN cosine": dict(cosines={"b": math.nan})}
     for why, fields in bad.items():
         v, events = verifier("screen")
-        a = _Audit(0, None, alloc, {}, {})
+        a = Audit(0, None, alloc, {}, {})
         msg = dataclasses.replace(m.Norm(0, "c", 0, 1.0, (row,), (), None, None), **fields)
-        v._screen(a, msg)
+        v.reports.screen_norm(a, msg)
         assert list(a.caught) == ["c"] and a.caught["c"].startswith("report:"), why
         assert [f["check"] for kind, f in events if kind == "caught"] == ["report"], why
         assert not v.screen.nodes and not a.cosines, why
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
     v, _ = verifier("screen", roster=r)
-    a = _Audit(0, PLAN, dict(PLAN.allocation), {}, {})
+    a = Audit(0, PLAN, dict(PLAN.allocation), {}, {})
     for msg in r.norms:
-        v._screen(a, msg)
+        v.reports.screen_norm(a, msg)
     assert not a.caught and v.screen.nodes
 
 
@@ -645,9 +647,9 @@ def test_the_combined_digest_is_asked_only_where_the_weights_check_could_not_nam
     assert not v.combined_needed(["a", "b", "c"])
     assert v.combined_needed(["d", "e"]) and v.combined_needed(["f", "g", "h"])
     # a digest that nobody asked for is no evidence: the others keep no combined gradient to show
-    audit = _Audit(1, None, alloc, {}, {}, norms=[m.Norm(1, n, s, 1.0, (), (), None, b"d" * 32 if n == "a" else None)
+    audit = Audit(1, None, alloc, {}, {}, norms=[m.Norm(1, n, s, 1.0, (), (), None, b"d" * 32 if n == "a" else None)
                                                   for n, s in alloc.items()])
-    v._combined(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
+    v.replicas.averaging(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
     assert not audit.caught and not audit.asks and not events
     v._audit = audit  # the round's SyncOrders: the audit remembers which stages were asked
     assert v.combined_asked(1, ["e", "d"]) and not v.combined_asked(1, ["a", "b", "c"])
@@ -756,7 +758,7 @@ def test_a_negated_share_is_opposed_and_its_nodes_computations_of_the_round_are_
             assert cosine > 0 and v.last["opposed"] == [] and v.last["checks"] == 0 and not caught
             continue
         assert cosine < 0 and v.last["opposed"] == ["c", "d"]
-        theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("c", "d")]
+        theirs = [c for c in round_checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("c", "d")]
         assert v.last["checks"] == (len(theirs) if made_up else 0)
         assert list(caught) == (["c"] if made_up else [])
 
@@ -782,7 +784,7 @@ def test_a_suspect_named_at_the_rounds_end_has_its_computations_of_that_round_ma
     assert v.audit(0, r.norm()) == {}
     assert v.suspects == {"a", "b"} and v.last["opposed"] == []
     assert {(f["node"], f["check"]) for kind, f in events if kind == "suspect"} == {("a", "cosine"), ("b", "cosine")}
-    theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("a", "b")]
+    theirs = [c for c in round_checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("a", "b")]
     assert v.last["checks"] == len(theirs) > 0
 
 
@@ -1026,7 +1028,7 @@ def test_a_negated_share_has_its_node_opposed_in_the_round_it_starts_and_caught_
     replica's stage process reports of it), so both are opposed in iteration 5, and every computation of
     theirs is checked: the liar is caught there (by whichever of its computations), its honest replica is not,
     and training goes on without it."""
-    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+    monkeypatch.setattr(sampling_module, "SUSPECT_RATE", 1.0)
 
     def liar(by_stage: dict) -> dict:
         return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2): ["signflip"]}
@@ -1053,7 +1055,7 @@ def test_a_whole_stage_that_colludes_is_turned_in_the_round_it_starts_and_both_a
     that the test waits on no draw) the checks are drawn at the round's end; at rate 1 they are all drawn while the
     round runs, and confirmed whether their verifiers passed them before its end (then at the end:
     ``test_what_a_turned_nodes_verifier_passed_before_the_round_ended_is_confirmed_at_its_end``) or after."""
-    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+    monkeypatch.setattr(sampling_module, "SUSPECT_RATE", 1.0)
 
     def pair(by_stage: dict) -> dict:
         return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2 and s > 0): ["collude", "collude"]}
@@ -1201,7 +1203,7 @@ def test_a_node_caught_before_another_dies_in_the_same_audit_is_in_the_nodes_los
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=("a", m.EvidenceRequest))
     v, events = verifier("full", roster=r)
     check = Check("c", 1, "share", -1, -1, Source("d", ("share", -1, -1, "c")))
-    monkeypatch.setattr(v, "_combined", lambda a: v._catch(
+    monkeypatch.setattr(v.replicas, "averaging", lambda a: v.findings.catch(
         a.caught, "c", "averaging", check, reason="its replicas' combined gradients differ"))
     v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:
