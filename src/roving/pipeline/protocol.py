@@ -158,8 +158,8 @@ class Throttle(Message):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceRequest(RoundMessage):
-    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``); ``ask``
-    numbers the request, for its answer to name."""
+    """Show the tensors of ``keys`` (each a ``tensor_id.TensorId``) that you received this round
+    (``evidence.Evidence.show``); ``ask`` numbers the request, for its answer to name."""
 
     keys: tuple
     ask: int = 0
@@ -270,9 +270,9 @@ class Norm(RoundMessage):
     stage: int
     sq_norm: float
     #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
-    #: row (what, mb, hop, from, ``screen.Summary``) per tensor, the keys of those that did not match
-    #: their receipt, and its own gradient share's cosine to each other replica's, by name (3 replicas
-    #: or more)
+    #: row (``tensor_id.Screened``: the ``TensorId`` and its ``screen.Summary``) per tensor, the
+    #: ``TensorId`` of those that did not match their receipt, and its own gradient share's cosine to each
+    #: other replica's, by name (3 replicas or more)
     screened: tuple = ()
     disputes: tuple = ()
     cosines: Any = None
@@ -300,8 +300,8 @@ class Stepped(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceItems(RoundMessage):
-    """The answer to ``EvidenceRequest`` number ``ask``: key -> (tensor, receipt, disputed) for the keys
-    ``sender`` has."""
+    """The answer to ``EvidenceRequest`` number ``ask``: ``TensorId`` -> (tensor, receipt, disputed) for the
+    keys ``sender`` has."""
 
     sender: str
     items: dict

@@ -2,8 +2,8 @@
 
 Nothing that crosses from a stage process to the coordinator or to another stage process is unpickled:
 a message (:mod:`.protocol`) travels as one JSON header and the raw bytes of its tensors, and is read
-back only into the types this module knows (the messages, ``Route``, ``Receipt``, ``Summary``, ``Link``,
-``PostboxAddress``), each field checked against its schema before the message exists:
+back only into the types this module knows (the messages, ``Route``, ``Receipt``, ``TensorId``, ``Summary``,
+``Link``, ``PostboxAddress``), each field checked against its schema before the message exists:
 
 * **Types** from each field's annotation (``int``, ``float``, ``str``, ``bool``, ``bytes``, ``Route``,
   ``tuple[str, ...]``, ``dict``, ``X | None``...); an ``int`` is never a ``bool``.
@@ -21,8 +21,9 @@ array (its kind, then its fields in order, each as its annotation says: a record
 fields, a tensor as ``[buffer, dtype, shape]``, bytes as base64); only fields annotated loosely
 (``Any``, ``dict``, ``list``, ``tuple``) go through the tagged form that says what each value is
 (``{"u": [...]}`` a tuple, ``{"m": [[key, value], ...]}`` a dict, ``{"b": "..."}`` bytes, ``{"t": [...]}``
-a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as columns:
-one row of plain values per tensor summarised and one buffer with every profile.
+a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one float64
+table (a row per tensor summarised: its ``TensorId``, what was found, its statistics), its senders' names,
+and one buffer with every profile: checked column by column, not value by value.
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -47,7 +48,8 @@ from ..errors import Malformed, PipelineError
 from ..planning.network import Link
 from ..planning.plan import Route
 from ..verify.receipts import Receipt
-from ..verify.screen import Summary
+from ..verify.screen import FOUND, Summary
+from ..verify.tensor_id import WHATS, Screened, TensorId
 
 #: Tensor dtypes that may travel, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -62,7 +64,7 @@ _VERSION = 1
 
 
 #: The types a message may hold, by wire name (their fields are checked as a message's are).
-_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (Route, Receipt, Summary, Link, PostboxAddress)}
+_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (Route, Receipt, TensorId, Summary, Link, PostboxAddress)}
 _MESSAGES: dict[str, type] = {
     cls.__name__: cls for cls in vars(m).values()
     if isinstance(cls, type) and issubclass(cls, m.Message) and cls not in (m.Message, m.RoundMessage)
@@ -308,7 +310,7 @@ def _dec_any(raw: Any, reader: "_Reader", depth: int) -> Any:
 
 
 def _hashable(key: Any) -> bool:
-    if type(key) in (int, str, bool) or key is None:
+    if type(key) in (int, str, bool, TensorId) or key is None:
         return True
     return type(key) is tuple and all(_hashable(k) for k in key)
 
@@ -339,53 +341,80 @@ def _tensor(t: Any, buffers: list) -> list:
     return [len(buffers) - 1, dtype, list(t.shape)]
 
 
-# -- screening reports, as columns --------------------------------------------------------------------
+# -- screening reports, as one table ------------------------------------------------------------------
+_WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
+_FOUND_CODE: dict[tuple, int] = {(): 0, **{(f,): i + 1 for i, f in enumerate(FOUND)}}
+_FOUNDS: list[tuple[str, ...]] = [(), *((f,) for f in FOUND)]
+#: a screening row's columns: round, what (its index in WHATS), mb, hop, sender (its index in the names
+#: sent), found (0: nothing, else 1 + its index in FOUND), the three statistics, the profile's length (-1:
+#: none); the first six and the last are whole numbers
+_ROW = 10
+_WHOLE_COLUMNS = [0, 1, 2, 3, 4, 5, 9]
+#: the bounds of those columns (from, to but not including; the sender's: the names sent)
+_LOW = numpy.array([_WHOLE[0], 0, _WHOLE[0], _WHOLE[0], 0, 0, -1], numpy.float64)
+_HIGH = numpy.array([_WHOLE[1], len(WHATS), _WHOLE[1], _WHOLE[1], 0, len(FOUND) + 1, _WHOLE[1]], numpy.float64)
+
+
 def _enc_screened(rows: Any, buffers: list) -> list:
-    """Norm.screened: (what, mb, hop, from, Summary) rows as one row of plain values each and one buffer
-    holding every profile (float32, each row says how many values are its)."""
-    out, profiles = [], []
-    for what, mb, hop, frm, summary in rows:
-        p = summary.profile
-        n = -1
+    """Norm.screened: the senders' names, one float64 table of a row per tensor summarised (``_ROW``), and
+    one float32 buffer with every profile, in order."""
+    names: dict[str, int] = {}
+    table, profiles = [], []
+    for row in rows:
+        if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
+            raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
+        t, s = row.tensor, row.summary
+        found = _FOUND_CODE.get(s.found)
+        if found is None or t.what not in _WHAT_CODE:
+            raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
+        p, n = s.profile, -1
         if isinstance(p, torch.Tensor):
-            if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
-                p = p.detach().to("cpu", torch.float32)
-            flat = p.numpy().reshape(-1)
+            flat = p.detach().to("cpu", torch.float32).reshape(-1).numpy()
             profiles.append(flat)
             n = flat.size
-        out.append([what, mb, hop, frm, list(summary.found), summary.norm, summary.mean, summary.std, n])
+        table.append((t.round, _WHAT_CODE[t.what], t.mb, t.hop, names.setdefault(t.sender, len(names)), found,
+                      s.norm, s.mean, s.std, n))
+    array = numpy.array(table, numpy.float64).reshape(len(table), _ROW)
     joined = numpy.concatenate(profiles) if profiles else numpy.empty(0, numpy.float32)
-    buffers.append(memoryview(joined).cast("B") if joined.size else b"")  # type: ignore[arg-type]
-    return [out, [len(buffers) - 1, "float32", [int(joined.size)]]]
+    return [list(names), _tensor(torch.from_numpy(array), buffers), _tensor(torch.from_numpy(joined), buffers)]
 
 
 def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
-    if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not list:
+    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list:
         raise Malformed("not a screening report")
-    profiles = reader.tensor(raw[1])
+    names = [_check_str(n, reader, depth) for n in raw[0]]
+    table, profiles = reader.tensor(raw[1]), reader.tensor(raw[2])
+    if table.dtype != torch.float64 or table.dim() != 2 or table.shape[1] != _ROW:
+        raise Malformed(f"a screening table that is not float64 rows of {_ROW}")
     if profiles.dtype != torch.float32 or profiles.dim() != 1:
         raise Malformed("profiles that are not float32 values")
-    rows, at, wanted = [], 0, []
-    for row in raw[0]:
-        if type(row) is not list or len(row) != 9 or type(row[4]) is not list:
-            raise Malformed("a screening row that is not one")
-        what, mb, hop, frm = (_check_str(row[0], reader, depth), _check_int(row[1], reader, depth),
-                              _check_int(row[2], reader, depth), _check_str(row[3], reader, depth))
-        found = tuple(_check_str(f, reader, depth) for f in row[4])
-        stats = []
-        for v in row[5:8]:
-            if type(v) is not float and type(v) is not int:
-                raise Malformed(f"{v!r} is not a number")
-            stats.append(float(v))  # judged by screening (Summary.sound), which refuses the unsound
-        n = _check_int(row[8], reader, depth)
-        at += max(n, 0)
-        wanted.append(n)
-        rows.append((what, mb, hop, frm, found, stats))
-    if at != profiles.numel():
+    rows = table.numpy()
+    if not len(rows):
+        if profiles.numel():
+            raise Malformed("profiles sent with no screening row")
+        return ()
+    whole = rows[:, _WHOLE_COLUMNS]
+    high = _HIGH.copy()
+    high[4] = len(names)
+    # (NaN and the infinities fail the bounds; one comparison a column, whatever the rows)
+    if not ((whole == numpy.floor(whole)).all() and (whole >= _LOW).all() and (whole < high).all()):
+        raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
+                        "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
+    lengths = rows[:, 9].astype(numpy.int64)
+    if int(numpy.maximum(lengths, 0).sum()) != profiles.numel():
         raise Malformed("profile lengths that do not add up to the profiles sent")
-    parts = iter(torch.split(profiles, [n for n in wanted if n >= 0])) if at else iter(())
-    return tuple((what, mb, hop, frm, Summary(found, stats[0], stats[1], stats[2], next(parts) if n >= 0 else None))
-                 for (what, mb, hop, frm, found, stats), n in zip(rows, wanted))
+    parts = iter(torch.split(profiles, lengths[lengths >= 0].tolist())) if profiles.numel() else iter(())
+    out = []
+    for r, n in zip(rows.tolist(), lengths.tolist()):  # (the statistics are judged by screening: Summary.sound)
+        out.append(Screened(TensorId(int(r[0]), WHATS[int(r[1])], int(r[2]), int(r[3]), names[int(r[4])]),
+                            Summary(_FOUNDS[int(r[5])], r[6], r[7], r[8], next(parts) if n >= 0 else None)))
+    return tuple(out)
+
+
+def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
+    if type(raw) is not str or raw not in _WHAT_CODE:
+        raise Malformed(f"{str(raw)[:40]!r} is not what a tensor can be ({', '.join(WHATS)})")
+    return raw
 
 
 def _enc_stats(stats: Any, buffers: list) -> list:
@@ -425,7 +454,8 @@ def _dec_stats(raw: Any, reader: "_Reader", depth: int) -> dict:
 
 
 _CUSTOM: dict[tuple[str, str], tuple[Enc, Dec]] = {("Norm", "screened"): (_enc_screened, _dec_screened),
-                                                   ("Stepped", "stats"): (_enc_stats, _dec_stats)}
+                                                   ("Stepped", "stats"): (_enc_stats, _dec_stats),
+                                                   ("TensorId", "what"): (_same, _check_what)}
 
 
 @functools.cache
@@ -473,8 +503,8 @@ def decode(frames: list[Any], sender: str | None = None) -> m.Message:
     if len(reader.used) != len(frames) - 1:
         raise Malformed(f"{len(frames) - 1 - len(reader.used)} buffer(s) that no field names")
     receipt = getattr(msg, "receipt", None)
-    if receipt is not None and sender is not None and receipt.sender != sender:
-        raise Malformed(f"{kind}: a receipt of {receipt.sender!r} sent by {sender!r}")
+    if receipt is not None and sender is not None and receipt.id.sender != sender:
+        raise Malformed(f"{kind}: a receipt of {receipt.id.sender!r} sent by {sender!r}")
     return msg
 
 

@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from .. import protocol as m
 from .checks import Check
+from .tensor_id import TensorId
 
 
 @dataclass
@@ -51,10 +52,10 @@ class Audit:
     by_mb: dict[int, list[Check]]
     shares: dict[str, Check]
     loads: dict[str, int] = field(default_factory=dict)  # node -> the microbatches it runs the backward of
-    decided: dict[tuple, float] = field(default_factory=dict)  # claimed key -> the chance it was drawn with
-    drawn: set[tuple] = field(default_factory=set)  # those checked
+    decided: dict[TensorId | None, float] = field(default_factory=dict)  # claimed -> the chance it was drawn with
+    drawn: set[TensorId | None] = field(default_factory=set)  # those checked
     norms: list[m.Norm] = field(default_factory=list)
-    flagged: set[tuple] = field(default_factory=set)  # keys of tensors screening found bad at once
+    flagged: set[TensorId | None] = field(default_factory=set)  # tensors screening found bad at once
     cosines: dict[str, list[float]] = field(default_factory=dict)  # node -> its share's cosines, as reported
     opposed: set[str] = field(default_factory=set)  # nodes whose share pointed away from its replicas'
     turned: set[str] = field(default_factory=set)  # nodes whose outputs' profile turned from their own

@@ -18,6 +18,7 @@ from .checks import Check, what_differs
 from .evidence import difference, recompute
 from .findings import Findings, finite
 from .settings import Settings
+from .tensor_id import Kind
 from ..stages import Stage
 
 
@@ -106,7 +107,7 @@ class Confirmations:
         want = recompute(stage, c.kind, r.inputs, self.device, self.settings.bf16)
         own = r.confirmed = difference(r.claimed, want)
         if own > self.settings.tolerance:
-            what = "share of the round" if c.kind == "share" else \
+            what = "share of the round" if c.kind == Kind.SHARE else \
                 f"{what_differs(c, r.claimed, want, self.settings.tolerance)} of microbatch {c.mb}"
             verb = "differ" if " and " in what else "differs"
             reported = r.answers[r.mismatch] if r.mismatch else None

@@ -44,51 +44,50 @@ class Gather:
             del a.asks[msg.ask]
             ask.then(ask.shown)
 
-    def shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check, rnd: int) -> Any:
-        """The tensor of ``src`` once it is covered by its sender's receipt for round ``rnd``; None, after
+    def shown(self, src: Source, shown: dict[str, dict], caught: dict[str, str], c: Check) -> Any:
+        """The tensor of ``src`` once it is covered by its sender's receipt for it (``src.key``: of the
+        audit's round); None, after
         blaming the holder or recording a dispute, when it is not (the module doc, Evidence). A tensor
         under the receipt of another round is not this round's (its sender's work of another round is
         not checked against this round's inputs): its holder is caught."""
-        if not src.holder:
+        key = src.key
+        if not src.holder or key is None:
             return src.value
-        got = shown.get(src.holder, {}).get(src.key)
-        sender = src.key[3]
+        got = shown.get(src.holder, {}).get(key)
+        sender = key.sender
         if got is None or not isinstance(got, tuple) or len(got) != 3:
             self.findings.catch(caught, src.holder, "evidence", c,
-                                reason=f"did not show the tensor {list(src.key)} it received from {sender}")
+                                reason=f"did not show the tensor {key.as_list()} it received from {sender}")
             return None
         tensor, receipt, disputed = got
         if disputed:
             self.findings.dispute([sender, src.holder], "a tensor did not match its sender's receipt on arrival",
-                                  key=list(src.key))
+                                  key=key.as_list())
             return None
-        what, mb, hop, _ = src.key
-        fields = isinstance(receipt, receipts.Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
-                                                             receipt.hop) == (sender, rnd, what, mb, hop)
-        if not fields or not receipts.matches(receipt, tensor):
+        if not isinstance(receipt, receipts.Receipt) or receipt.id != key or not receipts.matches(receipt, tensor):
             self.findings.catch(caught, src.holder, "evidence", c,
-                                reason=f"showed a tensor {list(src.key)} that {sender}'s receipt does not name")
+                                reason=f"showed a tensor {key.as_list()} that {sender}'s receipt does not name")
             return None
         if not receipts.genuine(receipts.node_key(self.roster.run_key, sender), receipt):
-            self.findings.dispute([sender, src.holder], "a receipt's MAC is not its sender's", key=list(src.key))
+            self.findings.dispute([sender, src.holder], "a receipt's MAC is not its sender's", key=key.as_list())
             return None
         return tensor
 
-    def evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str], rnd: int) -> tuple | None:
+    def evidence(self, c: Check, shown: dict[str, dict], caught: dict[str, str]) -> tuple | None:
         """The check's tensors (claimed, inputs) once each is covered by its sender's receipt; None, after
         blaming or recording a dispute, when one is not."""
-        outputs = [self.shown(src, shown, caught, c, rnd) for src in c.outputs()]
+        outputs = [self.shown(src, shown, caught, c) for src in c.outputs()]
         if any(t is None for t in outputs):
             return None
         claimed = outputs[0] if len(outputs) == 1 else tuple(outputs)
         inputs = {}
         for name, src in c.inputs.items():
-            inputs[name] = self.shown(src, shown, caught, c, rnd)
+            inputs[name] = self.shown(src, shown, caught, c)
             if inputs[name] is None:
                 return None
         visits = []
         for v in c.visits:
-            got = {name: self.shown(src, shown, caught, c, rnd) for name, src in v.items()}
+            got = {name: self.shown(src, shown, caught, c) for name, src in v.items()}
             if any(t is None for t in got.values()):
                 return None
             visits.append(got)

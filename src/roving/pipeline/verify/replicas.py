@@ -15,10 +15,11 @@ from . import receipts
 from .aggregate import combine
 from .audit import Audit
 from .checks import Check, Source
-from .evidence import COMBINED, difference
+from .evidence import difference
 from .findings import Findings
 from .gather import Gather
 from .settings import Settings
+from .tensor_id import Kind, TensorId
 from ..stages import Stage
 
 
@@ -66,7 +67,7 @@ class Replicas:
                 for name in sorted(set(got) - set(agreeing)):
                     what = (f"stepped to other weights than {n} of the {len(got)} replicas of stage {stage}"
                             if isinstance(got[name], bytes) else "reported no digest of the weights it stepped to")
-                    c = Check(name, stage, "weights", -1, -1, Source(name, ()))
+                    c = Check(name, stage, Kind.WEIGHTS, -1, -1, Source(name))
                     self.findings.catch(caught, name, "weights", c, reason=f"{what} after round {rnd}", round=rnd,
                                         agreeing=agreeing)
             else:
@@ -126,7 +127,7 @@ class Replicas:
         if not self.settings.on:
             return {}
         caught: dict[str, str] = {}
-        c = Check(name, stage if isinstance(stage, int) else -1, "export", -1, -1, Source(name, ()))
+        c = Check(name, stage if isinstance(stage, int) else -1, Kind.EXPORT, -1, -1, Source(name))
         if not isinstance(stage, int) or isinstance(stage, bool) or (holds is not None and stage != holds):
             self.findings.catch(caught, name, "export", c, reason=f"exported weights of stage {stage!r} while it holds "
                         f"stage {holds}")
@@ -188,8 +189,8 @@ class Replicas:
         for names in split.values():
             for r in names:
                 holder = next(o for o in names if o != r)
-                wanted.setdefault(holder, set()).add(("share", -1, -1, r))
-                wanted.setdefault(r, set()).add(COMBINED)
+                wanted.setdefault(holder, set()).add(TensorId(a.rnd, "share", -1, -1, r))
+                wanted.setdefault(r, set()).add(TensorId.combined(a.rnd))
         self.gather.ask(a, wanted, lambda shown: self._judge_averaging(a, split, shown))
 
     def _judge_averaging(self, a: Audit, split: dict[int, list[str]], shown: dict[str, dict]) -> None:
@@ -198,8 +199,8 @@ class Replicas:
             shares = []
             for r in names:
                 holder = next(o for o in names if o != r)
-                c = Check(r, stage, "share", -1, -1, Source(holder, ("share", -1, -1, r)))
-                share = self.gather.shown(c.claimed, shown, a.caught, c, a.rnd)
+                c = Check(r, stage, Kind.SHARE, -1, -1, Source(holder, TensorId(a.rnd, "share", -1, -1, r)))
+                share = self.gather.shown(c.claimed, shown, a.caught, c)
                 if share is None:
                     break
                 shares.append(share.float())
@@ -207,8 +208,8 @@ class Replicas:
                 continue  # a share not shown, or disputed: dealt with above
             want = combine(shares, [counts.get(r, 0) for r in names], visits[stage], self.settings.aggregation)
             for r in names:
-                got = shown.get(r, {}).get(COMBINED)
-                c = Check(r, stage, "combine", -1, -1, Source(r, COMBINED))
+                got = shown.get(r, {}).get(TensorId.combined(a.rnd))
+                c = Check(r, stage, Kind.COMBINE, -1, -1, Source(r, TensorId.combined(a.rnd)))
                 d = difference(got[0] if isinstance(got, tuple) and got else None, want)
                 if d > self.settings.tolerance:
                     self.findings.catch(a.caught, r, "combine", c,

@@ -12,6 +12,7 @@ from .audit import Audit
 from .checks import Check, Source
 from .findings import Findings
 from .screen import Screen, sound
+from .tensor_id import WHATS, Kind, Screened, TensorId
 
 
 class Reports:
@@ -28,25 +29,26 @@ class Reports:
         count too: those tensors were sent.) A report that is not one (a row, a dispute or a cosine of
         another shape) has its sender caught: only it could have sent it, over its own connection."""
         if not well_formed(msg):
-            c = Check(msg.sender, a.alloc.get(msg.sender, -1), "report", -1, -1, Source())
+            c = Check(msg.sender, a.alloc.get(msg.sender, -1), Kind.REPORT, -1, -1, Source())
             self.findings.catch(a.caught, msg.sender, "report", c,
                                 reason="sent a screening report that is not one (its rows, disputes or cosines "
                                 "malformed)")
             return
-        for what, mb, hop, sender, summary in msg.screened:
-            stage = a.alloc.get(sender)
+        for row in msg.screened:
+            t = row.tensor
+            stage = a.alloc.get(t.sender)
             if stage is None:
                 continue
             # comparable tensors: of one stage, at one position on the routes (the residual stream
             # grows along a route, and a route may skip stages); shares of one stage and one load (a share
             # is summarised per microbatch, but where noise makes most of a gradient the norm of a mean
             # of k falls as 1/sqrt(k): honest replicas of unequal loads would stand apart)
-            boundary = ("share", stage, a.loads.get(sender, -1)) if what == "share" else (what, stage, hop)
-            if self.screen.add(boundary, sender, summary):
-                a.flagged.add((what, mb, hop, sender))
+            boundary = ("share", stage, a.loads.get(t.sender, -1)) if t.what == "share" else (t.what, stage, t.hop)
+            if self.screen.add(boundary, t.sender, row.summary):
+                a.flagged.add(t)
         for key in msg.disputes:
-            self.findings.dispute([key[3], msg.sender], "a tensor did not match its sender's receipt on arrival",
-                                  key=list(key))
+            self.findings.dispute([key.sender, msg.sender], "a tensor did not match its sender's receipt on arrival",
+                                  key=key.as_list())
         # a replica reports its own share's cosine to each of its stage's other replicas': a
         # share's cosines are those its *other* replicas report, so that nobody speaks for its own
         stage = a.alloc.get(msg.sender)
@@ -74,17 +76,17 @@ class Reports:
 
 
 def well_formed(msg: m.Norm) -> bool:
-    """Whether a ``Norm``'s screening report has the shape a stage process makes: rows (what, mb, hop,
-    sender, ``screen.Summary``), disputed keys (what, mb, hop, sender), and cosines (name -> a number
-    within [-1, 1], give or take far more than rounding), or none."""
+    """Whether a ``Norm``'s screening report has the shape a stage process makes: rows (``Screened``: a
+    tensor of the Norm's round and a sound ``screen.Summary``), disputed tensors (``TensorId`` of its
+    round), and cosines (name -> a number within [-1, 1], give or take far more than rounding), or none."""
     def key(k: object) -> bool:
-        return (isinstance(k, tuple) and len(k) == 4 and isinstance(k[0], str) and isinstance(k[1], int)
-                and isinstance(k[2], int) and isinstance(k[3], str))
+        return (type(k) is TensorId and k.round == msg.round and k.what in WHATS and type(k.mb) is int
+                and type(k.hop) is int and isinstance(k.sender, str))
 
     rows, disputes, cosines = msg.screened, msg.disputes, msg.cosines
     if not isinstance(rows, tuple) or not isinstance(disputes, tuple):
         return False
-    if not all(isinstance(r, tuple) and len(r) == 5 and key(r[:4]) and sound(r[4]) for r in rows):
+    if not all(type(r) is Screened and key(r.tensor) and sound(r.summary) for r in rows):
         return False
     if not all(key(k) for k in disputes):
         return False

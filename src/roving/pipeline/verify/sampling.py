@@ -18,6 +18,7 @@ from .confirm import Confirmations
 from .findings import Findings
 from .gather import Gather
 from .settings import Settings
+from .tensor_id import Kind
 
 #: the least chance that a suspect's computation is checked in mode "spot".
 SUSPECT_RATE = 0.25
@@ -85,7 +86,7 @@ class Sampling:
         for c in checks:
             if c.node in a.caught:
                 continue
-            tensors = self.gather.evidence(c, shown, a.caught, a.rnd)
+            tensors = self.gather.evidence(c, shown, a.caught)
             if tensors is None:
                 continue
             claimed, inputs = tensors
@@ -106,7 +107,7 @@ class Sampling:
         if not others:
             self.confirm.request(a, Rechecking(c, claimed, inputs))
             return
-        count = 1 if c.kind == "share" else self.settings.verifiers
+        count = 1 if c.kind == Kind.SHARE else self.settings.verifiers
         chosen = self.settings.rng.sample(sorted(others), min(count, len(others)))
         self._check_id += 1
         a.rechecks[self._check_id] = Rechecking(c, claimed, inputs, {v: None for v in chosen})

@@ -132,6 +132,7 @@ from .reports import Reports
 from .sampling import Sampling
 from .screen import Screen
 from .settings import Settings
+from .tensor_id import Kind
 
 
 class Verifier:
@@ -209,8 +210,8 @@ class Verifier:
         t0 = time.thread_time()
         by_mb: dict[int, list[Check]] = {}
         shares: dict[str, Check] = {}
-        for c in round_checks(plan, alloc, batches):
-            if c.kind == "share":
+        for c in round_checks(rnd, plan, alloc, batches):
+            if c.kind == Kind.SHARE:
                 shares[c.node] = c
             else:
                 by_mb.setdefault(c.mb, []).append(c)
