@@ -383,12 +383,10 @@ def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
     if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list:
         raise Malformed("not a screening report")
     names = [_check_str(n, reader, depth) for n in raw[0]]
-    table, profiles = reader.tensor(raw[1]), reader.tensor(raw[2])
-    if table.dtype != torch.float64 or table.dim() != 2 or table.shape[1] != _ROW:
+    rows = reader.array(raw[1], "float64", 2)
+    profiles = reader.tensor(raw[2], "float32", 1)
+    if rows.shape[1] != _ROW:
         raise Malformed(f"a screening table that is not float64 rows of {_ROW}")
-    if profiles.dtype != torch.float32 or profiles.dim() != 1:
-        raise Malformed("profiles that are not float32 values")
-    rows = table.numpy()
     if not len(rows):
         if profiles.numel():
             raise Malformed("profiles sent with no screening row")
@@ -396,19 +394,31 @@ def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
     whole = rows[:, _WHOLE_COLUMNS]
     high = _HIGH.copy()
     high[4] = len(names)
-    # (NaN and the infinities fail the bounds; one comparison a column, whatever the rows)
-    if not ((whole == numpy.floor(whole)).all() and (whole >= _LOW).all() and (whole < high).all()):
+    # one comparison a column, whatever the rows (NaN and the infinities fail the bounds)
+    if ((whole != numpy.floor(whole)) | (whole < _LOW) | (whole >= high)).any():
         raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
                         "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
-    lengths = rows[:, 9].astype(numpy.int64)
+    ints = whole.astype(numpy.int64)
+    lengths = ints[:, 6]
     if int(numpy.maximum(lengths, 0).sum()) != profiles.numel():
         raise Malformed("profile lengths that do not add up to the profiles sent")
-    parts = iter(torch.split(profiles, lengths[lengths >= 0].tolist())) if profiles.numel() else iter(())
+    parts = iter(_profiles(profiles, lengths))
     out = []
-    for r, n in zip(rows.tolist(), lengths.tolist()):  # (the statistics are judged by screening: Summary.sound)
-        out.append(Screened(TensorId(int(r[0]), WHATS[int(r[1])], int(r[2]), int(r[3]), names[int(r[4])]),
-                            Summary(_FOUNDS[int(r[5])], r[6], r[7], r[8], next(parts) if n >= 0 else None)))
+    # (the statistics are judged by screening: Summary.sound refuses the unsound)
+    for (rnd, what, mb, hop, sender, found, n), (norm, mean, std) in zip(ints.tolist(), rows[:, 6:9].tolist()):
+        out.append(Screened(TensorId(rnd, WHATS[what], mb, hop, names[sender]),
+                            Summary(_FOUNDS[found], norm, mean, std, next(parts) if n >= 0 else None)))
     return tuple(out)
+
+
+def _profiles(profiles: torch.Tensor, lengths: numpy.ndarray) -> Iterable[torch.Tensor]:
+    """The rows' profiles, cut from ``profiles`` by their ``lengths`` (-1: none)."""
+    sizes = lengths[lengths >= 0]
+    if not len(sizes):
+        return ()
+    if (sizes == sizes[0]).all() and sizes[0]:  # (every row's of one length: one view, cut in one go)
+        return profiles.view(len(sizes), int(sizes[0])).unbind(0)
+    return profiles.split(sizes.tolist())
 
 
 def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
@@ -515,26 +525,40 @@ class _Reader:
         self.buffers, self.sender = buffers, sender
         self.used: set[int] = set()
 
-    def tensor(self, raw: Any) -> torch.Tensor:
+    def tensor(self, raw: Any, dtype: str = "", dims: int = -1) -> torch.Tensor:
+        """The tensor ``raw`` names (``[buffer, dtype, shape]``), a view of its buffer; of ``dtype`` and
+        ``dims`` dimensions where they are given."""
+        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        if not len(buf):
+            return torch.empty(shape, dtype=DTYPES[dtype_name])
+        return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
+
+    def array(self, raw: Any, dtype: str, dims: int) -> numpy.ndarray:
+        """``tensor``, as a numpy array (of a dtype numpy has)."""
+        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        return numpy.frombuffer(buf, dtype=dtype_name).reshape(shape)
+
+    def _buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
         if type(raw) is not list or len(raw) != 3:
             raise Malformed("a tensor that is not [buffer, dtype, shape]")
         index, dtype_name, shape = raw
         if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
             raise Malformed("a tensor that names no buffer of its own")
         itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
-        if itemsize is None:
-            raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} (one of {', '.join(DTYPES)})")
-        if type(shape) is not list or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape):
-            raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative)")
+        if itemsize is None or (dtype and dtype_name != dtype):
+            raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} "
+                            f"({dtype or 'one of ' + ', '.join(DTYPES)})")
+        if type(shape) is not list or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape) \
+                or (dims >= 0 and len(shape) != dims):
+            raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative"
+                            + (f"; {dims} of them)" if dims >= 0 else ")"))
         buf = self.buffers[index]
         count = math.prod(shape)
         if len(buf) != count * itemsize:
             raise Malformed(f"a {dtype_name} tensor of shape {tuple(shape)} in {len(buf)} bytes "
                             f"(it takes {count * itemsize})")
         self.used.add(index)
-        if count == 0:
-            return torch.empty(shape, dtype=DTYPES[dtype_name])
-        return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
+        return buf, dtype_name, shape
 
 
 def kinds() -> Iterable[str]:

@@ -36,10 +36,10 @@ checked on:
 3. *Confirmation* of the first difference above ``tolerance`` a recheck gets: the coordinator fetches
    the weights of the node and of its verifiers and recomputes itself, with the node's (which must be
    those it reported after its latest step). Its own difference above ``tolerance`` confirms the node's
-   fault. Then every verifier's answer is held to it (``_hold``): a mismatch where the coordinator found
-   none is a "false mismatch" (so nobody can be framed by a false report), a match where it found a
-   difference beyond what float nondeterminism allows is a "false match" (an accomplice passing a
-   colluder's work), either caught; a verifier whose weights are not the node's is a dispute instead.
+   fault. Then every verifier's answer is held to it (``confirm.Confirmations.hold``): a mismatch where
+   the coordinator found none is a "false mismatch" (so nobody can be framed by a false report), a match
+   where it found a difference beyond what float nondeterminism allows is a "false match" (an accomplice
+   passing a colluder's work), either caught; a verifier whose weights are not the node's is a dispute instead.
    With two verifiers, two colluders of a stage of 3 or more escape no check drawn of a microbatch's
    computations: the other verifier is honest, and the accomplice's match is caught with the colluder
    (a check of a share escapes when its verifier is the accomplice). A recheck that every verifier
