@@ -369,7 +369,9 @@ def _enc_screened(rows: Any, buffers: list) -> list:
             raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
         p, n = s.profile, -1
         if isinstance(p, torch.Tensor):
-            flat = p.detach().to("cpu", torch.float32).reshape(-1).numpy()
+            if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
+                p = p.detach().to("cpu", torch.float32)
+            flat = p.numpy().reshape(-1)
             profiles.append(flat)
             n = flat.size
         table.append((t.round, _WHAT_CODE[t.what], t.mb, t.hop, names.setdefault(t.sender, len(names)), found,
