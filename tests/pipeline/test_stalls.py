@@ -99,7 +99,8 @@ def test_the_bench_takes_the_node_with_the_most_broken_links_and_lets_its_partne
 
 
 class _Roster:
-    """The part of a roster ``Stalls`` uses: every node answers with the account given for it."""
+    """The part of a roster ``Stalls`` uses: ``put``; every node asked answers with the account given for
+    it, read by the dispatch below."""
 
     def __init__(self, accounts: dict[str, Account]) -> None:
         self.inboxes = {n: None for n in "abcd"}
@@ -111,11 +112,22 @@ class _Roster:
         if acc is not None:
             self.answers.append(m.Progress(msg.round, name, flat(acc.received), flat(acc.sent)))
 
-    def recv(self, kind, timeout, rnd, names, check):
-        assert kind is m.Progress and not check
-        if not self.answers:
-            raise NoMessage("none")
-        return self.answers.pop(0)
+
+class _Dispatch:
+    """``dispatch.Dispatch`` reading the roster's answers."""
+
+    def __init__(self, roster: _Roster) -> None:
+        self.roster, self.handlers = roster, {}
+
+    def on(self, kind, handler):
+        self.handlers[kind] = handler
+
+    def until(self, done, rnd, timeout):
+        while not done():
+            if not self.roster.answers:
+                raise NoMessage("none")
+            msg = self.roster.answers.pop(0)
+            self.handlers[type(msg)](msg)
 
 
 def test_a_link_broken_once_keeps_no_one_out_twice_one_node_until_it_is_old_and_then_it_comes_back():
@@ -124,7 +136,7 @@ def test_a_link_broken_once_keeps_no_one_out_twice_one_node_until_it_is_old_and_
     accounts["b"].received -= {Key(FORWARD, 0, 0), Key(FORWARD, 0, 1)}
     roster, events = _Roster(accounts), []
     plan = Plan(stages=3, skip=0.0, allocation={"a": 0, "b": 1, "c": 2}, paths=[R0])
-    stalls = Stalls(roster, lambda name, stage: 2, lambda kind, **f: events.append((kind, f)))
+    stalls = Stalls(roster, _Dispatch(roster), lambda name, stage: 2, lambda kind, **f: events.append((kind, f)))
     assert stalls.account(7, plan, done=()) == {}
     assert sorted(n for n, *_ in roster.asked) == ["a", "b", "c"]  # the nodes on the unfinished route
     assert events[0][0] == "stall-accounts" and events[0][1]["disputes"] == [["a", "b"]]

@@ -28,6 +28,7 @@ from roving.pipeline.runtime import mail
 from roving.pipeline import protocol as m
 from roving.pipeline.planning.plan import Route
 from roving.pipeline.verify.receipts import Receipt
+from roving.pipeline.verify.tensor_id import TensorId
 from roving.transport import issuer, postbox, session
 from roving.transport import node as _node
 
@@ -106,7 +107,7 @@ def main(address: str, token: str, marker: str) -> None:
         control.send(codec.encode(msg))
     # a receipt in another node's name, and messages that do not fit the wire, to the coordinator
     other = next(iter(others))
-    receipt = Receipt(other, 0, "activation", 0, 0, b"d" * 32, b"m" * 32)
+    receipt = Receipt(TensorId(0, "activation", 0, 0, other), b"d" * 32, b"m" * 32)
     forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0))[0])
     forged.append(other)  # a sender of its choosing: one field more than the message has
     for frames in ([evil], [json.dumps(forged).encode()], codec.encode(m.Norm(0, name, 0, -1.0)),

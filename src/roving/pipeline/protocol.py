@@ -31,7 +31,6 @@ what was left of the aborted attempt, whatever order messages from different sen
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,16 +51,6 @@ def unexpected(msg: Any, receiver: str, waiting_for: str = "") -> ProtocolError:
 @dataclass(frozen=True, slots=True)
 class Message:
     """The base of every message."""
-
-    def __reduce__(self) -> tuple:
-        # pickled as the class and its field values in order (cheaper than the slots' state dict); the
-        # ignore: a class is hashable, but typeshed's Hashable protocol misses it for this frozen dataclass
-        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))  # type: ignore[arg-type]
-
-
-@functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +164,8 @@ class Throttle(Message):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceRequest(RoundMessage):
-    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``); ``ask``
-    numbers the request, for its answer to name."""
+    """Show the tensors of ``keys`` (each a ``tensor_id.TensorId``) that you received this round
+    (``evidence.Evidence.show``); ``ask`` numbers the request, for its answer to name."""
 
     keys: tuple
     ask: int = 0
@@ -287,9 +276,9 @@ class Norm(RoundMessage):
     stage: int
     sq_norm: float
     #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
-    #: row (what, mb, hop, from, ``screen.Summary``) per tensor, the keys of those that did not match
-    #: their receipt, and its own gradient share's cosine to each other replica's, by name (3 replicas
-    #: or more)
+    #: row (``tensor_id.Screened``: the ``TensorId`` and its ``screen.Summary``) per tensor, the
+    #: ``TensorId`` of those that did not match their receipt, and its own gradient share's cosine to each
+    #: other replica's, by name (3 replicas or more)
     screened: tuple = ()
     disputes: tuple = ()
     cosines: Any = None
@@ -317,8 +306,8 @@ class Stepped(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceItems(RoundMessage):
-    """The answer to ``EvidenceRequest`` number ``ask``: key -> (tensor, receipt, disputed) for the keys
-    ``sender`` has."""
+    """The answer to ``EvidenceRequest`` number ``ask``: ``TensorId`` -> (tensor, receipt, disputed) for the
+    keys ``sender`` has."""
 
     sender: str
     items: dict

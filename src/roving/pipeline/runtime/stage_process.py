@@ -31,7 +31,7 @@ import torch
 
 from .. import protocol as m
 from ..errors import CoordinatorLost
-from ..verify.adversary import Adversary
+from ..verify.conduct import HONEST, Conduct
 from ..verify.aggregate import combine
 from ..verify.evidence import Evidence, platform, recheck
 from ..presets import LlamaConfig
@@ -82,8 +82,8 @@ class StageSettings:
     heartbeat: float = 0.5
     #: how the stage's replicas' gradient shares are combined (``aggregate.RULES``).
     aggregation: str = "mean"
-    #: adversary injection: how this process lies about what it sends (None: it does not).
-    adversary: Adversary | None = None
+    #: adversary injection: how this process lies (an ``adversary.Adversary``; None: honest, ``conduct.HONEST``).
+    adversary: Conduct | None = None
     #: ``[verify] mode``: with anything but "off", receipts on what it sends, and what it receives kept
     #: for the coordinator's checks (``evidence``).
     verify: str = "off"
@@ -116,6 +116,8 @@ class StageProcess:
         """``inbox``: what it reads (a ``mail.Inbox``, or a plain queue in tests); ``control`` and
         ``beats``: where it answers the coordinator and sends its heartbeats (anything with ``put``)."""
         self.settings, self.inbox, self.control, self.beats = s, inbox, control, beats
+        #: the hooks where a node could lie (``conduct``), called the same whatever the node
+        self.conduct: Conduct = HONEST if s.adversary is None else s.adversary
         #: who is who among its peers (the inbox's, where it has one): filled from the coordinator's word
         self.directory: Directory | None = getattr(inbox, "directory", None)
         self.name = s.name
@@ -364,11 +366,9 @@ class StageProcess:
         return {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
 
     def _exported(self) -> dict[str, torch.Tensor]:
-        """This stage's weights as it exports them (``Export``, ``StateRequest``): poisoned by an ``export``
-        adversary (``adversary``), which shows and steps with its honest ones."""
-        adv = self.settings.adversary
-        weights = self._weights()
-        return weights if adv is None else adv.exported(weights, self.name, self.round)
+        """This stage's weights as it exports them (``Export``, ``StateRequest``), through ``conduct``: an
+        ``export`` adversary poisons them, and shows and steps with its honest ones."""
+        return self.conduct.exported(self._weights(), self.name, self.round)
 
     def _on_export(self, msg: m.Export) -> None:
         self.control.put(m.Exported(self.name, self.stage_index, self._exported(), _to_cpu(self.opt.state_dict())))
@@ -404,7 +404,7 @@ class StageProcess:
         """Recompute with the weights held now (every replica's until the round's step): ``evidence.recheck``."""
         with self.evidence.timed("rechecks"):
             answer = recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
-                             self.settings.adversary, self.name)
+                             self.conduct, self.name)
         self.control.put(answer)
 
     # -- microbatch work -----------------------------------------------------------------------
@@ -461,19 +461,13 @@ class StageProcess:
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
 
-    def _lie(self, what: str, t: torch.Tensor, rnd: int, mb: int, given: torch.Tensor | None = None) -> torch.Tensor:
-        """``t`` as this process sends it: tampered with when it is an injected adversary
-        (``adversary``), else ``t`` itself."""
-        adv = self.settings.adversary
-        return t if adv is None else adv.tamper(what, t, self.name, rnd, mb, given).contiguous()
-
     def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route,
                     given: torch.Tensor | None = None) -> None:
         """Send activations to the process at ``hop`` of the route (the origin when past the end);
         ``given``: the activations this process was given (an adversary's input)."""
         out = self._out(h)
         if route.nodes:  # sent to another process (not a loss run here)
-            out = self._lie("activation", out, rnd, mb, given)
+            out = self.conduct.tamper("activation", out, self.name, rnd, mb, given)
         seal = self.evidence.sealer("activation", rnd, mb, hop, out) if route.nodes else None
         msg = m.Forward(rnd, self.name, mb, hop, out, route)
         if hop == len(route.nodes):
@@ -492,7 +486,7 @@ class StageProcess:
             self._losses[rnd, mb] = loss
         out = self._out(g)
         if route.nodes:  # sent to another process
-            out = self._lie("gradient", out, rnd, mb, given)
+            out = self.conduct.tamper("gradient", out, self.name, rnd, mb, given)
         seal = self.evidence.sealer("gradient", rnd, mb, hop, out) if route.nodes else None
         msg = m.Backward(rnd, self.name, mb, hop, out, route)
         if hop == -1 and not route.nodes:
@@ -523,12 +517,8 @@ class StageProcess:
             self.share_counts.setdefault(rnd, {})[self.name] = self.backwards
             out = honest = self._out(mine)
             if len(replicas) > 1:
-                out = self._lie("share", honest, rnd, -1)
-                adv = self.settings.adversary
-                if out is not honest and adv is not None and adv.kind != "weights":
-                    # a liar that averages what it sent, as its replicas do: its weights stay theirs
-                    # (``weights`` keeps its own true share: the replicas' averaging check catches that)
-                    got[self.name] = out.to(self.device)
+                out = self.conduct.tamper("share", honest, self.name, rnd, -1)
+                got[self.name] = self.conduct.averages(mine, honest, out)
             seal = self.evidence.sealer("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
@@ -559,7 +549,7 @@ class StageProcess:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        self._drift(rnd)
+        self.conduct.steps([p.grad for p in self.params if p.grad is not None], self.name, rnd)
         self.opt.lr = lr
         self.opt.step()
         self.opt.zero_grad()
@@ -571,20 +561,6 @@ class StageProcess:
         self.stats.update(processed=0, compute_s=0.0, peak_in_flight=0, trace=[])
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
         self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform))
-
-    def _drift(self, rnd: int) -> None:
-        """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""
-        adv = self.settings.adversary
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if adv is None or adv.kind != "drift" or not grads:
-            return
-        flat = torch.cat([g.flatten() for g in grads])
-        own = adv.stepped(flat, self.name, rnd)
-        if own is not flat:
-            offset = 0
-            for g in grads:
-                g.copy_(own[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
 
 
 def _admit(inbox: Any, node_id: str) -> None:

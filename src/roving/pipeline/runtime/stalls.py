@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
 
 from .. import protocol as m
-from ..errors import NoMessage
+from ..errors import NodesLost, NoMessage
 from ..planning.plan import Plan, Route
 from ..protocol import COORDINATOR
 
@@ -202,11 +202,16 @@ LINK_ROUNDS = 50
 class Stalls:
     """The coordinator's side: the run's broken links and benched nodes, and the accounts of each stall.
 
-    ``roster`` is the run's (``put`` a message to a node, ``recv`` the nodes' answers); ``limit(name,
-    stage)`` the in-flight limit of a node at a stage; ``event(kind, **fields)`` records."""
+    ``roster`` is the run's (``put`` a message to a node); ``dispatch`` the reader of the control inbox
+    (``dispatch.Dispatch``: the nodes' ``Progress`` comes to this object's handler); ``limit(name, stage)``
+    the in-flight limit of a node at a stage; ``event(kind, **fields)`` records."""
 
-    def __init__(self, roster: Any, limit: Callable[[str, int], int], event: Callable[..., None]) -> None:
-        self.roster, self._limit, self._event = roster, limit, event
+    def __init__(self, roster: Any, dispatch: Any, limit: Callable[[str, int], int],
+                 event: Callable[..., None]) -> None:
+        self.roster, self.dispatch, self._limit, self._event = roster, dispatch, limit, event
+        self._accounts: dict[str, Account] | None = None  # while a stall's accounts are taken
+        self._asked: set[str] = set()
+        dispatch.on(m.Progress, self._take)
         #: the links broken (a pair of names), each with the rounds it broke in (kept ``LINK_ROUNDS``)
         self.broken: dict[frozenset[str], list[int]] = {}
         #: the nodes kept out of the plan now (``bench``)
@@ -223,15 +228,16 @@ class Stalls:
                        & set(self.roster.inboxes))
         for name in asked:
             self.roster.put(name, m.ProgressRequest(rnd))
-        accounts: dict[str, Account] = {}
+        accounts = self._accounts = {}
+        self._asked = set(asked)
         deadline = time.monotonic() + ACCOUNT_WAIT_S
-        while len(accounts) < len(asked):
-            try:
-                msg = self.roster.recv(m.Progress, timeout=max(0.0, deadline - time.monotonic()), rnd=rnd,
-                                       names=set(asked) - set(accounts), check=False)
-            except NoMessage:
-                break
-            accounts[msg.sender] = Account.from_flat(msg.received, msg.sent)
+        try:
+            self.dispatch.until(lambda: set(asked) <= set(accounts) or time.monotonic() > deadline, rnd=rnd,
+                                timeout=ACCOUNT_WAIT_S)
+        except (NoMessage, NodesLost):  # those that did not answer received and sent nothing; the lost are
+            pass                          # the roster's to report at the next check
+        finally:
+            self._accounts = None
         limits = {n: self._limit(n, s) for n, s in plan.allocation.items()}
         verdict = attribute(routes, accounts, limits, done)
         for link in verdict.disputes:
@@ -241,6 +247,12 @@ class Stalls:
                     held=verdict.held, disputes=sorted(sorted(d) for d in verdict.disputes),
                     benched=sorted(self.benched), back=sorted(back))
         return verdict.held
+
+    def _take(self, msg: m.Message) -> None:
+        """A node's account (``Progress``): kept while a stall's are taken, from a node asked, once."""
+        assert isinstance(msg, m.Progress)
+        if self._accounts is not None and msg.sender in self._asked and msg.sender not in self._accounts:
+            self._accounts[msg.sender] = Account.from_flat(msg.received, msg.sent)
 
     def refresh(self, rnd: int) -> set[str]:
         """Forget the links broken ``LINK_ROUNDS`` rounds before ``rnd``; the nodes that come back from the
