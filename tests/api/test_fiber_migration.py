@@ -22,7 +22,7 @@ def run(name: str, *args: str) -> str:
 
 
 def test_the_page_names_every_example_and_each_one_it_names_exists():
-    named = set(re.findall(r"\(\.\./examples/fiber/([a-z_]+\.py)\)", PAGE.read_text()))
+    named = set(re.findall(r"`examples/fiber/([a-z_]+\.py)`", PAGE.read_text()))
     assert named == {p.name for p in EXAMPLES.glob("*.py")}
 
 

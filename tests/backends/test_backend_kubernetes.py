@@ -328,7 +328,7 @@ def test_a_pods_last_lines_are_printed_when_its_follower_reads_only_after_the_po
     """The follower of a pod's log reads it every few tenths of a second; on a loaded machine the pod can be
     gone before the follower reads its last lines: deleted once it is seen ended (``_ended``, which reads
     the log first), or by the shutdown at exit, when this process saw the child's end before the backend
-    saw the pod's (the CI failure of session 25: nothing printed). Here the follower's own reads find
+    saw the pod's (a CI failure of 2026-12-07: nothing printed). Here the follower's own reads find
     nothing, as if always too late: the last line is printed all the same, from what was read before the
     pod was deleted."""
     import sys
@@ -358,7 +358,7 @@ def test_shutdown_waits_for_the_output_followers_so_a_pods_last_lines_are_printe
     """With ``child_output="prefix"`` a thread follows each pod's log. The backend's shutdown (at exit) waits
     for those threads to read the last of it: none is left running (a daemon thread still inside the
     client's call when the interpreter finalizes is killed there, which aborted a program after its last
-    line, exit code -6: the CI failure of session 24), and the child's last line is printed."""
+    line, exit code -6: a CI failure of 2026-12-07), and the child's last line is printed."""
     with FakeKubernetes(cpu=8, memory=8 * 2**30) as server:
         _use(monkeypatch, tmp_path, server, child_output="prefix")
         p = roving.Process(target=h.print_lines, args=(["the last line of a pod"], []))

@@ -164,7 +164,7 @@ q = roving.Queue()
 node = _session.current().node()
 # One process started before the flood: the first start scans every installed distribution (the
 # environment check), a long pure-Python pass that keeps the node's thread from ending connections over
-# its cap meanwhile (the README's limit: "a process whose other threads keep Python busy"); under a
+# its cap meanwhile (the limit in docs/guides/security.md: "a process whose other threads keep Python busy"); under a
 # flood that scan alone can meet the descriptor limit. What follows tests the node, not that limit.
 first = roving.Process(target=int)  # prints nothing: stdout is the test's
 first.start(); first.join(60)

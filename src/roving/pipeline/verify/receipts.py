@@ -58,7 +58,8 @@ def digest(tensor: torch.Tensor) -> bytes:
         t = t.to("cpu")
     t = t.contiguous()
     # BLAKE3 (one thread; it lets go of the GIL over large buffers): on this project's machines 2 to 5
-    # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md); every tensor sent is hashed
+    # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md, measured at ff41722); every tensor sent
+    # is hashed
     h = blake3.blake3()
     _update(h, t)
     return h.digest()
