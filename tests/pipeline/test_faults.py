@@ -471,7 +471,7 @@ def test_a_node_dying_while_the_others_step_or_while_states_are_gathered_stops_n
 
         def hooked(kind, *args, **kwargs):
             msg = real(kind, *args, **kwargs)
-            if kind is Stepped:
+            if isinstance(msg, Stepped):  # (read by the trainer's dispatch, with the other kinds it awaits)
                 seen["stepped"] += 1
                 if seen["stepped"] == 1:
                     t.roster.kill([first])  # the step messages are out: the others step all the same

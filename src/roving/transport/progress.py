@@ -6,8 +6,9 @@ clock read per socket call on a large message, nothing on others."""
 from __future__ import annotations
 
 import logging
+import socket
 import time
-from typing import Any, Callable
+from typing import Callable
 
 from ..backends.memory import describe
 
@@ -21,10 +22,12 @@ AFTER_S = 2.0
 EVERY_S = 2.0
 
 
-def peer_of(sock: Any) -> str:
+def peer_of(sock: object) -> str:
     """``host:port`` of a socket's peer, for the log ("a peer" when the socket cannot say)."""
     sock = getattr(sock, "ssock", sock)  # a TLS stream's socket (roving.transport.tls.TlsSocket)
     try:
+        if not isinstance(sock, socket.socket):
+            return "a peer"
         host, port = sock.getpeername()[:2]
         return f"{host}:{port}"
     except (AttributeError, OSError, ValueError, TypeError):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -441,6 +442,9 @@ def run_node(args: argparse.Namespace) -> int:
         print(f"error: --coordinator-timeout must be 0 or more seconds, got {args.coordinator_timeout:g}",
               file=sys.stderr)
         return 2
+    # a node writes to sockets whose other end may go at any time: EPIPE is an error it handles, never a
+    # silent death by SIGPIPE (which the command's output listing sets back to its default)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     seed = os.urandom(32)  # this node's keys: made here, never sent anywhere
     try:
         placement = join(args.join, args.invite, seed, args.region)
@@ -463,6 +467,8 @@ def run_node(args: argparse.Namespace) -> int:
 
 def run_train(args: argparse.Namespace) -> int:
     from .trainer import TrainConfig, run
+
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # the coordinator writes to nodes' sockets (as run_node)
 
     fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
