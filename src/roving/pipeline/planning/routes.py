@@ -18,7 +18,7 @@ from .allocate import node_cost_matrix
 from .costs import ModelSpec, stage_costs
 from ..errors import PlanError
 from .network import Network
-from .plan import MAX_SWAPS, Plan, Route, inversions, stage_quotas
+from .plan import DEFAULT_ROUTE_RULE, MAX_SWAPS, Plan, Route, check_route_rule, route_allowed, stage_quotas
 from .simulate import simulate
 
 
@@ -32,15 +32,31 @@ PHASE_WEIGHT = 0.25
 TAIL = 1.0
 
 
+class Tally:
+    """Simulator evaluations made so far (``n``), shared by the search contexts of one planning call."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class SearchContext:
     """Precomputed costs for one network, model and allocation: each node's transfer costs
-    (``allocate.node_cost_matrix``) and compute per microbatch, and each stage's replicas. Raises
+    (``allocate.node_cost_matrix``) and compute per microbatch, and each stage's replicas; the route
+    rule every route made here keeps (``plan.ROUTE_RULES``), judged on ``rule_stages[s]`` for each
+    stage s of this context (by default s itself: ``plan_held`` plans the held stages as stages
+    0, 1, ... and names them by their real numbers here); ``tally`` counts the simulator evaluations
+    made through it (pass one ``Tally`` to several contexts to count them together). Raises
     PlanError when a stage has no node, or a node given in MB cannot hold its stage."""
 
     def __init__(self, network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
-                 cost: dict | None = None, sync_bytes: Sequence[float] | None = None) -> None:
+                 cost: dict | None = None, sync_bytes: Sequence[float] | None = None,
+                 route_rule: str = DEFAULT_ROUTE_RULE, tally: Tally | None = None,
+                 rule_stages: Sequence[int] | None = None) -> None:
         self.network, self.model, self.stages = network, model, stages
         self.sync_bytes = sync_bytes  # judge by the whole iteration, replica synchronisation included
+        self.route_rule = check_route_rule(route_rule)
+        self.rule_stages = list(rule_stages) if rule_stages is not None else list(range(stages))
+        self.tally = tally if tally is not None else Tally()
         self.allocation = allocation
         self.cost = cost if cost is not None else node_cost_matrix(network, model)
         self.replicas: list[list[str]] = [[] for _ in range(stages)]
@@ -59,6 +75,10 @@ class SearchContext:
                 raise PlanError(f"node {n} ({node.memory_mb:g} MB) cannot hold stage {s}: its memory does not "
                                 "fit the stage's weights and one microbatch")
             self.work[n] = c.forward[s] + c.backward[s] + (c.loss if s == 0 else 0.0)
+
+    def allows(self, stages: Sequence[int]) -> bool:
+        """Whether a route visiting ``stages`` (this context's numbers) in that order keeps the rule."""
+        return route_allowed([self.rule_stages[s] for s in stages], self.route_rule)
 
     def best_replica(self, stage: int, before: str, after: str, rng: random.Random | None = None) -> str:
         cands = self.replicas[stage]
@@ -101,7 +121,7 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         press = {s: mean_w * (1 - quotas[s] / remaining) for s in allowed}
         nodes = _cheapest_visits(ctx, origin, visits, forced, allowed, press, edge, node_cost)
         if allow_swaps:
-            nodes = _improve_by_swaps(nodes, origin, edge, ctx.allocation)
+            nodes = _improve_by_swaps(nodes, origin, edge, ctx)
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
         for n in nodes:
             quotas[ctx.allocation[n]] -= 1
@@ -169,14 +189,16 @@ def _tour_cost(origin: str, nodes: Sequence[str], edge: Callable[[str, str], flo
 
 
 def _improve_by_swaps(nodes: list[str], origin: str, edge: Callable[[str, str], float],
-                      allocation: dict[str, int]) -> list[str]:
+                      ctx: SearchContext) -> list[str]:
+    """``nodes`` with up to ``MAX_SWAPS`` swaps of neighbouring positions, each the one that shortens
+    the tour most, among those whose stage order keeps the route rule (``ctx.allows``)."""
     current, cur_cost = list(nodes), _tour_cost(origin, nodes, edge)
     for _ in range(MAX_SWAPS):
         best = None
         for i in range(len(current) - 1):
             cand = list(current)
             cand[i], cand[i + 1] = cand[i + 1], cand[i]
-            if inversions([allocation[n] for n in cand]) > MAX_SWAPS:
+            if not ctx.allows([ctx.allocation[n] for n in cand]):
                 continue
             c = _tour_cost(origin, cand, edge)
             if c < cur_cost - 1e-9 and (best is None or c < best[0]):
@@ -197,7 +219,8 @@ def _judged(ctx: SearchContext, paths: list[Route], priority: list[int] | None,
             skip: float) -> tuple[float, float]:
     """``score_routes`` and the ``_tail`` of the finish times (the search's tie-break; infinite, as the
     makespan, for a plan that deadlocks)."""
-    plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
+    plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority, route_rule=ctx.route_rule)
+    ctx.tally.n += 1
     res = simulate(ctx.network, ctx.model, plan, record=False, sync_bytes=ctx.sync_bytes)
     if res.deadlock:
         return res.makespan, math.inf
@@ -229,14 +252,15 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
     stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the
     makespan broken by the mean finish, ``TAIL``; a deadlocked plan never replaces one that does not
     deadlock). Stops at ``deadline`` or after ``max_evals`` simulator
-    evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
-    deterministic. ``on_best(makespan)`` is told of each new best (it does not change the search).
-    Returns (paths, priority, makespan, evaluations)."""
+    evaluations (at least 1: the first judges ``paths`` as given), whichever comes first; for a given
+    ``rng`` state and evaluation count the result is deterministic. ``on_best(makespan)`` is told of
+    each new best (it does not change the search).
+    Returns (paths, priority, makespan, evaluations), the evaluations counting that first one."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
     cur_score, cur_tail = _judged(ctx, cur, prio, skip)
     best, best_prio, best_score = list(cur), list(prio), cur_score
-    evals = 0
+    evals = 1
     n_mb = len(cur)
     while time.perf_counter() < deadline and n_mb and (max_evals is None or evals < max_evals):
         proposed = _propose(ctx, list(cur), prio, rng.randrange(n_mb), rng, allow_swaps)
@@ -292,7 +316,7 @@ def _propose(ctx: SearchContext, cand: list[Route], prio: list[int], mb: int, rn
         nodes = list(p.nodes)
         nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
-        if inversions(stages_seq) > MAX_SWAPS:
+        if not ctx.allows(stages_seq):
             return None
         cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
     else:

@@ -15,7 +15,9 @@ from ..errors import NodeFailed, PipelineError, PlanError
 from ..planning.network import build_network
 from .outputs import check_output
 from ..planning.baselines import full_pipeline, random_skip
+from ..planning.plan import DEFAULT_ROUTE_RULE, ROUTE_RULES
 from ..planning.planner import check_inputs, plan, replan
+from ..presets import PLAN_PRESETS
 from ..planning.simulate import SimResult, simulate
 
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
@@ -28,11 +30,17 @@ def add_pipeline_parser(subparsers: Any) -> None:
     pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
     sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
     p = sub.add_parser("plan", help="plan allocation and microbatch paths; compare with baselines")
-    p.add_argument("--network", required=True, help="preset (gcp12, aws10) or a network JSON file")
-    p.add_argument("--nodes", required=True,
-                   help="number of nodes (placed on regions round-robin) or a JSON file of nodes")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--skip", type=float, required=True, help="fraction of stages each microbatch skips")
+    p.add_argument("--preset", choices=sorted(PLAN_PRESETS), default=None,
+                   help="one of SkipPipe's settings: its network, nodes and their regions, stages, skip, "
+                        "microbatches, memory (3 microbatches in flight) and model; flags given beside it win")
+    p.add_argument("--network", default=None, help="preset (gcp12, aws10) or a network JSON file (required "
+                                                    "without --preset)")
+    p.add_argument("--nodes", default=None,
+                   help="number of nodes (placed on regions round-robin) or a JSON file of nodes (required "
+                        "without --preset)")
+    p.add_argument("--stages", type=int, default=None, help="(required without --preset)")
+    p.add_argument("--skip", type=float, default=None,
+                   help="fraction of stages each microbatch skips (required without --preset)")
     p.add_argument("--microbatches", type=int, default=None, help="per iteration (default: 2 x nodes)")
     mem = p.add_mutually_exclusive_group()
     mem.add_argument("--memory", type=float, default=None, metavar="MB",
@@ -46,8 +54,12 @@ def add_pipeline_parser(subparsers: Any) -> None:
     mem.add_argument("--memory-microbatches", type=int, default=None, metavar="N",
                      help="instead of --memory: every node holds N microbatches in flight whatever its stage "
                           "and weights are not counted (the SkipPipe paper states memory this way, N = 3)")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODEL_PRESETS),
+    p.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS),
                    help=f"model preset (default {DEFAULT_MODEL})")
+    p.add_argument("--route-rule", choices=ROUTE_RULES, default=DEFAULT_ROUTE_RULE,
+                   help="the order a microbatch may visit its stages in: skippipe (SkipPipe's rule, the default: "
+                        "a stage at most one stage number behind the furthest reached, at most two such swaps) "
+                        "or inversions (looser: any order with at most two inversions, e.g. 3,1,2 or 5,1,4)")
     p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
     p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
     p.add_argument("--evals", type=int, default=None, metavar="N",
@@ -531,9 +543,10 @@ def run_plan(args: argparse.Namespace) -> int:
               f"({bound})" + (f"; then again without {','.join(failed)}" if failed else ""))
         t0 = time.perf_counter()
         best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
-                    max_evals=args.evals, progress=_plan_progress("skippipe"))
+                    max_evals=args.evals, route_rule=args.route_rule, progress=_plan_progress("skippipe"))
         planner_s = time.perf_counter() - t0
         out = {
+            "preset": args.preset,
             "network": net.name,
             "model": args.model,
             # in_flight: microbatches the node holds in flight for the stage the plan gives it
@@ -566,6 +579,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def _plan_inputs(args: argparse.Namespace) -> tuple:
     """`pipeline plan`'s network, model, microbatches and failed nodes, checked (PlanError otherwise)."""
+    regions = _apply_preset(args)
     check_output(args.json_out, "--json")
     if args.gantt:
         check_output(args.gantt, "--gantt")
@@ -573,10 +587,10 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
     if isinstance(nodes, str) and not Path(nodes).is_file():
         raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
     if args.memory_microbatches is not None:
-        net = build_network(args.network, nodes, memory=args.memory_microbatches)
+        net = build_network(args.network, nodes, memory=args.memory_microbatches, regions=regions)
     else:
         mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
-        net = build_network(args.network, nodes, memory_mb=mb)
+        net = build_network(args.network, nodes, memory_mb=mb, regions=regions)
     model = model_preset(args.model)
     m = args.microbatches or 2 * len(net.nodes)
     failed = [f for f in args.fail.split(",") if f]
@@ -586,6 +600,26 @@ def _plan_inputs(args: argparse.Namespace) -> tuple:
         raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
     check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
     return net, model, m, failed
+
+
+def _apply_preset(args: argparse.Namespace) -> list[str] | None:
+    """Fill the settings not given on the command line from ``--preset`` (``presets.PLAN_PRESETS``); the
+    regions its nodes go to in turn, when its network and node count are the ones used (else None).
+    PlanError naming a required setting that neither gives."""
+    preset = PLAN_PRESETS[args.preset] if args.preset else {}
+    ours = args.network in (None, preset.get("network")) and args.nodes is None
+    for name in ("network", "nodes", "stages", "skip", "microbatches", "model"):
+        if getattr(args, name) is None and name in preset:
+            setattr(args, name, str(preset[name]) if name == "nodes" else preset[name])
+    if args.memory is None and args.memory_microbatches is None:
+        args.memory_microbatches = preset.get("memory_microbatches")
+    if args.model is None:
+        args.model = DEFAULT_MODEL
+    missing = [f"--{name}" for name in ("network", "nodes", "stages", "skip") if getattr(args, name) is None]
+    if missing:
+        raise PlanError(f"pipeline plan needs {', '.join(missing)} (or --preset, one of "
+                        f"{', '.join(sorted(PLAN_PRESETS))})")
+    return preset.get("regions") if ours else None
 
 
 def _baseline_times(args: argparse.Namespace, net: Any, model: Any, m: int, best: Any) -> dict:
@@ -603,7 +637,7 @@ def _baseline_times(args: argparse.Namespace, net: Any, model: Any, m: int, best
               f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
               "another machine (raise --budget)")
     planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
-                   max_evals=args.evals)
+                   max_evals=args.evals, route_rule=args.route_rule)
     rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
     return {"full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
             "full_pipeline_planned": planned.predicted_s, "random_skip": rand.predicted_s}

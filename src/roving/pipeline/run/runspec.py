@@ -135,7 +135,7 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
         plan_sync = grad_bytes
         the_plan = plan(net, spec, config.stages, config.skip, config.microbatches,
                         budget_s=config.planner_budget, seed=config.seed, sync_bytes=plan_sync,
-                        max_evals=config.planner_evals or None)
+                        max_evals=config.planner_evals or None, route_rule=config.route_rule)
     predicted = simulate(net, spec, the_plan, record=False).makespan
     if math.isinf(predicted):
         raise PlanError("the plan deadlocks under the memory limit: raise in_flight")
