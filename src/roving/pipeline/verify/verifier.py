@@ -718,9 +718,7 @@ class Verifier:
                 continue
             claimed, inputs = tensors
             if self.mode == "screen":
-                outputs = claimed if isinstance(claimed, tuple) else (claimed,)
-                if not all(bool(torch.isfinite(t).all()) for t in outputs) and all(
-                        bool(torch.isfinite(t).all()) for t in _tensors(inputs) if t.is_floating_point()):
+                if _non_finite_from_finite(c.kind, claimed, inputs):
                     self._catch(a.caught, c.node, "non-finite", c, reason="sent non-finite values computed "
                                 "from finite inputs")
                 continue
@@ -1049,6 +1047,25 @@ def _what(c: Check, claimed: Any, want: Any, tolerance: float) -> str:
     bad = [p for p, g, w in zip(parts, claimed if isinstance(claimed, tuple) else (None, None), want)
            if difference(g, w) > tolerance]
     return " and ".join(bad or parts)
+
+
+def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def _non_finite_from_finite(kind: str, claimed: Any, inputs: dict) -> bool:
+    """Whether a computation's output is non-finite although what it was computed from is finite (its
+    maker's fault, in mode "screen"). A visit's two outputs are judged apart, each against what it
+    depends on: its forward output against ``x`` alone, its backward output against ``x`` and ``g``.
+    Judged together, a node whose forward output was made NaN was excused by the NaN gradient that came
+    back for it (the loss of a NaN activation is NaN): nobody was caught, the NaN reached the step, and
+    in the next round honest nodes, their weights NaN by then, were blamed."""
+    if kind == "visit":
+        forward, backward = claimed
+        return (not _all_finite([forward]) and _all_finite([inputs["x"]])) or (
+            not _all_finite([backward]) and _all_finite([inputs["x"], inputs["g"]]))
+    outputs = claimed if isinstance(claimed, tuple) else (claimed,)
+    return not _all_finite(outputs) and _all_finite(_tensors(inputs))
 
 
 def _tensors(inputs: dict) -> list[torch.Tensor]:
