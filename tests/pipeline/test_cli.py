@@ -69,7 +69,7 @@ def test_gantt_rows_name_each_nodes_stage_and_tasks_their_microbatch(tmp_path, m
     from matplotlib.figure import Figure
 
     from roving.pipeline import Plan, Route, build_network, model_preset, simulate
-    from roving.pipeline.run.cli import draw_gantt
+    from roving.pipeline.run.plan_cli import draw_gantt
     net = build_network("gcp12", 3)
     names = net.names
     p = Plan(3, 0.0, {names[0]: 0, names[1]: 1, names[2]: 2},

@@ -42,6 +42,8 @@ PLANNING: dict[str, tuple[str, dict]] = {
     "llama-3b": ("llama-3b", {}),
     "llama-8b": ("llama-8b", {}),
     "llama-1.5b-skippipe": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=1, backward_ratio=1.5)),
+    # the shape of the schedule.json SkipPipe's repository ships: 2 samples a microbatch, 4 layers a stage
+    "llama-1.5b-skippipe-2": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=2, backward_ratio=1.5)),
 }
 DEFAULT_PLANNING = "llama-1.5b"
 
@@ -105,4 +107,7 @@ PLAN_PRESETS: dict[str, dict] = {
                                     microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe"),
     "skippipe-5-clusters": dict(network="gcp12", nodes=20, regions=list(SKIPPIPE_FIVE_REGIONS), stages=6,
                                 skip=0.33, microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe"),
+    # the shape of its shipped schedule.json: the geo-distributed setting with 2 samples a microbatch
+    "skippipe-shipped": dict(network="gcp12", nodes=20, regions=list(SKIPPIPE_GCP_ORDER), stages=6, skip=0.33,
+                             microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe-2"),
 }

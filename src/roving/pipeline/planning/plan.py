@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .costs import ModelSpec
 from ..errors import PlanError
@@ -112,6 +112,22 @@ class Plan:
             "priority": list(self.priority) if self.priority else list(range(len(self.paths))),
             "route_rule": self.route_rule,
         }
+
+
+def plan_from_dict(doc: Any) -> Plan:
+    """The plan ``Plan.to_dict`` wrote (what ``pipeline plan --json`` writes); PlanError naming the field
+    that is missing or of the wrong shape."""
+    try:
+        alloc = {str(n): int(s) for n, s in doc["allocation"].items()}
+        paths = [Route(str(p["origin"]), tuple(str(n) for n in p["nodes"]), tuple(int(s) for s in p["stages"]))
+                 for p in doc["paths"]]
+        stages, skip = int(doc["stages"]), float(doc["skip"])
+        priority = [int(i) for i in doc["priority"]] if doc.get("priority") else None
+        rule = check_route_rule(str(doc.get("route_rule", DEFAULT_ROUTE_RULE)))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PlanError(f"not a plan as `roving pipeline plan --json` writes it (stages, skip, allocation, "
+                        f"paths of origin, nodes and stages): {type(exc).__name__} {exc}") from None
+    return Plan(stages, skip, alloc, paths, priority, route_rule=rule)
 
 
 def inversions(seq: Sequence[int]) -> int:
