@@ -124,3 +124,34 @@ def test_pipeline_simulate_and_plan_judge_a_schedule_beside_roving_plans(tmp_pat
     path.write_text(json.dumps(_broken(memory=-1)))
     assert main(["pipeline", "simulate", str(path)]) == 2
     assert "error: schedule.json: memory must be a whole number >= 1, got -1" in capsys.readouterr().err
+
+
+def test_a_schedule_is_trained_on_its_own_plan_and_a_run_that_does_not_fit_it_is_refused(tmp_path):
+    import math
+
+    import torch
+
+    from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
+    torch.set_num_threads(1)
+    path = tmp_path / "schedule.json"
+    path.write_text(json.dumps(SCHEDULE))
+    run = dict(model="tiny", nodes=7, stages=3, skip=0.0, microbatches=4, samples=2, seq_len=16, iterations=2,
+               lr=3e-3, warmup=1, eval_every=100, eval_batches=1, planner_budget=0.3, speed=1e-3, timeout=120,
+               in_flight=2, start_wait=120, skippipe_schedule=str(path))
+    prep = prepare(TrainConfig(**run))
+    sched = read_schedule(SCHEDULE)
+    assert prep.plan.paths == schedule_plan(sched, schedule_network(sched)).paths
+    assert [n.region for n in prep.network.nodes] == SCHEDULE["locations"]
+    with Trainer(prep) as t:
+        metrics = t.train()
+    assert len(metrics["iterations"]) == 2 and all(math.isfinite(r["train_loss"]) for r in metrics["iterations"])
+    assert t.plan.paths == prep.plan.paths, "no node lost: the schedule's routes throughout"
+    for name, value, words in (("stages", 4, "[plan] stages is 4 but the SkipPipe schedule"),
+                               ("microbatches", 6, "[plan] microbatches is 6 but"),
+                               ("nodes", 8, "[plan] nodes is 8 but")):
+        with pytest.raises(PlanError) as err:
+            prepare(TrainConfig(**{**run, name: value}))
+        assert words in str(err.value) and f"makes {({'stages': 3, 'microbatches': 4, 'nodes': 7})[name]}" \
+            in str(err.value), str(err.value)
+    with pytest.raises(PlanError, match="skippipe_schedule must be the path of a SkipPipe schedule.json"):
+        TrainConfig(**{**run, "schedule": "dtfm"}).check()

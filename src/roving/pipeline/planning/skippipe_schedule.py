@@ -123,10 +123,10 @@ def _routes(raw: Any, field: str, parts: list, stage_of: dict[int, int], memory:
     return tuple(out)
 
 
-def schedule_network(schedule: SkipPipeSchedule, network: str | dict = "gcp12") -> Network:
+def schedule_network(schedule: SkipPipeSchedule, network: str | dict = "gcp12", speed: float | None = None) -> Network:
     """The schedule's nodes on ``network`` (a preset, file or dict): node ``i`` is ``n{i:02d}`` in region
-    ``locations[i]``, holding ``memory`` microbatches in flight. PlanError naming the location that is
-    not one of the network's regions."""
+    ``locations[i]``, holding ``memory`` microbatches in flight, of ``speed`` (seconds per sample per layer;
+    None: the network's default). PlanError naming the location that is not one of the network's regions."""
     base = build_network(network, 1)
     regions = {r for pair in base.links for r in pair} | {base.nodes[0].region}
     for i, r in enumerate(schedule.locations):
@@ -134,7 +134,7 @@ def schedule_network(schedule: SkipPipeSchedule, network: str | dict = "gcp12") 
               f"(it has {', '.join(sorted(regions))})")
     # round-robin over the locations themselves puts node i in locations[i]
     return build_network(network, len(schedule.locations), memory=schedule.memory,
-                         regions=list(schedule.locations))
+                         regions=list(schedule.locations), **({"speed": speed} if speed is not None else {}))
 
 
 def schedule_plan(schedule: SkipPipeSchedule, network: Network, variant: str = "ca") -> Plan:

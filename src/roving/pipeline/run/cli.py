@@ -78,6 +78,8 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--stages", type=int)
     t.add_argument("--skip", type=float, help="fraction of stages each microbatch skips")
     t.add_argument("--schedule", choices=("skippipe", "dtfm"), help="dtfm: the full-pipeline baseline")
+    t.add_argument("--skippipe-schedule", metavar="FILE",
+                   help="train the plan of a SkipPipe schedule.json (its nodes, stages and routes)")
     t.add_argument("--microbatches", type=int, help="per iteration")
     t.add_argument("--samples", type=int, help="sequences per microbatch")
     t.add_argument("--seq-len", type=int)
@@ -410,7 +412,8 @@ def run_node(args: argparse.Namespace) -> int:
 def run_train(args: argparse.Namespace) -> int:
     from .trainer import TrainConfig, run
 
-    fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
+    fields = ("model", "network", "nodes", "stages", "skip", "schedule", "skippipe_schedule", "microbatches",
+              "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
               "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "open_join",
