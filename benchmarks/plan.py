@@ -80,17 +80,18 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, generated: str) -> None:
-    """Replace the generated part of this benchmark's section, keeping the hand-written notes under it."""
+def write_section(path: Path, generated: str, section: str = SECTION, end: str = END_OF_TABLE) -> None:
+    """Replace the generated part of a benchmark's section (this one's by default), keeping the
+    hand-written notes under it."""
     text = path.read_text() if path.exists() else "# roving benchmark results\n"
-    start = text.find(SECTION)
+    start = text.find(section)
     if start < 0:
         text = text.rstrip("\n") + "\n\n" + generated + "\n"
     else:
-        marker = text.find(END_OF_TABLE, start)
-        nxt = text.find("\n## ", start + len(SECTION))
+        marker = text.find(end, start)
+        nxt = text.find("\n## ", start + len(section))
         if marker >= 0 and (nxt < 0 or marker < nxt):
-            rest = text[marker + len(END_OF_TABLE):]
+            rest = text[marker + len(end):]
         else:
             rest = "\n" + (text[nxt + 1:] if nxt >= 0 else "")
         text = text[:start] + generated + rest

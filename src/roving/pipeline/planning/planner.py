@@ -98,6 +98,9 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     ``ALT_RACE`` of the places in the race.
     Deterministic for a given seed and evaluation count; with a wall-clock budget the count, and so
     the result, can vary between runs on machines of different speed or load. Raises PlanError on impossible input.
+    ``budget_s`` is a deadline: the plan comes back at it, or, where the first allocation's greedy paths
+    (two constructions and a simulation: seconds at 200 nodes on 16 stages) take longer, right after
+    them; by count, the phases that take time before the first plan stop at it too.
     ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
     exchange of gradients included (``simulate``), so that replicas far apart cost what they cost;
     without it, by the microbatch phase alone (as the SkipPipe paper's simulator). ``max_evals``: the
@@ -128,7 +131,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     # with sync_bytes, one simulation at the end reports the makespan itself (the search's score also
     # weighs the phase): it counts too
     reserve = 1 if sync_bytes is not None else 0
-    searches = _searches(problem)
+    # by count the plan must not depend on the clock: only the cap (``budget_s``) cuts the first phase
+    searches = _searches(problem, cap if by_count else t0 + ALLOC_FRAC * budget_s)
     contenders, best_greedy = _allocation_search(problem, searches, t0, budget_s, rng, max_evals)
     report("allocation", best_greedy, candidates=len(contenders))
     winner = _race(problem, contenders, t0, budget_s, rng,
@@ -216,9 +220,10 @@ class _Contender:
     priority: list[int] | None
 
 
-def _searches(problem: _Problem) -> list[_Search]:
+def _searches(problem: _Problem, deadline: float) -> list[_Search]:
     """The allocation searches ``plan`` runs: from the best of a few candidate splits (the comment
-    below), and, when memory binds, one more for the split with the most stage-0 nodes."""
+    below), and, when memory binds, one more for the split with the most stage-0 nodes. Splits are
+    judged until ``deadline`` (the first always): at 200 nodes one judgement takes seconds."""
     network, model, stages, can = problem.network, problem.model, problem.stages, problem.can
     order = tour_order(network, problem.cost)
     # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
@@ -235,7 +240,16 @@ def _searches(problem: _Problem) -> list[_Search]:
             starts.append((lab, placed))
     if not starts:
         starts.append(memory_fallback(order, counts, can, stages))
-    labels, start = min(starts, key=lambda ls: problem.judge(*ls)) if len(starts) > 1 else starts[0]
+    if len(starts) > 1:
+        scores = [problem.judge(*starts[0])]
+        for ls in starts[1:]:
+            if time.perf_counter() >= deadline:
+                break
+            scores.append(problem.judge(*ls))
+        starts = starts[:len(scores)]
+        labels, start = starts[min(range(len(scores)), key=scores.__getitem__)]
+    else:
+        labels, start = starts[0]
     # When memory binds (an origin sends more microbatches than it can hold at once, so it runs them in
     # rounds of whole round trips), a split with more stage-0 nodes has fewer rounds per origin, which
     # greedy paths undervalue: the split with the most stage-0 nodes among the candidates then gets its
@@ -294,8 +308,13 @@ def _race(problem: _Problem, allocations: list[tuple[list[int], list[str]]], t0:
     paths need."""
     cap = t0 + budget_s
     skip, allow_swaps = problem.skip, problem.allow_swaps
-    pool = []
+    pool: list[_Contender] = []
+    # each contender's first paths until the race's first round would end (by count: the cap), one
+    # at least: on a large network each takes seconds
+    entry_end = cap if max_evals is not None else t0 + (ALLOC_FRAC + RACE_FRAC / 2) * budget_s
     for i, (labs, sl) in enumerate(allocations):
+        if pool and time.perf_counter() >= entry_end:
+            break
         ctx = problem.context(labs, sl)
         paths = build_routes(ctx, problem.microbatches, problem.visits, allow_swaps)
         score = score_routes(ctx, paths, None, skip)

@@ -106,8 +106,20 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
     def jitter() -> float:
         return 1.0 + noise * rng.random() if (rng is not None and noise) else 1.0
 
-    def edge(a: str, b: str) -> float:
+    def priced(a: str, b: str) -> float:
         return (cost[a, b] * (1 + 2 * link_load[a, b] / est) + cost[b, a] * (1 + 2 * link_load[b, a] / est)) * jitter()
+
+    # without noise an edge's price changes only when a route puts load on its link: kept until then
+    # (pricing them afresh for every microbatch took most of a plan's time at 200 nodes)
+    kept: dict[tuple[str, str], float] = {}
+
+    def edge(a: str, b: str) -> float:
+        if noise and rng is not None:
+            return priced(a, b)
+        v = kept.get((a, b))
+        if v is None:
+            v = kept[a, b] = priced(a, b)
+        return v
 
     def node_cost(n: str) -> float:
         return ctx.work[n] * (1 + 2 * load[n] / est) * jitter()
@@ -131,6 +143,8 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         for a, b in zip(hops, hops[1:]):
             link_load[a, b] += cost[a, b]
             link_load[b, a] += cost[b, a]
+            kept.pop((a, b), None)
+            kept.pop((b, a), None)
         paths.append(Route(origin, tuple(nodes), stages_seq))
     return paths
 
@@ -141,27 +155,41 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
     """``build_routes``' dynamic program for one microbatch from ``origin``: the ``visits`` nodes, in
     increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
     the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
-    # dp[(count, node)] = (cost, previous key)
+    # dp[(count, node)] = (cost, previous key); at[stage][count]: the keys of that count reached at a
+    # node of that stage, in the order they were made (the order ties are broken in). Each edge into a
+    # node is costed once for all counts (``edge`` costs the same within one microbatch's program):
+    # with 16 stages of a dozen replicas, costing it again for every count took most of the planner's
+    # time at 100 nodes and more.
     dp: dict[tuple[int, str], tuple[float, tuple[int, str] | None]] = {}
+    at: dict[int, list[list[tuple[int, str]]]] = {}
     by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    for s in allowed:
+    for i, s in enumerate(allowed):
         lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
-        for n in ctx.replicas[s]:
+        at[s] = [[] for _ in range(visits + 1)]
+        # a count that the allowed stages after s cannot bring up to ``visits`` ends no route
+        least = max(1, visits - (len(allowed) - 1 - i))
+        # nor does a jump over more allowed stages than a route may skip
+        spare = len(allowed) - visits
+        earlier = [ps for j, ps in enumerate(allowed[:i]) if ps >= max(lo, 1) and i - j - 1 <= spare]
+        for n in _candidates(ctx.replicas[s], origin, edge, node_cost):
             here = node_cost(n) + press[s]
-            for c in range(1, visits + 1):
+            into: dict[str, float] = {}
+            for c in range(least, visits + 1):
                 best: tuple[float, tuple[int, str] | None] | None = None
                 if c == 1 and lo == 0:
                     best = (edge(origin, n) + here, None)
                 else:
-                    for ps in range(max(lo, 1), s):
-                        for key in by_stage.get(ps, ()):
-                            if key[0] != c - 1 or key not in dp:
-                                continue
-                            v = dp[key][0] + edge(key[1], n) + here
+                    for ps in earlier:
+                        for key in at[ps][c - 1]:
+                            e = into.get(key[1])
+                            if e is None:
+                                e = into[key[1]] = edge(key[1], n)
+                            v = dp[key][0] + e + here
                             if best is None or v < best[0]:
                                 best = (v, key)
                 if best is not None:
                     dp[(c, n)] = best
+                    at[s][c].append((c, n))
                     by_stage[s].append((c, n))
     last_forced = max(forced, default=0)
     end: tuple[float, tuple[int, str]] | None = None
@@ -181,6 +209,25 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
         at = dp[at][1]
     nodes.reverse()
     return nodes
+
+
+#: replicas of a stage beyond which ``_cheapest_visits`` weighs only some of them (``_candidates``).
+CANDIDATES = 8
+
+
+def _candidates(replicas: list[str], origin: str, edge: Callable[[str, str], float],
+                node_cost: Callable[[str], float]) -> list[str]:
+    """The replicas of a stage that one microbatch's program weighs: all of them up to ``CANDIDATES``;
+    beyond, the half least loaded and the half nearest its origin (there and back), in their order. The
+    program's time grows with the square of the replicas a stage has: with 200 nodes on 16 stages,
+    weighing all of them cost seconds per microbatch, and a far and busy replica is seldom the best."""
+    if len(replicas) <= CANDIDATES:
+        return replicas
+    half = CANDIDATES // 2
+    least = sorted(replicas, key=node_cost)[:half]
+    near = sorted(replicas, key=lambda n: edge(origin, n) + edge(n, origin))
+    chosen = set(least) | set([n for n in near if n not in least][:CANDIDATES - len(least)])
+    return [n for n in replicas if n in chosen]
 
 
 def _tour_cost(origin: str, nodes: Sequence[str], edge: Callable[[str, str], float]) -> float:
