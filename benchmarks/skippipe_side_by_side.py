@@ -60,7 +60,8 @@ def _spread(xs: list[float]) -> str:
 
 def tables(rows: list[dict]) -> str:
     head = ("| setting | seed: SkipPipe's / roving's | SkipPipe's split | roving's split "
-            "| SkipPipe's plan s (shared / not) | roving's plan s (shared / not) | roving/SkipPipe shared | roving/SkipPipe not shared |")
+            "| SkipPipe's plan s (shared / not) | roving's plan s (shared / not) | roving/SkipPipe shared "
+            "| roving/SkipPipe not shared |")
     out = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['setting']} | {r['their_seed']} / {r['seed']} | {r['split']} | {r['our_split']} "
