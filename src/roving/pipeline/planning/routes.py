@@ -155,17 +155,17 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
     """``build_routes``' dynamic program for one microbatch from ``origin``: the ``visits`` nodes, in
     increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
     the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
-    # dp[(count, node)] = (cost, previous key); at[stage][count]: the keys of that count reached at a
+    # dp[(count, node)] = (cost, previous key); reached[stage][count]: the keys of that count reached at a
     # node of that stage, in the order they were made (the order ties are broken in). Each edge into a
     # node is costed once for all counts (``edge`` costs the same within one microbatch's program):
     # with 16 stages of a dozen replicas, costing it again for every count took most of the planner's
     # time at 100 nodes and more.
     dp: dict[tuple[int, str], tuple[float, tuple[int, str] | None]] = {}
-    at: dict[int, list[list[tuple[int, str]]]] = {}
+    reached: dict[int, list[list[tuple[int, str]]]] = {}
     by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for i, s in enumerate(allowed):
         lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
-        at[s] = [[] for _ in range(visits + 1)]
+        reached[s] = [[] for _ in range(visits + 1)]
         # a count that the allowed stages after s cannot bring up to ``visits`` ends no route
         least = max(1, visits - (len(allowed) - 1 - i))
         # nor does a jump over more allowed stages than a route may skip
@@ -180,7 +180,7 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
                     best = (edge(origin, n) + here, None)
                 else:
                     for ps in earlier:
-                        for key in at[ps][c - 1]:
+                        for key in reached[ps][c - 1]:
                             e = into.get(key[1])
                             if e is None:
                                 e = into[key[1]] = edge(key[1], n)
@@ -189,7 +189,7 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
                                 best = (v, key)
                 if best is not None:
                     dp[(c, n)] = best
-                    at[s][c].append((c, n))
+                    reached[s][c].append((c, n))
                     by_stage[s].append((c, n))
     last_forced = max(forced, default=0)
     end: tuple[float, tuple[int, str]] | None = None
