@@ -1,7 +1,7 @@
 """Whether an emulated link (roving.pipeline.runtime.emulate) keeps the order in which one sender sent.
 
 It does not, by design: overlapping transfers share a link's bandwidth (the simulator's model), so a
-small transfer sent just after a large one arrives first. The README records this as one reason the
+small transfer sent just after a large one arrives first. docs/ARCHITECTURE.md records this as one reason the
 emulator sits at the pipeline's send call rather than in the transport, which promises order.
 
     python benchmarks/emulated_link_order.py            # 4 MiB, then 64 KiB 1 ms later; 1 Gbit/s, 10 ms

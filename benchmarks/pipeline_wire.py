@@ -23,6 +23,7 @@ from roving.pipeline.planning.plan import Route
 from roving.pipeline.presets import PRESETS as MODEL_PRESETS
 from roving.pipeline.verify.receipts import Receipt
 from roving.pipeline.verify.screen import Summary
+from roving.pipeline.verify.tensor_id import Screened, TensorId
 from roving.transport.serialize import dumps, loads
 
 
@@ -31,7 +32,7 @@ def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Messag
     dim = cfg.dim
     act = torch.randn(samples_per_mb, seq_len, dim)
     route = Route("n00", ("n01", "n02", "n03"), (1, 2, 3))
-    receipt = Receipt("n01", 7, "activation", 3, 1, b"d" * 32, b"m" * 32)
+    receipt = Receipt(TensorId(7, "activation", 3, 1, "n01"), b"d" * 32, b"m" * 32)
     share = torch.randn(sum(p.numel() for p in torch.nn.Linear(dim, dim).parameters()) * 4)
     summary = Summary((), 1.2, 0.01, -0.3, torch.randn(dim))
     return {
@@ -39,7 +40,7 @@ def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Messag
         "Gradients (share)": m.Gradients(7, "n01", share, 4, receipt),
         "Done": m.Done(7, "n00", 3, 2.71),
         "Norm (8 summaries)": m.Norm(7, "n01", 1, 3.5,
-                                     tuple(("activation", i, 1, "n00", summary) for i in range(8)),
+                                     tuple(Screened(TensorId(7, "activation", i, 1, "n00"), summary) for i in range(8)),
                                      (), {"n05": 0.9}, b"c" * 32),
         "Stepped": m.Stepped(7, "n01", {"processed": 12, "compute_s": 0.5, "peak_in_flight": 2,
                                         "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]},

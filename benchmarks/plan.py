@@ -14,7 +14,7 @@ from pathlib import Path
 
 from roving.pipeline import build_network, full_pipeline, model_preset, plan, random_skip, replan
 
-SECTION = "## SkipPipe planner — benchmarks/plan.py"
+SECTION = "## SkipPipe planner (benchmarks/plan.py)"
 # Node placement as in the paper's create_schedule.py: round-robin over its region list, in its order.
 PAPER_GCP_ORDER = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon", "Singapore", "Taiwan",
                    "London", "Australia"]

@@ -99,9 +99,10 @@ def via_node(args, cfg, xs: list, gs: list) -> list[float]:
         peer = roving.Process(target=_peer, args=(ready, inbox, args.rounds, xs, gs, back), daemon=True)
         peer.start()
         mine, me_id = ready.get(timeout=300)
-        back.put(proc.node_id)
         to_node = mail.Outbox(inbox)
         to_node.put(m.Peers({"n1": inbox, "me": mine}, {"me": me_id}))
+        to_node.qsize()  # the node knows its peer before the peer's first microbatch arrives
+        back.put(proc.node_id)
         times = ready.get(timeout=3600)
         to_node.put(m.Stop())
         control.get(timeout=60)  # Stopped

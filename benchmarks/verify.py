@@ -217,7 +217,7 @@ def paired(iterations: int, pairs: int, seed: int, model: str = "large",
            modes: list[tuple[str, float, float]] | None = None) -> dict:
     """Each mode of ``modes`` (``PAIRED``) run between two runs with verification off, ``pairs`` times (off, screen,
     off, spot 5%, off, ...): each mode run's ratio to the mean of the two off runs beside it. This
-    machine's speed drifts by a quarter from minute to minute (session 16: off at 2.1 s and 2.9 s an
+    machine's speed drifts by a quarter from minute to minute (at a5dae62: off at 2.1 s and 2.9 s an
     iteration in two rounds of the same command); a ratio to its neighbours cancels the drift slower
     than a run."""
     over = LARGE if model == "large" else {}
@@ -289,12 +289,12 @@ def digests(repeats: int = 30, mib: int = 1) -> dict:
 
     t = torch.randn(mib * 262144, generator=torch.Generator().manual_seed(0))
 
-    def blake2b(x: torch.Tensor) -> bytes:  # the digest before SHA-256 (sessions 1-12)
+    def blake2b(x: torch.Tensor) -> bytes:  # the digest before SHA-256 (until 5da6054)
         h = hashlib.blake2b(f"{x.dtype}:{tuple(x.shape)}".encode(), digest_size=16)
         h.update(x.view(-1).view(torch.uint8).numpy().data)
         return h.digest()
 
-    def sha256(x: torch.Tensor) -> bytes:  # the digest before BLAKE3 (sessions 13-18)
+    def sha256(x: torch.Tensor) -> bytes:  # the digest before BLAKE3 (5da6054 to ff41722)
         h = hashlib.sha256(f"{x.dtype}:{tuple(x.shape)}".encode())
         h.update(x.view(-1).view(torch.uint8).numpy().data)
         return h.digest()

@@ -1,12 +1,12 @@
-"""The README's table of roving's errors, made from the error classes themselves.
+"""The documentation's table of roving's errors (docs/reference/errors.md), made from the error classes.
 
 Every public exception class defined in a module of roving is a row: its name, its bases, the public place
 to import it from, and the first paragraph of its docstring. tests/test_error_table.py fails when the
-README's table differs from this one; after adding, moving or rewording an error, rewrite it with
+page's table differs from this one; after adding, moving or rewording an error, rewrite it with
 
-    python3 scripts/error_table.py --write README.md
+    python3 scripts/error_table.py --write docs/reference/errors.md
 
-(without --write: print the table). The table sits between the two marker lines below, in the README.
+(without --write: print the table). The table sits between the two marker lines below, on that page.
 """
 from __future__ import annotations
 
@@ -19,11 +19,14 @@ import sys
 from pathlib import Path
 from typing import List, Tuple
 
+#: where the table is kept, from the repository's root
+PAGE = "docs/reference/errors.md"
+
 BEGIN = "<!-- errors: made by scripts/error_table.py, checked by tests/test_error_table.py -->"
 END = "<!-- /errors -->"
 #: the order of the table: the layers, lowest first (tests/test_layering.py has the full map)
-ORDER = ("roving.config", "roving.backends", "roving.transport", "roving.process", "roving.pool", "roving",
-         "roving.pipeline")
+ORDER = ("roving.errors", "roving.config", "roving.backends", "roving.transport", "roving.process", "roving.pool",
+         "roving", "roving.pipeline")
 
 
 def error_classes() -> List[type]:
@@ -95,17 +98,17 @@ def table() -> str:
     return "\n".join(rows)
 
 
-def readme_table(text: str) -> str:
-    """The table as it is in a README's ``text``, marker lines included; ValueError without them."""
+def documented_table(text: str) -> str:
+    """The table as it is in a page's ``text``, marker lines included; ValueError without them."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"the README has no error table between {BEGIN!r} and {END!r}")
+        raise ValueError(f"the page has no error table between {BEGIN!r} and {END!r}")
     return text[start:end + len(END)]
 
 
 def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--write", metavar="README", help="replace the table in this file")
+    parser.add_argument("--write", metavar="PAGE", help=f"replace the table in this file ({PAGE})")
     args = parser.parse_args(argv)
     made = table()
     if args.write is None:
@@ -113,7 +116,7 @@ def main(argv: List[str]) -> int:
         return 0
     path = Path(args.write)
     text = path.read_text()
-    path.write_text(text.replace(readme_table(text), made))
+    path.write_text(text.replace(documented_table(text), made))
     return 0
 
 

@@ -122,7 +122,7 @@ venv_for() {
 
 # The venvs first, one after the other (pip); then the versions' test runs all at once: each is about
 # half idle here (children starting, waits on the transport), and run one after the other they took
-# 10.4 minutes of the test command's 55 (session 15). Each run has its own basetemp.
+# 10.4 minutes of the test command's 55 (2026-12-03). Each run has its own basetemp.
 summaries=() failed=0 ready=()
 for run in "${runs[@]}"; do
     version=${run%%=*} py=${run#*=}

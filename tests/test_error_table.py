@@ -1,5 +1,6 @@
-"""The README's table of errors is the one the error classes make: a new, moved, renamed or reworded
-error fails here until the table is made again (``python3 scripts/error_table.py --write README.md``)."""
+"""The documented table of errors (docs/reference/errors.md) is the one the error classes make: a new, moved,
+renamed or reworded error fails here until the table is made again
+(``python3 scripts/error_table.py --write docs/reference/errors.md``)."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +21,7 @@ _spec.loader.exec_module(error_table)
 
 
 def _rows(table: str) -> dict:
-    """{error name: the row's cells} of a table in the README's form."""
+    """{error name: the row's cells} of a table in the page's form."""
     rows = {}
     for line in table.splitlines()[3:-1]:
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
@@ -29,13 +30,13 @@ def _rows(table: str) -> dict:
     return rows
 
 
-def test_the_readmes_error_table_is_the_one_the_error_classes_make():
-    written = _rows(error_table.readme_table((ROOT / "README.md").read_text()))
+def test_the_documented_error_table_is_the_one_the_error_classes_make():
+    written = _rows(error_table.documented_table((ROOT / error_table.PAGE).read_text()))
     made = _rows(error_table.table())
-    assert sorted(written) == sorted(made), "errors missing from the README's table or no longer in the code"
+    assert sorted(written) == sorted(made), "errors missing from the documented table or no longer in the code"
     for name in made:
-        assert written[name] == made[name], f"{name}: the README says {written[name]}, the code {made[name]}"
-    assert error_table.readme_table((ROOT / "README.md").read_text()) == error_table.table()  # order too
+        assert written[name] == made[name], f"{name}: the page says {written[name]}, the code {made[name]}"
+    assert error_table.documented_table((ROOT / error_table.PAGE).read_text()) == error_table.table()  # order too
 
 
 def test_the_table_has_every_error_of_the_error_modules_with_its_bases_and_an_import_path_that_works():
@@ -57,9 +58,10 @@ def test_the_table_has_every_error_of_the_error_modules_with_its_bases_and_an_im
                 package, _, attr = public.rpartition(".")
                 assert getattr(importlib.import_module(package), attr) is base
         assert meaning, f"{name} has no docstring to say what it means"
-    assert rows["PoolError"][1] == "multiprocessing.ProcessError" and issubclass(
+    assert rows["RovingError"][1] == "multiprocessing.ProcessError"
+    assert rows["PoolError"][1] == "RovingError" and issubclass(
         pool_errors.WorkerLostError, multiprocessing.ProcessError)
-    assert rows["BackendError"][1] == "OSError"
+    assert rows["BackendError"][1] == "RovingError, OSError"
 
 
 #: each package with an error module, its one base, and what may live outside that module (with why)
@@ -122,6 +124,6 @@ def test_an_error_made_for_what_pickle_raised_is_both_kinds_and_crosses_a_pickle
     assert type(back) is type(made) and str(back) == str(made)
 
 
-def test_a_readme_without_the_markers_is_told_so():
+def test_a_page_without_the_markers_is_told_so():
     with pytest.raises(ValueError, match="no error table"):
-        error_table.readme_table("# a README\nwith no table\n")
+        error_table.documented_table("# a page\nwith no table\n")

@@ -18,6 +18,9 @@ SRC = Path(roving.__file__).resolve().parent
 #: The layers, lowest first, as docs/ARCHITECTURE.md draws them. A module belongs to the layer of the
 #: longest prefix that names it; every module must have one (a new top-level module is placed here).
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
+    ("errors", ("roving.errors",)),  # the one error family's base, under every package's errors
+    # owner-only files and the selector thread: used by the backends and everything above
+    ("system helpers", ("roving.system",)),
     ("config", ("roving.config",)),
     ("backends", ("roving.backends",)),
     ("transport", ("roving.transport",)),
@@ -38,7 +41,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
         "roving.pipeline.errors", "roving.pipeline.presets", "roving.pipeline.model", "roving.pipeline.optim",
         "roving.pipeline.faults")),
     ("pipeline: planning", ("roving.pipeline.planning",)),
-    ("pipeline: stages and their messages", ("roving.pipeline.stages", "roving.pipeline.protocol")),
+    ("pipeline: stages and their messages", ("roving.pipeline.stages", "roving.pipeline.protocol",
+                                            "roving.pipeline.dispatch")),
     ("pipeline: verification", ("roving.pipeline.verify",)),
     ("pipeline: runtime", ("roving.pipeline.runtime",)),
     ("pipeline: the run", ("roving.pipeline.run", "roving.pipeline")),
@@ -47,8 +51,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
 ]
 
 #: The packages whose private names are theirs alone (the rest of roving's modules form ``roving``).
-PACKAGES = ("roving.backends", "roving.transport", "roving.pool", "roving.pipeline", "roving.dashboard",
-            "roving.rl")
+PACKAGES = ("roving.system", "roving.backends", "roving.transport", "roving.pool", "roving.pipeline",
+            "roving.dashboard", "roving.rl")
 
 #: Upward imports that are allowed, each with its reason; each must be made inside a function, so that
 #: importing the lower module never imports the upper one.
@@ -215,14 +219,40 @@ def test_the_private_name_check_sees_an_import_and_an_attribute_of_another_packa
                                     ("roving.pipeline.b", "roving.transport.endpoint._peers", 2)}
 
 
+def _within(target: str, *prefixes: str) -> bool:
+    return any(target == p or target.startswith(p + ".") for p in prefixes)
+
+
 def test_no_backend_module_imports_the_transport_or_anything_above_the_configuration():
     files = [m for m in _modules() if _package(m) == "roving.backends"]
     assert len(files) >= 7
     outside = sorted({f"{imp.module} imports {imp.target}" for imp in _all_imports()
-                      if imp.module in files and not imp.target.startswith("roving.backends")
-                      and not (imp.target == "roving.config" or imp.target.startswith("roving.config."))})
+                      if imp.module in files and not _within(imp.target, "roving.backends", "roving.config",
+                                                             "roving.errors", "roving.system")})
     assert outside == []
 
 
-def test_the_configuration_imports_no_other_roving_module():
-    assert [imp.target for imp in _all_imports() if imp.module == "roving.config"] == []
+def test_the_configuration_imports_no_other_roving_module_but_the_error_family():
+    assert [imp.target for imp in _all_imports()
+            if imp.module == "roving.config" and not _within(imp.target, "roving.errors")] == []
+    assert [imp.target for imp in _all_imports() if imp.module == "roving.errors"] == []
+
+
+#: Each backend is a plug-in: a module or folder that nothing outside it imports but roving.backends,
+#: which picks one by name (``backends.get``).
+BACKEND_PLUGINS = ("roving.backends.local", "roving.backends.slurm", "roving.backends.docker",
+                   "roving.backends.kubernetes")
+#: Direct imports of a backend from outside it, each with its reason.
+PLUGIN_IMPORTS_KNOWN: Dict[Tuple[str, str], str] = {
+    ("roving.cli", "roving.backends.docker"): "`roving run --build` builds and pushes an image, which only "
+                                              "Docker's backend does",
+}
+
+
+def test_nothing_outside_a_backend_imports_it_but_the_backends_package_that_picks_it_by_name():
+    found = set()
+    for imp in _all_imports():
+        plugin = next((p for p in BACKEND_PLUGINS if _within(imp.target, p)), None)
+        if plugin is not None and not _within(imp.module, plugin) and imp.module != "roving.backends":
+            found.add((imp.module, plugin))
+    assert found == set(PLUGIN_IMPORTS_KNOWN), found

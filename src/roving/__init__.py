@@ -17,8 +17,9 @@ from .connection import Connection, Pipe
 from .context import (Context, get_all_start_methods, get_context, get_start_method,
                       set_start_method)
 from .managers import AsyncManager, Manager
-from .pool import AsyncResult, MapResult, Pool, PoolStartError, WorkerLostError, meta
+from .pool import AsyncResult, MapResult, OutOfMemoryError, Pool, PoolStartError, WorkerLostError, meta
 from .environment import EnvironmentMismatchError
+from .errors import RovingError
 from .process import Process, ProcessStartError, active_children, cpu_count, current_process, parent_process
 from .queues import JoinableQueue, Queue, SimpleQueue
 from .shared import Shared, shared
@@ -30,12 +31,13 @@ from .transport.serialize import SerializationError
 __version__ = "0.1.0"
 
 __all__ = [
-    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "meta", "Queue", "SimpleQueue", "JoinableQueue",
+    "Process", "Pool", "AsyncResult", "MapResult", "WorkerLostError", "OutOfMemoryError", "meta", "Queue",
+    "SimpleQueue", "JoinableQueue",
     "Pipe", "Connection",
     "current_process", "parent_process", "active_children", "cpu_count",
     "get_context", "set_start_method", "get_start_method", "get_all_start_methods", "Context",
     "init", "Config", "ConfigError", "SerializationError", "ConnectionLost", "ProcessStartError", "PoolStartError",
-    "EnvironmentMismatchError",
+    "EnvironmentMismatchError", "RovingError",
     "ProcessError", "BufferTooShort", "TimeoutError", "AuthenticationError", "freeze_support",
     "Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier",
     "Value", "Array", "RawValue", "RawArray", "Manager", "AsyncManager",

@@ -20,6 +20,7 @@ from . import config as _config
 from . import process as _process
 from .transport import session as _session
 from .transport import timeouts
+from .errors import RemoteError  # noqa: F401  (importable here, where it was defined before)
 from .transport.serialize import dumps, loads
 
 OP = b"mgr"
@@ -28,13 +29,6 @@ PROXY = 2  # answer status: the result is a new shared object (method_to_typeid)
 #: process; the server runs a lane's calls in order, different lanes concurrently.
 LANE = struct.Struct("<Q")
 _lanes = itertools.count(1)
-
-
-class RemoteError(Exception):
-    """An exception raised in the manager's server that could not be sent back as itself."""
-
-    def __str__(self) -> str:
-        return "\n" + "-" * 75 + "\n" + str(self.args[0]) + "-" * 75
 
 
 class Token:

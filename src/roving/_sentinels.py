@@ -15,7 +15,7 @@ import threading
 import weakref
 from typing import Any, Callable, Optional
 
-from .backends.selector_thread import SelectorThread
+from .system.selector_thread import SelectorThread
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ class SentinelWatcher:
     The owner is held only weakly: an owner freed before its sentinel fired is not called back (its
     sentinel is closed through :meth:`close_fd`). An exception of a callback is logged and stops
     nothing else. Sentinels are closed only in the watcher's thread, so that a number is not reused
-    while the selector still knows it (:class:`roving.backends.selector_thread.SelectorThread`).
+    while the selector still knows it (:class:`roving.system.selector_thread.SelectorThread`).
     """
 
     def __init__(self) -> None:

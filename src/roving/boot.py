@@ -21,6 +21,7 @@ from . import codeship
 from . import config as _config
 from . import environment
 from .transport import node as _node
+from .transport.endpoint import Endpoint
 
 __all__ = ["Prepared", "prepare", "report", "drop", "before_work", "paths_for", "ships_code"]
 
@@ -71,14 +72,14 @@ def prepare(node: _node.Node, cfg: _config.Config, shares_filesystem: bool, uid:
     }, python, paths_for(python))
     try:
         if cfg.env_check != "off":
-            prepared.env_box = node.new_box(access=_node.Access(owner=uid))
+            prepared.env_box = node.mailboxes.new_box(access=_node.Access(owner=uid))
             prepared.info.update(env=environment.here().to_json(), env_check=cfg.env_check,
                                  env_box=prepared.env_box)
         if ships_code(cfg, shares_filesystem):
             folders = codeship.program_folders()
             archive = codeship.packed(folders, _config.parse_memory(cfg.ship_code_limit))
-            prepared.code_box = node.new_box(access=_node.Access(owner=uid))
-            node.call_local(_node.PUT, prepared.code_box, 0, [archive.data])
+            prepared.code_box = node.mailboxes.new_box(access=_node.Access(owner=uid))
+            node.mailboxes.call_local(_node.PUT, prepared.code_box, 0, [archive.data])
             prepared.info["code"] = {"sha256": archive.sha256, "box": prepared.code_box,
                                      "places": list(archive.places)}
     except BaseException:
@@ -92,7 +93,7 @@ def report(node: Optional[_node.Node], prepared: Optional[Prepared]) -> Optional
     ValueError when what it left is not a report."""
     if node is None or prepared is None or prepared.env_box is None:
         return None
-    status, frames = node.call_local(_node.GET, prepared.env_box, 0)
+    status, frames = node.mailboxes.call_local(_node.GET, prepared.env_box, 0)
     if status != _node.OK or not frames:
         return None
     return environment.Report.from_bytes(bytes(frames[0]))
@@ -101,13 +102,13 @@ def report(node: Optional[_node.Node], prepared: Optional[Prepared]) -> Optional
 def drop(node: _node.Node, prepared: Prepared) -> None:
     """Let go of the child's mailboxes (it has ended, or was never started)."""
     for box in prepared.boxes():
-        node.drop_box(box)
+        node.mailboxes.drop_box(box)
     prepared.env_box = prepared.code_box = None
 
 
 # -- in the child ------------------------------------------------------------------------------------
 
-def before_work(endpoint: Any, info: Dict[str, Any], timeout: float) -> Optional[str]:
+def before_work(endpoint: Endpoint, info: Dict[str, Any], timeout: float) -> Optional[str]:
     """In a child, before it fetches its work: the environment check, then the program's code. Returns
     what to say on stderr when the child must not run (a difference the policy makes an error, code that
     cannot be fetched), else None; a warning for differences that are allowed is written here. OSError

@@ -67,7 +67,8 @@ def _chosen_why(cfg: Config) -> str:
     return f"detected: {why}" if name == cfg.backend else "given on the command line"
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `roving` command's parser, every subcommand included (the documentation's CLI page is made from it)."""
     parser = argparse.ArgumentParser(prog="roving", description="roving: multiprocessing on cluster backends")
     subparsers = parser.add_subparsers(dest="command", required=True)
 
@@ -114,7 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     from roving.pipeline.run.cli import add_pipeline_parser
 
     add_pipeline_parser(subparsers)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `roving` command with ``argv`` (the process's arguments when None); return its exit code."""
+    args = build_parser().parse_args(argv)
     from .backends import UnknownJobError
 
     try:

@@ -46,7 +46,8 @@ import tempfile
 import threading
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
-from .backends.private import private_dir_or_own
+from .system.private import private_dir_or_own
+from .errors import CodeShipError
 
 __all__ = ["Archive", "CodeShipError", "pack", "install", "program_folders"]
 
@@ -57,10 +58,6 @@ _MODULE_SUFFIXES = tuple(importlib.machinery.SOURCE_SUFFIXES + importlib.machine
 _METADATA_SUFFIXES = (".dist-info", ".egg-info")
 _DONE = ".roving-complete"
 
-
-class CodeShipError(ValueError):
-    """The program's code cannot be shipped: the archive would be over ``ship_code_limit`` (the message
-    names the biggest files), a folder to ship is a user's home (or holds one), or a folder cannot be read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +274,7 @@ def _private_root() -> str:
     """This user's folder for unpacked code: ``$TMPDIR/roving-code-UID``, shared by this user's children on
     the machine (made 0700, not through a link). Where someone else took that name first (a folder of
     another user, a link, a folder others may write to), a folder of this process's own instead, removed at
-    its exit (:func:`roving.backends.private.private_dir_or_own`): a name in a shared temporary folder must
+    its exit (:func:`roving.system.private.private_dir_or_own`): a name in a shared temporary folder must
     not keep every child from running. CodeShipError when this user's own folder there is open to others."""
     shared = os.path.join(tempfile.gettempdir(), f"roving-code-{os.getuid()}")
     root = private_dir_or_own(shared)

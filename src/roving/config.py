@@ -13,6 +13,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
+from .errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -33,9 +35,6 @@ _CHOICES = {
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
 
-
-class ConfigError(ValueError):
-    """A configuration key or value is wrong; the message names it and where it came from."""
 
 
 def _local() -> str:
@@ -64,7 +63,7 @@ _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "ki": 1024, "kib": 1024, "m": 10
           "gib": 1024 ** 3, "t": 1024 ** 4, "tb": 1024 ** 4, "ti": 1024 ** 4, "tib": 1024 ** 4}
 
 
-def parse_memory(value: Any) -> int:
+def parse_memory(value: Union[int, float, str]) -> int:
     """Bytes from an int or a string like ``512M``, ``2G``, ``1.5GiB`` (binary units). ValueError if bad."""
     number: Union[int, float, str]
     if isinstance(value, int) and not isinstance(value, bool):
@@ -137,7 +136,7 @@ class Config:
     child_output: str = "prefix"
     log_dir: str = "roving-logs"
     #: Modules the local backend imports once, in a starter process from which it forks its children
-    #: (roving.backends.starter; multiprocessing's forkserver preload): a child whose target imports
+    #: (roving.backends.local.starter; multiprocessing's forkserver preload): a child whose target imports
     #: them (torch: seconds of CPU) starts in milliseconds. A list, or comma-separated in one string;
     #: none (the default): each child is a fresh interpreter. SkipPipe's trainer preloads its stage
     #: processes' module on the local backend when this is not set.
@@ -189,10 +188,11 @@ class Config:
     #: up: its pending and later calls raise the error (a worker that connects resets the count).
     pool_start_failures: int = 5
 
-    # -- what each process asks the backend for (ignored by local) --------------------------
+    # -- what each process asks the backend for (local: memory only, as a limit) ------------
     #: CPUs per process.
     cpu: float = 1.0
-    #: Memory per process, e.g. "2G" (binary units); none: the cluster's default.
+    #: Memory per process, e.g. "2G" (binary units); none: the cluster's default. The local backend runs
+    #: each process in a memory cgroup of that limit where this machine lets it make one (else it warns).
     memory: Optional[str] = None
     #: GPUs per process.
     gpu: int = 0

@@ -43,8 +43,8 @@ _open: "weakref.WeakSet[Connection]" = weakref.WeakSet()
 def Pipe(duplex: bool = True) -> Tuple["Connection", "Connection"]:
     """Two connected ends. With ``duplex=False``, the first can only receive, the second only send."""
     node = _session.current().node()
-    first_in = node.new_box(track_writers=True)
-    second_in = node.new_box(track_writers=True) if duplex else None
+    first_in = node.mailboxes.new_box(track_writers=True)
+    second_in = node.mailboxes.new_box(track_writers=True) if duplex else None
     a = Connection._new(node.address, inbox=first_in, outbox=second_in)
     b = Connection._new(node.address, inbox=second_in, outbox=first_in)
     return a, b
@@ -185,7 +185,7 @@ class Connection:
             return
         self._endpoint.tell(_node.PUT_NOREPLY, self._outbox, _link.as_item(kind, frames))
 
-    def send(self, obj: Any) -> None:
+    def send(self, obj: object) -> None:
         """Send a picklable object. Does not wait for the reader."""
         self._check_writable()
         self._write(_link.DATA, dumps(obj))

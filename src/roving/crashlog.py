@@ -24,7 +24,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from .backends.private import create_private, private_dir
+from .system.private import create_private, private_dir
+from .errors import CrashLogError
 
 __all__ = ["Record", "keep", "record", "records", "folder", "KEPT_LINES", "KEEP_SESSIONS", "CrashLogError"]
 
@@ -32,9 +33,6 @@ KEPT_LINES = 200
 KEEP_SESSIONS = 20
 _SETTLE_S = 2.0  # how long after the exit late output lines are still taken in
 
-
-class CrashLogError(OSError):
-    """The folder of failure records is not private to this user (a link, another user's, open to others)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +80,7 @@ def _private(path: str, make: bool) -> bool:
 
 def _write(path: str, data: Dict[str, object]) -> None:
     tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-    with create_private(tmp, "w") as f:  # 0600, no link followed (roving.backends.private)
+    with create_private(tmp, "w") as f:  # 0600, no link followed (roving.system.private)
         json.dump(data, f)
     os.replace(tmp, path)
 

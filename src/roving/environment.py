@@ -32,8 +32,9 @@ import json
 import platform
 import sys
 from importlib import metadata
-from multiprocessing import ProcessError
 from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+
+from .errors import EnvironmentMismatchError
 
 __all__ = ["Fingerprint", "Difference", "Report", "EnvironmentMismatchError", "here", "compare", "describe",
            "POLICIES"]
@@ -45,14 +46,6 @@ _ALWAYS = ("roving", "cloudpickle", "pyzmq")
 #: the parent sends.
 _FATAL_IN_AUTO = ("python", "implementation", "roving")
 
-
-class EnvironmentMismatchError(ProcessError):
-    """A child's environment differs from its parent's where ``env_check`` does not allow it: the child
-    did not run. The message names the child, its host and each difference; :attr:`differences` has them."""
-
-    def __init__(self, message: str, differences: Tuple["Difference", ...] = ()) -> None:
-        super().__init__(message)
-        self.differences = differences
 
 
 @dataclasses.dataclass(frozen=True)

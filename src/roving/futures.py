@@ -17,7 +17,7 @@ Guarantees:
 * A worker that dies (killed, out of memory, its job lost) costs only the calls whose results had not
   reached this process: they run again on other workers, and each future gets its outcome exactly once. A
   call that was running on ``max_task_retries`` workers that died fails with :class:`WorkerLostError`, on
-  its own future only: a subclass of both :class:`roving.WorkerLostError` and the standard library's
+  its own future only: roving's one :class:`roving.WorkerLostError`, also the standard library's
   ``BrokenProcessPool``, so ``except BrokenProcessPool`` catches it. The executor stays usable: a lost
   worker does not break it.
 * A call whose function or arguments cannot be unpickled in the worker fails with ``BrokenProcessPool``
@@ -62,27 +62,26 @@ from concurrent.futures.process import BrokenProcessPool
 from concurrent.futures.process import _RemoteTraceback
 from multiprocessing.pool import (  # type: ignore[attr-defined]  # (not in typeshed's stub)
     ExceptionWithTraceback, MaybeEncodingError, RemoteTraceback)
-from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterable, Iterator, List, Optional, Tuple, TypeVar, Union
 
-from . import pool as _pool
+from .backends import ResourceRequest
 from .context import Context, get_context
-from .pool import Pool, PoolStartError, Progress, UnloadedTraceback
+from .pool import OutOfMemoryError, Pool, PoolStartError, Progress, UnloadedTraceback, WorkerLostError
 from .process import cpu_count
 from .transport import timeouts
 
-__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError"]
+__all__ = ["Executor", "BrokenProcessPool", "WorkerLostError", "OutOfMemoryError"]
 
 log = logging.getLogger(__name__)
+
+#: A call's result: what map hands back is what ``fn`` returns.
+T = TypeVar("T")
 
 #: Calls handed to the pool beyond one per worker, at most; the rest wait in the executor, cancellable.
 #: The standard library's call queue holds as many (its EXTRA_QUEUED_CALLS). benchmarks/futures_window.py
 #: measured what the former 16 per worker gained: bursts of no-op calls only (RESULTS.md).
 EXTRA_QUEUED_CALLS = 1
 
-
-class WorkerLostError(_pool.WorkerLostError, BrokenProcessPool):
-    """A call was running on ``max_task_retries`` workers that died; it is not tried again. Both
-    :class:`roving.WorkerLostError` and the standard library's ``BrokenProcessPool``."""
 
 _live: "weakref.WeakSet[Executor]" = weakref.WeakSet()
 _exiting = False
@@ -145,11 +144,7 @@ def _standard(exc: BaseException) -> BaseException:
     """The pool's error for a call as the standard library's executor gives it (see the module
     docstring): its remote traceback a ``_RemoteTraceback``; a result that could not be pickled, the
     pickling error; a call that could not be unpickled in the worker (or its result here),
-    BrokenProcessPool; a lost call, this module's WorkerLostError."""
-    if isinstance(exc, _pool.WorkerLostError) and not isinstance(exc, WorkerLostError):
-        lost = WorkerLostError(*exc.args)
-        lost.__cause__ = exc.__cause__
-        return lost
+    BrokenProcessPool; a lost call, roving's WorkerLostError (a BrokenProcessPool too), as it is."""
     if isinstance(exc, MaybeEncodingError) and isinstance(exc.__cause__, BaseException):
         if isinstance(exc.__cause__.__cause__, RemoteTraceback):
             exc = exc.__cause__  # pickling the result failed in the worker: that error
@@ -179,13 +174,18 @@ class Executor(_StdExecutor):
     ``max_tasks_per_child``: a worker leaves after that many calls and a new one takes its place.
     ``max_task_retries``: how many dead workers one call may cost before it fails with WorkerLostError.
     ``resources``: what each worker's job asks the backend for (``{"cpu": .., "memory": .., "gpu": ..}``),
-    as for :class:`roving.Pool`. Workers start at the first ``submit``.
+    as for :class:`roving.Pool`. ``worker_memory_limit`` (or ``max_memory_per_child``, loky's name) and
+    ``max_memory_kills``: as for :class:`roving.Pool` (checked there, at the first ``submit``); a call that
+    ran out of memory fails with this module's :class:`OutOfMemoryError`. Workers start at the first
+    ``submit``.
     """
 
-    def __init__(self, max_workers: Optional[int] = None, *, mp_context: Any = None,
+    def __init__(self, max_workers: Optional[int] = None, *,
+                 mp_context: Union[Context, multiprocessing.context.BaseContext, None] = None,
                  initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
                  max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
-                 resources: Any = None) -> None:
+                 resources: Optional[ResourceRequest] = None, worker_memory_limit: Union[int, str, None] = None,
+                 max_memory_per_child: Union[int, str, None] = None, max_memory_kills: int = 2) -> None:
         if max_workers is None:
             max_workers = cpu_count() or 1
         elif not isinstance(max_workers, int) or isinstance(max_workers, bool):
@@ -214,6 +214,8 @@ class Executor(_StdExecutor):
         self._max_tasks_per_child = max_tasks_per_child
         self._max_task_retries = max_task_retries
         self._resources = resources  # checked by the Pool, at the first submit
+        self._memory_limit, self._memory_per_child = worker_memory_limit, max_memory_per_child
+        self._memory_kills = max_memory_kills  # checked by the pool, at the first submit
         self._window = max_workers + EXTRA_QUEUED_CALLS
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # notified when nothing is outstanding
@@ -226,13 +228,13 @@ class Executor(_StdExecutor):
         _live.add(self)
 
     # -- the concurrent.futures API --------------------------------------------------------------
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+    def submit(self, fn: Callable[..., object], /, *args: object, **kwargs: object) -> Future:
         """Schedule ``fn(*args, **kwargs)`` on a worker; returns its Future. RuntimeError after shutdown,
         BrokenProcessPool once the executor is broken (see the module docstring)."""
         return self._submit(fn, args, kwargs, 1)
 
-    def map(self, fn: Callable[..., Any], *iterables: Iterable[Any], timeout: Optional[float] = None,
-            chunksize: int = 1, progress: bool = False) -> Iterator[Any]:
+    def map(self, fn: Callable[..., T], *iterables: Iterable[object], timeout: Optional[float] = None,
+            chunksize: int = 1, progress: bool = False) -> Iterator[T]:
         """``fn(*args)`` for the items of ``iterables`` taken together, results in input order (see the
         module docstring). ``chunksize`` calls travel as one piece of work; ``progress=True`` draws a
         progress bar on stderr (items done of the total, rate, time left), as :meth:`roving.Pool.map`."""
@@ -357,7 +359,9 @@ class Executor(_StdExecutor):
             threading.Thread(target=_watch_init, args=(weakref.ref(self), self._report),
                              name="roving-executor-init", daemon=True).start()
         self._pool = Pool(self._max_workers, initializer, initargs, self._max_tasks_per_child,
-                          max_task_retries=self._max_task_retries, resources=self._resources)
+                          max_task_retries=self._max_task_retries, resources=self._resources,
+                          worker_memory_limit=self._memory_limit, max_memory_per_child=self._memory_per_child,
+                          max_memory_kills=self._memory_kills)
         # an executor dropped without shutdown() lets its workers go once their work is done (it cannot be
         # collected before: every call not yet done holds it), as the standard library's does
         weakref.finalize(self, self._pool.close).atexit = False

@@ -22,7 +22,8 @@ too). It runs joblib's batches on a :class:`roving.futures.Executor`, so:
   roving's configuration is unchanged; :func:`shutdown` stops them, and they stop at interpreter exit.
 
 Options for the executor go through joblib's backend parameters:
-``parallel_config(backend="roving", max_task_retries=5, resources={"memory": "4G"})``.
+``parallel_config(backend="roving", max_task_retries=5, resources={"memory": "4G"})``; loky's
+``max_memory_per_child`` (or ``worker_memory_limit``) and ``max_memory_kills`` as for :class:`roving.Pool`.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ __all__ = ["RovingBackend", "shutdown"]
 
 log = logging.getLogger(__name__)
 
-_OPTIONS = ("max_task_retries", "resources", "max_tasks_per_child")
+_OPTIONS = ("max_task_retries", "resources", "max_tasks_per_child", "worker_memory_limit", "max_memory_per_child",
+            "max_memory_kills")
 
 _lock = threading.Lock()
 _shared: Optional[Tuple[Tuple[Any, ...], Executor]] = None  # (what it was made for, the executor)
@@ -134,7 +136,7 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
         self.parallel = parallel
         return n_jobs
 
-    def submit(self, func: Callable[[], Any], callback: Optional[Callable[[Future], Any]] = None) -> Future:
+    def submit(self, func: Callable[[], object], callback: Optional[Callable[[Future], object]] = None) -> Future:
         assert self._ex is not None, "submit() before configure()"  # joblib configures first
         future = self._ex.submit(func)
         with self._futures_lock:

@@ -36,9 +36,9 @@ import logging
 import queue
 import threading
 import weakref
-from multiprocessing import ProcessError
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from .errors import RovingError
 from .transport import rpc as _rpc
 from . import config as _config
 from . import process as _process
@@ -111,7 +111,7 @@ class BaseManager:
     _registry: Dict[str, tuple] = {}
 
     def __init__(self, address: Any = None, authkey: Optional[bytes] = None, serializer: str = "pickle",
-                 ctx: Any = None, *, shutdown_timeout: float = 1.0) -> None:
+                 ctx: object = None, *, shutdown_timeout: float = 1.0) -> None:
         if authkey is not None and not isinstance(authkey, bytes):
             raise TypeError("authkey should be a bytes string")
         if isinstance(address, tuple):
@@ -129,10 +129,10 @@ class BaseManager:
     def _key(self) -> bytes:
         return self._authkey if self._authkey is not None else _session.current().secret
 
-    def start(self, initializer: Optional[Callable[..., Any]] = None, initargs: Sequence[Any] = ()) -> None:
+    def start(self, initializer: Optional[Callable[..., object]] = None, initargs: Sequence[object] = ()) -> None:
         """Start the server as a roving Process (a job of the configured backend); returns once it serves."""
         if self._state == "started":
-            raise ProcessError("Already started server")
+            raise RovingError("Already started server")
         if self._state == "shutdown":
             raise RuntimeError("Manager has shut down")
         if self._address is not None:
@@ -265,7 +265,7 @@ class AsyncManager(SyncManager):
         return AsyncProxy(super()._proxy(typeid, proxytype, *args, **kwds))
 
 
-def Manager(*, ctx: Any = None) -> SyncManager:
+def Manager(*, ctx: object = None) -> SyncManager:
     """A started :class:`SyncManager`; see :func:`multiprocessing.Manager`."""
     manager = SyncManager()
     manager.start()

@@ -88,7 +88,7 @@ def lines_of(name: str) -> List[str]:
         return list(_lines.get(name, ()))
 
 
-def track_pool(pool_id: int, owner: Any, snap: Callable[[], Dict[str, Any]]) -> None:
+def track_pool(pool_id: int, owner: object, snap: Callable[[], Dict[str, object]]) -> None:
     """Show pool ``pool_id`` while ``owner`` lives: ``snap()`` returns its figures (a dict, taken under
     the pool's own lock; called by readers only, never on the pool's hot path). Both are held weakly
     (``snap`` may be a bound method): the registry keeps no pool alive."""

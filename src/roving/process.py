@@ -36,7 +36,8 @@ from . import crashlog
 from . import environment as _environment
 from . import observe
 from ._sentinels import watcher as _sentinel_watcher
-from .backends import private as _private
+from .system import private as _private
+from .errors import ProcessStartError
 from .transport import identity as _identity
 from .transport import node as _node
 from .transport import session as _session
@@ -47,10 +48,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Process", "ProcessStartError", "current_process", "parent_process", "active_children", "cpu_count"]
 
-
-class ProcessStartError(OSError):
-    """A started process ended before it reached this process to fetch its work (an unreachable
-    address, or a machine where Python or roving cannot start); the message names the address."""
 
 _counter = itertools.count(1)
 _children: Set["Process"] = set()
@@ -71,10 +68,10 @@ class Process:
 
     _start_method = None
 
-    def __init__(self, group: None = None, target: Optional[Callable[..., Any]] = None,
-                 name: Optional[str] = None, args: Iterable[Any] = (),
-                 kwargs: Optional[Mapping[str, Any]] = None, *, daemon: Optional[bool] = None,
-                 resources: Optional[Mapping[str, Any]] = None, trusted: bool = True) -> None:
+    def __init__(self, group: None = None, target: Optional[Callable[..., object]] = None,
+                 name: Optional[str] = None, args: Iterable[object] = (),
+                 kwargs: Optional[Mapping[str, object]] = None, *, daemon: Optional[bool] = None,
+                 resources: Optional[backends.ResourceMapping] = None, trusted: bool = True) -> None:
         """``resources`` (roving's addition): what this process's job asks the backend for, as any of
         ``cpu``, ``memory`` (bytes or a string like ``"2G"``), ``gpu``; the rest from the configuration.
         ``trusted`` (roving's addition; only the session's root may pass False): False starts a process
@@ -95,7 +92,7 @@ class Process:
         unknown = set(resources or ()) - {"cpu", "memory", "gpu"}
         if unknown:
             raise ValueError(f"unknown resources {sorted(unknown)}: use cpu, memory, gpu")
-        self._resources = dict(resources or {})
+        self._resources: Dict[str, Any] = dict(resources or {})
         self._trusted = bool(trusted)
         self._parent_pid: Optional[int] = os.getpid()
         self._parent_name = parent.name
@@ -148,14 +145,14 @@ class Process:
         node = session.node()
         self._uid = _session.new_uid()
         payload = self._pickle_self()
-        box = node.new_box(access=_node.Access(owner=self._uid))  # no other process can take it
-        node.call_local(_node.PUT, box, 0, payload)
+        box = node.mailboxes.new_box(access=_node.Access(owner=self._uid))  # no other process can take it
+        node.mailboxes.call_local(_node.PUT, box, 0, payload)
         self._payload_box = box
         cfg = self._config
         try:  # its start-up information, with the checks it makes before it unpickles
             self._boot = _boot.prepare(node, cfg, backends.get(cfg.backend).shares_filesystem(), self._uid, box)
         except BaseException:
-            node.drop_box(box)
+            node.mailboxes.drop_box(box)
             raise
         env = dict(os.environ)
         env.update(session.child_env(self._boot.info, self._trusted))
@@ -170,7 +167,7 @@ class Process:
 
     def _log_path(self) -> str:
         """The child's log file (``child_output="files"``): in ``log_dir``, or, where another user took that
-        folder's name first, in a private folder of this process's own (roving.backends.private)."""
+        folder's name first, in a private folder of this process's own (roving.system.private)."""
         cfg = self._config
         folder = _private.private_dir_or_own(cfg.log_dir) if cfg.child_output == "files" else cfg.log_dir
         return os.path.join(folder, f"{self._name}.log")
@@ -178,7 +175,7 @@ class Process:
     def _unprepare(self) -> None:
         """The backend refused: the payload is dropped, the process can be started again."""
         node = _session.current().node()
-        node.drop_box(self._payload_box)
+        node.mailboxes.drop_box(self._payload_box)
         del self._payload_box
         if self._boot is not None:  # made in _prepare, before the backend was asked
             _boot.drop(node, self._boot)
@@ -342,7 +339,7 @@ class Process:
     def _work_unfetched(self) -> bool:
         """Whether the child never took its work from this process (it never reached it)."""
         box = getattr(self, "_payload_box", None)
-        return box is not None and _session.current().node().items_in(box) > 0
+        return box is not None and _session.current().node().mailboxes.items_in(box) > 0
 
     def _unreached_message(self, code: Optional[int]) -> str:
         node = _session.current().node()
@@ -379,8 +376,8 @@ class Process:
         node = _session.current().started_node()
         if node is not None:
             # pipe ends are held under the holder's uid as bytes (the HOLD frame): release those
-            node.release_everywhere(self._uid.encode())
-            node.drop_box(self._payload_box)
+            node.mailboxes.release_everywhere(self._uid.encode())
+            node.mailboxes.drop_box(self._payload_box)
             if self._boot is not None:
                 _boot.drop(node, self._boot)
 
@@ -675,6 +672,16 @@ def stop_asked(proc: Process) -> bool:
     """Whether this process asked ``proc`` to stop (``terminate()``, ``kill()``): an end of its own, which
     a pool does not report as a worker the cluster ended or one that failed to start."""
     return proc._stop_asked
+
+
+def end_status(proc: Process) -> Optional[backends.JobStatus]:
+    """How an ended ``proc``'s job ended, as its backend tells it (its ``out_of_memory`` in particular),
+    or None while it runs, before it started, or once its job handle was released. Asks the backend: for
+    a pool reporting a worker that died, not for a hot path."""
+    if proc._job is None or proc._released or proc._exitcode is None:
+        return None
+    status = proc._job_backend().job_status(proc._job)
+    return status if status.state is backends.JobState.EXITED else None
 
 
 def environment_error(proc: Process) -> Optional[_environment.EnvironmentMismatchError]:

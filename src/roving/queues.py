@@ -12,7 +12,6 @@ in order); on a bounded queue it waits for room, up to ``timeout``.
 from __future__ import annotations
 
 import queue as _queue
-import struct
 from typing import Any, Optional
 
 from . import process as _process
@@ -20,6 +19,7 @@ from .transport import endpoint as _endpoint
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
+from .transport import wire as _wire
 from .transport.serialize import dumps, loads
 
 __all__ = ["Queue", "SimpleQueue", "JoinableQueue"]
@@ -39,11 +39,11 @@ def raise_error(frames: list) -> None:
 class Queue:
     """A process-shared FIFO queue; see :class:`multiprocessing.Queue`."""
 
-    def __init__(self, maxsize: int = 0, *, ctx: Any = None) -> None:
+    def __init__(self, maxsize: int = 0, *, ctx: object = None) -> None:
         node = _session.current().node()
         self._address = node.address
         self._maxsize = maxsize if maxsize > 0 else 0
-        self._box = node.new_box(self._maxsize)
+        self._box = node.mailboxes.new_box(self._maxsize)
         self._setup()
 
     def _setup(self) -> None:
@@ -65,7 +65,7 @@ class Queue:
         if self._closed:
             raise ValueError(f"Queue {self!r} is closed")
 
-    def put(self, obj: Any, block: bool = True, timeout: Optional[float] = None) -> None:
+    def put(self, obj: object, block: bool = True, timeout: Optional[float] = None) -> None:
         """Add ``obj``. Raises queue.Full if a bounded queue stays full for ``timeout`` seconds."""
         self._check_closed()
         wait = wait_time(block, timeout)
@@ -79,7 +79,7 @@ class Queue:
         if status == _node.ERROR:
             raise_error(out)
 
-    def put_nowait(self, obj: Any) -> None:
+    def put_nowait(self, obj: object) -> None:
         self.put(obj, False)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
@@ -95,16 +95,16 @@ class Queue:
     def get_nowait(self) -> Any:
         return self.get(False)
 
-    def _sizes(self) -> tuple:
+    def _sizes(self) -> _wire.Sizes:
         status, frames = self._endpoint.call(_node.SIZE, self._box, 0)
         if status == _node.ERROR:
             raise_error(frames)
-        return struct.unpack("<QQ", bytes(frames[0]))
+        return _wire.unpack_sizes(frames[0])
 
     def qsize(self) -> int:
         """Items in the queue now (those still in flight from other processes are not counted)."""
         self._check_closed()
-        return self._sizes()[0]
+        return self._sizes().items
 
     def empty(self) -> bool:
         return self.qsize() == 0
@@ -154,14 +154,14 @@ class JoinableQueue(Queue):
 class SimpleQueue:
     """An unbounded queue with get, put, empty and close; see :class:`multiprocessing.SimpleQueue`."""
 
-    def __init__(self, *, ctx: Any = None) -> None:
+    def __init__(self, *, ctx: object = None) -> None:
         self._queue = Queue()
 
     def _check_closed(self) -> None:
         if self._queue._closed:
             raise OSError("handle is closed")
 
-    def put(self, obj: Any) -> None:
+    def put(self, obj: object) -> None:
         self._check_closed()
         self._queue.put(obj)
 

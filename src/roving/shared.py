@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import _posixshmem
 
+from .errors import RovingError
 from .transport import rpc as _rpc
 from . import config as _config
 from .transport import session as _session
@@ -93,7 +94,7 @@ def _write_header(mm: mmap.mmap, state: int, spans: List[Tuple[int, int]], check
         _PAIR.pack_into(mm, _HEAD.size + i * _PAIR.size, *span)
 
 
-class _Stranger(LookupError):
+class _Stranger(RovingError, LookupError):
     """The file under a segment's name is not one this user's roving wrote."""
 
 
@@ -411,7 +412,7 @@ def _creator_let_go(server: _Server, token: str, fd: int, name: str) -> None:
     _let_go(fd, name)
 
 
-def shared(obj: Any) -> Shared:
+def shared(obj: object) -> Shared:
     """Write ``obj`` once into shared memory and return a picklable handle for workers.
 
     Large buffers (numpy arrays, bytes, PyTorch CPU tensors) are copied once, straight into the segment;

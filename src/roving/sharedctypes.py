@@ -209,7 +209,7 @@ def _lock_for(lock: Any) -> Optional[Any]:
     return lock
 
 
-def Value(typecode_or_type: TypeSpec, *args: Any, lock: Any = True, ctx: Any = None) -> Any:
+def Value(typecode_or_type: TypeSpec, *args: Any, lock: Any = True, ctx: object = None) -> Any:
     """A shared ctypes value, with a lock unless ``lock=False``; see :func:`multiprocessing.Value`."""
     obj = RawValue(typecode_or_type, *args)
     lock = _lock_for(lock)
@@ -217,7 +217,7 @@ def Value(typecode_or_type: TypeSpec, *args: Any, lock: Any = True, ctx: Any = N
 
 
 def Array(typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[Any]], *,
-          lock: Any = True, ctx: Any = None) -> Any:
+          lock: Any = True, ctx: object = None) -> Any:
     """A shared ctypes array, with a lock unless ``lock=False``; see :func:`multiprocessing.Array`."""
     obj = RawArray(typecode_or_type, size_or_initializer)
     lock = _lock_for(lock)

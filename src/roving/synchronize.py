@@ -360,7 +360,7 @@ class Lock(_SemLock):
 
     _kind = "lock"
 
-    def __init__(self, *, ctx: Any = None) -> None:
+    def __init__(self, *, ctx: object = None) -> None:
         self._create(1, 1)
 
     def __repr__(self) -> str:
@@ -376,7 +376,7 @@ class RLock(_SemLock):
 
     _kind = "rlock"
 
-    def __init__(self, *, ctx: Any = None) -> None:
+    def __init__(self, *, ctx: object = None) -> None:
         self._create(1, None)
 
     def __repr__(self) -> str:
@@ -397,7 +397,7 @@ class Semaphore(_SemLock):
 
     _kind = "sem"
 
-    def __init__(self, value: int = 1, *, ctx: Any = None) -> None:
+    def __init__(self, value: int = 1, *, ctx: object = None) -> None:
         if value < 0:
             raise ValueError("semaphore initial value must be >= 0")
         self._maxvalue = self._max(value)
@@ -442,7 +442,7 @@ class Condition(Homed):
 
     _kind = "cond"
 
-    def __init__(self, lock: Optional[_SemLock] = None, *, ctx: Any = None) -> None:
+    def __init__(self, lock: Optional[_SemLock] = None, *, ctx: object = None) -> None:
         if lock is None:
             lock = RLock()
         if not isinstance(lock, (Lock, RLock)):
@@ -504,7 +504,7 @@ class Event(Homed):
 
     _kind = "event"
 
-    def __init__(self, *, ctx: Any = None) -> None:
+    def __init__(self, *, ctx: object = None) -> None:
         self._create()
 
     def is_set(self) -> bool:
@@ -534,8 +534,8 @@ class Barrier(Homed):
 
     _kind = "barrier"
 
-    def __init__(self, parties: int, action: Optional[Callable[[], Any]] = None,
-                 timeout: Optional[float] = None, *, ctx: Any = None) -> None:
+    def __init__(self, parties: int, action: Optional[Callable[[], object]] = None,
+                 timeout: Optional[float] = None, *, ctx: object = None) -> None:
         if parties < 1:
             raise ValueError("parties must be > 0")
         self._parties, self._action, self._default_timeout = int(parties), action, timeout

@@ -230,3 +230,40 @@ def test_a_process_is_shown_with_its_recent_output_and_as_finished(board, browse
     text = hb.text_of(browser, f"{row} pre")
     assert "first line" in text and "second line" in text and "an error line" in text
     browser.save_screenshot(str(tmp_path / "output.png"))
+
+
+def _metric(text, name, **labels):
+    """The values of metric ``name`` whose labels include ``labels``."""
+    import re
+
+    out = []
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1).split(",") for k, v in labels.items()):
+            out.append(float(m.group(2)))
+    return out
+
+
+def test_each_workers_memory_and_peak_and_each_calls_peak_are_on_the_page_and_in_metrics(board, browser, tmp_path):
+    import helpers_memory as hm
+
+    roving.init(heartbeat_interval=0.1)
+    browser.get(board.url + "#pools")
+    with roving.Pool(1) as pool:
+        pool_id = pool._disp.pool_id
+        pool.apply(hm.use_for_a_while, (100, 1.0))
+        base = board.url.split("?")[0].rstrip("/")
+        with urllib.request.urlopen(urllib.request.Request(base + "/metrics", headers={
+                "Authorization": f"Bearer {board.token}"}), timeout=TIMEOUT) as r:
+            text = r.read().decode()
+        peaks = _metric(text, "roving_pool_worker_peak_memory_bytes", pool=pool_id)
+        assert len(peaks) == 1 and peaks[0] >= 100 * hm.MiB, text
+        assert _metric(text, "roving_pool_worker_memory_bytes", pool=pool_id)[0] > 0
+        calls = _metric(text, "roving_pool_call_peak_memory_bytes", pool=pool_id, function="use_for_a_while")
+        assert len(calls) == 1 and calls[0] >= 100 * hm.MiB
+        assert _metric(text, "roving_pool_workers_oom_killed_total", pool=pool_id) == [0.0]
+        hb.wait_for(browser, "the worker's peak memory", lambda: hb.text_of(
+            browser, f"#pool-{pool_id} td.peak-memory").endswith(("MiB", "GiB")), TIMEOUT, tmp_path / "no-peak.png")
+        hb.wait_for(browser, "the call's peak memory", lambda: "use_for_a_while" in hb.text_of(
+            browser, f"#pool-{pool_id} table.call-peaks"), TIMEOUT, tmp_path / "no-call-peak.png")
+        browser.save_screenshot(str(tmp_path / "memory.png"))

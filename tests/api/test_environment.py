@@ -195,10 +195,11 @@ def test_a_childs_report_nested_too_deeply_is_refused_and_join_raises_nothing(ca
     p = roving.Process(target=h.echo_once, args=(go, out))
     p.start()
     node = session.current().started_node()
-    status, frames = node.call_local(_node.GET, p._boot.env_box, 120)  # the child's own report, once it is there
+    # the child's own report, once it is there
+    status, frames = node.mailboxes.call_local(_node.GET, p._boot.env_box, 120)
     assert status == _node.OK and environment.Report.from_bytes(bytes(frames[0])).host
     # what a child could leave in its place: lists in lists, deeper than the JSON parser goes
-    node.call_local(_node.PUT, p._boot.env_box, 0, [DEEP])
+    node.mailboxes.call_local(_node.PUT, p._boot.env_box, 0, [DEEP])
     go.put("on")
     assert out.get(timeout=120) == "on"
     with caplog.at_level(logging.WARNING, logger="roving.process"):

@@ -24,7 +24,7 @@ import pytest
 import helpers_futures_stdlib as fx
 import roving
 import roving.futures
-from helpers_core import SUPPORT_DIR, TIMEOUT
+from helpers_core import SUPPORT_DIR, TIMEOUT, wait_until
 from roving.futures import Executor
 
 KINDS = ["stdlib", "roving"]
@@ -155,12 +155,10 @@ def test_shutdown_cancel_futures_cancels_every_call_not_handed_to_a_worker(make,
     gate = tmp_path / "gate"
     blocker = ex.submit(fx.wait_for, str(gate))
     rest = [ex.submit(fx.identity, i) for i in range(60)]
-    deadline = time.monotonic() + TIMEOUT
-    while not blocker.running() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)  # the standard library moves calls to its call queue on its own thread
+    assert wait_until(blocker.running, TIMEOUT, interval=0.01)
     ex.shutdown(wait=False, cancel_futures=True)
-    time.sleep(0.3)  # ... and cancels on that thread too
+    # the standard library cancels on a thread of its own: all but those handed over (2 at most)
+    assert wait_until(lambda: sum(f.cancelled() for f in rest) >= len(rest) - 2, TIMEOUT, interval=0.01)
     gate.touch()
     assert blocker.result(TIMEOUT) == "done"
     cf.wait([f for f in rest if not f.cancelled()], timeout=TIMEOUT)

@@ -99,7 +99,7 @@ def test_stdlib_current_and_parent_process_describe_the_roving_child(backend):
     assert got["parent_name"] == "MainProcess"
     assert got["parent_pid"] == os.getpid()
     assert got["parent_alive"] is True
-    # on purpose: the standard library keeps its own authkey and daemon flag (README, What works)
+    # on purpose: the standard library keeps its own authkey and daemon flag (docs/guides/multiprocessing.md)
     assert got["same_authkey"] is False and got["daemon"] is False
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pytest
 import helpers_targets as h
 import roving
 import roving.transport.session
-from helpers_core import TIMEOUT, finish, start
+from helpers_core import TIMEOUT, finish, serves_connection_of, start, wait_until
 
 
 # -- one process -------------------------------------------------------------------------------
@@ -114,11 +113,15 @@ def test_closed_queue_raises_value_error_on_put_and_get():
 
 
 def test_join_thread_after_close_returns_and_cancel_join_thread_is_accepted():
-    q = roving.Queue()
+    q, out = roving.Queue(), roving.Queue()
     q.put(1)
-    q.cancel_join_thread()
+    assert q.cancel_join_thread() is None  # accepted: put() left nothing pending
     q.close()
-    q.join_thread()
+    assert q.join_thread() is None  # returns (at once: there is no feeder thread to wait for)
+    p = start(h.echo_once, q, out)  # and what was put before close() is still delivered
+    assert out.get(timeout=TIMEOUT) == 1
+    finish(p)
+    assert p.exitcode == 0
 
 
 def test_join_thread_before_close_raises_assertion_error_like_multiprocessing():
@@ -319,21 +322,19 @@ def test_an_item_for_a_reader_killed_while_waiting_goes_to_the_next_reader():
     assert wait_for_waiting_reader(q, p)
     p.kill()
     p.join(TIMEOUT)
-    time.sleep(0.5)  # let the node see the connection close
+    assert wait_until(lambda: not serves_connection_of(p.node_id), TIMEOUT)  # the node saw it close
     q.put("item")
     assert q.get(timeout=TIMEOUT) == "item"
 
 
 def wait_for_waiting_reader(q, p, timeout=TIMEOUT):
     """True once the child has sent its get() (the queue's owner holds it as a waiting reader)."""
-    node = roving.transport.session.current().node()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with node.lock:
-            if node.boxes[q._box].getters:
-                return True
-        time.sleep(0.02)
-    return False
+    boxes = roving.transport.session.current().node().mailboxes
+
+    def waiting() -> bool:
+        with boxes.lock:
+            return bool(boxes.boxes[q._box].getters)
+    return wait_until(waiting, timeout, interval=0.02)
 
 
 def test_a_child_that_puts_from_many_short_lived_threads_keeps_few_connections_and_loses_nothing():

@@ -9,7 +9,7 @@ import pytest
 
 import roving
 from roving.transport import rpc as _rpc
-from helpers_core import TIMEOUT, finish, start, wait_until
+from helpers_core import TIMEOUT, finish, serves_connection_of, start, wait_until
 
 
 # -- targets run in children (imported by reference from this module) ---------------------------
@@ -51,10 +51,10 @@ def barrier_party(barrier, out):
         out.put(type(exc).__name__)
 
 
-def hold_semaphore(sem, inside, out, pause):
+def hold_semaphore(sem, inside, out, leave):
     with sem:
         inside.put(1)
-        time.sleep(pause)
+        leave.wait(TIMEOUT)
         out.put(1)
 
 
@@ -136,6 +136,7 @@ def test_waiters_are_served_in_the_order_they_started_waiting():
     lock = roving.Lock()
     lock.acquire()
     order, threads = [], []
+    waiting = _rpc_home_waiters(lock)
     for i in range(4):
         def grab(i=i):
             with lock:
@@ -143,7 +144,7 @@ def test_waiters_are_served_in_the_order_they_started_waiting():
         t = threading.Thread(target=grab)
         t.start()
         threads.append(t)
-        time.sleep(0.15)  # let each one queue up before the next
+        assert wait_until(lambda: waiting() == i + 1, TIMEOUT)  # each one queued up before the next
     lock.release()
     for t in threads:
         t.join(TIMEOUT)
@@ -153,10 +154,12 @@ def test_waiters_are_served_in_the_order_they_started_waiting():
 def test_semaphore_admits_value_holders_and_bounded_semaphore_rejects_extra_release():
     sem, inside, out = roving.Semaphore(2), roving.Queue(), roving.Queue()
     assert sem.get_value() == 2
-    procs = [start(hold_semaphore, sem, inside, out, 0.5) for _ in range(2)]
+    leave = roving.Event()
+    procs = [start(hold_semaphore, sem, inside, out, leave) for _ in range(2)]
     for _ in range(2):
         inside.get(timeout=TIMEOUT)
     assert sem.acquire(timeout=0.1) is False  # both permits are held by the children
+    leave.set()
     finish(*procs)
     assert sem.get_value() == 2
     bsem = roving.BoundedSemaphore(1)
@@ -175,7 +178,7 @@ def test_event_set_in_one_process_wakes_a_waiter_in_another():
     event, out = roving.Event(), roving.Queue()
     assert event.wait(0.1) is False
     p = start(wait_event, event, out)
-    time.sleep(0.3)
+    assert wait_until(lambda: _rpc_home_waiters(event)() == 1, TIMEOUT)  # the child waits at the home
     event.set()
     assert out.get(timeout=TIMEOUT) is True
     finish(p)
@@ -300,18 +303,24 @@ def test_a_lock_handed_to_a_waiter_killed_while_waiting_is_taken_back():
         assert wait_until(lambda: waiting() > 0, TIMEOUT), "the child never started waiting"
         p.kill()
         p.join(TIMEOUT)
-        time.sleep(0.5)  # let the home see the connection close
+        # the home has seen the connection close
+        assert wait_until(lambda: not serves_connection_of(p.node_id), TIMEOUT)
         lock.release()  # hands the lock to the dead waiter: it must come back
         assert lock.acquire(timeout=5), f"{make}: the lock went to a process that had gone"
         lock.release()
 
 
 def _rpc_home_waiters(lock):
-    """A function counting the processes waiting on ``lock`` at its home (this process)."""
+    """A function counting those waiting on ``lock`` (a lock, semaphore or event) at its home (this
+    process)."""
     from roving import synchronize
 
     objects = synchronize.home().objects
-    return lambda: len(objects[lock._id].queue)
+
+    def waiting() -> int:
+        state = objects[lock._id]
+        return len(state.queue if hasattr(state, "queue") else state.waiters)
+    return waiting
 
 
 # -- reprs ------------------------------------------------------------------------------------

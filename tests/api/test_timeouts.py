@@ -11,7 +11,7 @@ import time
 import pytest
 
 import roving
-from helpers_core import TIMEOUT, finish, start
+from helpers_core import TIMEOUT, finish, start, wait_until, waiting_readers
 from roving.transport import node as _node
 from roving.transport import session as _session
 from roving.transport import timeouts
@@ -57,7 +57,8 @@ def test_a_get_with_an_infinite_timeout_from_a_child_waits_and_the_owner_keeps_s
     q, out = roving.Queue(), roving.Queue()
     requests, answers = roving.Queue(), roving.Queue()
     waiting = start(get_forever, q, out, INF)
-    time.sleep(1.0)  # its get is at the owner (this process's node) before the others go on
+    # its get is at the owner (this process's node) before the others go on
+    assert wait_until(lambda: waiting_readers(q) == 1, TIMEOUT)
     other = start(round_trips, requests, answers, 20)
     for _ in range(20):
         answers.put(requests.get(timeout=TIMEOUT) * 2)
@@ -94,7 +95,8 @@ def test_a_raw_authenticated_request_with_a_huge_timeout_does_not_break_the_node
     got = []
     caller = threading.Thread(target=lambda: got.append(raw.call(_node.GET, q._box, sent)), daemon=True)
     caller.start()
-    time.sleep(0.5)
+    # the node has the request: it waits there (or, with NaN, it was answered at once: no wait)
+    assert wait_until(lambda: waiting_readers(q) == 1 or got, TIMEOUT)
     other = start(round_trips, requests, answers, 10)  # the node still serves everyone else
     for _ in range(10):
         answers.put(requests.get(timeout=TIMEOUT) * 2)

@@ -30,7 +30,7 @@ def test_container_has_limits_labels_and_the_working_directory_and_is_removed_af
     assert attrs["HostConfig"]["NanoCpus"] == 500_000_000 and attrs["HostConfig"]["Memory"] == 200 * 2**20
     assert attrs["Config"]["Labels"] == {"roving.session": _session.current().tag, "roving.name": "boxed",
                                          "roving.user": backends.base.user_name(),
-                                         "roving.owner": backends.base.owner_label()}
+                                         "roving.owner": backends.containers.owner_label()}
     assert attrs["HostConfig"]["NetworkMode"] == "host" and attrs["Config"]["Image"] == hb.DOCKER_IMAGE
     import os
     assert any(m["Destination"] == os.getcwd() for m in attrs["Mounts"])

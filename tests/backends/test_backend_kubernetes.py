@@ -123,6 +123,24 @@ def test_pool_map_completes_when_a_worker_pod_is_deleted_from_outside(fake):
         assert r.get(T * 2) == [x * x for x in range(300)]
 
 
+def test_a_pod_oomkilled_is_an_end_for_memory_and_the_pools_task_fails_saying_out_of_memory(monkeypatch, tmp_path):
+    import helpers_memory as hm
+
+    attempts = tmp_path / "attempts"
+    attempts.mkdir()
+    with FakeKubernetes(cpu=8, memory=8 * 2**30, memory_limits=True) as server:
+        _use(monkeypatch, tmp_path, server, memory="96M")
+        with roving.Pool(1, max_task_retries=5) as pool:
+            with pytest.raises(roving.OutOfMemoryError, match="out of memory.*limit 96 MiB"):
+                pool.apply(hm.hog, (400, str(attempts)))
+            assert pool._disp.figures()["oom_kills"] == 2
+        ended = [p for p in server.created if p.status.get("phase") == "Failed"]
+        reasons = [p.status["containerStatuses"][0]["state"]["terminated"]["reason"] for p in ended]
+        assert reasons.count("OOMKilled") == 2, reasons  # (the pool's own end of its last worker: "Error")
+    assert len(list(attempts.iterdir())) == 2
+    backends._instances.pop("kubernetes", None)
+
+
 def test_more_gpus_than_the_cluster_has_is_an_error_within_seconds(fake, monkeypatch, tmp_path):
     _use(monkeypatch, tmp_path, fake, gpu=4)
     t0 = time.monotonic()
@@ -310,7 +328,7 @@ def test_a_pods_last_lines_are_printed_when_its_follower_reads_only_after_the_po
     """The follower of a pod's log reads it every few tenths of a second; on a loaded machine the pod can be
     gone before the follower reads its last lines: deleted once it is seen ended (``_ended``, which reads
     the log first), or by the shutdown at exit, when this process saw the child's end before the backend
-    saw the pod's (the CI failure of session 25: nothing printed). Here the follower's own reads find
+    saw the pod's (a CI failure of 2026-12-07: nothing printed). Here the follower's own reads find
     nothing, as if always too late: the last line is printed all the same, from what was read before the
     pod was deleted."""
     import sys
@@ -340,7 +358,7 @@ def test_shutdown_waits_for_the_output_followers_so_a_pods_last_lines_are_printe
     """With ``child_output="prefix"`` a thread follows each pod's log. The backend's shutdown (at exit) waits
     for those threads to read the last of it: none is left running (a daemon thread still inside the
     client's call when the interpreter finalizes is killed there, which aborted a program after its last
-    line, exit code -6: the CI failure of session 24), and the child's last line is printed."""
+    line, exit code -6: a CI failure of 2026-12-07), and the child's last line is printed."""
     with FakeKubernetes(cpu=8, memory=8 * 2**30) as server:
         _use(monkeypatch, tmp_path, server, child_output="prefix")
         p = roving.Process(target=h.print_lines, args=(["the last line of a pod"], []))

@@ -17,7 +17,7 @@ import roving
 from fake_k8s.server import FakeKubernetes
 from helpers_core import wait_until
 from roving import backends
-from roving.backends import base
+from roving.backends import base, containers
 
 T = 60
 
@@ -26,7 +26,7 @@ def _label_with_another_key(monkeypatch, home) -> str:
     """The owner label the same user name gets with a key of its own (another HOME)."""
     with monkeypatch.context() as m:
         m.setenv("HOME", str(home))
-        return base.owner_label()
+        return containers.owner_label()
 
 
 def _cancel_all(backend: str, home=None, env_extra=None):
@@ -38,14 +38,14 @@ def _cancel_all(backend: str, home=None, env_extra=None):
 
 
 def test_owner_labels_are_a_keyed_hash_the_same_for_one_key_and_another_for_another(monkeypatch, tmp_path):
-    mine = base.owner_label()
-    assert mine == base.owner_label() and len(mine) == 32
+    mine = containers.owner_label()
+    assert mine == containers.owner_label() and len(mine) == 32
     assert base.user_name() not in mine
     other = _label_with_another_key(monkeypatch, tmp_path / "elsewhere")
     assert other != mine
     key_file = tmp_path / "elsewhere" / ".roving" / "owner.key"
     assert oct(key_file.stat().st_mode & 0o777) == "0o600"
-    assert base.owner_label("someone-else") != mine
+    assert containers.owner_label("someone-else") != mine
 
 
 def test_cancel_all_on_docker_stops_this_users_containers_and_not_ones_labelled_with_its_name(monkeypatch,
@@ -56,7 +56,7 @@ def test_cancel_all_on_docker_stops_this_users_containers_and_not_ones_labelled_
     p.start()
     client = p._backend.client()
     labels = client.api.inspect_container(p.job.id)["Config"]["Labels"]
-    assert labels["roving.owner"] == base.owner_label()
+    assert labels["roving.owner"] == containers.owner_label()
     volumes = hb.OPTIONS["docker"]["docker_volumes"]
     forged = [client.containers.run(hb.DOCKER_IMAGE, [sys.executable, "-c", "import time; time.sleep(120)"],
                                     detach=True, volumes=volumes, network_mode="host", labels=extra)
@@ -98,7 +98,8 @@ def test_cancel_all_on_kubernetes_deletes_this_users_pods_and_not_ones_labelled_
             p = roving.Process(target=h.sleep_for, args=(120,), name="mine")
             p.start()
             assert wait_until(lambda: ("default", p.job.id) in fake.pods, T)
-            assert fake.pods[("default", p.job.id)].body["metadata"]["labels"]["roving.owner"] == base.owner_label()
+            labels = fake.pods[("default", p.job.id)].body["metadata"]["labels"]
+            assert labels["roving.owner"] == containers.owner_label()
             api = p._backend.api()
             sleeper = [sys.executable, "-c", "import time; time.sleep(120)"]
             for name, extra in (("forged-1", {}),
@@ -126,4 +127,4 @@ def test_cancel_all_on_kubernetes_deletes_this_users_pods_and_not_ones_labelled_
 @pytest.fixture(autouse=True)
 def _fresh_key_cache():
     yield
-    base._owner_key.cache_clear()
+    containers._owner_key.cache_clear()

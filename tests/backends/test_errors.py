@@ -6,7 +6,8 @@ import errno
 import pytest
 
 from roving import backends
-from roving.backends import docker, errors, kubernetes, local, slurm, slurm_step
+from roving.backends import docker, errors, kubernetes, local, slurm
+from roving.backends.slurm import step as slurm_step
 from roving.backends.base import JobSpec, UnknownJobError
 
 

@@ -15,7 +15,7 @@ import sys
 import helpers_targets as h
 import roving
 from roving import backends
-from roving.backends.base import container_env
+from roving.backends.containers import container_env
 from roving.backends.output import LineSplitter, OutputPump
 from roving.transport import session as _session
 

@@ -1,4 +1,4 @@
-"""The local backend's starter (``local_preload``; roving.backends.starter): children forked from a
+"""The local backend's starter (``local_preload``; roving.backends.local.starter): children forked from a
 process that imported their modules once, as a fresh ``python -m roving._child`` would run them.
 
 Real processes throughout: the starter, its forked children, and (for the parent's death) a parent

@@ -11,7 +11,7 @@ import pytest
 import helpers_targets as h
 import roving
 from helpers_core import TIMEOUT, finish
-from roving.backends.private import NotPrivateError, create_private, open_private, private_dir
+from roving.system.private import NotPrivateError, create_private, open_private, private_dir
 from roving.pipeline.runtime import checkpoint_file
 from roving.pipeline.runtime import control
 

@@ -6,7 +6,7 @@ import os
 import queue
 import threading
 
-from roving.backends.selector_thread import SelectorThread
+from roving.system.selector_thread import SelectorThread
 
 T = 30
 

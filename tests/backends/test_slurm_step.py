@@ -21,7 +21,7 @@ import pytest
 
 import helpers_backends as hb
 from helpers_core import PROGRAMS, SUPPORT_DIR, wait_until
-from roving.backends import slurm_step
+from roving.backends.slurm import step as slurm_step
 
 T = 240  # bound on one program: its pool's interpreters start on 2 cores
 

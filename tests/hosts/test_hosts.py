@@ -221,3 +221,17 @@ def test_missing_hosts_fail_the_test_naming_the_script_never_skip(monkeypatch):
     monkeypatch.setattr(hh, "HOSTS", {"rv-gone": hh.Host("rv-gone", "10.77.0.99", "rv-gone")})
     with pytest.raises(pytest.fail.Exception, match=r"rv-missing .*rv-gone.*bash scripts/cluster/hosts.sh"):
         hh.require()
+
+
+def test_a_large_array_crosses_hosts_whole_through_a_pool_a_queue_and_shared_with_the_parents_peak_about_twice(
+        hosts):
+    # the parent on the root host, its workers Slurm jobs on the compute hosts: every transfer leaves the
+    # machine (TLS between hosts) and shared data is fetched by the worker's host from the parent
+    program = str(PROGRAMS / "large_objects.py")
+    done = hh.call_on(hh.ROOT, [sys.executable, program, json.dumps({"backend": "slurm"}), "192.5", "pool", "queue",
+                                "shared"], timeout=600, env=hh.slurm_env())
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    compute = {h.name for h in hh.COMPUTE}
+    for path, got in seen["paths"].items():
+        assert got["same"] and got["host"] in compute, (path, got)
+        assert got["peak_over"] <= 2.5 * got["bytes"], (path, got["peak_over"] / got["bytes"])

@@ -9,6 +9,7 @@ on the compute hosts, and what they report names the host they ran on.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -190,6 +191,28 @@ def test_pipeline_training_plans_around_a_host_cut_off_mid_iteration(hosts):
     assert r["cut_mid_iteration"] and r["losses_finite"], r
     assert r["dead"] == on_victim, (r, run.text()[-3000:])
     assert not set(on_victim) & set(r["alloc"]), r  # planned around
+
+
+def test_a_hostile_node_started_as_a_slurm_job_on_a_compute_host_takes_nothing_and_is_caught(hosts, tmp_path):
+    """The trust boundary across hosts: the coordinator on the login host starts every node as a job of the
+    multi-node Slurm; one node runs code of its own from its start (tests/support/hostile_node.py): while
+    the others start it asks the coordinator's node for every mailbox there is, asks for credentials, and
+    sends a pickle that would write a marker file and a negative norm. It takes nothing but what was made
+    for it, gets no credentials, is caught alone, and the training finishes without it."""
+    result = tmp_path / "hostile.json"
+    done = hh.call_on(hh.LOGIN, [sys.executable, str(PROGRAMS / "hosts_hostile_started.py"), str(result)],
+                      timeout=600, env=program_env())
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    hostile, said = seen["hostile"], seen["hostile_said"]
+    assert all(job.isdigit() for job in seen["jobs"].values()), seen["jobs"]  # every node a Slurm job
+    assert said["host"] in COMPUTE, said  # the attacker ran on a compute host
+    assert all(first == "{" for first in said["stolen"]), said  # its own environment report, never a payload
+    assert said["issued"].startswith("refused"), said
+    assert not seen["marker"], "the pickle was unpickled somewhere"
+    assert seen["caught"] == [[hostile]], seen["blamed"]  # it alone: no honest node blamed
+    assert hostile in seen["excluded"]
+    assert set(seen["nodes"]) - {hostile} <= set(seen["trains"]), seen  # every other node started and trains
+    assert seen["iterations"] == 6 and all(math.isfinite(x) for x in seen["losses"]), seen
 
 
 # -- what a sniffer on the path sees ------------------------------------------------------------------

@@ -113,3 +113,32 @@ def test_a_colluder_reports_every_recheck_as_matching_a_framer_as_differing_the_
     assert Adversary("frame").reports("n", 0, 0.0) == 1.0
     assert Adversary("frame", start=3).reports("n", 2, 0.0) == 0.0, "not yet lying"
     assert Adversary("scale").reports("n", 5, 0.25) == 0.25
+
+
+def test_the_honest_conduct_gives_back_every_object_it_is_given_and_an_adversary_is_a_conduct():
+    from roving.pipeline.verify.conduct import HONEST, Conduct
+
+    t, own, weights, grads = tensor(0), tensor(1), {"w": tensor(2)}, [tensor(3)]
+    before = grads[0].clone()
+    assert HONEST.tamper("activation", t, "n", 0, 0) is t
+    assert HONEST.averages(own, t, t + 1) is own
+    assert HONEST.reports("n", 0, 0.25) == 0.25
+    assert HONEST.exported(weights, "n", 0) is weights
+    HONEST.steps(grads, "n", 0)
+    assert torch.equal(grads[0], before), "an honest step keeps its gradient"
+    assert all(isinstance(Adversary(kind), Conduct) for kind in KINDS)
+
+
+def test_an_adversary_averages_the_share_it_sent_but_weights_keeps_its_own_and_drift_steps_with_another():
+    own, honest = tensor(0), tensor(0)
+    sent = Adversary("scale").tamper("share", honest, "n", 0, -1)
+    assert torch.equal(Adversary("scale").averages(own, honest, sent), sent)
+    assert Adversary("weights").averages(own, honest, Adversary("weights").tamper("share", honest, "n", 0, -1)) is own
+    assert Adversary("scale").averages(own, honest, honest) is own, "nothing tampered: its own"
+    grads = [tensor(4), tensor(5)]
+    before = [g.clone() for g in grads]
+    Adversary("drift").steps(grads, "n", 0)
+    assert not any(torch.equal(g, b) for g, b in zip(grads, before))
+    drifted = [g.clone() for g in grads]
+    Adversary("scale").steps(grads, "n", 0)  # only a drifter steps with another gradient
+    assert all(torch.equal(g, d) for g, d in zip(grads, drifted))

@@ -188,6 +188,35 @@ def test_a_node_started_by_hand_on_another_host_joins_a_running_training_through
     print(f"open join: command to placed in {joined_s:.1f} s")
 
 
+def test_a_node_that_joined_through_the_door_says_which_address_went_silent_and_leaves_when_its_coordinator_dies(
+        hosts, tmp_path):
+    """A node someone else started has no parent to outlive: when the training's coordinator is killed
+    (SIGKILL: it tells no one), the node names the address that stopped answering and exits with an
+    error, instead of waiting for ever."""
+    run = Run(tmp_path, hh.ROOT.address, 100_000, env=dict(os.environ, ROVING_HOST=hh.ROOT.address))
+    node = None
+    try:
+        address, token = run.invite()
+        node = hh.run_on("rv-h1", [sys.executable, "-m", "roving.cli", "pipeline", "node", "--join", address,
+                                   "--invite", token, "--coordinator-timeout", "10"],
+                         env=hh.program_env(), cwd=str(tmp_path), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        first = node.stdout.readline()
+        assert first.startswith("joined the training at"), first + node.stdout.read()
+        name = first.split("as node ")[1].split(";")[0]
+        assert wait_until(lambda: name in run.status().get("nodes", {}), 120), run.status()
+        run.proc.kill()
+        run.proc.wait(60)
+        rest = node.communicate(timeout=120)[0]
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        if node is not None and node.poll() is None:
+            node.kill()
+    assert node.returncode == 1, rest
+    assert "has not answered for 10 s" in rest and hh.ROOT.address in rest, rest
+
+
 def test_a_hostile_node_through_the_open_door_gets_nothing_and_is_caught_and_the_training_finishes(hosts, tmp_path):
     """The attacker runs on test host rv-h1 and comes through the door of a training on this host."""
     marker = tmp_path / "marker"

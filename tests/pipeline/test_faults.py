@@ -542,6 +542,7 @@ def test_stall_after_must_be_seconds_at_least_zero():
 def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_the_predicted_iteration():
     from types import SimpleNamespace
 
+    from roving.pipeline.dispatch import Dispatch
     from roving.pipeline.errors import NoMessage, RoundStalled
 
     t = Trainer.__new__(Trainer)  # the rule alone: no nodes
@@ -551,15 +552,16 @@ def test_a_round_is_taken_as_stalled_after_stall_after_but_never_before_twice_th
         asked.append(timeout)
         raise NoMessage(f"no {kind!r} message from the nodes within {timeout} s")
 
-    t.roster = SimpleNamespace(recv=recv)
+    t.dispatch = Dispatch(SimpleNamespace(recv=recv))
+    t.dispatch.on(Done, lambda msg: None)
     for stall_after, predicted, expect in ((3.0, 1.0, 3.0), (3.0, 10.0, 20.0), (3.0, math.nan, 3.0)):
         t.config, t.prediction = TrainConfig(**CFG, stall_after=stall_after), SimpleNamespace(here_s=predicted)
         with pytest.raises(RoundStalled, match="within"):
-            t._round_recv(Done, 1)
+            t._read_round(lambda: False, 1)
         assert asked[-1] == expect
     t.config = TrainConfig(**CFG, stall_after=0)  # off: the plain timeout, and its error
     with pytest.raises(NoMessage):
-        t._round_recv(Done, 1)
+        t._read_round(lambda: False, 1)
     assert asked[-1] is None
 
 

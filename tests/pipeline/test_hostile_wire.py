@@ -24,6 +24,8 @@ from roving.pipeline.runtime import mail
 from roving.pipeline import protocol as m
 from roving.pipeline.planning.plan import Route
 from roving.pipeline.verify.receipts import Receipt
+from roving.pipeline.verify.screen import Summary
+from roving.pipeline.verify.tensor_id import Screened, TensorId
 
 
 class _Marker:
@@ -110,7 +112,7 @@ def test_tensors_of_a_wrong_size_or_dtype_and_oversized_headers_are_refused():
 
 
 def test_a_receipt_of_another_node_is_refused_in_a_nodes_message():
-    receipt = Receipt("n2", 0, "activation", 1, 0, b"d" * 32, b"m" * 32)
+    receipt = Receipt(TensorId(0, "activation", 1, 0, "n2"), b"d" * 32, b"m" * 32)
     msg = m.Forward(0, "n1", 1, 0, torch.ones(2, 3), Route("n0", ("n1",), (1,)), receipt)
     got, refused = _from_untrusted([codec.encode(msg)])
     assert got == [] and "receipt of 'n2'" in refused["n1"][1]
@@ -128,17 +130,60 @@ def test_a_writer_the_directory_does_not_know_is_refused():
     assert list(inbox.refused()) == [p.node_id]
 
 
-def test_every_message_of_the_protocol_reads_back_as_it_was_sent():
-    from roving.pipeline.verify.screen import Summary
+def _norm_of_three_rows() -> m.Norm:
+    rows = (Screened(TensorId(1, "activation", 0, 0, "b"), Summary((), 1.0, 0.0, 0.5, torch.randn(4))),
+            Screened(TensorId(1, "share", -1, -1, "c"), Summary(("zeros",))),
+            Screened(TensorId(1, "gradient", 3, 1, "b"), Summary((), -1.0, 0.5, 0.25, torch.randn(3))))
+    return m.Norm(1, "a", 0, 2.5, rows, (TensorId(1, "activation", 0, 0, "b"),), {"b": 0.25}, b"c" * 32)
 
+
+def test_a_screening_report_whose_table_is_out_of_bounds_is_refused_naming_what():
+    """A ``Norm``'s screening rows travel as one float64 table (``codec._ROW`` columns) and one float32
+    buffer of profiles: a table entry that is not a whole number where one is due, an index beyond what
+    it indexes (the kinds of tensor, the senders' names, the findings), lengths that do not add up to the
+    profiles sent, or a table of another dtype or width is refused; so is a tensor identity of no kind of
+    tensor elsewhere (an evidence request's)."""
+    frames = codec.encode(_norm_of_three_rows())
+    table = torch.frombuffer(bytearray(frames[1]), dtype=torch.float64).view(3, 10)
+
+    def with_entry(row: int, column: int, value: float) -> list:
+        t = table.clone()
+        t[row, column] = value
+        return [frames[0], t.numpy().tobytes(), frames[2]]
+
+    header = json.loads(frames[0])
+    narrow = json.loads(frames[0])
+    narrow[5][1][2] = [5, 6]  # [version, kind, round, stage, sq_norm, screened, ...]: the table's shape
+    wrong_kind = _header(m.EvidenceRequest(1, (TensorId(1, "activation", 0, 0, "b"),), 4))
+    wrong_kind[3]["u"][0]["r"][2] = "weights"
+    whole = bounds = "not whole numbers within bounds"
+    letters = {"a microbatch of 0.5": (with_entry(0, 2, 0.5), whole),
+               "a fifth kind of tensor": (with_entry(1, 1, 4.0), bounds),
+               "a sender beyond the names": (with_entry(2, 4, 7.0), bounds),
+               "a finding beyond FOUND": (with_entry(0, 5, 9.0), bounds),
+               "a profile longer than sent": (with_entry(0, 9, 5.0), "do not add up"),
+               "a round of -2": (with_entry(1, 0, -2.0), bounds),
+               "an infinite hop": (with_entry(2, 3, math.inf), whole),
+               "a table of 5 x 6": ([json.dumps(narrow).encode(), frames[1], frames[2]], "float64 rows of 10"),
+               "a tensor of no kind": ([json.dumps(wrong_kind).encode()], "not what a tensor can be")}
+    assert header[5][1][1] == "float64"
+    for why, (letter, says) in letters.items():
+        with pytest.raises(codec.Malformed, match=says):
+            codec.decode(letter, "a")
+            pytest.fail(f"{why}: read")
+    got, refused = _from_untrusted([letter for letter, _ in letters.values()])
+    assert got == [] and refused["n1"][0] == len(letters), refused
+
+
+def test_every_message_of_the_protocol_reads_back_as_it_was_sent():
     route = Route("a", ("b",), (1,))
-    receipt = Receipt("a", 1, "activation", 0, 0, b"d" * 32, b"m" * 32)
+    receipt = Receipt(TensorId(1, "activation", 0, 0, "a"), b"d" * 32, b"m" * 32)
     samples = [
         m.Forward(1, "a", 0, 0, torch.randn(2, 3, 4, dtype=torch.bfloat16), route, receipt),
-        m.Norm(1, "a", 0, 2.5, (("activation", 0, 0, "b", Summary((), 1.0, 0.0, 0.5, torch.randn(4))),),
-               (("activation", 0, 0, "b"),), {"b": 0.25}, b"c" * 32),
+        _norm_of_three_rows(),
+        m.EvidenceRequest(1, (TensorId(1, "activation", 0, 0, "b"), TensorId.combined(1)), 4),
         m.Stepped(1, "a", {"processed": 2, "trace": [("fwd", 0, 1.0, 2.0)]}, math.nan, b"w" * 32, "cpu"),
-        m.EvidenceItems(1, "a", {("activation", 0, 0, "b"): (torch.ones(2), receipt, False)}, 3),
+        m.EvidenceItems(1, "a", {TensorId(1, "activation", 0, 0, "b"): (torch.ones(2), receipt, False)}, 3),
         m.Exported("a", 0, {"w": torch.ones(2, 2)},
                    {"state": {0: {"step": torch.tensor(3.0)}},
                     "param_groups": [{"lr": 0.1, "betas": (0.9, 0.95), "params": [0]}]}),

@@ -91,7 +91,7 @@ def test_a_process_whose_heartbeats_stop_and_one_that_exits_are_reported_lost():
 
 def test_the_roster_never_plans():
     """It reports lost processes; what to do about them is the trainer's: it imports no planning."""
-    src = Path(__file__).parents[2] / "src" / "roving" / "pipeline" / "roster.py"
+    src = Path(__file__).parents[2] / "src" / "roving" / "pipeline" / "runtime" / "roster.py"
     imported = set()
     for node in ast.walk(ast.parse(src.read_text())):
         if isinstance(node, ast.ImportFrom):

@@ -14,6 +14,7 @@ torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
 from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.verify.conduct import Conduct
 from roving.pipeline.presets import preset
 from roving.pipeline.planning.plan import Route
 from roving.pipeline.runtime.stage_process import StageProcess, StageSettings
@@ -23,7 +24,7 @@ CFG = preset("tiny", max_seq_len=16)
 SEED, LR = 3, 1e-3
 
 
-def settings(name: str, stage: int, adversary: Adversary | None = None) -> StageSettings:
+def settings(name: str, stage: int, adversary: Conduct | None = None) -> StageSettings:
     return StageSettings(name, stage, 2, CFG, SEED, in_flight=2, lr=LR, device="cpu", heartbeat=0,
                          adversary=adversary)
 
@@ -31,7 +32,7 @@ def settings(name: str, stage: int, adversary: Adversary | None = None) -> Stage
 class Pair:
     """Stage processes "a" (stage 0) and "b" (stage 1) in threads, answering on one control queue."""
 
-    def __init__(self, adversaries: dict[str, Adversary] | None = None) -> None:
+    def __init__(self, adversaries: dict[str, Conduct] | None = None) -> None:
         adversaries = adversaries or {}
         self.control = queue.Queue()
         self.inbox = {"a": queue.Queue(), "b": queue.Queue()}
@@ -130,6 +131,39 @@ def test_a_lazy_adversary_returns_its_input_unchanged_and_the_origin_computes_th
         skipped, honest = float(s0.loss(h0, targets)), float(s0.loss(s1(h0), targets))
     assert done.loss == pytest.approx(skipped, rel=1e-5)
     assert abs(done.loss - honest) > 1e-4, "the stage's computation would change the loss: the test could fail"
+
+
+class Recording(Conduct):
+    """A conduct of no adversary's kind: it records each hook the stage process calls and lies about
+    nothing (what it is given, it gives back)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def tamper(self, what, tensor, node, rnd, mb, given=None):
+        self.calls.append(("tamper", what, node, rnd, mb))
+        return tensor
+
+
+def test_a_stage_process_calls_its_conducts_hook_on_every_tensor_it_sends_whatever_the_conduct_is():
+    """The stage processes call the one hook object they hold for each activation and gradient sent to
+    another process, never asking what it is: one that is no adversary is called the same, and,
+    lying about nothing, leaves the loss the honest one."""
+    tokens, targets = batch(2)
+    route = Route("a", ("b",), (1,))
+    conducts = {"a": Recording(), "b": Recording()}
+    pair = Pair(conducts)
+    try:
+        pair.inbox["a"].put(m.Microbatch(0, 0, tokens, targets, route))
+        done = pair.get(m.Done)
+    finally:
+        pair.stop()
+    assert conducts["a"].calls == [("tamper", "activation", "a", 0, 0), ("tamper", "gradient", "a", 0, 0)]
+    assert conducts["b"].calls == [("tamper", "activation", "b", 0, 0), ("tamper", "gradient", "b", 0, 0)]
+    s0, s1 = Stage(CFG, 0, 2, seed=SEED), Stage(CFG, 1, 2, seed=SEED)
+    with torch.no_grad():
+        honest = float(s0.loss(s1(s0(s0.embed(tokens))), targets))
+    assert done.loss == pytest.approx(honest, rel=1e-5)
 
 
 def test_an_aborted_rounds_microbatch_is_dropped_and_the_next_round_runs():

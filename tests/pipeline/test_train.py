@@ -83,7 +83,7 @@ def test_on_the_local_backend_the_nodes_are_forked_from_one_starter_that_importe
     parents = set(run["parents"].values())
     assert len(run["parents"]) == CFG["nodes"] and len(parents) == 1 and os.getpid() not in parents
     with open(f"/proc/{parents.pop()}/cmdline", "rb") as f:
-        assert b"roving.backends.starter" in f.read()
+        assert b"roving.backends.local.starter" in f.read()
 
 
 def test_plan_skips_stages_and_uses_replicas(run):

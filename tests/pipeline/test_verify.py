@@ -25,9 +25,10 @@ torch.set_num_threads(1)
 
 from roving.pipeline import protocol as m
 from roving.pipeline.verify import receipts
-from roving.pipeline.verify import verifier as verify_module
+from roving.pipeline.verify import sampling as sampling_module
 from roving.dashboard.pipeline_view import PipelineWatch
 from roving.pipeline.verify.adversary import Adversary
+from roving.pipeline.verify.conduct import HONEST
 from roving.pipeline.verify.aggregate import combine
 from roving.pipeline.errors import NodeFailed, NodesLost, NoMessage, PlanError
 from roving.pipeline.verify.evidence import Evidence, difference, platform, recheck, recompute, summariser
@@ -36,7 +37,11 @@ from roving.pipeline.presets import preset
 from roving.pipeline.planning.plan import Plan, Route
 from roving.pipeline.stages import Stage
 from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
-from roving.pipeline.verify.verifier import Check, Source, Verifier, _Audit
+from roving.pipeline.verify.audit import Audit
+from roving.pipeline.verify.checks import Check, Source, round_checks
+from roving.pipeline.verify.tensor_id import Kind, Screened
+from roving.pipeline.verify.tensor_id import TensorId as T
+from roving.pipeline.verify.verifier import Verifier
 
 CFG = preset("tiny", max_seq_len=16)
 RUN_KEY = b"k" * 32
@@ -53,13 +58,13 @@ def test_a_receipt_names_one_tensor_and_only_its_senders_key_makes_it():
     ka, kb = receipts.node_key(RUN_KEY, "a"), receipts.node_key(RUN_KEY, "b")
     assert ka != kb and receipts.node_key(RUN_KEY, "a") == ka and receipts.node_key(b"x" * 32, "a") != ka
     t = torch.randn(3, 4)
-    r = receipts.seal(ka, "a", 2, "activation", 1, 0, t)
+    r = receipts.seal(ka, T(2, "activation", 1, 0, "a"), t)
     assert receipts.genuine(ka, r) and receipts.matches(r, t) and receipts.matches(r, t.clone())
     assert not receipts.genuine(kb, r), "checked under another node's key"
-    assert not receipts.genuine(ka, receipts.seal(kb, "a", 2, "activation", 1, 0, t)), "b made one in a's name"
-    for field, value in (("mb", 2), ("round", 3), ("hop", 1), ("what", "gradient"), ("sender", "b"),
-                         ("digest", receipts.digest(t * 2))):
-        assert not receipts.genuine(ka, dataclasses.replace(r, **{field: value})), field
+    assert not receipts.genuine(ka, receipts.seal(kb, T(2, "activation", 1, 0, "a"), t)), "b made one in a's name"
+    for field, value in (("mb", 2), ("round", 3), ("hop", 1), ("what", "gradient"), ("sender", "b")):
+        assert not receipts.genuine(ka, dataclasses.replace(r, id=dataclasses.replace(r.id, **{field: value}))), field
+    assert not receipts.genuine(ka, dataclasses.replace(r, digest=receipts.digest(t * 2)))
     nudged = t.clone()
     nudged[0, 0] += 1e-6
     assert not receipts.matches(r, nudged)
@@ -71,23 +76,24 @@ def test_a_receiver_keeps_what_it_got_and_reports_a_tensor_that_does_not_match_i
     ka = receipts.node_key(RUN_KEY, "a")
     ev = Evidence("b", "spot", receipts.node_key(RUN_KEY, "b"))
     t = torch.randn(2, 3)
-    ev.keep("activation", 4, 0, 1, "a", t, receipts.seal(ka, "a", 4, "activation", 0, 1, t))
-    ev.keep("activation", 4, 1, 1, "a", t + 1, receipts.seal(ka, "a", 4, "activation", 1, 1, t))  # not the tensor
+    ev.keep("activation", 4, 0, 1, "a", t, receipts.seal(ka, T(4, "activation", 0, 1, "a"), t))
+    ev.keep("activation", 4, 1, 1, "a", t + 1, receipts.seal(ka, T(4, "activation", 1, 1, "a"), t))  # not the tensor
     ev.keep("gradient", 4, 0, 0, "a", t, None)  # no receipt
-    ev.keep("activation", 4, 2, 1, "a", t, receipts.seal(ka, "a", 4, "activation", 3, 1, t))  # another mb's
+    ev.keep("activation", 4, 2, 1, "a", t, receipts.seal(ka, T(4, "activation", 3, 1, "a"), t))  # another mb's
     ev.keep("activation", 4, 0, 1, "b", t, None)  # its own: not kept
     # no receipt, or one for another message: at once; a tensor its receipt does not name: when shown
-    assert ev.disputes == [("gradient", 0, 0, "a"), ("activation", 2, 1, "a")]
-    shown = ev.show([("activation", 0, 1, "a"), ("activation", 9, 9, "a"), ("activation", 1, 1, "a")])
-    assert list(shown) == [("activation", 0, 1, "a"), ("activation", 1, 1, "a")]
-    assert torch.equal(shown[("activation", 0, 1, "a")][0], t) and shown[("activation", 0, 1, "a")][2] is False
-    assert shown[("activation", 1, 1, "a")][2] is True and ("activation", 1, 1, "a") in ev.disputes
+    assert ev.disputes == [T(4, "gradient", 0, 0, "a"), T(4, "activation", 2, 1, "a")]
+    shown = ev.show([T(4, "activation", 0, 1, "a"), T(4, "activation", 9, 9, "a"), T(4, "activation", 1, 1, "a"),
+                     ("activation", 0, 1, "a")])
+    assert list(shown) == [T(4, "activation", 0, 1, "a"), T(4, "activation", 1, 1, "a")], "a tuple is no key"
+    assert torch.equal(shown[T(4, "activation", 0, 1, "a")][0], t) and shown[T(4, "activation", 0, 1, "a")][2] is False
+    assert shown[T(4, "activation", 1, 1, "a")][2] is True and T(4, "activation", 1, 1, "a") in ev.disputes
     # summarised in idle moments (one at a time, oldest first), every one before the round's report
     assert ev.screened == [] and len(ev.unsummarised) == 4
-    assert ev.summarize_one() and [row[:4] for row in ev.screened] == [("activation", 0, 1, "a")]
+    assert ev.summarize_one() and [row.tensor for row in ev.screened] == [T(4, "activation", 0, 1, "a")]
     rows = ev.summaries()
-    assert [row[:4] for row in rows] == [("activation", 0, 1, "a"), ("activation", 1, 1, "a"),
-                                          ("gradient", 0, 0, "a"), ("activation", 2, 1, "a")]
+    assert [row.tensor for row in rows] == [T(4, "activation", 0, 1, "a"), T(4, "activation", 1, 1, "a"),
+                                            T(4, "gradient", 0, 0, "a"), T(4, "activation", 2, 1, "a")]
     assert not ev.unsummarised and not ev.summarize_one()
     ev.keep("activation", 4, 3, 1, "a", t, None)
     ev.clear()
@@ -113,8 +119,9 @@ def test_each_share_is_summarised_by_one_other_replica_in_turn_and_a_replica_rep
         for name in "abcd":
             ev = Evidence(name, "screen", receipts.node_key(RUN_KEY, name))
             cosines = ev.shares(rnd, got, counts)
-            for what, mb, hop, sender, summary in ev.summaries():
-                assert (what, mb, hop) == ("share", -1, -1) and sender != name and sender not in rows
+            for row in ev.summaries():
+                sender, summary = row.tensor.sender, row.summary
+                assert row.tensor == T(rnd, "share", -1, -1, sender) and sender != name and sender not in rows
                 assert summary == summarize(got[sender], divisor=counts[sender])
                 rows[sender] = name
                 summarisers[sender].append(name)
@@ -213,24 +220,25 @@ def verifier(mode: str = "full", rate: float = 0.05, roster: object = None,
 def test_a_holder_that_withholds_or_alters_a_tensor_is_caught_and_a_dispute_blames_nobody():
     ka = receipts.node_key(RUN_KEY, "a")
     t = torch.randn(2, 3)
-    key = ("activation", 0, 1, "a")
-    r = receipts.seal(ka, "a", 7, "activation", 0, 1, t)
-    check = Check("a", 0, "first", 0, 0, Source("c", key), {"tokens": Source(value=t)})
+    key = T(7, "activation", 0, 1, "a")
+    r = receipts.seal(ka, key, t)
+    check = Check("a", 0, Kind.FIRST, 0, 0, Source("c", key), {"tokens": Source(value=t)})
+    other_hop = dataclasses.replace(r, id=dataclasses.replace(key, hop=2))
     cases = {
         "shown": ({"c": {key: (t, r, False)}}, None, []),
         "withheld": ({"c": {}}, "c", []),
         "altered": ({"c": {key: (t + 1, r, False)}}, "c", []),
-        "another hop's receipt": ({"c": {key: (t, dataclasses.replace(r, hop=2), False)}}, "c", []),
-        "another round's tensor": ({"c": {key: (t + 1, receipts.seal(ka, "a", 6, "activation", 0, 1, t + 1), False)}},
-                                   "c", []),
+        "another hop's receipt": ({"c": {key: (t, other_hop, False)}}, "c", []),
+        "another round's tensor": ({"c": {key: (t + 1, receipts.seal(ka, dataclasses.replace(key, round=6), t + 1),
+                                                False)}}, "c", []),
         "disputed on arrival": ({"c": {key: (t + 1, r, True)}}, None, ["a", "c"]),
-        "a MAC not a's": ({"c": {key: (t, receipts.seal(b"x" * 32, "a", 7, "activation", 0, 1, t), False)}},
+        "a MAC not a's": ({"c": {key: (t, receipts.seal(b"x" * 32, key, t), False)}},
                           None, ["a", "c"]),
     }
     for name, (shown, culprit, disputed) in cases.items():
         v, events = verifier()
         caught: dict = {}
-        got = v._evidence(check, shown, caught, 7)
+        got = v.gather.evidence(check, shown, caught)
         assert (got is not None) == (name == "shown"), name
         assert list(caught) == ([culprit] if culprit else []), name
         disputes = [f for kind, f in events if kind == "dispute"]
@@ -341,7 +349,7 @@ class LocalRound:
             self.answers.append(m.EvidenceItems(msg.round, name, items, msg.ask))
         elif isinstance(msg, m.Recheck):  # as StageProcess._on_recheck
             self.answers.append(recheck(self.stage[name], stage, msg, torch.device("cpu"),
-                                        adversary=self.liars.get(name), name=name))
+                                        conduct=self.liars.get(name, HONEST), name=name))
         elif isinstance(msg, m.ShowWeights):
             self.answers.append(m.WeightsShown(msg.round, name, stage, {
                 k: v.detach().clone() for k, v in self.stage[name].state_dict().items()}))
@@ -422,7 +430,7 @@ def test_an_audit_runs_alongside_its_round_each_check_starting_as_soon_as_what_i
     v.finished(0, 0)
     asked = [msg for _, msg in r.sent]
     assert asked and all(isinstance(msg, m.EvidenceRequest) for msg in asked)
-    assert {key[1] for msg in asked for key in msg.keys} == {0}, "microbatch 0's tensors only"
+    assert {key.mb for msg in asked for key in msg.keys} == {0}, "microbatch 0's tensors only"
     take_answers()
     rechecks = [(n, msg) for n, msg in r.sent if isinstance(msg, m.Recheck)]
     assert sorted(msg.kind for _, msg in rechecks) == ["first", "loss", "visit"]
@@ -439,8 +447,8 @@ def test_an_audit_runs_alongside_its_round_each_check_starting_as_soon_as_what_i
     assert len(r.sent) == before, "a's share is held by b, which has not averaged yet"
     v.note(b)
     shares = {key for _, msg in r.sent[before:] if isinstance(msg, m.EvidenceRequest) for key in msg.keys
-              if key[0] == "share"}
-    assert shares == {("share", -1, -1, "a"), ("share", -1, -1, "b")}
+              if key.what == "share"}
+    assert shares == {T(0, "share", -1, -1, "a"), T(0, "share", -1, -1, "b")}
     for msg in r.norms:
         if msg.sender in ("c", "d"):
             v.note(msg)
@@ -478,7 +486,7 @@ def test_the_screening_rows_of_a_round_given_up_still_count_for_their_senders():
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches)
     v, _ = verifier("screen", roster=r)
-    rows = collections.Counter((row[0], row[3]) for msg in r.norms for row in msg.screened)
+    rows = collections.Counter((row.tensor.what, row.tensor.sender) for msg in r.norms for row in msg.screened)
     assert rows, "every node reports what it received"
 
     def counted() -> collections.Counter:
@@ -494,8 +502,9 @@ def test_the_screening_rows_of_a_round_given_up_still_count_for_their_senders():
     v.abandon()
     assert counted() == rows
     v.begin(1, PLAN, dict(PLAN.allocation), batches)
-    for msg in r.norms:
-        v.note(dataclasses.replace(msg, round=1))
+    for msg in r.norms:  # the same tensors again, as round 1's
+        again = tuple(Screened(dataclasses.replace(row.tensor, round=1), row.summary) for row in msg.screened)
+        v.note(dataclasses.replace(msg, round=1, screened=again))
     assert counted() == rows + rows
 
 
@@ -511,11 +520,12 @@ def test_shares_are_screened_per_load_so_honest_replicas_of_unequal_loads_are_no
     v, events = verifier("screen")
     g = torch.Generator().manual_seed(0)
     for rnd in range(200):
-        a = _Audit(rnd, None, alloc, {}, {}, loads)
-        rows = tuple(("share", -1, -1, n, summarize(sum(torch.randn(2000, generator=g) for _ in range(k)), divisor=k))
+        a = Audit(rnd, None, alloc, {}, {}, loads)
+        rows = tuple(Screened(T(rnd, "share", -1, -1, n),
+                              summarize(sum(torch.randn(2000, generator=g) for _ in range(k)), divisor=k))
                      for n, k in (("a", 3), ("b", 1)))
-        v._screen(a, m.Norm(rnd, "x", 1, 1.0, rows, (), None, None))
-        v._suspects(a)
+        v.reports.screen_norm(a, m.Norm(rnd, "x", 1, 1.0, rows, (), None, None))
+        v.reports.suspects(a)
     suspects = {(f["node"], f["check"]) for kind, f in events if kind == "suspect"}
     assert not a.caught
     assert suspects == ({("a", "norm"), ("b", "norm"), ("a", "std"), ("b", "std")} if named else set()), suspects
@@ -528,35 +538,39 @@ def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_repor
     nothing of it screened; every Norm that honest nodes make passes."""
     alloc = {"a": 0, "b": 0, "c": 0, "d": 0, "x": 1}
     v, events = verifier("screen")
-    a = _Audit(0, None, alloc, {}, {})
+    a = Audit(0, None, alloc, {}, {})
     for sender, cos in (("a", {"a": 1.0, "b": 0.2, "x": -1.0}), ("c", {"b": 0.4}), ("d", {"b": 0.9}),
                         ("x", {"a": -1.0})):
-        v._screen(a, m.Norm(0, sender, alloc[sender], 1.0, (), (), cos, None))
+        v.reports.screen_norm(a, m.Norm(0, sender, alloc[sender], 1.0, (), (), cos, None))
     assert a.cosines == {"b": [0.2, 0.4, 0.9]} and not a.caught and not events
-    v._suspects(a)
+    v.reports.suspects(a)
     assert v.screen.nodes[("share", 0)]["b"].stats["cosine"].mean == pytest.approx(0.4)
     good = summarize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
-    row = ("activation", 0, 1, "a", good)
-    bad = {"a row of 4": dict(screened=(row[:4],)), "rows not a tuple": dict(screened=[row]),
-           "a summary not sound": dict(screened=(row[:4] + (Summary((), math.nan, 0.0, 0.0),),)),
-           "a hop not a number": dict(screened=(("activation", 0, "1", "a", good),)),
-           "a disputed key of 3": dict(disputes=(("activation", 0, 1),)),
+    key = T(0, "activation", 0, 1, "a")
+    row = Screened(key, good)
+    bad = {"a row that is a tuple": dict(screened=(("activation", 0, 1, "a", good),)),
+           "rows not a tuple": dict(screened=[row]),
+           "a summary not sound": dict(screened=(Screened(key, Summary((), math.nan, 0.0, 0.0)),)),
+           "a hop not a number": dict(screened=(Screened(dataclasses.replace(key, hop="1"), good),)),
+           "a row of another round": dict(screened=(Screened(dataclasses.replace(key, round=3), good),)),
+           "a row of no kind of tensor": dict(screened=(Screened(dataclasses.replace(key, what="weights"), good),)),
+           "a disputed key that is a tuple": dict(disputes=(("activation", 0, 1, "a"),)),
            "cosines not a dict": dict(cosines=[("b", 0.5)]), "a cosine of 3": dict(cosines={"b": 3.0}),
            "a cosine not a number": dict(cosines={"b": "high"}), "a NaN cosine": dict(cosines={"b": math.nan})}
     for why, fields in bad.items():
         v, events = verifier("screen")
-        a = _Audit(0, None, alloc, {}, {})
+        a = Audit(0, None, alloc, {}, {})
         msg = dataclasses.replace(m.Norm(0, "c", 0, 1.0, (row,), (), None, None), **fields)
-        v._screen(a, msg)
+        v.reports.screen_norm(a, msg)
         assert list(a.caught) == ["c"] and a.caught["c"].startswith("report:"), why
         assert [f["check"] for kind, f in events if kind == "caught"] == ["report"], why
         assert not v.screen.nodes and not a.cosines, why
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")})
     v, _ = verifier("screen", roster=r)
-    a = _Audit(0, PLAN, dict(PLAN.allocation), {}, {})
+    a = Audit(0, PLAN, dict(PLAN.allocation), {}, {})
     for msg in r.norms:
-        v._screen(a, msg)
+        v.reports.screen_norm(a, msg)
     assert not a.caught and v.screen.nodes
 
 
@@ -666,9 +680,9 @@ def test_the_combined_digest_is_asked_only_where_the_weights_check_could_not_nam
     assert not v.combined_needed(["a", "b", "c"])
     assert v.combined_needed(["d", "e"]) and v.combined_needed(["f", "g", "h"])
     # a digest that nobody asked for is no evidence: the others keep no combined gradient to show
-    audit = _Audit(1, None, alloc, {}, {}, norms=[m.Norm(1, n, s, 1.0, (), (), None, b"d" * 32 if n == "a" else None)
+    audit = Audit(1, None, alloc, {}, {}, norms=[m.Norm(1, n, s, 1.0, (), (), None, b"d" * 32 if n == "a" else None)
                                                   for n, s in alloc.items()])
-    v._combined(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
+    v.replicas.averaging(audit)  # (FakeRoster cannot be asked for evidence: an ask would raise)
     assert not audit.caught and not audit.asks and not events
     v._audit = audit  # the round's SyncOrders: the audit remembers which stages were asked
     assert v.combined_asked(1, ["e", "d"]) and not v.combined_asked(1, ["a", "b", "c"])
@@ -777,7 +791,7 @@ def test_a_negated_share_is_opposed_and_its_nodes_computations_of_the_round_are_
             assert cosine > 0 and v.last["opposed"] == [] and v.last["checks"] == 0 and not caught
             continue
         assert cosine < 0 and v.last["opposed"] == ["c", "d"]
-        theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("c", "d")]
+        theirs = [c for c in round_checks(0, PLAN, dict(PLAN.allocation), batches) if c.node in ("c", "d")]
         assert v.last["checks"] == (len(theirs) if made_up else 0)
         assert list(caught) == (["c"] if made_up else [])
 
@@ -803,7 +817,7 @@ def test_a_suspect_named_at_the_rounds_end_has_its_computations_of_that_round_ma
     assert v.audit(0, r.norm()) == {}
     assert v.suspects == {"a", "b"} and v.last["opposed"] == []
     assert {(f["node"], f["check"]) for kind, f in events if kind == "suspect"} == {("a", "cosine"), ("b", "cosine")}
-    theirs = [c for c in v._checks(PLAN, dict(PLAN.allocation), batches) if c.node in ("a", "b")]
+    theirs = [c for c in round_checks(0, PLAN, dict(PLAN.allocation), batches) if c.node in ("a", "b")]
     assert v.last["checks"] == len(theirs) > 0
 
 
@@ -1047,7 +1061,7 @@ def test_a_negated_share_has_its_node_opposed_in_the_round_it_starts_and_caught_
     replica's stage process reports of it), so both are opposed in iteration 5, and every computation of
     theirs is checked: the liar is caught there (by whichever of its computations), its honest replica is not,
     and training goes on without it."""
-    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+    monkeypatch.setattr(sampling_module, "SUSPECT_RATE", 1.0)
 
     def liar(by_stage: dict) -> dict:
         return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2): ["signflip"]}
@@ -1074,7 +1088,7 @@ def test_a_whole_stage_that_colludes_is_turned_in_the_round_it_starts_and_both_a
     that the test waits on no draw) the checks are drawn at the round's end; at rate 1 they are all drawn while the
     round runs, and confirmed whether their verifiers passed them before its end (then at the end:
     ``test_what_a_turned_nodes_verifier_passed_before_the_round_ended_is_confirmed_at_its_end``) or after."""
-    monkeypatch.setattr(verify_module, "SUSPECT_RATE", 1.0)
+    monkeypatch.setattr(sampling_module, "SUSPECT_RATE", 1.0)
 
     def pair(by_stage: dict) -> dict:
         return {next(s for s, names in sorted(by_stage.items()) if len(names) == 2 and s > 0): ["collude", "collude"]}
@@ -1221,8 +1235,8 @@ def test_a_node_caught_before_another_dies_in_the_same_audit_is_in_the_nodes_los
     batches = [tokens_and_targets(0), tokens_and_targets(1)]
     r = LocalRound(PLAN, batches, liars={"c": Adversary("scale")}, dies=("a", m.EvidenceRequest))
     v, events = verifier("full", roster=r)
-    check = Check("c", 1, "share", -1, -1, Source("d", ("share", -1, -1, "c")))
-    monkeypatch.setattr(v, "_combined", lambda a: v._catch(
+    check = Check("c", 1, Kind.SHARE, -1, -1, Source("d", T(0, "share", -1, -1, "c")))
+    monkeypatch.setattr(v.replicas, "averaging", lambda a: v.findings.catch(
         a.caught, "c", "averaging", check, reason="its replicas' combined gradients differ"))
     v.begin(0, PLAN, dict(PLAN.allocation), batches)
     for msg in r.norms:

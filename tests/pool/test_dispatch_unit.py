@@ -304,3 +304,37 @@ def test_units_of_one_tasks_message_read_back_as_they_were_written():
     assert P.read_list(second.arg_frames) == [10, 20, 30]
     assert P.read_control(P.control(P.REVOKE, 6)) == P.Control(P.REVOKE, 6, 0, 0, 0, 0, 0)
     assert P.read_control(P.control(P.STOP)).kind == P.STOP
+
+
+def _end(oom: bool, peak=None):
+    from roving.backends.base import JobState, JobStatus
+
+    return JobStatus(JobState.EXITED, -9, out_of_memory=oom, memory_peak=peak)
+
+
+def test_an_item_fails_out_of_memory_after_max_memory_kills_in_a_row_and_another_death_ends_the_run(pool):
+    from roving.backends.memory import MemorySample
+    from roving.pool.errors import OutOfMemoryError
+
+    disp, node, worker = pool
+    disp.max_task_retries = 10  # only the kills for memory end it here
+    out = Results()
+    disp.submit(out, square, P.MAP, [7], 1, inline=False)
+    ends = [_end(True), _end(False), _end(True, 90 * 2**20), _end(True, 120 * 2**20)]
+    for n, end in enumerate(ends):
+        w = worker()
+        w.ready(1)
+        (unit,) = w.receive()
+        w.state.memory.asked = 128 * 2**20
+        frames = P.heartbeat(disp.pool_id, w.state.id, MemorySample(rss=50 * 2**20, rss_peak=60 * 2**20))
+        disp.on_message(w.ident, P.HEARTBEAT, w.state.id, 0, frames[1:])
+        assert w.state.memory.peak == 60 * 2**20
+        disp.worker_lost(w.state, -9, end)
+        if n < len(ends) - 1:
+            assert out.got == [], f"failed after death {n + 1}: kills in a row so far are fewer than 2"
+    ((index, ok, err),) = out.got
+    assert index == 0 and not ok and isinstance(err, OutOfMemoryError)
+    assert "ran out of memory" in str(err) and "the 2 pool worker(s)" in str(err)
+    assert "peak memory seen 120 MiB" in str(err) and "limit 128 MiB" in str(err)
+    assert (err.peak, err.limit) == (120 * 2**20, 128 * 2**20)
+    assert disp.oom_kills == 3 and disp.figures()["calls"][-1]["peak_memory"] == 120 * 2**20

@@ -6,6 +6,7 @@ import collections
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -141,9 +142,9 @@ def test_map_order_is_kept_when_a_worker_is_killed_mid_map():
     with roving.Pool(3) as p:
         _wait_for(lambda: len(_live_workers(p)) == 3)
         r = p.starmap_async(h.sleep_square, [(x, 0.002) for x in range(1500)], chunksize=40)
-        time.sleep(0.5)
+        assert _wait_for(lambda: _busy_worker_pid(p) is not None)  # the map is under way
         pid = _busy_worker_pid(p)
-        assert pid is not None
+        assert pid is not None and not r.ready()
         os.kill(pid, signal.SIGKILL)
         assert r.get(T) == [x * x for x in range(1500)]
 
@@ -180,7 +181,7 @@ class _KillAt:
 def test_resize_up_and_down_under_load_keeps_every_result():
     with roving.Pool(1) as p:
         r = p.starmap_async(h.sleep_square, [(x, 0.01) for x in range(300)], chunksize=2)
-        time.sleep(0.3)
+        assert _wait_for(lambda: _busy_worker_pid(p) is not None)  # under load
         p.resize(4)
         assert _wait_for(lambda: len({w.proc.pid for w in p._workers.values() if w.units}) >= 3, 20)
         p.resize(1)
@@ -363,10 +364,12 @@ def test_worker_that_stops_heartbeating_is_replaced_and_its_work_redone(monkeypa
 
 
 def test_imap_reads_a_generator_lazily_and_returns_at_once(pool):
+    first_result_seen = threading.Event()
+
     def slow_items():
         for i in range(20):
-            if i == 10:
-                time.sleep(1.0)  # the caller already has results before the iterable ends
+            if i == 10:  # the iterable goes on only once the caller has a result
+                assert first_result_seen.wait(T), "no result came before the iterable ended"
             yield i
 
     assert _wait_for(lambda: len(_live_workers(pool)) == 2)  # the clock below is for imap, not start-up
@@ -374,6 +377,7 @@ def test_imap_reads_a_generator_lazily_and_returns_at_once(pool):
     it = pool.imap(h.square, slow_items(), chunksize=3)
     assert time.monotonic() - start < 0.5
     assert it.next(T) == 0 and time.monotonic() - start < 1.0
+    first_result_seen.set()
     assert [0] + list(it) == [x * x for x in range(20)]
     assert sorted(pool.imap_unordered(h.square, (x for x in range(25)), chunksize=4)) == \
         [x * x for x in range(25)]

@@ -56,6 +56,30 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
+def serves_connection_of(node_id: str) -> bool:
+    """Whether this process's node still serves a connection of process ``node_id`` (a stream, or a
+    ZeroMQ connection): False once it has seen every one of them close (a killed process's, say)."""
+    from roving.transport import session
+
+    node = session.current().node()
+    door = node.router.door
+    try:
+        peers = [s.peer for s in tuple(node.hub.peers.values())]
+        peers += [door.peer(token) for token in tuple(door.tokens.values())]
+    except RuntimeError:  # changed by the node's thread while read: still changing, so ask again
+        return True
+    return any(peer is not None and peer.node_id == node_id for peer in peers)
+
+
+def waiting_readers(q) -> int:
+    """How many gets wait at queue ``q``'s mailbox (``q`` made by this process: its node holds it)."""
+    from roving.transport import session
+
+    boxes = session.current().node().mailboxes
+    with boxes.lock:
+        return len(boxes.boxes[q._box].getters)
+
+
 def start(target, *args, **kwargs):
     """A started roving.Process running ``target(*args)``; keyword arguments go to Process."""
     import roving
@@ -91,6 +115,6 @@ def roving_children(parent: int) -> list:
     """The pids of the roving children of process ``parent`` on the local backend: its own children that
     run ``roving._child``, and the children of its starter (``local_preload``), which are forked there."""
     table = _proc_table()
-    starters = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and b"roving.backends.starter" in cmd}
+    starters = {pid for pid, (ppid, cmd) in table.items() if ppid == parent and b"roving.backends.local.starter" in cmd}
     return sorted(pid for pid, (ppid, cmd) in table.items()
                   if (ppid == parent and b"roving._child" in cmd) or ppid in starters)

@@ -50,8 +50,8 @@ def _threads() -> dict:
     found = {}
     current = _session._session
     node = current._node if current is not None else None
-    if node is not None and node._running:
-        found["node I/O"] = node._thread
+    if node is not None and node.loop.running:
+        found["node I/O"] = node.loop.thread
         listener = node._services.get("streams")
         if listener is not None and listener._running:
             found["stream listener"] = listener._thread
@@ -65,7 +65,7 @@ def _probe() -> Optional[str]:
     """None when a new connection to this process's node is answered; else what went wrong."""
     current = _session._session
     node = current._node if current is not None else None
-    if node is None or not node._running:
+    if node is None or not node.loop.running:
         return None
     result: List[object] = []
 

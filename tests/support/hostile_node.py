@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
 import queue
 import sys
 import threading
@@ -27,6 +28,7 @@ from roving.pipeline.runtime import mail
 from roving.pipeline import protocol as m
 from roving.pipeline.planning.plan import Route
 from roving.pipeline.verify.receipts import Receipt
+from roving.pipeline.verify.tensor_id import TensorId
 from roving.transport import issuer, postbox, session
 from roving.transport import node as _node
 
@@ -105,7 +107,7 @@ def main(address: str, token: str, marker: str) -> None:
         control.send(codec.encode(msg))
     # a receipt in another node's name, and messages that do not fit the wire, to the coordinator
     other = next(iter(others))
-    receipt = Receipt(other, 0, "activation", 0, 0, b"d" * 32, b"m" * 32)
+    receipt = Receipt(TensorId(0, "activation", 0, 0, other), b"d" * 32, b"m" * 32)
     forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0))[0])
     forged.append(other)  # a sender of its choosing: one field more than the message has
     for frames in ([evil], [json.dumps(forged).encode()], codec.encode(m.Norm(0, name, 0, -1.0)),
@@ -163,8 +165,31 @@ def started_main(settings, control, beats=None) -> None:
                 stolen.append(bytes(frames[0])[:1].decode("latin-1") if frames else "")
     issued = outcome(lambda: here.issue(settings.name + "-spare"))
     with open(os.environ["HOSTILE_NODE_RESULT"], "w") as f:
-        json.dump({"stolen": stolen, "issued": issued}, f)
+        json.dump({"stolen": stolen, "issued": issued, "host": socket.gethostname()}, f)
     slot = postbox.Slot(control)
     slot.send([pickle.dumps(Marker(os.environ["HOSTILE_NODE_RESULT"] + ".marker"), protocol=5)])
     slot.send(codec.encode(m.Norm(0, settings.name, 0, -1.0)))
     slot.confirm(10)
+
+
+#: The node that keeps what it should pass on (``withholding_main``).
+WITHHOLDER = "n01"
+
+
+def withholding_main(settings, control, beats=None) -> None:
+    """A stage process's target whose node ``WITHHOLDER`` keeps, from round 1 on, every microbatch's
+    activations it should send to another process, and says in its account of a stalled round that it
+    sent them (the lie that leaves its word against its peer's); every other node is honest."""
+    from roving.pipeline.runtime import stage_process
+    from roving.pipeline.runtime.stalls import FORWARD, Key
+
+    if settings.name == WITHHOLDER:
+        class Withholding(stage_process.StageProcess):
+            def _forward_on(self, rnd, mb, hop, h, route, given=None):
+                if rnd >= 1 and route.nodes:
+                    self.sent.add(Key(FORWARD, mb, hop))
+                    return
+                super()._forward_on(rnd, mb, hop, h, route, given)
+
+        stage_process.StageProcess = Withholding
+    return stage_process.stage_main(settings, control, beats)

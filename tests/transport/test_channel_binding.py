@@ -419,7 +419,7 @@ def test_a_session_member_cannot_end_curve_for_a_client_that_meant_another_node(
     client = session.issue("a")
     target = _node.Node(session.issue("b"))
     relay = _node.Node(session.issue("relay"))
-    box = target.new_box()
+    box = target.mailboxes.new_box()
     try:
         posing = identity.bare(relay.address) + "#" + identity.node_key(target.address)
         ep = _endpoint.Endpoint(posing, client, None, connect_timeout=5)

@@ -164,7 +164,7 @@ q = roving.Queue()
 node = _session.current().node()
 # One process started before the flood: the first start scans every installed distribution (the
 # environment check), a long pure-Python pass that keeps the node's thread from ending connections over
-# its cap meanwhile (the README's limit: "a process whose other threads keep Python busy"); under a
+# its cap meanwhile (the limit in docs/guides/security.md: "a process whose other threads keep Python busy"); under a
 # flood that scan alone can meet the descriptor limit. What follows tests the node, not that limit.
 first = roving.Process(target=int)  # prints nothing: stdout is the test's
 first.start(); first.join(60)
@@ -176,8 +176,8 @@ for f in opened:
 p = roving.Process(target=print, args=("child ran",))
 p.start(); p.join(60)
 q.put("still serving")
-print("FDS", len(os.listdir("/proc/self/fd")), "CAP", node._unauthenticated.cap,
-      "ENDED", node._unauthenticated.ended_for_cap, "EXIT", p.exitcode, q.get(timeout=30), flush=True)
+print("FDS", len(os.listdir("/proc/self/fd")), "CAP", node.router.unauthenticated.cap,
+      "ENDED", node.router.unauthenticated.ended_for_cap, "EXIT", p.exitcode, q.get(timeout=30), flush=True)
 sys.stdin.readline()
 """
 

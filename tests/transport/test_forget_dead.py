@@ -163,7 +163,7 @@ def test_what_a_peer_sent_before_its_connection_ended_is_handled_as_its_own():
         if len(got) == 1:  # on the node's I/O thread: hold it until the end has been reported
             first.set()
             assert closed.wait(TIMEOUT)
-            assert node._monitor.poll(TIMEOUT * 1000)  # ZeroMQ's DISCONNECTED is waiting to be read
+            assert node.router.monitor.poll(TIMEOUT * 1000)  # ZeroMQ's DISCONNECTED is waiting to be read
     node.register_handler(b"count", handler)
     count = 600  # over two turns' worth (256 messages a turn)
     try:

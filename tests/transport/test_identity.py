@@ -18,6 +18,7 @@ from roving.transport import auth, crypto, identity
 from roving.transport import channel as _channel
 from roving.transport import endpoint as _endpoint
 from roving.transport import node as _node
+from roving.transport import wire as _wire
 from roving.transport import session as _session
 from roving.transport import stream as _stream
 from roving.transport.wire import HEADER
@@ -75,7 +76,7 @@ def test_a_stream_relayed_to_another_node_of_the_session_is_refused_and_the_put_
     a = session.node(session.issue("a"), encrypt)
     b = session.node(session.issue("b"), encrypt)
     client = session.issue("client")
-    box_a, box_b = a.new_box(), b.new_box()
+    box_a, box_b = a.mailboxes.new_box(), b.mailboxes.new_box()
     assert box_a == box_b  # mailbox ids start at 1 in every node: the id alone does not tell them apart
     relay = CuttingProxy(b.streams().address)  # a relay that sends what is meant for A to B
     # over TLS the client finds B's certificate where A's was meant; over plain text (loopback, also
@@ -96,7 +97,7 @@ def test_a_stream_relayed_to_another_node_of_the_session_is_refused_and_the_put_
                 _endpoint._StreamConnection(b.address, relay.address, client, TIMEOUT)
     finally:
         relay.close()
-    assert b.call_local(_node.SIZE, box_b, 0, [])[1][0][:8] == (0).to_bytes(8, "little")
+    assert _wire.unpack_sizes(b.mailboxes.call_local(_node.SIZE, box_b, 0, [])[1][0]).items == 0
 
 
 @pytest.mark.parametrize("encrypt", ["auto", "off"])
@@ -105,7 +106,7 @@ def test_a_zeromq_connection_relayed_to_another_node_of_the_session_is_refused(s
     a = session.node(session.issue("a"), encrypt)
     b = session.node(session.issue("b"), encrypt)
     client = session.issue("client")
-    box = b.new_box()
+    box = b.mailboxes.new_box()
     relay = CuttingProxy(b.address.partition("#")[0] + "#" + identity.node_key(a.address))  # A's name, B's port
     try:
         # under CURVE the client pins A's key, so B cannot finish ZeroMQ's handshake; without CURVE
@@ -115,7 +116,7 @@ def test_a_zeromq_connection_relayed_to_another_node_of_the_session_is_refused(s
             ep.call(_node.PUT, box, 0, [b"meant for A"])
     finally:
         relay.close()
-    assert b.call_local(_node.GET, box, 0, [])[0] == _node.EMPTY
+    assert b.mailboxes.call_local(_node.GET, box, 0, [])[0] == _node.EMPTY
 
 
 def test_an_address_that_names_no_node_key_is_refused_under_curve(session):
@@ -156,7 +157,7 @@ def test_a_process_that_shows_another_process_certificate_is_refused(session):
     victim, thief = session.issue("victim"), session.issue("thief")
     forger = identity.Authority(os.urandom(32))  # a CA of its own, not the session's
     forged = identity.Credentials(session.root.secret, forger.issue(victim.node_id))
-    before = node._refusals.count
+    before = node.router.refusals.count
 
     for cert, signer in ((victim.cert_der, thief), (forged.cert_der, forged)):
         sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -174,7 +175,7 @@ def test_a_process_that_shows_another_process_certificate_is_refused(session):
             assert sock.poll(TIMEOUT * 1000) and sock.recv_multipart() == [auth.DENIED]
         finally:
             sock.close(0)
-    assert node._refusals.count >= before + 2 and not node._authenticated
+    assert node.router.refusals.count >= before + 2 and not node.router.door.authenticated
 
     impostor = identity.child(thief.secret, thief.node_id, thief.private_part(),
                               {"cert": thief.cert_pem, "ca": thief.ca_pem})
@@ -183,7 +184,7 @@ def test_a_process_that_shows_another_process_certificate_is_refused(session):
         _stream.connect(node.streams().address, impostor, {"purpose": "node"}, TIMEOUT)
     with pytest.raises((auth.AuthenticationError, identity.IdentityError)):  # (it does not trust the node either)
         _stream.connect(node.streams().address, forged, {"purpose": "node"}, TIMEOUT)
-    assert not node._peers  # no stream of either got in
+    assert not node.hub.peers  # no stream of either got in
 
 
 # -- revocation ------------------------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_a_workers_stolen_credentials_are_refused_once_it_is_revoked(session):
     node = session.node(session.issue("parent"))
     seen = _recording(node)
     worker, other = session.issue("worker"), session.issue("other")
-    box = node.new_box()
+    box = node.mailboxes.new_box()
     # the thief holds a copy of everything the worker was given: member secret, seed, certificates
     stolen = identity.child(worker.secret, worker.node_id, worker.private_part(),
                             {"cert": worker.cert_pem, "ca": worker.ca_pem})
@@ -222,8 +223,8 @@ def test_a_workers_stolen_credentials_are_refused_once_it_is_revoked(session):
         _stream.connect(node.streams().address, stolen, {"purpose": "node"}, TIMEOUT)
     with pytest.raises(auth.AuthenticationError):
         _endpoint._ZmqConnection(node.address, stolen, TIMEOUT)
-    assert [bytes(node.call_local(_node.GET, box, 0, [])[1][0]) for _ in range(2)] == [b"before"] * 2
-    assert node.call_local(_node.GET, box, 0, [])[0] == _node.EMPTY  # nothing it sent after got in
+    assert [bytes(node.mailboxes.call_local(_node.GET, box, 0, [])[1][0]) for _ in range(2)] == [b"before"] * 2
+    assert node.mailboxes.call_local(_node.GET, box, 0, [])[0] == _node.EMPTY  # nothing it sent after got in
     # another worker is not affected
     conn = _endpoint._StreamConnection(node.address, node.streams().address, other, TIMEOUT)
     assert conn.call(_node.PING, 0, 0, [], TIMEOUT)[0] == _node.OK
@@ -246,16 +247,16 @@ def _raw_dealer(node, creds, routing_id=None, curve=True):
 def test_with_encrypt_off_a_stranger_that_takes_a_departed_peers_routing_id_gets_nothing_meant_for_it(session):
     node = session.node(session.issue("owner"), encrypt="off")
     reader = session.issue("reader")
-    box = node.new_box()
+    box = node.mailboxes.new_box()
     owner = _raw_dealer(node, reader, curve=False)
     auth.prove(owner.send_multipart, lambda what: owner.recv_multipart() if owner.poll(TIMEOUT * 1000) else [],
                reader, node.address)
     owner.send_multipart([_node.GET, HEADER.pack(box, 7, 60.0)])  # a get that waits for an item
     deadline = time.monotonic() + TIMEOUT
-    while not node.boxes[box].getters and time.monotonic() < deadline:
+    while not node.mailboxes.boxes[box].getters and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert node.boxes[box].getters
-    (ident,) = list(node._authenticated)
+    assert node.mailboxes.boxes[box].getters
+    (ident,) = list(node.router.door.authenticated)
     owner.close(0)  # gone without a goodbye, its get still waiting at the node
     # a stranger (no secret, no certificate) takes the routing id once libzmq lets it
     deadline = time.monotonic() + TIMEOUT
@@ -268,12 +269,12 @@ def test_with_encrypt_off_a_stranger_that_takes_a_departed_peers_routing_id_gets
         thief.close(0)
         assert time.monotonic() < deadline, "libzmq never let the stranger have the routing id"
     try:
-        node.call_local(_node.PUT, box, 0, [b"the item the departed reader waited for"])
+        node.mailboxes.call_local(_node.PUT, box, 0, [b"the item the departed reader waited for"])
         assert not thief.poll(1000), thief.recv_multipart()  # nothing meant for the departed reader
         # the item went back to the queue, for the next reader
         deadline = time.monotonic() + TIMEOUT
         while time.monotonic() < deadline:
-            status, frames = node.call_local(_node.GET, box, 0, [])
+            status, frames = node.mailboxes.call_local(_node.GET, box, 0, [])
             if status == _node.OK:
                 break
             time.sleep(0.02)

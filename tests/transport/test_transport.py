@@ -294,8 +294,8 @@ def test_an_unexpected_error_in_the_io_thread_is_logged_and_the_node_goes_on_ser
     node = _node.Node(os.urandom(32))
     conn = None
     try:
-        box = node.new_box()
-        real_expire, calls = node._expire, []
+        box = node.mailboxes.new_box()
+        real_expire, calls = node.loop._expire, []
 
         def expire_failing_once():
             calls.append(1)
@@ -303,11 +303,11 @@ def test_an_unexpected_error_in_the_io_thread_is_logged_and_the_node_goes_on_ser
                 raise RuntimeError("injected fault")
             real_expire()
 
-        node._expire = expire_failing_once
+        node.loop._expire = expire_failing_once
         conn = _endpoint._ZmqConnection(node.address, node.secret, TIMEOUT)
         status, _ = conn.call(_node.GET, box, 0.2, [], TIMEOUT)  # its deadline runs into the fault
         assert status == _node.EMPTY and len(calls) >= 2
-        assert node._thread.is_alive()
+        assert node.loop.thread.is_alive()
         assert any("injected fault" in str(r.exc_info[1]) for r in caplog.records if r.exc_info)
         conn.send(_node.PUT_NOREPLY, box, 0, [b"after the fault"])
         status, frames = conn.call(_node.GET, box, TIMEOUT, [], TIMEOUT)
@@ -322,14 +322,14 @@ def test_a_stream_that_cannot_be_served_is_dropped_and_the_others_are_served(mon
     node = _node.Node(os.urandom(32))
     good = bad = None
     try:
-        box = node.new_box()
+        box = node.mailboxes.new_box()
         listener = node.streams().address
         good = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
         assert good.ping(TIMEOUT)
-        served_before = set(node._peers)
+        served_before = set(node.hub.peers)
         bad = _endpoint._StreamConnection(node.address, listener, node.secret, TIMEOUT)
         assert bad.ping(TIMEOUT)
-        (bad_fd,) = set(node._peers) - served_before  # the stream the node took on for ``bad``
+        (bad_fd,) = set(node.hub.peers) - served_before  # the stream the node took on for ``bad``
         real_pump = _served.ServedStream.pump
 
         def pump(self):
@@ -340,7 +340,7 @@ def test_a_stream_that_cannot_be_served_is_dropped_and_the_others_are_served(mon
         monkeypatch.setattr(_served.ServedStream, "pump", pump)
         with pytest.raises(_endpoint.TransportError):
             bad.call(_node.SIZE, box, 0, [], TIMEOUT)  # the node drops it: this side sees the end
-        assert bad_fd not in node._peers and node._thread.is_alive()
+        assert bad_fd not in node.hub.peers and node.loop.thread.is_alive()
         assert any("could not be served" in r.getMessage() for r in caplog.records)
         status, frames = good.call(_node.SIZE, box, 0, [], TIMEOUT)
         assert status == _node.OK and struct.unpack("<QQ", frames[0]) == (0, 0)
@@ -413,7 +413,7 @@ def test_no_wake_up_of_the_io_thread_is_lost_when_many_threads_wake_it_at_once()
 
             def wake_until_stop():
                 while time.monotonic() < stop:
-                    node._wake()
+                    node.loop.wake()
 
             threads = [threading.Thread(target=wake_until_stop) for _ in range(2)]
             for t in threads:
@@ -421,7 +421,7 @@ def test_no_wake_up_of_the_io_thread_is_lost_when_many_threads_wake_it_at_once()
             for t in threads:
                 t.join()
             served = threading.Event()
-            node._defer(served.set)  # work for the I/O thread, handed over with one more wake-up
+            node.loop.defer(served.set)  # work for the I/O thread, handed over with one more wake-up
             assert served.wait(TIMEOUT / 3), "the I/O thread never woke for the work it was handed"
     finally:
         sys.setswitchinterval(interval)

@@ -108,7 +108,7 @@ def test_reconnecting_to_a_node_that_has_gone_fails_at_once():
     """After a break, a node whose port refuses connections is reported gone, not waited for."""
     secret = _session.current().secret
     other = _node.Node(secret)
-    box = other.new_box()
+    box = other.mailboxes.new_box()
     ep = _endpoint.Endpoint(other.address, secret, None, connect_timeout=TIMEOUT)
     t = _OneThread()
     assert t.run(lambda: ep.call(_node.PUT, box, -1, dumps("x"))) == (True, (_node.OK, []))
@@ -126,7 +126,7 @@ def test_a_thread_that_first_connects_after_the_node_has_gone_is_told_so_at_once
     replacing a broken one does not run: this is the other path to the same answer."""
     secret = _session.current().secret
     other = _node.Node(secret)
-    box = other.new_box()
+    box = other.mailboxes.new_box()
     ep = _endpoint.Endpoint(other.address, secret, None, connect_timeout=TIMEOUT)
     assert _OneThread().run(lambda: ep.call(_node.PUT, box, -1, dumps("x"))) == (True, (_node.OK, []))
     assert ep._streams, "the node was to have a stream listener"  # learnt: the path under test
@@ -160,14 +160,14 @@ def test_the_node_forgets_the_connections_that_close():
     node = _node.Node(secret)
     try:
         conns = [_endpoint._ZmqConnection(node.address, secret, TIMEOUT) for _ in range(5)]
-        assert wait_until(lambda: len(node._authenticated) == 5, TIMEOUT)
+        assert wait_until(lambda: len(node.router.door.authenticated) == 5, TIMEOUT)
         for conn in conns:
             conn.close()
-        assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT), node._authenticated
+        assert wait_until(lambda: len(node.router.door.authenticated) == 0, TIMEOUT), node.router.door.authenticated
         chan = _channel.Channel(node.address, secret, TIMEOUT)
-        assert wait_until(lambda: len(node._authenticated) == 1, TIMEOUT)
+        assert wait_until(lambda: len(node.router.door.authenticated) == 1, TIMEOUT)
         chan.close()
-        assert wait_until(lambda: len(node._authenticated) == 0, TIMEOUT)
+        assert wait_until(lambda: len(node.router.door.authenticated) == 0, TIMEOUT)
     finally:
         node.close()
 
@@ -301,7 +301,7 @@ def test_a_zeromq_call_waiting_for_ever_finds_out_that_its_connection_was_remade
     t = _OneThread()
     assert t.run(lambda: ep.ping(TIMEOUT)) == (True, True)
     waiting = t._pool.submit(lambda: ep.call(_node.GET, q._box, -1))
-    assert wait_until(lambda: _session.current().node().boxes[q._box].getters, TIMEOUT)
+    assert wait_until(lambda: _session.current().node().mailboxes.boxes[q._box].getters, TIMEOUT)
     proxy.cut()
     with pytest.raises(_endpoint.ConnectionLost):
         waiting.result(timeout=TIMEOUT)
@@ -317,14 +317,15 @@ def test_a_pool_that_recycles_its_workers_leaves_no_connections_known_at_the_par
     import helpers_pool as hp
 
     node = _session.current().node()
-    before = len(node._authenticated)
+    before = len(node.router.door.authenticated)
     with roving.Pool(2, maxtasksperchild=1) as pool:
         assert pool.map(hp.square, range(12), chunksize=1) == [x * x for x in range(12)]
         pool.close()
         pool.join(TIMEOUT)
     # At least 12 workers ran (one item each), each with two connections: before goodbyes, 24 or more
     # identities stayed. A worker killed while it starts (the pool closing) cannot say goodbye: a few may.
-    assert wait_until(lambda: len(node._authenticated) <= before + 6, TIMEOUT), (before, len(node._authenticated))
+    known = node.router.door.authenticated
+    assert wait_until(lambda: len(known) <= before + 6, TIMEOUT), (before, len(known))
 
 
 def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch):
@@ -342,7 +343,7 @@ def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch)
     monkeypatch.setattr(_stream, "KEEPALIVE_COUNT", 2)
     secret = _session.current().secret
     node = _node.Node(secret)
-    box = node.new_box()
+    box = node.mailboxes.new_box()
     port = node.streams().address.rpartition(":")[2]
     rules = [["INPUT", "-i", "lo", "-p", "tcp", "--dport", port, "-j", "DROP"],
              ["INPUT", "-i", "lo", "-p", "tcp", "--sport", port, "-j", "DROP"]]
@@ -352,7 +353,7 @@ def test_a_peer_that_vanishes_without_closing_is_found_by_keepalive(monkeypatch)
         t = _OneThread()
         assert t.run(lambda: isinstance(ep._conn(), _endpoint._StreamConnection)) == (True, True)
         waiting = t._pool.submit(lambda: ep.call(_node.GET, box, -1))  # an empty queue: it waits
-        assert wait_until(lambda: node.boxes[box].getters, TIMEOUT)
+        assert wait_until(lambda: node.mailboxes.boxes[box].getters, TIMEOUT)
         for rule in rules:
             subprocess.run([iptables, "-I", *rule], check=True, capture_output=True, timeout=30)
             added.append(rule)
@@ -369,11 +370,11 @@ def test_the_node_forgets_a_connection_that_ended_without_a_goodbye_once_it_cann
     node = _node.Node(secret)
     try:
         conn = _endpoint._ZmqConnection(node.address, secret, TIMEOUT)
-        assert wait_until(lambda: len(node._authenticated) == 1, TIMEOUT)
-        ident = next(iter(node._authenticated))
+        assert wait_until(lambda: len(node.router.door.authenticated) == 1, TIMEOUT)
+        ident = next(iter(node.router.door.authenticated))
         conn.sock.close(0)  # a process killed: no goodbye
         # The node learns that the connection has gone when a message to it cannot be sent.
-        assert wait_until(lambda: node.send_to(ident, [b"anyone there?"]) or ident not in node._authenticated,
-                          TIMEOUT)
+        known = node.router.door.authenticated
+        assert wait_until(lambda: node.send_to(ident, [b"anyone there?"]) or ident not in known, TIMEOUT)
     finally:
         node.close()

@@ -5,7 +5,9 @@ hosts are under the default.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import socket
 import struct
 import subprocess
@@ -222,7 +224,7 @@ def test_a_peer_reusing_the_routing_id_of_a_connection_that_left_gets_no_answer(
         owner.connect(identity.bare(node.address))
         _raw_authenticate(owner, secret, identity.node_key(node.address))
         assert _ping(owner, 1) is not None
-        (ident,) = list(node._authenticated)
+        (ident,) = list(node.router.door.authenticated)
         assert ident[:1] == b"\x00" and len(ident) == 5  # libzmq made it, not the peer
         owner.close(0)  # gone without a goodbye
         # Until the node has seen that connection end, libzmq refuses a second one under its routing id
@@ -244,7 +246,7 @@ def test_a_peer_reusing_the_routing_id_of_a_connection_that_left_gets_no_answer(
         answers = [first, _ping(thief, 3)]
         assert answers == [[auth.REAUTH], None], answers  # told once that it is not known, no answer
         # libzmq did give the thief the old routing id: roving refused it anyway
-        assert any(key[0] == ident for key in node._door.told) and ident not in node._authenticated
+        assert any(key[0] == ident for key in node.router.door.told) and ident not in node.router.door.authenticated
         thief.close(0)
     finally:
         node.close()
@@ -265,7 +267,7 @@ def test_a_stranger_with_its_own_curve_keys_never_completes_the_zeromq_handshake
         sock.send_multipart([b"hello", auth.new_nonce()])
         assert not sock.poll(2000)
         assert zap.refusals().count > before
-        assert not node._authenticated and not node._door.handshakes
+        assert not node.router.door.authenticated and not node.router.door.handshakes
     finally:
         sock.close(0)
         node.close()
@@ -280,7 +282,7 @@ def test_a_peer_with_a_wrong_secret_never_gets_in_over_zeromq_or_streams(monkeyp
         with pytest.raises(auth.AuthenticationError):
             _endpoint._ZmqConnection(node.address, os.urandom(32), TIMEOUT)
         # and the node logged it (its ZAP handler: the client's CURVE key is not the session's)
-        assert wait_until(lambda: node._refusals.count > 0 or zap.refusals().count > before, TIMEOUT)
+        assert wait_until(lambda: node.router.refusals.count > 0 or zap.refusals().count > before, TIMEOUT)
         listener = node.streams()
         for mode in ("always", "auto"):
             with pytest.raises(auth.AuthenticationError if mode == "always" else _stream.StreamError):
@@ -404,7 +406,7 @@ def test_a_source_holds_at_most_its_share_of_handshakes_and_the_listener_goes_on
         listener = node.streams()
         silent = [socket.create_connection(("127.0.0.1", _port(listener.address)), timeout=5)
                   for _ in range(_stream._MAX_HANDSHAKES_PER_SOURCE + 8)]
-        time.sleep(0.5)
+        assert wait_until(lambda: listener.refusals.count >= 8, TIMEOUT)  # those over its share
         refused = 0
         for s in silent:
             s.settimeout(0.2)
@@ -418,10 +420,17 @@ def test_a_source_holds_at_most_its_share_of_handshakes_and_the_listener_goes_on
         assert listener.refusals.count >= 8
         for s in silent:
             s.close()
-        time.sleep(2.5)
-        conn = _endpoint._StreamConnection(node.address, listener.address, secret, TIMEOUT)
-        assert conn.ping(TIMEOUT)
-        conn.close()
+
+        def gets_in() -> bool:  # once the closed ones' handshakes have timed out (2 s), a new one does
+            try:
+                conn = _endpoint._StreamConnection(node.address, listener.address, secret, 1.0)
+            except (OSError, _endpoint.NodeError):
+                return False
+            try:
+                return conn.ping(TIMEOUT)
+            finally:
+                conn.close()
+        assert wait_until(gets_in, TIMEOUT, interval=0.2)
     finally:
         node.close()
 
@@ -435,7 +444,9 @@ _wire.HANDSHAKE_IVL_MS = 1000
 q = roving.Queue()
 print(_session.current().node().address, _session.current().secret.hex(), flush=True)
 sys.stdin.readline()  # the test has flooded the node with silent connections
-time.sleep(3)
+deadline = time.monotonic() + 30  # libzmq closes them after HANDSHAKE_IVL_MS
+while len(os.listdir("/proc/self/fd")) >= 100 and time.monotonic() < deadline:
+    time.sleep(0.05)
 fds = len(os.listdir("/proc/self/fd"))
 p = roving.Process(target=print, args=("child ran",))
 p.start(); p.join(60)
@@ -478,18 +489,30 @@ def test_connections_silent_after_the_zeromq_greeting_are_closed_and_the_program
 # -- fuzz: random and truncated frames at every listening port ------------------------------------
 
 _FUZZ_SECRET = os.urandom(32)
-_fuzz_state: dict = {}
 
 
-def _fuzz_target():
-    if not _fuzz_state:
-        node = _node.Node(_FUZZ_SECRET)
-        box = node.new_box()
+@dataclasses.dataclass(frozen=True)
+class FuzzTarget:
+    """The node every fuzz test aims at (one for the module: starting one per example would dominate),
+    and how many descriptors this process had open once it was up."""
+
+    node: _node.Node
+    box: int
+    listener: _stream.Listener
+    fds: int
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    """Made by whichever fuzz test runs first, in any order or alone; closed after the module."""
+    node = _node.Node(_FUZZ_SECRET)
+    try:
+        box = node.mailboxes.new_box()
         listener = node.streams()
         node.register_stream_purpose("pipe", lambda request, stream: False)
-        time.sleep(0.2)
-        _fuzz_state.update(node=node, box=box, listener=listener, fds=_fds())
-    return _fuzz_state
+        yield FuzzTarget(node, box, listener, _fds())
+    finally:
+        node.close()
 
 
 def _raw(port: int, data: bytes) -> None:
@@ -502,85 +525,94 @@ def _raw(port: int, data: bytes) -> None:
             pass
 
 
-def _authenticated_stream(purpose: str) -> _stream.Stream:
-    listener = _fuzz_state["listener"]
-    return _stream.connect(listener.address, _FUZZ_SECRET, {"purpose": purpose}, TIMEOUT)
+def _authenticated_stream(target: FuzzTarget, purpose: str) -> _stream.Stream:
+    return _stream.connect(target.listener.address, _FUZZ_SECRET, {"purpose": purpose}, TIMEOUT)
 
 
-frames_strategy = st.lists(st.binary(max_size=64), min_size=0, max_size=6)
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.binary(max_size=512), target=st.sampled_from(["zmq", "stream", "stream-greeted", "zmq-greeted"]))
-def test_fuzz_raw_bytes_at_every_listening_port_before_authentication(data, target):
-    state = _fuzz_target()
-    if target.startswith("zmq"):
-        prefix = _zmtp_greeting(b"CURVE") if target == "zmq-greeted" else b""
-        _raw(_port(state["node"].address), prefix + data)
+def _fuzz_raw(target: FuzzTarget, data: bytes, kind: str) -> None:
+    if kind.startswith("zmq"):
+        prefix = _zmtp_greeting(b"CURVE") if kind == "zmq-greeted" else b""
+        _raw(_port(target.node.address), prefix + data)
     else:
-        prefix = b"roving-stream/1\n" if target == "stream-greeted" else b""
-        _raw(_port(state["listener"].address), prefix + data)
+        prefix = b"roving-stream/1\n" if kind == "stream-greeted" else b""
+        _raw(_port(target.listener.address), prefix + data)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(frames=frames_strategy, op=st.sampled_from(
-    [b"", b"P", b"G", b"L", b"S", b"T", b"J", b"C", b"W", b"I", b"hello", b"proof", b"\x00pieces", b"zz"]))
-def test_fuzz_frames_from_an_authenticated_zeromq_peer_and_a_stranger(frames, op):
-    state = _fuzz_target()
+def _fuzz_frames(target: FuzzTarget, frames: list, op: bytes) -> None:
     ctx = zmq.Context.instance()
     for authenticated in (False, True):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        crypto.curve_client(sock, _FUZZ_SECRET, identity.node_key(state["node"].address))
-        sock.connect(identity.bare(state["node"].address))
+        crypto.curve_client(sock, _FUZZ_SECRET, identity.node_key(target.node.address))
+        sock.connect(identity.bare(target.node.address))
         try:
             if authenticated:
-                _raw_authenticate(sock, _FUZZ_SECRET, identity.node_key(state["node"].address))
+                _raw_authenticate(sock, _FUZZ_SECRET, identity.node_key(target.node.address))
             sock.send_multipart([op, *frames] if op else frames or [b""])
             sock.poll(20)
         finally:
             sock.close(0)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.binary(max_size=256), purpose=st.sampled_from(["node", "pipe"]),
-       cut=st.booleans())
-def test_fuzz_bytes_on_an_authenticated_stream(data, purpose, cut):
-    _fuzz_target()
+def _fuzz_stream(target: FuzzTarget, data: bytes, purpose: str, cut: bool) -> None:
     try:
-        stream = _authenticated_stream(purpose)
+        stream = _authenticated_stream(target, purpose)
     except _stream.StreamError:
         assert purpose == "pipe"  # no such pipe end here: refused, after the handshake
         return
     try:
-        payload = data[: len(data) // 2] if cut else data
-        stream.sock.sendall(payload)
+        stream.sock.sendall(data[: len(data) // 2] if cut else data)
     except OSError:
         pass
     finally:
         stream.close()
 
 
-def test_after_the_fuzzing_nothing_leaked_and_the_node_still_serves():
-    state = _fuzz_target()
-    node = state["node"]
-    assert node._thread.is_alive() and state["listener"]._thread.is_alive()
-    time.sleep(1.0)  # the last dropped connections are closed
-    baseline = _fds()
+frames_strategy = st.lists(st.binary(max_size=64), min_size=0, max_size=6)
+RAW_KINDS = ["zmq", "stream", "stream-greeted", "zmq-greeted"]
+OPS = [b"", b"P", b"G", b"L", b"S", b"T", b"J", b"C", b"W", b"I", b"hello", b"proof", b"\x00pieces", b"zz"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=512), kind=st.sampled_from(RAW_KINDS))
+def test_fuzz_raw_bytes_at_every_listening_port_before_authentication(fuzz_target, data, kind):
+    _fuzz_raw(fuzz_target, data, kind)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(frames=frames_strategy, op=st.sampled_from(OPS))
+def test_fuzz_frames_from_an_authenticated_zeromq_peer_and_a_stranger(fuzz_target, frames, op):
+    _fuzz_frames(fuzz_target, frames, op)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=256), purpose=st.sampled_from(["node", "pipe"]), cut=st.booleans())
+def test_fuzz_bytes_on_an_authenticated_stream(fuzz_target, data, purpose, cut):
+    _fuzz_stream(fuzz_target, data, purpose, cut)
+
+
+def test_after_fuzzing_of_its_own_nothing_leaked_and_the_node_still_serves(fuzz_target):
+    """Whether the other fuzz tests ran before it or not (any order, or alone): it fuzzes the node
+    itself, with inputs of a fixed seed, then checks what the node holds."""
+    node, listener = fuzz_target.node, fuzz_target.listener
+    rng = random.Random(52)
     for _ in range(20):
-        _raw(_port(state["listener"].address), os.urandom(40))
-        _raw(_port(node.address), os.urandom(40))
-    conn = _endpoint._StreamConnection(node.address, state["listener"].address, _FUZZ_SECRET, TIMEOUT)
+        _fuzz_raw(fuzz_target, rng.randbytes(rng.randrange(512)), rng.choice(RAW_KINDS))
+        _fuzz_frames(fuzz_target, [rng.randbytes(rng.randrange(64)) for _ in range(rng.randrange(6))],
+                     rng.choice(OPS))
+        _fuzz_stream(fuzz_target, rng.randbytes(rng.randrange(256)), rng.choice(["node", "pipe"]),
+                     rng.random() < 0.5)
+    assert node.loop.thread.is_alive() and listener._thread.is_alive()
+    conn = _endpoint._StreamConnection(node.address, listener.address, _FUZZ_SECRET, TIMEOUT)
     try:
-        assert conn.call(_node.PUT, state["box"], 0, [b"item"], TIMEOUT)[0] == _node.OK
-        status, frames = conn.call(_node.GET, state["box"], 1, [], TIMEOUT)
+        assert conn.call(_node.PUT, fuzz_target.box, 0, [b"item"], TIMEOUT)[0] == _node.OK
+        status, frames = conn.call(_node.GET, fuzz_target.box, 1, [], TIMEOUT)
         assert status == _node.OK and [bytes(f) for f in frames] == [b"item"]
     finally:
         conn.close()
-    assert wait_until(lambda: _fds() <= baseline + 2, 10), (_fds(), baseline)
-    # and against the descriptors open before the first fuzz case (every case closed its own)
-    assert wait_until(lambda: _fds() <= state["fds"] + 4, 10), (_fds(), state["fds"])
-    assert len(node._authenticated) < 200  # authenticated fuzz peers left; the node forgot them
+    # against the descriptors open once the node was up (every fuzz case closed its own)
+    assert wait_until(lambda: _fds() <= fuzz_target.fds + 4, 10), (_fds(), fuzz_target.fds)
+    assert len(node.router.door.authenticated) < 200  # authenticated fuzz peers left; the node forgot them
 
 
 # -- which connections are encrypted ------------------------------------------------------------

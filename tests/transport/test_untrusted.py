@@ -44,8 +44,8 @@ def test_an_untrusted_child_may_not_use_a_shared_queue_another_childs_box_or_the
     box = postbox.Postbox()
     shared = roving.Queue()
     node = session.current().node()
-    other = node.new_box(access=mailbox.Access(owner="some-other-child"))
-    node.call_local(_node.PUT, other, 0, [b"another child's start payload"])
+    other = node.mailboxes.new_box(access=mailbox.Access(owner="some-other-child"))
+    node.mailboxes.call_local(_node.PUT, other, 0, [b"another child's start payload"])
     p = _start(hu.probe_what_it_may_use, box.address, shared, other)
     writer, said = _letter(box)
     p.join(TIMEOUT)
@@ -57,7 +57,7 @@ def test_an_untrusted_child_may_not_use_a_shared_queue_another_childs_box_or_the
     session.current().credentials.authority.issue(writer + "-spare")  # so that id was never issued
     with pytest.raises(queue.Empty):  # its put was dropped
         shared.get(timeout=0.2)
-    assert node.items_in(other) == 1  # the payload is still there for its owner
+    assert node.mailboxes.items_in(other) == 1  # the payload is still there for its owner
 
 
 def test_what_one_untrusted_writer_may_leave_unread_is_bounded_and_its_excess_counted():

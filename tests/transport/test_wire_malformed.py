@@ -34,13 +34,13 @@ def test_a_malformed_message_in_pieces_is_dropped_with_one_line_naming_the_peer(
             return sock.recv_multipart()
 
         auth.prove(sock.send_multipart, recv, secret, node.address)
-        (ident,) = list(node._authenticated)
-        token = node._door.tokens[ident]  # what handlers know the connection by
-        with caplog.at_level(logging.WARNING, logger="roving.transport.node"):
+        (ident,) = list(node.router.door.authenticated)
+        token = node.router.door.tokens[ident]  # what handlers know the connection by
+        with caplog.at_level(logging.WARNING, logger="roving.transport.router"):
             sock.send_multipart(frames)
             sock.send_multipart([b"after"])  # the node goes on, and still knows the peer
             assert wait_until(lambda: got == [token], TIMEOUT), got
-        records = [r for r in caplog.records if r.name == "roving.transport.node"]
+        records = [r for r in caplog.records if r.name == "roving.transport.router"]
         assert len(records) == 1, [r.getMessage() for r in records]
         (record,) = records
         line = record.getMessage()

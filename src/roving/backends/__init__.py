@@ -15,11 +15,15 @@ import threading
 from typing import Dict, Optional, Tuple
 
 from .. import config as _config
-from .base import Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, Resources, user_name
+from .base import (Backend, Job, JobInfo, JobSession, JobSpec, JobState, JobStatus, ResourceMapping, ResourceRequest,
+                   Resources, user_name)
+# imported with the package, so that its exit handler runs after roving.process's (see the module)
+from . import secret_files  # noqa: F401
 from .errors import (BackendError, DockerError, KubernetesError, LocalError, SlurmError, StarterError, StepError,
                      UnknownJobError)
 
 __all__ = ["Backend", "Job", "JobInfo", "JobSession", "JobSpec", "JobState", "JobStatus", "Resources",
+           "ResourceMapping", "ResourceRequest",
            "BackendError", "UnknownJobError", "LocalError", "StarterError", "SlurmError", "StepError", "DockerError",
            "KubernetesError", "get", "detect", "towards", "user_name", "NAMES"]
 

@@ -8,24 +8,15 @@ watcher that cancels a dead parent's jobs is :mod:`roving.backends.reaper`.
 from __future__ import annotations
 
 import abc
-import atexit
 import dataclasses
 import enum
-import functools
-import hashlib
-import hmac
 import os
 import pwd
-import secrets
-import shutil
-import tempfile
 import threading
 import time
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import UnknownJobError  # noqa: F401  (importable from here, where it was defined)
-from .private import create_private, private_dir, private_key
-from .reaper import Reaper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +26,13 @@ class Resources:
     cpu: float = 1
     memory: Optional[int] = None  # bytes
     gpu: int = 0
+
+
+#: Some of a job's resources by name (``cpu``: a number, ``memory``: bytes or a size such as ``"4G"``,
+#: ``gpu``: a count; None: left out), as ``Process(resources=...)`` takes them.
+ResourceMapping = Mapping[str, Union[int, float, str, None]]
+#: What ``Pool(resources=...)`` takes: a :class:`Resources`, or some of its fields by name.
+ResourceRequest = Union[Resources, ResourceMapping]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +82,13 @@ class JobStatus:
     exitcode: Optional[int] = None
     #: Why a job is pending or how it ended, in the cluster's words, when it says.
     reason: str = ""
+    #: The job ended because it ran out of memory, as its cluster recognised it: its memory cgroup's OOM
+    #: kill (local, with ``memory`` set), Slurm's ``OUT_OF_MEMORY``, Docker's ``OOMKilled``, a pod's
+    #: ``OOMKilled`` reason.
+    out_of_memory: bool = False
+    #: The largest memory the job used, in bytes, where its cluster kept it once it ended (a local job's
+    #: memory cgroup); None elsewhere.
+    memory_peak: Optional[int] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,114 +114,6 @@ def user_name() -> str:
         return f"uid{os.getuid()}"
 
 
-#: Where this user's key for :func:`owner_label` is kept (made on first use, 0600).
-OWNER_KEY_FILE = "~/.roving/owner.key"
-
-
-@functools.lru_cache(maxsize=None)
-def _owner_key(path: str) -> bytes:
-    return private_key(path)
-
-
-def owner_label(user: Optional[str] = None) -> str:
-    """The ``roving.owner`` label of the containers and pods that ``user`` (default: this user)
-    starts: a keyed hash (HMAC-SHA256, 32 hex digits) of the user name with this user's own key
-    (:data:`OWNER_KEY_FILE`). `roving cancel --all` matches it, not the ``roving.user`` label, which
-    anyone can set to any name: a job started by someone else (another machine's "alice", a
-    hand-made container) does not carry it, whatever its other labels say. Only a process with this
-    user's key file makes it (the label is visible to whoever can list the jobs: copying it onto a
-    job of one's own makes that job cancelled by this user's --all, nothing more)."""
-    key = _owner_key(os.path.expanduser(OWNER_KEY_FILE))
-    name = user_name() if user is None else user
-    return hmac.new(key, b"roving-owner:" + name.encode(), hashlib.sha256).hexdigest()[:32]
-
-
-def container_env(spec: JobSpec, forward: Iterable[str]) -> Tuple[Dict[str, str], str]:
-    """What of a job's environment a container or pod may see, and the session secret (hex) apart.
-
-    A container is another machine: it gets what roving needs (ROVING_CHILD, PYTHONPATH,
-    PYTHONUNBUFFERED, the ROVING_<option> variables) and the variables ``forward`` names (the
-    ``forward_env`` option), never the rest of the parent's environment, and never the secret's variables
-    (``spec.session``), even when ``forward`` names them. The secret must reach it another way (a file, a
-    Kubernetes Secret); it is "" when the environment holds none.
-    """
-    secret_vars = (spec.session.secret_env, spec.session.secret_file_env)
-    wanted = set(forward)
-    out = {k: v for k, v in spec.env.items()
-           if k not in secret_vars and (k in wanted or k in ("PYTHONPATH", "PYTHONUNBUFFERED")
-                                        or k.startswith("ROVING_"))}
-    out.setdefault("PYTHONUNBUFFERED", "1")
-    return out, spec.env.get(spec.session.secret_env, "")
-
-
-_secret_folders: List[str] = []
-_secret_folders_lock = threading.Lock()
-
-
-def _remove_secret_folders() -> None:
-    """At exit: remove the folders of :class:`SecretFiles`, with the files of jobs that never ran.
-
-    Registered when this module is first imported, before roving.process registers the handler that
-    joins a program's unjoined children (handlers run in reverse), so a child started just before its
-    parent's end still finds its file. Registering a handler when a folder is made would run it first,
-    and such a child would die before it ran.
-    """
-    with _secret_folders_lock:
-        folders = list(_secret_folders)
-        _secret_folders.clear()
-    for folder in folders:
-        shutil.rmtree(folder, True)
-
-
-atexit.register(_remove_secret_folders)
-
-
-class SecretFiles:
-    """Hands the session secret to jobs in private files, never in their environment.
-
-    :meth:`moved` gives a copy of a job's spec whose environment no longer holds the secret
-    (``spec.session.secret_env``) but names, in ``spec.session.secret_file_env``, a new file that
-    does: 0600, created without following links, in a private folder (0700) made on first use under
-    ``base``. So neither the job's ``/proc/PID/environ`` (the kernel's copy of the environment it
-    started with, which removing the variable from ``os.environ`` does not clear) nor a cluster's
-    record of the job's environment (Slurm's ``--export``) carries it. The child reads the file and
-    removes it (:func:`roving.backends.private.take_private`); the files of jobs that never ran go with
-    the folder at this process's exit, after its children were joined (:func:`_remove_secret_folders`), or,
-    when this process is killed (SIGKILL), by ``reaper``'s watcher (:meth:`roving.backends.reaper.Reaper.folder`).
-    ``base`` must be a folder the job's machine sees (a shared home for a cluster). Thread-safe.
-    """
-
-    def __init__(self, base: str, reaper: Optional[Reaper] = None) -> None:
-        self._base = base
-        self._reaper = reaper
-        self._folder: Optional[str] = None
-        self._lock = threading.Lock()
-
-    def _made(self) -> str:
-        with self._lock:
-            if self._folder is None or not os.path.isdir(self._folder):
-                if not os.path.isdir(self._base):
-                    private_dir(self._base)  # made 0700; one that exists (/tmp) holds a folder of ours
-                self._folder = tempfile.mkdtemp(prefix="roving-secrets-", dir=self._base)  # 0700
-                with _secret_folders_lock:
-                    _secret_folders.append(self._folder)
-                if self._reaper is not None:  # named before any secret is in it
-                    self._reaper.folder(self._folder)
-            return self._folder
-
-    def moved(self, spec: JobSpec) -> JobSpec:
-        """``spec`` with its secret in a file (``spec`` itself when its environment holds none)."""
-        secret = spec.env.get(spec.session.secret_env)
-        if not secret:
-            return spec
-        path = os.path.join(self._made(), f"{secrets.token_hex(8)}.secret")
-        with create_private(path, "w") as f:
-            f.write(secret)
-        env = {k: v for k, v in spec.env.items() if k != spec.session.secret_env}
-        env[spec.session.secret_file_env] = path
-        return dataclasses.replace(spec, env=env)
-
-
 class Job:
     """A backend's handle on one job; ``id`` is the cluster's name for it."""
 
@@ -229,6 +126,23 @@ class Job:
 
 
 class Backend(abc.ABC):
+    """The plug-in interface of a cluster backend.
+
+    A new backend implements four methods, as a submitit executor does: :meth:`create_job`,
+    :meth:`job_status`, :meth:`terminate_job` and :meth:`logs`, and sets :attr:`name`; it is then
+    usable by every layer above (a Process, a Pool) as it is. Everything else has a default built on
+    those four, which a backend overrides only where its cluster does better or knows more:
+
+    * doing better: :meth:`submit_many` (one call for a pool's workers), :meth:`wait` and
+      :meth:`sentinel` (without polling :meth:`job_status`), :meth:`cancel_ids`, :meth:`unknown_ids`;
+    * knowing more: :meth:`list_jobs` and :meth:`describe` (`roving ps`, `roving info`),
+      :meth:`cpu_count`, :meth:`towards`, :meth:`shares_filesystem`, :meth:`pid`;
+    * its own upkeep: :meth:`shutdown` (at exit), :meth:`forget` (a job closed).
+
+    A backend knows nothing of the transport; what it raises of its own is a :class:`.errors.BackendError`.
+    """
+
+    #: The backend's name, as the ``backend`` option spells it.
     name = "base"
 
     @abc.abstractmethod
@@ -262,10 +176,10 @@ class Backend(abc.ABC):
         shared filesystem, set ``ship_code="always"``."""
         return True
 
+    @abc.abstractmethod
     def logs(self, job: Job) -> str:
-        """What the job wrote, when the backend keeps it. Raises :class:`UnknownJobError` when no job of
-        that id is known."""
-        return ""
+        """What the job wrote, when the backend keeps it ("" when it keeps nothing). Raises
+        :class:`UnknownJobError` when no job of that id is known."""
 
     def pid(self, job: Job) -> Optional[int]:
         """The job's process id where that means something to this machine."""

@@ -9,7 +9,7 @@
 * The session secret is not in the container's environment or spec: it is a file (0600, in a private
   0700 folder of the host, removed when the container is) mounted read-only at ``/run/roving-session``.
 * Containers carry the labels ``roving.session``, ``roving.name``, ``roving.user`` and ``roving.owner`` (a
-  keyed hash only this user's key makes: `roving cancel --all` matches it, :func:`.base.owner_label`); one
+  keyed hash only this user's key makes: `roving cancel --all` matches it, :func:`.containers.owner_label`); one
   thread follows the engine's ``die`` events of this session for every container's exit code, then the
   container is removed.
 * Output: followed and printed with the process name as prefix, or written to the process's log file.
@@ -36,11 +36,11 @@ from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env, owner_label,
-                   user_name)
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, user_name
+from .containers import container_env, owner_label
 from .errors import DockerError, UnknownJobError
 from .output import LineSplitter
-from .private import open_private
+from ..system.private import open_private
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -222,10 +222,18 @@ class DockerBackend(Backend):
                 job.output_done.wait(10)
         except Exception:
             log.debug("roving: could not read the output of container %s", cid, exc_info=True)
-        job.status = JobStatus(JobState.EXITED, _exitcode(code))
+        job.status = JobStatus(JobState.EXITED, _exitcode(code), out_of_memory=self._oom_killed(cid))
         job.ended.set()
         self._reaper.done(cid)
         self._remove(cid)
+
+    def _oom_killed(self, cid: str) -> bool:
+        """Whether the engine says the kernel killed container ``cid`` for memory (``State.OOMKilled``),
+        read before the container is removed."""
+        try:
+            return bool(self.client().api.inspect_container(cid)["State"].get("OOMKilled"))
+        except Exception:  # gone already: the engine no longer says
+            return False
 
     def _remove(self, cid: str) -> None:
         state = self._jobs.get(cid)
@@ -393,7 +401,8 @@ class DockerBackend(Backend):
             return JobStatus(JobState.RUNNING)
         if attrs.get("Status") == "created":
             return JobStatus(JobState.PENDING, reason="created")
-        return JobStatus(JobState.EXITED, _exitcode(attrs.get("ExitCode", 0)))
+        return JobStatus(JobState.EXITED, _exitcode(attrs.get("ExitCode", 0)),
+                         out_of_memory=bool(attrs.get("OOMKilled")))
 
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
         state = self._jobs.get(job.id)
@@ -498,7 +507,7 @@ class DockerBackend(Backend):
                 "gpu runtimes": ", ".join(sorted(info.get("Runtimes", {}))), "image": image}
 
     def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
-        # a user's jobs: those that carry the label only this user's key makes (base.owner_label)
+        # a user's jobs: those that carry the label only this user's key makes (containers.owner_label)
         labels = ["roving.session"] + ([f"roving.owner={owner_label(user)}"] if user is not None else [])
         jobs = []
         for c in self.client().containers.list(all=True, filters={"label": labels}):

@@ -4,11 +4,13 @@ backend. Each message says what was asked and has the cluster's own words; each 
 its backend's module too (``roving.backends.slurm.SlurmError``)."""
 from __future__ import annotations
 
+from ..errors import NotPrivateError, RovingError
+
 __all__ = ["BackendError", "UnknownJobError", "LocalError", "SlurmError", "StepError", "DockerError",
            "KubernetesError", "NotPrivateError"]
 
 
-class BackendError(OSError):
+class BackendError(RovingError, OSError):
     """A backend could not do what was asked of it; the message names the job and the cluster's words."""
 
 
@@ -41,10 +43,3 @@ class DockerError(BackendError):
 
 class KubernetesError(BackendError):
     """The Kubernetes API refused or could not be reached; the message has its words."""
-
-
-class NotPrivateError(BackendError, PermissionError):
-    """A file or folder that roving would use for private data is a link, not this user's, or open to
-    others; the message names it and says what to do. Also a :class:`PermissionError` (what it was
-    before it had a base here); raised by ``roving.backends.private``, which every package that keeps
-    private files (the crash log, the pipeline's control folder, code shipping) uses."""

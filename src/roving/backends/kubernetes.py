@@ -4,7 +4,7 @@
   directory, resource requests and limits from the process resources (``nvidia.com/gpu`` for GPUs), in the
   ``kubernetes_namespace`` (default: the parent pod's own namespace, else ``default``), with labels
   ``roving.session``, ``roving.name``, ``roving.user`` and ``roving.owner`` (a keyed hash only this user's
-  key makes: `roving cancel --all` matches it, :func:`.base.owner_label`), and ``restartPolicy: Never``.
+  key makes: `roving cancel --all` matches it, :func:`.containers.owner_label`), and ``restartPolicy: Never``.
 * Inside a pod (POD_NAME, or HOSTNAME, names it) the workers get an ownerReference to the parent's pod, so
   that deleting the parent deletes its workers.
 * Phases map to exit codes: Succeeded is the container's exit code (0), Failed its exit code, or ``-N``
@@ -36,11 +36,11 @@ from urllib.parse import urlparse
 
 from .. import config as _config
 from . import throttle
-from .base import (Backend, Job, JobInfo, JobSpec, JobState, JobStatus, container_env, owner_label,
-                   user_name)
+from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, user_name
+from .containers import container_env, owner_label
 from .errors import KubernetesError, UnknownJobError
 from .output import LineSplitter
-from .private import open_private
+from ..system.private import open_private
 from .reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -429,7 +429,7 @@ class KubernetesBackend(Backend):
         return info
 
     def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
-        # a user's pods: those that carry the label only this user's key makes (base.owner_label)
+        # a user's pods: those that carry the label only this user's key makes (containers.owner_label)
         selector = "app.kubernetes.io/managed-by=roving" + (f",roving.owner={owner_label(user)}" if user else "")
         items = self.api().list_namespaced_pod(self.namespace, label_selector=selector,
                                                _request_timeout=_TIMEOUT).items
@@ -493,7 +493,8 @@ def _status_of(item: Any) -> JobStatus:
             code = -terminated.signal
         elif 128 < code < 160:
             code = -(code - 128)
-        return JobStatus(JobState.EXITED, code, f"{phase} {terminated.reason or ''}".strip())
+        return JobStatus(JobState.EXITED, code, f"{phase} {terminated.reason or ''}".strip(),
+                         out_of_memory=terminated.reason == "OOMKilled")
     if phase == "Running":
         return JobStatus(JobState.RUNNING)
     reasons = [f"{c.reason}: {c.message}" for c in item.status.conditions or [] if c.status == "False" and c.reason]

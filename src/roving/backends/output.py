@@ -3,7 +3,7 @@ log file that only this user can read.
 
 Every backend that copies a child's output uses these, so that the ``child_output`` option means the
 same on each: "prefix" (:class:`LineSplitter` to :func:`write_prefixed`), "files" (a log file opened
-with :func:`roving.backends.private.open_private`: no link followed, 0600, refused when not private)
+with :func:`roving.system.private.open_private`: no link followed, 0600, refused when not private)
 or "off".
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 from typing import IO, Callable, Iterable, List, Optional
 
-from .selector_thread import SelectorThread
+from ..system.selector_thread import SelectorThread
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,10 @@ from typing import Any, Dict, List, Tuple
 
 __all__ = ["text"]
 
+#: Pool figures whose metric is not ``roving_pool_items_<field>``.
+_POOL_NAMES = {"lost": "roving_pool_workers_lost_total", "oom_kills": "roving_pool_workers_oom_killed_total",
+               "memory_restarts": "roving_pool_workers_memory_restarts_total"}
+
 
 def _label(value: Any) -> str:
     return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
@@ -34,11 +38,25 @@ def text(state: Dict[str, Any]) -> str:
                                    ("failed", "counter", "Items that failed (task exception or worker lost)."),
                                    ("retried", "counter", "Items sent again after their worker died."),
                                    ("lost", "counter", "Workers that ended unasked."),
+                                   ("oom_kills", "counter", "Workers their cluster killed for memory."),
+                                   ("memory_restarts", "counter", "Workers replaced above worker_memory_limit."),
                                    ("queued", "gauge", "Items waiting for a worker."),
                                    ("running", "gauge", "Items out at workers.")):
             suffix = "_total" if kind == "counter" else ""
-            _family(out, f"roving_pool_items_{field}{suffix}" if field != "lost" else "roving_pool_workers_lost_total",
+            _family(out, _POOL_NAMES.get(field, f"roving_pool_items_{field}{suffix}"),
                     kind, help_, [({"pool": p["id"]}, p.get(field, 0)) for p in pools])
+        for field, name, help_ in (("memory", "roving_pool_worker_memory_bytes",
+                                    "A worker's memory at its last heartbeat (RSS, else its cgroup's usage)."),
+                                   ("peak_memory", "roving_pool_worker_peak_memory_bytes",
+                                    "The largest memory a worker was seen to use."),
+                                   ("memory_limit", "roving_pool_worker_memory_limit_bytes",
+                                    "A worker's memory limit (its cgroup's, else what its job asked for).")):
+            _family(out, name, "gauge", help_, [({"pool": p["id"], "worker": w["id"]}, w[field]) for p in pools
+                                                for w in p.get("workers", []) if w.get(field) is not None])
+        _family(out, "roving_pool_call_peak_memory_bytes", "gauge",
+                "The largest memory a worker was seen to use while running an item of a call.",
+                [({"pool": p["id"], "call": c["call"], "function": c["name"]}, c["peak_memory"]) for p in pools
+                 for c in p.get("calls", []) if c.get("peak_memory") is not None])
         workers: List[tuple] = []
         for p in pools:
             counts: Dict[str, int] = {}

@@ -38,6 +38,8 @@ import sys
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from ..errors import RovingError
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Limits", "Request", "Answer", "HttpServer"]
@@ -112,11 +114,11 @@ class _Connection:
     clean: bool = False  # ended after a complete answer: closed gently (the answer's bytes flushed)
 
 
-class _Closed(Exception):
+class _Closed(RovingError):
     """The peer went away (or the connection was aborted) mid-request."""
 
 
-class _TooLarge(Exception):
+class _TooLarge(RovingError):
     """A request head over Limits.header_bytes."""
 
 

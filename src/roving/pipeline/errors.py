@@ -16,8 +16,10 @@ included, in ``costs.ModelSpec`` and ``model.LlamaConfig`` alike).
 
 from __future__ import annotations
 
+from ..errors import RovingError
 
-class PipelineError(Exception):
+
+class PipelineError(RovingError):
     """The base of every error the pipeline raises."""
 
 
@@ -79,6 +81,11 @@ class Malformed(PipelineError, ValueError):
 class JoinError(PipelineError, ConnectionError):
     """Joining a training through its open door failed (``door``): the address tried and why (not
     reached, not the training the invitation names, the invitation refused)."""
+
+
+class CoordinatorLost(PipelineError, ConnectionError):
+    """A node's coordinator stopped answering (its process ended, or it cannot be reached) for longer
+    than the node waits (``StageSettings.coordinator_timeout``): the node left. Names the address."""
 
 
 class ProtocolError(PipelineError, RuntimeError):

@@ -14,11 +14,12 @@ process, so that peers' sends go straight to it), and answers the coordinator in
 ``control`` inbox; heartbeats go to its ``beats`` inbox from a thread of their own.
 
 coordinator -> stage process: ``Peers`` ``PeerJoined`` ``Forget`` ``Microbatch`` ``SyncOrder`` ``Step``
-``Abort`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest`` ``Recheck`` ``ShowWeights``
-``Stop`` ``Release``.
+``Abort`` ``ProgressRequest`` ``Export`` ``Load`` ``StateRequest`` ``Throttle`` ``EvidenceRequest``
+``Recheck`` ``ShowWeights`` ``Stop`` ``Release``.
 stage process -> stage process: ``Forward`` ``Backward`` ``Gradients``.
 stage process -> coordinator: ``Ready`` ``Done`` ``Norm`` ``Stepped`` ``State`` ``Exported`` ``Loaded``
-``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Stopped`` ``Released`` ``Failed``; on ``beats``: ``Beat``.
+``EvidenceItems`` ``Rechecked`` ``WeightsShown`` ``Progress`` ``Stopped`` ``Released`` ``Failed``; on
+``beats``: ``Beat``.
 
 Rounds (how the stage process reads them): it works on one round at a time. A message of a newer round
 than its own means the coordinator gave up the current one (the explicit ``Abort`` may still be on its
@@ -30,7 +31,6 @@ what was left of the aborted attempt, whatever order messages from different sen
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,16 +51,6 @@ def unexpected(msg: Any, receiver: str, waiting_for: str = "") -> ProtocolError:
 @dataclass(frozen=True, slots=True)
 class Message:
     """The base of every message."""
-
-    def __reduce__(self) -> tuple:
-        # pickled as the class and its field values in order (cheaper than the slots' state dict); the
-        # ignore: a class is hashable, but typeshed's Hashable protocol misses it for this frozen dataclass
-        return type(self), tuple(getattr(self, name) for name in _field_names(type(self)))  # type: ignore[arg-type]
-
-
-@functools.cache
-def _field_names(kind: type) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(kind))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +127,11 @@ class Abort(RoundMessage):
 
 
 @dataclass(frozen=True, slots=True)
+class ProgressRequest(RoundMessage):
+    """The round stalled: say what you received and sent in it (``Progress``; ``runtime/stalls.py``)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Export(Message):
     """Send this stage's weights and optimizer state (answered by ``Exported``)."""
 
@@ -169,8 +164,8 @@ class Throttle(Message):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceRequest(RoundMessage):
-    """Show the tensors of ``keys`` that you received this round (``evidence.Evidence.show``); ``ask``
-    numbers the request, for its answer to name."""
+    """Show the tensors of ``keys`` (each a ``tensor_id.TensorId``) that you received this round
+    (``evidence.Evidence.show``); ``ask`` numbers the request, for its answer to name."""
 
     keys: tuple
     ask: int = 0
@@ -281,9 +276,9 @@ class Norm(RoundMessage):
     stage: int
     sq_norm: float
     #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
-    #: row (what, mb, hop, from, ``screen.Summary``) per tensor, the keys of those that did not match
-    #: their receipt, and its own gradient share's cosine to each other replica's, by name (3 replicas
-    #: or more)
+    #: row (``tensor_id.Screened``: the ``TensorId`` and its ``screen.Summary``) per tensor, the
+    #: ``TensorId`` of those that did not match their receipt, and its own gradient share's cosine to each
+    #: other replica's, by name (3 replicas or more)
     screened: tuple = ()
     disputes: tuple = ()
     cosines: Any = None
@@ -311,8 +306,8 @@ class Stepped(RoundMessage):
 
 @dataclass(frozen=True, slots=True)
 class EvidenceItems(RoundMessage):
-    """The answer to ``EvidenceRequest`` number ``ask``: key -> (tensor, receipt, disputed) for the keys
-    ``sender`` has."""
+    """The answer to ``EvidenceRequest`` number ``ask``: ``TensorId`` -> (tensor, receipt, disputed) for the
+    keys ``sender`` has."""
 
     sender: str
     items: dict
@@ -366,6 +361,16 @@ class Loaded(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Progress(RoundMessage):
+    """The answer to ``ProgressRequest``: the messages of the round ``sender`` received and sent, each as a
+    (kind, microbatch, hop) triple, flat (``stalls.Key``; kind 0: activations, 1: gradients, 2: Done)."""
+
+    sender: str
+    received: tuple[int, ...] = ()
+    sent: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Stopped(Message):
     """The answer to ``Stop``: every send of ``sender`` to a live process has arrived."""
 
@@ -388,5 +393,5 @@ class Failed(Message):
 
 
 #: The messages only the coordinator sends (a stage process refuses them from anyone else).
-COORDINATOR_MESSAGES = (Peers, PeerJoined, Forget, Microbatch, SyncOrder, Step, Abort, Export, Load, StateRequest,
-                        Throttle, EvidenceRequest, Recheck, ShowWeights, Stop, Release)
+COORDINATOR_MESSAGES = (Peers, PeerJoined, Forget, Microbatch, SyncOrder, Step, Abort, ProgressRequest, Export, Load,
+                        StateRequest, Throttle, EvidenceRequest, Recheck, ShowWeights, Stop, Release)

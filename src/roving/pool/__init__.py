@@ -17,6 +17,13 @@ Guarantees:
   the parent: they run again on other workers, each result is delivered exactly once and ``map``/``imap``
   keep input order. A replacement starts. An item that was running on ``max_task_retries`` workers that
   died fails with :class:`WorkerLostError`; it is never retried endlessly.
+* Memory (:mod:`roving.pool._memory`): workers report their memory with their heartbeats; the pool's
+  figures (dashboard, ``/metrics``) show each worker's and each call's peak. A worker above
+  ``worker_memory_limit`` (loky's ``max_memory_per_child``) after a task is replaced before it takes
+  another. A worker killed for memory (its cgroup's OOM kill on the local backend, Slurm's
+  ``OUT_OF_MEMORY``, Docker's or a pod's ``OOMKilled``) is reported so; an item whose workers were killed
+  for memory ``max_memory_kills`` times in a row (default 2) fails with :class:`OutOfMemoryError`, whose
+  message says "out of memory", with the peak memory seen and the limit, rather than kill more workers.
 * :meth:`Pool.resize` grows or shrinks a running pool; a worker that leaves first runs what it holds.
 * ``Pool(processes=(min, max))`` scales itself: while work waits and no worker is free it starts workers
   (up to ``max``); a worker idle for ``idle_timeout`` seconds leaves (down to ``min``). A worker that
@@ -50,8 +57,10 @@ import itertools
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
+from .. import backends
+from .. import config as _config
 from ..process import Process, cpu_count
 from ..transport import timeouts
 from ..transport.serialize import SerializationError
@@ -63,11 +72,17 @@ from ._results import (ApplyResult, AsyncResult, CallbackRunner, IMapIterator, I
                        MapResult, UnloadedTraceback)
 from ._rerun import rerun
 from ._shape import meta, meta_of
-from .errors import PoolError, PoolStartError, WorkerLostError
+from .errors import OutOfMemoryError, PoolError, PoolStartError, WorkerLostError
 from ._upkeep import CLOSE, RUN, TERMINATE, Upkeep  # noqa: F401  (CLOSE: multiprocessing.pool has the three)
 
+
+#: A call's argument (S) and result (T): what map and apply hand back is what ``func`` returns.
+S = TypeVar("S")
+T = TypeVar("T")
+
 __all__ = ["Pool", "AsyncResult", "ApplyResult", "MapResult", "IMapIterator", "IMapUnorderedIterator",
-           "PoolError", "WorkerLostError", "PoolStartError", "UnloadedTraceback", "meta", "Progress", "rerun"]
+           "PoolError", "WorkerLostError", "OutOfMemoryError", "PoolStartError", "UnloadedTraceback", "meta",
+           "Progress", "rerun"]
 
 _pool_ids = itertools.count(1)
 
@@ -79,7 +94,10 @@ class Pool:
     itself between the two, leaving workers idle for ``idle_timeout`` seconds. ``max_task_retries``
     bounds how many dead workers one item may cost before it fails with :class:`WorkerLostError`.
     ``resources`` (a dict of ``cpu``, ``memory``, ``gpu``, or a :class:`roving.backends.Resources`) is
-    what each worker's job asks the backend for.
+    what each worker's job asks the backend for. ``worker_memory_limit`` (or ``max_memory_per_child``;
+    bytes, or a size such as ``"2G"``): a worker whose resident set is above it after a task is replaced.
+    ``max_memory_kills``: how many workers in a row an item may see killed for memory before it fails
+    with :class:`OutOfMemoryError`.
 
     A running pool that is garbage-collected without close() or terminate() gives multiprocessing's
     ``ResourceWarning`` and its workers are killed; a closed one finishes its work first.
@@ -93,8 +111,10 @@ class Pool:
     def __init__(self, processes: Union[None, int, Tuple[int, int]] = None,
                  initializer: Optional[Callable[..., Any]] = None,
                  initargs: Iterable[Any] = (), maxtasksperchild: Optional[int] = None,
-                 context: Any = None, *, max_task_retries: int = 3, resources: Any = None,
-                 idle_timeout: float = 10.0) -> None:
+                 context: object = None, *, max_task_retries: int = 3,
+                 resources: Optional[backends.ResourceRequest] = None,
+                 idle_timeout: float = 10.0, worker_memory_limit: Union[int, str, None] = None,
+                 max_memory_per_child: Union[int, str, None] = None, max_memory_kills: int = 2) -> None:
         if processes is None:
             processes = cpu_count() or 1
         if isinstance(processes, (tuple, list)):
@@ -114,14 +134,17 @@ class Pool:
             raise TypeError("initializer must be a callable")
         if max_task_retries < 1:
             raise ValueError("max_task_retries must be at least 1")
+        memory_limit = _memory_limit(worker_memory_limit, max_memory_per_child)
+        if not isinstance(max_memory_kills, int) or max_memory_kills < 1:
+            raise ValueError(f"max_memory_kills must be an int of at least 1, not {max_memory_kills!r}")
         shape = _shape.resources(resources, "Pool(resources=...)") if resources is not None else {}
         self._fixed_shape = resources is not None
         self._runner = CallbackRunner()
-        self._disp = Dispatcher(next(_pool_ids), max_task_retries)
+        self._disp = Dispatcher(next(_pool_ids), max_task_retries, max_memory_kills)
         self._disp.attach()
         self._upkeep = Upkeep(self._disp, self._runner, processes, low, high, idle_timeout=idle_timeout,
                               shape=shape, initializer=initializer, initargs=tuple(initargs),
-                              maxtasks=maxtasksperchild)
+                              maxtasks=maxtasksperchild, memory_limit=memory_limit)
         #: Workers that could not start, as (time.time(), reason); the latest 100.
         self.start_failures: List[Tuple[float, str]] = self._upkeep.start_failures
         # The upkeep thread holds the pool weakly: a running pool nobody references any more is
@@ -132,9 +155,10 @@ class Pool:
         self._upkeep.start(self)
 
     # -- the multiprocessing API ---------------------------------------------------------------
-    def apply(self, func: Callable[..., Any], args: Sequence[Any] = (), kwds: Optional[dict] = None) -> Any:
+    def apply(self, func: Callable[..., T], args: Sequence[object] = (),
+              kwds: Optional[Mapping[str, object]] = None) -> T:
         """``func(*args, **kwds)`` in a worker; blocks until done."""
-        return self.apply_async(func, args, kwds).get()
+        return self.apply_async(func, args, None if kwds is None else dict(kwds)).get()
 
     def apply_async(self, func: Callable[..., Any], args: Sequence[Any] = (), kwds: Optional[dict] = None,
                     callback: Optional[Callable[[Any], Any]] = None,
@@ -147,34 +171,34 @@ class Pool:
                      inline=True)
         return result
 
-    def map(self, func: Callable[[Any], Any], iterable: Iterable[Any],
-            chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
+    def map(self, func: Callable[[S], T], iterable: Iterable[S],
+            chunksize: Optional[int] = None, *, progress: bool = False) -> List[T]:
         """``[func(x) for x in iterable]`` across the workers, in order; blocks until done.
         ``progress=True``: a progress bar on stderr (see the module docstring)."""
         return self._map(func, iterable, P.MAP, chunksize, progress)
 
-    def map_async(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: Optional[int] = None,
+    def map_async(self, func: Callable[[S], object], iterable: Iterable[S], chunksize: Optional[int] = None,
                   callback: Optional[Callable] = None, error_callback: Optional[Callable] = None) -> MapResult:
         return self._start_map(func, iterable, P.MAP, chunksize, callback, error_callback)[0]
 
-    def starmap(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
-                chunksize: Optional[int] = None, *, progress: bool = False) -> List[Any]:
+    def starmap(self, func: Callable[..., T], iterable: Iterable[Sequence[object]],
+                chunksize: Optional[int] = None, *, progress: bool = False) -> List[T]:
         """``[func(*args) for args in iterable]``; blocks until done."""
         return self._map(func, iterable, P.STAR, chunksize, progress)
 
-    def starmap_async(self, func: Callable[..., Any], iterable: Iterable[Sequence[Any]],
+    def starmap_async(self, func: Callable[..., object], iterable: Iterable[Sequence[object]],
                       chunksize: Optional[int] = None, callback: Optional[Callable] = None,
                       error_callback: Optional[Callable] = None) -> MapResult:
         return self._start_map(func, iterable, P.STAR, chunksize, callback, error_callback)[0]
 
-    def imap(self, func: Callable[[Any], Any], iterable: Iterable[Any], chunksize: int = 1, *,
+    def imap(self, func: Callable[[S], object], iterable: Iterable[S], chunksize: int = 1, *,
              progress: bool = False) -> IMapIterator:
         """Results in input order as they come. An iterator is read by a thread of the pool, as the
         caller iterates; an item that cannot be pickled fails that position and ends the reading.
         ``progress=True``: a bar on stderr counting the results that arrived (the total once known)."""
         return self._imap(IMapIterator, func, iterable, chunksize, progress)
 
-    def imap_unordered(self, func: Callable[[Any], Any], iterable: Iterable[Any],
+    def imap_unordered(self, func: Callable[[S], object], iterable: Iterable[S],
                        chunksize: int = 1, *, progress: bool = False) -> IMapIterator:
         """Results in the order they finish."""
         return self._imap(IMapUnorderedIterator, func, iterable, chunksize, progress)
@@ -348,3 +372,19 @@ class Pool:
             error = exc
         finally:
             self._disp.close_call(call, count, error)
+
+
+def _memory_limit(worker_memory_limit: Any, max_memory_per_child: Any) -> Optional[int]:
+    """Bytes of ``worker_memory_limit`` or its other name ``max_memory_per_child`` (None: neither);
+    ValueError for both, or for a size that is not one."""
+    if worker_memory_limit is not None and max_memory_per_child is not None:
+        raise ValueError("give worker_memory_limit or max_memory_per_child (the same option), not both")
+    given, name = ((worker_memory_limit, "worker_memory_limit") if worker_memory_limit is not None
+                   else (max_memory_per_child, "max_memory_per_child"))
+    if given is None:
+        return None
+    try:
+        return _config.parse_memory(given)
+    except ValueError as exc:
+        raise ValueError(f"{name}={given!r} is not a memory size ({exc}): write bytes or a size such as "
+                         "\"2G\" or \"512M\"") from None

@@ -18,7 +18,8 @@ Guarantees:
   an item already done (sent again by the worker that redid it after another died) is dropped.
 * When a worker ends holding work, its unfinished items go back to the front of the line. The item it was
   running is blamed: it is tried again alone on an idle worker, and after ``max_task_retries`` deaths it
-  fails with :class:`WorkerLostError` naming it.
+  fails with :class:`WorkerLostError` naming it; one whose workers were killed for memory
+  ``max_memory_kills`` times in a row fails with :class:`OutOfMemoryError` (:mod:`roving.pool._memory`).
 * A worker that says it will end (ENDING: a time limit, a preemption, its lifetime) gets no more work and
   is replaced at once; what it hands back or leaves unfinished goes back in line with no one blamed: a
   preemption never counts against ``max_task_retries``. (Once the pool terminates, the end a worker
@@ -36,11 +37,15 @@ import types
 from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
 
 from .. import observe
+from ..backends.base import JobStatus
+from ..backends.memory import describe
 from .. import process as _process
 from . import _rerun
 from ..transport import session as _session
 from . import _protocol as P
 from . import _results, _router
+from ._memory import CallPeaks, Kills, WorkerMemory, death_words
+from ._memory import out_of_memory as out_of_memory_error
 from .errors import WorkerLostError
 
 log = logging.getLogger(__name__)
@@ -64,24 +69,26 @@ class _Call:
     """One call a caller submitted (an ``apply_async``, a ``map``, an ``imap``): its result object and the
     items of it still to finish (not a backend's job: the pool's workers are those)."""
 
-    __slots__ = ("id", "key", "result", "name", "func", "inline", "left")
+    __slots__ = ("id", "key", "result", "name", "func", "inline", "left", "peak")
 
     def __init__(self, call_id: int, key: int, result: Any, name: str, func: _Func, inline: bool,
                  left: int) -> None:
         self.id, self.key, self.result, self.name = call_id, key, result, name
         self.func, self.inline, self.left = func, inline, left
+        self.peak: Optional[int] = None  # the largest memory a worker reported while running one of its items
 
 
 class _Chunk:
     """Items of one call that travel as one message; results are tracked per item."""
 
-    __slots__ = ("id", "call", "base", "n", "args", "done", "left", "deaths")
+    __slots__ = ("id", "call", "base", "n", "args", "done", "left", "deaths", "kills")
 
     def __init__(self, chunk_id: int, call: _Call, base: int, n: int, args: List[Any]) -> None:
         self.id, self.call, self.base, self.n, self.args = chunk_id, call, base, n, args
         self.done = bytearray(n)
         self.left = n
         self.deaths: Optional[Dict[int, int]] = None
+        self.kills: Optional[Dict[int, Kills]] = None  # offset -> its deaths for memory in a row
 
 
 class _Unit:
@@ -103,7 +110,7 @@ class WorkerState:
     """The parent's view of one worker process."""
 
     __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen", "unreachable", "undeliverable", "ending")
+                 "gone", "alone", "seen", "unreachable", "undeliverable", "ending", "memory")
 
     def __init__(self, worker_id: int, proc: Any) -> None:
         self.id, self.proc = worker_id, proc
@@ -124,6 +131,7 @@ class WorkerState:
 
         self.undeliverable: Optional[Callable[[], None]] = None  # for messages to ``ident`` (see HELLO)
         self.ending = False  # it said it will end (ENDING): what it leaves costs no retry
+        self.memory = WorkerMemory()  # what its heartbeats said of its memory
 
     def lost_contact(self, ident: bytes) -> None:
         """A message to ``ident`` could not be delivered (on the node's I/O thread). A connection this
@@ -151,9 +159,10 @@ def _view(w: WorkerState) -> WorkerView:
 class Dispatcher:
     """One pool's work and workers: what waits, what is out at which worker, each item's outcome."""
 
-    def __init__(self, pool_id: int, max_task_retries: int) -> None:
+    def __init__(self, pool_id: int, max_task_retries: int, max_memory_kills: int = 2) -> None:
         self.pool_id = pool_id
         self.max_task_retries = max_task_retries
+        self.max_memory_kills = max_memory_kills
         self.lock = threading.Lock()
         self.node = _session.current().node()
         self.calls: Dict[int, _Call] = {}
@@ -181,6 +190,9 @@ class Dispatcher:
         self.ended_early = 0  # workers that said they would end (time limit, preemption, lifetime)
         self._terminating = False  # the pool kills its workers (``terminating``): their ends are its own
         self._last_failure: Any = None  # one event for an error that fails many items (fail_all)
+        self.oom_kills = 0  # workers the cluster killed for memory
+        self.memory_restarts = 0  # workers that left above worker_memory_limit
+        self.call_peaks = CallPeaks()
 
     def attach(self) -> None:
         """Receive this pool's messages from workers: join the node's pool service."""
@@ -324,10 +336,13 @@ class Dispatcher:
                          for q in (self.pending, self.suspects) for u in q)
             workers = [{"id": w.id, "name": w.proc.name, "items": sum(u.left for u in w.units.values()),
                         "state": "retiring" if w.retiring else "starting" if w.ident is None
-                        else "busy" if w.units else "idle"} for w in self.workers.values()]
+                        else "busy" if w.units else "idle", **w.memory.figures()} for w in self.workers.values()]
+            calls = self.call_peaks.figures([{"call": c.id, "name": c.name, "peak_memory": c.peak}
+                                             for c in self.calls.values() if c.peak is not None])
             return {"queued": queued, "running": sum(w["items"] for w in workers), "done": self.done,
                     "failed": self.failed, "retried": self.retried, "handed_back": self.handed_back,
-                    "ended_early": self.ended_early, "workers": workers}
+                    "ended_early": self.ended_early, "oom_kills": self.oom_kills,
+                    "memory_restarts": self.memory_restarts, "workers": workers, "calls": calls}
 
     def busy(self) -> bool:
         with self.lock:
@@ -347,6 +362,8 @@ class Dispatcher:
             w = self.workers.get(arg)
             if w is not None:
                 w.seen = time.monotonic()
+                if len(frames) > 1:
+                    self._memory_seen(w, frames)
             return
         if kind == P.ENDING:
             with self.lock:
@@ -402,8 +419,25 @@ class Dispatcher:
                         w.alone = False
                     self._dispatch()
             elif kind == P.BYE and not w.gone:
+                if arg == P.BYE_MEMORY_LIMIT:
+                    self.memory_restarts += 1
+                    observe.event("memory-restart", f"pool {self.pool_id}", f"worker {w.id} is above "
+                                  f"worker_memory_limit after a task ({describe(key)}): replaced",
+                                  pool=self.pool_id, worker=w.id)
                 self._retire(w)
                 self._send(w, P.ACK)
+
+    def _memory_seen(self, w: WorkerState, frames: List[Any]) -> None:
+        """A heartbeat's memory: kept for the worker and for the call whose item it runs."""
+        sample = P.read_memory(frames)
+        if sample is None:
+            return
+        with self.lock:
+            peak = w.memory.seen(sample)
+            if peak is not None and w.units:
+                call = next(iter(w.units.values())).chunk.call  # the unit it runs: the first sent
+                if call.peak is None or peak > call.peak:
+                    call.peak = peak
 
     def _credit(self, w: WorkerState, n: int, key: int) -> None:
         if w.retiring or w.gone:
@@ -473,6 +507,7 @@ class Dispatcher:
 
     def _call_done(self, call: _Call) -> None:
         del self.calls[call.id]
+        self.call_peaks.done(call.id, call.name, call.peak)
         fid = call.func.id
         if fid and not call.func.cached:
             for w in self.workers.values():
@@ -593,9 +628,13 @@ class Dispatcher:
                     "back in line", w.id, len(again))
         self._dispatch()
 
-    def worker_lost(self, w: WorkerState, exitcode: Optional[int]) -> None:
-        """``w`` ended: its unfinished items go back to the front of the line (see module docstring)."""
+    def worker_lost(self, w: WorkerState, exitcode: Optional[int], end: Optional[JobStatus] = None) -> None:
+        """``w`` ended: its unfinished items go back to the front of the line (see module docstring).
+        ``end``: how its job ended, as its backend says (killed for memory, its peak memory)."""
+        out_of_memory = end is not None and end.out_of_memory
         with self.lock:
+            if end is not None:
+                w.memory.ended(end.memory_peak)
             w.gone = True
             w.unreachable = 0.0  # its contact does not matter any more
             self._retire(w)
@@ -605,6 +644,8 @@ class Dispatcher:
             if w.ident is not None and self.by_ident.get(w.ident) is w:
                 del self.by_ident[w.ident]  # a worker that is gone is forgotten
             units, w.units = list(w.units.values()), {}
+            if out_of_memory:
+                self.oom_kills += 1
             again: List[_Unit] = []
             blamed = w.ending  # a worker told it would end did not die of its work: nothing is blamed
             again_n = 0  # items sent again (observe.py)
@@ -616,14 +657,8 @@ class Dispatcher:
                 if not blamed:  # the first unfinished item is the one it was running
                     blamed = True
                     first, offsets = offsets[0], offsets[1:]
-                    deaths = chunk.deaths or {}
-                    chunk.deaths = deaths
-                    deaths[first] = deaths.get(first, 0) + 1
-                    if deaths[first] >= self.max_task_retries:
-                        lost = WorkerLostError(
-                            f"item {chunk.base + first} of {chunk.call.name} was running on "
-                            f"{deaths[first]} pool worker(s) that died (last exit code {exitcode}); "
-                            f"it is not tried again (max_task_retries={self.max_task_retries})")
+                    lost = self._blame(w, chunk, first, exitcode, out_of_memory)
+                    if lost is not None:
                         self._note_failure(chunk, first, lost)
                         self._deliver_run(chunk, first, False, [lost])
                     else:
@@ -633,17 +668,47 @@ class Dispatcher:
                     again.append(_Unit(chunk, offsets))
             self.pending.extendleft(reversed(again))
             again_n += sum(len(cast(List[int], u.offsets)) for u in again)  # each made with its offsets
+            how = death_words(out_of_memory, w.memory, exitcode)
             if units and w.ending:
                 self.handed_back += again_n
                 log.info("roving pool: worker %s ended as it said it would (exit code %s); %d unfinished item(s) "
                          "go to other workers, no retry counted", w.id, exitcode, again_n)
             elif units:
                 self.retried += again_n
-                observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} (exit code "
-                              f"{exitcode}) sent again to other workers", pool=self.pool_id, items=again_n)
-                log.warning("roving pool: worker %s ended (exit code %s) holding work; its unfinished "
-                            "items go to other workers", w.id, exitcode)
+                observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} ({how}) "
+                              "sent again to other workers", pool=self.pool_id, items=again_n)
+                log.warning("roving pool: worker %s ended (%s) holding work; its unfinished items go to other "
+                            "workers", w.id, how)
+            elif out_of_memory:
+                log.warning("roving pool: worker %s ended (%s)", w.id, how)
             self._dispatch()
+
+    def _blame(self, w: WorkerState, chunk: _Chunk, first: int, exitcode: Optional[int],
+               out_of_memory: bool) -> Optional[WorkerLostError]:
+        """Count a death against item ``first`` of ``chunk``, which ``w`` was running: the error it fails
+        with when it is not to be tried again (max_memory_kills, max_task_retries), else None."""
+        deaths = chunk.deaths or {}
+        chunk.deaths = deaths
+        deaths[first] = deaths.get(first, 0) + 1
+        kills = chunk.kills or {}
+        chunk.kills = kills
+        item = f"item {chunk.base + first} of {chunk.call.name}"
+        call, peak = chunk.call, w.memory.peak
+        if peak is not None and (call.peak is None or peak > call.peak):
+            call.peak = peak  # what its job was seen to use when it died (its cluster's record, say)
+        if out_of_memory:
+            record = kills.setdefault(first, Kills())
+            record.add(w.memory)
+            if record.in_row >= self.max_memory_kills:
+                return out_of_memory_error(item, record, self.max_memory_kills)
+        else:
+            kills.pop(first, None)  # a death of another kind ends a run of deaths for memory
+        if deaths[first] >= self.max_task_retries:
+            return WorkerLostError(
+                f"{item} was running on {deaths[first]} pool worker(s) that died (last: "
+                f"{death_words(out_of_memory, w.memory, exitcode)}); it is not tried again "
+                f"(max_task_retries={self.max_task_retries})")
+        return None
 
     def terminating(self) -> None:
         """The pool kills its workers now: a worker that then says it will end (the kill's own signal:

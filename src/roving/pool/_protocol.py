@@ -13,8 +13,11 @@ Worker → parent: ``[OP, header, ...]``, header = :class:`Header` (pool id, kin
   the same time (as READY).
 * BYE — it is leaving (max tasks reached, or told to stop); it runs what it was sent before the ACK.
 * RETURNED(chunk id) — answer to REVOKE: the unit had not started and is given back unrun.
+* BYE(MEMORY_LIMIT, resident set) — it is leaving because it grew past ``worker_memory_limit``.
 * HEARTBEAT(worker id) — from the worker's heartbeat thread, on a connection of its own, every
-  ``heartbeat_interval`` seconds, also while a task runs.
+  ``heartbeat_interval`` seconds, also while a task runs; then a frame with its memory (:data:`MEMORY`:
+  RSS, peak RSS, its cgroup's usage, limit and peak in bytes, -1 where not known), read by
+  :func:`read_memory`. The worker loop's own idle HEARTBEAT is a header alone.
 * ENDING(worker id, seconds left) — then a frame with what told it (``signal SIGTERM``, ...; UTF-8): from
   the heartbeat thread too, at once: the worker was told it will end (a time limit, a preemption;
   :mod:`roving.pool._ending`). It takes no more work, gives back what it
@@ -45,6 +48,7 @@ from array import array
 from multiprocessing.pool import MaybeEncodingError  # type: ignore[attr-defined]  # (not in typeshed's stub)
 from typing import Any, Callable, List, NamedTuple, Sequence, Tuple, Union
 
+from ..backends.memory import MemorySample
 from ..transport.serialize import dumps, loads
 
 OP = b"pool"
@@ -55,6 +59,10 @@ TO_PARENT = struct.Struct("<QBqq")
 TO_WORKER = struct.Struct("<BqqqHHI")
 #: One run of a RESULTS message: chunk id, first offset, length, ok.
 RUN = struct.Struct("<qqqq")
+#: A heartbeat's memory frame: RSS, peak RSS, cgroup usage, cgroup limit, cgroup peak (bytes; -1: unknown).
+MEMORY = struct.Struct("<qqqqq")
+#: BYE's argument when the worker leaves because it grew past ``worker_memory_limit`` (0: any other reason).
+BYE_MEMORY_LIMIT = 1
 
 # The named tuples of this module are made with tuple.__new__ from what struct gives (a C call; a
 # NamedTuple's own constructor and _make are Python functions, a microsecond a message at the worst).
@@ -140,6 +148,21 @@ def to_parent(pool_id: int, kind: int, arg: int = 0, key: int = 0) -> List[Any]:
 def ending(pool_id: int, worker_id: int, seconds_left: int, reason: str) -> List[Any]:
     """ENDING: worker ``worker_id`` will end within ``seconds_left`` s, as ``reason`` told it."""
     return [OP, TO_PARENT.pack(pool_id, ENDING, worker_id, seconds_left), reason.encode()]
+
+
+def heartbeat(pool_id: int, worker_id: int, memory: MemorySample) -> List[Any]:
+    """HEARTBEAT from worker ``worker_id``, with its memory."""
+    fields = (memory.rss, memory.rss_peak, memory.cgroup_usage, memory.cgroup_limit, memory.cgroup_peak)
+    return [OP, TO_PARENT.pack(pool_id, HEARTBEAT, worker_id, 0),
+            MEMORY.pack(*(-1 if v is None else v for v in fields))]
+
+
+def read_memory(frames: Sequence[Any]) -> Union[MemorySample, None]:
+    """The memory a HEARTBEAT carries (frames after OP), or None for one without (or a malformed one)."""
+    if len(frames) < 2 or len(frames[1]) != MEMORY.size:
+        return None
+    values = [None if v < 0 else v for v in MEMORY.unpack(frames[1])]
+    return MemorySample(*values)
 
 
 def read_ending_reason(frames: Sequence[Any]) -> str:

@@ -57,13 +57,13 @@ class Upkeep:
     """The workers of one pool kept as many and as alive as the pool says (see the module docstring).
 
     ``size`` workers are kept (``low`` <= size <= ``high``; autoscaling when they differ); each is a
-    :class:`roving.Process` running the worker loop with ``initializer``, ``initargs`` and ``maxtasks``
-    and asking the backend for ``shape``.
+    :class:`roving.Process` running the worker loop with ``initializer``, ``initargs``, ``maxtasks`` and
+    ``memory_limit`` (bytes: ``worker_memory_limit``) and asking the backend for ``shape``.
     """
 
     def __init__(self, disp: Dispatcher, runner: CallbackRunner, size: int, low: int, high: int, *,
                  idle_timeout: float, shape: Dict[str, Any], initializer: Optional[Callable[..., Any]],
-                 initargs: Tuple[Any, ...], maxtasks: Optional[int]) -> None:
+                 initargs: Tuple[Any, ...], maxtasks: Optional[int], memory_limit: Optional[int] = None) -> None:
         self.disp, self.runner = disp, runner
         self.lock = threading.RLock()  # guards state, size, min, max, shape, the members, idle times
         self.state = RUN
@@ -78,6 +78,7 @@ class Upkeep:
         self._idle_timeout = idle_timeout
         self._heartbeat_timeout = _config.current().pool_heartbeat_timeout
         self._initializer, self._initargs, self._maxtasks = initializer, initargs, maxtasks
+        self._memory_limit = memory_limit
         self._worker_ids = itertools.count(1)
         #: multiprocessing's ``_pool``: workers leave it when they end while the pool runs (replaced or
         #: retired); after close()/terminate() the workers of the end stay in it, ended.
@@ -202,9 +203,12 @@ class Upkeep:
             worker_id = next(self._worker_ids)
             proc = Process(target=_worker.serve, name=f"PoolWorker-{disp.pool_id}-{worker_id}",
                            args=(node.address, disp.pool_id, worker_id, self._initializer,
-                                 self._initargs, self._maxtasks, cfg.connect_timeout), daemon=True,
-                           resources=self.shape)
-            batch.append(WorkerState(worker_id, proc))
+                                 self._initargs, self._maxtasks, cfg.connect_timeout, self._memory_limit),
+                           daemon=True, resources=self.shape)
+            w = WorkerState(worker_id, proc)
+            asked = self.shape.get("memory") or cfg.memory
+            w.memory.asked = _config.parse_memory(asked) if asked is not None else None
+            batch.append(w)
         # Known to the dispatcher before any of their jobs exists: a worker that starts early (the first
         # of 64 sbatch calls, say) says HELLO at once, and a HELLO from an unknown worker is ignored.
         for w in batch:
@@ -407,8 +411,11 @@ class Upkeep:
                     self._abandon(w)
                 continue
             code = w.proc.exitcode
+            end = None
             if code != 0 and state != TERMINATE:
-                self._lost(w, f"exit code {code}")
+                end = _process.end_status(w.proc)
+                oom = end is not None and end.out_of_memory
+                self._lost(w, f"exit code {code}" + (", killed for memory (out of memory)" if oom else ""))
             self._ended(w)
             if state != TERMINATE:
                 mismatch = _process.environment_error(w.proc) if not v.connected else None
@@ -418,7 +425,7 @@ class Upkeep:
                     self._failed_start(f"worker {w.id} exited with code {code} before it connected")
                 elif v.connected:
                     self._failures = 0
-            self.disp.worker_lost(w, code)
+            self.disp.worker_lost(w, code, end)
             _process.release(w.proc)  # its sentinel and job handle; a long-lived pool recycles many workers
         if state == TERMINATE:
             workers = self.disp.workers_now()

@@ -18,6 +18,7 @@ from multiprocessing.pool import ExceptionWithTraceback  # type: ignore[attr-def
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from .. import config as _config
+from ..backends.memory import describe, sample
 from ..transport import session as _session
 from ._ending import Ending, lifetime_for, signals_named
 from ..transport.channel import Channel
@@ -25,6 +26,7 @@ from ..transport.errors import ConnectionLost, NodeError
 from ..transport.serialize import SerializationError
 from . import _protocol as P
 from . import _results
+from ._memory import MemoryWatch
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,10 @@ class _Results:
 
 
 def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Callable[..., Any]],
-          initargs: Tuple[Any, ...], maxtasks: Optional[int], connect_timeout: float) -> None:
-    """Target of every pool worker process."""
+          initargs: Tuple[Any, ...], maxtasks: Optional[int], connect_timeout: float,
+          memory_limit: Optional[int] = None) -> None:
+    """Target of every pool worker process. ``memory_limit``: it leaves after a task that left it larger
+    (:class:`roving.pool._memory.MemoryWatch`)."""
     if initializer is not None:
         initializer(*initargs)
     secret = _session.current().secret
@@ -118,7 +122,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     ending.on_set(lambda _: wake.set())
     beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake),
                                name="roving-pool-heartbeat", daemon=True)
-    loop = _Loop(connect(), pool_id, maxtasks, connect, ending)
+    loop = _Loop(connect(), pool_id, maxtasks, connect, ending, MemoryWatch(memory_limit))
     beating.start()
     try:
         loop.run(worker_id)
@@ -143,7 +147,6 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
     main thread runs; and at the deadline, if the worker is still running an item, it leaves anyway: its
     item is run again elsewhere, not counted as a retry."""
     interval = _config.current().heartbeat_interval
-    beat = P.to_parent(pool_id, P.HEARTBEAT, worker_id)
     told = False
     try:
         chan = connect()
@@ -167,7 +170,7 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
                 # not printed: the parent says it, once per pool, when the end is not the pool's own
                 log.info("roving pool worker %d: will end within %.0f s (%s): it takes no more work",
                          worker_id, ending.left(), ending.reason)
-            chan.send(beat)
+            chan.send(P.heartbeat(pool_id, worker_id, sample()))
         except ConnectionLost:  # the stream ended: the next recv finds that and connects again
             pass
         if told and ending.left() <= 0:
@@ -188,9 +191,11 @@ class _Loop:
     gets them; results that arrive twice count once), and the worker drops them too."""
 
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
-                 reconnect: Callable[[], Channel], ending: Optional[Ending] = None) -> None:
+                 reconnect: Callable[[], Channel], ending: Optional[Ending] = None,
+                 memory: Optional[MemoryWatch] = None) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
         self.ending = ending
+        self.memory = memory or MemoryWatch(None)
         self.units: Deque[P.Unit] = collections.deque()
         self.funcs: Dict[int, Any] = {}  # function id -> (function, mode), or why it could not be loaded
         self.asked = 0
@@ -228,13 +233,13 @@ class _Loop:
         else:
             self._send(P.READY, want, key)
 
-    def _leave(self) -> None:
+    def _leave(self, why: int = 0, size: int = 0) -> None:
         if not self.leaving:
             self.leaving = True
             # Results first: the channel keeps order, so the parent's ACK then means it has them all,
             # and the worker's exit cannot be taken for a loss of work it already finished.
             self.results.flush()
-            self._send(P.BYE, 0)
+            self._send(P.BYE, why, size)
 
     def _take(self, frames: List[Any]) -> None:
         head = P.read_control(frames)
@@ -323,6 +328,13 @@ class _Loop:
         self.done += 1
         if self.maxtasks is not None and self.done >= self.maxtasks:
             self._leave()
+        elif self.memory.limit is not None and not self.leaving:
+            size = self.memory.over()
+            if size is not None:
+                log.info("roving pool worker %d: its resident set %s is above worker_memory_limit %s after a "
+                         "task: it takes no more work and is replaced", worker_id, describe(size),
+                         describe(self.memory.limit))
+                self._leave(P.BYE_MEMORY_LIMIT, size)
         if not self.units and self.asked == 0:
             self._ask()  # the results due go with the ask: one message to the parent, not two
         if due and self.results.values:

@@ -3,7 +3,15 @@
 Both sides prove knowledge of the session secret without sending it: the client sends a random nonce,
 the server answers with its own nonce and a MAC over both, and the client answers with a MAC in the
 other direction. Only after that does either side read a frame it would unpickle. The secret never
-crosses the wire; replayed answers fail because every connection uses fresh nonces. With its proof
+crosses the wire; replayed answers fail because every connection uses fresh nonces.
+
+A process that holds no member secret (:meth:`.identity.Credentials.certificate_only`: a pipeline node
+that joined through the open door) takes part on its certificate alone: its certificate must mark it
+untrusted, and its signature over both nonces (below) is then its whole proof. So the rule each member
+applies is: a peer whose certificate is trusted proves the member secret as well; an untrusted one
+proves its key. A process without the secret cannot check the other side's MAC and checks its
+certificate and signature only (the CA's certificate is its anchor). An untrusted peer can do nothing
+a member's connection can, whichever way it came in (:mod:`.mailbox`'s access rules, :mod:`.node`). With its proof
 each side sends its certificate and a signature over both nonces (:mod:`.identity`): the client learns
 which process the node is (and refuses one that is not the node its address names), the node which
 process the client is (refusing revoked credentials); a signature made for one node is refused by any
@@ -126,19 +134,24 @@ class ClientHandshake:
     def answer(self, server_nonce: bytes, proof: bytes, cert: bytes, signature: bytes, who: str) -> Tuple[bytes, bytes]:
         """(the client's proof, its signature) to send with its certificate; AuthenticationError (naming
         ``who``) when the node's proof is wrong, IdentityError when it is not the node meant."""
-        if not verify(server_proof(self._creds.secret, self.hello, server_nonce), proof):
-            raise AuthenticationError(f"{who} failed to authenticate")
+        secret_proved = self._creds.member and verify(server_proof(self._creds.secret, self.hello, server_nonce),
+                                                      proof)
         try:
             peer = self._creds.check(cert, signature, True, self.hello, server_nonce, binding=self._binding)
         except IdentityError as exc:
+            if self._creds.member and not secret_proved:
+                raise AuthenticationError(f"{who} failed to authenticate") from None
             raise IdentityError(f"{who} failed to prove its identity: {exc}") from None
+        if self._creds.member and not secret_proved and peer.trusted:
+            raise AuthenticationError(f"{who} failed to authenticate")
         if self._expect is not None and peer.key != self._expect:
             raise IdentityError(
                 f"{who} is the roving process {peer.node_id}, not the node its address names (a connection "
                 "relayed to another node): refused")
         self.peer = peer
-        return (client_proof(self._creds.secret, self.hello, server_nonce),
-                self._creds.prove(False, self.hello, server_nonce, peer.key, self._binding))
+        proof_sent = client_proof(self._creds.secret, self.hello, server_nonce) if self._creds.member \
+            else bytes(PROOF_BYTES)  # nothing to prove: its certificate speaks for it
+        return proof_sent, self._creds.prove(False, self.hello, server_nonce, peer.key, self._binding)
 
 
 class ServerHandshake:
@@ -167,10 +180,18 @@ class ServerHandshake:
     def accepts(self, proof: bytes, cert: bytes, signature: bytes) -> identity.Peer:
         """The client that answered; AuthenticationError when it does not know the member secret,
         IdentityError when its certificate or signature is not valid (or revoked)."""
-        if not verify(client_proof(self._creds.secret, self._client_nonce, self.nonce), proof):
+        secret_proved = self._creds.member and verify(
+            client_proof(self._creds.secret, self._client_nonce, self.nonce), proof)
+        try:
+            peer = self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key,
+                                     self._binding)
+        except IdentityError:
+            if self._creds.member and not secret_proved:
+                raise AuthenticationError("it failed to prove the session secret") from None
+            raise
+        if self._creds.member and not secret_proved and peer.trusted:
             raise AuthenticationError("it failed to prove the session secret")
-        return self._creds.check(cert, signature, False, self._client_nonce, self.nonce, self._creds.key,
-                                 self._binding)
+        return peer
 
 
 def prove(send: Callable[[List[bytes]], None], recv: Callable[[str], List[Any]],

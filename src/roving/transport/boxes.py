@@ -12,15 +12,14 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import struct
 import threading
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, cast
 
 from . import timeouts
 from .identity import Peer
 from .mailbox import EMPTY, ERROR, FULL, OK, SHARED, Access, LocalWaiter, Mailbox, Waiter
-from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, REPLY,
-                   SIZE, TASK_DONE, UNCLAIM, UNGATE, Frames)
+from .wire import (CLAIM, GATE, GET, HOLD, INSERT, JOIN, POLL, PUT, PUT_FRONT, PUT_NOREPLY, RELEASE, SIZE,
+                   TASK_DONE, UNCLAIM, UNGATE, Frames, Sizes, pack_reply, pack_sizes)
 
 #: Statuses a timed-out wait is answered with.
 TIMEOUT_STATUS = {PUT: FULL, GET: EMPTY, POLL: EMPTY, JOIN: EMPTY}
@@ -77,9 +76,9 @@ class Boxes:
         with self.lock:
             self.boxes.pop(box_id, None)
 
-    def release_everywhere(self, key: Any) -> None:
-        """Forget every pipe end that ``key`` (a process that ended) held, claimed or gated here."""
-        uid = key.decode() if isinstance(key, bytes) else key
+    def release_everywhere(self, key: bytes) -> None:
+        """Forget every pipe end that ``key`` (a process that ended: its uid) held, claimed or gated here."""
+        uid = key.decode()
         with self.lock:
             for end in [e for e, c in self.claims.items() if c.get("uid") == uid]:
                 del self.claims[end]
@@ -145,7 +144,7 @@ class Boxes:
         if op == POLL:
             return box.poll(waiter if blocking else None), None
         if op == SIZE:
-            return OK, [struct.pack("<QQ", len(box.items) + len(box.putters), box.unfinished)]
+            return OK, [pack_sizes(Sizes(len(box.items) + len(box.putters), box.unfinished))]
         if op == TASK_DONE:
             status = box.task_done()
             return status, [b"task_done() called too many times"] if status == ERROR else None
@@ -224,4 +223,4 @@ class RemoteWaiter(Waiter):
         if status == OK and frames:
             # An item handed to a reader whose process has gone goes back to the front of its mailbox.
             undeliverable = functools.partial(self.node.put_back, self.box_id, frames)
-        self.answer([REPLY.pack(self.req_id, status), *(frames or ())], undeliverable)
+        self.answer([pack_reply(self.req_id, status), *(frames or ())], undeliverable)

@@ -11,7 +11,9 @@ ZeroMQ (CURVE and the node's door).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import zmq
 
 from . import auth
 from . import identity
@@ -60,7 +62,7 @@ class Channel:
         return self._stream is not None
 
     @property
-    def pollable(self) -> Any:
+    def pollable(self) -> Union[zmq.Socket, int]:
         """What a ``zmq.Poller`` can watch for this channel's messages (and names in what it returns):
         its ZeroMQ socket, or its stream's file descriptor. A stream may hold whole messages read
         already: call ``recv(0)`` until None after each wake-up."""

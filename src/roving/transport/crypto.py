@@ -67,13 +67,29 @@ def curve_server(sock: zmq.Socket, creds: "identity.Credentials") -> None:
     sock.setsockopt(zmq.CURVE_SECRETKEY, creds.curve_secret)
 
 
-def curve_client(sock: zmq.Socket, secret: bytes, node_key: str) -> None:
+def curve_client(sock: zmq.Socket, creds: "bytes | identity.Credentials", node_key: str) -> None:
     """Make ``sock`` a CURVE client that completes ZeroMQ's handshake only with the node whose key is
-    ``node_key`` (:func:`.identity.node_key` of its address; before it connects)."""
-    keys = curve_keys(secret)
+    ``node_key`` (:func:`.identity.node_key` of its address; before it connects). A member presents the
+    session's client key; a process that is not one (``creds.member`` false) its own node key, which a
+    node accepts once told of it (:func:`.zap.admit`). Raw bytes: a member's secret."""
+    creds = identity.credentials(creds)
+    if creds.member:
+        keys = curve_keys(creds.secret)
+        public, secret = keys.client_public, keys.client_secret
+    else:
+        public, secret = creds.curve_public, creds.curve_secret
     sock.setsockopt(zmq.CURVE_SERVERKEY, identity.curve_server_key(node_key))
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+
+
+def session_client_key(creds: "identity.Credentials") -> bytes:
+    """The public half (Z85) of the session's shared CURVE client key, which this process's nodes accept
+    from members: derived from the member secret, or as told to a process that is not a member."""
+    if creds.member:
+        return curve_keys(creds.secret).client_public
+    assert creds.session_client_key is not None
+    return creds.session_client_key
 
 
 def tls_contexts(creds: "identity.Credentials") -> Tuple[ssl.SSLContext, ssl.SSLContext]:

@@ -37,9 +37,10 @@ from . import wire
 from .errors import AuthenticationError, ConnectionLost, IdentityError, NodeError, TransportError
 from .framing import is_bytes
 from .mailbox import ERROR, OK
+from .boxes import Boxes
 from .node import Node
-from .wire import (COPY_BELOW, GET, HEADER, NO_REPLY, PING, PUT_FRONT, REPLY, REQUEST, STREAMS, Frames, nbytes,
-                   send_frames, split_frames)
+from .wire import (COPY_BELOW, GET, NO_REPLY, PING, PUT_FRONT, REQUEST, STREAMS, Frames, nbytes,
+                   pack_header, send_frames, split_frames, unpack_reply)
 
 __all__ = ["Endpoint", "ConnectionLost", "NodeError", "TransportError", "abandon", "close_connections", "flush_sent",
            "open_stream", "stream_listener", "zmq_socket"]
@@ -112,7 +113,7 @@ class _Connection:
             unconfirmed = _unconfirmed()
             if self not in unconfirmed:
                 unconfirmed.append(self)
-        self._transmit([op, HEADER.pack(box_id, req_id, timeout), *payload])
+        self._transmit([op, pack_header(box_id, req_id, timeout), *payload])
         return req_id
 
     def call(self, op: bytes, box_id: int, timeout: float, payload: Frames,
@@ -122,7 +123,7 @@ class _Connection:
         self.pending = (req_id, op, box_id)
         while True:
             frames = self._recv(guard, "answer")
-            got, status = REPLY.unpack(frames[0])
+            got, status = unpack_reply(frames[0])
             if got == req_id:
                 self.pending = None
                 self.unacked = False  # the node handles a connection's messages in order
@@ -142,7 +143,7 @@ class _Connection:
                 frames = self._recv(left, "answer")
             except NodeError:
                 return False
-            got, status = REPLY.unpack(frames[0])
+            got, status = unpack_reply(frames[0])
             if got == req_id:
                 self.unacked = False
                 return True
@@ -164,7 +165,7 @@ class _Connection:
                 frames = self._recv(0, "answer")
             except NodeError:
                 return
-            got, status = REPLY.unpack(frames[0])
+            got, status = unpack_reply(frames[0])
             self._stale(got, status, frames[1:])
 
     def closes_safely(self) -> bool:
@@ -204,7 +205,7 @@ class _ZmqConnection(_Connection):
         try:
             if curve:
                 assert key is not None
-                crypto.curve_client(self.sock, creds.secret, key)
+                crypto.curve_client(self.sock, creds, key)
                 monitor = self.sock.get_monitor_socket(_HANDSHAKE_EVENTS)
             self.sock.connect(identity.bare(address))
             deadline = time.monotonic() + connect_timeout
@@ -400,7 +401,8 @@ class Endpoint:
     def __init__(self, address: str, secret: Secret, local: Optional[Node],
                  connect_timeout: float = 30.0) -> None:
         self.address = address
-        self.local = local
+        #: This process's own mailboxes when the node at ``address`` is this process's: called directly.
+        self.local: Optional[Boxes] = None if local is None else local.mailboxes
         self._secret = identity.credentials(secret)
         self._connect_timeout = connect_timeout
         self._threads = threading.local()

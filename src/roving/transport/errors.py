@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import multiprocessing
 
+from ..errors import RovingError
+
 __all__ = ["TransportError", "NodeError", "ConnectionLost", "AddressError", "StreamError", "ServerGone",
            "AuthenticationError", "IdentityError", "SerializationError", "MalformedMessage"]
 
 
-class TransportError(Exception):
+class TransportError(RovingError):
     """The base of every error the transport raises; each is also of a built-in kind (see the module)."""
 
 

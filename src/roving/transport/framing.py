@@ -15,6 +15,9 @@ import socket
 import struct
 from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
+from .progress import FROM as _TOLD_FROM
+from .progress import Progress, peer_of
+
 _HEAD = struct.Struct("<cI")  # kind, number of frames; then one <Q per frame: length << 1 | is-bytes
 _FIRST_BUFFER = 4096  # a reader's buffer at first: an idle stream (a heartbeat's) costs little
 _BUFFER = 64 * 1024  # it doubles, up to this, each time a read fills it (a busy stream reads more at once)
@@ -45,7 +48,7 @@ def _fresh_buffers() -> Tuple[Callable[[int], Any], Callable[[int], bytearray]]:
 _bytes_to_fill, _bytearray = _fresh_buffers()
 
 
-def is_bytes(frame: Any) -> bool:
+def is_bytes(frame: object) -> bool:
     """Whether a frame is (the memory of) a bytes object: it is rebuilt as one on the other side."""
     return type(frame) is bytes or type(frame) is memoryview and type(frame.obj) is bytes
 
@@ -86,7 +89,7 @@ class Reader:
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._msg: Optional[Tuple[bytes, Tuple[int, ...], List[Any]]] = None
-        self._big: Optional[List[Any]] = None  # [frame, view, bytes in]: a large frame being read
+        self._big: Optional[List[Any]] = None  # [frame, view, bytes in, its Progress or None]: a large frame
 
     def buffered(self) -> bool:
         return bool(self.ready) or self._end > self._start
@@ -99,13 +102,17 @@ class Reader:
         if self.ready:
             return
         if self._big is not None:
-            frame, view, have = self._big
+            frame, view, have, told = self._big
             got = self.sock.recv_into(view[have:])
             if got:
                 self._big[2] = have + got
+                if told is not None:
+                    told.advance(have + got)
                 if have + got == len(view):
                     view.release()
                     self._big = None
+                    if told is not None:
+                        told.finish()
                     assert self._msg is not None  # a big frame is read only inside a message
                     self._msg[2].append(frame)
         else:
@@ -168,7 +175,9 @@ class Reader:
                 view[:have] = self._view[self._start:self._start + have]
                 self._start += have
                 if have < length:
-                    self._big = [frame, view, have]
+                    told = Progress(f"receiving a frame from {peer_of(self.sock)}", length) \
+                        if length >= _TOLD_FROM else None
+                    self._big = [frame, view, have, told]
                     return False
                 view.release()
                 frames.append(frame)

@@ -41,7 +41,7 @@ import ssl
 import tempfile
 import threading
 import weakref
-from typing import Any, Dict, Optional, Tuple, Union, cast
+from typing import Any, Dict, Optional, Protocol, Tuple, Union, cast
 
 import zmq
 from cryptography import x509
@@ -223,8 +223,16 @@ class Credentials:
     is the CA itself, in the root only."""
 
     def __init__(self, secret: bytes, grant: Grant, authority: Optional[Authority] = None,
-                 ad_hoc: bool = False) -> None:
+                 ad_hoc: bool = False, session_client_key: Optional[bytes] = None) -> None:
+        #: Whether this process holds the session's member secret. One that does not
+        #: (:meth:`certificate_only`) authenticates by its certificate alone, which must mark it untrusted.
+        self.member = session_client_key is None
+        #: The member secret; a process that is not a member holds random bytes of its own here, which
+        #: prove nothing to anyone (its connections are taken on its certificate, :mod:`.auth`).
         self.secret = secret
+        #: Where this process is not a member: the public half of the session's shared CURVE client key
+        #: (Z85), which its node accepts from members (:mod:`.crypto`); None for a member.
+        self.session_client_key = session_client_key
         #: Made from raw secret bytes (:func:`credentials`): every process that holds them is this one
         #: identity, so an address that names no node key is taken to name this one's.
         self.ad_hoc = ad_hoc
@@ -248,6 +256,18 @@ class Credentials:
             raise IdentityError("the certificate given does not name this process's keys")
         #: False when this process's own certificate marks it untrusted (:attr:`Peer.trusted`).
         self.trusted = mine.trusted
+        if not self.member and self.trusted:
+            raise IdentityError("credentials without the member secret must carry a certificate marked "
+                                "untrusted: only members are trusted")
+
+    @classmethod
+    def certificate_only(cls, grant: Grant, session_client_key: bytes) -> "Credentials":
+        """Credentials that hold no secret of the session: this process's own keys (``grant.seed``) and
+        the untrusted certificate the CA gave for them, with the session's shared CURVE client key's
+        public half (``session_client_key``, Z85), so that members can reach this process's node. What a
+        node that joins through a pipeline's open door holds: its certificate and nothing more.
+        IdentityError when the certificate does not mark the process untrusted."""
+        return cls(os.urandom(32), grant, session_client_key=bytes(session_client_key))
 
     def private_part(self) -> str:
         """What a child needs, besides the member secret, to be this identity: its seed (hex)."""
@@ -435,7 +455,13 @@ def child(secret: bytes, node_id: str, seed_hex: str, public: Dict[str, str]) ->
 # -- revocation ----------------------------------------------------------------------------------
 
 _revoked: set = set()
-_watchers: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class RevocationWatcher(Protocol):
+    """What :func:`on_revoke` calls: a node, which closes the revoked process's connections."""
+
+    def revoked(self, node_id: str) -> None: ...
+
+
+_watchers: "weakref.WeakSet[RevocationWatcher]" = weakref.WeakSet()
 _watch_lock = threading.Lock()
 
 
@@ -455,7 +481,7 @@ def is_revoked(node_id: str) -> bool:
     return node_id in _revoked
 
 
-def on_revoke(watcher: Any) -> None:
+def on_revoke(watcher: RevocationWatcher) -> None:
     """Call ``watcher.revoked(node_id)`` (any thread; it must not block) at each revocation while the
     watcher lives (held weakly)."""
     with _watch_lock:

@@ -116,7 +116,7 @@ class Mailbox:
         self.unfinished = 0
         # Pipes: who may still write. End-of-file once nobody can and nothing is left.
         self.track_writers = track_writers
-        self.writers: Dict[Any, int] = {}
+        self.writers: Dict[bytes, int] = {}
         self.released_early: set = set()
         # Pipes: while a direct stream is taken down, a gate stands where its messages belong.
         # Readers stop in front of it; what the stream still carried is inserted before it.
@@ -257,14 +257,14 @@ class Mailbox:
         return -1
 
     # -- pipe ends -----------------------------------------------------------------------------
-    def hold(self, key: Any) -> None:
+    def hold(self, key: bytes) -> None:
         """``key`` (a process) can write: readers wait instead of seeing end-of-file."""
         if key in self.released_early:
             self.released_early.discard(key)  # its release overtook it: nothing is held
             return
         self.writers[key] = self.writers.get(key, 0) + 1
 
-    def release(self, key: Any, all_holds: bool = False) -> None:
+    def release(self, key: bytes, all_holds: bool = False) -> None:
         if key not in self.writers and key.startswith(TRANSIT):
             # A pipe end in transit is held by its sender and released by its receiver, over two
             # different connections: the release can arrive first. Remember it for the hold.
@@ -278,7 +278,7 @@ class Mailbox:
         if self.at_eof():
             self.release_waiters_at_eof()
 
-    def close_gate(self, token: bytes, owner: Any, consumed: bool) -> None:
+    def close_gate(self, token: bytes, owner: str, consumed: bool) -> None:
         """Stop readers where the messages of the direct stream ``token`` belong, until :meth:`open_gate`.
 
         ``consumed``: the stream's reader had read the stream's switch item, so everything now here is
@@ -323,7 +323,7 @@ class Mailbox:
         if self.at_eof():
             self.release_waiters_at_eof()
 
-    def open_gates_of(self, owner: Any) -> None:
+    def open_gates_of(self, owner: str) -> None:
         """Open the gates that ``owner`` (a process that ended) was to open."""
         for item in [i for i in self.items if type(i) is _Gate and i.owner == owner]:
             self.open_gate(item.token)

@@ -49,13 +49,15 @@ class Postbox:
 
     def __init__(self, untrusted_bytes: int = UNTRUSTED_BYTES) -> None:
         self._node = _session.current().node()
-        self._box = self._node.new_box(access=Access(untrusted=True, stamp=True, untrusted_bytes=untrusted_bytes))
+        self._box = self._node.mailboxes.new_box(
+            access=Access(untrusted=True, stamp=True, untrusted_bytes=untrusted_bytes))
         self.address = PostboxAddress(self._node.address, self._box)
 
     def get(self, timeout: Optional[float] = None) -> Letter:
         """The oldest item, waiting up to ``timeout`` seconds (None: for ever); queue.Empty when none
         came, OSError when the postbox was closed."""
-        status, frames = self._node.call_local(_node.GET, self._box, -1 if timeout is None else max(0.0, timeout))
+        wait = -1 if timeout is None else max(0.0, timeout)
+        status, frames = self._node.mailboxes.call_local(_node.GET, self._box, wait)
         if status == _node.OK and frames:
             return Letter(bytes(frames[0]).decode(errors="replace"), list(frames[1:]))
         if status == _node.ERROR:
@@ -65,11 +67,11 @@ class Postbox:
     def overflowed(self) -> Dict[str, int]:
         """The untrusted writers whose items were refused since the last call (they held as much
         unread here as they may), with how many."""
-        return self._node.overflowed(self._box)
+        return self._node.mailboxes.overflowed(self._box)
 
     def close(self) -> None:
         """Stop taking items; what waits is dropped."""
-        self._node.drop_box(self._box)
+        self._node.mailboxes.drop_box(self._box)
 
 
 class Slot:

@@ -32,11 +32,11 @@ from . import timeouts
 from .channel import Channel
 from .endpoint import Secret, flush_sent
 from .errors import AuthenticationError, ConnectionLost, IdentityError, ServerGone
+from .wire import pack_reply, unpack_reply
 
 log = logging.getLogger(__name__)
 
 REQ = struct.Struct("<QB")
-ANS = struct.Struct("<Qb")
 # Request kinds.
 CALL, PING, TELL, CALL_CONCURRENT = 0, 1, 2, 3
 # Answer statuses (protocols may add their own, > 1).
@@ -171,7 +171,7 @@ class Caller:
                 mark_dead(self.address)
                 raise self._gone(f"no answer to a ping for {DEAD_AFTER:g} s")
             return
-        got, status = ANS.unpack(frames[0].bytes)
+        got, status = unpack_reply(frames[0].bytes)
         if self._ping_id is not None:
             # Anything from the server shows it alive; the ping's own answer may still come.
             self._ping_sent = now
@@ -220,7 +220,7 @@ class Server:
     def _on_message(self, ident: bytes, frames: List[Any]) -> None:
         req_id, kind = REQ.unpack(frames[0].bytes)
         if kind == PING:
-            self.node.send_to(ident, [ANS.pack(req_id, OK)])
+            self.node.send_to(ident, [pack_reply(req_id, OK)])
             return
         self.serve(ident, req_id, kind, frames[1:])
 
@@ -230,4 +230,4 @@ class Server:
     def answer(self, ident: bytes, req_id: int, status: int, frames: Sequence[Any] = (),
                undeliverable: Optional[Callable[[], None]] = None) -> None:
         """Answer a request; ``undeliverable()`` runs if the asker's process has gone."""
-        self.node.send_to(ident, [ANS.pack(req_id, status), *frames], undeliverable)
+        self.node.send_to(ident, [pack_reply(req_id, status), *frames], undeliverable)

@@ -27,7 +27,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 from .. import backends
 from .. import config as _config
-from ..backends.private import take_private
+from ..system.private import take_private
 from . import addressing, auth, identity, issuer
 from .endpoint import Endpoint, close_connections
 from .node import Node

@@ -64,6 +64,7 @@ import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import addressing, auth
+from . import progress
 from . import crypto
 from . import identity
 from . import tls
@@ -138,17 +139,24 @@ class Stream:
         todo = collections.deque(encode(kind, frames))
         total = sum(len(v) for v in todo)
         sent = 0
+        told = progress.Progress(f"sending a message to {progress.peer_of(self.sock)}", total) \
+            if total >= progress.FROM else None
         try:
             if self.encrypted:
                 while todo:
                     n = tls.write(self.sock, todo, False)
                     sent += n
                     advance(todo, n)
-                return
+                    if told is not None:
+                        told.advance(sent)
             while todo:
                 n = self.sock.sendmsg(list(itertools.islice(todo, 512)) if len(todo) > 512 else todo)
                 sent += n
                 advance(todo, n)
+                if told is not None:
+                    told.advance(sent)
+            if told is not None:
+                told.finish()
         except BaseException:
             if 0 < sent < total:  # the peer would read the rest of a message as the next one
                 self.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Optional
+from typing import Optional, SupportsFloat, Union
 
 __all__ = ["LONGEST", "FOREVER", "limit", "to_wire", "from_wire", "deadline"]
 
@@ -42,7 +42,7 @@ def to_wire(block: bool, timeout: Optional[float], name: str = "timeout") -> flo
     return FOREVER if seconds is None else seconds
 
 
-def from_wire(value: Any) -> float:
+def from_wire(value: Union[SupportsFloat, str]) -> float:
     """A timeout as a peer sent it, fit for the clock: FOREVER for a negative value, ``inf`` and
     anything above LONGEST; 0 (no wait) for NaN or what is not a number; else the seconds."""
     try:

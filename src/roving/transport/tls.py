@@ -10,7 +10,7 @@ import select
 import socket
 import ssl
 import threading
-from typing import Any, Callable, Deque, Optional
+from typing import Any, Callable, Deque, Optional, Union
 
 _JOIN = 64 * 1024  # over TLS, buffers smaller than this are joined into one write (one record)
 
@@ -46,13 +46,13 @@ class TlsSocket:
             poller.register(self._fd, want)
             poller.poll()
 
-    def recv_into(self, view: Any) -> int:
+    def recv_into(self, view: Union[bytearray, memoryview]) -> int:
         return self._call(lambda: self.ssock.recv_into(view), select.POLLIN)
 
-    def send(self, data: Any) -> int:
+    def send(self, data: Union[bytes, bytearray, memoryview]) -> int:
         return self._call(lambda: self.ssock.send(data), select.POLLOUT)
 
-    def sendall(self, data: Any) -> None:
+    def sendall(self, data: Union[bytes, bytearray, memoryview]) -> None:
         view = memoryview(data).cast("B")
         while view:
             view = view[self.send(view):]
@@ -72,8 +72,8 @@ class TlsSocket:
     def settimeout(self, value: Optional[float]) -> None:
         self.blocking = value != 0
 
-    def setsockopt(self, *args: Any) -> None:
-        self.ssock.setsockopt(*args)
+    def setsockopt(self, level: int, option: int, value: Union[int, bytes]) -> None:
+        self.ssock.setsockopt(level, option, value)
 
     def shutdown(self, how: int) -> None:
         socket.socket.shutdown(self.ssock, how)  # the TCP connection: a thread waiting on it returns

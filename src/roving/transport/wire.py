@@ -3,10 +3,13 @@
 
 A request is ``[op, HEADER(box id, request id, timeout), *payload]``: ``op`` is one byte (the
 operations below), the timeout is in seconds (-1: wait as long as it takes, 0: not at all). An answer
-is ``[REPLY(request id, status), *frames]``, with a status of :mod:`.mailbox` (OK, EMPTY, FULL, EOF,
-ERROR). Over ZeroMQ a message is its frames; over a stream it is one stream message of kind
-:data:`REQUEST` or :data:`ANSWER` (:mod:`.stream` frames it). The authentication handshake that comes
-before any of this is :mod:`.auth`'s.
+is ``[reply header(request id, status), *frames]`` (:func:`pack_reply`), with a status of
+:mod:`.mailbox` (OK, EMPTY, FULL, EOF, ERROR). This module owns each struct of the wire: it packs and
+reads them (``pack_header``/``unpack_header``, ``pack_reply``/``unpack_reply``,
+``pack_sizes``/``unpack_sizes``), and nobody else indexes into their bytes. Over ZeroMQ a message is
+its frames; over a stream it is one stream message of kind :data:`REQUEST` or :data:`ANSWER`
+(:mod:`.stream` frames it). The authentication handshake that comes before any of this is
+:mod:`.auth`'s.
 
 Guarantees: no frame larger than :data:`MAX_FRAME` reaches a node's ZeroMQ socket (libzmq drops a
 peer that declares one); :func:`split_frames` cuts larger frames into pieces and :func:`join_pieces`
@@ -20,7 +23,7 @@ import array
 import itertools
 import os
 import struct
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import zmq
 
@@ -45,10 +48,46 @@ NO_REPLY = frozenset({PUT_NOREPLY, HOLD, RELEASE, PUT_FRONT, INSERT, UNGATE})
 #: Stream message kinds: a request to a node, a node's answer, and a message of a protocol of one's own
 #: (``[op, *frames]`` to the node's handler for ``op``; from the node, what that handler sent back).
 REQUEST, ANSWER, MESSAGE = b"Q", b"A", b"M"
-#: A request's header: box id, request id, timeout in seconds (-1: forever).
+#: A request's header: box id, request id, timeout in seconds (-1: forever). Made by :func:`pack_header`
+#: and read by :func:`unpack_header` (a test that plays a client may pack one itself).
 HEADER = struct.Struct("<QQd")
-#: An answer's header: request id, status.
-REPLY = struct.Struct("<Qb")
+pack_header: Callable[[int, int, float], bytes] = HEADER.pack
+
+
+def unpack_header(data: Any) -> Tuple[int, int, float]:
+    """(box id, request id, timeout) of a request's header; MalformedMessage when it is not one."""
+    if len(data) != HEADER.size:
+        raise MalformedMessage(f"a request header of {len(data)} bytes, not {HEADER.size}")
+    return HEADER.unpack(data)
+# An answer's header: request id, status; the node's answers and rpc's (roving.transport.rpc) alike.
+# This module owns it: pack_reply makes it, unpack_reply reads it (a bytes-like, or a zmq.Frame's .bytes).
+_REPLY = struct.Struct("<Qb")
+pack_reply: Callable[[int, int], bytes] = _REPLY.pack
+unpack_reply: Callable[[Any], Tuple[int, int]] = _REPLY.unpack
+#: The size of an answer's header.
+REPLY_SIZE = _REPLY.size
+# The answer to SIZE: items in the mailbox (and writers waiting to put), tasks not yet done.
+_SIZES = struct.Struct("<QQ")
+
+
+class Sizes(NamedTuple):
+    """What a node answers SIZE with (:func:`pack_sizes`, :func:`unpack_sizes`)."""
+
+    items: int  #: items held, plus writers waiting to put one
+    unfinished: int  #: items put and not yet marked done (``task_done``)
+
+
+def pack_sizes(sizes: Sizes) -> bytes:
+    """The frame a node answers SIZE with."""
+    return _SIZES.pack(*sizes)
+
+
+def unpack_sizes(frame: Any) -> Sizes:
+    """The sizes in a SIZE answer's frame; MalformedMessage when it is not one."""
+    data = bytes(frame)
+    if len(data) != _SIZES.size:
+        raise MalformedMessage(f"a SIZE answer of {len(data)} bytes, not {_SIZES.size}")
+    return Sizes(*_SIZES.unpack(data))
 
 #: The largest frame a node's ZeroMQ socket takes from any peer (libzmq disconnects a peer that declares
 #: a larger one, before buffering it); larger frames travel in pieces (split_frames).

@@ -21,6 +21,9 @@ images), so the tests talk to this instead, through the official kubernetes clie
   ``GET`` and ``DELETE .../secrets/NAME``. A container env entry ``valueFrom.secretKeyRef`` is resolved
   when the pod starts, as the kubelet does; a missing Secret or key keeps the pod ``Pending`` with its
   container waiting, reason ``CreateContainerConfigError``.
+* with ``memory_limits=True``, a pod's container runs in a memory cgroup limited to its
+  ``resources.limits.memory``, as a container runtime runs it; a pod whose process the kernel's OOM killer
+  ended there terminates with reason ``OOMKilled`` and exit code 137, as the kubelet reports it.
 * a pod mounts its service account's token unless its spec says ``automountServiceAccountToken: false``
   (the fake's service account, like a namespace's ``default`` one, does not turn it off): each pod
   created is kept in ``created``, with ``FakePod.mounts_token`` saying whether the kubelet would mount it.
@@ -77,10 +80,13 @@ class FakePod:
         self.cpu = cpu_value(requests.get("cpu", "0"))
         self.memory = memory_value(requests.get("memory", "0"))
         self.gpu = int(requests.get("nvidia.com/gpu", 0))
+        limits = (container.get("resources") or {}).get("limits") or {}
+        self.memory_limit = memory_value(limits["memory"]) if "memory" in limits else None
+        self.group = None  # its memory cgroup, with memory_limits on
         #: whether the kubelet would mount the service account's token into the pod's containers
         self.mounts_token = body["spec"].get("automountServiceAccountToken") is not False
 
-    def start(self, secrets: dict) -> None:
+    def start(self, secrets: dict, memory_limits: bool = False) -> None:
         c = self.body["spec"]["containers"][0]
         env = {}
         for e in c.get("env") or []:
@@ -105,6 +111,15 @@ class FakePod:
             self.proc = subprocess.Popen(list(c.get("command") or []) + list(c.get("args") or []), env=env,
                                          cwd=c.get("workingDir") or "/", stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        if memory_limits and self.memory_limit is not None:
+            # the container runtime's part: the process in a cgroup with the container's limit (made with
+            # roving's own helper; what is tested is the backend's reading of the pod's status)
+            from roving.backends.memory import make_group
+
+            self.group, why = make_group(self.memory_limit, self.name)
+            if self.group is None:
+                raise RuntimeError(f"the fake cannot limit a pod's memory here: {why}")
+            self.group.add(self.proc.pid)
         self.status = {"phase": "Running", "podIP": "127.0.0.1",
                        "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}],
                        "containerStatuses": [{"name": c["name"], "ready": True, "restartCount": 0, "image": c["image"],
@@ -119,6 +134,10 @@ class FakePod:
             return
         exit_code = 128 - code if code < 0 else code
         terminated = {"exitCode": exit_code, "reason": "Completed" if code == 0 else "Error"}
+        if self.group is not None and self.group.oom_killed():
+            terminated["reason"] = "OOMKilled"
+        if self.group is not None:
+            self.group.remove()
         if code < 0:
             terminated["signal"] = -code
         self.status["phase"] = "Succeeded" if code == 0 else "Failed"
@@ -132,8 +151,9 @@ class FakePod:
 class FakeKubernetes:
     """The server, its pods, and the one node's capacity. Use as a context manager."""
 
-    def __init__(self, cpu: float = 8, memory: int = 16 * 2**30, gpu: int = 0) -> None:
+    def __init__(self, cpu: float = 8, memory: int = 16 * 2**30, gpu: int = 0, memory_limits: bool = False) -> None:
         self.capacity = {"cpu": cpu, "memory": memory, "gpu": gpu}
+        self.memory_limits = memory_limits
         self.pods: Dict[tuple, FakePod] = {}
         self.secrets: Dict[tuple, dict] = {}
         self.lock = threading.RLock()
@@ -234,7 +254,7 @@ class FakeKubernetes:
             pod.status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
                                          "message": message}]
             return
-        pod.start(self.secrets)
+        pod.start(self.secrets, self.memory_limits)
 
     def _secrets(self, h, method: str, namespace: str, name: Optional[str]) -> None:
         _secret_api(self, h, method, namespace, name)

@@ -15,7 +15,7 @@ import time
 
 import helpers_pool as hp
 import roving
-from roving.backends import slurm_step
+from roving.backends.slurm import step as slurm_step
 from roving.pool import PoolStartError
 
 T = 120

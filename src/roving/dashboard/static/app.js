@@ -89,20 +89,31 @@ function eventItem(e) {
   return html`<li class="ev-${kind}" data-kind="${kind}"><span class="t">${t}</span><span class="k">${kind}</span>${e.source ? e.source + ": " : ""}${text}${tb}</li>`;
 }
 
+function bytes(n) {
+  if (n == null) return "";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${i ? n.toPrecision(3) : n} ${units[i]}`;
+}
+
 function renderPools(rt) {
   if (!rt || !rt.pools.length) return html`<p class="empty">No pool yet.</p>`;
   return html`${rt.pools.map(p => {
     const ws = p.workers || [], by = {};
     ws.forEach(w => { by[w.state] = (by[w.state] || 0) + 1; });
     const cnt = (k, label, cls) => html`<div class="${cls || ""}"><b class="count-${k}" data-pool="${p.id}">${p[k] == null ? 0 : p[k]}</b>${label}</div>`;
-    const evs = rt.events.filter(e => e.source === "pool " + p.id && ["worker-lost", "retry", "task-failed", "resize", "autoscale", "start-failed"].includes(e.kind));
-    const table = ws.map(w => html`<tr><td>${w.id}</td><td>${w.name}</td><td><span class="state s-${w.state}">${w.state}</span></td><td>${w.items}</td></tr>`);
+    const evs = rt.events.filter(e => e.source === "pool " + p.id && ["worker-lost", "retry", "task-failed", "resize", "autoscale", "start-failed", "memory-restart"].includes(e.kind));
+    const table = ws.map(w => html`<tr><td>${w.id}</td><td>${w.name}</td><td><span class="state s-${w.state}">${w.state}</span></td><td>${w.items}</td>
+      <td class="memory">${bytes(w.memory)}</td><td class="peak-memory">${bytes(w.peak_memory)}</td><td>${bytes(w.memory_limit)}</td></tr>`);
+    const calls = (p.calls || []).slice(-10).reverse().map(c => html`<tr class="call-peak"><td>${c.call}</td><td>${c.name}</td><td class="peak-memory">${bytes(c.peak_memory)}</td></tr>`);
     return html`<div class="card pool" id="pool-${p.id}" data-state="${p.state}"><h2>Pool ${p.id} <span class="state s-${p.state === "gone" ? "gone" : "running"}">${p.state}</span>
       <small>${p.size != null ? `${p.size} worker(s) wanted (${p.min}-${p.max})` : ""}</small></h2>
-      <div class="counts">${cnt("queued", "queued")}${cnt("running", "running")}${cnt("done", "done")}${cnt("failed", "failed", "bad")}${cnt("retried", "retried", "warn")}${cnt("lost", "workers lost", "bad")}</div>
+      <div class="counts">${cnt("queued", "queued")}${cnt("running", "running")}${cnt("done", "done")}${cnt("failed", "failed", "bad")}${cnt("retried", "retried", "warn")}${cnt("lost", "workers lost", "bad")}${cnt("oom_kills", "killed for memory", "bad")}${cnt("memory_restarts", "memory restarts", "warn")}</div>
       <div class="counts">${["idle", "busy", "starting", "retiring"].map(s => html`<div><b class="workers-${s}">${by[s] || 0}</b>${s}</div>`)}</div>
       <div class="charts">${lineChart("throughput-" + p.id, [{name: "items/s", points: (p.throughput || []).map(q => [q[0], q[1]])}], {xfmt: clock, xlabel: "throughput"})}
-      <div class="wide"><table><tr><th>worker</th><th>process</th><th>state</th><th>items</th></tr>${table}</table></div></div>
+      <div class="wide"><table><tr><th>worker</th><th>process</th><th>state</th><th>items</th><th>memory</th><th>peak memory</th><th>limit</th></tr>${table}</table>
+      ${calls.length ? html`<table class="call-peaks"><tr><th>call</th><th>function</th><th>peak memory</th></tr>${calls}</table>` : ""}</div></div>
       <h3>Losses, retries, failures, resizes</h3><ol class="events pool-events">${evs.length ? evs.slice(-30).reverse().map(eventItem) : html`<li class="empty">none</li>`}</ol></div>`;
   })}`;
 }

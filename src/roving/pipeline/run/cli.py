@@ -209,6 +209,9 @@ def _add_run_tool_parsers(sub: Any) -> None:
     nd.add_argument("--region", default=None, help="the region this node is in (default: the run's choice)")
     nd.add_argument("--device", default=None, help="auto (CUDA when there is one), cpu, cuda, cuda:N")
     nd.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: the run's)")
+    nd.add_argument("--coordinator-timeout", type=float, default=60.0, metavar="S",
+                    help="leave when the training's coordinator has not answered for S seconds (default 60; "
+                         "0: wait for ever)")
     nd.set_defaults(handler=run_node)
     st = sub.add_parser("status", help="where a running `pipeline train --control DIR` is: nodes, stages, events")
     st.add_argument("--control", required=True, help="the run's --control folder")
@@ -391,9 +394,14 @@ def run_node(args: argparse.Namespace) -> int:
     import os
 
     from ...transport import session
+    from ..errors import CoordinatorLost
     from ..runtime.door import JoinError, credentials_of, join
     from ..runtime.stage_process import stage_main
 
+    if args.coordinator_timeout < 0:
+        print(f"error: --coordinator-timeout must be 0 or more seconds, got {args.coordinator_timeout:g}",
+              file=sys.stderr)
+        return 2
     seed = os.urandom(32)  # this node's keys: made here, never sent anywhere
     try:
         placement = join(args.join, args.invite, seed, args.region)
@@ -402,9 +410,14 @@ def run_node(args: argparse.Namespace) -> int:
         return 1
     session.enter(credentials_of(placement, seed), towards=placement.control.node)
     settings = dataclasses.replace(placement.settings, device=args.device or placement.settings.device,
-                                   threads=args.threads or placement.settings.threads)
+                                   threads=args.threads or placement.settings.threads,
+                                   coordinator_timeout=args.coordinator_timeout)
     print(f"joined the training at {args.join} as node {placement.name}; serving until it ends", flush=True)
-    stage_main(settings, placement.control, placement.beats)
+    try:
+        stage_main(settings, placement.control, placement.beats)
+    except CoordinatorLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     print(f"node {placement.name}: the training released it", flush=True)
     return 0
 

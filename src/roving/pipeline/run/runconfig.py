@@ -204,7 +204,7 @@ class RunSection:
 
 @dataclass
 class VerifySection:
-    """[verify]: what a stage's nodes send is checked, not trusted (issue 32; README, Untrusted nodes).
+    """[verify]: what a stage's nodes send is checked, not trusted (issue 32; docs/guides/untrusted-nodes.md).
     The default, ``mode = "off"`` with ``aggregation = "mean"``, is training as it was."""
 
     #: "off" (nothing checked), "screen" (receipts, and running statistics of what crosses each stage

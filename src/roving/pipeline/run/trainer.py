@@ -36,7 +36,7 @@ import logging
 import math
 import os
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -58,7 +58,9 @@ from ..runtime.roster import Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
 from ..planning.simulate import Prediction, predict
 from ..runtime.slowness import SlowNodes
+from ..runtime.stalls import Stalls
 from ..runtime.stage_process import pick_device
+from ..dispatch import Dispatch
 from ..verify.verifier import Verifier
 from ..runtime.weights import StageWeights, Weights, load_checkpoint
 
@@ -120,7 +122,7 @@ class Trainer:
             roving.init(backend=cfg.backend)
         if roving_config.current().backend == "local" and not roving_config.current().local_preload:
             # every node imports torch: forked from a starter that did so once, each starts in
-            # milliseconds instead of seconds of CPU (``local_preload``; roving.backends.starter)
+            # milliseconds instead of seconds of CPU (``local_preload``; roving.backends.local.starter)
             roving.init(local_preload=("roving.pipeline.runtime.stage_process",))
         # nodes of the local backend share this machine's cores: the prediction for this run says so
         self.shared_cores = (max(1, (os.cpu_count() or 1) // max(1, cfg.threads))
@@ -128,9 +130,16 @@ class Trainer:
         self.iteration_no = 0
         self._t0 = time.perf_counter()
         self.roster = Roster(prep, self._event)
+        #: the one reader of the control inbox: the round's messages go to their type's handler, here or
+        #: in the verifier, whoever waits when they come
+        self.dispatch = Dispatch(self.roster)
+        self.dispatch.on(m.Done, self._take_done)
+        self.dispatch.on(m.Norm, self._take_norm)
+        self.dispatch.on(m.Stepped, self._take_stepped)
         #: the checks of what the nodes send and export (``[verify]``; does nothing with mode = "off")
-        self.verifier = Verifier(cfg, prep.model, self.roster, self._event)
+        self.verifier = Verifier(cfg, prep.model, self.roster, self._event, self.dispatch)
         self.weights = Weights(prep, self.roster, self._event, self.verifier)
+        self.stalls = Stalls(self.roster, self.dispatch, self._limit, self._event)
         self.recovery = StageRecovery(cfg, prep.model, self.weights, self._event, self._done)
         self.failures = FailureSchedule(cfg.stages, cfg.seed, cfg.fail_rate, cfg.fail_hour_iterations, cfg.fail_at)
         self.net = prep.network.without([n for n in prep.network.names if n not in prep.plan.allocation])
@@ -144,6 +153,7 @@ class Trainer:
         #: the refinement of the latest re-plan (see the class doc, Refining)
         self.refining = Refinement(cfg.refine_budget, cfg.seed, prep.plan_sync_bytes, cfg.planner_evals or None)
         self.round = -1
+        self._done_mbs: Iterable[int] = ()  # the microbatches of the round in flight that are done
         self._batches = train_batches(prep.corpus.train, cfg.samples, cfg.seq_len, cfg.seed)
         self._val = val_batches(prep.corpus.val, cfg.samples, cfg.seq_len, cfg.eval_batches)
         self._train_s = 0.0
@@ -151,6 +161,8 @@ class Trainer:
         self._sync_round: int | None = None  # the round whose averaging orders went out
         self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
         self._norm_from: set[str] = set()
+        self._losses: dict[int, float] = {}  # microbatch -> its loss, this round
+        self._stepped: dict[str, m.Stepped] = {}  # name -> its Stepped, this step
         self._resume_from = load_checkpoint(cfg.checkpoint, prep) if cfg.resume else None
         #: the open door (``[run] open_join``), opened by ``start``
         self.door: Door | None = None
@@ -410,6 +422,9 @@ class Trainer:
         failed = self.roster.take_lost()
         if failed:
             self._replan(failed=failed, why="failure")
+        if self.stalls.refresh(self.round):  # links broken long ago mended: who they kept out comes back
+            _, back = self.stalls.take_change()
+            self._replan(joined=sorted(n for n in back if n in self.roster.inboxes), why="links mended")
         self.control.serve_join_requests(self.roster.request_join)
         self.control.serve_invite_requests(self.invite)
         if self.door is not None:
@@ -477,7 +492,7 @@ class Trainer:
                 aborted = True
                 self._event("aborted", attempt=attempt, lost=sorted(exc.names), seconds_lost=lost_s)
             except RoundStalled as exc:
-                self._exclude_caught({})
+                self._exclude_caught(self.stalls.account(self.round, self.plan, self._done_mbs))
                 if t0 is not None:
                     lost_s += time.perf_counter() - t0
                 aborted = True
@@ -530,8 +545,14 @@ class Trainer:
         for name in self.roster.inboxes:
             self.roster.put(name, m.Abort(self.round))
         failed = self.roster.take_lost()
-        if failed:  # else the round stalled: the same plan runs it again
-            self._replan(failed=failed, why="failure")
+        benched, back = self.stalls.take_change()
+        for name in benched:  # what it holds is stale once the others step without it: loaded on its return
+            self.roster.holding[name] = None
+        if failed or benched or back:  # else the round stalled and nobody's account showed why: the same plan
+            self._replan(failed={**{n: "benched: a broken link (stalls)" for n in benched if n in self.alloc},
+                                 **failed},
+                         joined=sorted(n for n in back if n in self.roster.inboxes),
+                         why="failure" if failed else "stall")
 
     def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
         """Send every microbatch of the plan to its origin, and every node its averaging order; wait
@@ -549,35 +570,35 @@ class Trainer:
             path = plan.paths[mb]
             tokens, targets = batches[mb]
             self.roster.put(path.origin, m.Microbatch(rnd, mb, tokens, targets, path))
+        self._losses = {}
         self._order_sync(rnd, plan.backward_counts())
-        losses: dict[int, float] = {}
-        while len(losses) < len(plan.paths):
-            msg = self._round_recv((m.Done, m.Norm) + verifier.kinds, rnd)
-            if isinstance(msg, m.Norm):
-                self._take_norm(msg)
-            elif isinstance(msg, m.Done):
-                losses[msg.mb] = msg.loss
-                verifier.finished(rnd, msg.mb)  # its computations' checks start while the others run
-            else:
-                verifier.take(msg)
-        return [losses[mb] for mb in range(len(plan.paths))]
+        self._done_mbs = self._losses.keys()  # what a stalled round's accounts are read against (``stalls``)
+        self._read_round(lambda: len(self._losses) >= len(plan.paths), rnd)
+        return [self._losses[mb] for mb in range(len(plan.paths))]
 
-    def _take_norm(self, msg: m.Norm) -> None:
+    def _take_done(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Done)
+        self._losses[msg.mb] = msg.loss
+        self.verifier.finished(msg.round, msg.mb)  # its computations' checks start while the others run
+
+    def _take_norm(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Norm)
         self._norms.setdefault(msg.stage, msg.sq_norm)
         self._norm_from.add(msg.sender)
         self.verifier.note(msg)
 
-    def _round_recv(self, kind: type | tuple[type, ...], rnd: int) -> m.Message:
-        """The next ``kind`` message of round ``rnd``; raises RoundStalled after ``stall_after`` seconds
-        (at least twice the predicted iteration) without one; dead nodes raise NodesLost first (they
-        are checked every 0.1 s meanwhile)."""
+    def _read_round(self, done: Callable[[], bool], rnd: int) -> None:
+        """Dispatch round ``rnd``'s messages until ``done()``; raises RoundStalled after ``stall_after``
+        seconds (at least twice the predicted iteration) without one; dead nodes raise NodesLost first
+        (they are checked every 0.1 s meanwhile)."""
         if not self.config.stall_after:
-            return self.roster.recv(kind, rnd=rnd)
+            self.dispatch.until(done, rnd)
+            return
         # Never shorter than twice the round the plan predicts here: a slow round is not a stalled one.
         here = self.prediction.here_s
         predicted = here if math.isfinite(here) else 0.0
         try:
-            return self.roster.recv(kind, timeout=max(self.config.stall_after, 2 * predicted), rnd=rnd)
+            self.dispatch.until(done, rnd, timeout=max(self.config.stall_after, 2 * predicted))
         except NoMessage as exc:
             raise RoundStalled(str(exc)) from None
 
@@ -593,12 +614,7 @@ class Trainer:
         whole model's gradient norm (waits for the stages still averaging)."""
         if self._sync_round != rnd:
             self._order_sync(rnd, None)
-        while not set(self.alloc) <= self._norm_from:
-            msg = self._round_recv((m.Norm,) + self.verifier.kinds, rnd)
-            if isinstance(msg, m.Norm):
-                self._take_norm(msg)
-            else:
-                self.verifier.take(msg)
+        self._read_round(lambda: set(self.alloc) <= self._norm_from, rnd)
         return math.sqrt(sum(self._norms.values()))
 
     def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:
@@ -609,22 +625,23 @@ class Trainer:
         planned around at the next boundary, as a node lost."""
         for name in self.roster.inboxes:
             self.roster.put(name, m.Step(rnd, coef, self.recovery.lr(self.roster.holding.get(name), lr)))
-        stats: dict[str, dict] = {}
-        digests: dict[str, Any] = {}
-        platforms: dict[str, str] = {}
-        while set(self.roster.inboxes) - set(stats):
+        self._stepped = {}
+        while set(self.roster.inboxes) - set(self._stepped):
             try:
-                msg = self.roster.recv(m.Stepped, rnd=rnd)
-                assert isinstance(msg, m.Stepped)
-                stats[msg.sender] = msg.stats
-                digests[msg.sender], platforms[msg.sender] = msg.weights, msg.platform
-                self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
+                self.dispatch.until(lambda: set(self.roster.inboxes) <= set(self._stepped), rnd)
             except NodesLost:
                 pass  # _drop recorded them for the next boundary
-        caught = self.verifier.stepped(rnd, self.alloc, digests, platforms)
+        got = self._stepped
+        caught = self.verifier.stepped(rnd, self.alloc, {n: s.weights for n, s in got.items()},
+                                       {n: s.platform for n, s in got.items()})
         if caught:
             self.roster.exclude(caught)
-        return stats
+        return {n: s.stats for n, s in got.items()}
+
+    def _take_stepped(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Stepped)
+        self._stepped[msg.sender] = msg
+        self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
 
     def _watch_speed(self, stats: dict[str, dict]) -> None:
         """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...backends.private import create_private
+from ...system.private import create_private
 from ..errors import CheckpointFileError
 
 __all__ = ["CheckpointFileError", "ResumeInto", "load_checkpoint", "read", "save", "plain"]

@@ -2,8 +2,8 @@
 
 Nothing that crosses from a stage process to the coordinator or to another stage process is unpickled:
 a message (:mod:`.protocol`) travels as one JSON header and the raw bytes of its tensors, and is read
-back only into the types this module knows (the messages, ``Route``, ``Receipt``, ``Summary``, ``Link``,
-``PostboxAddress``), each field checked against its schema before the message exists:
+back only into the types this module knows (the messages, ``Route``, ``Receipt``, ``TensorId``, ``Summary``,
+``Link``, ``PostboxAddress``), each field checked against its schema before the message exists:
 
 * **Types** from each field's annotation (``int``, ``float``, ``str``, ``bool``, ``bytes``, ``Route``,
   ``tuple[str, ...]``, ``dict``, ``X | None``...); an ``int`` is never a ``bool``.
@@ -21,8 +21,9 @@ array (its kind, then its fields in order, each as its annotation says: a record
 fields, a tensor as ``[buffer, dtype, shape]``, bytes as base64); only fields annotated loosely
 (``Any``, ``dict``, ``list``, ``tuple``) go through the tagged form that says what each value is
 (``{"u": [...]}`` a tuple, ``{"m": [[key, value], ...]}`` a dict, ``{"b": "..."}`` bytes, ``{"t": [...]}``
-a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as columns:
-one row of plain values per tensor summarised and one buffer with every profile.
+a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one float64
+table (a row per tensor summarised: its ``TensorId``, what was found, its statistics), its senders' names,
+and one buffer with every profile: checked column by column, not value by value.
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -47,7 +48,8 @@ from ..errors import Malformed, PipelineError
 from ..planning.network import Link
 from ..planning.plan import Route
 from ..verify.receipts import Receipt
-from ..verify.screen import Summary
+from ..verify.screen import FOUND, Summary
+from ..verify.tensor_id import WHATS, Screened, TensorId
 
 #: Tensor dtypes that may travel, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -62,7 +64,7 @@ _VERSION = 1
 
 
 #: The types a message may hold, by wire name (their fields are checked as a message's are).
-_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (Route, Receipt, Summary, Link, PostboxAddress)}
+_RECORDS: dict[str, type] = {cls.__name__: cls for cls in (Route, Receipt, TensorId, Summary, Link, PostboxAddress)}
 _MESSAGES: dict[str, type] = {
     cls.__name__: cls for cls in vars(m).values()
     if isinstance(cls, type) and issubclass(cls, m.Message) and cls not in (m.Message, m.RoundMessage)
@@ -308,7 +310,7 @@ def _dec_any(raw: Any, reader: "_Reader", depth: int) -> Any:
 
 
 def _hashable(key: Any) -> bool:
-    if type(key) in (int, str, bool) or key is None:
+    if type(key) in (int, str, bool, TensorId) or key is None:
         return True
     return type(key) is tuple and all(_hashable(k) for k in key)
 
@@ -339,53 +341,92 @@ def _tensor(t: Any, buffers: list) -> list:
     return [len(buffers) - 1, dtype, list(t.shape)]
 
 
-# -- screening reports, as columns --------------------------------------------------------------------
+# -- screening reports, as one table ------------------------------------------------------------------
+_WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
+_FOUND_CODE: dict[tuple, int] = {(): 0, **{(f,): i + 1 for i, f in enumerate(FOUND)}}
+_FOUNDS: list[tuple[str, ...]] = [(), *((f,) for f in FOUND)]
+#: a screening row's columns: round, what (its index in WHATS), mb, hop, sender (its index in the names
+#: sent), found (0: nothing, else 1 + its index in FOUND), the three statistics, the profile's length (-1:
+#: none); the first six and the last are whole numbers
+_ROW = 10
+_WHOLE_COLUMNS = [0, 1, 2, 3, 4, 5, 9]
+#: the bounds of those columns (from, to but not including; the sender's: the names sent)
+_LOW = numpy.array([_WHOLE[0], 0, _WHOLE[0], _WHOLE[0], 0, 0, -1], numpy.float64)
+_HIGH = numpy.array([_WHOLE[1], len(WHATS), _WHOLE[1], _WHOLE[1], 0, len(FOUND) + 1, _WHOLE[1]], numpy.float64)
+
+
 def _enc_screened(rows: Any, buffers: list) -> list:
-    """Norm.screened: (what, mb, hop, from, Summary) rows as one row of plain values each and one buffer
-    holding every profile (float32, each row says how many values are its)."""
-    out, profiles = [], []
-    for what, mb, hop, frm, summary in rows:
-        p = summary.profile
-        n = -1
+    """Norm.screened: the senders' names, one float64 table of a row per tensor summarised (``_ROW``), and
+    one float32 buffer with every profile, in order."""
+    names: dict[str, int] = {}
+    table, profiles = [], []
+    for row in rows:
+        if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
+            raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
+        t, s = row.tensor, row.summary
+        found = _FOUND_CODE.get(s.found)
+        if found is None or t.what not in _WHAT_CODE:
+            raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
+        p, n = s.profile, -1
         if isinstance(p, torch.Tensor):
             if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
                 p = p.detach().to("cpu", torch.float32)
             flat = p.numpy().reshape(-1)
             profiles.append(flat)
             n = flat.size
-        out.append([what, mb, hop, frm, list(summary.found), summary.norm, summary.mean, summary.std, n])
+        table.append((t.round, _WHAT_CODE[t.what], t.mb, t.hop, names.setdefault(t.sender, len(names)), found,
+                      s.norm, s.mean, s.std, n))
+    array = numpy.array(table, numpy.float64).reshape(len(table), _ROW)
     joined = numpy.concatenate(profiles) if profiles else numpy.empty(0, numpy.float32)
-    buffers.append(memoryview(joined).cast("B") if joined.size else b"")  # type: ignore[arg-type]
-    return [out, [len(buffers) - 1, "float32", [int(joined.size)]]]
+    return [list(names), _tensor(torch.from_numpy(array), buffers), _tensor(torch.from_numpy(joined), buffers)]
 
 
 def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
-    if type(raw) is not list or len(raw) != 2 or type(raw[0]) is not list:
+    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list:
         raise Malformed("not a screening report")
-    profiles = reader.tensor(raw[1])
-    if profiles.dtype != torch.float32 or profiles.dim() != 1:
-        raise Malformed("profiles that are not float32 values")
-    rows, at, wanted = [], 0, []
-    for row in raw[0]:
-        if type(row) is not list or len(row) != 9 or type(row[4]) is not list:
-            raise Malformed("a screening row that is not one")
-        what, mb, hop, frm = (_check_str(row[0], reader, depth), _check_int(row[1], reader, depth),
-                              _check_int(row[2], reader, depth), _check_str(row[3], reader, depth))
-        found = tuple(_check_str(f, reader, depth) for f in row[4])
-        stats = []
-        for v in row[5:8]:
-            if type(v) is not float and type(v) is not int:
-                raise Malformed(f"{v!r} is not a number")
-            stats.append(float(v))  # judged by screening (Summary.sound), which refuses the unsound
-        n = _check_int(row[8], reader, depth)
-        at += max(n, 0)
-        wanted.append(n)
-        rows.append((what, mb, hop, frm, found, stats))
-    if at != profiles.numel():
+    names = [_check_str(n, reader, depth) for n in raw[0]]
+    rows = reader.array(raw[1], "float64", 2)
+    profiles = reader.tensor(raw[2], "float32", 1)
+    if rows.shape[1] != _ROW:
+        raise Malformed(f"a screening table that is not float64 rows of {_ROW}")
+    if not len(rows):
+        if profiles.numel():
+            raise Malformed("profiles sent with no screening row")
+        return ()
+    whole = rows[:, _WHOLE_COLUMNS]
+    high = _HIGH.copy()
+    high[4] = len(names)
+    # one comparison a column, whatever the rows (NaN and the infinities fail the bounds)
+    if ((whole != numpy.floor(whole)) | (whole < _LOW) | (whole >= high)).any():
+        raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
+                        "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
+    ints = whole.astype(numpy.int64)
+    lengths = ints[:, 6]
+    if int(numpy.maximum(lengths, 0).sum()) != profiles.numel():
         raise Malformed("profile lengths that do not add up to the profiles sent")
-    parts = iter(torch.split(profiles, [n for n in wanted if n >= 0])) if at else iter(())
-    return tuple((what, mb, hop, frm, Summary(found, stats[0], stats[1], stats[2], next(parts) if n >= 0 else None))
-                 for (what, mb, hop, frm, found, stats), n in zip(rows, wanted))
+    parts = iter(_profiles(profiles, lengths))
+    out = []
+    # (the statistics are judged by screening: Summary.sound refuses the unsound)
+    for (rnd, what, mb, hop, sender, found, n), (norm, mean, std) in zip(ints.tolist(), rows[:, 6:9].tolist()):
+        out.append(Screened(TensorId(rnd, WHATS[what], mb, hop, names[sender]),
+                            Summary(_FOUNDS[found], norm, mean, std, next(parts) if n >= 0 else None)))
+    return tuple(out)
+
+
+def _profiles(profiles: torch.Tensor, lengths: numpy.ndarray) -> Iterable[torch.Tensor]:
+    """The rows' profiles, cut from ``profiles`` by their ``lengths`` (-1: none)."""
+    sizes = lengths[lengths >= 0]
+    if not len(sizes):
+        return ()
+    if (sizes == sizes[0]).all() and sizes[0]:  # (every row's of one length: one view, cut in one go)
+        return profiles.view(len(sizes), int(sizes[0])).unbind(0)
+    return profiles.split(sizes.tolist())
+
+
+def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
+    if type(raw) is not str or raw not in _WHAT_CODE:
+        raise Malformed(f"{str(raw)[:40]!r} is not what a tensor can be ({', '.join(WHATS)})")
+    return raw
 
 
 def _enc_stats(stats: Any, buffers: list) -> list:
@@ -425,7 +466,8 @@ def _dec_stats(raw: Any, reader: "_Reader", depth: int) -> dict:
 
 
 _CUSTOM: dict[tuple[str, str], tuple[Enc, Dec]] = {("Norm", "screened"): (_enc_screened, _dec_screened),
-                                                   ("Stepped", "stats"): (_enc_stats, _dec_stats)}
+                                                   ("Stepped", "stats"): (_enc_stats, _dec_stats),
+                                                   ("TensorId", "what"): (_same, _check_what)}
 
 
 @functools.cache
@@ -473,8 +515,8 @@ def decode(frames: list[Any], sender: str | None = None) -> m.Message:
     if len(reader.used) != len(frames) - 1:
         raise Malformed(f"{len(frames) - 1 - len(reader.used)} buffer(s) that no field names")
     receipt = getattr(msg, "receipt", None)
-    if receipt is not None and sender is not None and receipt.sender != sender:
-        raise Malformed(f"{kind}: a receipt of {receipt.sender!r} sent by {sender!r}")
+    if receipt is not None and sender is not None and receipt.id.sender != sender:
+        raise Malformed(f"{kind}: a receipt of {receipt.id.sender!r} sent by {sender!r}")
     return msg
 
 
@@ -485,26 +527,40 @@ class _Reader:
         self.buffers, self.sender = buffers, sender
         self.used: set[int] = set()
 
-    def tensor(self, raw: Any) -> torch.Tensor:
+    def tensor(self, raw: Any, dtype: str = "", dims: int = -1) -> torch.Tensor:
+        """The tensor ``raw`` names (``[buffer, dtype, shape]``), a view of its buffer; of ``dtype`` and
+        ``dims`` dimensions where they are given."""
+        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        if not len(buf):
+            return torch.empty(shape, dtype=DTYPES[dtype_name])
+        return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
+
+    def array(self, raw: Any, dtype: str, dims: int) -> numpy.ndarray:
+        """``tensor``, as a numpy array (of a dtype numpy has)."""
+        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        return numpy.frombuffer(buf, dtype=dtype_name).reshape(shape)
+
+    def _buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
         if type(raw) is not list or len(raw) != 3:
             raise Malformed("a tensor that is not [buffer, dtype, shape]")
         index, dtype_name, shape = raw
         if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
             raise Malformed("a tensor that names no buffer of its own")
         itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
-        if itemsize is None:
-            raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} (one of {', '.join(DTYPES)})")
-        if type(shape) is not list or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape):
-            raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative)")
+        if itemsize is None or (dtype and dtype_name != dtype):
+            raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} "
+                            f"({dtype or 'one of ' + ', '.join(DTYPES)})")
+        if type(shape) is not list or len(shape) > MAX_DIMS or any(type(n) is not int or n < 0 for n in shape) \
+                or (dims >= 0 and len(shape) != dims):
+            raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative"
+                            + (f"; {dims} of them)" if dims >= 0 else ")"))
         buf = self.buffers[index]
         count = math.prod(shape)
         if len(buf) != count * itemsize:
             raise Malformed(f"a {dtype_name} tensor of shape {tuple(shape)} in {len(buf)} bytes "
                             f"(it takes {count * itemsize})")
         self.used.add(index)
-        if count == 0:
-            return torch.empty(shape, dtype=DTYPES[dtype_name])
-        return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
+        return buf, dtype_name, shape
 
 
 def kinds() -> Iterable[str]:

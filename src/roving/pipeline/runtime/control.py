@@ -27,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from ...backends.private import create_private, open_private, private_dir
+from ...system.private import create_private, open_private, private_dir
 from ..errors import PlanError
 
 STATUS = "status.json"
@@ -72,13 +72,13 @@ class ControlFolder:
     # -- the one place the folder and its files are made and opened ---------------------------------
     def create(self) -> None:
         """Make the folder (and its parents) if it is not there: this user's only (0700); one that is a
-        link, another user's or writable by others is refused (roving.backends.private.NotPrivateError)."""
+        link, another user's or writable by others is refused (roving.system.private.NotPrivateError)."""
         private_dir(str(self.path))
 
     def _open(self, name: str, mode: str) -> IO[str]:
         """Open the folder's file ``name`` (text; ``mode`` "r", "a" or "w"): every read and write of the
         folder's files goes through here. No link is followed; what is written is created 0600, and an
-        existing file that is not private is refused (roving.backends.private)."""
+        existing file that is not private is refused (roving.system.private)."""
         path = str(self.path / name)
         if mode == "a":
             return open_private(path, "a")

@@ -21,10 +21,13 @@ address and the invitation are all such a node needs: no shared folder, no share
   process in this process: the node is admitted like a restarted or added one, at an iteration
   boundary, and gets its stage's weights there.
 
-What the node holds afterwards is its own key, a certificate that names it alone and lets it reach only
-postboxes, and the session's member secret (which admits a connection to the handshake; what the
-connection may do is its certificate's). It can have no credentials issued, and once excluded its
-certificate is refused by the coordinator and by every stage process (``protocol.Forget``).
+What the node holds afterwards is its own key and a certificate that names it alone and lets it reach
+only postboxes: no secret of the session (:meth:`roving.transport.identity.Credentials.certificate_only`).
+Its connections present its own node key to ZeroMQ, which the coordinator and every stage process accept
+once told of it (``transport.zap.admit``, from its placement and ``protocol.Peers``), and its
+certificate alone in roving's handshake (``transport.auth``). It can have no credentials issued, and
+once excluded its certificate (and the key admitted with it) is refused by the coordinator and by every
+stage process (``protocol.Forget``).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ from typing import Any, Callable
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric import ed25519
+from zmq.utils import z85
 
 from ...transport import identity
 from ...transport.guard import Refusals
@@ -132,7 +136,9 @@ class Placement:
     node_id: str
     cert_pem: str
     ca_pem: str
-    member_secret: bytes
+    #: The public half (Z85) of the session's shared CURVE client key: the node's own node accepts the
+    #: members that present it. Public: the node is given no secret of the session.
+    session_client_key: bytes
     settings: StageSettings
     control: PostboxAddress
     beats: PostboxAddress
@@ -142,7 +148,7 @@ class Placement:
         s.update(model=dataclasses.asdict(self.settings.model), receipt_key=self.settings.receipt_key.hex(),
                  emulate=None, adversary=None, betas=list(self.settings.betas))
         return {"name": self.name, "node_id": self.node_id, "cert": self.cert_pem, "ca": self.ca_pem,
-                "member_secret": self.member_secret.hex(), "settings": s,
+                "session_client_key": self.session_client_key.decode(), "settings": s,
                 "control": [self.control.node, self.control.box], "beats": [self.beats.node, self.beats.box]}
 
     @classmethod
@@ -156,7 +162,7 @@ class Placement:
             s["emulate"] = s["adversary"] = None
             settings = StageSettings(**s)
             return cls(str(doc["name"]), str(doc["node_id"]), str(doc["cert"]), str(doc["ca"]),
-                       bytes.fromhex(doc["member_secret"]), settings,
+                       _z85_key(doc["session_client_key"]), settings,
                        PostboxAddress(str(doc["control"][0]), int(doc["control"][1])),
                        PostboxAddress(str(doc["beats"][0]), int(doc["beats"][1])))
         except (KeyError, TypeError, ValueError, IndexError, PipelineError) as exc:
@@ -321,9 +327,18 @@ def _check_coordinator(tls: ssl.SSLSocket, ca_pem: Any, mark: str, address: str)
 
 
 def credentials_of(placement: Placement, seed: bytes) -> identity.Credentials:
-    """The node's credentials: its own keys (from ``seed``) and the certificate it was given."""
-    return identity.Credentials(placement.member_secret,
-                                identity.Grant(placement.node_id, seed, placement.cert_pem, placement.ca_pem))
+    """The node's credentials: its own keys (from ``seed``) and the certificate it was given, and no
+    secret of the session (:meth:`identity.Credentials.certificate_only`)."""
+    return identity.Credentials.certificate_only(
+        identity.Grant(placement.node_id, seed, placement.cert_pem, placement.ca_pem), placement.session_client_key)
+
+
+def _z85_key(text: Any) -> bytes:
+    """A CURVE public key as Z85 text (40 characters); ValueError otherwise."""
+    key = str(text).encode()
+    if len(key) != 40 or len(z85.decode(key)) != 32:
+        raise ValueError(f"not a CURVE public key: {str(text)[:60]!r}")
+    return key
 
 
 def _send_line(tls: ssl.SSLSocket, doc: Any) -> None:

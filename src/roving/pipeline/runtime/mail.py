@@ -134,6 +134,14 @@ class Outbox:
         """Encode ``msg`` and hand it over (OSError when its process cannot be reached)."""
         self._slot.send(codec.encode(msg))
 
+    def reachable(self, timeout: float) -> bool:
+        """Whether the inbox's process answers (a round trip behind everything put before) within
+        ``timeout`` seconds; False when it does not, or cannot be reached at all."""
+        try:
+            return self._slot.confirm(timeout)
+        except OSError:
+            return False
+
     def qsize(self) -> int:
         """A round trip behind everything put before it (what the senders' ``confirm`` needs); 0."""
         if not self._slot.confirm(60.0):

@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ...transport import zap
+from ...transport.crypto import session_client_key
 from ...transport.identity import revoke
 from ...transport.session import current as current_session
 from .. import protocol as m
@@ -120,8 +122,9 @@ class Roster:
                                        emulate=None, adversary=None)
         self._started(name, RemoteProcess(node_id), None)
         self._event("join-requested", nodes=[name], why="the open door")
-        return Placement(name, node_id, cert, authority.ca_pem, current_session().secret, settings,
-                         self.control.address, self.beats.address)
+        zap.admit(node_key, node_id)  # its connections, under its own key, reach the handshake here
+        return Placement(name, node_id, cert, authority.ca_pem, session_client_key(current_session().credentials),
+                         settings, self.control.address, self.beats.address)
 
     def _settings(self, name: str, stage: int, index: int) -> StageSettings:
         """What the stage process ``name`` is started with (a new incarnation of the name)."""
@@ -173,6 +176,7 @@ class Roster:
             self.last_beat[name] = time.monotonic()
         for name in self.inboxes:
             self.put(name, m.Peers(self.inboxes, self._ids()))
+        self._peers_delivered(list(self.inboxes))
         self._monitor = threading.Thread(target=self._watch_beats, name="roving-heartbeats", daemon=True)
         self._monitor.start()
         return late
@@ -501,7 +505,17 @@ class Roster:
             self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
             self.put(name, m.Peers(self.inboxes, self._ids()))
+        self._peers_delivered(list(self.inboxes))
         return joined
+
+    def _peers_delivered(self, names: list[str]) -> None:
+        """Wait until every process has its peers: a stage process takes a message only from a writer its
+        directory knows, so work that reached it before its ``Peers`` (sent by other threads, over other
+        connections) would be refused and its round would stall."""
+        late = self._senders().delivered(names, self.config.timeout)
+        if late:
+            log.warning("pipeline: the peers of %s not confirmed delivered within %g s", ", ".join(late),
+                        self.config.timeout)
 
 
 class RemoteProcess:

@@ -131,6 +131,25 @@ class Senders:
         else:
             self.emulator.send(dst, payload.numel() * payload.element_size(), lambda: sender.push(put))
 
+    def delivered(self, names: list[str], timeout: float = 20.0) -> list[str]:
+        """Wait (``timeout`` seconds in all) until everything sent so far to ``names`` has arrived; the
+        names whose sends were not confirmed in time (a dead or cut-off process: its heartbeats tell).
+        The senders go on."""
+        def ping(done: threading.Event) -> Callable[[Any], None]:
+            def reached(q: Any) -> None:
+                q.qsize()
+                done.set()
+            return reached
+
+        waiting = {}
+        for name in names:
+            sender = self.senders.get(name)
+            if sender is not None:
+                waiting[name] = threading.Event()
+                sender.push(ping(waiting[name]))
+        deadline = time.monotonic() + timeout
+        return [name for name, done in waiting.items() if not done.wait(max(0.0, deadline - time.monotonic()))]
+
     def confirm(self, live: list[str], timeout: float = 20.0) -> None:
         """Make sure everything sent to the live peers has arrived (the transport confirms per
         connection, and each sender thread has its own)."""

@@ -30,17 +30,20 @@ from typing import Any, Callable
 import torch
 
 from .. import protocol as m
-from ..verify.adversary import Adversary
+from ..errors import CoordinatorLost
+from ..verify.conduct import HONEST, Conduct
 from ..verify.aggregate import combine
 from ..verify.evidence import Evidence, platform, recheck
 from ..presets import LlamaConfig
 from ..planning.network import Link
 from ..optim import AdamW
 from ..planning.plan import Route
-from ...transport.identity import revoke
+from ...transport import zap
+from ...transport.identity import node_key, revoke
 from ...transport.postbox import PostboxAddress
 from .mail import Directory, Inbox, Outbox, coordinator_only
 from .senders import Senders
+from .stalls import BACKWARD, DONE, FORWARD, Key, flat
 from ..stages import Stage
 
 log = logging.getLogger(__name__)
@@ -79,8 +82,8 @@ class StageSettings:
     heartbeat: float = 0.5
     #: how the stage's replicas' gradient shares are combined (``aggregate.RULES``).
     aggregation: str = "mean"
-    #: adversary injection: how this process lies about what it sends (None: it does not).
-    adversary: Adversary | None = None
+    #: adversary injection: how this process lies (an ``adversary.Adversary``; None: honest, ``conduct.HONEST``).
+    adversary: Conduct | None = None
     #: ``[verify] mode``: with anything but "off", receipts on what it sends, and what it receives kept
     #: for the coordinator's checks (``evidence``).
     verify: str = "off"
@@ -88,6 +91,10 @@ class StageSettings:
     receipt_key: bytes = b""
     #: the node id the coordinator's connections authenticate as (its messages are taken from it alone).
     coordinator_id: str = ""
+    #: seconds the process waits for an answer from the coordinator (its heartbeats' inbox) before it
+    #: leaves with ``CoordinatorLost`` (0: it never does): a node someone else started has no parent to
+    #: outlive, and must not wait for ever for a training that has gone.
+    coordinator_timeout: float = 60.0
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:
@@ -109,6 +116,8 @@ class StageProcess:
         """``inbox``: what it reads (a ``mail.Inbox``, or a plain queue in tests); ``control`` and
         ``beats``: where it answers the coordinator and sends its heartbeats (anything with ``put``)."""
         self.settings, self.inbox, self.control, self.beats = s, inbox, control, beats
+        #: the hooks where a node could lie (``conduct``), called the same whatever the node
+        self.conduct: Conduct = HONEST if s.adversary is None else s.adversary
         #: who is who among its peers (the inbox's, where it has one): filled from the coordinator's word
         self.directory: Directory | None = getattr(inbox, "directory", None)
         self.name = s.name
@@ -121,6 +130,8 @@ class StageProcess:
         self.evidence = Evidence(s.name, s.verify, s.receipt_key)
         self.platform = platform(self.device)  # what its weights after a step are compared within
         self._hold(s.stage, s.in_flight)
+        #: why the process leaves without the coordinator's word (its watchdog), once it does
+        self._lost: str | None = None
         self.stats: dict[str, Any] = {"processed": 0, "compute_s": 0.0, "peak_in_flight": 0, "trace": []}
         self._handlers: dict[type, Callable[[Any], None]] = {
             m.Peers: self._on_peers, m.PeerJoined: self._on_peer_joined, m.Forget: self._on_forget,
@@ -128,7 +139,7 @@ class StageProcess:
             m.Step: self._on_step, m.Export: self._on_export, m.Load: self._on_load,
             m.StateRequest: self._on_state_request, m.Throttle: self._on_throttle,
             m.EvidenceRequest: self._on_evidence_request, m.Recheck: self._on_recheck,
-            m.ShowWeights: self._on_show_weights}
+            m.ShowWeights: self._on_show_weights, m.ProgressRequest: self._on_progress_request}
 
     def _hold(self, stage: int, in_flight: int) -> None:
         """Build the modules and optimizer of ``stage`` (initial weights from the seed)."""
@@ -149,6 +160,9 @@ class StageProcess:
         self.sync_order: dict[int, m.SyncOrder] = {}
         self.backwards = 0  # backward passes run in the current round
         self._losses: dict[tuple[int, int], float] = {}
+        #: the round's messages of microbatches received and sent, for a stalled round's account (``stalls``)
+        self.received: set[Key] = set()
+        self.sent: set[Key] = set()
         self.evidence.clear()
         self.opt.zero_grad()
 
@@ -169,14 +183,43 @@ class StageProcess:
             self.beats.put(m.Beat(self.name, self.settings.incarnation))
             self._leaving.wait(self.settings.heartbeat)
 
+    def _watch(self, timeout: float) -> None:
+        """The coordinator's watchdog: a round trip to its heartbeats' inbox every few heartbeats; when
+        none is answered for ``timeout`` seconds, the process leaves (its inbox closed under its loop,
+        which then raises ``CoordinatorLost`` naming the address)."""
+        answered = time.monotonic()
+        while not self._leaving.wait(max(self.settings.heartbeat, 0.1) * 4):
+            left = timeout - (time.monotonic() - answered)
+            if self.beats.reachable(max(0.1, min(left, 10.0))):
+                answered = time.monotonic()
+            elif time.monotonic() - answered >= timeout:
+                self._lost = (f"stage process {self.name}: the coordinator at {self.beats.address.node} has not "
+                              f"answered for {timeout:g} s (its process ended, or it cannot be reached): leaving")
+                log.error("%s", self._lost)
+                self.inbox.close()
+                return
+
     # -- the loop ----------------------------------------------------------------------------
     def run(self) -> None:
         """Serve until ``Stop``; raises ProtocolError for a message this process does not handle."""
         self._leaving = threading.Event()
-        beating = None
+        self._beating: threading.Thread | None = None
         if self.beats is not None and self.settings.heartbeat > 0:
-            beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
-            beating.start()
+            self._beating = threading.Thread(target=self._beat, name="roving-heartbeat", daemon=True)
+            self._beating.start()
+        if hasattr(self.beats, "reachable") and self.settings.coordinator_timeout > 0:
+            threading.Thread(target=self._watch, args=(self.settings.coordinator_timeout,),
+                             name="roving-coordinator-watchdog", daemon=True).start()
+        try:
+            self._loop()
+        except OSError:
+            if self._lost is None:
+                raise
+            raise CoordinatorLost(self._lost) from None
+        finally:
+            self._leaving.set()
+
+    def _loop(self) -> None:
         self.control.put(m.Ready(self.name, self.settings.incarnation, getattr(self.inbox, "address", self.inbox)))
         while True:
             task = self._next_task()
@@ -203,8 +246,8 @@ class StageProcess:
             # wall-clock spans of the work done (one clock for every process on a machine)
             self.stats["trace"].append((_TRACE_KIND[type(task)], task.mb, time.time() - (t1 - t0), time.time()))
         self._leaving.set()
-        if beating is not None:
-            beating.join(timeout=5)
+        if self._beating is not None:
+            self._beating.join(timeout=5)
         self._shut_down(msg.live)
 
     def _shut_down(self, live: list[str] | None) -> None:
@@ -245,6 +288,8 @@ class StageProcess:
         elif isinstance(msg, m.Gradients):
             self.evidence.keep("share", msg.round, -1, -1, msg.sender, msg.flat, msg.receipt)
         if isinstance(msg, (m.Microbatch, m.Forward, m.Backward)):
+            self.received.add(Key(BACKWARD if isinstance(msg, m.Backward) else FORWARD, msg.mb,
+                                  -1 if isinstance(msg, m.Microbatch) else msg.hop))
             if isinstance(msg, m.Microbatch) or isinstance(msg, m.Forward) and msg.hop < len(msg.route.nodes):
                 cls = FORWARD_WORK
             else:  # a backward, or activations back at the origin for the loss
@@ -262,6 +307,7 @@ class StageProcess:
         if self.directory is not None:
             for name, node_id in msg.ids.items():
                 self.directory.add(node_id, name)
+                _admit(msg.inboxes.get(name), node_id)
         if self.peers is None:
             self.peers = Senders(self.name, msg.inboxes, self.settings.emulate)
         else:
@@ -278,6 +324,7 @@ class StageProcess:
         if self.directory is not None:
             self.directory.drop(msg.name)  # an earlier incarnation's id speaks for it no more
             self.directory.add(msg.node_id, msg.name)
+            _admit(msg.inbox, msg.node_id)
         self._senders().add(msg.name, msg.inbox, msg.link)
 
     def _on_forget(self, msg: m.Forget) -> None:
@@ -296,6 +343,12 @@ class StageProcess:
             self.round = msg.round
         self.aborted = max(self.aborted, msg.round)
 
+    def _on_progress_request(self, msg: m.ProgressRequest) -> None:
+        """The round stalled: what this process received and sent in it (nothing, for another round)."""
+        mine = msg.round == self.round and msg.round > self.aborted
+        self.control.put(m.Progress(msg.round, self.name, flat(self.received) if mine else (),
+                                    flat(self.sent) if mine else ()))
+
     def _on_sync_order(self, msg: m.SyncOrder) -> None:
         self.sync_order[msg.round] = msg
         self._try_sync(msg.round)
@@ -313,11 +366,9 @@ class StageProcess:
         return {k: v.detach().to("cpu") for k, v in self.stage.state_dict().items()}
 
     def _exported(self) -> dict[str, torch.Tensor]:
-        """This stage's weights as it exports them (``Export``, ``StateRequest``): poisoned by an ``export``
-        adversary (``adversary``), which shows and steps with its honest ones."""
-        adv = self.settings.adversary
-        weights = self._weights()
-        return weights if adv is None else adv.exported(weights, self.name, self.round)
+        """This stage's weights as it exports them (``Export``, ``StateRequest``), through ``conduct``: an
+        ``export`` adversary poisons them, and shows and steps with its honest ones."""
+        return self.conduct.exported(self._weights(), self.name, self.round)
 
     def _on_export(self, msg: m.Export) -> None:
         self.control.put(m.Exported(self.name, self.stage_index, self._exported(), _to_cpu(self.opt.state_dict())))
@@ -353,7 +404,7 @@ class StageProcess:
         """Recompute with the weights held now (every replica's until the round's step): ``evidence.recheck``."""
         with self.evidence.timed("rechecks"):
             answer = recheck(self.stage, self.stage_index, msg, self.device, self.settings.bf16,
-                             self.settings.adversary, self.name)
+                             self.conduct, self.name)
         self.control.put(answer)
 
     # -- microbatch work -----------------------------------------------------------------------
@@ -402,6 +453,7 @@ class StageProcess:
             self.backwards += 1
             if msg.hop == -1:
                 self.control.put(m.Done(rnd, self.name, mb, self._losses.pop((rnd, mb))))
+                self.sent.add(Key(DONE, mb, 0))
             else:
                 self._backward_on(rnd, mb, msg.hop - 1, x.grad, route, given=msg.tensor)
             self._try_sync(rnd)  # after the send: the next process's work does not wait for the averaging
@@ -409,19 +461,13 @@ class StageProcess:
     def _track(self) -> None:
         self.stats["peak_in_flight"] = max(self.stats["peak_in_flight"], len(self.stash))
 
-    def _lie(self, what: str, t: torch.Tensor, rnd: int, mb: int, given: torch.Tensor | None = None) -> torch.Tensor:
-        """``t`` as this process sends it: tampered with when it is an injected adversary
-        (``adversary``), else ``t`` itself."""
-        adv = self.settings.adversary
-        return t if adv is None else adv.tamper(what, t, self.name, rnd, mb, given).contiguous()
-
     def _forward_on(self, rnd: int, mb: int, hop: int, h: torch.Tensor, route: Route,
                     given: torch.Tensor | None = None) -> None:
         """Send activations to the process at ``hop`` of the route (the origin when past the end);
         ``given``: the activations this process was given (an adversary's input)."""
         out = self._out(h)
         if route.nodes:  # sent to another process (not a loss run here)
-            out = self._lie("activation", out, rnd, mb, given)
+            out = self.conduct.tamper("activation", out, self.name, rnd, mb, given)
         seal = self.evidence.sealer("activation", rnd, mb, hop, out) if route.nodes else None
         msg = m.Forward(rnd, self.name, mb, hop, out, route)
         if hop == len(route.nodes):
@@ -432,6 +478,7 @@ class StageProcess:
         else:
             dst = route.nodes[hop]
         self._senders().send(dst, msg, out, seal)
+        self.sent.add(Key(FORWARD, mb, hop))
 
     def _backward_on(self, rnd: int, mb: int, hop: int, g: torch.Tensor, route: Route,
                      loss: float | None = None, given: torch.Tensor | None = None) -> None:
@@ -439,7 +486,7 @@ class StageProcess:
             self._losses[rnd, mb] = loss
         out = self._out(g)
         if route.nodes:  # sent to another process
-            out = self._lie("gradient", out, rnd, mb, given)
+            out = self.conduct.tamper("gradient", out, self.name, rnd, mb, given)
         seal = self.evidence.sealer("gradient", rnd, mb, hop, out) if route.nodes else None
         msg = m.Backward(rnd, self.name, mb, hop, out, route)
         if hop == -1 and not route.nodes:
@@ -447,6 +494,7 @@ class StageProcess:
             return
         dst = route.origin if hop == -1 else route.nodes[hop]
         self._senders().send(dst, msg, out, seal)
+        self.sent.add(Key(BACKWARD, mb, hop))
 
     # -- replica averaging and the optimizer step ----------------------------------------------
     def _flat_grads(self) -> torch.Tensor:
@@ -469,12 +517,8 @@ class StageProcess:
             self.share_counts.setdefault(rnd, {})[self.name] = self.backwards
             out = honest = self._out(mine)
             if len(replicas) > 1:
-                out = self._lie("share", honest, rnd, -1)
-                adv = self.settings.adversary
-                if out is not honest and adv is not None and adv.kind != "weights":
-                    # a liar that averages what it sent, as its replicas do: its weights stay theirs
-                    # (``weights`` keeps its own true share: the replicas' averaging check catches that)
-                    got[self.name] = out.to(self.device)
+                out = self.conduct.tamper("share", honest, self.name, rnd, -1)
+                got[self.name] = self.conduct.averages(mine, honest, out)
             seal = self.evidence.sealer("share", rnd, -1, -1, out) if len(replicas) > 1 else None
             for r in replicas:
                 if r != self.name:
@@ -505,7 +549,7 @@ class StageProcess:
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(coef)
-        self._drift(rnd)
+        self.conduct.steps([p.grad for p in self.params if p.grad is not None], self.name, rnd)
         self.opt.lr = lr
         self.opt.step()
         self.opt.zero_grad()
@@ -518,19 +562,14 @@ class StageProcess:
         norm, self.last_sq_norm = math.sqrt(self.last_sq_norm), math.nan
         self.control.put(m.Stepped(rnd, self.name, stats, norm, weights, self.platform))
 
-    def _drift(self, rnd: int) -> None:
-        """A ``drift`` adversary's own gradient, put in place of the one it combined (``adversary``)."""
-        adv = self.settings.adversary
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if adv is None or adv.kind != "drift" or not grads:
-            return
-        flat = torch.cat([g.flatten() for g in grads])
-        own = adv.stepped(flat, self.name, rnd)
-        if own is not flat:
-            offset = 0
-            for g in grads:
-                g.copy_(own[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+
+def _admit(inbox: Any, node_id: str) -> None:
+    """Let the peer whose inbox is ``inbox`` reach this process's node under its own node key (what a
+    node that joined through the open door, holding no member secret, connects with: ``zap.admit``);
+    who it is and what it may do are then its certificate's to say."""
+    key = node_key(inbox.node) if isinstance(inbox, PostboxAddress) and node_id else None
+    if key:
+        zap.admit(key, node_id)
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -553,6 +592,8 @@ def stage_main(settings: StageSettings, control: PostboxAddress, beats: PostboxA
     try:
         inbox = Inbox(Directory({settings.coordinator_id: m.COORDINATOR}), accept=coordinator_only)
         StageProcess(settings, inbox, to_coordinator, Outbox(beats) if beats is not None else None).run()
+    except CoordinatorLost:
+        raise  # nobody to tell
     except BaseException:
         to_coordinator.put(m.Failed(settings.name, traceback.format_exc()))
         raise

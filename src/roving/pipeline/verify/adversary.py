@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # the run's configuration parses adversaries without PyTorch
     import torch
 
 from ..errors import PlanError
+from .conduct import Conduct
 
 #: the adversary kinds, as ``[verify] adversaries`` names them.
 KINDS = ("noise", "scale", "signflip", "lazy", "bias", "nan", "weights", "drift", "collude", "frame", "export")
@@ -65,9 +66,10 @@ _STRENGTH = {"scale": 10.0, "bias": 0.01, "weights": 10.0, "drift": 10.0, "expor
 
 
 @dataclass(frozen=True)
-class Adversary:
+class Adversary(Conduct):
     """One lying node: its ``kind`` (``KINDS``), from round ``start`` on, for a ``fraction`` of its
-    microbatches, with ``strength`` (the kind's parameter; see the module doc)."""
+    microbatches, with ``strength`` (the kind's parameter; see the module doc). A ``conduct.Conduct``: the
+    stage process calls its hooks as it calls an honest node's."""
 
     kind: str
     start: int = 0
@@ -121,7 +123,28 @@ class Adversary:
             key = f"{self.seed}:{rnd}:{mb}:{what}" if kind == "collude" else f"{self.seed}:{node}:{rnd}:{mb}:{what}"
             r = _direction(key, t)
             out = t + (self.strength or _STRENGTH["weights"]) * r if kind == "weights" else r
-        return out.to(tensor.dtype)
+        return out.to(tensor.dtype).contiguous()
+
+    def averages(self, own: torch.Tensor, honest: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+        """A liar averages the share it sent, as its replicas do, so that its weights stay theirs; but
+        ``weights``, which keeps its own true share (the replicas' averaging check catches that)."""
+        if sent is honest or self.kind == "weights":
+            return own
+        return sent.to(own.device)
+
+    def steps(self, grads: list[torch.Tensor], node: str, rnd: int) -> None:
+        """A ``drift`` liar's own gradient put in place of ``grads`` (``stepped``)."""
+        if self.kind != "drift" or not grads:
+            return
+        import torch
+
+        flat = torch.cat([g.flatten() for g in grads])
+        own = self.stepped(flat, node, rnd)
+        if own is not flat:
+            offset = 0
+            for g in grads:
+                g.copy_(own[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def stepped(self, gradient: torch.Tensor, node: str, rnd: int) -> torch.Tensor:
         """The gradient ``node`` steps with in round ``rnd`` instead of ``gradient`` (the one it combined,

@@ -7,8 +7,8 @@ With ``mode`` other than "off", a stage process (``stage_process``):
   that sends it (``sealer``);
 - keeps every tensor it receives from another process in the current round, with the sender's receipt
   (``Evidence.keep``): its activations, the gradients sent back to it, its replicas' gradient shares.
-  Kept by *key* ``(what, mb, hop, sender)`` (the message's own hop; mb = hop = -1 for a share); the
-  round's tensors are dropped with the round. The cost: the round's inbound tensors stay in memory
+  Kept by its ``tensor_id.TensorId`` (round, what, mb, hop, sender: the message's own hop; mb = hop = -1
+  for a share); the round's tensors are dropped with the round. The cost: the round's inbound tensors stay in memory
   until its step (at most what the process received in one iteration);
 - takes a tensor that comes without its receipt, or with one for another message, as a *dispute* it
   reports at once, and one that does not match its receipt's digest as a dispute when it is shown (the
@@ -45,19 +45,15 @@ import torch
 
 from .. import protocol as m
 from . import receipts
+from .conduct import HONEST, Conduct
 from .receipts import Receipt
 from .screen import cosines_to, summarize, summarize_squared
+from .tensor_id import Kind, Screened, TensorId
 
 log = logging.getLogger(__name__)
 
-#: a kept tensor's key: (what, mb, hop, sender).
-Key = tuple
-
-#: the key under which a process shows the gradient it combined from its stage's shares.
-COMBINED = ("combined", -1, -1, "")
-
 #: what can be recomputed (``recompute``), by the computation that made the tensor checked.
-KINDS = ("first", "visit", "loss", "share")
+KINDS = (Kind.FIRST, Kind.VISIT, Kind.LOSS, Kind.SHARE)
 
 
 @dataclass
@@ -77,13 +73,13 @@ class Evidence:
     name: str
     mode: str = "off"
     key: bytes = b""
-    kept: dict[Key, Kept] = field(default_factory=dict)
-    #: (what, mb, hop, sender, Summary) of the tensors received this round, for screening
-    screened: list[tuple] = field(default_factory=list)
-    #: (what, mb, hop, sender, tensor) received this round and not summarised yet
-    unsummarised: list[tuple] = field(default_factory=list)
-    #: keys of the tensors received this round that did not match their receipt
-    disputes: list[Key] = field(default_factory=list)
+    kept: dict[TensorId, Kept] = field(default_factory=dict)
+    #: the screening rows of the tensors received this round
+    screened: list[Screened] = field(default_factory=list)
+    #: the tensors received this round and not summarised yet
+    unsummarised: list[tuple[TensorId, torch.Tensor]] = field(default_factory=list)
+    #: the tensors received this round that did not match their receipt
+    disputes: list[TensorId] = field(default_factory=list)
     #: the gradient this process combined from its stage's shares this round (``combined``)
     total: torch.Tensor | None = None
     #: the CPU seconds of this process's verification work since ``spent`` was last called, by part
@@ -128,7 +124,7 @@ class Evidence:
         """This process's receipt for ``tensor`` as it sends it (None with verification off)."""
         if not self.on:
             return None
-        return receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor)
+        return receipts.seal(self.key, TensorId(rnd, what, mb, hop, self.name), tensor)
 
     def sealer(self, what: str, rnd: int, mb: int, hop: int, tensor: torch.Tensor) -> Callable[[Any], Any] | None:
         """What puts this process's receipt for ``tensor`` on a message (``msg -> msg`` with ``receipt``
@@ -139,12 +135,13 @@ class Evidence:
             return None
         made: list[Receipt] = []
         lock = threading.Lock()
+        tensor_id = TensorId(rnd, what, mb, hop, self.name)
 
         def seal(msg: Any) -> Any:
             with lock:
                 if not made:
                     with self.timed("receipts"):
-                        made.append(receipts.seal(self.key, self.name, rnd, what, mb, hop, tensor))
+                        made.append(receipts.seal(self.key, tensor_id, tensor))
             return dataclasses.replace(msg, receipt=made[0])
         return seal
 
@@ -155,13 +152,10 @@ class Evidence:
         if not self.on or sender == self.name:
             return
         with self.timed("screening"):
-            self._keep(what, rnd, mb, hop, sender, tensor, receipt)
+            self._keep(TensorId(rnd, what, mb, hop, sender), tensor, receipt)
 
-    def _keep(self, what: str, rnd: int, mb: int, hop: int, sender: str, tensor: torch.Tensor,
-              receipt: Any) -> None:
-        key = (what, mb, hop, sender)
-        expected = isinstance(receipt, Receipt) and (receipt.sender, receipt.round, receipt.what, receipt.mb,
-                                                     receipt.hop) == (sender, rnd, what, mb, hop)
+    def _keep(self, key: TensorId, tensor: torch.Tensor, receipt: Any) -> None:
+        expected = isinstance(receipt, Receipt) and receipt.id == key
         # A receipt that names another message is a dispute at once; whether the tensor matches its digest
         # is checked when the tensor is shown (``show``): the kept tensor is the one that came, so the
         # answer is the same, and a tensor never shown is never hashed twice.
@@ -169,20 +163,20 @@ class Evidence:
         self.kept[key] = Kept(tensor, receipt if isinstance(receipt, Receipt) else None, disputed)
         if disputed:
             self.disputes.append(key)
-        if what != "share":  # a share is summarised by one of its receivers, with the others (``shares``)
-            self.unsummarised.append((what, mb, hop, sender, tensor))
+        if key.what != "share":  # a share is summarised by one of its receivers, with the others (``shares``)
+            self.unsummarised.append((key, tensor))
 
     def summarize_one(self) -> bool:
         """Summarise the oldest tensor not summarised yet; whether there was one."""
         if not self.unsummarised:
             return False
-        what, mb, hop, sender, tensor = self.unsummarised.pop(0)
+        key, tensor = self.unsummarised.pop(0)
         with self.timed("screening"):
             summary = summarize(tensor)
-        self.screened.append((what, mb, hop, sender, summary))
+        self.screened.append(Screened(key, summary))
         return True
 
-    def summaries(self) -> tuple:
+    def summaries(self) -> tuple[Screened, ...]:
         """Every summary of the round's tensors (those left summarised now): the screening rows the
         round's ``Norm`` carries."""
         while self.summarize_one():
@@ -190,8 +184,8 @@ class Evidence:
         return tuple(self.screened)
 
     def combined(self, total: torch.Tensor) -> bytes | None:
-        """This process combined ``total`` from its stage's shares this round: kept (shown under the key
-        ``COMBINED``), and its digest returned for the coordinator (None with verification off). Kept by
+        """This process combined ``total`` from its stage's shares this round: kept (shown under
+        ``TensorId.combined``), and its digest returned for the coordinator (None with verification off). Kept by
         reference, not copied: the parameters' gradients are views of it, so it is what was combined
         until the step (whose clipping scales them in place), which ends every audit of the round."""
         if not self.on:
@@ -208,25 +202,27 @@ class Evidence:
         with self.timed("weights"):
             return receipts.weights_digest(weights)
 
-    def show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
+    def show(self, keys: Sequence[Any]) -> dict[TensorId, tuple]:
         """The kept tensors of ``keys`` that this process has: key -> (tensor, receipt, disputed); its own
-        combined gradient under ``COMBINED`` (no receipt)."""
+        combined gradient under ``TensorId.combined`` (no receipt). What is not a ``TensorId`` is not shown."""
         with self.timed("evidence"):
             return self._show(keys)
 
-    def _show(self, keys: Sequence[Key]) -> dict[Key, tuple]:
-        out: dict[Key, tuple] = {}
+    def _show(self, keys: Sequence[Any]) -> dict[TensorId, tuple]:
+        out: dict[TensorId, tuple] = {}
         for key in keys:
-            if tuple(key) == COMBINED:
-                if self.total is not None:
-                    out[COMBINED] = (self.total, None, False)
+            if not isinstance(key, TensorId):
                 continue
-            k = self.kept.get(tuple(key))
+            if key.what == "combined":
+                if self.total is not None and key.sender == "":
+                    out[key] = (self.total, None, False)
+                continue
+            k = self.kept.get(key)
             if k is not None:
                 if not k.disputed and not receipts.matches(k.receipt, k.tensor):
                     k.disputed = True
-                    self.disputes.append(tuple(key))
-                out[tuple(key)] = (k.tensor, k.receipt, k.disputed)
+                    self.disputes.append(key)
+                out[key] = (k.tensor, k.receipt, k.disputed)
         return out
 
     def shares(self, rnd: int, got: dict[str, torch.Tensor], counts: dict[str, int]) -> dict[str, float]:
@@ -253,7 +249,7 @@ class Evidence:
                 count = counts.get(sender, 0)
                 summary, known[sender] = summarize_squared(got[sender], divisor=count or 1)
                 if not (count == 0 and summary.found == ("zeros",)):
-                    self.screened.append(("share", -1, -1, sender, summary))
+                    self.screened.append(Screened(TensorId(rnd, "share", -1, -1, sender), summary))
             if self.name not in got or len(names) < 2:
                 return {}
             return cosines_to(got[self.name], {n: got[n] for n in names if n != self.name}, known)
@@ -352,19 +348,18 @@ def recompute(stage: Any, kind: str, inputs: dict, device: torch.device,
 
 
 def recheck(stage: Any, held: int, msg: m.Recheck, device: torch.device, bf16: bool = False,
-            adversary: Any = None, name: str = "") -> m.Rechecked:
+            conduct: Conduct = HONEST, name: str = "") -> m.Rechecked:
     """A stage process's answer to ``msg`` (a ``Recheck``), as process ``name`` holding ``stage`` (a
     ``stages.Stage``) of index ``held``: the difference of ``msg.claimed`` from its recomputation; NaN
-    when it does not hold the stage or cannot recompute it. ``adversary``: what a lying verifier says
-    instead (fault injection)."""
+    when it does not hold the stage or cannot recompute it; what it answers goes through its
+    ``conduct`` (a lying verifier says otherwise)."""
     diff = math.nan
     if msg.stage == held:
         try:
             diff = difference(msg.claimed, recompute(stage, msg.kind, msg.inputs, device, bf16))
         except Exception as exc:
             log.warning("%s: could not recompute %s: %s", name, msg.kind, exc)
-    if adversary is not None:
-        diff = adversary.reports(name, msg.round, diff)
+    diff = conduct.reports(name, msg.round, diff)
     return m.Rechecked(msg.round, name, msg.check, diff)
 
 

@@ -32,20 +32,15 @@ import blake3
 import torch
 
 from ..protocol import Message
-
+from .tensor_id import TensorId
 
 
 @dataclass(frozen=True, slots=True)
 class Receipt(Message):
-    """``sender`` sent a tensor whose digest is ``digest`` as its ``what`` ("activation", "gradient",
-    "share") of microbatch ``mb`` (-1 for a share), hop ``hop`` (the message's; -1 for a share) of round
-    ``round``; ``mac``: the sender's HMAC over the rest."""
+    """``id.sender`` sent the tensor ``id`` names (``tensor_id.TensorId``), whose digest is ``digest``;
+    ``mac``: the sender's HMAC over both (``TensorId.body``)."""
 
-    sender: str
-    round: int
-    what: str
-    mb: int
-    hop: int
+    id: TensorId
     digest: bytes
     mac: bytes
 
@@ -63,7 +58,8 @@ def digest(tensor: torch.Tensor) -> bytes:
         t = t.to("cpu")
     t = t.contiguous()
     # BLAKE3 (one thread; it lets go of the GIL over large buffers): on this project's machines 2 to 5
-    # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md, session 19); every tensor sent is hashed
+    # times SHA-256 with the SHA extensions (benchmarks/RESULTS.md, measured at ff41722); every tensor sent
+    # is hashed
     h = blake3.blake3()
     _update(h, t)
     return h.digest()
@@ -87,23 +83,18 @@ def _update(h: Any, t: torch.Tensor) -> None:
         h.update(t.view(-1).view(torch.uint8).numpy().data)
 
 
-def _body(sender: str, rnd: int, what: str, mb: int, hop: int, dig: bytes) -> bytes:
-    return f"{sender}\0{rnd}\0{what}\0{mb}\0{hop}\0".encode() + dig
-
-
-def seal(key: bytes, sender: str, rnd: int, what: str, mb: int, hop: int, tensor: torch.Tensor) -> Receipt:
-    """``sender``'s receipt for ``tensor`` (``Receipt``'s fields), made with its receipt ``key``."""
+def seal(key: bytes, tensor_id: TensorId, tensor: torch.Tensor) -> Receipt:
+    """The receipt of ``tensor_id.sender`` for ``tensor`` as ``tensor_id``, made with its receipt ``key``."""
     dig = digest(tensor)
-    mac = hmac.new(key, _body(sender, rnd, what, mb, hop, dig), hashlib.sha256).digest()
-    return Receipt(sender, rnd, what, mb, hop, dig, mac)
+    return Receipt(tensor_id, dig, hmac.new(key, tensor_id.body(dig), hashlib.sha256).digest())
 
 
 def genuine(key: bytes, receipt: object) -> bool:
     """Whether ``receipt`` is a Receipt made with ``key`` (its sender's), unaltered."""
-    if not isinstance(receipt, Receipt) or not isinstance(receipt.digest, bytes) or not isinstance(receipt.mac, bytes):
+    if not isinstance(receipt, Receipt) or not isinstance(receipt.id, TensorId) or \
+            not isinstance(receipt.digest, bytes) or not isinstance(receipt.mac, bytes):
         return False
-    want = hmac.new(key, _body(receipt.sender, receipt.round, receipt.what, receipt.mb, receipt.hop, receipt.digest),
-                    hashlib.sha256).digest()
+    want = hmac.new(key, receipt.id.body(receipt.digest), hashlib.sha256).digest()
     return hmac.compare_digest(want, receipt.mac)
 
 

@@ -1,4 +1,9 @@
-"""The local backend: each job is a subprocess of this one, running a fresh Python interpreter."""
+"""The local backend: each job is a subprocess of this one, running a fresh Python interpreter.
+
+A job that asks for memory (the ``memory`` option, a pool's ``resources``) runs in a memory cgroup of its
+own with that limit, where this machine lets this process make one (:mod:`roving.backends.memory`; else
+a warning says why, once, and the job runs unlimited); its end by the kernel's OOM killer is then
+reported as ``out_of_memory`` in its :class:`JobStatus`."""
 from __future__ import annotations
 
 import logging
@@ -10,12 +15,14 @@ import tempfile
 import threading
 from typing import Any, Dict, Optional
 
-from .. import config as roving_config
-from .base import Backend, Job, JobSpec, JobState, JobStatus, SecretFiles
-from .errors import LocalError, UnknownJobError
-from .output import OutputPump
-from .private import open_private
-from .reaper import Reaper
+from ... import config as roving_config
+from ..base import Backend, Job, JobSpec, JobState, JobStatus
+from ..errors import LocalError, UnknownJobError
+from ..memory import MemoryGroup, make_group
+from ..output import OutputPump
+from ...system.private import open_private
+from ..reaper import Reaper
+from ..secret_files import SecretFiles
 from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 
 log = logging.getLogger(__name__)
@@ -31,7 +38,7 @@ def _has_exited(pid: int) -> bool:
 
 class LocalBackend(Backend):
     """Jobs are subprocesses: fresh interpreters, or, with ``local_preload`` set, forked from a starter
-    that has those modules imported (roving.backends.starter). ``terminate_job`` sends SIGTERM, with
+    that has those modules imported (roving.backends.local.starter). ``terminate_job`` sends SIGTERM, with
     ``force`` SIGKILL."""
 
     name = "local"
@@ -41,6 +48,8 @@ class LocalBackend(Backend):
         self._pump: Optional[OutputPump] = None
         self._lock = threading.Lock()
         self._starters: Dict[tuple, Starter] = {}  # (preload, interpreter settings) -> its starter
+        self._groups: Dict[str, MemoryGroup] = {}  # job id -> the memory cgroup it runs in
+        self._no_group_said = False
         # Where local children find the session secret: a private folder under the system's temporary one,
         # which a watcher removes if this process is killed before it can (no jobs of its own to cancel).
         self._secrets = SecretFiles(tempfile.gettempdir(), Reaper(self.name))
@@ -82,9 +91,30 @@ class LocalBackend(Backend):
             self._pump.add(proc.stdout, prefix, False)
             self._pump.add(proc.stderr, prefix, True)
         job = Job(self, str(proc.pid))
+        group = self._group_for(spec, proc.pid)
         with self._lock:
             self._procs[job.id] = proc
+            if group is not None:
+                self._groups[job.id] = group
         return job
+
+    def _group_for(self, spec: JobSpec, pid: int) -> Optional[MemoryGroup]:
+        """A memory cgroup limited to ``spec``'s memory with ``pid`` in it (moved in before its Python has
+        started), or None: no memory asked, or none can be made here (said once)."""
+        if spec.resources.memory is None:
+            return None
+        group, why = make_group(spec.resources.memory, spec.name.replace("/", "-"))
+        if group is not None:
+            try:
+                group.add(pid)
+                return group
+            except OSError as exc:
+                group.remove()
+                why = f"cannot move the job into its memory cgroup: {exc}"
+        if not self._no_group_said:
+            self._no_group_said = True
+            log.warning("roving: the local backend runs jobs without their memory limit: %s", why)
+        return None
 
     def _starter_for(self, command: list, env: Dict[str, str]) -> Optional[Starter]:
         """The starter that forks this command's process (made on first use), or None: no
@@ -163,6 +193,13 @@ class LocalBackend(Backend):
             code = proc.wait()
         if code is None:
             return JobStatus(JobState.RUNNING)
+        group = self._groups.get(job.id)
+        if group is not None and code != 0:
+            peak = group.read()[2]
+            if group.oom_killed():
+                return JobStatus(JobState.EXITED, code, "killed by the kernel for memory (its cgroup's oom_kill)",
+                                 out_of_memory=True, memory_peak=peak)
+            return JobStatus(JobState.EXITED, code, memory_peak=peak)
         return JobStatus(JobState.EXITED, code)
 
     def wait(self, job: Job, timeout: Optional[float] = None) -> Optional[int]:
@@ -196,7 +233,17 @@ class LocalBackend(Backend):
         except (AttributeError, OSError):  # no pidfd on this system
             return super().sentinel(job)
 
+    def shutdown(self) -> None:
+        """At exit: remove the memory cgroups of jobs that have ended (a running job's stays)."""
+        with self._lock:
+            groups = list(self._groups.values())
+        for group in groups:
+            group.remove()
+
     def forget(self, job: Job) -> None:
         """Drop the handle of a job that has ended and been reaped."""
         with self._lock:
             self._procs.pop(job.id, None)
+            group = self._groups.pop(job.id, None)
+        if group is not None:
+            group.remove()

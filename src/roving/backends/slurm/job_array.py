@@ -14,7 +14,7 @@ import re
 import shlex
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .base import JobSpec
+from ..base import JobSpec
 
 __all__ = ["groups", "chunks", "split_env", "task_script", "base_id", "busy_words", "refusal", "label"]
 

@@ -2,20 +2,20 @@
 
 * Outside an allocation a process is ``sbatch --export=ALL --wrap 'exec python -m roving._child'``: it gets
   the parent's environment without the session secret, which it reads from a private file and removes
-  (:class:`~roving.backends.base.SecretFiles`, under ``~/.roving/secrets``: the job's machine must see
+  (:class:`~roving.backends.secret_files.SecretFiles`, under ``~/.roving/secrets``: the job's machine must see
   this user's home; neither the job's environment nor Slurm's record of it holds the secret),
   ``--cpus-per-task``, ``--mem`` and ``--gres=gpu:N`` from
   the process resources, partition, account, time limit and extra options from the configuration.
   Its job name is ``roving-<session>`` and its comment the process name, so ``squeue`` shows both.
 * A pool's workers (:meth:`SlurmBackend.submit_many`) are one job array: ``sbatch --array=0-N``, the
   same job name, the comment ``<first name>..<last name>``; each task's own variables are chosen in the
-  batch script by its index (:mod:`roving.backends.slurm_array`). A task's id is ``<array>_<index>``,
+  batch script by its index (:mod:`roving.backends.slurm.job_array`). A task's id is ``<array>_<index>``,
   used as any job id here (state, cancel, output, the Reaper, `roving ps/logs/cancel`). Arrays are cut at
   the cluster's MaxArraySize; more jobs than its MaxJobCount are refused at once, naming it.
   ``slurm_array = False`` submits one job each. sbatch is retried with back-off while Slurm says it is
   busy (:mod:`roving.backends.throttle`), its words logged.
 * Inside an allocation (SLURM_JOB_ID set) a process is a task of an ``srun`` job step of that allocation
-  (:mod:`roving.backends.slurm_step`): a pool's workers are one step of N tasks, a lone process (a
+  (:mod:`roving.backends.slurm.step`): a pool's workers are one step of N tasks, a lone process (a
   replacement for a lost worker) a step of one; a pool larger than the allocation's CPUs is refused,
   naming both.
 * State comes from one ``squeue`` call for all of this process's jobs (at most every 0.2 s), exit codes
@@ -41,13 +41,16 @@ import threading
 import time
 from typing import IO, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from .. import config as _config
-from . import slurm_array, slurm_step, throttle
-from .base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus, SecretFiles
-from .errors import SlurmError, StepError, UnknownJobError
-from .output import LineSplitter
-from .private import private_dir
-from .reaper import Reaper
+from ... import config as _config
+from .. import throttle
+from . import job_array as slurm_array
+from . import step as slurm_step
+from ..base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus
+from ..errors import SlurmError, StepError, UnknownJobError
+from ..output import LineSplitter
+from ...system.private import private_dir
+from ..reaper import Reaper
+from ..secret_files import SecretFiles
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +332,7 @@ class SlurmBackend(Backend):
             jobs.append(self._register(task_id, spec.name, out_i, err_i, mode))
         return jobs
 
-    # -- inside an allocation: job steps (roving.backends.slurm_step) ----------------------------
+    # -- inside an allocation: job steps (roving.backends.slurm.step) ----------------------------
     def _start_steps(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
         jobs = self._steps.start(specs, self, _umask())
         return [SlurmError(str(j)) if isinstance(j, StepError) else j for j in jobs]
@@ -404,7 +407,7 @@ class SlurmBackend(Backend):
                     status = JobStatus(JobState.RUNNING)
                 else:
                     status = JobStatus(JobState.EXITED, _exitcode(raw, job_id in self._forced, state),
-                                       reason=f"{state} {reason}".strip())
+                                       reason=f"{state} {reason}".strip(), out_of_memory=state == "OUT_OF_MEMORY")
                 self._set(job_id, status, now)
             for job_id in ids - seen:
                 # squeue forgets jobs MinJobAge after they end, and names no unknown id

@@ -35,12 +35,12 @@ import time
 import math
 from typing import Callable, Dict, IO, List, Optional, Sequence, Tuple, Union
 
-from .. import config as _config
-from . import slurm_array
-from .base import Backend, Job, JobSpec, JobState, JobStatus
-from .errors import StepError
-from .output import write_prefixed
-from .private import private_dir
+from ... import config as _config
+from . import job_array as slurm_array
+from ..base import Backend, Job, JobSpec, JobState, JobStatus
+from ..errors import StepError
+from ..output import write_prefixed
+from ...system.private import private_dir
 
 log = logging.getLogger(__name__)
 

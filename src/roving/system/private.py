@@ -22,7 +22,7 @@ import tempfile
 import threading
 from typing import IO, Any, Dict
 
-from .errors import NotPrivateError
+from ..errors import NotPrivateError
 
 __all__ = ["NotPrivateError", "private_dir", "private_dir_or_own", "open_private", "create_private", "take_private",
            "private_key"]

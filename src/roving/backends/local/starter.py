@@ -38,7 +38,7 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .errors import StarterError
+from ..errors import StarterError
 
 #: The child code every starter imports; the backend uses a starter only for this module's commands.
 CHILD_MODULE = "roving._child"
@@ -94,7 +94,7 @@ class Starter:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "roving.backends.starter", str(theirs.fileno()), *self.preload],
+                [sys.executable, "-m", "roving.backends.local.starter", str(theirs.fileno()), *self.preload],
                 env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True)
         except OSError as exc:
             ours.close()

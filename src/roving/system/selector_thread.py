@@ -2,8 +2,8 @@
 thread, whenever it is readable: what roving's sentinel watcher (:mod:`roving._sentinels`, a job's end)
 and the output pump (:class:`roving.backends.output.OutputPump`, children's pipes) are built on.
 
-It lives with the backends because they are the lowest layer that needs it (the output pump); it imports
-nothing of roving.
+It is one of roving's system helpers (:mod:`roving.system`), below every layer that needs it (the
+backends' output pump is the lowest); it imports nothing of roving.
 """
 from __future__ import annotations
 
@@ -12,11 +12,21 @@ import os
 import selectors
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Protocol, Tuple, Union
+
+
+class HasFileno(Protocol):
+    """A file, socket or pipe end: what has a descriptor to wait on."""
+
+    def fileno(self) -> int: ...
+
+
+#: What the thread waits on: a file descriptor, or an object with ``fileno()``.
+Watchable = Union[int, HasFileno]
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SelectorThread"]
+__all__ = ["SelectorThread", "Watchable", "HasFileno"]
 
 #: After select() itself failed (an fd closed under it, say), the thread waits this long before the next.
 _RETRY_S = 0.05
@@ -38,16 +48,16 @@ class SelectorThread:
         self._selector.register(self._wake_r, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         # (file, handler) to watch, or (file, None, then) to forget, in the order asked
-        self._changes: List[Tuple[Any, Optional[Callable[[], None]], Optional[Callable[[], None]]]] = []
+        self._changes: List[Tuple[Watchable, Optional[Callable[[], None]], Optional[Callable[[], None]]]] = []
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
-    def watch(self, fileobj: Any, on_ready: Callable[[], None]) -> None:
+    def watch(self, fileobj: Watchable, on_ready: Callable[[], None]) -> None:
         """Call ``on_ready()`` each time ``fileobj`` (a file descriptor or an object with ``fileno()``) is
         readable, until it is forgotten. One that cannot be watched (closed already) is logged and left."""
         self._change((fileobj, on_ready, None))
 
-    def forget(self, fileobj: Any, then: Optional[Callable[[], None]] = None) -> None:
+    def forget(self, fileobj: Watchable, then: Optional[Callable[[], None]] = None) -> None:
         """Stop watching ``fileobj``, then call ``then()`` (in the watching thread; at once when called
         from a handler, which is in that thread)."""
         if threading.current_thread() is self.thread:
@@ -55,7 +65,7 @@ class SelectorThread:
         else:
             self._change((fileobj, None, then))
 
-    def _change(self, change: Tuple[Any, Optional[Callable[[], None]], Optional[Callable[[], None]]]) -> None:
+    def _change(self, change: Tuple[Watchable, Optional[Callable[[], None]], Optional[Callable[[], None]]]) -> None:
         with self._lock:
             self._changes.append(change)
         os.write(self._wake_w, b"x")
@@ -97,7 +107,7 @@ class SelectorThread:
             except (ValueError, KeyError, OSError) as exc:  # closed already, or watched twice
                 log.warning("roving: %s: cannot watch %r: %s", self.thread.name, fileobj, exc)
 
-    def _forget(self, fileobj: Any, then: Optional[Callable[[], None]]) -> None:
+    def _forget(self, fileobj: Watchable, then: Optional[Callable[[], None]]) -> None:
         try:
             self._selector.unregister(fileobj)
         except (KeyError, ValueError):
