@@ -37,14 +37,15 @@ def test_full_pipeline_baseline_has_full_pipelines_with_each_stage_once():
     assert len(f.stats["idle"]) == 2
 
 
-def test_dtfm_groups_stay_in_regions_and_chain_along_the_line():
+def test_dtfm_groups_stay_in_regions():
     net = line_network()
-    found = dtfm_allocation(net, PAPER_MODEL, 3, 6, budget_s=0.3, seed=0)
+    found = dtfm_allocation(net, PAPER_MODEL, 3, 6, budget_s=60.0, seed=0, max_evals=300)
     regions = [{net.node(c[s]).region for c in found.pipelines} for s in range(3)]
-    # each stage's replicas share a region (cheap all-reduce) and the stage order follows the line,
-    # never putting the slow A-C link between consecutive stages
+    # each stage's replicas share a region (cheap all-reduce), one region per stage; a microbatch's
+    # round trip through three groups crosses each of the three links whatever their order (the tour
+    # is closed: test_dtfm.py has a network where the order matters)
     assert all(len(r) == 1 for r in regions)
-    assert [r.pop() for r in regions] in (["A", "B", "C"], ["C", "B", "A"])
+    assert sorted(r.pop() for r in regions) == ["A", "B", "C"]
 
 
 def test_dtfm_matching_minimises_the_slowest_pair():

@@ -69,7 +69,7 @@ def test_gantt_rows_name_each_nodes_stage_and_tasks_their_microbatch(tmp_path, m
     from matplotlib.figure import Figure
 
     from roving.pipeline import Plan, Route, build_network, model_preset, simulate
-    from roving.pipeline.run.cli import draw_gantt
+    from roving.pipeline.run.plan_cli import draw_gantt
     net = build_network("gcp12", 3)
     names = net.names
     p = Plan(3, 0.0, {names[0]: 0, names[1]: 1, names[2]: 2},
@@ -204,3 +204,35 @@ def test_status_with_a_malformed_status_file_is_one_line_naming_the_file(tmp_pat
                       ' "starting": [], "recent_events": [], "train_loss": 2.5, "iteration_seconds": 0.1}')
     assert main(["pipeline", "status", "--control", str(tmp_path)]) == 0
     assert "iteration 1/2, train loss 2.5000" in capsys.readouterr().out
+
+
+def test_pipeline_plan_runs_skippipes_geo_distributed_setting_by_its_preset(tmp_path):
+    from roving.pipeline.planning.plan import route_allowed
+    from roving.pipeline.presets import SKIPPIPE_GCP_ORDER
+    out = tmp_path / "plan.json"
+    rc = main(["pipeline", "plan", "--preset", "skippipe-geo-distributed", "--evals", "40", "--budget", "120",
+               "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert (doc["preset"], doc["network"], doc["model"], doc["stages"], doc["skip"], doc["microbatches"]) == \
+        ("skippipe-geo-distributed", "gcp12", "llama-1.5b-skippipe", 6, 0.33, 30)
+    regions = [n["region"] for n in doc["nodes"]]
+    assert len(regions) == 20 and regions == [SKIPPIPE_GCP_ORDER[i % 12] for i in range(20)]
+    assert {n["memory_microbatches"] for n in doc["nodes"]} == {3}
+    assert doc["route_rule"] == "skippipe" and all(route_allowed(p["stages"]) for p in doc["paths"])
+    assert all(v is not None and v > 0 for v in doc["iteration_time_s"].values())
+
+
+def test_flags_beside_a_preset_win_and_the_looser_route_rule_is_asked_by_name(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    rc = main(["pipeline", "plan", "--preset", "skippipe-5-clusters", "--nodes", "8", "--stages", "4",
+               "--skip", "0.34", "--microbatches", "8", "--route-rule", "inversions", "--evals", "30",
+               "--budget", "120", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    # the node count is the command line's, so the preset's region list does not apply: the file's order
+    assert (doc["stages"], doc["microbatches"], len(doc["nodes"]), doc["route_rule"]) == (4, 8, 8, "inversions")
+    assert {n["memory_microbatches"] for n in doc["nodes"]} == {3}
+    base = ["pipeline", "plan", "--json", str(out)]
+    assert main(base + ["--network", "gcp12", "--nodes", "8"]) == 2
+    assert "pipeline plan needs --stages, --skip (or --preset, one of skippipe-5-clusters" in capsys.readouterr().err

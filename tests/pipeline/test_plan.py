@@ -28,12 +28,40 @@ def test_validate_reports_a_revisited_stage():
     assert any("visits a stage twice" in msg for msg in validate(p, net))
 
 
-def test_validate_reports_three_inversions():
+def test_validate_reports_three_inversions_under_the_inversions_rule():
     net, n, alloc, Plan, Route = _hand_plan()
-    p = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[4], n[1]), (2, 3, 4, 1))])  # 3 inversions
-    assert any("3 swaps, at most 2 allowed" in msg for msg in validate(p, net))
-    ok = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[1], n[4]), (2, 3, 1, 4))])  # 2 inversions
-    assert validate(ok, net) == []
+    p = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[4], n[1]), (2, 3, 4, 1))], route_rule="inversions")
+    assert any("3 swaps, at most 2 allowed" in msg for msg in validate(p, net))  # 3 inversions
+    ok = Plan(5, 0.0, alloc, [Route(n[0], (n[2], n[3], n[1], n[4]), (2, 3, 1, 4))], route_rule="inversions")
+    assert validate(ok, net) == []  # 2 inversions
+    ok.route_rule = "skippipe"  # stage 1 falls two stages behind stage 3
+    assert any("at most one stage behind" in msg for msg in validate(ok, net))
+
+
+def test_skippipe_route_rule_refuses_a_stage_more_than_one_behind_and_a_third_swap():
+    from roving.pipeline.planning.plan import route_allowed, route_problem
+    # the routes the looser rule admits (at most 2 inversions) and SkipPipe's rule does not
+    for seq in [(5, 1, 4), (4, 1, 5), (3, 1, 2), (2, 3, 1, 4), (1, 4, 2, 3)]:
+        assert route_allowed(seq, "inversions"), seq
+        assert not route_allowed(seq), seq  # the default is SkipPipe's rule
+        assert "at most one stage behind" in route_problem(seq, "skippipe")
+    # one stage behind the furthest reached, at most twice
+    for seq in [(1, 2, 3), (2, 1), (2, 1, 4, 3), (1, 3, 2, 5, 4), (2, 4, 3)]:
+        assert route_allowed(seq), seq
+    assert route_problem((2, 1, 4, 3, 6, 5)) == "3 swaps, at most 2 allowed"
+    assert not route_allowed((2, 1, 4, 3, 6, 5), "inversions")
+    assert not route_allowed((3, 2, 1), "inversions") and not route_allowed((3, 2, 1))
+
+
+def test_validate_judges_a_plan_by_its_own_route_rule_and_names_an_unknown_one():
+    import pytest
+    from roving.pipeline.errors import PlanError
+    net, n, alloc, Plan, Route = _hand_plan()
+    route = Route(n[0], (n[3], n[1], n[2], n[4]), (3, 1, 2, 4))
+    assert validate(Plan(5, 0.0, alloc, [route], route_rule="inversions"), net) == []
+    assert any("stage 1 after stage 3" in msg for msg in validate(Plan(5, 0.0, alloc, [route]), net))
+    with pytest.raises(PlanError, match="route rule must be one of skippipe, inversions"):
+        validate(Plan(5, 0.0, alloc, [route], route_rule="loose"), net)
 
 
 def test_validate_reports_unbalanced_stage_loads():

@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from roving.pipeline import (ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, simulate,
+from roving.pipeline import (ModelSpec, PlanError, build_network, full_pipeline, plan, random_skip, replan, simulate,
                              validate)
 from roving.pipeline.planning.costs import stage_memory
 from roving.pipeline.planning.network import Node
@@ -245,3 +245,93 @@ def test_a_joining_node_that_can_hold_nothing_with_nothing_held_is_a_plan_error(
     tiny = Node("j", "r", memory_mb=0.5)
     with pytest.raises(PlanError, match="joining node j cannot hold any stage and no node holds one"):
         place_joining(_plan(3, [(1, 2)]), {}, [tiny], M8)
+
+
+def _count_simulations(monkeypatch):
+    """Count every call of the simulator that the planner's modules make."""
+    from roving.pipeline.planning import planner, routes
+    calls = [0]
+    real = routes.simulate
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(routes, "simulate", counted)
+    monkeypatch.setattr(planner, "simulate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("network, nodes, stages, skip, microbatches, memory, sync, evals", [
+    ("gcp12", 12, 4, 0.34, 16, 8, False, 150),
+    ("gcp12", 12, 4, 0.34, 16, 8, True, 400),
+    ("aws10", 18, 4, 0.25, 36, 3, False, 300),  # memory binds: two splits searched
+])
+def test_max_evals_is_the_number_of_simulations_the_plan_makes(monkeypatch, network, nodes, stages, skip,
+                                                                microbatches, memory, sync, evals):
+    """Every simulation counts, the allocation search's, the race's and the last one with replica
+    synchronisation included (the count was of distinct allocations, which ran about 5% over)."""
+    from roving.pipeline import model_preset
+    calls = _count_simulations(monkeypatch)
+    m = model_preset("llama-1.5b-skippipe")
+    net = build_network(network, nodes, memory=memory)
+    grads = [4.0 * 2 ** 20] * stages if sync else None
+    p = plan(net, m, stages, skip, microbatches, budget_s=120.0, seed=2, max_evals=evals, sync_bytes=grads)
+    assert calls[0] == evals == p.stats["path_evaluations"]
+    assert not p.stats["capped"]
+    calls[0] = 0
+    new, _ = replan(p, net, m, failed=[p.paths[0].origin], budget_s=120.0, seed=2, max_evals=60)
+    assert calls[0] == 60 == new.stats["path_evaluations"]
+
+
+def _rule_settings():
+    from roving.pipeline import model_preset
+    paper = ["Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon", "Singapore", "Taiwan",
+             "London", "Australia"]
+    m = model_preset("llama-1.5b-skippipe")
+    return [(build_network("gcp12", 20, regions=paper, memory=3), m, 6, 0.33, 30),
+            (build_network("aws10", 18, memory=3), m, 4, 0.25, 36),
+            (build_network("gcp12", 12), model_preset("llama-1.5b"), 7, 0.34, 16),
+            (small_network(3, [50, 80, 120], [0.05, 0.1, 0.5], 10, 3), MODEL, 6, 0.0, 12)]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_every_route_keeps_skippipes_rule_by_default(case):
+    """Each route: a stage at most one stage number behind the furthest reached, at most two swaps;
+    after failures too (re-planned routes keep the plan's rule)."""
+    from roving.pipeline.planning.plan import route_allowed, route_problem
+    net, m, stages, skip, microbatches = _rule_settings()[case]
+    p = plan(net, m, stages, skip, microbatches, budget_s=120.0, seed=case, max_evals=150)
+    assert p.route_rule == "skippipe"
+    assert [route_problem(r.stages) for r in p.paths if not route_allowed(r.stages)] == []
+    assert validate(p, net) == []
+    new, survivors = replan(p, net, m, failed=[p.paths[0].nodes[0]], budget_s=120.0, seed=case, max_evals=40)
+    assert new.route_rule == "skippipe" and validate(new, survivors) == []
+
+
+def test_the_looser_route_rule_is_an_option_by_name():
+    from roving.pipeline.planning.plan import route_allowed
+    net, m, stages, skip, microbatches = _rule_settings()[3]
+    p = plan(net, m, stages, skip, microbatches, budget_s=120.0, seed=3, max_evals=150, route_rule="inversions")
+    assert p.route_rule == "inversions" == p.to_dict()["route_rule"]
+    assert validate(p, net) == [] and all(route_allowed(r.stages, "inversions") for r in p.paths)
+    # looser indeed: here the search takes routes that SkipPipe's rule refuses, such as (3, 1, 2, 4, 5)
+    assert any(not route_allowed(r.stages) for r in p.paths)
+    with pytest.raises(PlanError, match="route rule must be one of skippipe, inversions, got 'any'"):
+        plan(net, m, stages, skip, microbatches, budget_s=1.0, route_rule="any")
+
+
+def test_routes_around_a_missing_stage_keep_the_rule_on_the_real_stage_numbers():
+    """``plan_held`` plans the held stages as stages 0, 1, 2, ...: with stage 2 missing, its (2, 1) is the
+    real (3, 1), which SkipPipe's rule refuses (stage 1 falls two behind stage 3)."""
+    from roving.pipeline import model_preset
+    from roving.pipeline.planning.plan import route_allowed
+    from roving.pipeline.planning.planner import plan_held
+    m = model_preset("llama-1.5b-skippipe")
+    net = build_network("gcp12", 12, memory=3)
+    alloc = dict(zip(net.names, [0, 0, 0, 1, 1, 3, 3, 4, 4, 5, 6, 6]))  # no node holds stage 2
+    held = plan_held(net, m, alloc, 7, 0.0, 16, budget_s=60.0, seed=0, max_evals=150)
+    assert held.route_rule == "skippipe" and held.stats["missing_stages"] == [2]
+    assert all(2 not in p.stages and route_allowed(p.stages) for p in held.paths)
+    loose = plan_held(net, m, alloc, 7, 0.0, 16, budget_s=60.0, seed=0, max_evals=150, route_rule="inversions")
+    assert any(not route_allowed(p.stages) for p in loose.paths)  # what the looser rule takes here

@@ -41,3 +41,23 @@ def test_the_path_search_takes_a_lower_makespan_or_an_equal_one_with_an_earlier_
     assert not _accepts(10.5, 1.0, 10.0, 5.0)
     assert not _accepts(inf, inf, 10.0, 5.0), "a deadlock never replaces a plan that runs"
     assert _accepts(10.0, 5.0, inf, inf) and _accepts(inf, inf, inf, inf)
+
+
+def test_routes_over_stages_of_more_replicas_than_one_microbatch_weighs_keep_every_rule():
+    """100 nodes on 6 stages (about 17 replicas a stage, more than ``routes.CANDIDATES``): the greedy
+    routes and the planner's plan are valid (quotas, the route rule, every stage visited as often as the
+    others within one), each stage's microbatches spread over many of its replicas."""
+    from roving.pipeline import build_network, model_preset, plan
+    from roving.pipeline.planning import routes
+    from roving.pipeline.planning.plan import Plan, validate
+    net = build_network("gcp12", 100, memory=3)
+    model = model_preset("llama-1.5b-skippipe")
+    alloc = {n: i % 6 for i, n in enumerate(net.names)}
+    ctx = routes.SearchContext(net, model, alloc, 6, None, None, "skippipe", routes.Tally())
+    assert min(len(r) for r in ctx.replicas) > routes.CANDIDATES
+    paths = routes.build_routes(ctx, 60, 3)
+    assert validate(Plan(6, 0.33, alloc, paths), net) == []
+    used = {n for p in paths for n in p.nodes}
+    assert len(used) > 3 * routes.CANDIDATES, "the load spreads beyond the first few replicas"
+    p = plan(net, model, 6, 0.33, 60, budget_s=60.0, seed=0, max_evals=20)
+    assert validate(p, net) == []

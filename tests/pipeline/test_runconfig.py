@@ -179,3 +179,13 @@ def test_the_run_configuration_is_read_without_pytorch_or_the_runtime():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", f"imported by the configuration: {out.stdout.strip()}"
+
+
+def test_the_route_rule_is_skippipes_unless_the_run_file_names_the_looser_one(tmp_path):
+    assert TrainConfig().route_rule == "skippipe"
+    f = tmp_path / "run.toml"
+    f.write_text('[plan]\nroute_rule = "inversions"\n')
+    assert TrainConfig.from_toml(str(f)).route_rule == "inversions"
+    f.write_text('[plan]\nroute_rule = "any"\n')
+    with pytest.raises(PlanError, match="route rule must be one of skippipe, inversions, got 'any'"):
+        TrainConfig.from_toml(str(f))

@@ -42,6 +42,15 @@ def test_two_overlapping_transfers_on_one_link_share_its_bandwidth():
     assert first_send(two) == pytest.approx([2.01, 2.01], abs=1e-6)
 
 
+def test_without_link_sharing_overlapping_transfers_each_get_the_whole_link():
+    network = net([("a", "A", 1e-9, 4), ("b", "B", 1.0, 4)])
+    two = Plan(2, 0.0, {"a": 0, "b": 1}, [Route("a", ("b",), (1,))] * 2)
+    res = simulate(network, MODEL, two, link_sharing=False)
+    sends = sorted(e.end for e in res.timeline["a"] if e.kind == "send")[:2]
+    assert sends == pytest.approx([1.01, 1.01], abs=1e-6)  # 1 s for the bytes each, as if alone
+    assert res.makespan < simulate(network, MODEL, two).makespan
+
+
 def test_memory_of_one_serialises_two_microbatches_on_a_node():
     paths = [Route("a", ("b",), (1,))] * 2
     roomy = net([("a", "A", 1.0, 4), ("b", "B", 1.0, 2)])

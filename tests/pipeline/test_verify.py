@@ -605,6 +605,28 @@ def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_c
     assert 0 < v.last["checks"] < every
 
 
+def test_in_screen_mode_a_last_stage_that_makes_its_activations_nan_is_caught_in_that_round_and_nobody_else():
+    """The plan given explicitly (PLAN: microbatch 0 goes a -> c -> a): c, the last stage its microbatch
+    visits, makes its activations NaN. The loss at a is then NaN, and so is the gradient that comes back
+    to c, but c's forward output was computed from finite activations alone: screen mode catches c for
+    it, before the step, in this round ("non-finite", its visit of microbatch 0), and neither a (its loss
+    and share computed from c's NaN) nor anyone else. Judged with the gradient that came back for it, c's
+    visit was excused: nobody was caught, the NaN reached the step, and honest nodes were blamed in the
+    next round (their weights NaN by then)."""
+    batches = [tokens_and_targets(0), tokens_and_targets(1)]
+    r = LocalRound(PLAN, batches, liars={"c": Adversary("nan")})
+    norm = r.norm()
+    assert not math.isfinite(norm), "c's NaN reached the gradient norm"
+    v, events = verifier("screen", roster=r)
+    v.begin(0, PLAN, dict(PLAN.allocation), batches)
+    for msg in r.norms:
+        v.note(msg)
+    assert list(v.audit(0, norm)) == ["c"]
+    assert [(f["node"], f["check"], f["computation"], f["mb"]) for kind, f in events if kind == "caught"] == [
+        ("c", "non-finite", "visit", 0)]
+    assert not [f for kind, f in events if kind == "dispute"]
+
+
 def test_replicas_that_step_to_different_weights_a_majority_of_three_names_the_odd_one_two_are_a_dispute():
     """After each step every replica of a stage with others reports the digest of its weights: equal digests
     pass; where they differ, a strict majority of 3 or more names the others (a missing digest counts as

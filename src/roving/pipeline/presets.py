@@ -2,6 +2,8 @@
 Training builds the sizes in ``TRAINING`` (``model.PRESETS``); the planner offers the sizes in
 ``PLANNING`` as the cost model sees them (``costs.MODEL_PRESETS``), each with the run shape the
 cost model assumes for it. Both tables are made from this one, so a size is written down once.
+``PLAN_PRESETS``: SkipPipe's whole planning settings (network, nodes, stages, skip, memory, model), what
+``roving pipeline plan --preset`` runs.
 
 Plain data and the standard library only: planning and the run's configuration never need PyTorch.
 """
@@ -40,6 +42,8 @@ PLANNING: dict[str, tuple[str, dict]] = {
     "llama-3b": ("llama-3b", {}),
     "llama-8b": ("llama-8b", {}),
     "llama-1.5b-skippipe": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=1, backward_ratio=1.5)),
+    # the shape of the schedule.json SkipPipe's repository ships: 2 samples a microbatch, 4 layers a stage
+    "llama-1.5b-skippipe-2": ("llama-1.5b", dict(seq_len=4096, samples_per_microbatch=2, backward_ratio=1.5)),
 }
 DEFAULT_PLANNING = "llama-1.5b"
 
@@ -81,3 +85,29 @@ def preset(name: str, **overrides: Any) -> LlamaConfig:
     if name not in PRESETS:
         raise PlanError(f"unknown model {name!r}; choose one of {', '.join(PRESETS)}")
     return replace(PRESETS[name], **overrides)
+
+
+#: SkipPipe's node placement on gcp12 (its create_schedule.py and communication_costs.py): nodes go
+#: round-robin over the regions in this order.
+SKIPPIPE_GCP_ORDER: tuple[str, ...] = ("Belgium", "Canada", "Germany", "Iowa", "Japan", "LA", "NL", "Oregon",
+                                       "Singapore", "Taiwan", "London", "Australia")
+#: the regions of SkipPipe's "5-clusters" setting.
+SKIPPIPE_FIVE_REGIONS: tuple[str, ...] = ("LA", "NL", "Germany", "Singapore", "Oregon")
+
+#: SkipPipe's planning settings (``roving pipeline plan --preset NAME``): its 20 nodes in 6 stages of the
+#: LLaMA-1.5B run (4 layers each), skip 0.33, 3 microbatches in flight per node, each of the 5 stage-0
+#: nodes of its partition [5, 3, 3, 3, 3, 3] sending 6 microbatches (30), on gcp12's measured links,
+#: placed as its code places them (``setting`` = geo-distributed, single-cluster, 5-clusters there).
+#: ``regions``: the regions the nodes go to in turn (None: the network file's order).
+PLAN_PRESETS: dict[str, dict] = {
+    "skippipe-geo-distributed": dict(network="gcp12", nodes=20, regions=list(SKIPPIPE_GCP_ORDER), stages=6,
+                                     skip=0.33, microbatches=30, memory_microbatches=3,
+                                     model="llama-1.5b-skippipe"),
+    "skippipe-single-cluster": dict(network="gcp12", nodes=20, regions=["Germany"], stages=6, skip=0.33,
+                                    microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe"),
+    "skippipe-5-clusters": dict(network="gcp12", nodes=20, regions=list(SKIPPIPE_FIVE_REGIONS), stages=6,
+                                skip=0.33, microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe"),
+    # the shape of its shipped schedule.json: the geo-distributed setting with 2 samples a microbatch
+    "skippipe-shipped": dict(network="gcp12", nodes=20, regions=list(SKIPPIPE_GCP_ORDER), stages=6, skip=0.33,
+                             microbatches=30, memory_microbatches=3, model="llama-1.5b-skippipe-2"),
+}

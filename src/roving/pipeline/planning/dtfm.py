@@ -8,19 +8,30 @@ model, never by simulating it:
   group's nodes of ``sum over its peers of 2 x (latency + stage_bytes / (group_size x bandwidth))``;
 * pipeline cost: between two groups, the bottleneck of the best perfect matching of their nodes
   (the slowest pipeline decides), the activations and gradients of a pipeline's microbatches; over all
-  groups, the shortest open path that visits every group once (an open-loop travelling salesman),
-  whose order is the stage order;
+  groups, the shortest tour that visits every group once, whose order is the stage order;
 * total = data-parallel cost + pipeline cost.
+
+The tour is closed: it starts at the stage-0 group and returns to it. In DT-FM's own setting the last
+stage computes the loss, so its paper's tour is open; in SkipPipe's a microbatch starts and ends at a
+stage-0 node (embedding, then head and loss), and SkipPipe's code costs DT-FM's schedule with the
+closed tour from the stage-0 group for that reason. An open tour leaves the return hop out of the
+cost, and the search then happily chains a last stage to stage 0 over the slowest link of the network.
 
 It searches with a memetic algorithm (GCMA: a steady-state genetic algorithm with five-point crossover
 whose offspring are improved by local search before they replace the worse parent). Here the local
 search is a budgeted pass of node exchanges between groups, in place of DT-FM's cyclic partitioning;
 both only move a node when the cost model says the move pays. Nodes beyond ``groups x group_size``
 form an idle group that the search may fill with whichever nodes serve worst.
+
+A cost model is not the simulator: an allocation of lower cost may simulate slower. With ``judge``
+(``dtfm_allocation``), every allocation that lowers the best cost seen so far is also judged (the
+baseline simulates it) and the best judged one is returned, so that more search never gives a worse
+baseline: a longer search with the same seed makes the same evaluations first, and judges a superset.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from typing import Callable
@@ -41,6 +52,9 @@ class DtfmAllocation:
     #: cost-model evaluations the search made; True when ``budget_s`` ended it before ``max_evals``
     evaluations: int = 0
     capped: bool = False
+    #: with a ``judge``: the allocations it judged (each new best cost), and its value for the one returned
+    judged: int = 0
+    judged_value: float = math.nan
 
 
 def stage_param_bytes(model: ModelSpec, stages: int) -> list[float]:
@@ -78,25 +92,28 @@ class _Costs:
         return hit
 
     def tsp(self, groups: list[tuple[str, ...]]) -> tuple[float, list[int]]:
-        """Shortest open path through all groups (exact dynamic program over subsets)."""
+        """Shortest closed tour through all groups from group 0 (the stage-0 group) back to it (exact
+        dynamic program over subsets): (its cost, the groups in tour order, group 0 first)."""
         n = len(groups)
+        if n == 1:
+            return 0.0, [0]
         w = [[0.0 if i == j else self.edge(groups[i], groups[j])[0] for j in range(n)] for i in range(n)]
         full = (1 << n) - 1
-        dp: dict[tuple[int, int], tuple[float, int]] = {(1 << i, i): (0.0, -1) for i in range(n)}
-        for mask in range(1, full + 1):
+        dp: dict[tuple[int, int], tuple[float, int]] = {(1, 0): (0.0, -1)}
+        for mask in range(1, full + 1, 2):  # every subset holds group 0, where the tour starts
             for last in range(n):
                 cur = dp.get((mask, last))
                 if cur is None:
                     continue
-                for nxt in range(n):
+                for nxt in range(1, n):
                     if mask >> nxt & 1:
                         continue
                     key = (mask | 1 << nxt, nxt)
                     v = cur[0] + w[last][nxt]
                     if key not in dp or v < dp[key][0]:
                         dp[key] = (v, last)
-        end = min(range(n), key=lambda i: dp[(full, i)][0])
-        total = dp[(full, end)][0]
+        end = min(range(1, n), key=lambda i: (dp[(full, i)][0] + w[i][0], i))
+        total = dp[(full, end)][0] + w[end][0]
         order, mask, node = [], full, end
         while node >= 0:
             order.append(node)
@@ -190,12 +207,20 @@ def _groups(labels: list[int], names: list[str], stages: int) -> list[tuple[str,
 
 def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatches: int, *,
                     budget_s: float = 10.0, seed: int = 0, population: int = 50,
-                    max_evals: int | None = None) -> DtfmAllocation:
+                    max_evals: int | None = None,
+                    judge: Callable[[list[list[str]]], float] | None = None) -> DtfmAllocation:
     """DT-FM's allocation for ``nodes // stages`` pipelines, searched for about ``budget_s`` seconds.
 
-    ``max_evals``: stop after that many evaluations of DT-FM's cost model instead (``budget_s`` then only
-    caps the search): the same seed and count give the same allocation on any machine, under any load,
-    unless the cap cuts it short (the result's ``capped`` is then True)."""
+    ``max_evals``: stop after exactly that many evaluations of DT-FM's cost model instead (at least 2,
+    the first two parents; ``budget_s`` then only caps the search): the same seed and count give the
+    same allocation on any machine, under any load, unless the cap cuts it short (the result's
+    ``capped`` is then True).
+
+    ``judge(pipelines)``, when given, is asked about every allocation that lowers the best cost seen so
+    far, at the evaluation that finds it (lower is better: the baseline's simulated iteration time); the
+    allocation returned is then the best judged one (the first of equals), not necessarily the one of
+    least cost. With the same seed, a search of more evaluations makes the same evaluations first and so
+    judges a superset: its allocation is never judged worse."""
     names = network.names
     group = len(names) // stages
     costs = _Costs(network, model, stages, group, microbatches)
@@ -205,10 +230,23 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
     deadline = time.perf_counter() + budget_s
 
     evals = [0]
+    least = [math.inf]  # the least cost seen so far
+    # the best judged so far: (judge's value, cost, labels); the count of judged allocations
+    kept: list = [math.inf, math.inf, None]
+    judged = [0]
 
     def score(labels: list[int]) -> float:
         evals[0] += 1
-        return costs.total(_groups(labels, names, stages))
+        groups = _groups(labels, names, stages)
+        value = costs.total(groups)
+        if value < least[0]:
+            least[0] = value
+            if judge is not None:
+                judged[0] += 1
+                verdict = judge(_pipelines(costs, groups))
+                if verdict < kept[0] or kept[2] is None:
+                    kept[:] = [verdict, value, list(labels)]
+        return value
 
     def more() -> bool:
         """Whether the search goes on: within the clock, and the evaluation count when one is given."""
@@ -228,15 +266,18 @@ def dtfm_allocation(network: Network, model: ModelSpec, stages: int, microbatche
         for point in rng.sample(range(len(names)), min(5, len(names))):
             child[point] = pop[a][1][point]
         child = _repair(child, sizes, rng)
-        child, value = _local_search(child, score(child), tries, rng, score)
+        child, value = _local_search(child, score(child), tries, rng, score, more)
         worse = a if pop[a][0] > pop[b][0] else b
         if value < pop[worse][0]:
             pop[worse] = (value, child)
-    value, labels = min(pop, key=lambda p: p[0])
+    if judge is not None:
+        verdict, value, labels = kept
+    else:
+        verdict, (value, labels) = math.nan, min(pop, key=lambda p: p[0])
     chains = _pipelines(costs, _groups(labels, names, stages))
     idle = sorted(n for n, g in zip(names, labels) if g >= stages)
     capped = max_evals is not None and evals[0] < max_evals
-    return DtfmAllocation(chains, idle, value, evals[0], capped)
+    return DtfmAllocation(chains, idle, value, evals[0], capped, judged[0], verdict)
 
 
 def _repair(labels: list[int], sizes: list[int], rng: random.Random) -> list[int]:
@@ -256,9 +297,13 @@ def _repair(labels: list[int], sizes: list[int], rng: random.Random) -> list[int
 
 
 def _local_search(labels: list[int], value: float, tries: int, rng: random.Random,
-                  score: Callable[[list[int]], float]) -> tuple[list[int], float]:
-    """``tries`` random swaps of two nodes' groups, each kept when ``score`` improves; in place."""
+                  score: Callable[[list[int]], float],
+                  more: Callable[[], bool]) -> tuple[list[int], float]:
+    """``tries`` random swaps of two nodes' groups, each kept when ``score`` improves, while ``more()``;
+    in place."""
     for _ in range(tries):
+        if not more():
+            break
         i, j = rng.randrange(len(labels)), rng.randrange(len(labels))
         if labels[i] == labels[j]:
             continue

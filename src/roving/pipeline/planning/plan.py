@@ -2,8 +2,13 @@
 
 The rules a plan keeps (SkipPipe): a microbatch starts and ends at a stage-0 node, visits ``visits`` of
 the other stages (``visits_per_microbatch``: ``round((1 - skip) * (stages - 1))``), each at most once,
-in increasing stage order except for at most ``MAX_SWAPS`` swaps of neighbouring positions (the visited
-stage sequence has at most 2 inversions). Every stage besides 0 is visited by
+in increasing stage order except for at most ``MAX_SWAPS`` swaps, each a stage that falls one stage
+number behind the furthest stage reached before it (SkipPipe's rule, ``route_rule = "skippipe"``: after
+stages 1, 3 the route may visit 2, not 1; (2, 1, 4, 3) is allowed, (3, 1, 2) and (5, 1, 4) are not). A
+plan made under the looser rule ``"inversions"`` (asked for by name: ``plan(route_rule="inversions")``,
+``pipeline plan --route-rule inversions``) may instead have any visited stage sequence with at most
+``MAX_SWAPS`` inversions, whatever the distance (so (3, 1, 2) and (5, 1, 4) too); every route of
+SkipPipe's rule keeps it (each of its swaps is one inversion). Every stage besides 0 is visited by
 ``microbatches * visits / (stages - 1)`` microbatches, give or take one (``stage_quotas``; load balance
 keeps training unbiased). ``validate`` names every rule a plan breaks.
 
@@ -15,14 +20,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .costs import ModelSpec
 from ..errors import PlanError
 from .network import Network
 
-#: the most inversions (swaps of neighbouring stages) a route's stage sequence may have.
+#: the most swaps a route may make (SkipPipe's rule: stages one behind the furthest reached; the
+#: "inversions" rule: inversions of its stage sequence).
 MAX_SWAPS = 2
+#: the route rules a plan can be made under (see the module's text); the first is the default.
+ROUTE_RULES = ("skippipe", "inversions")
+DEFAULT_ROUTE_RULE = "skippipe"
 
 
 def visits_per_microbatch(stages: int, skip: float) -> int:
@@ -67,6 +76,8 @@ class Plan:
     #: the simulator's makespan for this plan when the planner made it, in seconds.
     predicted_s: float = math.nan
     stats: dict = field(default_factory=dict)
+    #: the rule its routes keep (``ROUTE_RULES``); a re-plan keeps it.
+    route_rule: str = DEFAULT_ROUTE_RULE
 
     def backward_counts(self) -> dict[str, int]:
         """Backward passes each node runs in one iteration (an origin one per microbatch it sends,
@@ -99,12 +110,58 @@ class Plan:
                 for i, p in enumerate(self.paths)
             ],
             "priority": list(self.priority) if self.priority else list(range(len(self.paths))),
+            "route_rule": self.route_rule,
         }
+
+
+def plan_from_dict(doc: Any) -> Plan:
+    """The plan ``Plan.to_dict`` wrote (what ``pipeline plan --json`` writes); PlanError naming the field
+    that is missing or of the wrong shape."""
+    try:
+        alloc = {str(n): int(s) for n, s in doc["allocation"].items()}
+        paths = [Route(str(p["origin"]), tuple(str(n) for n in p["nodes"]), tuple(int(s) for s in p["stages"]))
+                 for p in doc["paths"]]
+        stages, skip = int(doc["stages"]), float(doc["skip"])
+        priority = [int(i) for i in doc["priority"]] if doc.get("priority") else None
+        rule = check_route_rule(str(doc.get("route_rule", DEFAULT_ROUTE_RULE)))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PlanError(f"not a plan as `roving pipeline plan --json` writes it (stages, skip, allocation, "
+                        f"paths of origin, nodes and stages): {type(exc).__name__} {exc}") from None
+    return Plan(stages, skip, alloc, paths, priority, route_rule=rule)
 
 
 def inversions(seq: Sequence[int]) -> int:
     """Pairs out of increasing order in ``seq`` (a route's swaps)."""
     return sum(1 for i in range(len(seq)) for j in range(i + 1, len(seq)) if seq[i] > seq[j])
+
+
+def check_route_rule(rule: str) -> str:
+    """``rule`` when it is one of ``ROUTE_RULES``; PlanError naming them otherwise."""
+    if rule not in ROUTE_RULES:
+        raise PlanError(f"route rule must be one of {', '.join(ROUTE_RULES)}, got {rule!r}")
+    return rule
+
+
+def route_problem(stages: Sequence[int], rule: str = DEFAULT_ROUTE_RULE) -> str | None:
+    """What is wrong with a route's visited stage sequence ``stages`` under ``rule`` (None: nothing).
+    Only the order is judged here (``validate`` checks the rest)."""
+    if check_route_rule(rule) == "inversions":
+        n = inversions(stages)
+        return f"{n} swaps, at most {MAX_SWAPS} allowed" if n > MAX_SWAPS else None
+    furthest, swaps = 0, 0
+    for s in stages:
+        if s < furthest:
+            if furthest - s > 1:
+                return (f"stage {s} after stage {furthest}: a stage may fall at most one stage behind the "
+                        "furthest reached")
+            swaps += 1
+        furthest = max(furthest, s)
+    return f"{swaps} swaps, at most {MAX_SWAPS} allowed" if swaps > MAX_SWAPS else None
+
+
+def route_allowed(stages: Sequence[int], rule: str = DEFAULT_ROUTE_RULE) -> bool:
+    """Whether a route's visited stage sequence keeps ``rule`` (``route_problem`` finds nothing)."""
+    return route_problem(stages, rule) is None
 
 
 def stage_quotas(microbatches: int, stages: int, visits: int) -> list[int]:
@@ -114,8 +171,8 @@ def stage_quotas(microbatches: int, stages: int, visits: int) -> list[int]:
 
 
 def validate(plan: Plan, network: Network, visits: int | None = None, model: ModelSpec | None = None) -> list[str]:
-    """Every rule a plan breaks, as sentences (empty when valid). With ``model``, also that every node
-    can hold its stage in its memory."""
+    """Every rule a plan breaks, as sentences (empty when valid); a route's order is judged by the
+    plan's ``route_rule``. With ``model``, also that every node can hold its stage in its memory."""
     problems = []
     names = set(network.names)
     s_count = plan.stages
@@ -134,8 +191,9 @@ def validate(plan: Plan, network: Network, visits: int | None = None, model: Mod
             problems.append(f"{where}: visits {len(p.stages)} stages, expected {visits}")
         if len(set(p.stages)) != len(p.stages) or 0 in p.stages:
             problems.append(f"{where}: visits a stage twice or revisits stage 0")
-        if p.swaps > MAX_SWAPS:
-            problems.append(f"{where}: {p.swaps} swaps, at most {MAX_SWAPS} allowed")
+        wrong = route_problem(p.stages, plan.route_rule)
+        if wrong is not None:
+            problems.append(f"{where}: {wrong} (route rule {plan.route_rule})")
         for n, s in zip(p.nodes, p.stages):
             if n not in names or plan.allocation.get(n) != s:
                 problems.append(f"{where}: node {n} does not hold stage {s}")

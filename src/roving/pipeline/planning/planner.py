@@ -32,8 +32,8 @@ from .allocate import (
 from .costs import ModelSpec
 from ..errors import PlanError
 from .network import Network, Node, slowed
-from .plan import Plan, Route, visits_per_microbatch
-from .routes import SearchContext, build_routes, improve_routes, repair_routes, score_routes
+from .plan import DEFAULT_ROUTE_RULE, Plan, Route, check_route_rule, visits_per_microbatch
+from .routes import SearchContext, Tally, build_routes, improve_routes, repair_routes, score_routes
 from .simulate import simulate
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _count_candidates(counts: list[int]) -> list[list[int]]:
 def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatches: int, *,
          budget_s: float = 10.0, seed: int = 0, allow_swaps: bool = True,
          sync_bytes: Sequence[float] | None = None, max_evals: int | None = None,
-         progress: Callable[[dict], None] | None = None) -> Plan:
+         route_rule: str = DEFAULT_ROUTE_RULE, progress: Callable[[dict], None] | None = None) -> Plan:
     """SkipPipe plan: allocation by swap search (each candidate judged by greedy paths + simulation)
     for about 30% of ``budget_s``; the best ``RACE`` allocations then race by successive halving of
     path searches (together 30%), and the winner gets the anytime path search for the rest. When
@@ -98,12 +98,19 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
     ``ALT_RACE`` of the places in the race.
     Deterministic for a given seed and evaluation count; with a wall-clock budget the count, and so
     the result, can vary between runs on machines of different speed or load. Raises PlanError on impossible input.
+    ``budget_s`` is a deadline: the plan comes back at it, or, where the first allocation's greedy paths
+    (two constructions and a simulation: seconds at 200 nodes on 16 stages) take longer, right after
+    them; by count, the phases that take time before the first plan stop at it too.
     ``sync_bytes`` (each stage's gradient bytes): judge plans by the whole iteration, the replicas'
     exchange of gradients included (``simulate``), so that replicas far apart cost what they cost;
     without it, by the microbatch phase alone (as the SkipPipe paper's simulator). ``max_evals``: the
     search is shared out by simulator evaluations instead (the same fractions), and ``budget_s`` only
     caps it: the plan is then the same on any machine and under any load, as long as the cap is not
-    reached (``stats["capped"]`` says whether it was). ``progress(event)``, when given, hears how the
+    reached (``stats["capped"]`` says whether it was). Every simulation counts, so the plan is made with
+    exactly ``max_evals`` of them (``stats["path_evaluations"]``), unless the cap cuts it short or
+    ``max_evals`` is below the few every plan needs (one per candidate split and per racing allocation,
+    about a dozen: then that many). ``route_rule``: the rule every route keeps (``plan.ROUTE_RULES``:
+    SkipPipe's by default, "inversions" the looser one). ``progress(event)``, when given, hears how the
     search goes: ``{"phase": "allocation" | "race" | "paths" | "done", "elapsed_s", "best_s", ...}``
     after the allocation search, after each round of the race, at each better plan of the last path
     search, and at the end (it does not change the search)."""
@@ -114,28 +121,40 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
             progress({"phase": phase, "elapsed_s": time.perf_counter() - t0, "best_s": best_s, **extra})
 
     visits = check_inputs(network, model, stages, skip, microbatches)
+    tally = Tally()
     problem = _Problem(network, model, stages, skip, microbatches, visits, allow_swaps, sync_bytes,
-                       node_cost_matrix(network, model), check_memory(network, model, stages))
+                       node_cost_matrix(network, model), check_memory(network, model, stages),
+                       check_route_rule(route_rule), tally, {})
     rng = random.Random(seed)
     by_count = max_evals is not None
     cap = t0 + budget_s
-    searches = _searches(problem)
-    contenders, evals, best_greedy = _allocation_search(problem, searches, t0, budget_s, rng, max_evals)
+    # with sync_bytes, one simulation at the end reports the makespan itself (the search's score also
+    # weighs the phase): it counts too
+    reserve = 1 if sync_bytes is not None else 0
+    # by count the plan must not depend on the clock: only the cap (``budget_s``) cuts the first phase
+    searches = _searches(problem, cap if by_count else t0 + ALLOC_FRAC * budget_s)
+    contenders, best_greedy = _allocation_search(problem, searches, t0, budget_s, rng, max_evals)
     report("allocation", best_greedy, candidates=len(contenders))
-    winner, n = _race(problem, contenders, t0, budget_s, rng, max_evals, report)
-    evals += n
+    winner = _race(problem, contenders, t0, budget_s, rng,
+                   max_evals - reserve if max_evals is not None else None, report)
     ctx = winner.ctx
-    paths, prio, score, n = improve_routes(ctx, winner.paths, skip, cap, rng, allow_swaps, priority=winner.priority,
-                                           max_evals=max(1, max_evals - evals) if max_evals is not None else None,
-                                           on_best=lambda v: report("paths", v))
-    evals += n
-    if sync_bytes is not None:  # the search's score also weighs the phase: report the makespan itself
+    left = max_evals - reserve - tally.n if max_evals is not None else None
+    if left is None or left >= 1:
+        paths, prio, score, _ = improve_routes(ctx, winner.paths, skip, cap, rng, allow_swaps,
+                                               priority=winner.priority, max_evals=left,
+                                               on_best=lambda v: report("paths", v))
+    else:  # the count is spent: the race's best stands
+        paths, prio, score = winner.paths, winner.priority or list(range(len(winner.paths))), winner.score
+    if sync_bytes is not None:
+        tally.n += 1
         score = simulate(network, model, Plan(stages, skip, ctx.allocation, paths, prio), record=False,
                          sync_bytes=sync_bytes).makespan
+    evals = tally.n
     result = Plan(stages, skip, ctx.allocation, paths, prio, score,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
                    "capped": by_count and time.perf_counter() >= cap,
-                   "splits": [[search.labels.count(st) for st in range(stages)] for search in searches]})
+                   "splits": [[search.labels.count(st) for st in range(stages)] for search in searches]},
+                  route_rule)
     log.info("planned %d microbatches over %d stages (skip %.2f): %.2f s per iteration",
              microbatches, stages, skip, score)
     report("done", score, evaluations=evals)
@@ -145,7 +164,8 @@ def plan(network: Network, model: ModelSpec, stages: int, skip: float, microbatc
 @dataclass(frozen=True)
 class _Problem:
     """What ``plan`` is asked, and what it derives once: the node cost matrix (``cost``) and the stages
-    each node's memory can hold (``can``)."""
+    each node's memory can hold (``can``); the route rule; the count of simulator evaluations
+    (``tally``) and the greedy judgements made (``judged``: an allocation judged again costs nothing)."""
 
     network: Network
     model: ModelSpec
@@ -157,16 +177,25 @@ class _Problem:
     sync_bytes: Sequence[float] | None
     cost: Any
     can: dict[str, frozenset[int]]
+    route_rule: str
+    tally: Tally
+    judged: dict[tuple[tuple[int, ...], tuple[str, ...]], float]
 
     def context(self, labels: list[int], slots: list[str]) -> SearchContext:
         """The search context of the allocation that gives ``slots[i]`` stage ``labels[i]``."""
         return SearchContext(self.network, self.model, dict(zip(slots, labels)), self.stages, self.cost,
-                             self.sync_bytes)
+                             self.sync_bytes, self.route_rule, self.tally)
 
     def judge(self, labels: list[int], slots: list[str]) -> float:
-        """An allocation's score with greedy paths (the allocation search's judge)."""
-        ctx = self.context(labels, slots)
-        return score_routes(ctx, build_routes(ctx, self.microbatches, self.visits, self.allow_swaps), None, self.skip)
+        """An allocation's score with greedy paths (the allocation search's judge); simulated once per
+        allocation."""
+        key = (tuple(labels), tuple(slots))
+        hit = self.judged.get(key)
+        if hit is None:
+            ctx = self.context(labels, slots)
+            paths = build_routes(ctx, self.microbatches, self.visits, self.allow_swaps)
+            hit = self.judged[key] = score_routes(ctx, paths, None, self.skip)
+        return hit
 
 
 class _Search(NamedTuple):
@@ -191,9 +220,10 @@ class _Contender:
     priority: list[int] | None
 
 
-def _searches(problem: _Problem) -> list[_Search]:
+def _searches(problem: _Problem, deadline: float) -> list[_Search]:
     """The allocation searches ``plan`` runs: from the best of a few candidate splits (the comment
-    below), and, when memory binds, one more for the split with the most stage-0 nodes."""
+    below), and, when memory binds, one more for the split with the most stage-0 nodes. Splits are
+    judged until ``deadline`` (the first always): at 200 nodes one judgement takes seconds."""
     network, model, stages, can = problem.network, problem.model, problem.stages, problem.can
     order = tour_order(network, problem.cost)
     # Replica counts proportional to compute ignore memory: an origin holds each of its microbatches
@@ -210,7 +240,16 @@ def _searches(problem: _Problem) -> list[_Search]:
             starts.append((lab, placed))
     if not starts:
         starts.append(memory_fallback(order, counts, can, stages))
-    labels, start = min(starts, key=lambda ls: problem.judge(*ls))
+    if len(starts) > 1:
+        scores = [problem.judge(*starts[0])]
+        for ls in starts[1:]:
+            if time.perf_counter() >= deadline:
+                break
+            scores.append(problem.judge(*ls))
+        starts = starts[:len(scores)]
+        labels, start = starts[min(range(len(scores)), key=scores.__getitem__)]
+    else:
+        labels, start = starts[0]
     # When memory binds (an origin sends more microbatches than it can hold at once, so it runs them in
     # rounds of whole round trips), a split with more stage-0 nodes has fewer rounds per origin, which
     # greedy paths undervalue: the split with the most stage-0 nodes among the candidates then gets its
@@ -225,15 +264,14 @@ def _searches(problem: _Problem) -> list[_Search]:
 
 def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, budget_s: float,
                        rng: random.Random,
-                       max_evals: int | None) -> tuple[list[tuple[list[int], list[str]]], int, float]:
+                       max_evals: int | None) -> tuple[list[tuple[list[int], list[str]]], float]:
     """Each search's swap search, by its share of the allocation phase; returns the allocations that
-    race ((labels, slots), best first within each search), the evaluations made, and the best
-    allocation's makespan with greedy paths."""
+    race ((labels, slots), best first within each search) and the best allocation's makespan with
+    greedy paths."""
     by_count = max_evals is not None
     cap = t0 + budget_s
     limited = any(len(c) < problem.stages for c in problem.can.values())
     contenders: list[tuple[list[int], list[str]]] = []
-    evals = 0
     best_greedy = math.inf
     alloc_end = t0 + ALLOC_FRAC * budget_s
     for k, search in enumerate(searches):
@@ -249,7 +287,7 @@ def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, bu
         deadline = cap if by_count else \
             time.perf_counter() + max(0.0, alloc_end - time.perf_counter()) * search.share / left
         swap_search(search.first, search.labels, judge, deadline, rng,
-                    max_evals=int(ALLOC_FRAC * max_evals * search.share) if max_evals is not None else None,
+                    max_evals=max(0, int(ALLOC_FRAC * max_evals * search.share) - 1) if max_evals is not None else None,
                     ok=(lambda n, s: s in problem.can[n]) if limited else None)
         # Greedy paths judge an allocation only roughly: the allocation that is best with them is often
         # not the best once its paths are searched (on the training benchmark's network the third of the
@@ -258,42 +296,53 @@ def _allocation_search(problem: _Problem, searches: list[_Search], t0: float, bu
         # goes on with a longer one from where it stands, and so on until one is left; it gets the rest.
         ranked = [list(sl) for sl, _ in sorted(judged.items(), key=lambda kv: kv[1])[:search.places]] or [search.first]
         contenders += [(search.labels, sl) for sl in ranked]
-        evals += len(judged)
         best_greedy = min([best_greedy, *judged.values()])
-    return contenders, evals, best_greedy
+    return contenders, best_greedy
 
 
 def _race(problem: _Problem, allocations: list[tuple[list[int], list[str]]], t0: float, budget_s: float,
-          rng: random.Random, max_evals: int | None, report: Callable[..., None]) -> tuple[_Contender, int]:
-    """Successive halving of path searches over ``allocations`` (``plan``'s race phase); the winner
-    and the evaluations made."""
+          rng: random.Random, max_evals: int | None, report: Callable[..., None]) -> _Contender:
+    """Successive halving of path searches over ``allocations`` (``plan``'s race phase); the winner.
+    ``max_evals``: the simulator evaluations of the whole plan (``problem.tally`` counts them); the race
+    takes its share of them and never goes past them, beyond the one evaluation each contender's first
+    paths need."""
     cap = t0 + budget_s
     skip, allow_swaps = problem.skip, problem.allow_swaps
-    pool = []
+    pool: list[_Contender] = []
+    # each contender's first paths until the race's first round would end (by count: the cap), one
+    # at least: on a large network each takes seconds
+    entry_end = cap if max_evals is not None else t0 + (ALLOC_FRAC + RACE_FRAC / 2) * budget_s
     for i, (labs, sl) in enumerate(allocations):
+        if pool and time.perf_counter() >= entry_end:
+            break
         ctx = problem.context(labs, sl)
         paths = build_routes(ctx, problem.microbatches, problem.visits, allow_swaps)
-        if math.isinf(score_routes(ctx, paths, None, skip)):
+        score = score_routes(ctx, paths, None, skip)
+        if math.isinf(score):
             paths = build_routes(ctx, problem.microbatches, problem.visits, allow_swaps=False)
-        pool.append(_Contender(math.inf, i, ctx, paths, None))
-    evals = 0
+            score = score_routes(ctx, paths, None, skip)
+        pool.append(_Contender(score, i, ctx, paths, None))
     rounds = max(1, math.ceil(math.log2(len(pool))))
     for r in range(rounds):
         round_end = t0 + (ALLOC_FRAC + RACE_FRAC * (r + 1) / rounds) * budget_s
         for k, member in enumerate(pool):
-            if max_evals is not None:  # a budget of evaluations
-                deadline, count = cap, max(1, int(RACE_FRAC * max_evals / rounds) // len(pool))
+            count: int | None
+            if max_evals is not None:  # a budget of evaluations, never past the plan's
+                deadline = cap
+                share = min(max(1, int(RACE_FRAC * max_evals / rounds) // len(pool)), max_evals - problem.tally.n)
+                if share < 1:
+                    continue
+                count = share
             else:
                 deadline = time.perf_counter() + max(0.0, round_end - time.perf_counter()) / (len(pool) - k)
                 count = None
-            member.paths, member.priority, member.score, n = improve_routes(
+            member.paths, member.priority, member.score, _ = improve_routes(
                 member.ctx, member.paths, skip, deadline, rng, allow_swaps, priority=member.priority, max_evals=count)
-            evals += n
         pool.sort(key=lambda m: (m.score, m.order))
         log.debug("allocation race, round %d: %s", r, [round(m.score, 3) for m in pool])
         report("race", pool[0].score, round=r + 1, rounds=rounds, contenders=len(pool))
         pool = pool[:max(1, math.ceil(len(pool) / 2))] if r < rounds - 1 else pool[:1]
-    return pool[0], evals
+    return pool[0]
 
 
 def _rebalanced(alloc: dict[str, int], counts: list[int], want: list[int], paths: Sequence[Route],
@@ -334,8 +383,9 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     stage with the most spare replicas; other free nodes go where the work per replica is highest; a
     stage left with fewer replicas than a fresh plan would give it may also take nodes from stages above
     their count, when the simulator says that is faster. ``sync_bytes``: as for ``plan``. ``max_evals``:
-    the path search stops after that many simulator evaluations (``budget_s`` then only caps it), so the
-    same failure gives the same plan on any machine. Returns the plan and the updated network. Raises
+    the re-plan makes that many simulator evaluations in all (at least one per allocation and path set
+    it starts from; ``budget_s`` then only caps it), so the same failure gives the same plan on any
+    machine. The routes keep ``current``'s route rule. Returns the plan and the updated network. Raises
     PlanError if a stage cannot be held."""
     t0 = time.perf_counter()
     failed = set(failed)
@@ -359,18 +409,21 @@ def replan(current: Plan, network: Network, model: ModelSpec, *, failed: Iterabl
     rng = random.Random(seed)
     visits = visits_per_microbatch(stages, current.skip)
     candidates: list[_Contender] = []
+    tally = Tally()
     for a in _replan_allocations(alloc, counts, want, current, new_net, model, can):
-        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes)
+        ctx = SearchContext(new_net, model, a, stages, sync_bytes=sync_bytes, route_rule=current.route_rule,
+                            tally=tally)
         for ps, pr in ((repair_routes(ctx, current.paths), current.priority),
                        (build_routes(ctx, len(current.paths), visits), None)):
             candidates.append(_Contender(score_routes(ctx, ps, pr, current.skip), len(candidates), ctx, ps, pr))
     best = min(candidates, key=lambda c: (c.score, c.order))
     alloc = best.ctx.allocation
-    paths, prio, score, evals = improve_routes(best.ctx, best.paths, current.skip, t0 + budget_s, rng,
-                                               priority=best.priority, max_evals=max_evals)
+    left = max(1, max_evals - tally.n) if max_evals is not None else None
+    paths, prio, score, _ = improve_routes(best.ctx, best.paths, current.skip, t0 + budget_s, rng,
+                                           priority=best.priority, max_evals=left)
     new_plan = Plan(stages, current.skip, alloc, paths, prio, score,
-                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                     "capped": max_evals is not None and evals < max_evals})
+                    {"planner_seconds": time.perf_counter() - t0, "path_evaluations": tally.n,
+                     "capped": max_evals is not None and tally.n < max_evals}, current.route_rule)
     return new_plan, new_net
 
 
@@ -430,7 +483,7 @@ def _replan_allocations(alloc: dict[str, int], counts: list[int], want: list[int
 
 def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], stages: int, skip: float,
               microbatches: int, *, budget_s: float = 0.5, seed: int = 0,
-              max_evals: int | None = None) -> Plan:
+              max_evals: int | None = None, route_rule: str = DEFAULT_ROUTE_RULE) -> Plan:
     """Paths for an allocation that stays as it is (a running training's weights sit on its nodes).
 
     Stages that no node holds are left out: every path skips them, and the stages that are held keep
@@ -438,8 +491,9 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
     takes them over. The paths are planned as for a model of the held stages only (the planner's cost
     of a stage then covers the layers of the missing ones too, an overestimate); the returned plan names
     the real stages, and its ``predicted_s`` is the simulator's makespan with the real stages' costs.
-    ``max_evals``: as for ``replan``. Raises PlanError when no node holds stage 0 (no microbatch can
-    start)."""
+    ``max_evals``: the path search's simulator evaluations (``budget_s`` then only caps it). The routes
+    keep ``route_rule`` over the held stages' order. Raises PlanError when no node holds stage 0 (no
+    microbatch can start)."""
     t0 = time.perf_counter()
     held = sorted(set(allocation.values()))
     if not held or held[0] != 0:
@@ -459,7 +513,8 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
         zeros = sorted(allocation)
         paths = [Route(zeros[i % len(zeros)], (), ()) for i in range(microbatches)]
     else:
-        ctx = SearchContext(network, model, {n: virtual[s] for n, s in allocation.items()}, len(held))
+        ctx = SearchContext(network, model, {n: virtual[s] for n, s in allocation.items()}, len(held),
+                            route_rule=route_rule, rule_stages=held)
         visits = visits_per_microbatch(len(held), skip)
         vpaths = build_routes(ctx, microbatches, visits)
         if math.isinf(score_routes(ctx, vpaths, None, skip)):
@@ -469,7 +524,8 @@ def plan_held(network: Network, model: ModelSpec, allocation: dict[str, int], st
         paths = [Route(p.origin, p.nodes, tuple(held[s] for s in p.stages)) for p in vpaths]
     result = Plan(stages, skip, dict(allocation), paths, prio, math.nan,
                   {"planner_seconds": time.perf_counter() - t0, "path_evaluations": evals,
-                   "held_stages": held, "missing_stages": [s for s in range(stages) if s not in virtual]})
+                   "held_stages": held, "missing_stages": [s for s in range(stages) if s not in virtual]},
+                  route_rule)
     result.predicted_s = simulate(network, model, result, record=False).makespan
     return result
 
@@ -526,4 +582,5 @@ def replan_or_hold(current: Plan, network: Network, model: ModelSpec, *, failed:
     alloc = {n: s for n, s in current.allocation.items() if n not in gone}
     alloc = place_joining(current, alloc, joined, model, exclude=dropped)
     return plan_held(net, model, alloc, current.stages, current.skip if skip is None else skip,
-                     len(current.paths), budget_s=budget_s, seed=seed, max_evals=max_evals), net
+                     len(current.paths), budget_s=budget_s, seed=seed, max_evals=max_evals,
+                     route_rule=current.route_rule), net

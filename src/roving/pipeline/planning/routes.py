@@ -18,7 +18,7 @@ from .allocate import node_cost_matrix
 from .costs import ModelSpec, stage_costs
 from ..errors import PlanError
 from .network import Network
-from .plan import MAX_SWAPS, Plan, Route, inversions, stage_quotas
+from .plan import DEFAULT_ROUTE_RULE, MAX_SWAPS, Plan, Route, check_route_rule, route_allowed, stage_quotas
 from .simulate import simulate
 
 
@@ -32,15 +32,31 @@ PHASE_WEIGHT = 0.25
 TAIL = 1.0
 
 
+class Tally:
+    """Simulator evaluations made so far (``n``), shared by the search contexts of one planning call."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+
 class SearchContext:
     """Precomputed costs for one network, model and allocation: each node's transfer costs
-    (``allocate.node_cost_matrix``) and compute per microbatch, and each stage's replicas. Raises
+    (``allocate.node_cost_matrix``) and compute per microbatch, and each stage's replicas; the route
+    rule every route made here keeps (``plan.ROUTE_RULES``), judged on ``rule_stages[s]`` for each
+    stage s of this context (by default s itself: ``plan_held`` plans the held stages as stages
+    0, 1, ... and names them by their real numbers here); ``tally`` counts the simulator evaluations
+    made through it (pass one ``Tally`` to several contexts to count them together). Raises
     PlanError when a stage has no node, or a node given in MB cannot hold its stage."""
 
     def __init__(self, network: Network, model: ModelSpec, allocation: dict[str, int], stages: int,
-                 cost: dict | None = None, sync_bytes: Sequence[float] | None = None) -> None:
+                 cost: dict | None = None, sync_bytes: Sequence[float] | None = None,
+                 route_rule: str = DEFAULT_ROUTE_RULE, tally: Tally | None = None,
+                 rule_stages: Sequence[int] | None = None) -> None:
         self.network, self.model, self.stages = network, model, stages
         self.sync_bytes = sync_bytes  # judge by the whole iteration, replica synchronisation included
+        self.route_rule = check_route_rule(route_rule)
+        self.rule_stages = list(rule_stages) if rule_stages is not None else list(range(stages))
+        self.tally = tally if tally is not None else Tally()
         self.allocation = allocation
         self.cost = cost if cost is not None else node_cost_matrix(network, model)
         self.replicas: list[list[str]] = [[] for _ in range(stages)]
@@ -59,6 +75,10 @@ class SearchContext:
                 raise PlanError(f"node {n} ({node.memory_mb:g} MB) cannot hold stage {s}: its memory does not "
                                 "fit the stage's weights and one microbatch")
             self.work[n] = c.forward[s] + c.backward[s] + (c.loss if s == 0 else 0.0)
+
+    def allows(self, stages: Sequence[int]) -> bool:
+        """Whether a route visiting ``stages`` (this context's numbers) in that order keeps the rule."""
+        return route_allowed([self.rule_stages[s] for s in stages], self.route_rule)
 
     def best_replica(self, stage: int, before: str, after: str, rng: random.Random | None = None) -> str:
         cands = self.replicas[stage]
@@ -86,8 +106,20 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
     def jitter() -> float:
         return 1.0 + noise * rng.random() if (rng is not None and noise) else 1.0
 
-    def edge(a: str, b: str) -> float:
+    def priced(a: str, b: str) -> float:
         return (cost[a, b] * (1 + 2 * link_load[a, b] / est) + cost[b, a] * (1 + 2 * link_load[b, a] / est)) * jitter()
+
+    # without noise an edge's price changes only when a route puts load on its link: kept until then
+    # (pricing them afresh for every microbatch took most of a plan's time at 200 nodes)
+    kept: dict[tuple[str, str], float] = {}
+
+    def edge(a: str, b: str) -> float:
+        if noise and rng is not None:
+            return priced(a, b)
+        v = kept.get((a, b))
+        if v is None:
+            v = kept[a, b] = priced(a, b)
+        return v
 
     def node_cost(n: str) -> float:
         return ctx.work[n] * (1 + 2 * load[n] / est) * jitter()
@@ -101,7 +133,7 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         press = {s: mean_w * (1 - quotas[s] / remaining) for s in allowed}
         nodes = _cheapest_visits(ctx, origin, visits, forced, allowed, press, edge, node_cost)
         if allow_swaps:
-            nodes = _improve_by_swaps(nodes, origin, edge, ctx.allocation)
+            nodes = _improve_by_swaps(nodes, origin, edge, ctx)
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
         for n in nodes:
             quotas[ctx.allocation[n]] -= 1
@@ -111,6 +143,8 @@ def build_routes(ctx: SearchContext, microbatches: int, visits: int, allow_swaps
         for a, b in zip(hops, hops[1:]):
             link_load[a, b] += cost[a, b]
             link_load[b, a] += cost[b, a]
+            kept.pop((a, b), None)
+            kept.pop((b, a), None)
         paths.append(Route(origin, tuple(nodes), stages_seq))
     return paths
 
@@ -121,27 +155,41 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
     """``build_routes``' dynamic program for one microbatch from ``origin``: the ``visits`` nodes, in
     increasing stage order over the ``allowed`` stages and through every ``forced`` one, that minimise
     the edges' and the nodes' costs (with each stage's quota pressure ``press``)."""
-    # dp[(count, node)] = (cost, previous key)
+    # dp[(count, node)] = (cost, previous key); reached[stage][count]: the keys of that count reached at a
+    # node of that stage, in the order they were made (the order ties are broken in). Each edge into a
+    # node is costed once for all counts (``edge`` costs the same within one microbatch's program):
+    # with 16 stages of a dozen replicas, costing it again for every count took most of the planner's
+    # time at 100 nodes and more.
     dp: dict[tuple[int, str], tuple[float, tuple[int, str] | None]] = {}
+    reached: dict[int, list[list[tuple[int, str]]]] = {}
     by_stage: dict[int, list[tuple[int, str]]] = defaultdict(list)
-    for s in allowed:
+    for i, s in enumerate(allowed):
         lo = max((f for f in forced if f < s), default=0)  # cannot jump over a forced stage
-        for n in ctx.replicas[s]:
+        reached[s] = [[] for _ in range(visits + 1)]
+        # a count that the allowed stages after s cannot bring up to ``visits`` ends no route
+        least = max(1, visits - (len(allowed) - 1 - i))
+        # nor does a jump over more allowed stages than a route may skip
+        spare = len(allowed) - visits
+        earlier = [ps for j, ps in enumerate(allowed[:i]) if ps >= max(lo, 1) and i - j - 1 <= spare]
+        for n in _candidates(ctx.replicas[s], origin, edge, node_cost):
             here = node_cost(n) + press[s]
-            for c in range(1, visits + 1):
+            into: dict[str, float] = {}
+            for c in range(least, visits + 1):
                 best: tuple[float, tuple[int, str] | None] | None = None
                 if c == 1 and lo == 0:
                     best = (edge(origin, n) + here, None)
                 else:
-                    for ps in range(max(lo, 1), s):
-                        for key in by_stage.get(ps, ()):
-                            if key[0] != c - 1 or key not in dp:
-                                continue
-                            v = dp[key][0] + edge(key[1], n) + here
+                    for ps in earlier:
+                        for key in reached[ps][c - 1]:
+                            e = into.get(key[1])
+                            if e is None:
+                                e = into[key[1]] = edge(key[1], n)
+                            v = dp[key][0] + e + here
                             if best is None or v < best[0]:
                                 best = (v, key)
                 if best is not None:
                     dp[(c, n)] = best
+                    reached[s][c].append((c, n))
                     by_stage[s].append((c, n))
     last_forced = max(forced, default=0)
     end: tuple[float, tuple[int, str]] | None = None
@@ -163,20 +211,41 @@ def _cheapest_visits(ctx: SearchContext, origin: str, visits: int, forced: list[
     return nodes
 
 
+#: replicas of a stage beyond which ``_cheapest_visits`` weighs only some of them (``_candidates``).
+CANDIDATES = 8
+
+
+def _candidates(replicas: list[str], origin: str, edge: Callable[[str, str], float],
+                node_cost: Callable[[str], float]) -> list[str]:
+    """The replicas of a stage that one microbatch's program weighs: all of them up to ``CANDIDATES``;
+    beyond, the half least loaded and the half nearest its origin (there and back), in their order. The
+    program's time grows with the square of the replicas a stage has: with 200 nodes on 16 stages,
+    weighing all of them cost seconds per microbatch, and a far and busy replica is seldom the best."""
+    if len(replicas) <= CANDIDATES:
+        return replicas
+    half = CANDIDATES // 2
+    least = sorted(replicas, key=node_cost)[:half]
+    near = sorted(replicas, key=lambda n: edge(origin, n) + edge(n, origin))
+    chosen = set(least) | set([n for n in near if n not in least][:CANDIDATES - len(least)])
+    return [n for n in replicas if n in chosen]
+
+
 def _tour_cost(origin: str, nodes: Sequence[str], edge: Callable[[str, str], float]) -> float:
     hops = [origin, *nodes, origin]
     return sum(edge(a, b) for a, b in zip(hops, hops[1:]))
 
 
 def _improve_by_swaps(nodes: list[str], origin: str, edge: Callable[[str, str], float],
-                      allocation: dict[str, int]) -> list[str]:
+                      ctx: SearchContext) -> list[str]:
+    """``nodes`` with up to ``MAX_SWAPS`` swaps of neighbouring positions, each the one that shortens
+    the tour most, among those whose stage order keeps the route rule (``ctx.allows``)."""
     current, cur_cost = list(nodes), _tour_cost(origin, nodes, edge)
     for _ in range(MAX_SWAPS):
         best = None
         for i in range(len(current) - 1):
             cand = list(current)
             cand[i], cand[i + 1] = cand[i + 1], cand[i]
-            if inversions([allocation[n] for n in cand]) > MAX_SWAPS:
+            if not ctx.allows([ctx.allocation[n] for n in cand]):
                 continue
             c = _tour_cost(origin, cand, edge)
             if c < cur_cost - 1e-9 and (best is None or c < best[0]):
@@ -197,7 +266,8 @@ def _judged(ctx: SearchContext, paths: list[Route], priority: list[int] | None,
             skip: float) -> tuple[float, float]:
     """``score_routes`` and the ``_tail`` of the finish times (the search's tie-break; infinite, as the
     makespan, for a plan that deadlocks)."""
-    plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority)
+    plan = Plan(ctx.stages, skip, ctx.allocation, paths, priority, route_rule=ctx.route_rule)
+    ctx.tally.n += 1
     res = simulate(ctx.network, ctx.model, plan, record=False, sync_bytes=ctx.sync_bytes)
     if res.deadlock:
         return res.makespan, math.inf
@@ -229,14 +299,15 @@ def improve_routes(ctx: SearchContext, paths: list[Route], skip: float, deadline
     stage loads), toggle a swap, or reorder priorities, each move taken by ``_accepts`` (ties of the
     makespan broken by the mean finish, ``TAIL``; a deadlocked plan never replaces one that does not
     deadlock). Stops at ``deadline`` or after ``max_evals`` simulator
-    evaluations, whichever comes first; for a given ``rng`` state and evaluation count the result is
-    deterministic. ``on_best(makespan)`` is told of each new best (it does not change the search).
-    Returns (paths, priority, makespan, evaluations)."""
+    evaluations (at least 1: the first judges ``paths`` as given), whichever comes first; for a given
+    ``rng`` state and evaluation count the result is deterministic. ``on_best(makespan)`` is told of
+    each new best (it does not change the search).
+    Returns (paths, priority, makespan, evaluations), the evaluations counting that first one."""
     cur = list(paths)
     prio = list(priority) if priority else list(range(len(paths)))
     cur_score, cur_tail = _judged(ctx, cur, prio, skip)
     best, best_prio, best_score = list(cur), list(prio), cur_score
-    evals = 0
+    evals = 1
     n_mb = len(cur)
     while time.perf_counter() < deadline and n_mb and (max_evals is None or evals < max_evals):
         proposed = _propose(ctx, list(cur), prio, rng.randrange(n_mb), rng, allow_swaps)
@@ -292,7 +363,7 @@ def _propose(ctx: SearchContext, cand: list[Route], prio: list[int], mb: int, rn
         nodes = list(p.nodes)
         nodes[i], nodes[i + 1] = nodes[i + 1], nodes[i]
         stages_seq = tuple(ctx.allocation[n] for n in nodes)
-        if inversions(stages_seq) > MAX_SWAPS:
+        if not ctx.allows(stages_seq):
             return None
         cand[mb] = Route(p.origin, tuple(nodes), stages_seq)
     else:

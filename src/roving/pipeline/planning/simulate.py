@@ -17,7 +17,9 @@ What it models, and the policy it follows:
 * Transfers go over the directed link between two nodes. Transfers on one directed link that overlap
   share its bandwidth equally (processor sharing: n transfers each get bandwidth/n); the latency is
   added once per transfer after its bytes have gone. Sending does not occupy the sender's compute, and
-  different links do not contend with each other (no shared NIC model).
+  different links do not contend with each other (no shared NIC model). With ``link_sharing=False``
+  every transfer has the link's whole bandwidth however many overlap (as the SkipPipe paper's own
+  simulator has it): a second judge, for plans compared under both models.
 * The iteration ends when the last microbatch's final backward ends. Replica synchronisation is not
   modelled unless ``sync_bytes`` gives each stage's gradient bytes (as the SkipPipe paper's simulator,
   by default it is not): then every node, as soon as it has run its last backward of the iteration,
@@ -189,13 +191,16 @@ class Running:
 
 
 def simulate(network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
-             shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> SimResult:
+             shared_cores: int = 0, sync_bytes: Sequence[float] | None = None,
+             link_sharing: bool = True) -> SimResult:
     """Run one iteration of ``plan`` on ``network``. Pure and deterministic; never raises on a
     deadlocked plan (see ``SimResult.deadlock``). ``record=False`` skips the timeline (faster).
     ``shared_cores`` > 0: every node runs on one machine with that many cores; ``sync_bytes[s]``:
     the bytes of stage ``s``'s gradients, to model replica synchronisation (see the module doc;
-    ``costs.gradient_bytes``). PlanError when ``sync_bytes`` gives fewer stages than replicated ones."""
-    return Simulation(network, model, plan, record=record, shared_cores=shared_cores, sync_bytes=sync_bytes).run()
+    ``costs.gradient_bytes``); ``link_sharing=False``: overlapping transfers on a link do not share its
+    bandwidth. PlanError when ``sync_bytes`` gives fewer stages than replicated ones."""
+    return Simulation(network, model, plan, record=record, shared_cores=shared_cores, sync_bytes=sync_bytes,
+                      link_sharing=link_sharing).run()
 
 
 class Simulation:
@@ -208,11 +213,14 @@ class Simulation:
 
     __slots__ = ("network", "record", "shared_cores", "steps", "nbytes", "rank", "alloc", "mem", "busy", "queue",
                  "inflight", "peak", "timeline", "step_idx", "finish", "links", "heap", "counter", "running",
-                 "cpu_updated", "cpu_version", "sync_bytes", "sync_left", "sync_end", "bwd_left", "group")
+                 "cpu_updated", "cpu_version", "sync_bytes", "sync_left", "sync_end", "bwd_left", "group",
+                 "link_sharing")
 
     def __init__(self, network: Network, model: ModelSpec, plan: Plan, *, record: bool = True,
-                 shared_cores: int = 0, sync_bytes: Sequence[float] | None = None) -> None:
+                 shared_cores: int = 0, sync_bytes: Sequence[float] | None = None,
+                 link_sharing: bool = True) -> None:
         self.network, self.record, self.shared_cores = network, record, shared_cores
+        self.link_sharing = link_sharing
         self.steps = microbatch_steps(network, model, plan, {})
         self.nbytes = model.transfer_bytes
         n_mb = len(self.steps)
@@ -230,7 +238,7 @@ class Simulation:
         self.timeline: dict[str, list[Event]] = {n: [] for n in mem} if record else {}
         self.step_idx = [-1] * n_mb
         self.finish = [math.nan] * n_mb
-        self.links: dict[tuple[str, str], LinkState] = {}
+        self.links: dict[tuple, LinkState] = {}
         self.heap: list = []
         self.counter = 0
         # the shared machine: node -> its running task; when their progress was last brought up to
@@ -292,8 +300,9 @@ class Simulation:
             self.backward_done(node, t)
         self.try_start(node, t)
 
-    def link_event(self, key: tuple[str, str], version: int, t: float) -> None:
-        """The transfers on link ``key`` may have sent their bytes (unless the link changed since)."""
+    def link_event(self, key: tuple, version: int, t: float) -> None:
+        """The transfers on link ``key`` (sender, receiver[, transfer]) may have sent their bytes (unless the
+        link changed since)."""
         ls = self.links[key]
         if version != ls.version:
             return
@@ -397,14 +406,16 @@ class Simulation:
                 v.left -= share
         ls.updated = t
 
-    def reschedule(self, ls: LinkState, key: tuple[str, str], t: float) -> None:
+    def reschedule(self, ls: LinkState, key: tuple, t: float) -> None:
         ls.version += 1
         active = ls.active
         if active:
             least = min(v.left for v in active.values())
             self.push(t + max(least, 0.0) * len(active) / ls.bandwidth, _LINK, key, ls.version)
 
-    def send_bytes(self, key: tuple[str, str], ident: int | tuple[str, str, str], nb: float, t: float) -> None:
+    def send_bytes(self, key: tuple, ident: int | tuple[str, str, str], nb: float, t: float) -> None:
+        if not self.link_sharing:  # a link of its own for each transfer: (sender, receiver, transfer)
+            key = (key[0], key[1], ident)
         ls = self.links.get(key)
         if ls is None:
             link = self.network.link(key[0], key[1])

@@ -1,4 +1,4 @@
-"""`roving pipeline plan`: plan a skip-pipeline iteration and compare it with the baselines."""
+"""`roving pipeline` and its commands; the planning ones (`plan`, `simulate`) are in ``plan_cli``."""
 
 from __future__ import annotations
 
@@ -6,59 +6,18 @@ import argparse
 import json
 import signal
 import sys
-import time
-from pathlib import Path
 from typing import Any, Callable
 
 from ..runtime.control import STATUS, ControlFolder
-from ..planning.costs import DEFAULT_MODEL, MODEL_PRESETS, model_preset
-from ..errors import NodeFailed, PipelineError, PlanError
-from ..planning.network import build_network
+from ..errors import NodeFailed, PipelineError
 from .outputs import check_output
-from ..planning.baselines import full_pipeline, random_skip
-from ..planning.planner import check_inputs, plan, replan
-from ..planning.simulate import SimResult, simulate
-
-#: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
-#: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
-DEFAULT_MEMORY_MB = 24576
-
+from .plan_cli import add_plan_parsers, note
 
 def add_pipeline_parser(subparsers: Any) -> None:
-    """Register `pipeline plan` and `pipeline train` on an argparse subparsers object."""
+    """Register `pipeline plan`, `simulate`, `train` and the run tools on an argparse subparsers object."""
     pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
     sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
-    p = sub.add_parser("plan", help="plan allocation and microbatch paths; compare with baselines")
-    p.add_argument("--network", required=True, help="preset (gcp12, aws10) or a network JSON file")
-    p.add_argument("--nodes", required=True,
-                   help="number of nodes (placed on regions round-robin) or a JSON file of nodes")
-    p.add_argument("--stages", type=int, required=True)
-    p.add_argument("--skip", type=float, required=True, help="fraction of stages each microbatch skips")
-    p.add_argument("--microbatches", type=int, default=None, help="per iteration (default: 2 x nodes)")
-    mem = p.add_mutually_exclusive_group()
-    mem.add_argument("--memory", type=float, default=None, metavar="MB",
-                     help="device memory per node in MB (MiB, 2^20 bytes). A node must fit the weights, "
-                          "gradients and Adam state (16 bytes/parameter) of the stage it holds (stage 0 also "
-                          "the embedding, head and fp32 logits of one microbatch) plus the stored "
-                          "activations of each microbatch in flight (34 bytes x tokens x hidden per layer); "
-                          "what is left after the weights sets how many microbatches it holds in flight. "
-                          "Too little for some stage is an error. A nodes file may give memory_mb per node. "
-                          f"Default: {DEFAULT_MEMORY_MB} (a 24 GiB GPU)")
-    mem.add_argument("--memory-microbatches", type=int, default=None, metavar="N",
-                     help="instead of --memory: every node holds N microbatches in flight whatever its stage "
-                          "and weights are not counted (the SkipPipe paper states memory this way, N = 3)")
-    p.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODEL_PRESETS),
-                   help=f"model preset (default {DEFAULT_MODEL})")
-    p.add_argument("--fail", default="", help="comma-separated nodes that fail: re-plan without them")
-    p.add_argument("--budget", type=float, default=10.0, help="planner time budget in seconds")
-    p.add_argument("--evals", type=int, default=None, metavar="N",
-                   help="share SkipPipe's search out by N simulator evaluations instead of seconds, and stop "
-                        "the baselines' searches after N evaluations each (DT-FM's: of its cost model): the same "
-                        "plan and baselines on any machine and under any load (--budget then only caps them)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", required=True, dest="json_out", help="where to write the plan")
-    p.add_argument("--gantt", default=None, help="draw each node's timeline to this PNG")
-    p.set_defaults(handler=run_plan)
+    add_plan_parsers(sub)
     add_train_parser(sub)
     add_inference_parsers(sub)
 
@@ -120,6 +79,8 @@ def add_train_parser(sub: Any) -> None:
     t.add_argument("--stages", type=int)
     t.add_argument("--skip", type=float, help="fraction of stages each microbatch skips")
     t.add_argument("--schedule", choices=("skippipe", "dtfm"), help="dtfm: the full-pipeline baseline")
+    t.add_argument("--skippipe-schedule", metavar="FILE",
+                   help="train the plan of a SkipPipe schedule.json (its nodes, stages and routes)")
     t.add_argument("--microbatches", type=int, help="per iteration")
     t.add_argument("--samples", type=int, help="sequences per microbatch")
     t.add_argument("--seq-len", type=int)
@@ -470,7 +431,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # the coordinator writes to nodes' sockets (as run_node)
 
-    fields = ("model", "network", "nodes", "stages", "skip", "schedule", "microbatches", "samples", "seq_len",
+    fields = ("model", "network", "nodes", "stages", "skip", "schedule", "skippipe_schedule", "microbatches",
+              "samples", "seq_len",
               "iterations", "lr", "eval_every", "backend", "emulate_network", "corpus", "device", "bf16",
               "seed", "checkpoint", "checkpoint_every", "metrics", "plot", "resume", "snapshot_every",
               "dead_after", "start_wait", "stall_after", "refine_budget", "restart", "control", "open_join",
@@ -492,7 +454,7 @@ def run_train(args: argparse.Namespace) -> int:
             check_output(cfg.control, "--control", make_parents=True, folder=True)
         if args.dashboard:
             cfg = _start_dashboard(cfg)
-        _note(_resolved_run(cfg, args.config))
+        note(_resolved_run(cfg, args.config))
         metrics = run(cfg, progress=_show_progress(cfg.iterations))
     except NodeFailed as exc:  # first: a NodeFailed is a PipelineError too, but not bad input
         print(f"error: {exc}", file=sys.stderr)
@@ -538,171 +500,3 @@ def _show_progress(total: int) -> Callable[[dict], None]:
             print(f"evaluation after {rec['iteration']:>4}: validation loss {rec['val_loss']:.4f}  "
                   f"perplexity {rec['perplexity']:.2f}", flush=True)
     return show
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    """`roving pipeline plan`: plan, judge the baselines on the same network, optionally re-plan
-    without failed nodes; write the JSON, print the iteration times, draw the Gantt chart."""
-    try:
-        net, model, m, failed = _plan_inputs(args)
-        bound = f"{args.evals:,} simulations, at most {args.budget:g} s" if args.evals else f"{args.budget:g} s"
-        _note(f"planning {m} microbatches on {len(net.nodes)} nodes, {args.stages} stages, skip {args.skip:g} "
-              f"({bound})" + (f"; then again without {','.join(failed)}" if failed else ""))
-        t0 = time.perf_counter()
-        best = plan(net, model, args.stages, args.skip, m, budget_s=args.budget, seed=args.seed,
-                    max_evals=args.evals, progress=_plan_progress("skippipe"))
-        planner_s = time.perf_counter() - t0
-        out = {
-            "network": net.name,
-            "model": args.model,
-            # in_flight: microbatches the node holds in flight for the stage the plan gives it
-            "nodes": [{"name": n.name, "region": n.region, "speed": n.speed, "memory_mb": n.memory_mb,
-                       "memory_microbatches": None if n.memory_mb is not None else n.memory,
-                       "in_flight": n.in_flight(best.allocation[n.name], model, args.stages)
-                       if n.name in best.allocation else None}
-                      for n in net.nodes],
-            "microbatches": m,
-            **best.to_dict(),
-            "iteration_time_s": {"skippipe": best.predicted_s, **_baseline_times(args, net, model, m, best)},
-            "planner_seconds": planner_s,
-        }
-        shown, shown_net = best, net
-        if failed:
-            new, new_net = replan(best, net, model, failed=failed, seed=args.seed)
-            out["replan"] = {"failed": failed, **new.to_dict(), "iteration_time_s": new.predicted_s,
-                             "planner_seconds": new.stats["planner_seconds"]}
-            shown, shown_net = new, new_net
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    Path(args.json_out).write_text(json.dumps(out, indent=1))
-    _print_times(out, planner_s, failed)
-    if args.gantt:
-        draw_gantt(simulate(shown_net, model, shown), args.gantt, shown.allocation)
-        print(f"timeline drawn to {args.gantt}")
-    return 0
-
-
-def _plan_inputs(args: argparse.Namespace) -> tuple:
-    """`pipeline plan`'s network, model, microbatches and failed nodes, checked (PlanError otherwise)."""
-    check_output(args.json_out, "--json")
-    if args.gantt:
-        check_output(args.gantt, "--gantt")
-    nodes = int(args.nodes) if args.nodes.isdigit() else args.nodes
-    if isinstance(nodes, str) and not Path(nodes).is_file():
-        raise PlanError(f"--nodes {nodes!r} is neither a number nor a file")
-    if args.memory_microbatches is not None:
-        net = build_network(args.network, nodes, memory=args.memory_microbatches)
-    else:
-        mb = DEFAULT_MEMORY_MB if args.memory is None else args.memory
-        net = build_network(args.network, nodes, memory_mb=mb)
-    model = model_preset(args.model)
-    m = args.microbatches or 2 * len(net.nodes)
-    failed = [f for f in args.fail.split(",") if f]
-    for f in failed:
-        net.node(f)
-    if args.evals is not None and args.evals < 1:
-        raise PlanError(f"--evals must be a positive count of simulator evaluations, got {args.evals}")
-    check_inputs(net, model, args.stages, args.skip, m)  # bad input: the error alone on stderr
-    return net, model, m, failed
-
-
-def _baseline_times(args: argparse.Namespace, net: Any, model: Any, m: int, best: Any) -> dict:
-    """The baselines' predicted iteration times on ``net`` (None: the baseline put a stage on a node
-    whose memory cannot hold it; DT-FM ignores memory), each with half of ``--budget``."""
-    base_budget = args.budget / 2
-    base_bound = (f"{args.evals:,} evaluations, at most {base_budget:g} s" if args.evals
-                  else f"{base_budget:g} s")
-    _note(f"baselines: full_pipeline (DT-FM's allocation search, {base_bound}), "
-          f"full_pipeline_planned (this planner with skip 0), random_skip")
-    full = full_pipeline(net, model, args.stages, m, budget_s=base_budget, seed=args.seed,
-                         max_evals=args.evals)
-    if full.stats["capped"]:
-        _note(f"full_pipeline: DT-FM's search stopped at {base_budget:g} s after "
-              f"{full.stats['evaluations']:,} of {args.evals:,} evaluations: its figure may differ on "
-              "another machine (raise --budget)")
-    planned = plan(net, model, args.stages, 0.0, m, budget_s=base_budget, seed=args.seed,
-                   max_evals=args.evals)
-    rand = random_skip(net, model, best.allocation, args.stages, args.skip, m, seed=args.seed)
-    return {"full_pipeline": full.predicted_s if full.stats.get("memory_ok", True) else None,
-            "full_pipeline_planned": planned.predicted_s, "random_skip": rand.predicted_s}
-
-
-def _print_times(out: dict, planner_s: float, failed: list[str]) -> None:
-    times = out["iteration_time_s"]
-    for k, v in times.items():
-        if v is None:
-            print(f"{k:>22}: cannot run (puts a stage on a node without the memory for it)")
-        elif times["full_pipeline"] is None:
-            print(f"{k:>22}: {v:8.2f} s")
-        else:
-            print(f"{k:>22}: {v:8.2f} s  ({v / times['full_pipeline']:.2f}x full_pipeline)")
-    print(f"{'planner':>22}: {planner_s:8.2f} s")
-    if failed:
-        print(f"{'after failing ' + ','.join(failed):>22}: {out['replan']['iteration_time_s']:8.2f} s "
-              f"(re-planned in {out['replan']['planner_seconds']:.2f} s)")
-
-
-def _note(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def _plan_progress(what: str) -> Callable[..., None]:
-    """A ``plan(progress=...)`` that tells stderr how the search goes: each phase as it ends, better
-    plans of the last phase at most once a second, and the result."""
-    last = [-1.0]
-
-    def show(ev: dict) -> None:
-        phase, best, at = ev["phase"], ev["best_s"], ev["elapsed_s"]
-        if phase == "paths":
-            if at - last[0] < 1.0:
-                return
-            text = f"path search: {best:.2f} s per iteration"
-        elif phase == "allocation":
-            text = (f"allocations searched: {ev['candidates']} go to the race, the best {best:.2f} s "
-                    "per iteration with quick paths")
-        elif phase == "race":
-            text = f"race round {ev['round']} of {ev['rounds']} ({ev['contenders']} allocations): best {best:.2f} s"
-        else:
-            text = f"done: {best:.2f} s per iteration ({ev['evaluations']:,} simulations)"
-        last[0] = at
-        _note(f"{what} [{at:5.1f} s] {text}")
-
-    return show
-
-
-def draw_gantt(result: SimResult, out_png: str, stages: dict[str, int] | None = None) -> None:
-    """Each node's timeline as one row: forward, backward/loss compute (each task outlined and, where
-    it is wide enough, labelled with its microbatch), sends (thin bar) and idle; ``stages`` (node ->
-    stage) adds each node's stage to its row label."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"compute-fwd": "tab:blue", "compute-bwd": "tab:orange", "compute-loss": "tab:red",
-              "idle": "0.92", "send": "tab:green", "sync": "tab:purple"}
-    names = sorted(result.timeline)
-    span = result.makespan if result.makespan > 0 and result.makespan != float("inf") else 1.0
-    fig, ax = plt.subplots(figsize=(14, 0.4 * len(names) + 1.5))
-    for row, name in enumerate(names):
-        for e in result.timeline[name]:
-            thin = e.kind in ("send", "sync")
-            task = e.kind.startswith("compute")
-            ax.barh(row + (0.3 if thin else 0), e.end - e.start, left=e.start, height=0.15 if thin else 0.6,
-                    color=colors[e.kind], alpha=0.6 if thin else 1.0,
-                    edgecolor="white" if task else "none", linewidth=0.6 if task else 0)
-            if task and e.microbatch >= 0 and e.end - e.start >= 0.012 * span:
-                ax.text((e.start + e.end) / 2, row, str(e.microbatch), ha="center", va="center",
-                        fontsize=6, color="white")
-    labels = [f"{n} (stage {stages[n]})" if stages and n in stages else n for n in names]
-    ax.set_yticks(range(len(names)), labels)
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title(f"iteration timeline, makespan {result.makespan:.2f} s")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, list(colors), loc="upper center", bbox_to_anchor=(0.5, -0.5 / (0.4 * len(names) + 1.5)),
-              ncol=len(colors), fontsize=8, frameon=False)
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)

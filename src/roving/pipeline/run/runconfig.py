@@ -31,6 +31,7 @@ from typing import Any
 from ..verify.adversary import parse_adversaries
 from ..errors import PlanError
 from ..presets import LlamaConfig, preset
+from ..planning.plan import DEFAULT_ROUTE_RULE, check_route_rule
 from ..faults import POLICIES, parse_fail_at
 
 if sys.version_info >= (3, 11):
@@ -75,6 +76,15 @@ class PlanSection:
     skip: float = 0.33
     #: "skippipe" (this planner, any skip) or "dtfm" (the paper's full-pipeline baseline, skip 0).
     schedule: str = "skippipe"
+    #: a SkipPipe schedule.json whose plan is trained (its allocation and collision-aware routes, on
+    #: its nodes: ``network``'s regions by its locations): stages and microbatches must be its own, and
+    #: nodes is its node count. Re-plans after a failure are this planner's. "": plan here.
+    skippipe_schedule: str = ""
+    #: the order a microbatch may visit its stages in (``plan.ROUTE_RULES``): "skippipe" (SkipPipe's rule:
+    #: a stage at most one stage number behind the furthest reached, at most two swaps) or "inversions"
+    #: (looser: at most two inversions). Re-plans keep the plan's rule; a background refinement
+    #: (``refine_budget``) plans under SkipPipe's.
+    route_rule: str = DEFAULT_ROUTE_RULE
     microbatches: int = 12
     #: microbatches each node may hold in flight (the memory limit), for nodes whose entry in a nodes
     #: file gives neither memory nor memory_mb; otherwise the node's own (as the simulator has it).
@@ -282,6 +292,10 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
             raise PlanError(f"schedule must be skippipe or dtfm, got {self.schedule!r}")
         if self.schedule == "dtfm" and self.skip:
             raise PlanError("the dtfm schedule is a full pipeline: use skip = 0 with it")
+        check_route_rule(self.route_rule)
+        if not isinstance(self.skippipe_schedule, str) or (self.skippipe_schedule and self.schedule != "skippipe"):
+            raise PlanError(f"skippipe_schedule must be the path of a SkipPipe schedule.json, trained with schedule "
+                            f"= skippipe, got {self.skippipe_schedule!r} with schedule {self.schedule!r}")
         if not 0 < self.heartbeat < self.dead_after:
             raise PlanError(f"heartbeat ({self.heartbeat} s) must be positive and below dead_after "
                             f"({self.dead_after} s)")

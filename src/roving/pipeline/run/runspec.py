@@ -26,6 +26,7 @@ from ..planning.baselines import full_pipeline
 from ..planning.plan import Plan
 from ..planning.planner import plan
 from ..planning.simulate import simulate
+from ..planning.skippipe_schedule import read_schedule, schedule_network, schedule_plan
 from ..stages import Stage, layer_ranges, model_spec, stage_gradient_bytes
 
 
@@ -125,7 +126,10 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
                       bytes_per_activation=4, backward_ratio=cal["backward_ratio"], head_layers=cal["head_layers"])
     net = build_network(config.network, nodes, memory=config.in_flight, speed=cal["seconds_per_sample_layer"])
     grad_bytes = stage_gradient_bytes(mcfg, config.stages)
-    if config.schedule == "dtfm":
+    if config.skippipe_schedule:
+        plan_sync = grad_bytes
+        net, the_plan = _imported(config, cal["seconds_per_sample_layer"])
+    elif config.schedule == "dtfm":
         plan_sync = None  # the baseline: DT-FM's allocation, which has a data-parallel cost of its own
         the_plan = full_pipeline(net, spec, config.stages, config.microbatches,
                                  budget_s=config.planner_budget, seed=config.seed,
@@ -135,8 +139,23 @@ def prepare(config: TrainConfig, calibration: dict[str, float] | None = None) ->
         plan_sync = grad_bytes
         the_plan = plan(net, spec, config.stages, config.skip, config.microbatches,
                         budget_s=config.planner_budget, seed=config.seed, sync_bytes=plan_sync,
-                        max_evals=config.planner_evals or None)
+                        max_evals=config.planner_evals or None, route_rule=config.route_rule)
     predicted = simulate(net, spec, the_plan, record=False).makespan
     if math.isinf(predicted):
         raise PlanError("the plan deadlocks under the memory limit: raise in_flight")
     return Prepared(config, mcfg, corpus, net, spec, the_plan, predicted, cal, grad_bytes, plan_sync)
+
+
+def _imported(config: TrainConfig, speed: float) -> tuple[Network, Plan]:
+    """The network and plan of ``config.skippipe_schedule`` (``planning.skippipe_schedule``); PlanError
+    when its stages, microbatches or node count are not the run's."""
+    sched = read_schedule(config.skippipe_schedule)
+    net = schedule_network(sched, config.network, speed=speed)
+    the_plan = schedule_plan(sched, net)
+    for name, ours, theirs in (("stages", config.stages, the_plan.stages),
+                               ("microbatches", config.microbatches, len(the_plan.paths)),
+                               ("nodes", config.nodes, len(net.nodes))):
+        if str(ours) != str(theirs):
+            raise PlanError(f"[plan] {name} is {ours!r} but the SkipPipe schedule {config.skippipe_schedule} "
+                            f"makes {theirs}: give {name} = {theirs}")
+    return net, the_plan

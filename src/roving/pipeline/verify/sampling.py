@@ -91,9 +91,7 @@ class Sampling:
                 continue
             claimed, inputs = tensors
             if self.settings.mode == "screen":
-                outputs = claimed if isinstance(claimed, tuple) else (claimed,)
-                if not all(bool(torch.isfinite(t).all()) for t in outputs) and all(
-                        bool(torch.isfinite(t).all()) for t in tensors_of(inputs) if t.is_floating_point()):
+                if _non_finite_from_finite(c.kind, claimed, inputs):
                     self.findings.catch(a.caught, c.node, "non-finite", c,
                                         reason="sent non-finite values computed from finite inputs")
                 continue
@@ -137,3 +135,23 @@ class Sampling:
             self.confirm.request(a, r)
         elif None not in r.answers.values() and self.settings.rng.random() < self.confirm.rate(a, r.check):
             self.confirm.request(a, r)  # every verifier passed it: confirmed anyway, drawn after their answers
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors if t.is_floating_point())
+
+
+def _non_finite_from_finite(kind: Kind, claimed: Any, inputs: dict) -> bool:
+    """Whether a computation's output is non-finite although what it was computed from is finite (its
+    maker's fault, in mode "screen"). A visit's two outputs are judged apart, each against what it
+    depends on: its forward output against ``x`` alone, its backward output against ``x`` and ``g``.
+    Judged together, a node whose forward output was made NaN was excused by the NaN gradient that came
+    back for it (the loss of a NaN activation is NaN): nobody was caught, the NaN reached the step, and
+    in the next round honest nodes, their weights NaN by then, were blamed."""
+    if kind == Kind.VISIT:
+        forward, backward = claimed
+        return (not _all_finite([forward]) and _all_finite([inputs["x"]])) or (
+            not _all_finite([backward]) and _all_finite([inputs["x"], inputs["g"]]))
+    outputs = list(claimed) if isinstance(claimed, tuple) else [claimed]
+    return not _all_finite(outputs) and _all_finite(tensors_of(inputs))
+
