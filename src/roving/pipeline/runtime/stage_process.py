@@ -180,8 +180,21 @@ class StageProcess:
 
     def _beat(self) -> None:
         while not self._leaving.is_set():
-            self.beats.put(m.Beat(self.name, self.settings.incarnation))
+            try:
+                self.beats.put(m.Beat(self.name, self.settings.incarnation))
+            except OSError:  # the coordinator cannot be reached now: its watchdog (_watch) decides
+                pass
             self._leaving.wait(self.settings.heartbeat)
+
+    def _wait_message(self) -> Any:
+        """The next message of the inbox; ``CoordinatorLost`` once the watchdog has given the coordinator
+        up (looked at every second while nothing comes)."""
+        while True:
+            try:
+                return self.inbox.get(timeout=1.0)
+            except queue.Empty:
+                if self._lost is not None:
+                    raise CoordinatorLost(self._lost) from None
 
     def _watch(self, timeout: float) -> None:
         """The coordinator's watchdog: a round trip to its heartbeats' inbox every few heartbeats; when
@@ -231,7 +244,7 @@ class StageProcess:
                         self.evidence.summarize_one()
                         continue
                 else:
-                    msg = self.inbox.get()
+                    msg = self._wait_message()
                 if isinstance(msg, m.Stop):
                     break
                 self._accept(msg)
