@@ -5,4 +5,4 @@
 . "$(dirname "${BASH_SOURCE[0]}")/fail-loudly.sh"
 cd "$(dirname "$0")/.."
 python3 -m pip install -q --disable-pip-version-check "torch==2.13.0"
-python3 -m pip install -q --disable-pip-version-check -e ".[pipeline,examples,dev]"
+python3 -m pip install -q --disable-pip-version-check -e ".[pipeline,examples,dev,docs]"
