@@ -1,5 +1,6 @@
 """Senders: forgetting a dead peer gives up what was sent to it, through the queue's public API, and
-frees a sender thread blocked on it."""
+frees a sender thread blocked on it; waiting for delivery returns at once for a peer whose connection
+broke."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 
 import helpers_targets as h
 import roving
@@ -45,6 +47,26 @@ def test_forgetting_a_peer_whose_queue_cannot_be_abandoned_is_fine():
         senders.forget(["peer", "never-known"])
         senders.put("peer", "lost")
         assert plain.empty()
+    finally:
+        senders.close()
+
+
+class _BrokenQueue(queue.Queue):
+    """A peer's queue whose connection broke: asking it anything raises, as a roving queue does."""
+
+    def qsize(self) -> int:
+        raise ConnectionError("the connection to the peer broke")
+
+
+def test_waiting_for_delivery_names_a_peer_whose_connection_broke_at_once_not_at_the_timeout():
+    """A node killed while the coordinator confirmed its peers' delivery held the coordinator for the
+    whole wait (its ping raised and never answered): the run showed nothing for minutes."""
+    senders = Senders("me", {"dead": _BrokenQueue(), "live": queue.Queue()}, None)
+    try:
+        t0 = time.monotonic()
+        late = senders.delivered(["dead", "live"], timeout=60)
+        assert late == ["dead"]
+        assert time.monotonic() - t0 < 30, "the wait went on to its timeout for a peer already known broken"
     finally:
         senders.close()
 

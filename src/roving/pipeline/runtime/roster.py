@@ -505,7 +505,8 @@ class Roster:
             self._senders().add(name, inbox)
             self.last_beat[name] = time.monotonic()
             self.put(name, m.Peers(self.inboxes, self._ids()))
-        self._peers_delivered(list(self.inboxes))
+        if joined:  # nobody new: nothing to wait for (and a dead peer would hold the wait to its timeout)
+            self._peers_delivered(list(self.inboxes))
         return joined
 
     def _peers_delivered(self, names: list[str]) -> None:

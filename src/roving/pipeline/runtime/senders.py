@@ -133,22 +133,28 @@ class Senders:
 
     def delivered(self, names: list[str], timeout: float = 20.0) -> list[str]:
         """Wait (``timeout`` seconds in all) until everything sent so far to ``names`` has arrived; the
-        names whose sends were not confirmed in time (a dead or cut-off process: its heartbeats tell).
-        The senders go on."""
-        def ping(done: threading.Event) -> Callable[[Any], None]:
+        names whose sends were not confirmed (a dead or cut-off process, found at once where its
+        connection broke, else at ``timeout``: its heartbeats tell the rest). The senders go on."""
+        def ping(done: threading.Event, broke: list[str], name: str) -> Callable[[Any], None]:
             def reached(q: Any) -> None:
-                q.qsize()
-                done.set()
+                try:
+                    q.qsize()
+                except Exception:
+                    broke.append(name)
+                    raise
+                finally:
+                    done.set()
             return reached
 
-        waiting = {}
+        waiting, broke = {}, []
         for name in names:
             sender = self.senders.get(name)
             if sender is not None:
                 waiting[name] = threading.Event()
-                sender.push(ping(waiting[name]))
+                sender.push(ping(waiting[name], broke, name))
         deadline = time.monotonic() + timeout
-        return [name for name, done in waiting.items() if not done.wait(max(0.0, deadline - time.monotonic()))]
+        late = [name for name, done in waiting.items() if not done.wait(max(0.0, deadline - time.monotonic()))]
+        return late + [name for name in waiting if name in broke and name not in late]
 
     def confirm(self, live: list[str], timeout: float = 20.0) -> None:
         """Make sure everything sent to the live peers has arrived (the transport confirms per
