@@ -146,7 +146,8 @@ class Senders:
                     done.set()
             return reached
 
-        waiting, broke = {}, []
+        waiting: dict[str, threading.Event] = {}
+        broke: list[str] = []
         for name in names:
             sender = self.senders.get(name)
             if sender is not None:
