@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from . import config as _config
 from . import boot as _boot
@@ -27,17 +27,44 @@ _stop_watching = threading.Event()
 
 
 def _watch_parent(info: dict, cfg: _config.Config) -> None:
-    """Exit when the parent is gone: it stops answering pings, or (local backend) we were re-parented."""
+    """Exit when the parent is gone: it stops answering pings for ``parent_timeout``, or (local backend)
+    its process exited. On this machine a parent slow to answer but working (busy: starting a thousand
+    workers on two cores) is not taken for a dead one: it is given up only once it has also made no
+    progress (no CPU time used; stopped) for ``parent_timeout``."""
     endpoint = _session.current().endpoint(info["parent"])
-    parent_gone = _exit_of(info.get("parent_pid")) if info.get("local") else None
+    local = bool(info.get("local"))
+    parent_gone = _exit_of(info.get("parent_pid")) if local else None
+    working = _working(info.get("parent_pid")) if local else None
     last_answer = time.monotonic()
     while not _stop_watching.wait(cfg.heartbeat_interval):
         if parent_gone is not None and parent_gone():
             _die("its parent process exited")
-        if endpoint.ping(cfg.heartbeat_interval):
+        if endpoint.ping(cfg.heartbeat_interval) or (working is not None and working()):
             last_answer = time.monotonic()
         elif time.monotonic() - last_answer > cfg.parent_timeout:
             _die(f"its parent has not answered for {cfg.parent_timeout:g} s")
+
+
+def _working(pid: Optional[int]) -> Optional[Callable[[], bool]]:
+    """What tells whether local process ``pid`` has used CPU time since the last call and is not
+    stopped (/proc/PID/stat's state and times), or None where that cannot be read."""
+    def sample() -> Optional[Tuple[str, int]]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            return None
+        return fields[0].decode(), int(fields[11]) + int(fields[12])  # state, utime + stime
+
+    if pid is None or sample() is None:
+        return None
+    last = [sample()]
+
+    def working() -> bool:
+        now, before = sample(), last[0]
+        last[0] = now
+        return (now is not None and before is not None and now[0] not in "TtZX" and now[1] > before[1])
+    return working
 
 
 def _exit_of(pid: Optional[int]) -> Optional[Callable[[], bool]]:

@@ -31,6 +31,7 @@ _CHOICES = {
     "dashboard_tls": ("auto", "on", "off"),
     "env_check": ("auto", "strict", "warn", "off"),
     "ship_code": ("auto", "always", "off"),
+    "local_start": ("fork", "fresh"),
 }
 # Environment variables that roving sets for its own children; not options.
 _INTERNAL_ENV = {"ROVING_CHILD", "ROVING_SESSION_SECRET", "ROVING_SESSION_SECRET_FILE"}
@@ -135,11 +136,17 @@ class Config:
     #: process name), "off" (discarded) or "files" (one log file per process in ``log_dir``).
     child_output: str = "prefix"
     log_dir: str = "roving-logs"
-    #: Modules the local backend imports once, in a starter process from which it forks its children
-    #: (roving.backends.local.starter; multiprocessing's forkserver preload): a child whose target imports
-    #: them (torch: seconds of CPU) starts in milliseconds. A list, or comma-separated in one string;
-    #: none (the default): each child is a fresh interpreter. SkipPipe's trainer preloads its stage
-    #: processes' module on the local backend when this is not set.
+    #: How the local backend starts a child of this interpreter: "fork" (the default) forks it from a
+    #: starter process that has imported roving's child code once (roving.backends.local.starter; what
+    #: multiprocessing's forkserver does): it starts in milliseconds and shares that memory with its
+    #: siblings until it writes to it; "fresh" runs a new interpreter for each (about 0.4 s of CPU and
+    #: 20 MB of memory more per child).
+    local_start: str = "fork"
+    #: Modules the local backend's starter imports besides roving's child code, before it forks
+    #: (multiprocessing's forkserver preload): a child whose target imports them (torch: seconds of CPU)
+    #: starts with them imported. A list, or comma-separated in one string. Setting it forks children
+    #: even with ``local_start="fresh"``. SkipPipe's trainer preloads its stage processes' module on the
+    #: local backend when this is not set.
     local_preload: Tuple[str, ...] = ()
     #: Seconds between a child's liveness checks of its parent.
     heartbeat_interval: float = 1.0

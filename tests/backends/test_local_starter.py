@@ -1,5 +1,6 @@
-"""The local backend's starter (``local_preload``; roving.backends.local.starter): children forked from a
-process that imported their modules once, as a fresh ``python -m roving._child`` would run them.
+"""The local backend's starter (roving.backends.local.starter): children forked, by default, from a process
+that imported roving's child code (and ``local_preload``) once, as a fresh ``python -m roving._child``
+would run them; fresh interpreters with ``local_start="fresh"``.
 
 Real processes throughout: the starter, its forked children, and (for the parent's death) a parent
 program in a subprocess of its own. ``xml.dom.minidom`` is the probe of preloading: roving does not
@@ -52,9 +53,26 @@ def test_a_forked_child_runs_with_its_own_environment_directory_output_and_rando
     assert len({got["numpy"] for _, got in reports}) == 3
 
 
-def test_without_local_preload_children_are_fresh_interpreters():
+def test_by_default_children_are_forked_from_a_starter_without_the_preload_modules():
+    _, got = _report(probe_module=PROBE)
+    assert got["ppid"] != os.getpid() and got["probe"] is False
+
+
+def test_with_local_start_fresh_children_are_fresh_interpreters():
+    roving.init(local_start="fresh")
     _, got = _report(probe_module=PROBE)
     assert got["ppid"] == os.getpid() and got["probe"] is False
+
+
+def test_local_preload_forks_children_even_with_local_start_fresh():
+    roving.init(local_start="fresh", local_preload=PROBE)
+    _, got = _report(probe_module=PROBE)
+    assert got["ppid"] != os.getpid() and got["probe"] is True
+
+
+def test_a_local_start_that_is_not_known_is_an_error_that_names_the_choices():
+    with pytest.raises(ConfigError, match="local_start.*fork, fresh"):
+        roving.init(local_start="spawn")
 
 
 def test_a_child_whose_interpreter_settings_differ_gets_a_starter_of_its_own(monkeypatch):

@@ -136,7 +136,7 @@ class Backend(abc.ABC):
     * doing better: :meth:`submit_many` (one call for a pool's workers), :meth:`wait` and
       :meth:`sentinel` (without polling :meth:`job_status`), :meth:`cancel_ids`, :meth:`unknown_ids`;
     * knowing more: :meth:`list_jobs` and :meth:`describe` (`roving ps`, `roving info`),
-      :meth:`cpu_count`, :meth:`towards`, :meth:`shares_filesystem`, :meth:`pid`;
+      :meth:`cpu_count`, :meth:`towards`, :meth:`shares_filesystem`, :meth:`pid`, :meth:`start_window`;
     * its own upkeep: :meth:`shutdown` (at exit), :meth:`forget` (a job closed).
 
     A backend knows nothing of the transport; what it raises of its own is a :class:`.errors.BackendError`.
@@ -187,6 +187,12 @@ class Backend(abc.ABC):
 
     def cpu_count(self) -> int:
         return os.cpu_count() or 1
+
+    def start_window(self) -> Optional[int]:
+        """How many of a pool's workers may be starting (submitted, not yet connected) at once, or None
+        for no bound: what the machines that start them can bear. None by default: a cluster's scheduler
+        paces its own starts (and a pool submits its workers as one job array where it can)."""
+        return None
 
     def job(self, job_id: str) -> Job:
         """A handle on an existing job from its id (as `roving ps` shows it)."""

@@ -312,6 +312,11 @@ class Dispatcher:
         with self.lock:
             return len(self.workers) - self._retiring
 
+    def starting(self) -> int:
+        """How many of the pool's workers have been started and not yet connected (looks at each)."""
+        with self.lock:
+            return sum(1 for w in self.workers.values() if w.ident is None and not w.retiring and not w.gone)
+
     def worker(self, worker_id: int) -> Optional[WorkerState]:
         with self.lock:
             return self.workers.get(worker_id)

@@ -33,6 +33,7 @@ import weakref
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from .. import _sentinels
+from .. import backends
 from .. import config as _config
 from .. import observe
 from .. import process as _process
@@ -186,8 +187,10 @@ class Upkeep:
 
     # -- starting workers --------------------------------------------------------------------------
     def start_workers(self) -> None:
-        """Start as many workers as are missing, unless a backoff after a failure is still running.
-        SerializationError if the initializer or its arguments cannot be pickled."""
+        """Start as many workers as are missing, unless a backoff after a failure is still running; no
+        more at once than the backend's start window (:meth:`Backend.start_window`) has room for: the
+        rest at the next rounds, as those connect. SerializationError if the initializer or its arguments
+        cannot be pickled."""
         if self.broken is not None or _process.exiting():  # its workers are being ended with the program
             return
         with self.lock:
@@ -198,6 +201,11 @@ class Upkeep:
         disp = self.disp
         node = disp.node
         cfg = _config.current()
+        window = backends.get(cfg.backend).start_window()
+        if window is not None:
+            want = min(want, window - disp.starting())
+            if want <= 0:
+                return
         batch: List[WorkerState] = []
         for _ in range(want):
             worker_id = next(self._worker_ids)

@@ -59,8 +59,15 @@ class Refusals:
         #: Refusals counted, logged or not (tests read it).
         self.count = 0
 
-    def refuse(self, source: str, why: str) -> None:
+    def refuse(self, source: str, why: str, quiet: bool = False) -> None:
+        """Count a refused connection from ``source``; warn of it unless one was warned of within the
+        interval, or ``quiet`` (the peer left on its own: only logged at debug level)."""
         now = time.monotonic()
+        if quiet:
+            with self._lock:
+                self.count += 1
+            self._log.debug("roving %s: a connection from %s ended during its handshake: %s", self._where, source, why)
+            return
         with self._lock:
             self.count += 1
             seen = self._last.get(source)

@@ -207,6 +207,15 @@ class Stream:
 
 # -- opening streams ---------------------------------------------------------------------------
 
+class _PeerLeft(StreamError):
+    """The peer closed its connection before its handshake was done (a process that ended then)."""
+
+
+#: A handshake that ended for these did not fail: its peer went away (a worker ending as its pool
+#: closes); counted as refused, but not worth a warning.
+_LEFT = (_PeerLeft, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
+
+
 def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
     """``size`` bytes, all of them before ``deadline`` (time.monotonic()), or StreamError."""
     data = bytearray()
@@ -217,7 +226,7 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
         sock.settimeout(left)
         chunk = sock.recv(size - len(data))
         if not chunk:
-            raise StreamError("the peer closed the connection during the handshake")
+            raise _PeerLeft("the peer closed the connection during the handshake")
         data += chunk
     return bytes(data)
 
@@ -552,7 +561,7 @@ class Listener:
             if not isinstance(request, dict):
                 raise StreamError("stream request is not an object")
         except Exception as exc:  # not a roving peer, a wrong secret, a bad request, a timeout
-            self.refusals.refuse(source, str(exc) or type(exc).__name__)
+            self.refusals.refuse(source, str(exc) or type(exc).__name__, quiet=isinstance(exc, _LEFT))
             link.close()
             return None
         return link, request, peer

@@ -4,8 +4,11 @@ usage: parent_with_children.py PIDFILE N_CHILDREN MODE [DAEMON] [HEARTBEAT PAREN
 
 MODE "sleep": after writing PIDFILE the parent sleeps (the test kills or stops it).
 MODE "exit": after writing PIDFILE the parent returns normally.
+MODE "busy": after writing PIDFILE the parent computes in C code holding its interpreter's lock for
+seconds, then writes how long to PIDFILE.busy and sleeps.
 PIDFILE gets the parent's pid on line 1, then one child pid a line, then "ready".
 """
+import math
 import os
 import sys
 import time
@@ -35,4 +38,11 @@ if __name__ == "__main__":
         f.write("\n".join(map(str, [os.getpid(), *pids, "ready"])) + "\n")
     os.replace(pidfile + ".tmp", pidfile)
     if mode == "sleep":
+        time.sleep(120)
+    elif mode == "busy":  # holds the interpreter's lock in C code for seconds: no thread answers meanwhile
+        start = time.monotonic()
+        math.factorial(700_000)
+        with open(pidfile + ".busy.tmp", "w") as f:
+            f.write(f"{time.monotonic() - start:.2f}\n")
+        os.replace(pidfile + ".busy.tmp", pidfile + ".busy")
         time.sleep(120)

@@ -27,6 +27,11 @@ from .starter import CHILD_MODULE, ForkedChild, Starter, interpreter_settings
 
 log = logging.getLogger(__name__)
 
+#: A pool's workers starting at once, per core of this machine (``LocalBackend.start_window``): a start
+#: forked from the starter costs about 30 ms of CPU in all (child and parent), so 32 per core start within
+#: about a second and none waits long for its handshake.
+STARTS_PER_CORE = 32
+
 
 def _has_exited(pid: int) -> bool:
     """Whether child ``pid`` has ended (without reaping it)."""
@@ -37,8 +42,9 @@ def _has_exited(pid: int) -> bool:
 
 
 class LocalBackend(Backend):
-    """Jobs are subprocesses: fresh interpreters, or, with ``local_preload`` set, forked from a starter
-    that has those modules imported (roving.backends.local.starter). ``terminate_job`` sends SIGTERM, with
+    """Jobs are subprocesses forked from a starter that has roving's child code (and ``local_preload``)
+    imported (roving.backends.local.starter), or fresh interpreters (``local_start="fresh"``, or a
+    command that is not this interpreter running roving's child). ``terminate_job`` sends SIGTERM, with
     ``force`` SIGKILL."""
 
     name = "local"
@@ -116,11 +122,19 @@ class LocalBackend(Backend):
             log.warning("roving: the local backend runs jobs without their memory limit: %s", why)
         return None
 
+    def start_window(self) -> Optional[int]:
+        """``STARTS_PER_CORE`` per core of this machine: every start takes CPU here, the child's and the
+        parent's side of its handshake; more at once only makes each slower (and, fresh interpreters by
+        the hundred, their handshakes time out)."""
+        return STARTS_PER_CORE * self.cpu_count()
+
     def _starter_for(self, command: list, env: Dict[str, str]) -> Optional[Starter]:
-        """The starter that forks this command's process (made on first use), or None: no
-        ``local_preload``, or not this interpreter running roving's child."""
-        preload = roving_config.current().local_preload
-        if not preload or list(command[:3]) != [sys.executable, "-m", CHILD_MODULE]:
+        """The starter that forks this command's process (made on first use), or None: started fresh
+        (``local_start="fresh"`` and no ``local_preload``), or not this interpreter running roving's child."""
+        cfg = roving_config.current()
+        preload = cfg.local_preload
+        fresh = cfg.local_start == "fresh" and not preload
+        if fresh or list(command[:3]) != [sys.executable, "-m", CHILD_MODULE]:
             return None
         key = (preload, interpreter_settings(env))
         with self._lock:

@@ -27,6 +27,7 @@ reaper as a fresh process's would be.
 from __future__ import annotations
 
 import errno
+import gc
 import io
 import json
 import os
@@ -46,6 +47,9 @@ CHILD_MODULE = "roving._child"
 _MAX_MESSAGE = 1 << 20
 #: Seconds a starter has to import what it preloads (torch: seconds; on a loaded machine, more).
 READY_TIMEOUT = 120.0
+#: The starter's command (``python -c``: run as ``-m`` this module would be imported twice, once by its
+#: package, and runpy would warn on the terminal).
+_STARTER_MAIN = "import sys; from roving.backends.local.starter import main; main(sys.argv[1:])"
 
 
 def interpreter_settings(env: Dict[str, str]) -> Tuple[Tuple[str, str], ...]:
@@ -94,7 +98,7 @@ class Starter:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "roving.backends.local.starter", str(theirs.fileno()), *self.preload],
+                [sys.executable, "-c", _STARTER_MAIN, str(theirs.fileno()), *self.preload],
                 env=env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), close_fds=True)
         except OSError as exc:
             ours.close()
@@ -259,8 +263,9 @@ def _serve(fd: int, preload: Sequence[str]) -> Optional[Tuple[Dict[str, Any], Li
     try:
         import importlib
         importlib.import_module(CHILD_MODULE)
-        for name in preload:
+        for name in (*_CHILD_LATER, *preload):
             importlib.import_module(name)
+        _warm_crypto()
     except BaseException as exc:  # said to the backend, which raises it
         sock.send(json.dumps({"failed": f"{type(exc).__name__}: {exc}"}).encode())
         return None
@@ -272,6 +277,11 @@ def _serve(fd: int, preload: Sequence[str]) -> Optional[Tuple[Dict[str, Any], Li
     sel = selectors.DefaultSelector()
     sel.register(sock, selectors.EVENT_READ)
     sel.register(wake_r, selectors.EVENT_READ)
+    # What the starter made so far is shared with every child until one writes to it; the collector
+    # writes to every object it tracks (its header) as it walks them, so the children's collections
+    # would copy all of it: frozen, it is never walked again (gc.freeze, as forking servers do).
+    gc.collect()
+    gc.freeze()
     sock.send(json.dumps({"ready": sorted(preload)}).encode())
     sys.stdout.flush()
     sys.stderr.flush()
@@ -306,6 +316,22 @@ def _serve(fd: int, preload: Sequence[str]) -> Optional[Tuple[Dict[str, Any], Li
         return None
     finally:
         signal.set_wakeup_fd(-1)
+
+
+#: Modules every child imports after its start (to run ``roving._child``, to resolve its parent's
+#: address): imported in the starter, their memory is shared instead of each child's own.
+_CHILD_LATER = ("runpy", "email.parser", "encodings.idna")
+
+
+def _warm_crypto() -> None:
+    """Use the key exchange and signatures every child uses once, so that the cryptography library's
+    lazy initialisation (about 4 MB) is done here, shared, rather than in each child."""
+    from cryptography.hazmat.primitives.asymmetric import ed25519, x25519
+
+    ours, theirs = x25519.X25519PrivateKey.generate(), x25519.X25519PrivateKey.generate()
+    ours.exchange(theirs.public_key())
+    key = ed25519.Ed25519PrivateKey.generate()
+    key.public_key().verify(key.sign(b"roving"), b"roving")
 
 
 def _fork(sock: socket.socket, data: bytes, fds: List[int],
@@ -396,7 +422,9 @@ def _become(req: Dict[str, Any], fds: List[int]) -> None:
     runpy.run_module(CHILD_MODULE, run_name="__main__", alter_sys=True)
 
 
-if __name__ == "__main__":
-    _child = _serve(int(sys.argv[1]), sys.argv[2:])
-    if _child is not None:
-        _become(*_child)
+def main(argv: Sequence[str]) -> None:
+    """The starter process (``argv``: its socket's descriptor, then the modules to preload); in each
+    child it forks, the child's own run of ``roving._child``."""
+    child = _serve(int(argv[0]), argv[1:])
+    if child is not None:
+        _become(*child)
