@@ -9,9 +9,9 @@ alike: compare the ratios. Three comparisons:
   10, 100 ms; a map of 100,000 no-op items; 2,000 apply_async), 5 workers. *one host*: the parent and
   its workers on one host (local backend, loopback); *across hosts*: the parent on the login host, the
   workers Slurm jobs on the three compute hosts. Target: across / one host <= 1.15.
-* ``chaos``: a map of ``--tasks`` tasks of ``--task-ms`` ms on 3 workers spread over the compute hosts,
-  undisturbed, then with one host cut off for good (its link down) ``--cut-after`` s into the map; every
-  result must come back once and in order. Target: disturbed / undisturbed <= 1.3.
+* ``chaos``: a map of ``--tasks`` tasks of ``--task-ms`` ms on ``--workers`` (3) workers spread over the
+  compute hosts, undisturbed, then with one host cut off for good (its link down) ``--cut-after`` s into
+  the map; every result must come back once and in order. Target: disturbed / undisturbed <= 1.3.
 * ``roundtrip``: Pipe and Queue round trips (64 B, 1 MiB, 100 MiB; the measure of benchmarks/transport.py)
   between two processes on one host (local backend, loopback, plain text), between two hosts with
   ``encrypt="off"``, and between two hosts as configured by default (encrypted beyond loopback), and
@@ -72,12 +72,12 @@ def chaos_task(arg):
     return x * x
 
 
-def inner_chaos(tasks: int, task_ms: float) -> Dict[str, float]:
+def inner_chaos(tasks: int, task_ms: float, workers: int) -> Dict[str, float]:
     import roving
 
     _slurm(pool_heartbeat_timeout=3.0, connect_timeout=8.0)
-    with roving.Pool(3) as pool:
-        pool.map(chaos_task, [(0, 0.05)] * 30, chunksize=1)  # up, warm, spread
+    with roving.Pool(workers) as pool:
+        pool.map(chaos_task, [(0, 0.05)] * (10 * workers), chunksize=1)  # up, warm, spread
         print("STARTED {}", flush=True)
         start = time.perf_counter()
         out = pool.map(chaos_task, [(x, task_ms / 1000) for x in range(tasks)], chunksize=1)
@@ -141,7 +141,7 @@ def chaos(args) -> None:
     results = {}
     for name in ("undisturbed", "one host cut off"):
         hh.require()
-        run = _inner(hh.LOGIN, "chaos", str(args.tasks), str(args.task_ms))
+        run = _inner(hh.LOGIN, "chaos", str(args.tasks), str(args.task_ms), str(args.workers))
         victim = None
         try:
             if name != "undisturbed":
@@ -156,7 +156,7 @@ def chaos(args) -> None:
                 hh.mend()
         print(f"# {name}: {results[name]}", file=sys.stderr, flush=True)
     base, hit = results["undisturbed"], results["one host cut off"]
-    print(f"\nChaos: {args.tasks} x {args.task_ms:g} ms on 3 workers over 3 hosts, one host cut off "
+    print(f"\nChaos: {args.tasks} x {args.task_ms:g} ms on {args.workers} workers over 3 hosts, one host cut off "
           f"{args.cut_after:g} s into the map")
     print("| run | seconds | every result correct, in order |\n|---|---|---|")
     for name, r in results.items():
@@ -185,7 +185,7 @@ def main(argv=None) -> None:
         if kind == "overhead":
             result = inner_overhead(rest[0])
         elif kind == "chaos":
-            result = inner_chaos(int(rest[0]), float(rest[1]))
+            result = inner_chaos(int(rest[0]), float(rest[1]), int(rest[2]))
         else:
             result = inner_roundtrip(rest[0], int(rest[1]))
         print("RESULT " + json.dumps(result), flush=True)
@@ -198,6 +198,7 @@ def main(argv=None) -> None:
     p.add_argument("--tasks", type=int, default=3000)
     p.add_argument("--task-ms", type=float, default=10.0)
     p.add_argument("--cut-after", type=float, default=3.0)
+    p.add_argument("--workers", type=int, default=3, help="workers in all, spread over the 3 compute hosts")
     p = sub.add_parser("roundtrip")
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)

@@ -104,7 +104,9 @@ def test_info_workers_shows_what_a_worker_reports_visibly_not_raw(tmp_path):
         "import os, socket\n"
         "if os.environ.get('ROVING_CHILD'):\n"
         f"    socket.gethostname = lambda: {HOSTILE!r}\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "ROVING_BACKEND": "local"}
+    # (fresh interpreters: a child forked from the local backend's starter runs no sitecustomize of its own)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "ROVING_BACKEND": "local",
+           "ROVING_LOCAL_START": "fresh"}
     env.pop("ROVING_CHILD", None)
     r = subprocess.run([sys.executable, "-m", "roving", "info", "--workers", "1"], capture_output=True, text=True,
                        timeout=240, env=env)
