@@ -21,9 +21,11 @@ array (its kind, then its fields in order, each as its annotation says: a record
 fields, a tensor as ``[buffer, dtype, shape]``, bytes as base64); only fields annotated loosely
 (``Any``, ``dict``, ``list``, ``tuple``) go through the tagged form that says what each value is
 (``{"u": [...]}`` a tuple, ``{"m": [[key, value], ...]}`` a dict, ``{"b": "..."}`` bytes, ``{"t": [...]}``
-a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one float64
-table (a row per tensor summarised: its ``TensorId``, what was found, its statistics), its senders' names,
-and one buffer with every profile: checked column by column, not value by value.
+a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one table
+(a row per tensor summarised: its ``TensorId``, what was found, its statistics; column after column, the
+whole numbers as int64, the statistics as float64), its senders' names, and one buffer with every
+profile: each group of columns checked by its least and greatest entry, not value by value, and read
+into a ``rows.ScreenedRows`` that makes a row only when it is asked for.
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -35,11 +37,13 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import itertools
 import json
 import math
+import struct
+from collections.abc import Sequence
 from typing import Any, Callable, Iterable
 
-import numpy
 import torch
 
 from ...transport.postbox import PostboxAddress
@@ -48,7 +52,8 @@ from ..errors import Malformed, PipelineError
 from ..planning.network import Link
 from ..planning.plan import Route
 from ..verify.receipts import Receipt
-from ..verify.screen import FOUND, Summary
+from ..verify.rows import FOUNDS, ScreenedRows
+from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
 
 #: Tensor dtypes that may travel, by their wire name.
@@ -61,6 +66,7 @@ MAX_DIMS = 8
 MAX_DEPTH = 16
 MAX_HEADER = 64 << 20
 _VERSION = 1
+_JSON = json.JSONEncoder(separators=(",", ":"))  # (json.dumps would make one a message)
 
 
 #: The types a message may hold, by wire name (their fields are checked as a message's are).
@@ -343,84 +349,88 @@ def _tensor(t: Any, buffers: list) -> list:
 
 # -- screening reports, as one table ------------------------------------------------------------------
 _WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
-_FOUND_CODE: dict[tuple, int] = {(): 0, **{(f,): i + 1 for i, f in enumerate(FOUND)}}
-_FOUNDS: list[tuple[str, ...]] = [(), *((f,) for f in FOUND)]
-#: a screening row's columns: round, what (its index in WHATS), mb, hop, sender (its index in the names
-#: sent), found (0: nothing, else 1 + its index in FOUND), the three statistics, the profile's length (-1:
-#: none); the first six and the last are whole numbers
-_ROW = 10
-_WHOLE_COLUMNS = [0, 1, 2, 3, 4, 5, 9]
-#: the bounds of those columns (from, to but not including; the sender's: the names sent)
-_LOW = numpy.array([_WHOLE[0], 0, _WHOLE[0], _WHOLE[0], 0, 0, -1], numpy.float64)
-_HIGH = numpy.array([_WHOLE[1], len(WHATS), _WHOLE[1], _WHOLE[1], 0, len(FOUND) + 1, _WHOLE[1]], numpy.float64)
+_FOUND_CODE: dict[tuple, int] = {found: i for i, found in enumerate(FOUNDS)}
+#: a screening table of n rows is one buffer of 10 columns of n entries, one after another: 7 of
+#: whole numbers (int64: round, microbatch, hop, the profile's length (-1: none); what (its index in
+#: WHATS), found (its index in FOUNDS), sender (its index in the names sent)), then the 3 statistics
+#: (float64: norm, mean, std). Each column group is checked at once (its least and greatest entry).
+_COLUMNS = 10
+_WORD = 8
+
+
+@functools.lru_cache(maxsize=64)
+def _table(rows: int) -> struct.Struct:
+    """The layout of a screening table of ``rows`` rows (little-endian, as every buffer here)."""
+    return struct.Struct(f"<{7 * rows}q{3 * rows}d")
 
 
 def _enc_screened(rows: Any, buffers: list) -> list:
-    """Norm.screened: the senders' names, one float64 table of a row per tensor summarised (``_ROW``), and
-    one float32 buffer with every profile, in order."""
+    """Norm.screened: the senders' names, the rows' table (``_table``) and one float32 buffer with every
+    profile, in order: ``[names, [table buffer, rows], profiles]``."""
     names: dict[str, int] = {}
-    table, profiles = [], []
+    table: list[tuple] = []
+    profiles: list[torch.Tensor] = []
     for row in rows:
         if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
             raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
         t, s = row.tensor, row.summary
-        found = _FOUND_CODE.get(s.found)
-        if found is None or t.what not in _WHAT_CODE:
+        found, what = _FOUND_CODE.get(s.found), _WHAT_CODE.get(t.what)
+        if found is None or what is None:
             raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
-        p, n = s.profile, -1
-        if isinstance(p, torch.Tensor):
-            if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
-                p = p.detach().to("cpu", torch.float32)
-            flat = p.numpy().reshape(-1)
-            profiles.append(flat)
-            n = flat.size
-        table.append((t.round, _WHAT_CODE[t.what], t.mb, t.hop, names.setdefault(t.sender, len(names)), found,
-                      s.norm, s.mean, s.std, n))
-    array = numpy.array(table, numpy.float64).reshape(len(table), _ROW)
-    joined = numpy.concatenate(profiles) if profiles else numpy.empty(0, numpy.float32)
-    return [list(names), _tensor(torch.from_numpy(array), buffers), _tensor(torch.from_numpy(joined), buffers)]
+        n = -1
+        if isinstance(s.profile, torch.Tensor):
+            profiles.append(s.profile)
+            n = s.profile.numel()
+        table.append((t.round, t.mb, t.hop, n, what, found, names.setdefault(t.sender, len(names)),
+                      s.norm, s.mean, s.std))
+    buffers.append(_table(len(table)).pack(*itertools.chain.from_iterable(zip(*table))))
+    at = len(buffers) - 1
+    buffers.append(_joined(profiles))
+    return [list(names), [at, len(table)], [at + 1, "float32", [len(buffers[-1]) // 4]]]
 
 
-def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
-    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list:
-        raise Malformed("not a screening report")
+def _joined(profiles: list[torch.Tensor]) -> Any:
+    """The bytes of ``profiles``' values as float32, one after another (one copy, where they are float32
+    1-D tensors on the CPU, as summaries' profiles are)."""
+    if not profiles:
+        return b""
+    try:
+        joined = torch.cat(profiles)
+    except (RuntimeError, TypeError):  # profiles of other shapes (cat needs 1-D ones) or on other devices
+        joined = torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in profiles])
+    if joined.dtype is not torch.float32 or joined.requires_grad or joined.device.type != "cpu":
+        joined = joined.detach().to("cpu", torch.float32)
+    values: Any = joined.numpy()  # (a buffer, which numpy's stubs do not say)
+    return memoryview(values).cast("B")
+
+
+def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]:
+    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list or type(raw[1]) is not list \
+            or len(raw[1]) != 2:
+        raise Malformed("not a screening report ([names, [table, rows], profiles])")
     names = [_check_str(n, reader, depth) for n in raw[0]]
-    rows = reader.array(raw[1], "float64", 2)
+    index, n = raw[1]
+    if type(n) is not int or n < 0:
+        raise Malformed(f"a screening table of {str(n)[:40]} rows")
+    table = reader.claim(index, n * _COLUMNS * _WORD, f"a screening table of {n} rows ({_COLUMNS} columns)")
     profiles = reader.tensor(raw[2], "float32", 1)
-    if rows.shape[1] != _ROW:
-        raise Malformed(f"a screening table that is not float64 rows of {_ROW}")
-    if not len(rows):
+    if not n:
         if profiles.numel():
             raise Malformed("profiles sent with no screening row")
         return ()
-    whole = rows[:, _WHOLE_COLUMNS]
-    high = _HIGH.copy()
-    high[4] = len(names)
-    # one comparison a column, whatever the rows (NaN and the infinities fail the bounds)
-    if ((whole != numpy.floor(whole)) | (whole < _LOW) | (whole >= high)).any():
+    v = _table(n).unpack_from(table)
+    # each group of columns judged by its least and greatest entry (NaN and the infinities cannot be
+    # int64; the statistics are judged by screening: Summary.sound refuses the unsound)
+    whole, whats, founds, senders = v[:4 * n], v[4 * n:5 * n], v[5 * n:6 * n], v[6 * n:7 * n]
+    if not (_WHOLE[0] <= min(whole) and max(whole) < _WHOLE[1] and 0 <= min(whats) and max(whats) < len(WHATS)
+            and 0 <= min(founds) and max(founds) < len(FOUNDS) and 0 <= min(senders) and max(senders) < len(names)):
         raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
                         "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
-    ints = whole.astype(numpy.int64)
-    lengths = ints[:, 6]
-    if int(numpy.maximum(lengths, 0).sum()) != profiles.numel():
+    lengths = whole[3 * n:]
+    if sum(x for x in lengths if x > 0) != profiles.numel():
         raise Malformed("profile lengths that do not add up to the profiles sent")
-    parts = iter(_profiles(profiles, lengths))
-    out = []
-    # (the statistics are judged by screening: Summary.sound refuses the unsound)
-    for (rnd, what, mb, hop, sender, found, n), (norm, mean, std) in zip(ints.tolist(), rows[:, 6:9].tolist()):
-        out.append(Screened(TensorId(rnd, WHATS[what], mb, hop, names[sender]),
-                            Summary(_FOUNDS[found], norm, mean, std, next(parts) if n >= 0 else None)))
-    return tuple(out)
-
-
-def _profiles(profiles: torch.Tensor, lengths: numpy.ndarray) -> Iterable[torch.Tensor]:
-    """The rows' profiles, cut from ``profiles`` by their ``lengths`` (-1: none)."""
-    sizes = lengths[lengths >= 0]
-    if not len(sizes):
-        return ()
-    if (sizes == sizes[0]).all() and sizes[0]:  # (every row's of one length: one view, cut in one go)
-        return profiles.view(len(sizes), int(sizes[0])).unbind(0)
-    return profiles.split(sizes.tolist())
+    return ScreenedRows(names, whole[:n], whats, whole[n:2 * n], whole[2 * n:3 * n], senders, founds,
+                        v[7 * n:8 * n], v[8 * n:9 * n], v[9 * n:], lengths, profiles)
 
 
 def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
@@ -487,7 +497,7 @@ def encode(msg: m.Message) -> list[Any]:
         raise TypeError(f"not a pipeline message: {type(msg).__qualname__}")
     buffers: list[Any] = []
     body = _codec(kind).write(msg, buffers)
-    return [json.dumps([_VERSION, kind, *body], separators=(",", ":")).encode(), *buffers]
+    return [_JSON.encode([_VERSION, kind, *body]).encode(), *buffers]
 
 
 def decode(frames: list[Any], sender: str | None = None) -> m.Message:
@@ -535,17 +545,20 @@ class _Reader:
             return torch.empty(shape, dtype=DTYPES[dtype_name])
         return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
 
-    def array(self, raw: Any, dtype: str, dims: int) -> numpy.ndarray:
-        """``tensor``, as a numpy array (of a dtype numpy has)."""
-        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
-        return numpy.frombuffer(buf, dtype=dtype_name).reshape(shape)
+    def claim(self, index: Any, size: int, what: str) -> Any:
+        """Buffer ``index``, which must be ``size`` bytes long (``what`` it holds: for the error)."""
+        if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
+            raise Malformed(f"{what} that names no buffer of its own")
+        buf = self.buffers[index]
+        if len(buf) != size:
+            raise Malformed(f"{what} in {len(buf)} bytes (it takes {size})")
+        self.used.add(index)
+        return buf
 
     def _buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
         if type(raw) is not list or len(raw) != 3:
             raise Malformed("a tensor that is not [buffer, dtype, shape]")
         index, dtype_name, shape = raw
-        if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
-            raise Malformed("a tensor that names no buffer of its own")
         itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
         if itemsize is None or (dtype and dtype_name != dtype):
             raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} "
@@ -554,13 +567,8 @@ class _Reader:
                 or (dims >= 0 and len(shape) != dims):
             raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative"
                             + (f"; {dims} of them)" if dims >= 0 else ")"))
-        buf = self.buffers[index]
-        count = math.prod(shape)
-        if len(buf) != count * itemsize:
-            raise Malformed(f"a {dtype_name} tensor of shape {tuple(shape)} in {len(buf)} bytes "
-                            f"(it takes {count * itemsize})")
-        self.used.add(index)
-        return buf, dtype_name, shape
+        size = math.prod(shape) * itemsize
+        return self.claim(index, size, f"a {dtype_name} tensor of shape {tuple(shape)}"), dtype_name, shape
 
 
 def kinds() -> Iterable[str]:
