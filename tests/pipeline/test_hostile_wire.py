@@ -209,6 +209,49 @@ def test_a_screening_report_of_no_rows_reads_back_as_none_and_profiles_without_r
         codec.decode([json.dumps(header).encode(), frames[1], profiles], "a")
 
 
+def test_a_norms_disputes_cosines_and_digest_of_other_shapes_read_back_as_sent_for_the_coordinator_to_judge():
+    """A ``Norm``'s disputes, cosines and combined digest travel in short forms where they have the shape
+    a stage process gives them (``TensorId`` records; names to floats; bytes), and in the tagged form
+    otherwise: what was sent is what is read, for the coordinator's checks (``reports.well_formed``) to
+    judge."""
+    odd = [m.Norm(1, "a", 0, 2.5, (), ("activation", 0, 1, "b"), {"b": 1, 3: 0.5}, "not bytes"),
+           m.Norm(1, "a", 0, 2.5, (), (TensorId(1, "activation", 0, 0, "b"), 4), [("b", 0.5)], b"c" * 32),
+           m.Norm(1, "a", 0, 2.5, (), (), {}, None),
+           _norm_of_three_rows()]
+    for msg in odd:
+        back = codec.decode(codec.encode(msg), "a")
+        for name in ("disputes", "cosines", "combined"):
+            assert repr(getattr(back, name)) == repr(getattr(msg, name)), name
+
+
+def test_a_norms_short_forms_that_do_not_fit_are_refused_naming_what():
+    """The short forms of a ``Norm``'s disputes (a list of ``TensorId`` records), cosines (``{"c": [names,
+    numbers]}``) and digest (base64) are checked as what they stand for: a record of no kind of tensor,
+    names and numbers of different lengths, a name that is no string, a number that is not a float,
+    bytes that are not base64, a digest that is no one value: each refused, naming what."""
+    frames = codec.encode(_norm_of_three_rows())
+
+    def with_field(index: int, value) -> list:
+        header = json.loads(frames[0])
+        header[index] = value  # [version, kind, round, stage, sq_norm, screened, disputes, cosines, combined]
+        return [json.dumps(header).encode(), *frames[1:]]
+
+    letters = {"a dispute of no kind of tensor": (with_field(6, [[1, "weights", 0, 0, "b"]]), "not what a tensor"),
+               "a dispute of four fields": (with_field(6, [[1, "activation", 0, 0]]), "TensorId: 4 field"),
+               "disputes as a list in the tagged form": (with_field(6, {"m": []}), "not a tuple"),
+               "more names than cosines": (with_field(7, {"c": [["b", "c"], [0.5]]}), "of one length"),
+               "a name that is a number": (with_field(7, {"c": [[3], [0.5]]}), "names .strings. and numbers"),
+               "a cosine that is a string": (with_field(7, {"c": [["b"], ["high"]]}), "names .strings. and numbers"),
+               "a cosine that is a whole number": (with_field(7, {"c": [["b"], [1]]}), "names .strings. and numbers"),
+               "cosines with another key beside": (with_field(7, {"c": [[], []], "m": []}), "of one length"),
+               "a digest that is not base64": (with_field(8, "!!"), "not base64"),
+               "a digest of two values": (with_field(8, [1, 2]), "a digest that is not bytes")}
+    for why, (letter, says) in letters.items():
+        with pytest.raises(codec.Malformed, match=says):
+            codec.decode(letter, "a")
+            pytest.fail(f"{why}: read")
+
+
 def test_every_message_of_the_protocol_reads_back_as_it_was_sent():
     route = Route("a", ("b",), (1,))
     receipt = Receipt(TensorId(1, "activation", 0, 0, "a"), b"d" * 32, b"m" * 32)

@@ -37,10 +37,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
-import itertools
 import json
 import math
-import struct
 from collections.abc import Sequence
 from typing import Any, Callable, Iterable
 
@@ -52,7 +50,7 @@ from ..errors import Malformed, PipelineError
 from ..planning.network import Link
 from ..planning.plan import Route
 from ..verify.receipts import Receipt
-from ..verify.rows import FOUNDS, ScreenedRows
+from ..verify.rows import COLUMNS, pack, table_size, unpack
 from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
 
@@ -347,61 +345,12 @@ def _tensor(t: Any, buffers: list) -> list:
     return [len(buffers) - 1, dtype, list(t.shape)]
 
 
-# -- screening reports, as one table ------------------------------------------------------------------
-_WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
-_FOUND_CODE: dict[tuple, int] = {found: i for i, found in enumerate(FOUNDS)}
-#: a screening table of n rows is one buffer of 10 columns of n entries, one after another: 7 of
-#: whole numbers (int64: round, microbatch, hop, the profile's length (-1: none); what (its index in
-#: WHATS), found (its index in FOUNDS), sender (its index in the names sent)), then the 3 statistics
-#: (float64: norm, mean, std). Each column group is checked at once (its least and greatest entry).
-_COLUMNS = 10
-_WORD = 8
-
-
-@functools.lru_cache(maxsize=64)
-def _table(rows: int) -> struct.Struct:
-    """The layout of a screening table of ``rows`` rows (little-endian, as every buffer here)."""
-    return struct.Struct(f"<{7 * rows}q{3 * rows}d")
-
-
+# -- screening reports, as one table (its layout: rows.pack) -----------------------------------------
 def _enc_screened(rows: Any, buffers: list) -> list:
-    """Norm.screened: the senders' names, the rows' table (``_table``) and one float32 buffer with every
-    profile, in order: ``[names, [table buffer, rows], profiles]``."""
-    names: dict[str, int] = {}
-    table: list[tuple] = []
-    profiles: list[torch.Tensor] = []
-    for row in rows:
-        if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
-            raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
-        t, s = row.tensor, row.summary
-        found, what = _FOUND_CODE.get(s.found), _WHAT_CODE.get(t.what)
-        if found is None or what is None:
-            raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
-        n = -1
-        if isinstance(s.profile, torch.Tensor):
-            profiles.append(s.profile)
-            n = s.profile.numel()
-        table.append((t.round, t.mb, t.hop, n, what, found, names.setdefault(t.sender, len(names)),
-                      s.norm, s.mean, s.std))
-    buffers.append(_table(len(table)).pack(*itertools.chain.from_iterable(zip(*table))))
-    at = len(buffers) - 1
-    buffers.append(_joined(profiles))
-    return [list(names), [at, len(table)], [at + 1, "float32", [len(buffers[-1]) // 4]]]
-
-
-def _joined(profiles: list[torch.Tensor]) -> Any:
-    """The bytes of ``profiles``' values as float32, one after another (one copy, where they are float32
-    1-D tensors on the CPU, as summaries' profiles are)."""
-    if not profiles:
-        return b""
-    try:
-        joined = torch.cat(profiles)
-    except (RuntimeError, TypeError):  # profiles of other shapes (cat needs 1-D ones) or on other devices
-        joined = torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in profiles])
-    if joined.dtype is not torch.float32 or joined.requires_grad or joined.device.type != "cpu":
-        joined = joined.detach().to("cpu", torch.float32)
-    values: Any = joined.numpy()  # (a buffer, which numpy's stubs do not say)
-    return memoryview(values).cast("B")
+    """Norm.screened: ``[names, [table buffer, rows], profiles]`` (``rows.pack``)."""
+    packed = pack(rows)
+    buffers += (packed.table, packed.profiles)
+    return [packed.names, [len(buffers) - 2, packed.rows], [len(buffers) - 1, "float32", [len(packed.profiles) // 4]]]
 
 
 def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]:
@@ -412,29 +361,71 @@ def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]
     index, n = raw[1]
     if type(n) is not int or n < 0:
         raise Malformed(f"a screening table of {str(n)[:40]} rows")
-    table = reader.claim(index, n * _COLUMNS * _WORD, f"a screening table of {n} rows ({_COLUMNS} columns)")
-    profiles = reader.tensor(raw[2], "float32", 1)
+    table = reader.claim(index, table_size(n), f"a screening table of {n} rows ({COLUMNS} columns)")
+    profiles, (count,) = reader.buffer(raw[2], "float32", 1)
     if not n:
-        if profiles.numel():
+        if count:
             raise Malformed("profiles sent with no screening row")
         return ()
-    v = _table(n).unpack_from(table)
-    # each group of columns judged by its least and greatest entry (NaN and the infinities cannot be
-    # int64; the statistics are judged by screening: Summary.sound refuses the unsound)
-    whole, whats, founds, senders = v[:4 * n], v[4 * n:5 * n], v[5 * n:6 * n], v[6 * n:7 * n]
-    if not (_WHOLE[0] <= min(whole) and max(whole) < _WHOLE[1] and 0 <= min(whats) and max(whats) < len(WHATS)
-            and 0 <= min(founds) and max(founds) < len(FOUNDS) and 0 <= min(senders) and max(senders) < len(names)):
-        raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
-                        "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
-    lengths = whole[3 * n:]
-    if sum(x for x in lengths if x > 0) != profiles.numel():
-        raise Malformed("profile lengths that do not add up to the profiles sent")
-    return ScreenedRows(names, whole[:n], whats, whole[n:2 * n], whole[2 * n:3 * n], senders, founds,
-                        v[7 * n:8 * n], v[8 * n:9 * n], v[9 * n:], lengths, profiles)
+    return unpack(names, n, table, profiles, count, _WHOLE)
+
+
+def _enc_keys(keys: Any, buffers: list) -> Any:
+    """Norm.disputes: a list of ``TensorId`` records where it holds only those (as it does), else the
+    tagged form of what it holds (a JSON object: never read as such a list)."""
+    if type(keys) is tuple and all(type(k) is TensorId for k in keys):
+        return [[k.round, k.what, k.mb, k.hop, k.sender] for k in keys]
+    return _enc_any(keys, buffers)
+
+
+def _dec_keys(raw: Any, reader: "_Reader", depth: int) -> tuple:
+    if type(raw) is list:
+        key = _codec("TensorId")
+        return tuple(key.read(k, reader, depth + 1) for k in raw)
+    value = _dec_any(raw, reader, depth)
+    if not isinstance(value, tuple):
+        raise Malformed("not a tuple")
+    return value
+
+
+def _enc_cosines(cosines: Any, buffers: list) -> Any:
+    """Norm.cosines: ``{"c": [names, numbers]}`` where it is names to floats (as it is), else the tagged
+    form of what it holds."""
+    if type(cosines) is dict and all(type(k) is str and type(v) is float for k, v in cosines.items()):
+        return {"c": [list(cosines), list(cosines.values())]}
+    return _enc_any(cosines, buffers)
+
+
+def _dec_cosines(raw: Any, reader: "_Reader", depth: int) -> Any:
+    if type(raw) is not dict or "c" not in raw:
+        return _dec_any(raw, reader, depth)
+    pair = raw["c"]
+    if len(raw) != 1 or type(pair) is not list or len(pair) != 2 or type(pair[0]) is not list \
+            or type(pair[1]) is not list or len(pair[0]) != len(pair[1]):
+        raise Malformed("cosines that are not [names, numbers] of one length")
+    names, values = pair
+    if not all(type(n) is str and len(n) <= 4096 for n in names) or not all(type(v) is float for v in values):
+        raise Malformed("cosines that are not names (strings) and numbers")
+    return dict(zip(names, values))
+
+
+def _enc_digest(digest: Any, buffers: list) -> Any:
+    """Norm.combined: bytes as base64 (as it is), None as null, anything else as ``[its tagged form]``."""
+    if type(digest) is bytes:
+        return base64.b64encode(digest).decode()
+    return None if digest is None else [_enc_any(digest, buffers)]
+
+
+def _dec_digest(raw: Any, reader: "_Reader", depth: int) -> Any:
+    if raw is None or type(raw) is str:
+        return None if raw is None else _dec_bytes(raw, reader, depth)
+    if type(raw) is not list or len(raw) != 1:
+        raise Malformed("a digest that is not bytes")
+    return _dec_any(raw[0], reader, depth)
 
 
 def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
-    if type(raw) is not str or raw not in _WHAT_CODE:
+    if type(raw) is not str or raw not in WHATS:
         raise Malformed(f"{str(raw)[:40]!r} is not what a tensor can be ({', '.join(WHATS)})")
     return raw
 
@@ -476,6 +467,9 @@ def _dec_stats(raw: Any, reader: "_Reader", depth: int) -> dict:
 
 
 _CUSTOM: dict[tuple[str, str], tuple[Enc, Dec]] = {("Norm", "screened"): (_enc_screened, _dec_screened),
+                                                   ("Norm", "disputes"): (_enc_keys, _dec_keys),
+                                                   ("Norm", "cosines"): (_enc_cosines, _dec_cosines),
+                                                   ("Norm", "combined"): (_enc_digest, _dec_digest),
                                                    ("Stepped", "stats"): (_enc_stats, _dec_stats),
                                                    ("TensorId", "what"): (_same, _check_what)}
 
@@ -540,7 +534,7 @@ class _Reader:
     def tensor(self, raw: Any, dtype: str = "", dims: int = -1) -> torch.Tensor:
         """The tensor ``raw`` names (``[buffer, dtype, shape]``), a view of its buffer; of ``dtype`` and
         ``dims`` dimensions where they are given."""
-        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        buf, dtype_name, shape = self._parts(raw, dtype, dims)
         if not len(buf):
             return torch.empty(shape, dtype=DTYPES[dtype_name])
         return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
@@ -555,7 +549,13 @@ class _Reader:
         self.used.add(index)
         return buf
 
-    def _buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
+    def buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, list[int]]:
+        """The buffer and shape of the tensor ``raw`` names, of ``dtype`` and ``dims`` dimensions (checked as
+        ``tensor`` checks them), for a reader that makes the tensor itself, if at all."""
+        buf, _, shape = self._parts(raw, dtype, dims)
+        return buf, shape
+
+    def _parts(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
         if type(raw) is not list or len(raw) != 3:
             raise Malformed("a tensor that is not [buffer, dtype, shape]")
         index, dtype_name, shape = raw

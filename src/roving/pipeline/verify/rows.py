@@ -7,28 +7,122 @@ the columns as they came (numbers, indices into ``WHATS``, ``FOUND`` and the sen
 of profiles) and is a sequence of ``Screened`` like the tuple a node sends: its rows compare, print and
 iterate as those of that tuple would. What a whole report is asked (every row of one round, every
 summary sound) it answers from the columns (``of_round``, ``sound``), without making a row.
+
+This module owns the table's layout on the wire (``pack``, ``unpack``, ``COLUMNS``); the codec carries it.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from collections.abc import Iterator, Sequence
-from typing import Any, overload
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, overload
 
 import torch
 
+from ..errors import Malformed
 from .screen import FOUND, Summary, sound
 from .tensor_id import WHATS, Screened, TensorId
 
 #: a row's finding by its code in the table: 0 nothing, else 1 + its index in ``FOUND``.
 FOUNDS: tuple[tuple[str, ...], ...] = ((), *((f,) for f in FOUND))
+_WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
+_FOUND_CODE: dict[tuple, int] = {found: i for i, found in enumerate(FOUNDS)}
+#: the table of n rows on the wire: its 10 columns of n entries, one after another, 8 bytes an entry
+#: (little-endian): 7 of whole numbers (int64: round, microbatch, hop, the profile's length (-1: none);
+#: what (its index in WHATS), found (its index in FOUNDS), sender (its index in the names sent)), then
+#: the 3 statistics (float64: norm, mean, std)
+COLUMNS = 10
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(rows: int) -> struct.Struct:
+    return struct.Struct(f"<{7 * rows}q{3 * rows}d")
+
+
+def table_size(rows: int) -> int:
+    """The bytes of the table of ``rows`` rows."""
+    return rows * COLUMNS * 8
+
+
+class Packed(NamedTuple):
+    """Screening rows as they travel (``pack``): the senders' ``names``, the number of ``rows``, their
+    ``table`` and their ``profiles`` (the bytes of every profile's values as float32, in order)."""
+
+    names: list[str]
+    rows: int
+    table: bytes
+    profiles: Any
+
+
+def pack(rows: Iterable[Screened]) -> Packed:
+    """``rows`` as they travel. TypeError for a row that is not a ``Screened`` of a ``TensorId`` and a
+    ``Summary``, or of a kind of tensor or a finding that a stage process does not make."""
+    names: dict[str, int] = {}
+    table: list[tuple] = []
+    profiles: list[torch.Tensor] = []
+    for row in rows:
+        if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
+            raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
+        t, s = row.tensor, row.summary
+        found, what = _FOUND_CODE.get(s.found), _WHAT_CODE.get(t.what)
+        if found is None or what is None:
+            raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
+        n = -1
+        if isinstance(s.profile, torch.Tensor):
+            profiles.append(s.profile)
+            n = s.profile.numel()
+        table.append((t.round, t.mb, t.hop, n, what, found, names.setdefault(t.sender, len(names)),
+                      s.norm, s.mean, s.std))
+    columns = itertools.chain.from_iterable(zip(*table))
+    return Packed(list(names), len(table), _layout(len(table)).pack(*columns), _joined(profiles))
+
+
+def _joined(profiles: list[torch.Tensor]) -> Any:
+    """The bytes of ``profiles``' values as float32, one after another (one copy, where they are float32
+    1-D tensors on the CPU, as summaries' profiles are)."""
+    if not profiles:
+        return b""
+    try:
+        joined = torch.cat(profiles)
+    except (RuntimeError, TypeError):  # profiles of other shapes (cat needs 1-D ones) or on other devices
+        joined = torch.cat([p.detach().to("cpu", torch.float32).reshape(-1) for p in profiles])
+    if joined.dtype is not torch.float32 or joined.requires_grad or joined.device.type != "cpu":
+        joined = joined.detach().to("cpu", torch.float32)
+    values: Any = joined.numpy()  # (a buffer, which numpy's stubs do not say)
+    return memoryview(values).cast("B")
+
+
+def unpack(names: list[str], rows: int, table: Any, profiles: Any, count: int,
+           whole: tuple[int, int]) -> ScreenedRows:
+    """The ``rows`` rows (at least one) of ``table`` (``table_size(rows)`` bytes: checked by the caller)
+    whose senders are ``names`` and whose profiles are the ``count`` float32 values of ``profiles``.
+    Malformed, naming what, where a whole number is not within ``whole`` (from, to but not including), an
+    index is beyond what it indexes (``WHATS``, ``FOUNDS``, ``names``), or the profiles' lengths do not add
+    up to ``count``. The statistics are not judged here: ``screen.sound`` judges them (``ScreenedRows.sound``)."""
+    n = rows
+    v = _layout(n).unpack_from(table)
+    # each group of columns judged by its least and greatest entry (NaN and the infinities are no int64)
+    ids, whats, founds, senders = v[:4 * n], v[4 * n:5 * n], v[5 * n:6 * n], v[6 * n:7 * n]
+    if not (whole[0] <= min(ids) and max(ids) < whole[1] and 0 <= min(whats) and max(whats) < len(WHATS)
+            and 0 <= min(founds) and max(founds) < len(FOUNDS) and 0 <= min(senders) and max(senders) < len(names)):
+        raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
+                        "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
+    lengths = ids[3 * n:]
+    if sum(lengths) + lengths.count(-1) != count:  # (-1: none)
+        raise Malformed("profile lengths that do not add up to the profiles sent")
+    return ScreenedRows(names, ids[:n], whats, ids[n:2 * n], ids[2 * n:3 * n], senders, founds,
+                        v[7 * n:8 * n], v[8 * n:9 * n], v[9 * n:], lengths, profiles)
 
 
 class ScreenedRows(Sequence[Screened]):
     """``len(names)`` senders' screening rows, as columns of ``len(rounds)`` entries each: a row's
     ``TensorId`` (``rounds``, ``whats``: index in ``WHATS``, ``mbs``, ``hops``, ``senders``: index in
     ``names``), its summary (``founds``: index in ``FOUNDS``, ``norms``, ``means``, ``stds``) and the
-    length of its profile in ``profiles`` (float32, 1-D, the rows' profiles in order; -1: none).
+    length of its profile in ``profiles`` (float32, 1-D, the rows' profiles in order; -1: none; given as
+    that tensor or as the buffer of its values, made a tensor, a view of the buffer, when first used).
 
     Whoever builds one checks the columns first (the codec: every index within what it indexes, every
     whole number within bounds, lengths that add up to the profiles); the table holds them as they are.
@@ -36,16 +130,25 @@ class ScreenedRows(Sequence[Screened]):
     view of ``profiles``)."""
 
     __slots__ = ("names", "rounds", "whats", "mbs", "hops", "senders", "founds", "norms", "means", "stds",
-                 "lengths", "profiles", "_starts")
+                 "lengths", "_profiles", "_starts")
 
     def __init__(self, names: Sequence[str], rounds: Sequence[int], whats: Sequence[int], mbs: Sequence[int],
                  hops: Sequence[int], senders: Sequence[int], founds: Sequence[int], norms: Sequence[float],
                  means: Sequence[float], stds: Sequence[float], lengths: Sequence[int],
-                 profiles: torch.Tensor) -> None:
+                 profiles: Any) -> None:
         self.names, self.rounds, self.whats, self.mbs, self.hops = names, rounds, whats, mbs, hops
         self.senders, self.founds, self.norms, self.means, self.stds = senders, founds, norms, means, stds
-        self.lengths, self.profiles = lengths, profiles
+        self.lengths, self._profiles = lengths, profiles
         self._starts: list[int] | None = None
+
+    @property
+    def profiles(self) -> torch.Tensor:
+        """Every row's profile, one after another (float32, 1-D)."""
+        p = self._profiles
+        if not isinstance(p, torch.Tensor):
+            p = self._profiles = torch.frombuffer(p, dtype=torch.float32) if len(memoryview(p)) \
+                else torch.empty(0, dtype=torch.float32)
+        return p
 
     def __len__(self) -> int:
         return len(self.rounds)
