@@ -23,8 +23,8 @@ from typing import Any, NamedTuple, overload
 import torch
 
 from ..errors import Malformed
-from .screen import FOUND, Summary, sound
-from .tensor_id import WHATS, Screened, TensorId
+from .screen import FOUND, Summary, make_summary, sound
+from .tensor_id import WHATS, Screened, TensorId, screened
 
 #: a row's finding by its code in the table: 0 nothing, else 1 + its index in ``FOUND``.
 FOUNDS: tuple[tuple[str, ...], ...] = ((), *((f,) for f in FOUND))
@@ -127,10 +127,10 @@ class ScreenedRows(Sequence[Screened]):
     Whoever builds one checks the columns first (the codec: every index within what it indexes, every
     whole number within bounds, lengths that add up to the profiles); the table holds them as they are.
     A row is made when asked for: ``rows[i]`` and iteration give a new ``Screened`` each time (its profile a
-    view of ``profiles``)."""
+    view of ``profiles``, which are cut once for all rows)."""
 
     __slots__ = ("names", "rounds", "whats", "mbs", "hops", "senders", "founds", "norms", "means", "stds",
-                 "lengths", "_profiles", "_starts")
+                 "lengths", "_profiles", "_cuts")
 
     def __init__(self, names: Sequence[str], rounds: Sequence[int], whats: Sequence[int], mbs: Sequence[int],
                  hops: Sequence[int], senders: Sequence[int], founds: Sequence[int], norms: Sequence[float],
@@ -139,7 +139,7 @@ class ScreenedRows(Sequence[Screened]):
         self.names, self.rounds, self.whats, self.mbs, self.hops = names, rounds, whats, mbs, hops
         self.senders, self.founds, self.norms, self.means, self.stds = senders, founds, norms, means, stds
         self.lengths, self._profiles = lengths, profiles
-        self._starts: list[int] | None = None
+        self._cuts: list[torch.Tensor | None] | None = None
 
     @property
     def profiles(self) -> torch.Tensor:
@@ -165,15 +165,12 @@ class ScreenedRows(Sequence[Screened]):
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} of {n}")
-        i %= n
-        return self._row(i, self._start(i))
+        return self._row(i % n, self._profile_cuts())
 
     def __iter__(self) -> Iterator[Screened]:
-        start = 0
-        for i, n in enumerate(self.lengths):
-            yield self._row(i, start)
-            if n > 0:
-                start += n
+        cuts = self._profile_cuts()
+        for i in range(len(self.rounds)):
+            yield self._row(i, cuts)
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, (ScreenedRows, tuple)):
@@ -199,18 +196,17 @@ class ScreenedRows(Sequence[Screened]):
                 return False
         return bool(torch.isfinite(self.profiles).all())
 
-    def _start(self, i: int) -> int:
-        if self._starts is None:
-            starts, at = [], 0
-            for n in self.lengths:
-                starts.append(at)
-                at += max(n, 0)
-            self._starts = starts
-        return self._starts[i]
+    def _profile_cuts(self) -> list[torch.Tensor | None]:
+        """Each row's profile (None: none), cut from ``profiles`` in one go the first time."""
+        if self._cuts is None:
+            sizes = [n for n in self.lengths if n >= 0]
+            if sizes and sizes[0] and sizes.count(sizes[0]) == len(sizes):  # one length: one view, cut at once
+                parts = iter(self.profiles.view(len(sizes), sizes[0]).unbind(0))
+            else:
+                parts = iter(self.profiles.split(sizes))
+            self._cuts = [next(parts) if n >= 0 else None for n in self.lengths]
+        return self._cuts
 
-    def _row(self, i: int, start: int) -> Screened:
-        n = self.lengths[i]
-        profile: Any = self.profiles[start:start + n] if n >= 0 else None
-        return Screened(TensorId(self.rounds[i], WHATS[self.whats[i]], self.mbs[i], self.hops[i],
-                                 self.names[self.senders[i]]),
-                        Summary(FOUNDS[self.founds[i]], self.norms[i], self.means[i], self.stds[i], profile))
+    def _row(self, i: int, cuts: list[torch.Tensor | None]) -> Screened:
+        return screened(self.rounds[i], WHATS[self.whats[i]], self.mbs[i], self.hops[i], self.names[self.senders[i]],
+                        make_summary(FOUNDS[self.founds[i]], self.norms[i], self.means[i], self.stds[i], cuts[i]))
