@@ -597,6 +597,8 @@ def test_a_screening_report_read_off_the_wire_is_judged_as_the_rows_its_sender_s
                                      False),
              "a row of another round": ((Screened(key, good), Screened(dataclasses.replace(key, round=3), good)),
                                         False),
+             "a finding, and a NaN mean beside it": ((Screened(key, Summary(("zeros",))),
+                                                      Screened(key, dataclasses.replace(good, mean=math.nan))), False),
              "a finding with NaN statistics": ((Screened(key, Summary(("non-finite",), math.nan, 0.0, math.inf)),),
                                                True),
              "a finding with a NaN profile": ((Screened(key, Summary(("zeros",), 0.0, 0.0, 0.0, with_nan)),

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, overload
 
+import numpy
 import torch
 
 from ..errors import Malformed
@@ -191,10 +192,16 @@ class ScreenedRows(Sequence[Screened]):
         profile or none (a row with a finding is sound as it is). One check of the profiles for all rows."""
         if any(f and n >= 0 for f, n in zip(self.founds, self.lengths)):
             return all(sound(row.summary) for row in self)  # a finding with a profile: row by row
-        for f, *stats in zip(self.founds, self.norms, self.means, self.stds):
-            if not f and not all(math.isfinite(x) for x in stats):
+        if any(self.founds):
+            rows = (stats for f, *stats in zip(self.founds, self.norms, self.means, self.stds) if not f)
+            if not all(math.isfinite(x) for stats in rows for x in stats):
                 return False
-        return bool(torch.isfinite(self.profiles).all())
+        elif not all(all(map(math.isfinite, column)) for column in (self.norms, self.means, self.stds)):
+            return False
+        p = self._profiles
+        values = p.detach().cpu().numpy() if isinstance(p, torch.Tensor) else numpy.frombuffer(p, numpy.float32)
+        # float32 values summed as float64 cannot overflow: the sum is finite exactly when every one is
+        return math.isfinite(values.sum(dtype=numpy.float64))
 
     def _profile_cuts(self) -> list[torch.Tensor | None]:
         """Each row's profile (None: none), cut from ``profiles`` in one go the first time."""
