@@ -361,7 +361,7 @@ def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]
     index, n = raw[1]
     if type(n) is not int or n < 0:
         raise Malformed(f"a screening table of {str(n)[:40]} rows")
-    table = reader.claim(index, table_size(n), f"a screening table of {n} rows ({COLUMNS} columns)")
+    table = reader.claim(index, table_size(n), lambda: f"a screening table of {n} rows ({COLUMNS} columns)")
     profiles, (count,) = reader.buffer(raw[2], "float32", 1)
     if not n:
         if count:
@@ -539,13 +539,14 @@ class _Reader:
             return torch.empty(shape, dtype=DTYPES[dtype_name])
         return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
 
-    def claim(self, index: Any, size: int, what: str) -> Any:
-        """Buffer ``index``, which must be ``size`` bytes long (``what`` it holds: for the error)."""
+    def claim(self, index: Any, size: int, what: Callable[[], str]) -> Any:
+        """Buffer ``index``, which must be ``size`` bytes long (``what()``: what it holds, in words, made
+        only for the error)."""
         if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
-            raise Malformed(f"{what} that names no buffer of its own")
+            raise Malformed(f"{what()} that names no buffer of its own")
         buf = self.buffers[index]
         if len(buf) != size:
-            raise Malformed(f"{what} in {len(buf)} bytes (it takes {size})")
+            raise Malformed(f"{what()} in {len(buf)} bytes (it takes {size})")
         self.used.add(index)
         return buf
 
@@ -567,8 +568,8 @@ class _Reader:
                 or (dims >= 0 and len(shape) != dims):
             raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative"
                             + (f"; {dims} of them)" if dims >= 0 else ")"))
-        size = math.prod(shape) * itemsize
-        return self.claim(index, size, f"a {dtype_name} tensor of shape {tuple(shape)}"), dtype_name, shape
+        buf = self.claim(index, math.prod(shape) * itemsize, lambda: f"a {dtype_name} tensor of shape {tuple(shape)}")
+        return buf, dtype_name, shape
 
 
 def kinds() -> Iterable[str]:
