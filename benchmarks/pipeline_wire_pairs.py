@@ -8,7 +8,9 @@ identity and a screening row as fields, or as a ``TensorId`` and a ``Screened`` 
     python benchmarks/pipeline_wire_pairs.py --before /path/to/old/checkout --after . --pairs 5
 
 Prints, per message, microseconds to write and to read it with the codec and pickled, before and after,
-and the ratios after/before.
+and the ratios after/before; and "judged": the read (codec, pickle), then a ``Norm``'s screening rows
+judged sound and taken as the coordinator does before it screens them (``judged``), so that a reader
+that makes its rows only when asked, or judges them all at once, is compared whole.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import subprocess
 import sys
 import time
 
-COLUMNS = ("codec write", "codec read", "pickle write", "pickle read")
+COLUMNS = ("codec write", "codec read", "pickle write", "pickle read", "codec judged", "pickle judged")
 
 
 def samples() -> dict:
@@ -37,24 +39,48 @@ def samples() -> dict:
     act = torch.randn(4, 128, dim)
     route = Route("n00", ("n01", "n02", "n03"), (1, 2, 3))
     summary = Summary((), 1.2, 0.01, -0.3, torch.randn(dim))
+    # a node's rows each summarise a tensor of their own (one summary in all 8 rows: what pickle's memo
+    # writes once, as no node sends it)
+    summaries = [Summary((), 1.2 + i / 8, 0.01, -0.3, torch.randn(dim)) for i in range(8)]
     try:
         from roving.pipeline.verify.tensor_id import Screened, TensorId
         receipt = Receipt(TensorId(7, "activation", 3, 1, "n01"), b"d" * 32, b"m" * 32)
-        rows = tuple(Screened(TensorId(7, "activation", i, 1, "n00"), summary) for i in range(8))
+        rows = tuple(Screened(TensorId(7, "activation", i, 1, "n00"), s) for i, s in enumerate(summaries))
+        shared = tuple(Screened(TensorId(7, "activation", i, 1, "n00"), summary) for i in range(8))
     except ImportError:  # before the TensorId: a receipt's and a row's identity as their own fields
         receipt = Receipt("n01", 7, "activation", 3, 1, b"d" * 32, b"m" * 32)  # type: ignore[call-arg]
-        rows = tuple(("activation", i, 1, "n00", summary) for i in range(8))  # type: ignore[misc]
+        rows = tuple(("activation", i, 1, "n00", s) for i, s in enumerate(summaries))  # type: ignore[misc]
+        shared = tuple(("activation", i, 1, "n00", summary) for i in range(8))  # type: ignore[misc]
     share = torch.randn(sum(p.numel() for p in torch.nn.Linear(dim, dim).parameters()) * 4)
     return {
         "Forward (activation)": m.Forward(7, "n01", 3, 1, act, route, receipt),
         "Gradients (share)": m.Gradients(7, "n01", share, 4, receipt),
         "Done": m.Done(7, "n00", 3, 2.71),
         "Norm (8 summaries)": m.Norm(7, "n01", 1, 3.5, rows, (), {"n05": 0.9}, b"c" * 32),
+        "Norm (1 summary x 8)": m.Norm(7, "n01", 1, 3.5, shared, (), {"n05": 0.9}, b"c" * 32),
         "Stepped": m.Stepped(7, "n01", {"processed": 12, "compute_s": 0.5, "peak_in_flight": 2,
                                         "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]},
                              math.nan, b"w" * 32, "cpu"),
         "Beat": m.Beat("n01", 0),
     }
+
+
+def judged(decode, coded, sender: str | None) -> None:
+    """``decode``, then a ``Norm``'s screening rows judged and taken as the coordinator does before it
+    screens them: every summary ``screen.sound`` (a table of rows that can judge itself, ``sound()``, asked
+    once), then every row made and its profile taken (a reader that makes its rows only when asked pays
+    for them here)."""
+    from roving.pipeline.verify.screen import sound
+    rows = getattr(decode(coded, sender), "screened", ())
+    whole = getattr(rows, "sound", None)
+    summaries = (row.summary if hasattr(row, "summary") else row[-1] for row in rows)
+    if whole is not None:
+        whole()
+        for summary in summaries:
+            summary.profile  # noqa: B018
+    else:
+        for summary in summaries:
+            sound(summary)
 
 
 def child(repeat: int) -> None:
@@ -70,7 +96,9 @@ def child(repeat: int) -> None:
         coded, pickled = codec.encode(msg), dumps(msg)
         figures = []
         for fn in (functools.partial(codec.encode, msg), functools.partial(codec.decode, coded, sender),
-                   functools.partial(dumps, msg), functools.partial(loads, pickled)):
+                   functools.partial(dumps, msg), functools.partial(loads, pickled),
+                   functools.partial(judged, codec.decode, coded, sender),
+                   functools.partial(judged, lambda frames, _: loads(frames), pickled, sender)):
             fn()
             t0 = time.thread_time()
             for _ in range(repeat):

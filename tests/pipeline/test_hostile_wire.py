@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import queue
+import struct
 
 import pytest
 import torch
@@ -138,41 +139,117 @@ def _norm_of_three_rows() -> m.Norm:
 
 
 def test_a_screening_report_whose_table_is_out_of_bounds_is_refused_naming_what():
-    """A ``Norm``'s screening rows travel as one float64 table (``codec._ROW`` columns) and one float32
-    buffer of profiles: a table entry that is not a whole number where one is due, an index beyond what
-    it indexes (the kinds of tensor, the senders' names, the findings), lengths that do not add up to the
-    profiles sent, or a table of another dtype or width is refused; so is a tensor identity of no kind of
-    tensor elsewhere (an evidence request's)."""
+    """A ``Norm``'s screening rows travel as one table (``codec._table``: 7 int64 columns, then 3 float64
+    ones, column after column) and one float32 buffer of profiles: a whole number out of its bounds, an
+    index beyond what it indexes (the kinds of tensor, the senders' names, the findings), lengths that do
+    not add up to the profiles sent, a table whose row count is not its bytes', or a table that names
+    another field's buffer is refused; so is a tensor identity of no kind of tensor elsewhere (an evidence
+    request's)."""
     frames = codec.encode(_norm_of_three_rows())
-    table = torch.frombuffer(bytearray(frames[1]), dtype=torch.float64).view(3, 10)
+    rows = 3
+    # the table's columns: round, mb, hop, profile length, what, found, sender (int64), norm, mean, std
+    column = {name: i for i, name in enumerate(("round", "mb", "hop", "length", "what", "found", "sender"))}
 
-    def with_entry(row: int, column: int, value: float) -> list:
-        t = table.clone()
-        t[row, column] = value
-        return [frames[0], t.numpy().tobytes(), frames[2]]
+    def with_entry(row: int, name: str, value: int) -> list:
+        table = bytearray(frames[1])
+        struct.pack_into("<q", table, (column[name] * rows + row) * 8, value)
+        return [frames[0], bytes(table), frames[2]]
 
-    header = json.loads(frames[0])
-    narrow = json.loads(frames[0])
-    narrow[5][1][2] = [5, 6]  # [version, kind, round, stage, sq_norm, screened, ...]: the table's shape
+    def with_screened(edit) -> list:
+        header = json.loads(frames[0])
+        edit(header[5])  # [version, kind, round, stage, sq_norm, screened, ...]: [names, [table, rows], profiles]
+        return [json.dumps(header).encode(), *frames[1:]]
+
     wrong_kind = _header(m.EvidenceRequest(1, (TensorId(1, "activation", 0, 0, "b"),), 4))
     wrong_kind[3]["u"][0]["r"][2] = "weights"
-    whole = bounds = "not whole numbers within bounds"
-    letters = {"a microbatch of 0.5": (with_entry(0, 2, 0.5), whole),
-               "a fifth kind of tensor": (with_entry(1, 1, 4.0), bounds),
-               "a sender beyond the names": (with_entry(2, 4, 7.0), bounds),
-               "a finding beyond FOUND": (with_entry(0, 5, 9.0), bounds),
-               "a profile longer than sent": (with_entry(0, 9, 5.0), "do not add up"),
-               "a round of -2": (with_entry(1, 0, -2.0), bounds),
-               "an infinite hop": (with_entry(2, 3, math.inf), whole),
-               "a table of 5 x 6": ([json.dumps(narrow).encode(), frames[1], frames[2]], "float64 rows of 10"),
+    bounds = "not whole numbers within bounds"
+    letters = {"a microbatch of 2 ** 40": (with_entry(0, "mb", 1 << 40), bounds),
+               "a fifth kind of tensor": (with_entry(1, "what", 4), bounds),
+               "a kind of tensor of -1": (with_entry(1, "what", -1), bounds),
+               "a sender beyond the names": (with_entry(2, "sender", 2), bounds),
+               "a finding beyond FOUND": (with_entry(0, "found", 9), bounds),
+               "a profile longer than sent": (with_entry(0, "length", 5), "do not add up"),
+               "a profile length of -2": (with_entry(0, "length", -2), bounds),
+               "a round of -2": (with_entry(1, "round", -2), bounds),
+               "a hop of the least int64": (with_entry(2, "hop", -(1 << 63)), bounds),
+               "a table of 4 rows in 3 rows' bytes": (with_screened(lambda r: r[1].__setitem__(1, 4)),
+                                                      "a screening table of 4 rows .* in 240 bytes"),
+               "a table of 2 rows in 3 rows' bytes": (with_screened(lambda r: r[1].__setitem__(1, 2)),
+                                                      "a screening table of 2 rows"),
+               "a table of -1 rows": (with_screened(lambda r: r[1].__setitem__(1, -1)), "a screening table of -1"),
+               "a row count that is not a number": (with_screened(lambda r: r[1].__setitem__(1, "3")),
+                                                    "a screening table of 3 rows"),
+               "a table in the profiles' buffer": (with_screened(lambda r: r[1].__setitem__(0, 1)),
+                                                   "a screening table of 3 rows .* in 28 bytes"),
+               "a table and profiles in one buffer": (with_screened(lambda r: r[2].__setitem__(0, 0)),
+                                                      "names no buffer of its own"),
+               "a table of no buffer": (with_screened(lambda r: r[1].__setitem__(0, 7)), "names no buffer"),
+               "a sender's name that is a number": (with_screened(lambda r: r[0].__setitem__(0, 3)), "not a string"),
+               "a report of two parts": (with_screened(lambda r: r.pop()), "not a screening report"),
+               "profiles of float64": (with_screened(lambda r: r[2].__setitem__(1, "float64")), "dtype 'float64'"),
                "a tensor of no kind": ([json.dumps(wrong_kind).encode()], "not what a tensor can be")}
-    assert header[5][1][1] == "float64"
+    assert len(frames[1]) == rows * 10 * 8
     for why, (letter, says) in letters.items():
         with pytest.raises(codec.Malformed, match=says):
             codec.decode(letter, "a")
             pytest.fail(f"{why}: read")
     got, refused = _from_untrusted([letter for letter, _ in letters.values()])
     assert got == [] and refused["n1"][0] == len(letters), refused
+
+
+def test_a_screening_report_of_no_rows_reads_back_as_none_and_profiles_without_rows_are_refused():
+    """A ``Norm`` with no screening rows reads back with none; one whose (empty) table comes with profiles
+    is refused."""
+    frames = codec.encode(m.Norm(1, "a", 0, 2.5))
+    assert tuple(codec.decode(frames, "a").screened) == ()
+    profiles = bytearray(torch.ones(3).numpy().tobytes())
+    header = json.loads(frames[0])
+    header[5][2][2] = [3]
+    with pytest.raises(codec.Malformed, match="profiles sent with no screening row"):
+        codec.decode([json.dumps(header).encode(), frames[1], profiles], "a")
+
+
+def test_a_norms_disputes_cosines_and_digest_of_other_shapes_read_back_as_sent_for_the_coordinator_to_judge():
+    """A ``Norm``'s disputes, cosines and combined digest travel in short forms where they have the shape
+    a stage process gives them (``TensorId`` records; names to floats; bytes), and in the tagged form
+    otherwise: what was sent is what is read, for the coordinator's checks (``reports.well_formed``) to
+    judge."""
+    odd = [m.Norm(1, "a", 0, 2.5, (), ("activation", 0, 1, "b"), {"b": 1, 3: 0.5}, "not bytes"),
+           m.Norm(1, "a", 0, 2.5, (), (TensorId(1, "activation", 0, 0, "b"), 4), [("b", 0.5)], b"c" * 32),
+           m.Norm(1, "a", 0, 2.5, (), (), {}, None),
+           _norm_of_three_rows()]
+    for msg in odd:
+        back = codec.decode(codec.encode(msg), "a")
+        for name in ("disputes", "cosines", "combined"):
+            assert repr(getattr(back, name)) == repr(getattr(msg, name)), name
+
+
+def test_a_norms_short_forms_that_do_not_fit_are_refused_naming_what():
+    """The short forms of a ``Norm``'s disputes (a list of ``TensorId`` records), cosines (``{"c": [names,
+    numbers]}``) and digest (base64) are checked as what they stand for: a record of no kind of tensor,
+    names and numbers of different lengths, a name that is no string, a number that is not a float,
+    bytes that are not base64, a digest that is no one value: each refused, naming what."""
+    frames = codec.encode(_norm_of_three_rows())
+
+    def with_field(index: int, value) -> list:
+        header = json.loads(frames[0])
+        header[index] = value  # [version, kind, round, stage, sq_norm, screened, disputes, cosines, combined]
+        return [json.dumps(header).encode(), *frames[1:]]
+
+    letters = {"a dispute of no kind of tensor": (with_field(6, [[1, "weights", 0, 0, "b"]]), "not what a tensor"),
+               "a dispute of four fields": (with_field(6, [[1, "activation", 0, 0]]), "TensorId: 4 field"),
+               "disputes as a list in the tagged form": (with_field(6, {"m": []}), "not a tuple"),
+               "more names than cosines": (with_field(7, {"c": [["b", "c"], [0.5]]}), "of one length"),
+               "a name that is a number": (with_field(7, {"c": [[3], [0.5]]}), "names .strings. and numbers"),
+               "a cosine that is a string": (with_field(7, {"c": [["b"], ["high"]]}), "names .strings. and numbers"),
+               "a cosine that is a whole number": (with_field(7, {"c": [["b"], [1]]}), "names .strings. and numbers"),
+               "cosines with another key beside": (with_field(7, {"c": [[], []], "m": []}), "of one length"),
+               "a digest that is not base64": (with_field(8, "!!"), "not base64"),
+               "a digest of two values": (with_field(8, [1, 2]), "a digest that is not bytes")}
+    for why, (letter, says) in letters.items():
+        with pytest.raises(codec.Malformed, match=says):
+            codec.decode(letter, "a")
+            pytest.fail(f"{why}: read")
 
 
 def test_every_message_of_the_protocol_reads_back_as_it_was_sent():

@@ -40,6 +40,9 @@ from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare
 from roving.pipeline.verify.audit import Audit
 from roving.pipeline.verify.checks import Check, Source, round_checks
 from roving.pipeline.verify.tensor_id import Kind, Screened
+from roving.pipeline.verify.reports import well_formed
+from roving.pipeline.verify.rows import ScreenedRows
+from roving.pipeline.runtime import codec
 from roving.pipeline.verify.tensor_id import TensorId as T
 from roving.pipeline.verify.verifier import Verifier
 
@@ -572,6 +575,47 @@ def test_a_shares_cosine_is_what_its_other_replicas_report_and_a_malformed_repor
     for msg in r.norms:
         v.reports.screen_norm(a, msg)
     assert not a.caught and v.screen.nodes
+
+
+def test_a_screening_report_read_off_the_wire_is_judged_as_the_rows_its_sender_sent():
+    """A ``Norm``'s rows read off the wire (``rows.ScreenedRows``, judged from its columns) are well formed
+    exactly where the tuple of rows its sender sent is: a NaN or infinite statistic, a profile with a NaN or
+    an infinity, or a row of another round has its sender caught ("report"); a row with a finding is sound
+    whatever its statistics or profile (judged row by row where it has a profile); honest rows pass."""
+    alloc = {"a": 0, "b": 0, "c": 0}
+    good = summarize(torch.randn(4, 8, generator=torch.Generator().manual_seed(0)))
+    key = T(0, "activation", 0, 1, "a")
+    with_nan = good.profile.clone()
+    with_nan[2] = math.nan
+    cases = {"honest rows": ((Screened(key, good), Screened(T(0, "share", -1, -1, "b"), Summary(("zeros",)))), True),
+             "no rows": ((), True),
+             "a NaN norm": ((Screened(key, dataclasses.replace(good, norm=math.nan)),), False),
+             "an infinite std": ((Screened(key, good), Screened(key, dataclasses.replace(good, std=-math.inf))), False),
+             "a NaN in a profile": ((Screened(key, good), Screened(key, dataclasses.replace(good, profile=with_nan))),
+                                    False),
+             "an infinite profile": ((Screened(key, dataclasses.replace(good, profile=torch.full((3,), math.inf))),),
+                                     False),
+             "a row of another round": ((Screened(key, good), Screened(dataclasses.replace(key, round=3), good)),
+                                        False),
+             "a finding, and a NaN mean beside it": ((Screened(key, Summary(("zeros",))),
+                                                      Screened(key, dataclasses.replace(good, mean=math.nan))), False),
+             "a finding with NaN statistics": ((Screened(key, Summary(("non-finite",), math.nan, 0.0, math.inf)),),
+                                               True),
+             "a finding with a NaN profile": ((Screened(key, Summary(("zeros",), 0.0, 0.0, 0.0, with_nan)),
+                                               Screened(key, good)), True),
+             "a finding with a profile, and a NaN norm": ((Screened(key, Summary(("zeros",), 0.0, 0.0, 0.0, with_nan)),
+                                                          Screened(key, dataclasses.replace(good, norm=math.nan))),
+                                                         False)}
+    for why, (rows, ok) in cases.items():
+        sent = m.Norm(0, "c", 0, 1.0, rows, (), None, None)
+        read = codec.decode(codec.encode(sent), "c")
+        assert type(read.screened) is (ScreenedRows if rows else tuple), why
+        assert well_formed(sent) is ok and well_formed(read) is ok, why
+        v, events = verifier("screen")
+        a = Audit(0, None, alloc, {}, {})
+        v.reports.screen_norm(a, read)
+        assert (list(a.caught) == ["c"] and a.caught["c"].startswith("report:")) is not ok, why
+        assert [f["check"] for kind, f in events if kind == "caught"] == ([] if ok else ["report"]), why
 
 
 def test_a_gradient_norm_that_is_not_finite_has_every_computation_of_the_round_checked_and_its_maker_caught():

@@ -31,6 +31,7 @@ what was left of the aborted attempt, whatever order messages from different sen
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,10 +277,11 @@ class Norm(RoundMessage):
     stage: int
     sq_norm: float
     #: with verification on, what ``sender`` received this round (``evidence.Evidence``): a screening
-    #: row (``tensor_id.Screened``: the ``TensorId`` and its ``screen.Summary``) per tensor, the
+    #: row (``tensor_id.Screened``: the ``TensorId`` and its ``screen.Summary``) per tensor (a tuple as
+    #: the node sends them; read off the wire, a ``rows.ScreenedRows``: a sequence of the same rows), the
     #: ``TensorId`` of those that did not match their receipt, and its own gradient share's cosine to each
     #: other replica's, by name (3 replicas or more)
-    screened: tuple = ()
+    screened: Sequence[Any] = ()
     disputes: tuple = ()
     cosines: Any = None
     #: with verification on, other replicas and ``SyncOrder.combined``: the digest of the gradient it

@@ -21,9 +21,11 @@ array (its kind, then its fields in order, each as its annotation says: a record
 fields, a tensor as ``[buffer, dtype, shape]``, bytes as base64); only fields annotated loosely
 (``Any``, ``dict``, ``list``, ``tuple``) go through the tagged form that says what each value is
 (``{"u": [...]}`` a tuple, ``{"m": [[key, value], ...]}`` a dict, ``{"b": "..."}`` bytes, ``{"t": [...]}``
-a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one float64
-table (a row per tensor summarised: its ``TensorId``, what was found, its statistics), its senders' names,
-and one buffer with every profile: checked column by column, not value by value.
+a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened``) travels as one table
+(a row per tensor summarised: its ``TensorId``, what was found, its statistics; column after column, the
+whole numbers as int64, the statistics as float64), its senders' names, and one buffer with every
+profile: each group of columns checked by its least and greatest entry, not value by value, and read
+into a ``rows.ScreenedRows`` that makes a row only when it is asked for.
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -37,9 +39,9 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Sequence
 from typing import Any, Callable, Iterable
 
-import numpy
 import torch
 
 from ...transport.postbox import PostboxAddress
@@ -48,7 +50,8 @@ from ..errors import Malformed, PipelineError
 from ..planning.network import Link
 from ..planning.plan import Route
 from ..verify.receipts import Receipt
-from ..verify.screen import FOUND, Summary
+from ..verify.rows import COLUMNS, pack, table_size, unpack
+from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
 
 #: Tensor dtypes that may travel, by their wire name.
@@ -61,6 +64,7 @@ MAX_DIMS = 8
 MAX_DEPTH = 16
 MAX_HEADER = 64 << 20
 _VERSION = 1
+_JSON = json.JSONEncoder(separators=(",", ":"))  # (json.dumps would make one a message)
 
 
 #: The types a message may hold, by wire name (their fields are checked as a message's are).
@@ -341,90 +345,87 @@ def _tensor(t: Any, buffers: list) -> list:
     return [len(buffers) - 1, dtype, list(t.shape)]
 
 
-# -- screening reports, as one table ------------------------------------------------------------------
-_WHAT_CODE = {what: i for i, what in enumerate(WHATS)}
-_FOUND_CODE: dict[tuple, int] = {(): 0, **{(f,): i + 1 for i, f in enumerate(FOUND)}}
-_FOUNDS: list[tuple[str, ...]] = [(), *((f,) for f in FOUND)]
-#: a screening row's columns: round, what (its index in WHATS), mb, hop, sender (its index in the names
-#: sent), found (0: nothing, else 1 + its index in FOUND), the three statistics, the profile's length (-1:
-#: none); the first six and the last are whole numbers
-_ROW = 10
-_WHOLE_COLUMNS = [0, 1, 2, 3, 4, 5, 9]
-#: the bounds of those columns (from, to but not including; the sender's: the names sent)
-_LOW = numpy.array([_WHOLE[0], 0, _WHOLE[0], _WHOLE[0], 0, 0, -1], numpy.float64)
-_HIGH = numpy.array([_WHOLE[1], len(WHATS), _WHOLE[1], _WHOLE[1], 0, len(FOUND) + 1, _WHOLE[1]], numpy.float64)
-
-
+# -- screening reports, as one table (its layout: rows.pack) -----------------------------------------
 def _enc_screened(rows: Any, buffers: list) -> list:
-    """Norm.screened: the senders' names, one float64 table of a row per tensor summarised (``_ROW``), and
-    one float32 buffer with every profile, in order."""
-    names: dict[str, int] = {}
-    table, profiles = [], []
-    for row in rows:
-        if type(row) is not Screened or type(row.tensor) is not TensorId or type(row.summary) is not Summary:
-            raise TypeError(f"a screening row is a Screened of a TensorId and a Summary, not {row!r:.80}")
-        t, s = row.tensor, row.summary
-        found = _FOUND_CODE.get(s.found)
-        if found is None or t.what not in _WHAT_CODE:
-            raise TypeError(f"a screening row of {t.what!r} that found {s.found!r}: not one a stage process makes")
-        p, n = s.profile, -1
-        if isinstance(p, torch.Tensor):
-            if p.dtype != torch.float32 or p.device.type != "cpu" or p.requires_grad:
-                p = p.detach().to("cpu", torch.float32)
-            flat = p.numpy().reshape(-1)
-            profiles.append(flat)
-            n = flat.size
-        table.append((t.round, _WHAT_CODE[t.what], t.mb, t.hop, names.setdefault(t.sender, len(names)), found,
-                      s.norm, s.mean, s.std, n))
-    array = numpy.array(table, numpy.float64).reshape(len(table), _ROW)
-    joined = numpy.concatenate(profiles) if profiles else numpy.empty(0, numpy.float32)
-    return [list(names), _tensor(torch.from_numpy(array), buffers), _tensor(torch.from_numpy(joined), buffers)]
+    """Norm.screened: ``[names, [table buffer, rows], profiles]`` (``rows.pack``)."""
+    packed = pack(rows)
+    buffers += (packed.table, packed.profiles)
+    return [packed.names, [len(buffers) - 2, packed.rows], [len(buffers) - 1, "float32", [len(packed.profiles) // 4]]]
 
 
-def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> tuple:
-    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list:
-        raise Malformed("not a screening report")
+def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]:
+    if type(raw) is not list or len(raw) != 3 or type(raw[0]) is not list or type(raw[1]) is not list \
+            or len(raw[1]) != 2:
+        raise Malformed("not a screening report ([names, [table, rows], profiles])")
     names = [_check_str(n, reader, depth) for n in raw[0]]
-    rows = reader.array(raw[1], "float64", 2)
-    profiles = reader.tensor(raw[2], "float32", 1)
-    if rows.shape[1] != _ROW:
-        raise Malformed(f"a screening table that is not float64 rows of {_ROW}")
-    if not len(rows):
-        if profiles.numel():
+    index, n = raw[1]
+    if type(n) is not int or n < 0:
+        raise Malformed(f"a screening table of {str(n)[:40]} rows")
+    table = reader.claim(index, table_size(n), lambda: f"a screening table of {n} rows ({COLUMNS} columns)")
+    profiles, (count,) = reader.buffer(raw[2], "float32", 1)
+    if not n:
+        if count:
             raise Malformed("profiles sent with no screening row")
         return ()
-    whole = rows[:, _WHOLE_COLUMNS]
-    high = _HIGH.copy()
-    high[4] = len(names)
-    # one comparison a column, whatever the rows (NaN and the infinities fail the bounds)
-    if ((whole != numpy.floor(whole)) | (whole < _LOW) | (whole >= high)).any():
-        raise Malformed("a screening row whose identity, finding or profile length is not whole numbers within "
-                        "bounds (its round, what, microbatch, hop, sender, finding, profile length)")
-    ints = whole.astype(numpy.int64)
-    lengths = ints[:, 6]
-    if int(numpy.maximum(lengths, 0).sum()) != profiles.numel():
-        raise Malformed("profile lengths that do not add up to the profiles sent")
-    parts = iter(_profiles(profiles, lengths))
-    out = []
-    # (the statistics are judged by screening: Summary.sound refuses the unsound)
-    for (rnd, what, mb, hop, sender, found, n), (norm, mean, std) in zip(ints.tolist(), rows[:, 6:9].tolist()):
-        out.append(Screened(TensorId(rnd, WHATS[what], mb, hop, names[sender]),
-                            Summary(_FOUNDS[found], norm, mean, std, next(parts) if n >= 0 else None)))
-    return tuple(out)
+    return unpack(names, n, table, profiles, count, _WHOLE)
 
 
-def _profiles(profiles: torch.Tensor, lengths: numpy.ndarray) -> Iterable[torch.Tensor]:
-    """The rows' profiles, cut from ``profiles`` by their ``lengths`` (-1: none)."""
-    sizes = lengths[lengths >= 0]
-    if not len(sizes):
-        return ()
-    if (sizes == sizes[0]).all() and sizes[0]:  # (every row's of one length: one view, cut in one go)
-        return profiles.view(len(sizes), int(sizes[0])).unbind(0)
-    return profiles.split(sizes.tolist())
+def _enc_keys(keys: Any, buffers: list) -> Any:
+    """Norm.disputes: a list of ``TensorId`` records where it holds only those (as it does), else the
+    tagged form of what it holds (a JSON object: never read as such a list)."""
+    if type(keys) is tuple and all(type(k) is TensorId for k in keys):
+        return [[k.round, k.what, k.mb, k.hop, k.sender] for k in keys]
+    return _enc_any(keys, buffers)
+
+
+def _dec_keys(raw: Any, reader: "_Reader", depth: int) -> tuple:
+    if type(raw) is list:
+        key = _codec("TensorId")
+        return tuple(key.read(k, reader, depth + 1) for k in raw)
+    value = _dec_any(raw, reader, depth)
+    if not isinstance(value, tuple):
+        raise Malformed("not a tuple")
+    return value
+
+
+def _enc_cosines(cosines: Any, buffers: list) -> Any:
+    """Norm.cosines: ``{"c": [names, numbers]}`` where it is names to floats (as it is), else the tagged
+    form of what it holds."""
+    if type(cosines) is dict and all(type(k) is str and type(v) is float for k, v in cosines.items()):
+        return {"c": [list(cosines), list(cosines.values())]}
+    return _enc_any(cosines, buffers)
+
+
+def _dec_cosines(raw: Any, reader: "_Reader", depth: int) -> Any:
+    if type(raw) is not dict or "c" not in raw:
+        return _dec_any(raw, reader, depth)
+    pair = raw["c"]
+    if len(raw) != 1 or type(pair) is not list or len(pair) != 2 or type(pair[0]) is not list \
+            or type(pair[1]) is not list or len(pair[0]) != len(pair[1]):
+        raise Malformed("cosines that are not [names, numbers] of one length")
+    names, values = pair
+    if not all(type(n) is str and len(n) <= 4096 for n in names) or not all(type(v) is float for v in values):
+        raise Malformed("cosines that are not names (strings) and numbers")
+    return dict(zip(names, values))
+
+
+def _enc_digest(digest: Any, buffers: list) -> Any:
+    """Norm.combined: bytes as base64 (as it is), None as null, anything else as ``[its tagged form]``."""
+    if type(digest) is bytes:
+        return base64.b64encode(digest).decode()
+    return None if digest is None else [_enc_any(digest, buffers)]
+
+
+def _dec_digest(raw: Any, reader: "_Reader", depth: int) -> Any:
+    if raw is None or type(raw) is str:
+        return None if raw is None else _dec_bytes(raw, reader, depth)
+    if type(raw) is not list or len(raw) != 1:
+        raise Malformed("a digest that is not bytes")
+    return _dec_any(raw[0], reader, depth)
 
 
 def _check_what(raw: Any, reader: "_Reader", depth: int) -> str:
-    if type(raw) is not str or raw not in _WHAT_CODE:
+    if type(raw) is not str or raw not in WHATS:
         raise Malformed(f"{str(raw)[:40]!r} is not what a tensor can be ({', '.join(WHATS)})")
     return raw
 
@@ -466,6 +467,9 @@ def _dec_stats(raw: Any, reader: "_Reader", depth: int) -> dict:
 
 
 _CUSTOM: dict[tuple[str, str], tuple[Enc, Dec]] = {("Norm", "screened"): (_enc_screened, _dec_screened),
+                                                   ("Norm", "disputes"): (_enc_keys, _dec_keys),
+                                                   ("Norm", "cosines"): (_enc_cosines, _dec_cosines),
+                                                   ("Norm", "combined"): (_enc_digest, _dec_digest),
                                                    ("Stepped", "stats"): (_enc_stats, _dec_stats),
                                                    ("TensorId", "what"): (_same, _check_what)}
 
@@ -487,7 +491,7 @@ def encode(msg: m.Message) -> list[Any]:
         raise TypeError(f"not a pipeline message: {type(msg).__qualname__}")
     buffers: list[Any] = []
     body = _codec(kind).write(msg, buffers)
-    return [json.dumps([_VERSION, kind, *body], separators=(",", ":")).encode(), *buffers]
+    return [_JSON.encode([_VERSION, kind, *body]).encode(), *buffers]
 
 
 def decode(frames: list[Any], sender: str | None = None) -> m.Message:
@@ -530,22 +534,32 @@ class _Reader:
     def tensor(self, raw: Any, dtype: str = "", dims: int = -1) -> torch.Tensor:
         """The tensor ``raw`` names (``[buffer, dtype, shape]``), a view of its buffer; of ``dtype`` and
         ``dims`` dimensions where they are given."""
-        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
+        buf, dtype_name, shape = self._parts(raw, dtype, dims)
         if not len(buf):
             return torch.empty(shape, dtype=DTYPES[dtype_name])
         return torch.frombuffer(buf, dtype=DTYPES[dtype_name]).view(shape)
 
-    def array(self, raw: Any, dtype: str, dims: int) -> numpy.ndarray:
-        """``tensor``, as a numpy array (of a dtype numpy has)."""
-        buf, dtype_name, shape = self._buffer(raw, dtype, dims)
-        return numpy.frombuffer(buf, dtype=dtype_name).reshape(shape)
+    def claim(self, index: Any, size: int, what: Callable[[], str]) -> Any:
+        """Buffer ``index``, which must be ``size`` bytes long (``what()``: what it holds, in words, made
+        only for the error)."""
+        if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
+            raise Malformed(f"{what()} that names no buffer of its own")
+        buf = self.buffers[index]
+        if len(buf) != size:
+            raise Malformed(f"{what()} in {len(buf)} bytes (it takes {size})")
+        self.used.add(index)
+        return buf
 
-    def _buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
+    def buffer(self, raw: Any, dtype: str, dims: int) -> tuple[Any, list[int]]:
+        """The buffer and shape of the tensor ``raw`` names, of ``dtype`` and ``dims`` dimensions (checked as
+        ``tensor`` checks them), for a reader that makes the tensor itself, if at all."""
+        buf, _, shape = self._parts(raw, dtype, dims)
+        return buf, shape
+
+    def _parts(self, raw: Any, dtype: str, dims: int) -> tuple[Any, str, list[int]]:
         if type(raw) is not list or len(raw) != 3:
             raise Malformed("a tensor that is not [buffer, dtype, shape]")
         index, dtype_name, shape = raw
-        if type(index) is not int or not 0 <= index < len(self.buffers) or index in self.used:
-            raise Malformed("a tensor that names no buffer of its own")
         itemsize = _ITEMSIZE.get(dtype_name) if type(dtype_name) is str else None
         if itemsize is None or (dtype and dtype_name != dtype):
             raise Malformed(f"a tensor of dtype {str(dtype_name)[:40]!r} "
@@ -554,12 +568,7 @@ class _Reader:
                 or (dims >= 0 and len(shape) != dims):
             raise Malformed(f"a tensor shape {str(shape)[:80]} (at most {MAX_DIMS} sizes, none negative"
                             + (f"; {dims} of them)" if dims >= 0 else ")"))
-        buf = self.buffers[index]
-        count = math.prod(shape)
-        if len(buf) != count * itemsize:
-            raise Malformed(f"a {dtype_name} tensor of shape {tuple(shape)} in {len(buf)} bytes "
-                            f"(it takes {count * itemsize})")
-        self.used.add(index)
+        buf = self.claim(index, math.prod(shape) * itemsize, lambda: f"a {dtype_name} tensor of shape {tuple(shape)}")
         return buf, dtype_name, shape
 
 

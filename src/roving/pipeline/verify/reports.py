@@ -11,6 +11,7 @@ from .. import protocol as m
 from .audit import Audit
 from .checks import Check, Source
 from .findings import Findings
+from .rows import ScreenedRows
 from .screen import Screen, sound
 from .tensor_id import WHATS, Kind, Screened, TensorId
 
@@ -77,16 +78,21 @@ class Reports:
 
 def well_formed(msg: m.Norm) -> bool:
     """Whether a ``Norm``'s screening report has the shape a stage process makes: rows (``Screened``: a
-    tensor of the Norm's round and a sound ``screen.Summary``), disputed tensors (``TensorId`` of its
-    round), and cosines (name -> a number within [-1, 1], give or take far more than rounding), or none."""
+    tensor of the Norm's round and a sound ``screen.Summary``; a tuple of them, or the ``rows.ScreenedRows``
+    the wire reads them into), disputed tensors (``TensorId`` of its round), and cosines (name -> a
+    number within [-1, 1], give or take far more than rounding), or none."""
     def key(k: object) -> bool:
         return (type(k) is TensorId and k.round == msg.round and k.what in WHATS and type(k.mb) is int
                 and type(k.hop) is int and isinstance(k.sender, str))
 
     rows, disputes, cosines = msg.screened, msg.disputes, msg.cosines
-    if not isinstance(rows, tuple) or not isinstance(disputes, tuple):
+    if type(rows) is ScreenedRows:  # as the wire brings them: whole numbers and known kinds already
+        if not (rows.of_round(msg.round) and rows.sound()):
+            return False
+    elif not isinstance(rows, tuple) or not all(type(r) is Screened and key(r.tensor) and sound(r.summary)
+                                                for r in rows):
         return False
-    if not all(type(r) is Screened and key(r.tensor) and sound(r.summary) for r in rows):
+    if not isinstance(disputes, tuple):
         return False
     if not all(key(k) for k in disputes):
         return False
