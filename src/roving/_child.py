@@ -30,7 +30,7 @@ def _watch_parent(info: dict, cfg: _config.Config) -> None:
     """Exit when the parent is gone: it stops answering pings for ``parent_timeout``, or (local backend)
     its process exited. On this machine a parent slow to answer but working (busy: starting a thousand
     workers on two cores) is not taken for a dead one: it is given up only once it has also made no
-    progress (no CPU time used; stopped) for ``parent_timeout``."""
+    progress (no CPU time used; stopped) for ``parent_timeout``; and one seen working is not pinged."""
     endpoint = _session.current().endpoint(info["parent"])
     local = bool(info.get("local"))
     parent_gone = _exit_of(info.get("parent_pid")) if local else None
@@ -39,7 +39,8 @@ def _watch_parent(info: dict, cfg: _config.Config) -> None:
     while not _stop_watching.wait(cfg.heartbeat_interval):
         if parent_gone is not None and parent_gone():
             _die("its parent process exited")
-        if endpoint.ping(cfg.heartbeat_interval) or (working is not None and working()):
+        # a parent seen working is not asked (a thousand children's pings cost a busy parent a core)
+        if (working is not None and working()) or endpoint.ping(cfg.heartbeat_interval):
             last_answer = time.monotonic()
         elif time.monotonic() - last_answer > cfg.parent_timeout:
             _die(f"its parent has not answered for {cfg.parent_timeout:g} s")

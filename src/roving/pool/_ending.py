@@ -157,7 +157,15 @@ class Ending:
         import select
 
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._wake_r], [], [], self._poll_s)
+            # woken by a signal's byte; else, only where something is to be looked at: the lifetime's
+            # end, the preemption file or URL (an idle worker of a thousand costs nothing here)
+            timeout: Optional[float] = None
+            if self._file or self._url:
+                timeout = self._poll_s
+            if self._lifetime is not None and not self.event.is_set():
+                due = self._born + self._lifetime - self.grace - time.monotonic()
+                timeout = max(0.0, due) if timeout is None else min(timeout, max(0.0, due))
+            ready, _, _ = select.select([self._wake_r], [], [], timeout)
             if self._stop.is_set():
                 return
             if ready:

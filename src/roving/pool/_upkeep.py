@@ -211,7 +211,8 @@ class Upkeep:
             worker_id = next(self._worker_ids)
             proc = Process(target=_worker.serve, name=f"PoolWorker-{disp.pool_id}-{worker_id}",
                            args=(node.address, disp.pool_id, worker_id, self._initializer,
-                                 self._initargs, self._maxtasks, cfg.connect_timeout, self._memory_limit),
+                                 self._initargs, self._maxtasks, cfg.connect_timeout, self._memory_limit,
+                                 beat_interval(cfg.heartbeat_interval, self._heartbeat_timeout, self.max)),
                            daemon=True, resources=self.shape)
             w = WorkerState(worker_id, proc)
             asked = self.shape.get("memory") or cfg.memory
@@ -487,6 +488,18 @@ class Upkeep:
             except Exception:
                 pass
         self.disp.fail_all("the pool was garbage-collected before this task finished")
+
+
+#: Heartbeats a second the parent takes from all of a pool's workers together, at most, as far as
+#: ``pool_heartbeat_timeout`` allows (``beat_interval``).
+BEATS_PER_S = 500
+
+
+def beat_interval(interval: float, timeout: float, workers: int) -> float:
+    """Seconds between one worker's heartbeats: ``heartbeat_interval``, longer in a large pool so that
+    all of them together send the parent at most ``BEATS_PER_S`` a second (a thousand idle workers
+    beating every second cost it and them a third of a core), but at least ten a ``timeout``."""
+    return max(interval, min(timeout / 10, workers / BEATS_PER_S))
 
 
 def _silent(v: WorkerView, now: float, timeout: float) -> bool:

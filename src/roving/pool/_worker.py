@@ -103,9 +103,10 @@ class _Results:
 
 def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Callable[..., Any]],
           initargs: Tuple[Any, ...], maxtasks: Optional[int], connect_timeout: float,
-          memory_limit: Optional[int] = None) -> None:
+          memory_limit: Optional[int] = None, beat_s: Optional[float] = None) -> None:
     """Target of every pool worker process. ``memory_limit``: it leaves after a task that left it larger
-    (:class:`roving.pool._memory.MemoryWatch`)."""
+    (:class:`roving.pool._memory.MemoryWatch`); ``beat_s``: seconds between its heartbeats (default:
+    ``heartbeat_interval``)."""
     if initializer is not None:
         initializer(*initargs)
     secret = _session.current().secret
@@ -120,7 +121,8 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
                     preemption_url=cfg.preemption_url)
     wake = threading.Event()
     ending.on_set(lambda _: wake.set())
-    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake),
+    interval = beat_s or cfg.heartbeat_interval
+    beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake, interval),
                                name="roving-pool-heartbeat", daemon=True)
     loop = _Loop(connect(), pool_id, maxtasks, connect, ending, MemoryWatch(memory_limit))
     beating.start()
@@ -138,7 +140,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
 
 
 def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, stop: threading.Event,
-               ending: Ending, wake: threading.Event) -> None:
+               ending: Ending, wake: threading.Event, interval: float) -> None:
     """Tell the parent this worker lives, also while a long task runs (its own connection). Nothing is
     sent back on it but the node's word that it no longer knows the connection (after a network drop):
     then a new one is opened, so that a drop of this connection alone does not get the worker killed.
@@ -146,7 +148,6 @@ def _heartbeat(connect: Callable[[], Channel], pool_id: int, worker_id: int, sto
     Once the worker is told it will end, the parent hears it here at once (ENDING), whatever the worker's
     main thread runs; and at the deadline, if the worker is still running an item, it leaves anyway: its
     item is run again elsewhere, not counted as a retry."""
-    interval = _config.current().heartbeat_interval
     told = False
     try:
         chan = connect()
