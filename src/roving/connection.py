@@ -24,7 +24,8 @@ from typing import Any, Deque, List, Optional, Tuple
 
 from .transport import rpc as _rpc
 from . import config as _config
-from . import process as _process
+from .process_payload import pickling_for
+from .stdlib_process import refuse_standard_start
 from .queues import raise_error
 from .transport import link as _link
 from .transport import node as _node
@@ -78,10 +79,10 @@ class Connection:
 
     def __getstate__(self) -> tuple:
         self._check_closed()
-        _process.refuse_standard_start("Pipe's Connection")
+        refuse_standard_start("Pipe's Connection")
         # Hold the writing end in the receiver's name before this copy leaves, so that the sender
         # closing its own copy right after cannot look like end-of-file to the reader.
-        holder = _process.pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
+        holder = pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
         self._let_go()
         self._hold(holder)
         return self._address, self._inbox, self._outbox, holder
