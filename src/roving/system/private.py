@@ -20,7 +20,7 @@ import os
 import stat
 import tempfile
 import threading
-from typing import IO, Any, Dict
+from typing import IO, Any, Dict, Literal, Union, overload
 
 from ..errors import NotPrivateError
 
@@ -163,14 +163,30 @@ def _open(path: str, flags: int, mode: str) -> IO[Any]:
         raise
 
 
-def open_private(path: str, mode: str = "ab") -> IO[Any]:
+@overload
+def open_private(path: str, mode: Literal["ab"] = "ab") -> IO[bytes]: ...
+
+
+@overload
+def open_private(path: str, mode: Literal["a"]) -> IO[str]: ...
+
+
+def open_private(path: str, mode: str = "ab") -> Union[IO[bytes], IO[str]]:
     """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``): created 0600 in a folder
     made by :func:`private_dir`, or, when it exists, checked first (see the module). NotPrivateError
     when it or its folder is not private."""
     return _open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
 
 
-def create_private(path: str, mode: str = "wb") -> IO[Any]:
+@overload
+def create_private(path: str, mode: Literal["wb"] = "wb") -> IO[bytes]: ...
+
+
+@overload
+def create_private(path: str, mode: Literal["w"]) -> IO[str]: ...
+
+
+def create_private(path: str, mode: str = "wb") -> Union[IO[bytes], IO[str]]:
     """Create ``path`` anew, 0600, for writing (binary with ``"wb"``, text with ``"w"``): the temporary
     name of a file that is then renamed into place. A file of this user's left there (a write cut
     short) is replaced; anything else there (a link, another user's file) is refused
