@@ -56,6 +56,7 @@ _children: Set["Process"] = set()
 _children_lock = threading.Lock()
 _sentinel_lock = threading.Lock()
 
+
 class Process(Payload):
     """A process run as a job of the configured backend. See :class:`multiprocessing.Process`."""
 

@@ -35,7 +35,6 @@ class Snapshots:
     memory_restarts: int
     pool_id: int
 
-
     def workers_now(self) -> List[WorkerState]:
         """The pool's workers now: started and not yet ended (a snapshot)."""
         with self.lock:

@@ -50,7 +50,6 @@ class WorkerEvents:
     _note_failure: Callable[[Chunk, int, Any], None]
     _deliver_run: Callable[[Chunk, int, bool, List[Any]], None]
 
-
     def add_worker(self, w: WorkerState) -> None:
         with self.lock:
             self.workers[w.id] = w
@@ -178,6 +177,7 @@ class WorkerEvents:
                         self._deliver_run(chunk, off, False, [exc])
             self.pending.clear()
             self.suspects.clear()
+
     def _send(self, w: WorkerState, kind: int) -> None:
         if w.ident is not None:
             self.node.send_to(w.ident, P.control(kind), w.undeliverable)

@@ -260,7 +260,7 @@ class Trainer(Replanning, Rounds):
         self.control.write_status(self.metrics, self.config.iterations, self.alloc, self.missing_stages,
                                   sorted(self.roster.starting | set(self.roster.ready)), self.refining.searching)
 
-    # -- re-planning: ``replanning.Replanning`` -------------------------------------------------------
+    # -- what is recorded (re-planning: ``replanning.Replanning``; a round's messages: ``rounds.Rounds``) --
     def _done(self) -> int:
         """Iterations done (recorded) so far."""
         its = self.metrics["iterations"]

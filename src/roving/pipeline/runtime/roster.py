@@ -404,7 +404,7 @@ class Roster(Joining):
                 continue
             return msg
 
-    # -- joining: ``joining.Joining`` ---------------------------------------------------------------
+    # -- joining (starting, enrolling, admitting: ``joining.Joining``) ------------------------------
     def _start_failed(self, name: str, why: str) -> None:
         """A process failed or exited before it was admitted: it is no longer waited for (the run starts,
         or goes on, without it: planned around, as a node that is late), and its process is ended."""

@@ -497,7 +497,6 @@ class StageProcess(Averaging):
         self._senders().send(dst, msg, out, seal)
         self.sent.add(Key(BACKWARD, mb, hop))
 
-    # -- replica averaging and the optimizer step: ``averaging.Averaging`` ------------------------------
 
 def _admit(inbox: Any, node_id: str) -> None:
     """Let the peer whose inbox is ``inbox`` reach this process's node under its own node key (what a
