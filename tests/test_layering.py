@@ -27,7 +27,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     # a child's start-up checks (boot, environment, code shipping) and its crash log are the process's
     ("processes, pipes and queues", ("roving.process", "roving._child", "roving.connection", "roving.queues",
                                      "roving.shared", "roving._sentinels", "roving.observe", "roving.boot",
-                                     "roving.environment", "roving.codeship", "roving.crashlog")),
+                                     "roving.environment", "roving.codeship", "roving.crashlog",
+                                     "roving.process_payload", "roving.stdlib_process")),
     ("pool, managers and synchronisation", ("roving.pool", "roving.managers", "roving.synchronize",
                                             "roving.sharedctypes", "roving._homed", "roving._manager_proxy",
                                             "roving._manager_server")),

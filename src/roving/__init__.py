@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-def init(**options: Any) -> Config:
+def init(**options: object) -> Config:
     """Set roving options for this process and the processes it starts from now on (see
     :func:`roving.config.init`); with ``dashboard=True`` the main process also serves the dashboard."""
     cfg = _config.init(**options)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .transport import rpc as _rpc
 from . import config as _config
-from . import process as _process
+from .stdlib_process import refuse_standard_start
 from .transport import session as _session
 from .transport import timeouts
 
@@ -190,7 +190,7 @@ class Homed:
     _kind = ""
 
     def __getstate__(self) -> Dict[str, Any]:
-        _process.refuse_standard_start(type(self).__name__)
+        refuse_standard_start(type(self).__name__)
         return self.__dict__
 
     def _create(self, *args: Any, at: Optional[str] = None) -> None:

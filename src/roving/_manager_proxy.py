@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .transport import rpc as _rpc
 from . import config as _config
 from . import process as _process
+from .stdlib_process import refuse_standard_start
 from .transport import session as _session
 from .transport import timeouts
 from .errors import RemoteError  # noqa: F401  (importable here, where it was defined before)
@@ -151,7 +152,7 @@ class BaseProxy:
     def __reduce__(self) -> Any:
         authkey = self._authkey if self._custom_authkey else None
         if authkey is None:  # the session's: a process that knows the manager's authkey may use it
-            _process.refuse_standard_start(f"manager proxy ({self._token.typeid})")
+            refuse_standard_start(f"manager proxy ({self._token.typeid})")
         cls = AutoProxy if type(self).__dict__.get("_by_exposed") else type(self)
         return _rebuild_proxy, (cls, self._token, authkey, self._exposed_runtime)
 

@@ -237,7 +237,7 @@ class Config:
     #: Kubernetes namespace of the pods (default: the parent pod's own, else "default").
     kubernetes_namespace: Optional[str] = None
 
-    def replace(self, source: str, **changes: Any) -> "Config":
+    def replace(self, source: str, **changes: object) -> "Config":
         return dataclasses.replace(self, **_coerce(changes, source))
 
 
@@ -300,7 +300,7 @@ def _coerce(values: Mapping[str, Any], source: str) -> Dict[str, Any]:
     return out
 
 
-def file_options(cwd: str) -> Tuple[Dict[str, Any], str]:
+def file_options(cwd: str) -> Tuple[Dict[str, object], str]:
     """The options of the file layer found in ``cwd`` (``roving.toml``, else ``[tool.roving]`` of
     ``pyproject.toml``) as written there, and where they came from ("" when there is no file).
     ConfigError when ``roving.toml`` is not valid TOML."""
@@ -322,7 +322,7 @@ def file_options(cwd: str) -> Tuple[Dict[str, Any], str]:
     return {}, ""
 
 
-def load(overrides: Optional[Mapping[str, Any]] = None, cwd: Optional[str] = None,
+def load(overrides: Optional[Mapping[str, object]] = None, cwd: Optional[str] = None,
          environ: Optional[Mapping[str, str]] = None) -> Config:
     """Resolve the configuration from defaults, file, environment and ``overrides``, in that order."""
     config = Config()
@@ -358,7 +358,7 @@ def current() -> Config:
     return config
 
 
-def init(**options: Any) -> Config:
+def init(**options: object) -> Config:
     """Set roving options for this process and the processes it starts from now on.
 
     Options add to those of earlier ``init()`` calls (a later value for the same option wins).

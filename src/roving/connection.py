@@ -20,11 +20,12 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Deque, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Deque, List, Optional, Tuple
 
 from .transport import rpc as _rpc
 from . import config as _config
-from . import process as _process
+from .process_payload import pickling_for
+from .stdlib_process import refuse_standard_start
 from .queues import raise_error
 from .transport import link as _link
 from .transport import node as _node
@@ -32,6 +33,9 @@ from .transport import session as _session
 from .transport import timeouts
 from .transport.mailbox import TRANSIT
 from .transport.serialize import dumps, loads
+
+if TYPE_CHECKING:  # what typeshed calls the buffers multiprocessing's Connection takes
+    from _typeshed import ReadableBuffer, WriteableBuffer
 
 __all__ = ["Pipe", "Connection"]
 
@@ -78,10 +82,10 @@ class Connection:
 
     def __getstate__(self) -> tuple:
         self._check_closed()
-        _process.refuse_standard_start("Pipe's Connection")
+        refuse_standard_start("Pipe's Connection")
         # Hold the writing end in the receiver's name before this copy leaves, so that the sender
         # closing its own copy right after cannot look like end-of-file to the reader.
-        holder = _process.pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
+        holder = pickling_for() or (TRANSIT.decode() + os.urandom(8).hex())
         self._let_go()
         self._hold(holder)
         return self._address, self._inbox, self._outbox, holder
@@ -190,7 +194,7 @@ class Connection:
         self._check_writable()
         self._write(_link.DATA, dumps(obj))
 
-    def send_bytes(self, buf: Any, offset: int = 0, size: Optional[int] = None) -> None:
+    def send_bytes(self, buf: ReadableBuffer, offset: int = 0, size: Optional[int] = None) -> None:
         """Send bytes from a bytes-like object, without pickling."""
         self._check_writable()
         view = memoryview(buf).cast("B")
@@ -264,7 +268,7 @@ class Connection:
             raise OSError("bad message length")
         return data
 
-    def recv_bytes_into(self, buf: Any, offset: int = 0) -> int:
+    def recv_bytes_into(self, buf: WriteableBuffer, offset: int = 0) -> int:
         """Receive a message into ``buf`` at ``offset``; returns its size."""
         view = memoryview(buf).cast("B")
         if offset < 0 or offset > len(view):

@@ -32,7 +32,7 @@ import json
 import platform
 import sys
 from importlib import metadata
-from typing import Any, Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
+from typing import Dict, FrozenSet, Iterable, List, Mapping, Optional, Tuple
 
 from .errors import EnvironmentMismatchError
 
@@ -57,22 +57,23 @@ class Fingerprint:
     platform: str  #: e.g. "Linux-x86_64"
     packages: Mapping[str, str]  #: distribution name -> version, of those that matter (see the module)
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> Dict[str, object]:
         return {"python": self.python, "implementation": self.implementation, "platform": self.platform,
                 "packages": dict(self.packages)}
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Fingerprint":
+    def from_json(cls, data: Mapping[str, object]) -> "Fingerprint":
         """Raises ValueError when ``data`` is not a fingerprint (a field missing or of the wrong kind)."""
         try:
             packages = data["packages"]
-            fields = (data["python"], data["implementation"], data["platform"])
+            python, implementation, platform = data["python"], data["implementation"], data["platform"]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not an environment description: {exc!r} missing") from None
-        if not all(isinstance(f, str) for f in fields) or not isinstance(packages, dict) \
+        if not (isinstance(python, str) and isinstance(implementation, str) and isinstance(platform, str)) \
+                or not isinstance(packages, dict) \
                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in packages.items()):
             raise ValueError("not an environment description: a field of the wrong kind")
-        return cls(*fields, packages=dict(packages))
+        return cls(python, implementation, platform, packages=dict(packages))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,20 +91,21 @@ class Difference:
         name = "Python" if self.what == "python" else self.what
         return f"{name} {self.parent} in the parent, {self.child} in the child"
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> Dict[str, object]:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Difference":
+    def from_json(cls, data: Mapping[str, object]) -> "Difference":
         """Raises ValueError when ``data`` is not a difference (a field missing or of the wrong kind)."""
         try:
-            fields = (data["what"], data["parent"], data["child"])
+            what, parent, child = data["what"], data["parent"], data["child"]
             fatal = data["fatal"]
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a difference: {exc!r} missing") from None
-        if not all(isinstance(f, str) for f in fields) or not isinstance(fatal, bool):
+        if not (isinstance(what, str) and isinstance(parent, str) and isinstance(child, str)) \
+                or not isinstance(fatal, bool):
             raise ValueError("not a difference: a field of the wrong kind")
-        return cls(*fields, fatal=fatal)
+        return cls(what, parent, child, fatal=fatal)
 
 
 @functools.lru_cache(maxsize=None)

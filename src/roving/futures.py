@@ -182,7 +182,7 @@ class Executor(_StdExecutor):
 
     def __init__(self, max_workers: Optional[int] = None, *,
                  mp_context: Union[Context, multiprocessing.context.BaseContext, None] = None,
-                 initializer: Optional[Callable[..., Any]] = None, initargs: Iterable[Any] = (),
+                 initializer: Optional[Callable[..., object]] = None, initargs: Iterable[object] = (),
                  max_tasks_per_child: Optional[int] = None, max_task_retries: int = 3,
                  resources: Optional[ResourceRequest] = None, worker_memory_limit: Union[int, str, None] = None,
                  max_memory_per_child: Union[int, str, None] = None, max_memory_kills: int = 2) -> None:

@@ -101,7 +101,7 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
     default_n_jobs = 1
 
     def __init__(self, nesting_level: Optional[int] = None, inner_max_num_threads: Optional[int] = None,
-                 **backend_kwargs: Any) -> None:
+                 **backend_kwargs: object) -> None:
         unknown = set(backend_kwargs) - set(_OPTIONS)
         if unknown:
             raise ValueError(f"the roving joblib backend does not take {sorted(unknown)}; it takes "
@@ -121,8 +121,8 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
             return max(cpu_count() + 1 + n_jobs, 1)
         return n_jobs
 
-    def configure(self, n_jobs: int = 1, parallel: Any = None, prefer: Optional[str] = None,
-                  require: Optional[str] = None, **backend_kwargs: Any) -> int:
+    def configure(self, n_jobs: int = 1, parallel: Optional[joblib.Parallel] = None, prefer: Optional[str] = None,
+                  require: Optional[str] = None, **backend_kwargs: object) -> int:
         n_jobs = self.effective_n_jobs(n_jobs)
         if n_jobs == 1:
             raise FallbackToBackend(SequentialBackend(nesting_level=self.nesting_level))
@@ -150,7 +150,7 @@ class RovingBackend(AutoBatchingMixin, ParallelBackendBase):
         with self._futures_lock:
             self._futures.discard(future)
 
-    def retrieve_result_callback(self, future: Future) -> Any:
+    def retrieve_result_callback(self, future: Future) -> object:
         return future.result()
 
     def abort_everything(self, ensure_ready: bool = True) -> None:

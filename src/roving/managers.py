@@ -36,7 +36,7 @@ import logging
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .errors import RovingError
 from .transport import rpc as _rpc
@@ -66,7 +66,7 @@ ServerGone = _rpc.ServerGone
 class Namespace:
     """A plain object whose attributes are the shared state."""
 
-    def __init__(self, **kwds: Any) -> None:
+    def __init__(self, **kwds: object) -> None:
         self.__dict__.update(kwds)
 
     def __repr__(self) -> str:
@@ -75,13 +75,13 @@ class Namespace:
 
 
 class Value:
-    def __init__(self, typecode: Any, value: Any, lock: bool = True) -> None:
+    def __init__(self, typecode: object, value: object, lock: bool = True) -> None:
         self._typecode, self._value = typecode, value
 
     def get(self) -> Any:
         return self._value
 
-    def set(self, value: Any) -> None:
+    def set(self, value: object) -> None:
         self._value = value
 
     def __repr__(self) -> str:
@@ -90,7 +90,7 @@ class Value:
     value = property(get, set)
 
 
-def Array(typecode: str, sequence: Iterable[Any], lock: bool = True) -> array.array:
+def Array(typecode: str, sequence: Iterable[Union[int, float, str]], lock: bool = True) -> array.array:
     return array.array(typecode, sequence)
 
 
@@ -110,7 +110,8 @@ class BaseManager:
 
     _registry: Dict[str, tuple] = {}
 
-    def __init__(self, address: Any = None, authkey: Optional[bytes] = None, serializer: str = "pickle",
+    def __init__(self, address: Union[str, Tuple[str, int], None] = None, authkey: Optional[bytes] = None,
+                 serializer: str = "pickle",
                  ctx: object = None, *, shutdown_timeout: float = 1.0) -> None:
         if authkey is not None and not isinstance(authkey, bytes):
             raise TypeError("authkey should be a bytes string")
@@ -213,7 +214,7 @@ class BaseManager:
                          exposed=exposed, incref=False)
 
     @classmethod
-    def register(cls, typeid: str, callable: Optional[Callable[..., Any]] = None, proxytype: Optional[type] = None,
+    def register(cls, typeid: str, callable: Optional[Callable[..., object]] = None, proxytype: Optional[type] = None,
                  exposed: Optional[Sequence[str]] = None, method_to_typeid: Optional[Dict[str, str]] = None,
                  create_method: bool = True) -> None:
         """Register a type (or a callable returning objects) to host; see multiprocessing's register."""

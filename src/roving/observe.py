@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Mapping, Optional
 
 __all__ = ["event", "process_started", "process_ended", "output_lines", "lines_of", "track_pool", "task_failed",
            "snapshot", "events_since", "MAX_EVENTS", "MAX_LINES", "MAX_PROCESSES", "MAX_TASK_FAILURES"]
@@ -40,7 +40,7 @@ MAX_POOLS = 50
 _t0 = time.time()
 
 
-def event(kind: str, source: str, text: str, **data: Any) -> None:
+def event(kind: str, source: str, text: str, **data: object) -> None:
     """Add an event to the timeline: ``kind`` (e.g. ``worker-lost``), where (``pool 1``), what happened."""
     rec = {"kind": kind, "source": source, "text": text, "time": time.time(), **data}
     with _lock:
@@ -48,7 +48,7 @@ def event(kind: str, source: str, text: str, **data: Any) -> None:
         _events.append(rec)
 
 
-def process_started(key: str, name: str, backend: str, job_id: str, resources: Dict[str, Any],
+def process_started(key: str, name: str, backend: str, job_id: str, resources: Mapping[str, object],
                     host: str = "") -> None:
     """A process of this session was started as job ``job_id`` of ``backend`` (``key``: its uid), on
     ``host`` where that is known at once (the local backend: this machine)."""

@@ -38,11 +38,13 @@ from . import observe
 from ._sentinels import watcher as _sentinel_watcher
 from .system import private as _private
 from .errors import ProcessStartError
+from .stdlib_process import ParentProcess as _ParentProcess
+from .stdlib_process import stand_in
+from .process_payload import Payload
 from .transport import identity as _identity
 from .transport import node as _node
 from .transport import session as _session
 from .transport import timeouts
-from .transport.serialize import SerializationError, dumps, serialization_error
 
 log = logging.getLogger(__name__)
 
@@ -54,16 +56,8 @@ _children: Set["Process"] = set()
 _children_lock = threading.Lock()
 _sentinel_lock = threading.Lock()
 
-# The process a pickling of Connections is for: pipe ends sent to a child are held in its name.
-_pickling_for = threading.local()
 
-
-def pickling_for() -> Optional[str]:
-    """The session uid of the process whose start() is pickling right now, if any."""
-    return getattr(_pickling_for, "uid", None)
-
-
-class Process:
+class Process(Payload):
     """A process run as a job of the configured backend. See :class:`multiprocessing.Process`."""
 
     _start_method = None
@@ -206,45 +200,6 @@ class Process:
                                 {"cpu": cfg.cpu, "memory": cfg.memory, "gpu": cfg.gpu, **self._resources},
                                 _this_host() if backend.name == "local" else "")
         _sentinel_watcher().watch(self._sentinel, self, _reaped)
-
-    def _pickle_self(self) -> List[Any]:
-        _pickling_for.uid = self._uid
-        try:
-            try:
-                return dumps(self)
-            except SerializationError:
-                for what, obj in self._parts():
-                    try:
-                        dumps(obj)
-                    except SerializationError as exc:
-                        original = exc.__cause__ or exc
-                        raise serialization_error(
-                            f"{self._name}: {what} cannot be pickled, so it cannot be sent to the child "
-                            f"process ({original})", original) from exc.__cause__
-                raise
-        finally:
-            _pickling_for.uid = None
-
-    def _parts(self) -> Iterable[Any]:
-        yield "the target", self._target
-        for i, arg in enumerate(self._args):
-            yield f"argument {i} ({type(arg).__qualname__})", arg
-        for key, arg in self._kwargs.items():
-            yield f"keyword argument {key!r} ({type(arg).__qualname__})", arg
-        for key, value in self.__dict__.items():
-            if key not in ("_target", "_args", "_kwargs"):
-                yield f"attribute {key!r}", value
-
-    def __getstate__(self) -> Dict[str, Any]:
-        state = dict(self.__dict__)
-        for key in ("_job", "_backend", "_sentinel", "_payload_box", "_boot", "_sentinel_finalizer", "_finishing"):
-            state.pop(key, None)
-        return state
-
-    def __setstate__(self, state: Dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._job = self._backend = self._sentinel = None
-        self._finishing = threading.Lock()
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until the process ends, or ``timeout`` seconds pass (then exitcode stays None).
@@ -501,29 +456,6 @@ class _MainProcess(Process):
         pass
 
 
-class _ParentProcess:
-    """The parent, as a child sees it: name, pid and whether it still answers."""
-
-    def __init__(self, name: str, pid: Optional[int], address: str) -> None:
-        self.name, self.pid, self.ident, self._address = name, pid, pid, address
-        self.daemon = False
-
-    def is_alive(self) -> bool:
-        return _session.current().endpoint(self._address).ping(2.0)
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        import time
-
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.is_alive():
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            time.sleep(0.2)
-
-    def __repr__(self) -> str:
-        return f"<_ParentProcess name={self.name!r} parent={self.pid}>"
-
-
 _main_process = _MainProcess()
 _current: Process = _main_process
 _parent: Optional[_ParentProcess] = None
@@ -595,12 +527,7 @@ def _become(proc: Process, parent: _ParentProcess) -> None:
     and ``daemon`` False (so a library may still start its own multiprocessing children in a worker)."""
     global _current, _parent
     _current, _parent = proc, parent
-    import multiprocessing.process as mp_process
-
-    # the standard library's private names (typeshed does not declare them), as its own children set them
-    mp_process._current_process._name = proc.name  # type: ignore[attr-defined]
-    mp_process._current_process._identity = proc._identity  # type: ignore[attr-defined]
-    mp_process._parent_process = parent  # type: ignore[attr-defined]
+    stand_in(proc.name, proc._identity, parent)
 
 
 _join_threads_at_end = True
@@ -650,22 +577,6 @@ def _reap_finished() -> None:
 def cpu_count() -> int:
     """CPUs the configured backend offers."""
     return backends.get(_config.current().backend).cpu_count()
-
-
-def refuse_standard_start(what: str) -> None:
-    """Raise RuntimeError when ``what`` (a roving object, being pickled) goes with the start of a process of
-    the standard library's multiprocessing (its spawn or forkserver ``Process``, as its Pool and
-    ``ProcessPoolExecutor`` start them). Such a process is no member of this roving session: it cannot
-    authenticate to the process that serves the object, so it would fail there while whoever waits on
-    the object here waits until their timeout. Said at once, in this process, instead."""
-    import multiprocessing.context as mp_context
-
-    if mp_context.get_spawning_popen() is not None:
-        raise RuntimeError(
-            f"roving: this {what} cannot be given to a process that the standard library's multiprocessing "
-            "starts: that process is not part of this program's roving session and cannot authenticate to "
-            "use it. Start the process with roving.Process (or roving.get_context(...).Process), or give it a "
-            "multiprocessing object")
 
 
 def stop_asked(proc: Process) -> bool:

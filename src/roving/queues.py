@@ -14,7 +14,7 @@ from __future__ import annotations
 import queue as _queue
 from typing import Any, Optional
 
-from . import process as _process
+from .stdlib_process import refuse_standard_start
 from .transport import endpoint as _endpoint
 from .transport import node as _node
 from .transport import session as _session
@@ -51,7 +51,7 @@ class Queue:
         self._endpoint = _session.current().endpoint(self._address)
 
     def __getstate__(self) -> tuple:
-        _process.refuse_standard_start(type(self).__name__)
+        refuse_standard_start(type(self).__name__)
         return self._address, self._box, self._maxsize
 
     def __setstate__(self, state: tuple) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from multiprocessing.sharedctypes import typecode_to_type
-from typing import Any, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Iterator, Literal, Optional, Protocol, Sequence, Tuple, Union, overload
 
 from .transport import rpc as _rpc
 from . import synchronize as _sync
@@ -103,7 +103,7 @@ class _Raw(Homed):
 class RawValue(_Raw):
     """A ctypes value without a lock; ``.value`` reads or writes it at its home."""
 
-    def __init__(self, typecode_or_type: TypeSpec, *args: Any) -> None:
+    def __init__(self, typecode_or_type: TypeSpec, *args: object) -> None:
         super().__init__(_ctype(typecode_or_type)(*args))
 
     value = _remote("value")
@@ -115,7 +115,7 @@ class RawValue(_Raw):
 class RawArray(_Raw):
     """A ctypes array without a lock: indexing, slicing and ``len`` as a ctypes array."""
 
-    def __init__(self, typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[Any]]) -> None:
+    def __init__(self, typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[object]]) -> None:
         ctype = _ctype(typecode_or_type)
         if isinstance(size_or_initializer, int):
             if size_or_initializer < 0:
@@ -209,15 +209,43 @@ def _lock_for(lock: Any) -> Optional[Any]:
     return lock
 
 
-def Value(typecode_or_type: TypeSpec, *args: Any, lock: Any = True, ctx: object = None) -> Any:
+class LockLike(Protocol):
+    """What ``Value`` and ``Array`` take as their ``lock``: anything with ``acquire`` and ``release``."""
+
+    def acquire(self, block: bool = True, timeout: float = -1) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+@overload
+def Value(typecode_or_type: TypeSpec, *args: object, lock: Literal[False], ctx: object = None) -> RawValue: ...
+
+
+@overload
+def Value(typecode_or_type: TypeSpec, *args: object, lock: Union[Literal[True], None, LockLike] = True,
+          ctx: object = None) -> Synchronized: ...
+
+
+def Value(typecode_or_type: TypeSpec, *args: object, lock: object = True,
+          ctx: object = None) -> Union[RawValue, Synchronized]:
     """A shared ctypes value, with a lock unless ``lock=False``; see :func:`multiprocessing.Value`."""
     obj = RawValue(typecode_or_type, *args)
     lock = _lock_for(lock)
     return obj if lock is None else Synchronized(obj, lock)
 
 
-def Array(typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[Any]], *,
-          lock: Any = True, ctx: object = None) -> Any:
+@overload
+def Array(typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[object]], *,
+          lock: Literal[False], ctx: object = None) -> RawArray: ...
+
+
+@overload
+def Array(typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[object]], *,
+          lock: Union[Literal[True], None, LockLike] = True, ctx: object = None) -> SynchronizedArray: ...
+
+
+def Array(typecode_or_type: TypeSpec, size_or_initializer: Union[int, Sequence[object]], *,
+          lock: object = True, ctx: object = None) -> Union[RawArray, SynchronizedArray]:
     """A shared ctypes array, with a lock unless ``lock=False``; see :func:`multiprocessing.Array`."""
     obj = RawArray(typecode_or_type, size_or_initializer)
     lock = _lock_for(lock)

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from threading import BrokenBarrierError
-from typing import Any, Callable, Deque, List, Optional, Tuple
+from typing import Any, Callable, Deque, List, Optional, Tuple, TypeVar
 
 from .transport import rpc as _rpc
 from . import process as _process
@@ -37,6 +37,9 @@ from .transport import session as _session
 from .transport import timeouts
 
 __all__ = ["Lock", "RLock", "Semaphore", "BoundedSemaphore", "Event", "Condition", "Barrier"]
+
+#: what a ``Condition.wait_for`` predicate returns (and the wait returns)
+T = TypeVar("T")
 
 # Statuses beyond OK/ERR.
 _RUN_ACTION = 2
@@ -469,7 +472,7 @@ class Condition(Homed):
         """Release the lock, wait for a notify (or ``timeout``), re-acquire; False if timed out."""
         return self._call("wait", timeout=_timeout(True, timeout))
 
-    def wait_for(self, predicate: Callable[[], Any], timeout: Optional[float] = None) -> Any:
+    def wait_for(self, predicate: Callable[[], T], timeout: Optional[float] = None) -> T:
         result = predicate()
         deadline = timeouts.deadline(timeout)
         while not result:

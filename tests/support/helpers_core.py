@@ -56,6 +56,13 @@ def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
     return bool(predicate())
 
 
+def wait_or_exit(predicate, timeout: float) -> None:
+    """For a test program run on its own: wait until ``predicate()`` holds; after ``timeout`` seconds
+    without it, exit with a message saying so (the test that ran the program shows its output)."""
+    if not wait_until(predicate, timeout, interval=0.1):
+        sys.exit(f"timed out after {timeout} s")
+
+
 def serves_connection_of(node_id: str) -> bool:
     """Whether this process's node still serves a connection of process ``node_id`` (a stream, or a
     ZeroMQ connection): False once it has seen every one of them close (a killed process's, say)."""

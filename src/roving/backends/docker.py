@@ -31,7 +31,7 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from urllib.parse import urlparse
 
 from .. import config as _config
@@ -42,6 +42,9 @@ from .errors import DockerError, UnknownJobError
 from .output import LineSplitter
 from ..system.private import open_private
 from .reaper import Reaper
+
+if TYPE_CHECKING:
+    import docker
 
 log = logging.getLogger(__name__)
 _KEEP_LOG = 1 << 20  # bytes of output kept per container for logs() after it is removed
@@ -167,7 +170,7 @@ class DockerBackend(Backend):
         self._reaper = Reaper(self.name)
 
     # -- the engine ------------------------------------------------------------------------------
-    def client(self) -> Any:
+    def client(self) -> "docker.DockerClient":
         """The SDK's client, connected and checked on first use; DockerError if the engine is not there."""
         if self._client is None:
             docker = _sdk()

@@ -34,19 +34,20 @@ import logging
 import threading
 import time
 import types
-from typing import Any, Callable, Deque, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence
 
 from .. import observe
-from ..backends.base import JobStatus
 from ..backends.memory import describe
 from .. import process as _process
 from . import _rerun
 from ..transport import session as _session
 from . import _protocol as P
 from . import _results, _router
-from ._memory import CallPeaks, Kills, WorkerMemory, death_words
-from ._memory import out_of_memory as out_of_memory_error
-from .errors import WorkerLostError
+from ._memory import CallPeaks
+from ._snapshots import Snapshots
+from ._worker_events import WorkerEvents
+from ._work import Call as _Call, Chunk as _Chunk, Func as _Func, Unit as _Unit, WorkerState
+from ._work import unfinished as _unfinished
 
 log = logging.getLogger(__name__)
 
@@ -56,107 +57,7 @@ log = logging.getLogger(__name__)
 MAX_CACHED_FUNCTIONS = 1024
 
 
-class _Func:
-    """A pickled function (with how it is called) and the id workers keep it under (0: not kept)."""
-
-    __slots__ = ("id", "frames", "cached")
-
-    def __init__(self, fid: int, frames: List[Any], cached: bool) -> None:
-        self.id, self.frames, self.cached = fid, frames, cached
-
-
-class _Call:
-    """One call a caller submitted (an ``apply_async``, a ``map``, an ``imap``): its result object and the
-    items of it still to finish (not a backend's job: the pool's workers are those)."""
-
-    __slots__ = ("id", "key", "result", "name", "func", "inline", "left", "peak")
-
-    def __init__(self, call_id: int, key: int, result: Any, name: str, func: _Func, inline: bool,
-                 left: int) -> None:
-        self.id, self.key, self.result, self.name = call_id, key, result, name
-        self.func, self.inline, self.left = func, inline, left
-        self.peak: Optional[int] = None  # the largest memory a worker reported while running one of its items
-
-
-class _Chunk:
-    """Items of one call that travel as one message; results are tracked per item."""
-
-    __slots__ = ("id", "call", "base", "n", "args", "done", "left", "deaths", "kills")
-
-    def __init__(self, chunk_id: int, call: _Call, base: int, n: int, args: List[Any]) -> None:
-        self.id, self.call, self.base, self.n, self.args = chunk_id, call, base, n, args
-        self.done = bytearray(n)
-        self.left = n
-        self.deaths: Optional[Dict[int, int]] = None
-        self.kills: Optional[Dict[int, Kills]] = None  # offset -> its deaths for memory in a row
-
-
-class _Unit:
-    """A chunk, or the unfinished items of one, as given to one worker."""
-
-    __slots__ = ("chunk", "offsets", "left", "revoked")
-
-    def __init__(self, chunk: _Chunk, offsets: Optional[List[int]] = None) -> None:
-        self.chunk, self.offsets, self.left, self.revoked = chunk, offsets, 0, False
-
-
-def _unfinished(unit: "_Unit") -> List[int]:
-    """The offsets of ``unit``'s items whose results have not arrived."""
-    chunk = unit.chunk
-    return [o for o in (unit.offsets if unit.offsets is not None else range(chunk.n)) if not chunk.done[o]]
-
-
-class WorkerState:
-    """The parent's view of one worker process."""
-
-    __slots__ = ("id", "proc", "ident", "credit", "credit_key", "units", "known", "forget", "retiring",
-                 "gone", "alone", "seen", "unreachable", "undeliverable", "ending", "memory")
-
-    def __init__(self, worker_id: int, proc: Any) -> None:
-        self.id, self.proc = worker_id, proc
-        self.ident: Optional[bytes] = None
-        self.credit = 0
-        self.credit_key = 0  # while busy, its credit is for work of this key only (0: any)
-        self.units: Dict[int, _Unit] = {}  # chunk id -> unit, in the order sent (= the order run)
-        self.known: set = set()  # ids of the functions this worker holds
-        self.forget: List[int] = []
-        self.retiring = False
-        self.gone = False
-        self.alone = False  # running a blamed item: gets nothing else meanwhile
-        self.seen = time.monotonic()  # last heartbeat
-        # When a message to it could not be delivered (monotonic time; 0: never): its connection to the
-        # parent broke though its process may live on. It reconnects when it next talks (HELLO again,
-        # see Dispatcher.on_message); the upkeep kills one that has not within the heartbeat timeout.
-        self.unreachable = 0.0
-
-        self.undeliverable: Optional[Callable[[], None]] = None  # for messages to ``ident`` (see HELLO)
-        self.ending = False  # it said it will end (ENDING): what it leaves costs no retry
-        self.memory = WorkerMemory()  # what its heartbeats said of its memory
-
-    def lost_contact(self, ident: bytes) -> None:
-        """A message to ``ident`` could not be delivered (on the node's I/O thread). A connection this
-        worker has since replaced (it said HELLO again) does not count."""
-        if ident == self.ident and not self.unreachable:
-            self.unreachable = time.monotonic()
-
-
-class WorkerView(NamedTuple):
-    """A worker's state as the upkeep reads it: a snapshot taken under the dispatcher's lock (the node's
-    I/O thread changes a :class:`WorkerState` under that lock at any moment)."""
-
-    worker: WorkerState
-    connected: bool  #: it said HELLO
-    busy: bool  #: it holds units of work
-    retiring: bool
-    seen: float  #: its last heartbeat (monotonic time)
-    unreachable: float  #: when a message to it could not be delivered (0: not since it last said HELLO)
-
-
-def _view(w: WorkerState) -> WorkerView:
-    return WorkerView(w, w.ident is not None, bool(w.units), w.retiring, w.seen, w.unreachable)
-
-
-class Dispatcher:
+class Dispatcher(Snapshots, WorkerEvents):
     """One pool's work and workers: what waits, what is out at which worker, each item's outcome."""
 
     def __init__(self, pool_id: int, max_task_retries: int, max_memory_kills: int = 2) -> None:
@@ -290,68 +191,6 @@ class Dispatcher:
         if key is None:  # called outside the lock: setdefault keeps one key per function across threads
             key = self._keys.setdefault(ident, next(self._call_ids))
         return key
-
-    def workers_now(self) -> List[WorkerState]:
-        """The pool's workers now: started and not yet ended (a snapshot)."""
-        with self.lock:
-            return list(self.workers.values())
-
-    def views(self, workers: Optional[Iterable[WorkerState]] = None) -> List[WorkerView]:
-        """Snapshots of ``workers`` (None: the pool's workers now), all taken at one moment."""
-        with self.lock:
-            return [_view(w) for w in (self.workers.values() if workers is None else workers)]
-
-    def view(self, worker_id: int) -> Optional[WorkerView]:
-        """A snapshot of worker ``worker_id``; None once it ended (or was never added)."""
-        with self.lock:
-            w = self.workers.get(worker_id)
-            return None if w is None else _view(w)
-
-    def live(self) -> int:
-        """How many of the pool's workers are not retiring (without looking at each)."""
-        with self.lock:
-            return len(self.workers) - self._retiring
-
-    def starting(self) -> int:
-        """How many of the pool's workers have been started and not yet connected (looks at each)."""
-        with self.lock:
-            return sum(1 for w in self.workers.values() if w.ident is None and not w.retiring and not w.gone)
-
-    def worker(self, worker_id: int) -> Optional[WorkerState]:
-        with self.lock:
-            return self.workers.get(worker_id)
-
-    def remembered(self) -> Tuple[int, int]:
-        """(workers in the table, connection identities mapped to workers): both only of live workers."""
-        with self.lock:
-            return len(self.workers), len(self.by_ident)
-
-    def backlog(self) -> Tuple[int, int]:
-        """(units of work waiting for a worker, connected workers holding none)."""
-        with self.lock:
-            free = sum(1 for w in self.workers.values() if w.ident is not None and not w.units
-                       and not w.retiring)
-            return len(self.pending) + len(self.suspects), free
-
-    def figures(self) -> Dict[str, Any]:
-        """This pool's figures now, for :mod:`roving.observe`: items queued (waiting for a worker), out
-        at workers, done, failed, retried; each worker's state (starting, idle, busy, retiring)."""
-        with self.lock:
-            queued = sum(len(u.offsets) if u.offsets is not None else u.chunk.n
-                         for q in (self.pending, self.suspects) for u in q)
-            workers = [{"id": w.id, "name": w.proc.name, "items": sum(u.left for u in w.units.values()),
-                        "state": "retiring" if w.retiring else "starting" if w.ident is None
-                        else "busy" if w.units else "idle", **w.memory.figures()} for w in self.workers.values()]
-            calls = self.call_peaks.figures([{"call": c.id, "name": c.name, "peak_memory": c.peak}
-                                             for c in self.calls.values() if c.peak is not None])
-            return {"queued": queued, "running": sum(w["items"] for w in workers), "done": self.done,
-                    "failed": self.failed, "retried": self.retried, "handed_back": self.handed_back,
-                    "ended_early": self.ended_early, "oom_kills": self.oom_kills,
-                    "memory_restarts": self.memory_restarts, "workers": workers, "calls": calls}
-
-    def busy(self) -> bool:
-        with self.lock:
-            return bool(self.calls)
 
     # -- worker messages (node I/O thread) -----------------------------------------------------
     def on_message(self, ident: bytes, kind: int, arg: int, key: int, frames: List[Any]) -> None:
@@ -593,142 +432,3 @@ class Dispatcher:
             del self.ready[w]
         return True
 
-    def _send(self, w: WorkerState, kind: int) -> None:
-        if w.ident is not None:
-            self.node.send_to(w.ident, P.control(kind), w.undeliverable)
-
-    def _retire(self, w: WorkerState) -> None:
-        if not w.retiring and self.workers.get(w.id) is w:
-            self._retiring += 1
-        w.retiring = True
-        w.credit = 0
-        self.ready.pop(w, None)
-
-    # -- worker upkeep (pool thread) -----------------------------------------------------------
-    def add_worker(self, w: WorkerState) -> None:
-        with self.lock:
-            self.workers[w.id] = w
-
-    def retire(self, w: WorkerState) -> None:
-        """Ask ``w`` to leave once it has run what it holds; it gets no more work."""
-        with self.lock:
-            if not w.retiring:
-                self._retire(w)
-                self._send(w, P.STOP)  # a worker not yet connected is told at HELLO
-
-    def _reconnected(self, w: WorkerState) -> None:
-        """``w`` says HELLO over a new connection: the old one broke (a network drop) with the worker
-        alive. What was sent either way over it may be lost, so its units go back to the front of the
-        line, none blamed (it did not die; items done meanwhile count once), and it starts afresh
-        (functions sent again, no credit until it asks) (lock held)."""
-        assert w.ident is not None, "called on a worker's second HELLO"
-        self.by_ident.pop(w.ident, None)
-        units, w.units = list(w.units.values()), {}
-        again = [_Unit(u.chunk, left) for u in units if (left := _unfinished(u))]
-        # A worker running a blamed item alone held only that one: it stays with the blamed ones.
-        (self.suspects if w.alone else self.pending).extendleft(reversed(again))
-        w.known, w.forget, w.credit, w.credit_key, w.alone, w.unreachable = set(), [], 0, 0, False, 0.0
-        self.ready.pop(w, None)
-        log.warning("roving pool: worker %s reconnected after its connection broke; %d unit(s) it held go "
-                    "back in line", w.id, len(again))
-        self._dispatch()
-
-    def worker_lost(self, w: WorkerState, exitcode: Optional[int], end: Optional[JobStatus] = None) -> None:
-        """``w`` ended: its unfinished items go back to the front of the line (see module docstring).
-        ``end``: how its job ended, as its backend says (killed for memory, its peak memory)."""
-        out_of_memory = end is not None and end.out_of_memory
-        with self.lock:
-            if end is not None:
-                w.memory.ended(end.memory_peak)
-            w.gone = True
-            w.unreachable = 0.0  # its contact does not matter any more
-            self._retire(w)
-            if self.workers.pop(w.id, None) is not None:
-                self._retiring -= 1
-            self._deep.pop(w, None)
-            if w.ident is not None and self.by_ident.get(w.ident) is w:
-                del self.by_ident[w.ident]  # a worker that is gone is forgotten
-            units, w.units = list(w.units.values()), {}
-            if out_of_memory:
-                self.oom_kills += 1
-            again: List[_Unit] = []
-            blamed = w.ending  # a worker told it would end did not die of its work: nothing is blamed
-            again_n = 0  # items sent again (observe.py)
-            for unit in units:
-                chunk = unit.chunk
-                offsets = _unfinished(unit)
-                if not offsets:
-                    continue
-                if not blamed:  # the first unfinished item is the one it was running
-                    blamed = True
-                    first, offsets = offsets[0], offsets[1:]
-                    lost = self._blame(w, chunk, first, exitcode, out_of_memory)
-                    if lost is not None:
-                        self._note_failure(chunk, first, lost)
-                        self._deliver_run(chunk, first, False, [lost])
-                    else:
-                        self.suspects.append(_Unit(chunk, [first]))
-                        again_n += 1
-                if offsets:
-                    again.append(_Unit(chunk, offsets))
-            self.pending.extendleft(reversed(again))
-            again_n += sum(len(cast(List[int], u.offsets)) for u in again)  # each made with its offsets
-            how = death_words(out_of_memory, w.memory, exitcode)
-            if units and w.ending:
-                self.handed_back += again_n
-                log.info("roving pool: worker %s ended as it said it would (exit code %s); %d unfinished item(s) "
-                         "go to other workers, no retry counted", w.id, exitcode, again_n)
-            elif units:
-                self.retried += again_n
-                observe.event("retry", f"pool {self.pool_id}", f"{again_n} item(s) of worker {w.id} ({how}) "
-                              "sent again to other workers", pool=self.pool_id, items=again_n)
-                log.warning("roving pool: worker %s ended (%s) holding work; its unfinished items go to other "
-                            "workers", w.id, how)
-            elif out_of_memory:
-                log.warning("roving pool: worker %s ended (%s)", w.id, how)
-            self._dispatch()
-
-    def _blame(self, w: WorkerState, chunk: _Chunk, first: int, exitcode: Optional[int],
-               out_of_memory: bool) -> Optional[WorkerLostError]:
-        """Count a death against item ``first`` of ``chunk``, which ``w`` was running: the error it fails
-        with when it is not to be tried again (max_memory_kills, max_task_retries), else None."""
-        deaths = chunk.deaths or {}
-        chunk.deaths = deaths
-        deaths[first] = deaths.get(first, 0) + 1
-        kills = chunk.kills or {}
-        chunk.kills = kills
-        item = f"item {chunk.base + first} of {chunk.call.name}"
-        call, peak = chunk.call, w.memory.peak
-        if peak is not None and (call.peak is None or peak > call.peak):
-            call.peak = peak  # what its job was seen to use when it died (its cluster's record, say)
-        if out_of_memory:
-            record = kills.setdefault(first, Kills())
-            record.add(w.memory)
-            if record.in_row >= self.max_memory_kills:
-                return out_of_memory_error(item, record, self.max_memory_kills)
-        else:
-            kills.pop(first, None)  # a death of another kind ends a run of deaths for memory
-        if deaths[first] >= self.max_task_retries:
-            return WorkerLostError(
-                f"{item} was running on {deaths[first]} pool worker(s) that died (last: "
-                f"{death_words(out_of_memory, w.memory, exitcode)}); it is not tried again "
-                f"(max_task_retries={self.max_task_retries})")
-        return None
-
-    def terminating(self) -> None:
-        """The pool kills its workers now: a worker that then says it will end (the kill's own signal:
-        Slurm's cancel sends SIGTERM before SIGKILL, Kubernetes deletes a pod the same way) is not one
-        that ended early (and the upkeep, terminating, starts no replacement)."""
-        with self.lock:
-            self._terminating = True
-
-    def fail_all(self, error: Union[str, BaseException]) -> None:
-        """Terminate: every result not yet delivered fails with ``error`` (text: a RuntimeError)."""
-        exc = RuntimeError(error) if isinstance(error, str) else error
-        with self.lock:
-            for chunk in list(self.chunks.values()):
-                for off in range(chunk.n):
-                    if not chunk.done[off]:
-                        self._deliver_run(chunk, off, False, [exc])
-            self.pending.clear()
-            self.suspects.clear()

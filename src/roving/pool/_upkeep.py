@@ -40,9 +40,10 @@ from .. import process as _process
 from ..process import Process, start_many
 from ..transport.serialize import SerializationError
 from . import _worker
-from ._dispatch import Dispatcher, WorkerState, WorkerView
+from ._dispatch import Dispatcher
+from ._work import WorkerState, WorkerView
 from ._results import CallbackRunner
-from ._shape import covers
+from ._sizing import Sizing
 from .errors import PoolStartError
 
 __all__ = ["Upkeep", "RUN", "CLOSE", "TERMINATE"]
@@ -54,7 +55,7 @@ _UPKEEP_S = 0.1
 _MAX_BACKOFF_S = 10.0
 
 
-class Upkeep:
+class Upkeep(Sizing):
     """The workers of one pool kept as many and as alive as the pool says (see the module docstring).
 
     ``size`` workers are kept (``low`` <= size <= ``high``; autoscaling when they differ); each is a
@@ -127,33 +128,6 @@ class Upkeep:
             mine = {"state": self.state, "size": self.size, "min": self.min, "max": self.max, "lost": self.lost,
                     "start_failures": len(self.start_failures)}
         return {**self.disp.figures(), **mine}
-
-    def resize(self, processes: int) -> None:
-        """Keep ``processes`` workers from now on; shrinking retires idle workers first, then busy ones."""
-        observe.event("resize", f"pool {self.disp.pool_id}", f"resized to {processes} worker(s)")
-        with self.lock:
-            self.min = self.max = processes
-            self.size = processes
-            live = [v for v in self.disp.views() if not v.retiring]
-            extra = len(live) - processes
-            if extra > 0:
-                live.sort(key=lambda v: (v.busy, v.connected))
-                for v in live[:extra]:
-                    self.disp.retire(v.worker)
-        self.wake.set()
-
-    def reshape(self, need: Dict[str, Any], func: Any) -> None:
-        """Workers of shape ``need`` from now on (``func`` asked for it): the present ones are retired
-        (they run what they hold first) and replaced, unless the shape covers ``need`` meanwhile."""
-        with self.lock:
-            if covers(self.shape, need):
-                return
-            log.info("roving pool: %s asks for workers with %s; the pool's workers are replaced",
-                     getattr(func, "__qualname__", func), need)
-            self.shape = dict(need)
-            for w in self.disp.workers_now():
-                self.disp.retire(w)
-        self.wake.set()
 
     def close(self, pool: Any) -> None:
         """No more work: the workers leave once everything submitted is done."""
@@ -286,38 +260,6 @@ class Upkeep:
         log.warning("roving pool: %s; trying again in %.1f s", why, delay)
 
     # -- one round ---------------------------------------------------------------------------------
-    def _autoscale(self, workers: List[WorkerView], now: float) -> None:
-        """Between ``min`` and ``max`` workers: grow while work waits and no worker is free, shrink by
-        workers idle for ``idle_timeout`` seconds."""
-        waiting, free = self.disp.backlog()
-        live = [v for v in workers if not v.retiring]
-        starting = sum(1 for v in live if not v.connected)
-        with self.lock:
-            if waiting and not free and self.size < self.max:
-                grow = min(self.max - self.size, max(0, waiting - starting))
-                if grow:
-                    log.info("roving pool: %d unit(s) of work waiting; %d more worker(s)", waiting, grow)
-                    observe.event("autoscale", f"pool {self.disp.pool_id}", f"{waiting} unit(s) waiting: "
-                                  f"{grow} more worker(s), {self.size + grow} in all")
-                    self.size += grow
-                return
-            for v in live:
-                if v.busy or not v.connected:
-                    self._idle_since.pop(v.worker.id, None)
-                else:
-                    self._idle_since.setdefault(v.worker.id, now)
-            idle = sorted((since, wid) for wid, since in self._idle_since.items()
-                          if now - since >= self._idle_timeout)
-            extra = min(len(idle), len(live) - self.min)
-            for _, wid in idle[:max(0, extra)]:
-                w = self.disp.worker(wid)
-                if w is not None:
-                    self._idle_since.pop(wid, None)
-                    self.disp.retire(w)
-                    self.size -= 1
-                    observe.event("autoscale", f"pool {self.disp.pool_id}", f"worker {wid} idle: retired, "
-                                  f"{self.size} left")
-
     def _ended(self, w: WorkerState) -> None:
         """Forget ``w`` here (the dispatcher forgets it at worker_lost)."""
         with self.lock:

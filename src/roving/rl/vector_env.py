@@ -136,16 +136,17 @@ class RovingVectorEnv(VectorEnv):
             infos = self._add_info(infos, info, i)
         return self._batch_obs([obs for obs, _ in results]), infos
 
-    def step(self, actions: Any) -> Tuple[Any, Any, Any, Any, Dict[str, Any]]:
+    def step(self, actions: object) -> Tuple[Any, np.ndarray, np.ndarray, np.ndarray, Dict[str, Any]]:
         self.step_async(actions)
         return self.step_wait()
 
-    def step_async(self, actions: Any) -> None:
+    def step_async(self, actions: object) -> None:
         """Send the actions; :meth:`step_wait` collects the results."""
         self._send_all([("step", a) for a in iterate(self.action_space, actions)])
         self._waiting = True
 
-    def step_wait(self, timeout: Optional[float] = None) -> Tuple[Any, Any, Any, Any, Dict[str, Any]]:
+    def step_wait(self,
+                  timeout: Optional[float] = None) -> Tuple[Any, np.ndarray, np.ndarray, np.ndarray, Dict[str, Any]]:
         if not self._waiting:
             raise RuntimeError("step_wait() called without step_async()")
         results = self._receive_all(timeout)
@@ -158,7 +159,7 @@ class RovingVectorEnv(VectorEnv):
                 np.array([r[2] for r in results], dtype=np.bool_),
                 np.array([r[3] for r in results], dtype=np.bool_), infos)
 
-    def call(self, name: str, *args: Any, **kwargs: Any) -> tuple:
+    def call(self, name: str, *args: object, **kwargs: object) -> tuple:
         """``getattr(env, name)(*args, **kwargs)`` in every environment (or the attribute's value)."""
         self._send_all([("call", (name, args, kwargs))] * self.num_envs)
         return tuple(self._receive_all())
@@ -166,16 +167,16 @@ class RovingVectorEnv(VectorEnv):
     def get_attr(self, name: str) -> tuple:
         return self.call(name)
 
-    def set_attr(self, name: str, values: Any) -> None:
+    def set_attr(self, name: str, values: object) -> None:
         """Set ``name`` in every environment: one value for all, or a list or tuple of one per env."""
-        if not isinstance(values, (list, tuple)):
-            values = [values] * self.num_envs
-        if len(values) != self.num_envs:
-            raise ValueError(f"{len(values)} values for {self.num_envs} environments")
-        self._send_all([("set_attr", (name, v)) for v in values])
+        each = list(values) if isinstance(values, (list, tuple)) else [values] * self.num_envs
+        if len(each) != self.num_envs:
+            raise ValueError(f"{len(each)} values for {self.num_envs} environments")
+        self._send_all([("set_attr", (name, v)) for v in each])
         self._receive_all()
 
-    def render(self) -> Any:
+    def render(self) -> tuple:
+        """Every environment's ``render()``, in order."""
         return self.call("render")
 
     def close_extras(self, timeout: Optional[float] = None, terminate: bool = False) -> None:

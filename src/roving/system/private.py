@@ -20,7 +20,7 @@ import os
 import stat
 import tempfile
 import threading
-from typing import IO, Any, Dict
+from typing import IO, Any, Dict, Literal, Union, overload
 
 from ..errors import NotPrivateError
 
@@ -36,6 +36,14 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 def _refuse(path: str, what: str, fix: str) -> NotPrivateError:
     return NotPrivateError(f"roving refuses {path}: {what}; {fix}")
+
+
+def _refuse_link(path: str, folder: bool = False) -> NotPrivateError:
+    """The refusal of ``path`` found to be a symbolic link (a ``folder``, or a file)."""
+    if folder:
+        return _refuse(path, "the folder is a symbolic link", "use the folder it points to, or another")
+    return _refuse(path, "it is a symbolic link (roving never writes through one: someone else may have planted "
+                   "it)", "remove the link")
 
 
 def _check_dir(path: str, st: os.stat_result) -> None:
@@ -67,7 +75,7 @@ def _open_dir(path: str) -> int:
         fd = os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
     except OSError:
         if os.path.islink(path):  # made a link since private_dir looked
-            raise _refuse(path, "the folder is a symbolic link", "use the folder it points to, or another") from None
+            raise _refuse_link(path, folder=True) from None
         raise
     try:
         _check_dir(path, os.fstat(fd))
@@ -97,7 +105,7 @@ def private_dir(path: str) -> None:
         os.chmod(folder, 0o700, follow_symlinks=False)  # mkdir's mode is cut by the umask
     st = os.lstat(path)
     if stat.S_ISLNK(st.st_mode):
-        raise _refuse(path, "the folder is a symbolic link", "use the folder it points to, or another")
+        raise _refuse_link(path, folder=True)
     _check_dir(path, st)
 
 
@@ -143,8 +151,7 @@ def _open(path: str, flags: int, mode: str) -> IO[Any]:
             except OSError:
                 raise exc from None
             if stat.S_ISLNK(st.st_mode):
-                raise _refuse(path, "it is a symbolic link (roving never writes through one: someone "
-                              "else may have planted it)", "remove the link") from None
+                raise _refuse_link(path) from None
             raise
     finally:
         os.close(dfd)
@@ -156,14 +163,30 @@ def _open(path: str, flags: int, mode: str) -> IO[Any]:
         raise
 
 
-def open_private(path: str, mode: str = "ab") -> IO[Any]:
+@overload
+def open_private(path: str, mode: Literal["ab"] = "ab") -> IO[bytes]: ...
+
+
+@overload
+def open_private(path: str, mode: Literal["a"]) -> IO[str]: ...
+
+
+def open_private(path: str, mode: str = "ab") -> Union[IO[bytes], IO[str]]:
     """Open ``path`` for appending (binary with ``"ab"``, text with ``"a"``): created 0600 in a folder
     made by :func:`private_dir`, or, when it exists, checked first (see the module). NotPrivateError
     when it or its folder is not private."""
     return _open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, mode)
 
 
-def create_private(path: str, mode: str = "wb") -> IO[Any]:
+@overload
+def create_private(path: str, mode: Literal["wb"] = "wb") -> IO[bytes]: ...
+
+
+@overload
+def create_private(path: str, mode: Literal["w"]) -> IO[str]: ...
+
+
+def create_private(path: str, mode: str = "wb") -> Union[IO[bytes], IO[str]]:
     """Create ``path`` anew, 0600, for writing (binary with ``"wb"``, text with ``"w"``): the temporary
     name of a file that is then renamed into place. A file of this user's left there (a write cut
     short) is replaced; anything else there (a link, another user's file) is refused
@@ -174,8 +197,7 @@ def create_private(path: str, mode: str = "wb") -> IO[Any]:
     except FileExistsError:
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
-            raise _refuse(path, "it is a symbolic link (roving never writes through one: someone else "
-                          "may have planted it)", "remove the link") from None
+            raise _refuse_link(path) from None
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             _check_file(path, st)  # raises, saying which
         os.unlink(path)  # ours, left by a write that did not finish

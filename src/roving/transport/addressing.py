@@ -26,10 +26,13 @@ import functools
 import ipaddress
 import random
 import socket
-from typing import Any, Callable, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Optional, Tuple
 
 from ..config import parse_port_range  # the option's own parser; named here too, as before
 from .errors import AddressError
+
+if TYPE_CHECKING:
+    from ..config import Config
 
 __all__ = ["Choice", "AddressError", "choose", "route_to", "is_loopback", "parse_port_range", "bind_in_range",
            "set_cluster_route", "cluster_route", "host_of"]
@@ -104,7 +107,7 @@ def route_to(host: str) -> str:
 _cluster_route: Callable[[Any], Optional[Tuple[str, str]]] = lambda cfg: None
 
 
-def set_cluster_route(fn: Callable[[Any], Optional[Tuple[str, str]]]) -> None:
+def set_cluster_route(fn: Callable[[Optional[Config]], Optional[Tuple[str, str]]]) -> None:
     """Install the function that says towards which host the jobs of a configuration's backend run."""
     global _cluster_route
     _cluster_route = fn

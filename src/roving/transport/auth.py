@@ -71,12 +71,15 @@ import hashlib
 import hmac
 import itertools
 import os
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
 from . import identity
 from .errors import AuthenticationError, IdentityError
+
+if TYPE_CHECKING:
+    from .guard import Refusals
 
 NONCE_BYTES = 32
 #: The size of a proof (an HMAC-SHA256).
@@ -252,7 +255,7 @@ class Door:
     """
 
     def __init__(self, creds: "bytes | identity.Credentials", send: Callable[[List[Any]], None],
-                 refusals: Any) -> None:
+                 refusals: Refusals) -> None:
         self._creds, self._send, self._refusals = identity.credentials(creds), send, refusals
         #: Authenticated peers: routing id -> the user id of the connection that authenticated (zap).
         #: The node reads it on its hot path: a peer is known when ``authenticated.get(ident)`` is

@@ -9,10 +9,13 @@ from __future__ import annotations
 import collections
 import itertools
 import threading
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 from . import tls
 from .framing import Reader, advance, encode
+
+if TYPE_CHECKING:
+    from .stream import Stream
 
 
 class ServedStream:
@@ -27,7 +30,7 @@ class ServedStream:
 
     _IOV = 512
 
-    def __init__(self, stream: Any, want_write: Callable[["ServedStream"], None]) -> None:
+    def __init__(self, stream: Stream, want_write: Callable[["ServedStream"], None]) -> None:
         self.sock = stream.sock
         self.sock.setblocking(False)
         self.fd = self.sock.fileno()

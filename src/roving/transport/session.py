@@ -23,7 +23,7 @@ import hashlib
 import json
 import os
 import threading
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 from .. import backends
 from .. import config as _config
@@ -72,7 +72,7 @@ class Session:
         """What a backend is told of this session with each job it starts."""
         return backends.JobSession(self.tag, SECRET_ENV, SECRET_FILE_ENV)
 
-    def child_env(self, info: Mapping[str, Any], trusted: bool = True) -> Dict[str, str]:
+    def child_env(self, info: Mapping[str, object], trusted: bool = True) -> Dict[str, str]:
         """The variables that make a job a child of this session: ``info`` (what :func:`child_info`
         gives the child, with ``info["uid"]`` its node id), its credentials, issued now by the CA
         (IdentityError when that uid has had credentials before; marked untrusted unless ``trusted``),

@@ -14,6 +14,7 @@ import sys
 import time
 
 import roving
+from helpers_core import wait_or_exit  # tests/support is on the program's PYTHONPATH
 
 
 def long_item(marker_dir):
@@ -25,12 +26,6 @@ def long_item(marker_dir):
     return socket.gethostname()
 
 
-def _wait(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            sys.exit(f"timed out after {timeout} s")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":
@@ -38,7 +33,7 @@ if __name__ == "__main__":
     roving.init(backend="slurm", worker_grace=2.0, child_output="off")
     with roving.Pool(1, max_task_retries=1) as pool:
         item = pool.apply_async(long_item, (marker_dir,))
-        _wait(lambda: os.listdir(marker_dir), 120)
+        wait_or_exit(lambda: os.listdir(marker_dir), 120)
         (victim,) = [w for w in pool._pool if w.is_alive()]
         subprocess.run(["scancel", "--signal=TERM", "--full", str(victim.job.id)], check=True, timeout=30)
         finished_on = item.get(180)

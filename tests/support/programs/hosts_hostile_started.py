@@ -9,7 +9,6 @@ import json
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -17,17 +16,12 @@ import torch
 torch.set_num_threads(1)
 
 import hostile_node  # noqa: E402
+from helpers_core import wait_or_exit  # noqa: E402
 
 from roving.pipeline.run.trainer import Trainer, TrainConfig, prepare  # noqa: E402
 from roving.pipeline.runtime import roster as roster_module  # noqa: E402
 
 
-def _wait(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            sys.exit(f"timed out after {timeout} s")
-        time.sleep(0.1)
 
 
 if __name__ == "__main__":
@@ -40,7 +34,7 @@ if __name__ == "__main__":
         if name != hostile_node.HOSTILE and hostile_node.HOSTILE not in self.procs:
             launch(self, hostile_node.HOSTILE, prep.plan.allocation[hostile_node.HOSTILE],
                    sorted(prep.plan.allocation).index(hostile_node.HOSTILE))
-            _wait(lambda: Path(result + ".attacking").exists(), 180)
+            wait_or_exit(lambda: Path(result + ".attacking").exists(), 180)
         if name == hostile_node.HOSTILE and name in self.procs:
             return
         launch(self, name, *args, **kwargs)

@@ -36,7 +36,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import threading
 import time
 from typing import IO, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
@@ -45,11 +44,13 @@ from ... import config as _config
 from .. import throttle
 from . import job_array as slurm_array
 from . import step as slurm_step
-from ..base import Backend, Job, JobInfo, JobSpec, JobState, JobStatus
+from ..base import Backend, Job, JobSpec, JobState, JobStatus
 from ..errors import SlurmError, StepError, UnknownJobError
 from ..output import LineSplitter
 from ...system.private import private_dir
 from ..reaper import Reaper
+from .cluster import ClusterQueries
+from .cluster import slurm_command as _slurm
 from ..secret_files import SecretFiles
 
 log = logging.getLogger(__name__)
@@ -69,25 +70,6 @@ _OUTPUT_WAIT_S = 5.0
 # "slurmstepd-HOST: error: *** JOB 208 ON HOST CANCELLED AT 2026-12-01T10:06:48 ***" (STEP 208.0 for a step)
 _CANCELLED_LINE = re.compile(rb"^slurmstepd(?:-\S+)?: error: \*\*\* (?:JOB|STEP) (\d+)[.\w]* ON \S+ "
                              rb"CANCELLED AT .*\*\*\*\s*$")
-_COMMAND_TIMEOUT = 30
-
-
-def _slurm(args: List[str], timeout: float = _COMMAND_TIMEOUT, env: Optional[Dict[str, str]] = None,
-           check: bool = True, umask: int = -1, script: Optional[str] = None) -> subprocess.CompletedProcess:
-    """Run a Slurm command; ``script`` goes to its standard input (sbatch reads its batch script there)."""
-    feed = {"input": script} if script is not None else {"stdin": subprocess.DEVNULL}
-    try:
-        result = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, umask=umask,
-                                **feed)
-    except FileNotFoundError:
-        raise SlurmError(f"Slurm's `{args[0]}` command is not on PATH: is Slurm installed on this "
-                         "machine? (or choose another roving backend)") from None
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"`{shlex.join(args[:2])}` did not answer within {timeout:g} s: "
-                         "is the Slurm controller reachable?") from None
-    if check and result.returncode != 0:
-        raise SlurmError(f"`{shlex.join(args[:1])}` failed: {(result.stderr or result.stdout).strip()}")
-    return result
 
 
 def _umask() -> int:
@@ -127,7 +109,7 @@ class _Followed:
     file: Optional[IO[bytes]] = None
 
 
-class SlurmBackend(Backend):
+class SlurmBackend(ClusterQueries, Backend):
     name = "slurm"
 
     def __init__(self) -> None:
@@ -151,16 +133,6 @@ class SlurmBackend(Backend):
         self._task_of_raw: Dict[str, str] = {}  # an array task's own job id (slurmstepd's) -> its task id
 
     # -- submission ------------------------------------------------------------------------------
-    def _check_controller(self) -> None:
-        if self._controller_ok:
-            return
-        result = _slurm(["scontrol", "ping"], timeout=10, check=False)
-        if result.returncode != 0 or "DOWN" in result.stdout or "UP" not in result.stdout:
-            raise SlurmError("the Slurm controller is not reachable (`scontrol ping`: "
-                             f"{(result.stdout + result.stderr).strip().splitlines()[0:1]}); is slurmctld "
-                             "running and SLURM_CONF right?")
-        self._controller_ok = True
-
     @staticmethod
     def _resource_options(spec: JobSpec, cfg: _config.Config) -> List[str]:
         res = spec.resources
@@ -249,20 +221,6 @@ class SlurmBackend(Backend):
             with self._lock:
                 self._followers = [t for t in self._followers if t.is_alive()] + [follower]
         return job
-
-    def _cluster_settings(self) -> Dict[str, str]:
-        """`scontrol show config` as a dict (read once; {} when it cannot be read)."""
-        if self._settings is None:
-            result = _slurm(["scontrol", "show", "config"], timeout=10, check=False)
-            self._settings = {k.strip(): v.strip() for k, _, v in
-                              (line.partition("=") for line in result.stdout.splitlines() if "=" in line)}
-        return self._settings
-
-    def _limit(self, name: str, default: int) -> int:
-        try:
-            return int(self._cluster_settings().get(name, "").split()[0])
-        except (ValueError, IndexError):
-            return default
 
     # -- many at once: job arrays ----------------------------------------------------------------
     def submit_many(self, specs: Sequence[JobSpec]) -> List[Union[Job, Exception]]:
@@ -498,74 +456,6 @@ class SlurmBackend(Backend):
     def forget(self, job: Job) -> None:
         if job.id in self._steps:
             self._steps.forget(job.id)
-
-    def cpu_count(self) -> int:
-        """Inside an allocation, its CPUs (all its nodes'); else the idle CPUs of the partition(s)."""
-        if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_JOB_CPUS_PER_NODE"):
-            try:
-                return max(1, sum(slurm_step.allocation_nodes()))
-            except StepError:
-                pass
-        if os.environ.get("SLURM_CPUS_ON_NODE"):
-            return int(os.environ["SLURM_CPUS_ON_NODE"])
-        cfg = _config.current()
-        args = ["sinfo", "-h", "-o", "%C"] + ([f"--partition={cfg.slurm_partition}"] if cfg.slurm_partition else [])
-        try:
-            out = _slurm(args, timeout=10).stdout.split()
-            return max(1, sum(int(part.split("/")[3]) for part in out))
-        except (SlurmError, IndexError, ValueError):
-            return os.cpu_count() or 1
-
-    def describe(self) -> Dict[str, str]:
-        info: Dict[str, str] = {}
-        ping = _slurm(["scontrol", "ping"], timeout=10, check=False)
-        said = (ping.stdout + ping.stderr).strip()
-        info["controller"] = said.splitlines()[0] if said else "?"
-        if os.environ.get("SLURM_JOB_ID"):
-            info["allocation"] = f"job {os.environ['SLURM_JOB_ID']}: processes are job steps (srun)"
-        parts = _slurm(["sinfo", "-h", "-o", "%P|%D|%C|%m|%G|%a"], timeout=10, check=False)
-        for line in parts.stdout.splitlines():
-            p, nodes, cpus, mem, gres, avail = (line.split("|") + [""] * 6)[:6]
-            info[f"partition {p}"] = (f"{nodes} node(s), CPUs alloc/idle/other/total {cpus}, "
-                                      f"{mem} MB per node, gres {gres}, {avail}")
-        info["cpus"] = str(self.cpu_count())
-        return info
-
-    def towards(self) -> Optional[Tuple[str, str]]:
-        """The Slurm controller's address (``SlurmctldAddr``, else ``SlurmctldHost``'s): compute nodes
-        reach it, so the interface towards it is one they can reach this process on."""
-        if self._towards is None:
-            text = _slurm(["scontrol", "show", "config"], timeout=10).stdout
-            addr = re.search(r"^SlurmctldAddr\s*=\s*(\S+)", text, re.M)
-            host = re.search(r"^SlurmctldHost(?:\[0\])?\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", text, re.M)
-            if addr and addr.group(1) != "(null)":
-                where = addr.group(1)
-            elif host:
-                where = host.group(2) or host.group(1)
-            else:
-                raise SlurmError("`scontrol show config` names no SlurmctldHost: cannot tell which interface "
-                                 "the compute nodes reach; set the roving options host= and advertise=")
-            self._towards = (where, f"the Slurm controller at {where}")
-        return self._towards
-
-    def list_jobs(self, user: Optional[str] = None) -> List[JobInfo]:
-        result = _slurm(["squeue", "-h", "-r", "-O", "JobArrayID:|,Name:|,State:|,Reason:|,Comment:|,UserName:|",
-                         *([f"--user={user}"] if user is not None else [])], timeout=10)
-        jobs = []
-        for line in result.stdout.splitlines():
-            parts = [p.strip() for p in line.split("|")]
-            if len(parts) >= 6 and parts[1].startswith("roving-"):
-                jobs.append(JobInfo(id=parts[0], name=parts[4], session=parts[1][len("roving-"):],
-                                    state=parts[2], reason=parts[3] if parts[3] != "None" else "",
-                                    user=parts[5]))
-        return jobs
-
-    def unknown_ids(self, job_ids: Iterable[str]) -> List[str]:
-        """As :meth:`Backend.unknown_ids`; an array's own id (``1234`` of ``1234_5``) is known too."""
-        known: Set[str] = set()
-        for j in self.list_jobs():
-            known.update((j.id, slurm_array.base_id(j.id)))
-        return [i for i in job_ids if i not in known]
 
     def cancel_ids(self, job_ids: Iterable[str]) -> None:
         ids = [i for i in job_ids if i]

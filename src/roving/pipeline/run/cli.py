@@ -11,9 +11,9 @@ from typing import Any, Callable
 from ..runtime.control import STATUS, ControlFolder
 from ..errors import NodeFailed, PipelineError
 from .outputs import check_output
-from .plan_cli import add_plan_parsers, note
+from .plan_cli import Subparsers, add_plan_parsers, note
 
-def add_pipeline_parser(subparsers: Any) -> None:
+def add_pipeline_parser(subparsers: Subparsers) -> None:
     """Register `pipeline plan`, `simulate`, `train` and the run tools on an argparse subparsers object."""
     pipeline = subparsers.add_parser("pipeline", help="skip-pipeline training tools")
     sub = pipeline.add_subparsers(dest="pipeline_command", required=True)
@@ -22,7 +22,7 @@ def add_pipeline_parser(subparsers: Any) -> None:
     add_inference_parsers(sub)
 
 
-def add_inference_parsers(sub: Any) -> None:
+def add_inference_parsers(sub: Subparsers) -> None:
     """Register `pipeline eval` and `pipeline generate` on the pipeline subparsers object. Their module
     (roving.pipeline.run.inference) needs torch, the `pipeline` extra: it is imported when one of them runs, so
     that every other `roving` command works where torch is not installed."""
@@ -64,7 +64,7 @@ def _inference_command(name: str) -> Callable[[argparse.Namespace], int]:
     return handler
 
 
-def add_train_parser(sub: Any) -> None:
+def add_train_parser(sub: Subparsers) -> None:
     """`pipeline train`: a TOML config (``TrainConfig``'s fields) with flags for the common fields.
     Its flags in ``--help``'s order: the run's here, then those of [faults] and [verify] (one function
     each); the commands that act on a running training are made by :func:`_add_run_tool_parsers`."""
@@ -180,7 +180,7 @@ def _add_verify_flags(t: argparse.ArgumentParser) -> None:
                         "kinds noise, scale, signflip, lazy, bias, nan, weights, drift, collude, frame)")
 
 
-def _add_run_tool_parsers(sub: Any) -> None:
+def _add_run_tool_parsers(sub: Subparsers) -> None:
     """The commands that watch or change a running `pipeline train`: dashboard, join, status."""
     d = sub.add_parser("dashboard", help="serve the dashboard of a `pipeline train --control DIR` run started "
                                          "elsewhere (live), or of a finished run's --metrics file")

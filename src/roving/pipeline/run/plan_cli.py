@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeAlias
 
 from ..errors import PipelineError, PlanError
 from ..planning.baselines import full_pipeline, random_skip
@@ -23,12 +23,15 @@ from ..planning.skippipe_schedule import VARIANTS, read_schedule, schedule_netwo
 from ..presets import PLAN_PRESETS
 from .outputs import check_output
 
+#: what ``add_subparsers()`` returns, which each ``add_*_parser`` adds its commands to (typeshed's name)
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
 #: device memory per node when neither --memory nor --memory-microbatches is given: a 24 GiB GPU
 #: (RTX 3090/4090, A10G), the commodity cards decentralised training runs on.
 DEFAULT_MEMORY_MB = 24576
 
 
-def add_plan_parsers(sub: Any) -> None:
+def add_plan_parsers(sub: Subparsers) -> None:
     """Register `pipeline plan` and `pipeline simulate` on the pipeline subparsers object."""
     p = sub.add_parser("plan", help="plan allocation and microbatch paths; compare with baselines")
     p.add_argument("--preset", choices=sorted(PLAN_PRESETS), default=None,
@@ -79,7 +82,7 @@ def add_plan_parsers(sub: Any) -> None:
     add_simulate_parser(sub)
 
 
-def add_simulate_parser(sub: Any) -> None:
+def add_simulate_parser(sub: Subparsers) -> None:
     """Register `pipeline simulate`: one plan's predicted iteration time."""
     s = sub.add_parser("simulate", help="predict the iteration time of a plan already made: one written by "
                                         "`pipeline plan --json`, or a SkipPipe schedule.json")

@@ -250,7 +250,7 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
     file, ``from_dict`` its parsed content (sections as tables, or flat keys); flags override both."""
 
     @classmethod
-    def from_toml(cls, path: str, **overrides: Any) -> "TrainConfig":
+    def from_toml(cls, path: str, **overrides: object) -> "TrainConfig":
         try:
             doc = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -262,7 +262,7 @@ class TrainConfig(VerifySection, RunSection, CheckpointSection, FaultsSection, O
         return cls.from_dict(doc, source=path, **overrides)
 
     @classmethod
-    def from_dict(cls, doc: dict, source: str = "config", **overrides: Any) -> "TrainConfig":
+    def from_dict(cls, doc: dict, source: str = "config", **overrides: object) -> "TrainConfig":
         """A config from a run file's content (``source`` names it in errors), then ``overrides``
         (flat keys; None values are left out: a flag not given)."""
         flat = flatten(doc, source)

@@ -23,9 +23,10 @@ The objects: ``roster.Roster`` (the stage processes, their inboxes and heartbeat
 the lost and never plans), ``weights.Weights`` (snapshots, checkpoints, resuming, moving weights),
 ``recovery.StageRecovery`` (a lost stage's weights), ``control.ControlFolder`` (the files a run shows
 itself through), ``protocol`` (the messages), and ``Trainer`` here: the iteration loop and its policy
-(re-planning, refining, evaluation). The trainer is the one object that holds the others; they never
-call each other through it (``Weights.gather`` hands the stages that no process holds to the trainer,
-which asks the recovery policy and gives its answer to ``Weights.move``).
+(evaluation, checkpoints), with the plan in use and its re-planning and refining in
+``replanning.Replanning`` and one round's messages in ``rounds.Rounds``. The trainer is the one object
+that holds the others; they never call each other through it (``Weights.gather`` hands the stages that
+no process holds to the trainer, which asks the recovery policy and gives its answer to ``Weights.move``).
 """
 
 
@@ -33,10 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -46,23 +46,21 @@ from ..planning.background import Refinement
 from ..runtime.control import EVALUATIONS, EVENTS, ITERATIONS, ControlFolder
 from .data import train_batches, val_batches
 from ..runtime.door import Door, Invitations
-from ..errors import NodeFailed, NodesLost, NoMessage, PlanError, RoundStalled
+from ..errors import NodeFailed, NodesLost, PlanError, RoundStalled
 from .evaluate import evaluate_model
-from ..planning.network import Network
-from ..planning.plan import Plan
-from ..planning.planner import replan_or_hold
 from ..faults import FailureSchedule
 from ..runtime.recovery import StageRecovery
 from .report import plot_losses, write_metrics
 from ..runtime.roster import Roster
 from .runspec import Prepared, TrainConfig, calibrate, prepare  # re-exported: the run's surface
-from ..planning.simulate import Prediction, predict
 from ..runtime.slowness import SlowNodes
 from ..runtime.stalls import Stalls
 from ..runtime.stage_process import pick_device
 from ..dispatch import Dispatch
 from ..verify.verifier import Verifier
-from ..runtime.weights import StageWeights, Weights, load_checkpoint
+from ..runtime.weights import Weights, load_checkpoint
+from .replanning import REFINE_GAIN, Replanning
+from .rounds import Rounds
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +68,7 @@ __all__ = ["NodeFailed", "NodesLost", "REFINE_GAIN", "Trainer", "TrainConfig", "
            "plot_losses", "prepare", "run", "write_metrics"]
 
 
-#: a plan refined in the background replaces the plan in use only when it predicts a whole iteration
-#: at least this much shorter: moving stages between nodes costs a round of weight transfers.
-REFINE_GAIN = 0.03
-
-
-class Trainer:
+class Trainer(Replanning, Rounds):
     """Runs a prepared plan on roving processes, through node failures. Use as a context manager
     (stops the nodes).
 
@@ -153,41 +146,16 @@ class Trainer:
         #: the refinement of the latest re-plan (see the class doc, Refining)
         self.refining = Refinement(cfg.refine_budget, cfg.seed, prep.plan_sync_bytes, cfg.planner_evals or None)
         self.round = -1
-        self._done_mbs: Iterable[int] = ()  # the microbatches of the round in flight that are done
+        self._done_mbs = ()
         self._batches = train_batches(prep.corpus.train, cfg.samples, cfg.seq_len, cfg.seed)
         self._val = val_batches(prep.corpus.val, cfg.samples, cfg.seq_len, cfg.eval_batches)
         self._train_s = 0.0
         self.start_iteration = 0
-        self._sync_round: int | None = None  # the round whose averaging orders went out
-        self._norms: dict[int, float] = {}  # stage -> squared gradient norm, this round
-        self._norm_from: set[str] = set()
-        self._losses: dict[int, float] = {}  # microbatch -> its loss, this round
-        self._stepped: dict[str, m.Stepped] = {}  # name -> its Stepped, this step
+        self._sync_round = None
+        self._norms, self._norm_from, self._losses, self._stepped = {}, set(), {}, {}
         self._resume_from = load_checkpoint(cfg.checkpoint, prep) if cfg.resume else None
         #: the open door (``[run] open_join``), opened by ``start``
         self.door: Door | None = None
-
-    def _predict(self, plan: Plan, net: Network | None = None) -> Prediction:
-        """``simulate.predict`` for ``plan`` on ``net`` (default: the network in use), on this run's
-        shared cores and with its replicas' gradient bytes: every prediction of the trainer."""
-        return predict(plan, net if net is not None else self.net, self.spec, shared_cores=self.shared_cores,
-                       sync_bytes=self.prepared.gradient_bytes)
-
-    def _use_plan(self, new_plan: Plan, prediction: Prediction) -> None:
-        """``new_plan`` is the plan in use from now on; ``prediction`` is its ``_predict``."""
-        self.plan, self.prediction = new_plan, prediction
-        self.alloc = dict(new_plan.allocation)
-        self.replicas = {s: sorted(n for n, st in self.alloc.items() if st == s) for s in range(self.config.stages)}
-        self.stage_counts = new_plan.stage_visits()
-
-    @property
-    def missing_stages(self) -> list[int]:
-        """Stages that no node of the plan in use holds (paths skip them)."""
-        return [s for s, r in self.replicas.items() if not r]
-
-    def _limit(self, name: str, stage: int) -> int:
-        """Microbatches node ``name`` may hold in flight with ``stage`` (its memory)."""
-        return max(1, self.net.node(name).in_flight(stage, self.spec, self.config.stages))
 
     # -- starting and stopping ---------------------------------------------------------------
     def start(self) -> None:
@@ -288,122 +256,15 @@ class Trainer:
             pass  # re-planned around (and the joined nodes given their weights) at the next boundary
         return started
 
-    def _admit(self) -> None:
-        """Admit nodes that reported ready, and place them (a re-plan gives them their weights)."""
-        joined = self.roster.admit()
-        if joined:
-            self._replan(joined=joined, why="joined")
-
     def _write_status(self) -> None:
         self.control.write_status(self.metrics, self.config.iterations, self.alloc, self.missing_stages,
                                   sorted(self.roster.starting | set(self.roster.ready)), self.refining.searching)
 
-    # -- re-planning and moving weights ----------------------------------------------------------
-    def _replan(self, failed: dict[str, str] | None = None, slowed: dict[str, float] | None = None,
-                joined: Sequence[str] = (), why: str = "") -> None:
-        """A new plan for the live nodes (``planner.replan_or_hold``); nodes whose stage changes get its
-        weights and optimizer state (``_move_weights``). NodeFailed when no plan can be made."""
-        failed = dict(failed or {})
-        t0 = time.perf_counter()
-        joined_nodes = [self.roster.universe[n] for n in joined]
-        lost = [s for s, r in self.replicas.items() if r and all(n in failed for n in r)]
-        if lost and not self.recovery.skip_lost(lost, self.replicas):
-            raise NodeFailed("every node of stage 0 was lost, and stage_recovery = \"skip\" cannot skip it "
-                             "(it holds the embedding, head and loss)")
-        cfg = self.config
-        try:
-            new_plan, net = replan_or_hold(
-                self.plan, self.net, self.spec, failed=list(failed), slowed_by=slowed, joined=joined_nodes,
-                missing=bool(self.missing_stages), dropped=self.recovery.dropped, skip=self.prepared.plan.skip,
-                budget_s=cfg.replan_budget, seed=cfg.seed, sync_bytes=self.prepared.plan_sync_bytes,
-                max_evals=cfg.replan_evals or None)
-        except PlanError as exc:
-            raise NodeFailed(f"training cannot go on: {exc}") from None
-        prediction = self._predict(new_plan, net)
-        self.net = net
-        self._use_plan(new_plan, prediction)
-        moved, sources = self._move_weights()
-        self._event("replan", why=why, failed=sorted(failed), slowed=slowed or {}, joined=list(joined),
-                    moved=moved, weights_from=sources, missing_stages=self.missing_stages,
-                    predicted_s=prediction.iteration_s, planner_seconds=time.perf_counter() - t0,
-                    path_evaluations=new_plan.stats.get("path_evaluations"),
-                    allocation=dict(sorted(self.alloc.items())))
-        self._start_refining()
-
-    def _move_weights(self) -> tuple[dict[str, int], dict[int, str]]:
-        """Nodes whose stage in the plan in use is not the one they hold load it: from a live process
-        that holds it (``Weights.gather``), else as the recovery policy rebuilds it, else from the
-        latest snapshot (``Weights.move``). Returns the nodes moved (name -> stage) and where each
-        stage's weights came from."""
-        moved = {n: s for n, s in self.alloc.items() if self.roster.holding.get(n) != s}
-        takeover = self.weights.gather(moved, self.alloc)  # (exports checked by what each held until now)
-        self.verifier.loaded(moved)
-        rebuilt: dict[int, StageWeights] = {}
-        for stage, nodes in takeover.orphans.items():
-            weights = self.recovery.rebuild(stage, nodes)
-            if weights is not None:
-                rebuilt[stage] = weights
-        return moved, self.weights.move(takeover, rebuilt, self._limit)
-
+    # -- what is recorded (re-planning: ``replanning.Replanning``; a round's messages: ``rounds.Rounds``) --
     def _done(self) -> int:
         """Iterations done (recorded) so far."""
         its = self.metrics["iterations"]
         return its[-1]["iteration"] + 1 if its else 0
-
-    def kill_stage(self, stage: int, timeout: float = 30.0) -> list[str]:
-        """Fault injection: kill -9 every process of ``stage``, wait until they are declared dead, and
-        re-plan at once (an iteration boundary: the stage is recovered as ``stage_recovery`` says).
-        Returns the names killed."""
-        names = sorted(n for n in self.replicas.get(stage, []) if n in self.roster.inboxes)
-        self._event("injected", stage=stage, nodes=names)
-        if not names:
-            return names
-        self.roster.kill(names)
-        try:
-            self.roster.wait_declared_dead(names, timeout)
-        except NodeFailed as exc:
-            raise NodeFailed(f"killed stage {stage}, but {exc}") from None
-        self._replan(failed=self.roster.take_lost(), why="failure")
-        return names
-
-    def _start_refining(self) -> None:
-        """Search a fresh plan for the live nodes in the background (see the class doc, Refining); a
-        refinement still running for an earlier re-plan is stopped."""
-        self.refining.cancel()
-        cfg = self.config
-        if cfg.refine_budget <= 0 or cfg.schedule != "skippipe" or self.missing_stages:
-            return
-        try:
-            self.refining.start(self.net, self.spec, cfg.stages, self.prepared.plan.skip, len(self.plan.paths))
-        except Exception as exc:  # no process or no temporary file: training goes on with the re-plan
-            log.warning("could not start refining the plan, the plan in use stays: %s", exc)
-            self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
-
-    def _take_refined(self) -> None:
-        """At an iteration boundary: the background plan replaces the plan in use if it is done and
-        faster by ``REFINE_GAIN``."""
-        try:
-            new_plan = self.refining.take()
-        except (PlanError, RuntimeError) as exc:
-            log.warning("refining the plan failed, the plan in use stays: %s", exc)
-            self._event("refine", adopted=False, error=f"{type(exc).__name__}: {exc}")
-            return
-        if new_plan is None:
-            return
-        # judged as the planner judged it: the whole iteration (refining runs for skippipe, whose plan
-        # was searched with the replicas' gradient bytes)
-        candidate = self._predict(new_plan)
-        now, refined = self.prediction.whole_s, candidate.whole_s
-        adopted = refined < now * (1.0 - REFINE_GAIN)
-        moved: dict[str, int] = {}
-        sources: dict[int, str] = {}
-        if adopted:
-            self._use_plan(new_plan, candidate)
-            moved, sources = self._move_weights()
-        self._event("refine", adopted=adopted, iteration_s_before=now, iteration_s_refined=refined,
-                    moved=moved, weights_from=sources, predicted_s=self.prediction.iteration_s,
-                    planner_seconds=new_plan.stats.get("planner_seconds"),
-                    allocation=dict(sorted(self.alloc.items())))
 
     def _event(self, kind: str, **fields: Any) -> None:
         """Record an event of ``kind``: in the metrics, the control folder and the progress callback."""
@@ -553,104 +414,6 @@ class Trainer:
                                  **failed},
                          joined=sorted(n for n in back if n in self.roster.inboxes),
                          why="failure" if failed else "stall")
-
-    def run_microbatches(self, rnd: int, batches: list | None = None) -> list[float]:
-        """Send every microbatch of the plan to its origin, and every node its averaging order; wait
-        until all microbatches are done; their losses. A stage's replicas average their gradients as
-        soon as each has run its last backward pass of the round, while other stages still work; the
-        norms that arrive meanwhile are kept for ``synchronize``."""
-        self.round = max(self.round, rnd)
-        plan = self.plan
-        order = plan.priority or list(range(len(plan.paths)))
-        if batches is None:
-            batches = [next(self._batches) for _ in plan.paths]
-        verifier = self.verifier
-        verifier.begin(rnd, plan, self.alloc, batches)
-        for mb in order:
-            path = plan.paths[mb]
-            tokens, targets = batches[mb]
-            self.roster.put(path.origin, m.Microbatch(rnd, mb, tokens, targets, path))
-        self._losses = {}
-        self._order_sync(rnd, plan.backward_counts())
-        self._done_mbs = self._losses.keys()  # what a stalled round's accounts are read against (``stalls``)
-        self._read_round(lambda: len(self._losses) >= len(plan.paths), rnd)
-        return [self._losses[mb] for mb in range(len(plan.paths))]
-
-    def _take_done(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Done)
-        self._losses[msg.mb] = msg.loss
-        self.verifier.finished(msg.round, msg.mb)  # its computations' checks start while the others run
-
-    def _take_norm(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Norm)
-        self._norms.setdefault(msg.stage, msg.sq_norm)
-        self._norm_from.add(msg.sender)
-        self.verifier.note(msg)
-
-    def _read_round(self, done: Callable[[], bool], rnd: int) -> None:
-        """Dispatch round ``rnd``'s messages until ``done()``; raises RoundStalled after ``stall_after``
-        seconds (at least twice the predicted iteration) without one; dead nodes raise NodesLost first
-        (they are checked every 0.1 s meanwhile)."""
-        if not self.config.stall_after:
-            self.dispatch.until(done, rnd)
-            return
-        # Never shorter than twice the round the plan predicts here: a slow round is not a stalled one.
-        here = self.prediction.here_s
-        predicted = here if math.isfinite(here) else 0.0
-        try:
-            self.dispatch.until(done, rnd, timeout=max(self.config.stall_after, 2 * predicted))
-        except NoMessage as exc:
-            raise RoundStalled(str(exc)) from None
-
-    def _order_sync(self, rnd: int, expect: dict[str, int] | None) -> None:
-        self._sync_round, self._norms, self._norm_from = rnd, {}, set()
-        combined = {s: self.verifier.combined_asked(rnd, r) for s, r in self.replicas.items() if r}
-        for name, s in self.alloc.items():
-            self.roster.put(name, m.SyncOrder(rnd, self.replicas[s], self.stage_counts[s],
-                                              None if expect is None else expect.get(name, 0), combined[s]))
-
-    def synchronize(self, rnd: int) -> float:
-        """Replicas average their gradients over the microbatches their stage processed; returns the
-        whole model's gradient norm (waits for the stages still averaging)."""
-        if self._sync_round != rnd:
-            self._order_sync(rnd, None)
-        self._read_round(lambda: set(self.alloc) <= self._norm_from, rnd)
-        return math.sqrt(sum(self._norms.values()))
-
-    def step(self, rnd: int, coef: float, lr: float) -> dict[str, dict]:
-        """Every node scales its gradients by ``coef`` and steps; returns each node's statistics. A
-        node that dies now is not waited for (the others step all the same); the plan is remade at
-        the next boundary. With verification on, the replicas' weights are compared (``Verifier.stepped``)
-        before anything reads them: a replica caught stepping to other weights is excluded now, and
-        planned around at the next boundary, as a node lost."""
-        for name in self.roster.inboxes:
-            self.roster.put(name, m.Step(rnd, coef, self.recovery.lr(self.roster.holding.get(name), lr)))
-        self._stepped = {}
-        while set(self.roster.inboxes) - set(self._stepped):
-            try:
-                self.dispatch.until(lambda: set(self.roster.inboxes) <= set(self._stepped), rnd)
-            except NodesLost:
-                pass  # _drop recorded them for the next boundary
-        got = self._stepped
-        caught = self.verifier.stepped(rnd, self.alloc, {n: s.weights for n, s in got.items()},
-                                       {n: s.platform for n, s in got.items()})
-        if caught:
-            self.roster.exclude(caught)
-        return {n: s.stats for n, s in got.items()}
-
-    def _take_stepped(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Stepped)
-        self._stepped[msg.sender] = msg
-        self.recovery.observe(self.roster.holding.get(msg.sender), msg.grad_norm)
-
-    def _watch_speed(self, stats: dict[str, dict]) -> None:
-        """Mark nodes much slower than the plan expects, and re-plan with their measured speed."""
-        if self.config.slow_factor <= 0 or self.missing_stages:
-            return
-        slow = self._slow.observe(self.prediction.busy_s, {n: s["compute_s"] for n, s in stats.items()})
-        if slow:
-            self._event("slow", nodes=sorted(slow), factor={n: round(f, 2) for n, f in slow.items()})
-            self._replan(slowed=slow, why="slow")
 
     # -- evaluation and checkpoints ------------------------------------------------------------
     def stage_states(self, all_replicas: bool = False, grads: bool = False) -> dict[str, tuple[int, dict]]:

@@ -25,10 +25,15 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, TYPE_CHECKING, Any, Callable
 
 from ...system.private import create_private, open_private, private_dir
 from ..errors import PlanError
+
+if TYPE_CHECKING:  # (the dashboard reads this module: it imports no planning at run time)
+    from ..planning.costs import ModelSpec
+    from ..planning.network import Network
+    from ..planning.plan import Plan
 
 STATUS = "status.json"
 ITERATIONS = "iterations.jsonl"
@@ -202,7 +207,8 @@ class ControlFolder:
                              for e in metrics["events"] if e["event"] == "caught"]}
         self._replace(STATUS, json.dumps(status, indent=1))
 
-    def write_plan(self, iteration: int, plan: Any, net: Any, spec: Any, shared_cores: int, trace: dict) -> None:
+    def write_plan(self, iteration: int, plan: Plan, net: Network, spec: ModelSpec, shared_cores: int,
+                   trace: dict) -> None:
         """``plan.json``, for the dashboard: for each node, the simulator's timeline of the plan in use on
         the run's cores (``predicted``, computed once per plan) beside the last iteration's measured one
         (``measured``), each entry [kind, microbatch, start s, end s] from the iteration's start; the
@@ -252,7 +258,8 @@ class NullControlFolder:
                      starting: list[str], refining: bool) -> None:
         pass
 
-    def write_plan(self, iteration: int, plan: Any, net: Any, spec: Any, shared_cores: int, trace: dict) -> None:
+    def write_plan(self, iteration: int, plan: Plan, net: Network, spec: ModelSpec, shared_cores: int,
+                   trace: dict) -> None:
         pass
 
 

@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import AbstractSet, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Callable, Iterable, Mapping, Sequence
 
 from .. import protocol as m
 from ..errors import NodesLost, NoMessage
 from ..planning.plan import Plan, Route
 from ..protocol import COORDINATOR
+
+if TYPE_CHECKING:
+    from ..dispatch import Dispatch
+    from .roster import Roster
 
 #: Kinds of message in a chain (``Key.kind``): activations forward (the coordinator's ``Microbatch`` is
 #: hop -1), gradients backward, and the origin's ``Done``.
@@ -206,7 +210,7 @@ class Stalls:
     (``dispatch.Dispatch``: the nodes' ``Progress`` comes to this object's handler); ``limit(name, stage)``
     the in-flight limit of a node at a stage; ``event(kind, **fields)`` records."""
 
-    def __init__(self, roster: Any, dispatch: Any, limit: Callable[[str, int], int],
+    def __init__(self, roster: Roster, dispatch: Dispatch, limit: Callable[[str, int], int],
                  event: Callable[..., None]) -> None:
         self.roster, self.dispatch, self._limit, self._event = roster, dispatch, limit, event
         self._accounts: dict[str, Account] | None = None  # while a stall's accounts are taken

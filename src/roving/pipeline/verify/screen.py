@@ -147,23 +147,6 @@ class Summary:
     std: float = 0.0
     profile: torch.Tensor | None = None
 
-    def __reduce__(self) -> tuple:
-        # A summary travels in a ``Norm``, one per tensor a node received: its profile goes as the bytes of
-        # its float32 values, not as a torch tensor (whose pickling, through torch's storage machinery,
-        # cost about 0.1 ms a summary here, both ends together: more than summarising the tensor).
-        p = self.profile
-        wire = p.detach().to("cpu", torch.float32).contiguous().numpy().tobytes() \
-            if isinstance(p, torch.Tensor) and p.dim() == 1 else p
-        return (_from_wire, (self.found, self.norm, self.mean, self.std, wire))
-
-
-def _from_wire(found: object, norm: object, mean: object, std: object, profile: object) -> Summary:
-    """A ``Summary`` as ``Summary.__reduce__`` sent it: a profile of float32 bytes made a tensor again;
-    anything else kept as it came, for ``sound`` to refuse (a peer's report is judged, not trusted)."""
-    if isinstance(profile, bytes) and len(profile) % 4 == 0:
-        profile = torch.frombuffer(bytearray(profile), dtype=torch.float32)
-    return Summary(found, norm, mean, std, profile)  # type: ignore[arg-type]
-
 
 def make_summary(found: tuple[str, ...], norm: float, mean: float, std: float, profile: torch.Tensor | None) -> Summary:
     """``Summary(found, norm, mean, std, profile)``, made without the frozen dataclass's ``__init__`` (each
