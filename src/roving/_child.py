@@ -35,11 +35,19 @@ def _watch_parent(info: dict, cfg: _config.Config) -> None:
     local = bool(info.get("local"))
     parent_gone = _exit_of(info.get("parent_pid")) if local else None
     working = _working(info.get("parent_pid")) if local else None
-    last_answer = time.monotonic()
+    # Here the parent's exit is seen at once (its pidfd), so pings, which only find a parent stopped or
+    # hung, need not be as often: a third of parent_timeout (a thousand children pinging every second
+    # cost them and the parent half a core).
+    ping_every = max(cfg.heartbeat_interval, cfg.parent_timeout / 3) if parent_gone is not None else 0.0
+    last_answer = last_ping = time.monotonic()
     while not _stop_watching.wait(cfg.heartbeat_interval):
         if parent_gone is not None and parent_gone():
             _die("its parent process exited")
-        # a parent seen working is not asked (a thousand children's pings cost a busy parent a core)
+        now = time.monotonic()
+        if now - last_ping < ping_every:
+            continue
+        last_ping = now
+        # a parent seen working is not asked
         if (working is not None and working()) or endpoint.ping(cfg.heartbeat_interval):
             last_answer = time.monotonic()
         elif time.monotonic() - last_answer > cfg.parent_timeout:

@@ -434,7 +434,7 @@ class Upkeep(Sizing):
 
 #: Heartbeats a second the parent takes from all of a pool's workers together, at most, as far as
 #: ``pool_heartbeat_timeout`` allows (``beat_interval``).
-BEATS_PER_S = 500
+BEATS_PER_S = 200
 
 
 def beat_interval(interval: float, timeout: float, workers: int) -> float:

@@ -124,7 +124,7 @@ def serve(address: str, pool_id: int, worker_id: int, initializer: Optional[Call
     interval = beat_s or cfg.heartbeat_interval
     beating = threading.Thread(target=_heartbeat, args=(connect, pool_id, worker_id, stop, ending, wake, interval),
                                name="roving-pool-heartbeat", daemon=True)
-    loop = _Loop(connect(), pool_id, maxtasks, connect, ending, MemoryWatch(memory_limit))
+    loop = _Loop(connect(), pool_id, maxtasks, connect, ending, MemoryWatch(memory_limit), interval)
     beating.start()
     try:
         loop.run(worker_id)
@@ -193,8 +193,9 @@ class _Loop:
 
     def __init__(self, chan: Channel, pool_id: int, maxtasks: Optional[int],
                  reconnect: Callable[[], Channel], ending: Optional[Ending] = None,
-                 memory: Optional[MemoryWatch] = None) -> None:
+                 memory: Optional[MemoryWatch] = None, idle_word_s: float = 1.0) -> None:
         self.chan, self.pool_id, self.maxtasks, self.reconnect = chan, pool_id, maxtasks, reconnect
+        self.idle_word_s = idle_word_s  # seconds between its words on the work connection while idle
         self.ending = ending
         self.memory = memory or MemoryWatch(None)
         self.units: Deque[P.Unit] = collections.deque()
@@ -309,7 +310,7 @@ class _Loop:
             self.results.flush()
             if self.leaving and self.acked:
                 return True
-            frames = chan.recv(1.0)
+            frames = chan.recv(self.idle_word_s)
             if frames is not None:
                 self._take(frames)
             else:
