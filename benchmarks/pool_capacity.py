@@ -128,15 +128,20 @@ def _proc_cpu(pid: int) -> float:
 
 
 class _Hosts:
-    def __init__(self, n: int, address: str, secret: bytes, one_connection: bool = False, streams: int = 0,
+    def __init__(self, n: int, address: str, one_connection: bool = False, streams: int = 0,
                  stream_address: str = "", jitter: float = 0.0) -> None:
-        env = dict(os.environ)
+        from roving.transport import session as _session
+
         clients = os.path.join(os.path.dirname(os.path.abspath(__file__)), "pool_capacity_clients.py")
-        self.procs = [subprocess.Popen([sys.executable, clients, address,
-                                        secret.hex(), "one" if one_connection else "two", str(streams),
-                                        stream_address or "-", str(jitter)],
-                                       stdin=subprocess.PIPE, env=env)
-                      for _ in range(n)]
+        session = _session.current()
+        self.procs = []
+        for _ in range(n):
+            # each clients process a child of this session: credentials of its own, issued by its CA
+            uid = _session.new_uid()
+            env = {**os.environ, **session.child_env({"uid": uid, "parent": address}, True)}
+            self.procs.append(subprocess.Popen([sys.executable, clients, address, "one" if one_connection else "two",
+                                                str(streams), stream_address or "-", str(jitter)],
+                                               stdin=subprocess.PIPE, env=env))
         self.next = 0
 
     def tell(self, i: int, line: str) -> None:
@@ -171,6 +176,7 @@ class _ClientProc:
     def __init__(self, target: Any = None, name: str = "", args: tuple = (), daemon: bool = True,
                  resources: Any = None) -> None:
         self.pool_id, self.wid = args[1], args[2]
+        self.beat = args[8] if len(args) > 8 and args[8] else None  # seconds between its heartbeats
         self.name = name
         # readable once the worker is dropped, as a job's sentinel once the job ends: the upkeep learns of
         # the end through it (an eventfd: one descriptor)
@@ -214,6 +220,8 @@ def _start_clients(procs: List[_ClientProc]) -> List[Optional[Exception]]:
         p.alive = True
         per.setdefault(p.host, []).append(p.wid)
     for i, wids in per.items():
+        if procs[0].beat:  # as a real worker is told: the heartbeats' spacing for this pool's size
+            hosts.tell(i, f"beat {procs[0].beat}")
         hosts.tell(i, f"start {procs[0].pool_id} " + " ".join(map(str, wids)))
     return [None] * len(procs)
 
@@ -243,7 +251,6 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
     hosts = None
     if clients:
         node = _session.current().node()
-        secret = _session.current().secret
         _upkeep.Process = _ClientProc  # type: ignore[attr-defined]
         _upkeep.start_many = _start_clients  # type: ignore[attr-defined]
     # the upkeep thread's own CPU (thread_time inside each round): the idle CPU less this is what the
@@ -266,7 +273,7 @@ def run_one(workers: int, task_ms: List[int], clients: bool, n_hosts: int, secon
     rss0 = _rss()
     pool = roving.Pool(workers) if not clients else None
     if clients:
-        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, secret, one_connection, streams,
+        hosts = _ClientProc.hosts = _Hosts(n_hosts, node.address, one_connection, streams,
                                            node.streams().address if streams else "", jitter)
         time.sleep(1.0)
         rss0 = _rss()

@@ -34,8 +34,7 @@ class _Client:
         self.streams: List[Any] = []  # with --streams: as a real worker process's streams to the parent
 
 
-def _host(address: str, secret: bytes, one_connection: bool, n_streams: int, stream_address: str,
-          jitter: float) -> None:
+def _host(address: str, one_connection: bool, n_streams: int, stream_address: str, jitter: float) -> None:
     import random
 
     import zmq
@@ -46,7 +45,10 @@ def _host(address: str, secret: bytes, one_connection: bool, n_streams: int, str
     from roving.transport import stream as _stream
     from roving.transport.channel import Channel
     from roving.transport.serialize import dumps
+    from roving.transport import session as _session
     from roving.transport.wire import HEADER, PING, REQUEST
+
+    secret = _session.current().credentials  # a child of the benchmark's session (its environment says)
 
     interval = _config.current().heartbeat_interval
     # as a real worker: its channels are streams where the parent's node has a listener (else ZeroMQ);
@@ -196,6 +198,8 @@ def _host(address: str, secret: bytes, one_connection: bool, n_streams: int, str
                             heapq.heappush(timers, (time.monotonic() + interval, seq, 0, c))
                     elif cmd == "task":
                         task_seconds = float(arg)
+                    elif cmd == "beat":
+                        interval = float(arg)
                     elif cmd == "kill":
                         for wid in map(int, arg.split()):
                             c = clients.pop(wid, None)
@@ -250,5 +254,4 @@ def _host(address: str, secret: bytes, one_connection: bool, n_streams: int, str
 
 
 if __name__ == "__main__":
-    _host(sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3] == "one", int(sys.argv[4]), sys.argv[5],
-          float(sys.argv[6]))
+    _host(sys.argv[1], sys.argv[2] == "one", int(sys.argv[3]), sys.argv[4], float(sys.argv[5]))
