@@ -148,7 +148,7 @@ def _part(kind: Kind, v: Any) -> bytes | None:
         return v.encode() if type(v) is str else None
     if kind is Kind.BYTES:
         return bytes(v) if type(v) is bytes or type(v) is bytearray else None
-    if type(v) is not tuple or any(type(x) is not int for x in v):
+    if type(v) is not tuple or (v and set(map(type, v)) != {int}):
         return None
     try:
         return _ints(len(v)).pack(*v)
