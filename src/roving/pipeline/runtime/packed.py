@@ -37,6 +37,9 @@ class Kind(enum.IntEnum):
     INTS = 4  # tuple[int, ...]
 
 
+_STR, _BYTES, _INTS = int(Kind.STR), int(Kind.BYTES), int(Kind.INTS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Field:
     """A field of a packed message: its name, kind, and its check (a value -> whether it is sound)."""
@@ -72,6 +75,8 @@ class Flat:
         self.ints = [f.name for f in order if f.kind is Kind.INT]
         self.floats = [f for f in order if f.kind is Kind.FLOAT]
         self.rest = [f for f in order if f.kind > Kind.FLOAT]
+        # the kinds as plain ints: an IntEnum's members and values cost more to look up than a field to cut
+        self.rest_kinds = [int(f.kind) for f in self.rest]
         self.whole = whole
         self.fixed = struct.Struct("<" + "q" * len(self.ints) + "d" * len(self.floats) + "I" * len(self.rest))
         self.size = 2 + self.fixed.size
@@ -92,12 +97,12 @@ class Flat:
             if type(v) is not float and type(v) is not int:
                 return None
         parts = []
-        for f, v in zip(self.rest, values[ni + nf:]):
-            part = _part(f.kind, v)
+        for i, (what, v) in enumerate(zip(self.rest_kinds, values[ni + nf:]), ni + nf):
+            part = _part(what, v)
             if part is None:
                 return None
             parts.append(part)
-            values[ni + nf + len(parts) - 1] = len(part) // 8 if f.kind is Kind.INTS else len(part)
+            values[i] = len(part) // 8 if what == _INTS else len(part)
         try:
             head = self._mark + self.fixed.pack(*values)
         except struct.error:  # a number beyond int64, a length beyond 4 GiB
@@ -131,8 +136,8 @@ class Flat:
 
     def _cut_rest(self, buf: Any, values: list, end: int) -> list:
         pos, first = self.size, len(self.ints) + len(self.floats)
-        for i, f in enumerate(self.rest, first):
-            values[i], pos = _cut(f, buf, pos, values[i], end, self.cls.__name__, self.max_str)
+        for i, (what, f) in enumerate(zip(self.rest_kinds, self.rest), first):
+            values[i], pos = _cut(what, f, buf, pos, values[i], end, self.cls.__name__, self.max_str)
         if pos != end:
             raise Malformed(f"{self.cls.__name__}: a packed header of {end} bytes whose fields take {pos}")
         return values
@@ -143,10 +148,10 @@ class Flat:
         return f"{self.cls.__name__}.{name}: {v!r} is not a whole number from {lo}"
 
 
-def _part(kind: Kind, v: Any) -> bytes | None:
-    if kind is Kind.STR:
+def _part(what: int, v: Any) -> bytes | None:
+    if what == _STR:
         return v.encode() if type(v) is str else None
-    if kind is Kind.BYTES:
+    if what == _BYTES:
         return bytes(v) if type(v) is bytes or type(v) is bytearray else None
     if type(v) is not tuple or (v and set(map(type, v)) != {int}):
         return None
@@ -156,15 +161,15 @@ def _part(kind: Kind, v: Any) -> bytes | None:
         return None
 
 
-def _cut(f: Field, buf: Any, pos: int, n: int, end: int, kind: str, max_str: int) -> tuple[Any, int]:
-    """Field ``f``'s value, ``n`` long (bytes; whole numbers for INTS), at ``pos`` of ``buf``, and where
-    the next starts."""
-    size = n * 8 if f.kind is Kind.INTS else n
+def _cut(what: int, f: Field, buf: Any, pos: int, n: int, end: int, kind: str, max_str: int) -> tuple[Any, int]:
+    """Field ``f``'s value (``what``: its kind, as a plain int), ``n`` long (bytes; whole numbers for INTS),
+    at ``pos`` of ``buf``, and where the next starts."""
+    size = n * 8 if what == _INTS else n
     if pos + size > end:
         raise Malformed(f"{kind}.{f.name}: {size} bytes where {end - pos} are left")
-    if f.kind is Kind.BYTES:
+    if what == _BYTES:
         return bytes(buf[pos:pos + size]), pos + size
-    if f.kind is Kind.INTS:
+    if what == _INTS:
         values = _ints(n).unpack_from(buf, pos)
         if values and not (f.check(min(values)) and f.check(max(values))):
             raise Malformed(f"{kind}.{f.name}: a number out of bounds")
