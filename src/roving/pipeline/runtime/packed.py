@@ -77,6 +77,8 @@ class Flat:
         self.rest = [f for f in order if f.kind > Kind.FLOAT]
         # the kinds as plain ints: an IntEnum's members and values cost more to look up than a field to cut
         self.rest_kinds = [int(f.kind) for f in self.rest]
+        first = len(self.ints) + len(self.floats)
+        self.rest_at = [(i, int(f.kind), f) for i, f in enumerate(self.rest, first)]
         self.whole = whole
         self.fixed = struct.Struct("<" + "q" * len(self.ints) + "d" * len(self.floats) + "I" * len(self.rest))
         self.size = 2 + self.fixed.size
@@ -135,9 +137,21 @@ class Flat:
         return obj
 
     def _cut_rest(self, buf: Any, values: list, end: int) -> list:
-        pos, first = self.size, len(self.ints) + len(self.floats)
-        for i, (what, f) in enumerate(zip(self.rest_kinds, self.rest), first):
-            values[i], pos = _cut(what, f, buf, pos, values[i], end, self.cls.__name__, self.max_str)
+        pos = self.size
+        for i, what, f in self.rest_at:
+            if what == _STR:  # (inline: most of what is not a number is a string)
+                n = values[i]
+                if pos + n > end:
+                    raise Malformed(f"{self.cls.__name__}.{f.name}: {n} bytes where {end - pos} are left")
+                try:
+                    text = str(buf[pos:pos + n], "utf-8")
+                except UnicodeDecodeError:
+                    raise Malformed(f"{self.cls.__name__}.{f.name}: a string that is not UTF-8") from None
+                if len(text) > self.max_str:
+                    raise Malformed(f"{self.cls.__name__}.{f.name}: a string of more than {self.max_str} characters")
+                values[i], pos = text, pos + n
+            else:
+                values[i], pos = _cut(what, f, buf, pos, values[i], end, self.cls.__name__)
         if pos != end:
             raise Malformed(f"{self.cls.__name__}: a packed header of {end} bytes whose fields take {pos}")
         return values
@@ -161,26 +175,18 @@ def _part(what: int, v: Any) -> bytes | None:
         return None
 
 
-def _cut(what: int, f: Field, buf: Any, pos: int, n: int, end: int, kind: str, max_str: int) -> tuple[Any, int]:
-    """Field ``f``'s value (``what``: its kind, as a plain int), ``n`` long (bytes; whole numbers for INTS),
-    at ``pos`` of ``buf``, and where the next starts."""
+def _cut(what: int, f: Field, buf: Any, pos: int, n: int, end: int, kind: str) -> tuple[Any, int]:
+    """Field ``f``'s value (``what``: its kind as a plain int, bytes or whole numbers), ``n`` long (bytes;
+    whole numbers for INTS), at ``pos`` of ``buf``, and where the next starts."""
     size = n * 8 if what == _INTS else n
     if pos + size > end:
         raise Malformed(f"{kind}.{f.name}: {size} bytes where {end - pos} are left")
     if what == _BYTES:
         return bytes(buf[pos:pos + size]), pos + size
-    if what == _INTS:
-        values = _ints(n).unpack_from(buf, pos)
-        if values and not (f.check(min(values)) and f.check(max(values))):
-            raise Malformed(f"{kind}.{f.name}: a number out of bounds")
-        return values, pos + size
-    try:
-        text = str(buf[pos:pos + size], "utf-8")
-    except UnicodeDecodeError:
-        raise Malformed(f"{kind}.{f.name}: a string that is not UTF-8") from None
-    if len(text) > max_str:
-        raise Malformed(f"{kind}.{f.name}: a string of more than {max_str} characters")
-    return text, pos + size
+    values = _ints(n).unpack_from(buf, pos)
+    if values and not (f.check(min(values)) and f.check(max(values))):
+        raise Malformed(f"{kind}.{f.name}: a number out of bounds")
+    return values, pos + size
 
 
 def _numbers(codes: str, rows: int) -> struct.Struct:
