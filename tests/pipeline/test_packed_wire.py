@@ -9,7 +9,7 @@ import pytest
 
 from roving.pipeline import protocol as m
 from roving.pipeline.runtime import codec
-from roving.pipeline.runtime.packed import MARK
+from roving.pipeline.runtime.packed import MARK, MAX_ITEMS, MAX_STATS
 
 _TRACE = [("fwd", 0, 1.5, 2.5), ("bwd", 0, 2.5, 3.0), ("mb", 1, 3.0, 3.25)]
 
@@ -101,15 +101,15 @@ def test_a_packed_message_with_a_sender_read_without_one_is_refused():
 
 
 def _stepped(rnd: int = 1, norm: float = 1.0, weights: int = 0xFFFFFFFF, rows: int = 0, text: bytes = b"\0cpu",
-             body: bytes = b"") -> list[bytes]:
+             body: bytes = b"", numbers: bytes = b"") -> list[bytes]:
     tag = _header(m.Stepped(0, "a", {}, 1.0, None, ""))[1]
-    return [struct.pack("<BBqdIII", MARK, tag, rnd, norm, weights, rows, len(text)) + body + text]
+    return [struct.pack("<BBqdIII", MARK, tag, rnd, norm, weights, rows, len(text)) + body + text + numbers]
 
 
 @pytest.mark.parametrize("frames, says", [
     (_stepped(norm=-1.0), "Stepped.grad_norm: -1.0 is out of bounds"),
     (_stepped(rnd=-3), "Stepped.round: -3 is not a whole number"),
-    (_stepped(text=b"qx\0cpu\0a\0b", body=b""), "numbers of kinds 'qx'"),
+    (_stepped(text=b"qx\0cpu\0a\0b", numbers=bytes(16)), "numbers of kinds 'qx'"),
     (_stepped(text=b"q\0cpu\0a\0b"), "4 names for 1 statistics"),
     (_stepped(text=b"q\0cpu\0a"), "that its parts do not fit"),  # the number's 8 bytes missing
     (_stepped(rows=3, text=b"\0cpu\0fwd"), "3 names for 0 statistics and 2 trace rows"),
@@ -123,8 +123,25 @@ def test_a_packed_stepped_that_does_not_fit_is_refused_naming_what(frames, says)
 
 
 def test_a_packed_stepped_whose_trace_fits_reads_back_as_its_rows():
-    body = struct.pack("<qddq", 4, 1.0, 2.0, 9)
-    [frame] = _stepped(rows=2, text=b"q\0cpu\0n\0fwd")
-    frame += body
-    back = codec.decode([frame], "a")
+    back = codec.decode(_stepped(rows=2, text=b"q\0cpu\0n\0fwd", numbers=struct.pack("<qddq", 4, 1.0, 2.0, 9)), "a")
     assert back.stats == {"n": 9, "trace": [("fwd", 4, 1.0, 2.0)]} and back.platform == "cpu"
+
+
+def test_a_tuple_longer_than_the_packed_layout_carries_goes_as_json_and_reads_back_as_sent():
+    msg = m.Progress(3, "a", tuple(range(MAX_ITEMS + 1)), ())
+    frames = codec.encode(msg)
+    assert bytes(frames[0][:1]) == b"["
+    assert _same(codec.decode(frames, "a"), msg)
+
+
+def test_a_packed_header_that_claims_more_numbers_than_the_layout_carries_is_refused_before_any_struct():
+    tag = _header(m.Progress(0, "a"))[1]
+    many = MAX_ITEMS + 1
+    frames = [struct.pack("<BBqII", MARK, tag, 1, many, 0) + bytes(8 * many)]
+    with pytest.raises(codec.Malformed, match=f"Progress.received: {many} whole numbers packed"):
+        codec.decode(frames, "a")
+    with pytest.raises(codec.Malformed, match="statistics and .* trace rows packed"):
+        codec.decode(_stepped(rows=MAX_ITEMS + 2, text=b"\0cpu" + b"\0fwd" * (MAX_ITEMS + 1),
+                              body=b""), "a")
+    with pytest.raises(codec.Malformed, match=f"{MAX_STATS + 1} statistics"):
+        codec.decode(_stepped(text=b"q" * (MAX_STATS + 1) + b"\0cpu" + b"\0n" * (MAX_STATS + 1)), "a")

@@ -8,8 +8,11 @@ float64) and the lengths of the others, then those others' bytes in order. The r
 part with one cached ``struct``, checks every field as the JSON form's reader does (the checks are
 ``codec``'s, handed in), and refuses a header whose lengths do not add up to exactly its size. The writer
 returns None where a message does not have the shape the layout carries (a field of another type, a
-number beyond int64): ``codec`` then writes it in the JSON form, whose reader refuses or accepts it as
-before. Nothing is unpickled; every length is checked against the bytes received before anything is cut.
+number beyond int64, more than :data:`MAX_ITEMS` numbers in a tuple): ``codec`` then writes it in the
+JSON form, whose reader refuses or accepts it as before. Nothing is unpickled; every length is checked
+against the bytes received before anything is cut or any ``struct`` made. A layout's tag is its place
+among the packed messages in ``protocol``'s order: both ends run one version of the wire, as the JSON
+form's fields, by their place, already ask.
 """
 from __future__ import annotations
 
@@ -24,6 +27,11 @@ from ..errors import Malformed
 
 #: The first byte of a packed header.
 MARK = 1
+#: The most numbers a packed tuple, and the most trace rows a packed ``Stepped``, may hold; the most
+#: statistics a packed ``Stepped`` may name (a ``struct`` keeps an entry per number: a longer one goes in
+#: the JSON form, and a packed header that claims more is refused).
+MAX_ITEMS = 4096
+MAX_STATS = 256
 _NONE = 0xFFFFFFFF  # a length that says "None" (bytes fields that may be None)
 
 
@@ -59,8 +67,13 @@ def _no_sender(obj: Any, sender: Any) -> None:
     """A message without a sender has none to set."""
 
 
-@functools.lru_cache(maxsize=64)
 def _ints(n: int) -> struct.Struct:
+    """The struct of ``n`` whole numbers (at most MAX_ITEMS), kept for the short ones."""
+    return _few_ints(n) if n <= 256 else struct.Struct(f"<{n}q")
+
+
+@functools.lru_cache(maxsize=64)
+def _few_ints(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q")
 
 
@@ -167,7 +180,7 @@ def _part(what: int, v: Any) -> bytes | None:
         return v.encode() if type(v) is str else None
     if what == _BYTES:
         return bytes(v) if type(v) is bytes or type(v) is bytearray else None
-    if type(v) is not tuple or (v and set(map(type, v)) != {int}):
+    if type(v) is not tuple or len(v) > MAX_ITEMS or (v and set(map(type, v)) != {int}):
         return None
     try:
         return _ints(len(v)).pack(*v)
@@ -183,6 +196,8 @@ def _cut(what: int, f: Field, buf: Any, pos: int, n: int, end: int, kind: str) -
         raise Malformed(f"{kind}.{f.name}: {size} bytes where {end - pos} are left")
     if what == _BYTES:
         return bytes(buf[pos:pos + size]), pos + size
+    if n > MAX_ITEMS:
+        raise Malformed(f"{kind}.{f.name}: {n} whole numbers packed (at most {MAX_ITEMS})")
     values = _ints(n).unpack_from(buf, pos)
     if values and not (f.check(min(values)) and f.check(max(values))):
         raise Malformed(f"{kind}.{f.name}: a number out of bounds")
@@ -193,7 +208,7 @@ def _numbers(codes: str, rows: int) -> struct.Struct:
     """The numbers of a ``Stepped``'s trace's ``rows`` (microbatch, start, end each) and statistics
     (``codes``: ``q`` a whole number, ``d`` a float, each); kept for the sizes a stage process sends (a writer
     cannot fill the cache with formats of megabytes)."""
-    return _few_numbers(codes, rows) if len(codes) <= 64 and rows <= 4096 else _make_numbers(codes, rows)
+    return _few_numbers(codes, rows) if len(codes) <= 64 and rows <= 256 else _make_numbers(codes, rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,7 +247,7 @@ class SteppedLayout:
         values = [stats[k] for k in names]
         codes = "".join(["q" if type(v) is int else "d" if type(v) is float else "?" for v in values])
         trace = stats.get("trace", ())
-        if "?" in codes or type(trace) not in (list, tuple):
+        if "?" in codes or type(trace) not in (list, tuple) or len(trace) > MAX_ITEMS or len(codes) > MAX_STATS:
             return None
         columns: Any = ((), (), (), ())
         if trace:
@@ -283,12 +298,14 @@ def _stepped_reader(cls: type, whole: tuple[int, int], norm_check: Callable[[Any
             raise Malformed("Stepped: names that are not UTF-8") from None
         codes, traced = parts[0], rows > 0
         n, rows = len(codes), rows - traced
-        numbers = _numbers(codes, rows) if len(parts) == 2 + n + rows else None
-        if numbers is None or pos + n_text + numbers.size != end or len(parts[1]) > max_str:
+        if n > MAX_STATS or rows > MAX_ITEMS:
+            raise Malformed(f"Stepped: {n} statistics and {rows} trace rows packed (at most {MAX_STATS} and "
+                            f"{MAX_ITEMS})")
+        if len(parts) != 2 + n + rows or pos + n_text + 8 * (n + 3 * rows) != end or len(parts[1]) > max_str:
             raise Malformed(f"Stepped: a packed header of {end} bytes that its parts do not fit ({len(parts)} "
                             f"names for {n} statistics and {rows} trace rows, a platform's name of at most "
                             f"{max_str} characters)")
-        values = numbers.unpack_from(buf, pos + n_text)
+        values = _numbers(codes, rows).unpack_from(buf, pos + n_text)
         stats = dict(zip(parts[2:2 + n], values[3 * rows:]))
         if traced:
             cells = iter(values)  # microbatch, start, end of each row in turn (zip stops at the last kind)
