@@ -1,6 +1,7 @@
 """What one pipeline message costs on its way, by how it is written: pickled (roving's serializer, as the
 queues carry objects) against the data-only wire (``roving.pipeline.runtime.codec``), for the messages a
-training sends most, at the sizes of a model preset.
+training sends most, and every other message a node sends (``pipeline_wire_pairs.others``), at the sizes
+of a model preset.
 
     python benchmarks/pipeline_wire.py [--model small] [--repeat 2000] [--clock wall|cpu] [--runs 3]
 
@@ -28,6 +29,8 @@ from roving.pipeline.verify.screen import Summary
 from roving.pipeline.verify.tensor_id import Screened, TensorId
 from roving.transport.serialize import dumps, loads
 
+from pipeline_wire_pairs import others
+
 
 def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Message]:
     cfg = MODEL_PRESETS[model]
@@ -54,6 +57,7 @@ def samples(model: str, samples_per_mb: int, seq_len: int) -> dict[str, m.Messag
                                         "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]},
                              math.nan, b"w" * 32, "cpu"),
         "Beat": m.Beat("n01", 0),
+        **others(m, act, route, receipt),
     }
 
 

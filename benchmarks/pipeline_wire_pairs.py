@@ -2,7 +2,8 @@
 roving, run in turn (A B A B ...) in child processes, each against its own ``src``: what a change of the
 wire or of the messages costs a message. Timed in the CPU time of the timing thread (``time.thread_time``),
 not wall time, so that other programs on a loaded machine do not count; each figure is the least of its
-runs. The messages are those of ``pipeline_wire.py``, built as each checkout spells them (a receipt's
+runs. The messages are those of ``pipeline_wire.py`` and every other message a node sends (``others``),
+built as each checkout spells them (a receipt's
 identity and a screening row as fields, or as a ``TensorId`` and a ``Screened`` row).
 
     python benchmarks/pipeline_wire_pairs.py --before /path/to/old/checkout --after . --pairs 5
@@ -62,7 +63,35 @@ def samples() -> dict:
                                         "trace": [("fwd", i, 1.0, 1.1) for i in range(12)]},
                              math.nan, b"w" * 32, "cpu"),
         "Beat": m.Beat("n01", 0),
+        **others(m, act, route, receipt),
     }
+
+
+def others(m, act, route, receipt) -> dict:
+    """The other messages a node sends (and ``ProgressRequest``), those the checkout has."""
+    import torch
+
+    from roving.transport.postbox import PostboxAddress
+    trace = [("fwd", i, 1.0, 1.1) for i in range(12)]
+    out = {
+        "Backward (gradient)": m.Backward(7, "n01", 3, 2, act, route, receipt),
+        "Ready": m.Ready("n01", 0, PostboxAddress("tcp://127.0.0.1:5000", 3)),
+        "Rechecked": m.Rechecked(7, "n01", 4, 0.001),
+        "Loaded": m.Loaded("n01", 1),
+        "Stopped": m.Stopped("n01"),
+        "Released": m.Released("n01"),
+        "Failed": m.Failed("n01", "Traceback (most recent call last):\n" + "  File \"x.py\", line 1\n" * 20),
+        "EvidenceItems (1)": m.EvidenceItems(7, "n01", {getattr(receipt, "id", ("activation", 3, 1, "n01")):
+                                                        (act[0], receipt, False)}, 2),
+        "WeightsShown (2)": m.WeightsShown(7, "n01", 1, {"w": torch.randn(64, 64), "b": torch.randn(64)}),
+        "Stepped (real stats)": m.Stepped(7, "n01", {"processed": 12, "compute_s": 0.5, "peak_in_flight": 2,
+                                                     "trace": trace, "verify_cpu_s": 0.01},
+                                          1.5, b"w" * 32, "cpu"),
+    }
+    if hasattr(m, "Progress"):  # since 2026-12-07 (not at f6e1f49)
+        out["Progress"] = m.Progress(7, "n01", tuple(range(36)), tuple(range(36)))
+        out["ProgressRequest"] = m.ProgressRequest(7)
+    return out
 
 
 def judged(decode, coded, sender: str | None) -> None:
@@ -135,10 +164,14 @@ def main() -> None:
     print(f"least of {args.pairs} runs each of {args.repeat} (microseconds of CPU per message)")
     print(f"{'message':22s} {'':7s}" + "".join(f"{c:>14s}" for c in COLUMNS))
     for name, after in best["after"].items():
-        before = best["before"][name]
-        print(f"{name:22s} {'before':7s}" + "".join(f"{x:14.1f}" for x in before))
+        before = best["before"].get(name)
+        if before is None:
+            print(f"{name:22s} {'before':7s} (no such message)")
+        else:
+            print(f"{name:22s} {'before':7s}" + "".join(f"{x:14.1f}" for x in before))
         print(f"{'':22s} {'after':7s}" + "".join(f"{x:14.1f}" for x in after))
-        print(f"{'':22s} {'ratio':7s}" + "".join(f"{a / b:13.2f}x" for a, b in zip(after, before)))
+        if before is not None:
+            print(f"{'':22s} {'ratio':7s}" + "".join(f"{a / b:13.2f}x" for a, b in zip(after, before)))
 
 
 if __name__ == "__main__":

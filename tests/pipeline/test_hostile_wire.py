@@ -58,7 +58,7 @@ def _from_untrusted(letters: list, accept=None, name: str = "n1") -> tuple[list,
 
 
 def _header(msg: m.Message) -> list:
-    return json.loads(codec.encode(msg)[0])
+    return json.loads(codec.encode(msg, json_only=True)[0])
 
 
 def test_a_pickle_that_would_write_a_file_is_never_unpickled_and_its_writer_is_counted(tmp_path):

@@ -108,7 +108,7 @@ def main(address: str, token: str, marker: str) -> None:
     # a receipt in another node's name, and messages that do not fit the wire, to the coordinator
     other = next(iter(others))
     receipt = Receipt(TensorId(0, "activation", 0, 0, other), b"d" * 32, b"m" * 32)
-    forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0))[0])
+    forged = json.loads(codec.encode(m.Done(0, name, 0, 1.0), json_only=True)[0])
     forged.append(other)  # a sender of its choosing: one field more than the message has
     for frames in ([evil], [json.dumps(forged).encode()], codec.encode(m.Norm(0, name, 0, -1.0)),
                    codec.encode(m.Forward(0, name, 0, 0, torch.ones(2), Route(name, (), ()), receipt)),

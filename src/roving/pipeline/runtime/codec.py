@@ -25,7 +25,9 @@ a tensor, ``{"r": [kind, ...]}`` a record). A screening report (``Norm.screened`
 (a row per tensor summarised: its ``TensorId``, what was found, its statistics; column after column, the
 whole numbers as int64, the statistics as float64), its senders' names, and one buffer with every
 profile: each group of columns checked by its least and greatest entry, not value by value, and read
-into a ``rows.ScreenedRows`` that makes a row only when it is asked for.
+into a ``rows.ScreenedRows`` that makes a row only when it is asked for. The small messages (every
+field a number, a string, bytes or a tuple of whole numbers, and ``Stepped``) travel packed instead
+(:mod:`.packed`: one ``struct``, no JSON), with the same checks.
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -53,6 +55,7 @@ from ..verify.receipts import Receipt
 from ..verify.rows import COLUMNS, pack, table_size, unpack
 from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
+from . import packed
 
 #: Tensor dtypes that may travel, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -348,9 +351,9 @@ def _tensor(t: Any, buffers: list) -> list:
 # -- screening reports, as one table (its layout: rows.pack) -----------------------------------------
 def _enc_screened(rows: Any, buffers: list) -> list:
     """Norm.screened: ``[names, [table buffer, rows], profiles]`` (``rows.pack``)."""
-    packed = pack(rows)
-    buffers += (packed.table, packed.profiles)
-    return [packed.names, [len(buffers) - 2, packed.rows], [len(buffers) - 1, "float32", [len(packed.profiles) // 4]]]
+    table = pack(rows)
+    buffers += (table.table, table.profiles)
+    return [table.names, [len(buffers) - 2, table.rows], [len(buffers) - 1, "float32", [len(table.profiles) // 4]]]
 
 
 def _dec_screened(raw: Any, reader: "_Reader", depth: int) -> Sequence[Screened]:
@@ -482,10 +485,22 @@ def _codec(kind: str) -> _Codec:
     return _Codec(_RECORDS[kind], message=False)
 
 
+#: The small messages' packed layouts (``packed``), by tag and by class.
+_PACKED = packed.layouts(_MESSAGES.values(), _WHOLE, lambda kind, name: _BOUNDS.get((kind, name), _finite), 4096)
+_PACKER = {layout.cls: layout for layout in _PACKED}
+
+
 # -- the wire -----------------------------------------------------------------------------------------
-def encode(msg: m.Message) -> list[Any]:
-    """The frames of ``msg``: its header (JSON) and its tensors' bytes, in order. Its ``sender`` is
-    left out (the reader takes it from the transport). TypeError when it holds anything but data."""
+def encode(msg: m.Message, json_only: bool = False) -> list[Any]:
+    """The frames of ``msg``: its header (packed where ``packed`` carries it, else JSON; with
+    ``json_only``, JSON whatever the message: :func:`decode` reads both) and its tensors' bytes, in order.
+    Its ``sender`` is left out (the reader takes it from the transport). TypeError when it holds anything
+    but data."""
+    layout = None if json_only else _PACKER.get(type(msg))
+    if layout is not None:
+        head = layout.write(msg)
+        if head is not None:
+            return [head]
     kind = type(msg).__name__
     if _MESSAGES.get(kind) is not type(msg):
         raise TypeError(f"not a pipeline message: {type(msg).__qualname__}")
@@ -502,6 +517,11 @@ def decode(frames: list[Any], sender: str | None = None) -> m.Message:
     header = frames[0]
     if len(header) > MAX_HEADER:
         raise Malformed(f"a header of {len(header)} bytes (at most {MAX_HEADER})")
+    if len(header) > 1 and header[0] == packed.MARK:
+        layout = _PACKED[header[1]] if header[1] < len(_PACKED) else None
+        if layout is None or len(frames) != 1 or (sender is None and layout.sender):
+            raise Malformed(packed.unreadable(frames, layout))
+        return layout.read(header, sender)
     try:
         doc = json.loads(bytes(header).decode())
     except (ValueError, TypeError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
