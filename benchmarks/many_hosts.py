@@ -34,7 +34,7 @@ from typing import Dict, List
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT / "tests"), str(ROOT / "src")]
+sys.path[:0] = [str(HERE), str(ROOT / "tests" / "support"), str(ROOT / "src")]
 
 import helpers_hosts as hh  # noqa: E402 (the test hosts' names, addresses and faults)
 
@@ -110,7 +110,7 @@ def inner_roundtrip(where: str, repeat: int) -> Dict[str, float]:
 
 def _inner(host, *args: str) -> "hh.Program":
     return hh.Program(host, [sys.executable, "-u", str(Path(__file__).resolve()), "--inner", *args],
-                      hh.program_env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "tests"), str(ROOT / "src")])))
+                      hh.program_env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "tests" / "support"), str(ROOT / "src")])))
 
 
 def _table(title: str, figures: Dict[str, Dict[str, float]], base: str, unit: str, scale: float) -> None:

@@ -25,7 +25,7 @@ import roving
 from roving.pool import _dispatch
 from roving.transport import session as _session
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
 from helpers_net import CuttingProxy, NodeVia
 
 
