@@ -110,7 +110,8 @@ def inner_roundtrip(where: str, repeat: int) -> Dict[str, float]:
 
 def _inner(host, *args: str) -> "hh.Program":
     return hh.Program(host, [sys.executable, "-u", str(Path(__file__).resolve()), "--inner", *args],
-                      hh.program_env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "tests" / "support"), str(ROOT / "src")])))
+                      hh.program_env(PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT / "tests" / "support"),
+                                                                 str(ROOT / "src")])))
 
 
 def _table(title: str, figures: Dict[str, Dict[str, float]], base: str, unit: str, scale: float) -> None:

@@ -188,3 +188,30 @@ def test_closing_the_starters_leaves_their_running_children_and_their_exit_codes
     assert wait_until(lambda: not pid_running(first["ppid"]), TIMEOUT)
     _, second = _report()
     assert second["ppid"] not in (first["ppid"], os.getpid())
+
+
+def test_a_forked_child_that_ended_is_not_reported_running_while_the_starters_word_is_on_its_way():
+    """A forked child's sentinel (its pidfd) fires as it exits; its exit code comes a moment later, from
+    the starter. ``is_alive()`` right after the sentinel must already say it ended (multiprocessing's
+    guarantee): the backend waits for the starter's word then, rather than report it running."""
+    import threading
+
+    from roving.backends.base import Job, JobState
+    from roving.backends.local.backend import LocalBackend
+    from roving.backends.local.starter import ForkedChild
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(3)
+    try:
+        child = ForkedChild(pid)
+        backend = LocalBackend()
+        job = Job(backend, str(pid))
+        backend._procs[job.id] = child
+        assert wait_until(child.exited, TIMEOUT)
+        assert child.poll() is None  # the starter's word has not come
+        threading.Timer(0.3, child._end, args=(3,)).start()
+        status = backend.job_status(job)
+        assert status.state is JobState.EXITED and status.exitcode == 3
+    finally:
+        os.waitpid(pid, 0)

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 #: forked from the starter costs about 30 ms of CPU in all (child and parent), so 32 per core start within
 #: about a second and none waits long for its handshake.
 STARTS_PER_CORE = 32
+#: Seconds to wait for the starter's word of a forked child's exit code once its process has ended.
+STARTER_WORD_S = 10.0
 
 
 def _has_exited(pid: int) -> bool:
@@ -205,6 +207,12 @@ class LocalBackend(Backend):
             # poll() answers None while another thread (the reaper) is inside wait(): that wait is
             # about to return, so wait too rather than report a finished process as running.
             code = proc.wait()
+        elif code is None and isinstance(proc, ForkedChild) and proc.exited():
+            # ended (its sentinel fired) but the starter's word of its exit code is still on its way
+            try:
+                code = proc.wait(STARTER_WORD_S)
+            except subprocess.TimeoutExpired:
+                code = None
         if code is None:
             return JobStatus(JobState.RUNNING)
         group = self._groups.get(job.id)

@@ -31,6 +31,7 @@ import gc
 import io
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -77,6 +78,22 @@ class ForkedChild:
 
     def poll(self) -> Optional[int]:
         return self.returncode
+
+    def exited(self) -> bool:
+        """Whether its process has ended, the starter's word of it come or not yet (its pidfd says so
+        at once: the sentinel a caller waited on is that pidfd)."""
+        if self.returncode is not None:
+            return True
+        try:
+            fd = os.pidfd_open(self.pid)
+        except ProcessLookupError:
+            return True
+        except OSError:  # no pidfd here: the starter's word is all there is
+            return False
+        try:
+            return bool(select.select([fd], [], [], 0)[0])
+        finally:
+            os.close(fd)
 
     def wait(self, timeout: Optional[float] = None) -> int:
         if not self._ended.wait(timeout):
