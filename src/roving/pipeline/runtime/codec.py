@@ -490,7 +490,7 @@ def _codec(kind: str) -> _Codec:
 _PACKED: list[Any] = packed.layouts(_MESSAGES.values(), _WHOLE, lambda kind, name: _BOUNDS.get((kind, name), _finite),
                                     4096)
 _PACKED += packed_tensors.layouts(len(_PACKED), m.Forward, m.Backward, m.Gradients, whole=_WHOLE, dtypes=DTYPES,
-                                  max_dims=MAX_DIMS, max_str=4096, put_tensor=_tensor)  # (their tensor a buffer)
+                                  max_dims=MAX_DIMS, max_str=4096, write_tensor=_tensor)  # (their tensor a buffer)
 _PACKER = {layout.cls: layout for layout in _PACKED}
 
 

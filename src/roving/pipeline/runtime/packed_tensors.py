@@ -23,6 +23,7 @@ import math
 import struct
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from ..errors import Malformed
@@ -41,6 +42,14 @@ _ID_SETTERS = [getattr(TensorId, n).__set__ for n in ("round", "what", "mb", "ho
 _RECEIPT_SETTERS = [getattr(Receipt, n).__set__ for n in ("id", "digest", "mac")]
 
 
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype | None:
+    """``dtype``'s numpy twin, None where numpy has none (bfloat16)."""
+    try:
+        return torch.empty((), dtype=dtype).numpy().dtype
+    except TypeError:
+        return None
+
+
 @functools.lru_cache(maxsize=128)
 def _tail(dims: int, hops: int, receipt: int) -> struct.Struct:
     """The shape, the stages and the receipt's round, microbatch and hop of a header (dims and hops bounded
@@ -57,20 +66,23 @@ class TensorLayout:
 
     def __init__(self, cls: type, tag: int, ints: list[str], tensor: str, route: bool, *,
                  whole: tuple[int, int], dtypes: dict[str, torch.dtype], max_dims: int, max_str: int,
-                 put_tensor: Callable[[Any, list], list]) -> None:
+                 write_tensor: Callable[[Any, list], list]) -> None:
         self.cls, self.tag, self.kind = cls, tag, cls.__name__
         self.ints, self.tensor, self.route = ints, tensor, route
         self.whole, self.max_dims, self.max_str = whole, max_dims, max_str
         self.names = list(dtypes)
         self.dtypes = [dtypes[n] for n in self.names]
         self.itemsizes = [torch.empty((), dtype=d).element_size() for d in self.dtypes]
+        self.numpy = [_numpy_dtype(d) for d in self.dtypes]
         self.codes = {n: i for i, n in enumerate(self.names)}
-        self.put_tensor = put_tensor
+        self.write_tensor = write_tensor
         # mark, tag, whole numbers, dtype, dimensions, route's length, receipt?, digest's, MAC's and text's lengths
         self.fixed = struct.Struct("<BB" + "q" * len(ints) + "BBHBHHI")
         self.mark = (MARK, tag)
-        self.setters = {name: getattr(cls, name).__set__ for name in [*ints, tensor, "receipt", "sender"]
-                        + (["route"] if route else [])}
+        self.put_ints = [getattr(cls, name).__set__ for name in ints]
+        self.put_sender, self.put_tensor, self.put_receipt = (getattr(cls, name).__set__
+                                                              for name in ("sender", tensor, "receipt"))
+        self.put_route = vars(cls)["route"].__set__ if route else None
 
     def write(self, msg: Any) -> list | None:
         """``msg``'s frames (its header, its tensor's bytes), or None where it holds what this layout does not
@@ -103,7 +115,7 @@ class TensorLayout:
         if not isinstance(tensor, torch.Tensor) or tensor.dtype not in self.dtypes:
             return None
         buffers: list = []
-        _, dtype, shape = self.put_tensor(tensor, buffers)
+        _, dtype, shape = self.write_tensor(tensor, buffers)
         text = "\0".join(parts).encode()
         if text.count(b"\0") != max(0, len(parts) - 1) or len(shape) > self.max_dims:
             return None  # a NUL inside a name
@@ -152,17 +164,16 @@ class TensorLayout:
             raise Malformed(f"{kind}: {len(parts)} names for a route of {hops} and {has_receipt} receipt "
                             f"(each of at most {self.max_str} characters)")
         tensor = self._tensor(frames[1], code, shape)
-        obj: Any = object.__new__(self.cls)
-        put = self.setters
-        for name, v in zip(self.ints, ints):
-            put[name](obj, v)
-        put["sender"](obj, sender)
-        put[self.tensor](obj, tensor)
-        if self.route:
-            route = object.__new__(Route)
+        obj: Any = _new(self.cls)
+        for put, v in zip(self.put_ints, ints):
+            put(obj, v)
+        self.put_sender(obj, sender)
+        self.put_tensor(obj, tensor)
+        if self.put_route is not None:
+            route = _new(Route)
             route.__dict__.update(origin=parts[0], nodes=tuple(parts[1:1 + hops]), stages=numbers[dims:dims + hops])
-            put["route"](obj, route)
-        put["receipt"](obj, self._receipt(buf, pos + n_text, n_digest, n_mac, numbers[dims + hops:], parts[-2:],
+            self.put_route(obj, route)
+        self.put_receipt(obj, self._receipt(buf, pos + n_text, n_digest, n_mac, numbers[dims + hops:], parts[-2:],
                                           sender) if has_receipt else None)
         return obj
 
@@ -173,6 +184,9 @@ class TensorLayout:
                             f"{len(buf)} bytes (it takes {size})")
         if not size:
             return torch.empty(shape, dtype=self.dtypes[code])
+        numpy_dtype = self.numpy[code]
+        if numpy_dtype is not None:  # (numpy's reshape and from_numpy: about half of torch's view)
+            return torch.from_numpy(np.frombuffer(buf, numpy_dtype).reshape(shape))
         return torch.frombuffer(buf, dtype=self.dtypes[code]).view(shape)
 
     def _receipt(self, buf: Any, pos: int, n_digest: int, n_mac: int, numbers: tuple, names: list[str],
