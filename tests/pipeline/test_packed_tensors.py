@@ -1,6 +1,6 @@
-"""The packed layout of ``Forward``, ``Backward`` and ``Gradients`` (``runtime/packed_tensors.py``): read back
-as the JSON form reads them, every check of the JSON form made, and a header that does not fit refused,
-naming what, its writer caught."""
+"""The packed layouts of ``Forward``, ``Backward``, ``Gradients`` (``runtime/packed_tensors.py``) and ``Ready``
+(``runtime/packed_ready.py``): read back as the JSON form reads them, every check of the JSON form made,
+and a header that does not fit refused, naming what, its writer caught."""
 from __future__ import annotations
 
 import queue
@@ -18,6 +18,7 @@ from roving.pipeline.runtime import codec, mail
 from roving.pipeline.runtime.packed import MARK
 from roving.pipeline.verify.receipts import Receipt
 from roving.pipeline.verify.tensor_id import TensorId
+from roving.transport.postbox import PostboxAddress
 
 _ROUTE = Route("n0", ("n1", "n2", "n3"), (1, 2, 3))
 _REST = ("dtype", "dims", "hops", "receipt", "digest", "mac", "text")
@@ -148,8 +149,44 @@ def _from_untrusted(letters: list) -> tuple[list, dict]:
 
 
 def test_an_untrusted_node_that_sends_forged_packed_headers_is_caught_for_each_and_its_good_one_read():
+    """Forged Forward, Backward, Gradients and Ready headers, then an honest Forward, from a real untrusted
+    child: the honest one read in its name, each forged one counted against it."""
     letters = [[bytes(f) for f in letter] for letter, _ in _letters().values()]
+    letters += [_ready(claim=100), _ready(box=1 << 41)]
     honest = _forward()
     got, refused = _from_untrusted([*letters, [bytes(f) for f in codec.encode(honest)]])
     assert len(got) == 1 and _same(got[0], honest), got
     assert refused["n1"][0] == len(letters), refused
+
+
+_READY = struct.Struct("<BBqqI")
+
+
+def _ready(incarnation: int = 0, box: int = 3, node: bytes = b"tcp://127.0.0.1:5000", claim: int = -1) -> list:
+    tag = codec.encode(m.Ready("n1", 0, PostboxAddress("x", 0)))[0][1]
+    return [_READY.pack(MARK, tag, incarnation, box, len(node) if claim < 0 else claim) + node]
+
+
+def test_a_ready_is_written_packed_and_reads_back_as_sent_and_of_another_shape_goes_as_json():
+    msg = m.Ready("n1", 2, PostboxAddress("tcp://127.0.0.1:5000", 7))
+    frames = codec.encode(msg)
+    assert len(frames) == 1 and frames[0][0] == MARK
+    back = codec.decode(frames, "n1")
+    assert back == msg and back == codec.decode(codec.encode(msg, json_only=True), "n1")
+    for other in (m.Ready("n1", 2, ("tcp://x", 7)), m.Ready("n1", 2, PostboxAddress("x", True)),
+                  m.Ready("n1", 1 << 70, PostboxAddress("x", 1))):
+        assert bytes(codec.encode(other)[0][:1]) == b"["
+
+
+@pytest.mark.parametrize("frames, says", [
+    (_ready(incarnation=-2), "incarnation -2"),
+    (_ready(box=1 << 41), "mailbox"),
+    (_ready(claim=100), "whose parts take"),
+    ([_ready()[0][:-1]], "whose parts take"),
+    ([_ready()[0][:10]], "at least"),
+    (_ready(node=b"\xff\xfe"), "not UTF-8"),
+    (_ready(node=b"x" * 4097), "more than 4096"),
+])
+def test_a_packed_ready_that_does_not_fit_is_refused_naming_what(frames, says):
+    with pytest.raises(codec.Malformed, match=says):
+        codec.decode(frames, "n1")

@@ -28,7 +28,8 @@ profile: each group of columns checked by its least and greatest entry, not valu
 into a ``rows.ScreenedRows`` that makes a row only when it is asked for. The small messages (every
 field a number, a string, bytes or a tuple of whole numbers, and ``Stepped``) travel packed instead
 (:mod:`.packed`: one ``struct``, no JSON), with the same checks; so do ``Forward``, ``Backward`` and
-``Gradients``, a packed header and their tensor's bytes (:mod:`.packed_tensors`).
+``Gradients``, a packed header and their tensor's bytes (:mod:`.packed_tensors`), and ``Ready``
+(:mod:`.packed_ready`).
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -56,7 +57,7 @@ from ..verify.receipts import Receipt
 from ..verify.rows import COLUMNS, pack, table_size, unpack
 from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
-from . import packed, packed_tensors
+from . import packed, packed_ready, packed_tensors
 
 #: Tensor dtypes that may travel, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -491,6 +492,7 @@ _PACKED: list[Any] = packed.layouts(_MESSAGES.values(), _WHOLE, lambda kind, nam
                                     4096)
 _PACKED += packed_tensors.layouts(len(_PACKED), m.Forward, m.Backward, m.Gradients, whole=_WHOLE, dtypes=DTYPES,
                                   max_dims=MAX_DIMS, max_str=4096, write_tensor=_tensor)  # (their tensor a buffer)
+_PACKED.append(packed_ready.ReadyLayout(m.Ready, len(_PACKED), _WHOLE, 4096))
 _PACKER = {layout.cls: layout for layout in _PACKED}
 
 
