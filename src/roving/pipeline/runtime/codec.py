@@ -27,7 +27,9 @@ whole numbers as int64, the statistics as float64), its senders' names, and one 
 profile: each group of columns checked by its least and greatest entry, not value by value, and read
 into a ``rows.ScreenedRows`` that makes a row only when it is asked for. The small messages (every
 field a number, a string, bytes or a tuple of whole numbers, and ``Stepped``) travel packed instead
-(:mod:`.packed`: one ``struct``, no JSON), with the same checks.
+(:mod:`.packed`: one ``struct``, no JSON), with the same checks; so do ``Forward``, ``Backward`` and
+``Gradients``, a packed header and their tensor's bytes (:mod:`.packed_tensors`), and ``Ready``
+(:mod:`.packed_ready`).
 
 The ``sender`` of a message is not on the wire: the reader gives it, from the identity the transport
 authenticated for the writer (:class:`roving.transport.postbox.Letter`). A receipt inside a message
@@ -55,7 +57,7 @@ from ..verify.receipts import Receipt
 from ..verify.rows import COLUMNS, pack, table_size, unpack
 from ..verify.screen import Summary
 from ..verify.tensor_id import WHATS, Screened, TensorId
-from . import packed
+from . import packed, packed_ready, packed_tensors
 
 #: Tensor dtypes that may travel, by their wire name.
 DTYPES: dict[str, torch.dtype] = {
@@ -486,7 +488,11 @@ def _codec(kind: str) -> _Codec:
 
 
 #: The small messages' packed layouts (``packed``), by tag and by class.
-_PACKED = packed.layouts(_MESSAGES.values(), _WHOLE, lambda kind, name: _BOUNDS.get((kind, name), _finite), 4096)
+_PACKED: list[Any] = packed.layouts(_MESSAGES.values(), _WHOLE, lambda kind, name: _BOUNDS.get((kind, name), _finite),
+                                    4096)
+_PACKED += packed_tensors.layouts(len(_PACKED), m.Forward, m.Backward, m.Gradients, whole=_WHOLE, dtypes=DTYPES,
+                                  max_dims=MAX_DIMS, max_str=4096, write_tensor=_tensor)  # (their tensor a buffer)
+_PACKED.append(packed_ready.ReadyLayout(m.Ready, len(_PACKED), _WHOLE, 4096))
 _PACKER = {layout.cls: layout for layout in _PACKED}
 
 
@@ -500,7 +506,7 @@ def encode(msg: m.Message, json_only: bool = False) -> list[Any]:
     if layout is not None:
         head = layout.write(msg)
         if head is not None:
-            return [head]
+            return head if layout.buffers else [head]
     kind = type(msg).__name__
     if _MESSAGES.get(kind) is not type(msg):
         raise TypeError(f"not a pipeline message: {type(msg).__qualname__}")
@@ -519,9 +525,9 @@ def decode(frames: list[Any], sender: str | None = None) -> m.Message:
         raise Malformed(f"a header of {len(header)} bytes (at most {MAX_HEADER})")
     if len(header) > 1 and header[0] == packed.MARK:
         layout = _PACKED[header[1]] if header[1] < len(_PACKED) else None
-        if layout is None or len(frames) != 1 or (sender is None and layout.sender):
+        if layout is None or len(frames) != 1 + layout.buffers or (sender is None and layout.sender):
             raise Malformed(packed.unreadable(frames, layout))
-        return layout.read(header, sender)
+        return layout.read(frames, sender) if layout.buffers else layout.read(header, sender)
     try:
         doc = json.loads(bytes(header).decode())
     except (ValueError, TypeError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError

@@ -80,6 +80,8 @@ def _few_ints(n: int) -> struct.Struct:
 class Flat:
     """One class's packed writer and reader; ``sender``: whether it has a sender (the reader's)."""
 
+    buffers = 0  # frames after the header
+
     def __init__(self, cls: type, tag: int, fields: list[Field], sender: bool, whole: tuple[int, int],
                  max_str: int) -> None:
         self.cls, self.tag, self.max_str = cls, tag, max_str
@@ -230,6 +232,7 @@ class SteppedLayout:
     packed (``write`` returns None)."""
 
     _FIXED = struct.Struct("<BBqdIII")
+    buffers = 0
 
     def __init__(self, cls: type, tag: int, whole: tuple[int, int], norm_check: Callable[[Any], bool],
                  max_str: int) -> None:
@@ -354,11 +357,11 @@ def layouts(classes: Any, whole: tuple[int, int], bound: Callable[[str, str], Ca
     return out
 
 
-def unreadable(frames: list[Any], layout: Flat | SteppedLayout | None) -> str:
+def unreadable(frames: list[Any], layout: Any) -> str:
     """Why the packed message ``frames`` hold cannot be read (``layout``: its tag's, None for a tag of no
-    layout): a tag unknown, buffers after it (no packed message has any), or no sender to give it."""
+    layout): a tag unknown, buffers after it other than its ``buffers``, or no sender to give it."""
     if layout is None:
         return f"a packed message of no kind this wire knows (tag {frames[0][1]})"
-    if len(frames) != 1:
-        return f"{layout.cls.__name__}: {len(frames) - 1} buffer(s) that no field names"
+    if len(frames) != 1 + layout.buffers:
+        return f"{layout.cls.__name__}: {len(frames) - 1} buffer(s) where it has {layout.buffers}"
     return f"{layout.cls.__name__}: a message that needs a sender, read without one"
