@@ -87,7 +87,9 @@ def _exit_of(pid: Optional[int]) -> Optional[Callable[[], bool]]:
     except (AttributeError, OSError):
         fd = None
     if fd is not None:
-        return lambda: bool(select.select([fd], [], [], 0)[0])
+        poller = select.poll()  # (select.select refuses a descriptor above 1023)
+        poller.register(fd, select.POLLIN)
+        return lambda: bool(poller.poll(0))
     if os.getppid() == pid:
         return lambda: os.getppid() != pid
 

@@ -23,8 +23,8 @@ import multiprocessing
 
 from ..errors import RovingError
 
-__all__ = ["TransportError", "NodeError", "ConnectionLost", "AddressError", "StreamError", "ServerGone",
-           "AuthenticationError", "IdentityError", "SerializationError", "MalformedMessage"]
+__all__ = ["TransportError", "NodeError", "ConnectionLost", "AddressError", "StreamError", "PeerLeftError",
+           "ServerGone", "AuthenticationError", "IdentityError", "SerializationError", "MalformedMessage"]
 
 
 class TransportError(RovingError):
@@ -48,6 +48,11 @@ class AddressError(TransportError, OSError):
 
 class StreamError(TransportError, ConnectionError):
     """A stream could not be opened, or the peer refused it."""
+
+
+class PeerLeftError(StreamError):
+    """The peer closed its connection before its stream handshake was done (a process that ended then):
+    counted as a refusal by the listener, but not warned of."""
 
 
 class ServerGone(TransportError, ConnectionError):

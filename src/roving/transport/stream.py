@@ -68,7 +68,7 @@ from . import progress
 from . import crypto
 from . import identity
 from . import tls
-from .errors import AddressError, AuthenticationError, IdentityError, StreamError
+from .errors import AddressError, AuthenticationError, IdentityError, PeerLeftError, StreamError
 from .framing import Reader, advance, encode
 from .guard import Admission, Handshake, Refusals
 
@@ -207,13 +207,9 @@ class Stream:
 
 # -- opening streams ---------------------------------------------------------------------------
 
-class _PeerLeft(StreamError):
-    """The peer closed its connection before its handshake was done (a process that ended then)."""
-
-
 #: A handshake that ended for these did not fail: its peer went away (a worker ending as its pool
 #: closes); counted as refused, but not worth a warning.
-_LEFT = (_PeerLeft, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
+_LEFT = (PeerLeftError, ConnectionResetError, BrokenPipeError, ssl.SSLEOFError)
 
 
 def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
@@ -226,7 +222,7 @@ def _recv_exact(sock: Any, size: int, deadline: float) -> bytes:
         sock.settimeout(left)
         chunk = sock.recv(size - len(data))
         if not chunk:
-            raise _PeerLeft("the peer closed the connection during the handshake")
+            raise PeerLeftError("the peer closed the connection during the handshake")
         data += chunk
     return bytes(data)
 

@@ -91,7 +91,9 @@ class ForkedChild:
         except OSError:  # no pidfd here: the starter's word is all there is
             return False
         try:
-            return bool(select.select([fd], [], [], 0)[0])
+            poller = select.poll()  # (select.select refuses a descriptor above 1023: a parent of many)
+            poller.register(fd, select.POLLIN)
+            return bool(poller.poll(0))
         finally:
             os.close(fd)
 
