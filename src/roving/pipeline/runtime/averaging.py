@@ -23,7 +23,7 @@ from ..verify.evidence import Evidence
 from .senders import Senders
 
 if TYPE_CHECKING:
-    from .stage_process import StageSettings
+    from .settings import StageSettings
 
 
 class Averaging:

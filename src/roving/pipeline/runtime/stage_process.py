@@ -24,7 +24,6 @@ import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -33,8 +32,6 @@ from .. import protocol as m
 from ..errors import CoordinatorLost
 from ..verify.conduct import HONEST, Conduct
 from ..verify.evidence import Evidence, platform, recheck
-from ..presets import LlamaConfig
-from ..planning.network import Link
 from ..optim import AdamW
 from ..planning.plan import Route
 from ...transport import zap
@@ -42,6 +39,7 @@ from ...transport.identity import node_key, revoke
 from ...transport.postbox import PostboxAddress
 from .mail import Directory, Inbox, Outbox, coordinator_only
 from .averaging import Averaging
+from .settings import StageSettings
 from .senders import Senders
 from .stalls import BACKWARD, DONE, FORWARD, Key, flat
 from ..stages import Stage
@@ -54,47 +52,6 @@ BACKWARD_WORK, FORWARD_WORK = 0, 1
 _WORK = (m.Microbatch, m.Forward, m.Backward, m.Gradients, m.SyncOrder, m.Step)
 #: how the trace of a process's work names each kind of task.
 _TRACE_KIND = {m.Microbatch: "mb", m.Forward: "fwd", m.Backward: "bwd"}
-
-
-@dataclass(frozen=True)
-class StageSettings:
-    """What a stage process needs besides its stage: plain values, pickled into the process."""
-
-    name: str
-    stage: int
-    stages: int
-    model: LlamaConfig
-    seed: int
-    in_flight: int
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    device: str = "cpu"
-    bf16: bool = False
-    threads: int = 1
-    #: this process's position among the run's (picks its GPU when several share a machine).
-    index: int = 0
-    #: destination -> link, when the network is emulated (None: send at once).
-    emulate: dict[str, Link] | None = None
-    #: how many times a process of this name was started before (a restarted one is a new incarnation).
-    incarnation: int = 0
-    #: seconds between heartbeats (0: none).
-    heartbeat: float = 0.5
-    #: how the stage's replicas' gradient shares are combined (``aggregate.RULES``).
-    aggregation: str = "mean"
-    #: adversary injection: how this process lies (an ``adversary.Adversary``; None: honest, ``conduct.HONEST``).
-    adversary: Conduct | None = None
-    #: ``[verify] mode``: with anything but "off", receipts on what it sends, and what it receives kept
-    #: for the coordinator's checks (``evidence``).
-    verify: str = "off"
-    #: this node's receipt key (``receipts.node_key``), given by the coordinator.
-    receipt_key: bytes = b""
-    #: the node id the coordinator's connections authenticate as (its messages are taken from it alone).
-    coordinator_id: str = ""
-    #: seconds the process waits for an answer from the coordinator (its heartbeats' inbox) before it
-    #: leaves with ``CoordinatorLost`` (0: it never does): a node someone else started has no parent to
-    #: outlive, and must not wait for ever for a training that has gone.
-    coordinator_timeout: float = 60.0
 
 
 def pick_device(want: str = "auto", index: int = 0) -> str:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AbstractSet, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, AbstractSet, Callable, Iterable, Mapping, Protocol, Sequence
 
 from .. import protocol as m
 from ..errors import NodesLost, NoMessage
@@ -38,7 +38,16 @@ from ..protocol import COORDINATOR
 
 if TYPE_CHECKING:
     from ..dispatch import Dispatch
-    from .roster import Roster
+
+
+class Mail(Protocol):
+    """What the stalls need of the run's roster (roster.Roster): the admitted nodes, and a way to them
+    (a protocol, so that this module, which the stage processes import, needs not the roster's)."""
+
+    @property
+    def inboxes(self) -> Mapping[str, object]: ...
+
+    def put(self, name: str, msg: m.Message) -> None: ...
 
 #: Kinds of message in a chain (``Key.kind``): activations forward (the coordinator's ``Microbatch`` is
 #: hop -1), gradients backward, and the origin's ``Done``.
@@ -210,7 +219,7 @@ class Stalls:
     (``dispatch.Dispatch``: the nodes' ``Progress`` comes to this object's handler); ``limit(name, stage)``
     the in-flight limit of a node at a stage; ``event(kind, **fields)`` records."""
 
-    def __init__(self, roster: Roster, dispatch: Dispatch, limit: Callable[[str, int], int],
+    def __init__(self, roster: Mail, dispatch: Dispatch, limit: Callable[[str, int], int],
                  event: Callable[..., None]) -> None:
         self.roster, self.dispatch, self._limit, self._event = roster, dispatch, limit, event
         self._accounts: dict[str, Account] | None = None  # while a stall's accounts are taken
